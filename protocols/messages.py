@@ -1,0 +1,313 @@
+"""Typed wire messages of the control plane, their msgpack encoding and validation.
+
+Every message on a ZeroMQ socket is one of the dataclasses below, encoded as a msgpack map
+``{"v": PROTOCOL_VERSION, "t": <type name>, "b": {<fields>}}``. Decoding checks, in order: the
+frame size, that the bytes are msgpack, the envelope keys, the protocol version, that the type
+is registered (and, when the receiver says what it expects, that it is one of those), that no
+field is missing or unknown, and every field's type. Anything else raises ``ProtocolError`` with
+a message that names what was wrong; receivers log it and keep serving.
+
+Never pickle: msgpack carries only plain data, so a peer cannot make us run code.
+Bulk tensors do not travel in these messages (see ``protocols.tensors`` for tensor frames).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # control messages are small; tensors use tensor frames
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+REGISTRY: dict[str, type["Message"]] = {}
+
+
+def message(cls: type) -> type:
+    """Class decorator: make a dataclass and register it under its TYPE name."""
+    cls = dataclass(cls)
+    name = cls.TYPE
+    if name in REGISTRY:
+        raise RuntimeError(f"message type {name!r} registered twice")
+    REGISTRY[name] = cls
+    return cls
+
+
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def to_body(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# --------------------------------------------------------------------------------------------
+# the messages
+# --------------------------------------------------------------------------------------------
+
+
+@message
+class Register(Message):
+    """worker -> scheduler, first message on a DEALER: who I am."""
+    TYPE: ClassVar[str] = "register"
+    role: str  # rollout | reward | trainer
+    worker_id: str
+    pid: int
+    host: str = ""
+    info: dict = field(default_factory=dict)
+
+
+@message
+class RegisterAck(Message):
+    """scheduler -> worker: registration accepted."""
+    TYPE: ClassVar[str] = "register_ack"
+    worker_id: str
+    version: int  # the scheduler's current policy version
+
+
+@message
+class Heartbeat(Message):
+    """worker -> scheduler, every cluster.heartbeat_s."""
+    TYPE: ClassVar[str] = "heartbeat"
+    worker_id: str
+    ts: float
+    stats: dict = field(default_factory=dict)
+
+
+@message
+class GenerateRequest(Message):
+    """scheduler -> rollout worker: generate n samples of one prompt (one group)."""
+    TYPE: ClassVar[str] = "generate_request"
+    group_id: str
+    prompt_id: str
+    sample_ids: list[str]
+    prompt_ids: list[int]
+    solutions: list[str]
+    min_version: int  # do not start before weights of at least this version are loaded
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@message
+class TrajectoryReady(Message):
+    """rollout worker -> scheduler: one sample generated (its tensors went to the trainer)."""
+    TYPE: ClassVar[str] = "trajectory_ready"
+    sample_id: str
+    group_id: str
+    worker_id: str
+    n_prompt_tokens: int
+    n_output_tokens: int
+    version_min: int
+    version_max: int
+    finish_reason: str
+
+
+@message
+class RewardRequest(Message):
+    """rollout worker -> reward workers (PUSH/PULL work queue): score one completion."""
+    TYPE: ClassVar[str] = "reward_request"
+    sample_id: str
+    group_id: str
+    completion: str
+    solutions: list[str]
+
+
+@message
+class RewardResult(Message):
+    """reward worker -> scheduler."""
+    TYPE: ClassVar[str] = "reward_result"
+    sample_id: str
+    group_id: str
+    score: float
+    status: str  # ok | timeout | error
+    worker_id: str
+    detail: str = ""
+
+
+@message
+class BatchPlan(Message):
+    """scheduler -> trainer: train step `step` on these samples (grouped by group_id)."""
+    TYPE: ClassVar[str] = "batch_plan"
+    step: int
+    sample_ids: list[str]
+    group_ids: list[str]
+    scores: list[float]
+
+
+@message
+class TrainStepDone(Message):
+    """trainer -> scheduler: step trained; weights of `version` = step + 1 are published."""
+    TYPE: ClassVar[str] = "train_step_done"
+    step: int
+    version: int
+    metrics: dict = field(default_factory=dict)
+    checkpoint: str = ""  # path of a checkpoint saved after this step, if any
+
+
+@message
+class WeightsPublished(Message):
+    """trainer -> rollout workers (via the scheduler): new weights are on the weight channel."""
+    TYPE: ClassVar[str] = "weights_published"
+    version: int
+    manifest: dict
+
+
+@message
+class WeightsLoaded(Message):
+    """rollout worker -> scheduler: this worker now generates with `version`."""
+    TYPE: ClassVar[str] = "weights_loaded"
+    worker_id: str
+    version: int
+
+
+@message
+class TrainerReady(Message):
+    """trainer -> scheduler: initial weights (version `version`) are published; send plans."""
+    TYPE: ClassVar[str] = "trainer_ready"
+    version: int
+    next_step: int
+
+
+@message
+class CheckpointRequest(Message):
+    """scheduler -> trainer: save a checkpoint after `step` with this scheduler state."""
+    TYPE: ClassVar[str] = "checkpoint_request"
+    step: int
+    state: dict
+
+
+@message
+class Shutdown(Message):
+    """scheduler -> every worker: finish and exit."""
+    TYPE: ClassVar[str] = "shutdown"
+    reason: str = ""
+
+
+@message
+class Error(Message):
+    """Any direction: the peer sent something we refused, or a worker hit a fatal error."""
+    TYPE: ClassVar[str] = "error"
+    code: str
+    detail: str
+    worker_id: str = ""
+
+
+@message
+class Ping(Message):
+    """Liveness probe; answered with Pong carrying the same nonce."""
+    TYPE: ClassVar[str] = "ping"
+    nonce: int
+
+
+@message
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    nonce: int
+
+
+# --------------------------------------------------------------------------------------------
+# encoding and validation
+# --------------------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    if type(msg).TYPE not in REGISTRY:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a registered message type")
+    for f in dataclasses.fields(msg):
+        _check_value(getattr(msg, f.name), _hints(type(msg))[f.name], f"{msg.TYPE}.{f.name}")
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
+
+
+def decode(data: bytes | memoryview, expect: Optional[tuple[type, ...]] = None) -> Message:
+    """Bytes -> message, or ProtocolError naming the problem."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    env = _unpack(data)
+    name = env["t"]
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {name!r} (known: {', '.join(sorted(REGISTRY))})")
+    if expect is not None and cls not in expect:
+        raise ProtocolError(f"unexpected message type {name!r} here (expected {', '.join(c.TYPE for c in expect)})")
+    return _build(cls, env["b"])
+
+
+def _unpack(data: bytes | memoryview) -> dict:
+    try:
+        env = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(env, dict) or set(env) != {"v", "t", "b"}:
+        got = sorted(env) if isinstance(env, dict) else type(env).__name__
+        raise ProtocolError(f"frame is not a message envelope {{v, t, b}} (got {got})")
+    if env["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {env['v']!r} is not supported (this side speaks {PROTOCOL_VERSION})")
+    if not isinstance(env["b"], dict):
+        raise ProtocolError(f"message body of {env['t']!r} is {type(env['b']).__name__}, expected a map")
+    return env
+
+
+def _build(cls: type, body: dict) -> Message:
+    hints = _hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise ProtocolError(f"{cls.TYPE}: unknown field {unknown[0]!r}")
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in body and required:
+            raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
+        if name in body:
+            _check_value(body[name], hints[name], f"{cls.TYPE}.{name}")
+    return cls(**body)
+
+
+_HINTS: dict[type, dict] = {}
+
+
+def _hints(cls: type) -> dict:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _check_value(value: Any, tp: Any, where: str) -> None:
+    if not _matches(value, tp):
+        raise ProtocolError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if origin is Union:
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is float:  # msgpack may carry an integral float as int
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if tp is dict or origin is dict:
+        return isinstance(value, dict)
+    return isinstance(value, tp)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp).replace("typing.", "")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

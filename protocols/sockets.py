@@ -1,0 +1,104 @@
+"""Socket patterns of the control plane, on pyzmq's asyncio API.
+
+- control: the scheduler binds one ROUTER; every worker connects a DEALER and registers.
+  ROUTER/DEALER gives addressed, asynchronous, bidirectional traffic over one socket pair.
+- work queues: PUSH/PULL (rollout -> reward requests; rollout -> trainer trajectory tensors).
+
+Why the high-water marks cannot drop our messages: ZeroMQ drops on HWM only for PUB and for
+ROUTER sends to a peer it cannot route (ROUTER_MANDATORY makes that an error instead). DEALER
+and PUSH *block* at the HWM (back-pressure); they never discard. So with ROUTER_MANDATORY on the
+scheduler, every send either arrives or raises.
+
+Receivers never die on a bad frame: ``recv_message`` turns any undecodable frame into a logged
+``ProtocolError`` and returns None, and the caller goes on serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import zmq
+import zmq.asyncio
+
+from protocols.messages import Message, ProtocolError, decode, encode
+
+log = logging.getLogger("areal_async.protocols")
+
+HWM = 100_000
+
+
+def ipc_endpoint(sock_dir: str | Path, name: str) -> str:
+    path = Path(sock_dir) / f"{name}.sock"
+    if len(str(path)) > 100:  # sun_path is 108 bytes on Linux
+        raise ValueError(f"ipc socket path {str(path)!r} is too long ({len(str(path))} > 100 chars); use a shorter directory")
+    return f"ipc://{path}"
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | list[str] | None = None,
+                identity: str | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if bind:
+        sock.bind(bind)
+    for ep in ([connect] if isinstance(connect, str) else connect or []):
+        sock.connect(ep)
+    return sock
+
+
+async def send_message(sock: zmq.asyncio.Socket, msg: Message, to: Optional[bytes] = None) -> None:
+    data = encode(msg)
+    await (sock.send_multipart([to, data]) if to is not None else sock.send(data))
+
+
+def decode_frames(frames: list, routed: bool, expect: Optional[tuple] = None) -> tuple[Optional[bytes], Message]:
+    """frames of one recv_multipart -> (sender identity or None, message); ProtocolError if bad."""
+    if routed:
+        if len(frames) != 2:
+            raise ProtocolError(f"expected [identity, message] frames, got {len(frames)} frames")
+        return bytes(frames[0]), decode(frames[1], expect)
+    if len(frames) != 1:
+        raise ProtocolError(f"expected one message frame, got {len(frames)} frames")
+    return None, decode(frames[0], expect)
+
+
+async def recv_message(sock: zmq.asyncio.Socket, routed: bool = False, expect: Optional[tuple] = None,
+                       where: str = "") -> tuple[Optional[bytes], Optional[Message]]:
+    """Receive one message; a bad frame is logged and returned as (sender, None)."""
+    frames = await sock.recv_multipart()
+    try:
+        return decode_frames(frames, routed, expect)
+    except ProtocolError as e:
+        sender = bytes(frames[0]) if routed and frames else None
+        log.error("%s: rejected a frame from %r: %s", where or "receiver", sender, e)
+        return sender, None
+
+
+def run_async(coro) -> object:
+    """Run a coroutine on uvloop where installed (Linux/macOS), plain asyncio otherwise."""
+    import asyncio
+
+    if not os.environ.get("AREAL_NO_UVLOOP"):
+        try:
+            import uvloop
+
+            return uvloop.run(coro)
+        except ImportError:
+            pass
+    return asyncio.run(coro)

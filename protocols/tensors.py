@@ -1,0 +1,102 @@
+"""Tensor frames: a named set of tensors as one msgpack header frame plus one raw frame each.
+
+``encode_tensors(key, meta, tensors)`` returns ``[header, raw_0, raw_1, ...]``. The raw frames
+are memoryviews of the tensors' own (contiguous, CPU) storage, so ZeroMQ can send them without
+a copy (``send_multipart(frames, copy=False)``). The header says, for every tensor, its name,
+dtype, shape and byte count; ``decode_tensors`` checks all of them against the frames it got
+(count, sizes, dtype whitelist) and raises ``ProtocolError`` naming the first mismatch, so a
+truncated or mislabelled frame never becomes a silently wrong tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import msgpack
+import torch
+
+from protocols.messages import PROTOCOL_VERSION, ProtocolError
+
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_TENSORS = 1 << 16
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Raw bytes of a CPU tensor without copying when it is already contiguous."""
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor frames carry CPU tensors; got one on {t.device} (use a GPU channel)")
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def spec_of(name: str, t: torch.Tensor) -> dict:
+    if t.dtype not in DTYPE_NAMES:
+        raise ValueError(f"tensor {name!r} has dtype {t.dtype}, not one of {sorted(DTYPES)}")
+    return {"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
+
+
+def encode_tensors(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> list:
+    specs = [spec_of(n, t) for n, t in tensors.items()]
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": "tensors", "key": key, "meta": meta, "specs": specs},
+                           use_bin_type=True)
+    return [header] + [tensor_bytes(t) for t in tensors.values()]
+
+
+def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """[header, raw...] -> (key, meta, {name: tensor}); tensors own their memory."""
+    if not frames:
+        raise ProtocolError("tensor message has no frames")
+    header = _header(_buf(frames[0]))
+    specs = header["specs"]
+    if len(frames) - 1 != len(specs):
+        raise ProtocolError(f"tensor message {header['key']!r}: header lists {len(specs)} tensors, got {len(frames) - 1} frames")
+    out = {}
+    for spec, frame in zip(specs, frames[1:]):
+        out[spec["name"]] = _tensor(spec, _buf(frame), header["key"])
+    return header["key"], header["meta"], out
+
+
+def _buf(frame: Any) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def _header(buf: memoryview) -> dict:
+    if len(buf) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"tensor header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        h = msgpack.unpackb(buf, raw=False)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"tensor header is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(h, dict) or h.get("t") != "tensors":
+        raise ProtocolError("first frame is not a tensor header")
+    if h.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"tensor header protocol version {h.get('v')!r} is not {PROTOCOL_VERSION}")
+    if not isinstance(h.get("key"), str) or not isinstance(h.get("meta"), dict) or not isinstance(h.get("specs"), list):
+        raise ProtocolError("tensor header needs key (str), meta (map) and specs (list)")
+    if len(h["specs"]) > MAX_TENSORS:
+        raise ProtocolError(f"tensor header lists {len(h['specs'])} tensors (limit {MAX_TENSORS})")
+    return h
+
+
+def _tensor(spec: Any, buf: memoryview, key: str) -> torch.Tensor:
+    if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape", "nbytes"}:
+        raise ProtocolError(f"tensor message {key!r}: malformed spec {spec!r}")
+    name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
+    if dtype not in DTYPES:
+        raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
+    want = math.prod(shape) * torch.empty((), dtype=DTYPES[dtype]).element_size()
+    if spec["nbytes"] != want or len(buf) != want:
+        raise ProtocolError(f"tensor {name!r}: {dtype}{shape} needs {want} bytes; header says {spec['nbytes']}, frame has {len(buf)}")
+    if want == 0:
+        return torch.empty(shape, dtype=DTYPES[dtype])
+    return torch.frombuffer(bytearray(buf), dtype=DTYPES[dtype]).reshape(shape)
