@@ -1,0 +1,102 @@
+"""Training prompts: the generated tiny arithmetic task, jsonl datasets, and a checkpointable cursor.
+
+A ``Problem`` is what the recipe's datasets hold: a prompt and one or more reference
+solutions (boba-106k lines are ``{"prompt": ..., "solutions": [...]}``). ``PromptCursor`` walks
+a seeded permutation epoch after epoch and its whole position is two integers, so a
+checkpoint can store it and a resumed run continues with the same next prompt.
+
+The tiny task (``tiny_arith``): ``"3+4="`` -> reference ``"7"``; a correct completion is
+``\\boxed{7}``. Its reward goes through math-verify like any other dataset's. Not covered here:
+tokenizer-dependent prompt templates (chat templates, the seed's "<think>\\n" prefix) beyond the
+plain ``prompt_template`` string.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from areal_async.config import DatasetConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    index: int
+    prompt: str
+    solutions: tuple[str, ...]
+    answer: str = ""  # a completion used by the SFT warm-up; empty when the dataset has none
+
+
+def tiny_arith(cfg: DatasetConfig, seed: int) -> list[Problem]:
+    """All distinct ``a op b`` problems over 0..max_operand, shuffled, first ``size`` kept."""
+    rng = random.Random(seed)
+    items = [(a, op, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1) for op in cfg.ops]
+    rng.shuffle(items)
+    out = []
+    for i, (a, op, b) in enumerate(items[: cfg.size]):
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        out.append(Problem(i, f"{a}{op}{b}=", (str(value),), f"\\boxed{{{value}}}"))
+    return out
+
+
+def load_jsonl(path: str | Path) -> list[Problem]:
+    """Lines of {"prompt": str, "solutions": [str, ...]}; a bad line is an error naming it."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            out.append(_problem_from_json(line, lineno, path, len(out)))
+    if not out:
+        raise ValueError(f"{path}: no problems found")
+    return out
+
+
+def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> Problem:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+    prompt, sols = (obj.get("prompt"), obj.get("solutions")) if isinstance(obj, dict) else (None, None)
+    if not isinstance(prompt, str) or not isinstance(sols, list) or not sols or not all(isinstance(s, str) for s in sols):
+        raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": str, \"solutions\": [str, ...]}}")
+    return Problem(index, prompt, tuple(sols), obj.get("answer", "") if isinstance(obj.get("answer", ""), str) else "")
+
+
+def load_problems(cfg: DatasetConfig, seed: int) -> list[Problem]:
+    return tiny_arith(cfg, seed) if cfg.type == "tiny_arith" else load_jsonl(cfg.path)
+
+
+class PromptCursor:
+    """Seeded epoch-by-epoch walk over problems; state = (epoch, position)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True, epoch: int = 0, position: int = 0):
+        if n < 1:
+            raise ValueError(f"PromptCursor needs at least one problem, got {n}")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.epoch, self.position = epoch, position
+        self._order = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self) -> tuple[int, str]:
+        """(problem index, prompt id) of the next prompt; prompt ids are unique per run."""
+        if self.position >= self.n:
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        idx = self._order[self.position]
+        self.position += 1
+        return idx, f"e{self.epoch}p{self.position - 1}"
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    @classmethod
+    def from_state(cls, n: int, seed: int, shuffle: bool, state: dict) -> "PromptCursor":
+        return cls(n, seed, shuffle, int(state["epoch"]), int(state["position"]))

@@ -1,0 +1,215 @@
+"""The scheduler's logic, free of sockets: it takes events and returns the messages to send.
+
+::
+
+    dataset cursor ──> re-issue queue first, then next prompt
+         │   admission: can_admit(accepted, running, v, η, B) and running < max_concurrent
+         v
+    GenerateRequest(group of n, min_version=v) ──> rollout worker with the fewest groups
+         │
+    TrajectoryReady ×n (rollout) + RewardResult ×n (reward)     [either order]
+         │   group ready when all n samples are generated and rewarded
+         v
+    ready queue (completion order) ──> plan(): trainer idle, B fresh groups
+         │   a group whose oldest token version < step - η is aborted ("stale") and re-issued
+         v
+    BatchPlan(step) ──> trainer ──> TrainStepDone(step, version=step+1)
+         │   samples -> trained, v = step + 1, metrics line, trajectory lines
+         v
+    total_train_steps reached -> everything still open is aborted ("run_end"), Shutdown
+
+Invariants (tests pin them): admission never exceeds the staleness budget; a trained sample's
+oldest token version is >= its step - η; every issued sample ends trained or aborted with a
+reason, exactly once; a lost worker's open groups are aborted and their prompts re-issued.
+Units: B = ``train_dataset.batch_size`` groups per step; each group has n samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from protocols.messages import BatchPlan, GenerateRequest, RewardResult, TrajectoryReady
+
+from areal_async.scheduler.ledger import Ledger, SampleRecord
+from areal_async.scheduler.staleness import can_admit, is_fresh_enough
+
+
+@dataclass
+class RolloutState:
+    worker_id: str
+    loaded_version: int = -1
+    groups: set[str] = field(default_factory=set)
+
+
+@dataclass
+class SchedulerParams:
+    batch_size: int  # groups per trainer step
+    n_samples: int
+    eta: int
+    total_steps: int
+    max_concurrent: int
+    gen: dict  # max_new_tokens, temperature, top_p, greedy, stop_token_ids
+
+
+class SchedulerCore:
+    """Pure state machine of the single controller. See the module docstring."""
+
+    def __init__(self, params: SchedulerParams, cursor, problem: Callable[[int], tuple[list[int], list[str]]],
+                 log_sample: Callable[[SampleRecord], None] = lambda r: None, clock: Callable[[], float] = time.time):
+        self.p = params
+        self.cursor = cursor
+        self.problem = problem  # problem index -> (prompt token ids, solutions)
+        self.log_sample = log_sample
+        self.clock = clock
+        self.ledger = Ledger()
+        self.version = 0
+        self.next_step = 0
+        self.trainer_ready = False
+        self.trainer_busy = False
+        self.accepted = 0  # groups that finished generating (not counting aborted ones)
+        self.ready: deque[str] = deque()
+        self.reissue: deque[tuple[int, str]] = deque()
+        self.rollouts: dict[str, RolloutState] = {}
+        self.batch_groups: list[str] = []
+        self.finished = False
+
+    # ---- workers -------------------------------------------------------------------------
+    def add_rollout(self, worker_id: str) -> None:
+        self.rollouts.setdefault(worker_id, RolloutState(worker_id))
+
+    def on_trainer_ready(self, version: int, next_step: int) -> None:
+        self.trainer_ready, self.version, self.next_step = True, version, next_step
+
+    def on_weights_loaded(self, worker_id: str, version: int) -> None:
+        if worker_id in self.rollouts:
+            self.rollouts[worker_id].loaded_version = max(version, self.rollouts[worker_id].loaded_version)
+
+    def lose_worker(self, worker_id: str, why: str) -> list[SampleRecord]:
+        """A rollout worker is gone: abort its open groups and re-issue their prompts."""
+        st = self.rollouts.pop(worker_id, None)
+        out = []
+        for gid in sorted(st.groups) if st else []:
+            g = self.ledger.groups[gid]
+            if g.status == "running":
+                out += self._abort(gid, f"worker_lost: {worker_id} ({why})", reissue=True)
+        return out
+
+    # ---- admission -----------------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return sum(len(r.groups) for r in self.rollouts.values())
+
+    def admit(self) -> list[tuple[str, GenerateRequest]]:
+        """Start as many groups as the staleness budget and concurrency cap allow."""
+        out = []
+        while self._may_admit():
+            out.append(self._issue(min(self.rollouts.values(), key=lambda r: (len(r.groups), r.worker_id))))
+        return out
+
+    def _may_admit(self) -> bool:
+        if self.finished or not self.trainer_ready or not self.rollouts:
+            return False
+        if self.running >= self.p.max_concurrent:
+            return False
+        return can_admit(self.accepted, self.running, self.version, self.p.eta, self.p.batch_size)
+
+    def _issue(self, worker: RolloutState) -> tuple[str, GenerateRequest]:
+        idx, prompt_id = self.reissue.popleft() if self.reissue else self.cursor.next()
+        g = self.ledger.issue_group(prompt_id, idx, self.p.n_samples, worker.worker_id, self.version)
+        worker.groups.add(g.group_id)
+        prompt_ids, solutions = self.problem(idx)
+        req = GenerateRequest(group_id=g.group_id, prompt_id=prompt_id, sample_ids=list(g.sample_ids),
+                              prompt_ids=list(prompt_ids), solutions=list(solutions), min_version=self.version,
+                              **self.p.gen)
+        return worker.worker_id, req
+
+    # ---- progress ------------------------------------------------------------------------
+    def on_trajectory(self, m: TrajectoryReady) -> Optional[str]:
+        """Returns why the message was ignored, or None."""
+        why = self.ledger.refuse(m.sample_id, m.group_id)
+        if why is None:
+            ready = self.ledger.mark_generated(m.sample_id, m.version_min, m.version_max, m.n_output_tokens, m.finish_reason)
+            self._on_maybe_ready(m.group_id, ready)
+        return why
+
+    def on_reward(self, m: RewardResult) -> Optional[str]:
+        why = self.ledger.refuse(m.sample_id, m.group_id)
+        if why is None:
+            self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(m.sample_id, m.score, m.status))
+        return why
+
+    def _on_maybe_ready(self, gid: str, ready: bool) -> None:
+        if ready:
+            g = self.ledger.groups[gid]
+            self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
+            self.accepted += 1
+            self.ready.append(gid)
+
+    # ---- training ------------------------------------------------------------------------
+    def plan(self) -> tuple[Optional[BatchPlan], list[SampleRecord]]:
+        """A batch for the next step when the trainer is idle and B fresh groups are ready.
+
+        Returns (plan or None, samples aborted as stale on the way)."""
+        aborted = self._drop_stale()
+        if self.finished or not self.trainer_ready or self.trainer_busy or len(self.ready) < self.p.batch_size:
+            return None, aborted
+        gids = [self.ready.popleft() for _ in range(self.p.batch_size)]
+        self.ledger.mark_batched(gids, self.next_step)
+        self.batch_groups, self.trainer_busy = gids, True
+        sids, owners, scores = [], [], []
+        for gid in gids:
+            for sid in self.ledger.groups[gid].sample_ids:
+                sids.append(sid), owners.append(gid), scores.append(self.ledger.samples[sid].score)
+        return BatchPlan(step=self.next_step, sample_ids=sids, group_ids=owners, scores=scores), aborted
+
+    def _drop_stale(self) -> list[SampleRecord]:
+        out = []
+        for gid in [g for g in self.ready if not is_fresh_enough(self.ledger.group_version_min(g), self.next_step, self.p.eta)]:
+            self.ready.remove(gid)
+            self.accepted -= 1
+            vmin = self.ledger.group_version_min(gid)
+            out += self._abort(gid, f"stale: oldest token version {vmin} < step {self.next_step} - eta {self.p.eta}", reissue=True)
+        return out
+
+    def on_step_done(self, step: int, version: int) -> list[SampleRecord]:
+        if not self.trainer_busy or step != self.next_step:
+            raise ValueError(f"TrainStepDone for step {step}, but the trainer was planned step {self.next_step if self.trainer_busy else None}")
+        trained = self.ledger.mark_trained(self.batch_groups)
+        for rec in trained:
+            self.log_sample(rec)
+        self.trainer_busy, self.batch_groups = False, []
+        self.version, self.next_step = version, step + 1
+        self.finished = self.next_step >= self.p.total_steps
+        return trained
+
+    # ---- ending --------------------------------------------------------------------------
+    def _abort(self, gid: str, reason: str, reissue: bool) -> list[SampleRecord]:
+        g = self.ledger.groups[gid]
+        self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
+        recs = self.ledger.abort_group(gid, reason)
+        for rec in recs:
+            self.log_sample(rec)
+        if reissue and not self.finished:
+            self.reissue.append((g.problem_index, g.prompt_id))
+        return recs
+
+    def abort_open(self, reason: str) -> list[SampleRecord]:
+        """End of run (or resume): every open group is aborted with `reason`."""
+        out = []
+        for g in self.ledger.open_groups():
+            if g.group_id in self.ready:
+                self.ready.remove(g.group_id)
+            out += self._abort(g.group_id, reason, reissue=False)
+        return out
+
+    # ---- checkpoint ----------------------------------------------------------------------
+    def state(self) -> dict:
+        open_prompts = [(g.problem_index, g.prompt_id) for g in self.ledger.open_groups()]
+        return {"version": self.version, "next_step": self.next_step, "cursor": self.cursor.state(),
+                "reissue": [list(x) for x in self.reissue] + [list(x) for x in open_prompts],
+                "counts": {"issued": self.ledger.n_samples_issued, "trained": self.ledger.n_trained,
+                           "aborted": self.ledger.n_aborted, "groups": self.ledger.n_groups_issued},
+                "open_groups": [g.group_id for g in self.ledger.open_groups()]}

@@ -1,0 +1,85 @@
+"""The run directory's books: metrics.jsonl, trajectories.jsonl, summary.json.
+
+- ``metrics.jsonl``: one object per RL trainer step (step, version, reward_mean, staleness_max,
+  samples_trained, wall_s, plus the trainer's own metrics).
+- ``trajectories.jsonl`` (``rollout.dump_to_file``): one object per sample when it ends,
+  trained or aborted (id, prompt_id, status, train_step, version_min, version_max, reward...).
+- ``summary.json``: written once at the end.
+
+Lines are flushed as they are written so a crash loses nothing already logged. A resumed run
+truncates both jsonl files back to the byte offsets stored in its checkpoint and keeps what it
+cut in ``*.rolled_back.jsonl``: the books then continue from the checkpoint's accounting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from areal_async.scheduler.ledger import SampleRecord
+
+
+def sample_line(rec: SampleRecord) -> dict:
+    return {"id": rec.sample_id, "prompt_id": rec.prompt_id, "group_id": rec.group_id, "status": rec.status,
+            "train_step": rec.train_step if rec.status == "trained" else None,
+            "version_min": rec.version_min, "version_max": rec.version_max, "reward": rec.score,
+            "reward_status": rec.reward_status, "n_output_tokens": rec.n_output_tokens,
+            "finish_reason": rec.finish_reason, "worker": rec.worker, "reason": rec.reason or None}
+
+
+class RunLog:
+    def __init__(self, run_dir: str | Path, dump_trajectories: bool):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.traj_path = self.dir / "trajectories.jsonl" if dump_trajectories else None
+        self._metrics = open(self.metrics_path, "a", encoding="utf-8")
+        self._traj = open(self.traj_path, "a", encoding="utf-8") if self.traj_path else None
+        self.n_sample_lines = 0
+
+    def sample(self, rec: SampleRecord) -> None:
+        self.n_sample_lines += 1
+        if self._traj:
+            self._traj.write(json.dumps(sample_line(rec)) + "\n")
+            self._traj.flush()
+
+    def metrics(self, row: dict) -> None:
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+
+    def offsets(self) -> dict:
+        return {"metrics": self._metrics.tell(), "trajectories": self._traj.tell() if self._traj else 0}
+
+    def summary(self, row: dict) -> None:
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(row, indent=2) + "\n")
+        os.replace(tmp, self.dir / "summary.json")
+
+    def close(self) -> None:
+        for f in (self._metrics, self._traj):
+            if f:
+                f.close()
+
+    @staticmethod
+    def rollback(run_dir: str | Path, offsets: dict) -> dict:
+        """Cut metrics/trajectories back to a checkpoint's offsets; returns lines cut per file."""
+        cut = {}
+        for name in ("metrics", "trajectories"):
+            path = Path(run_dir) / f"{name}.jsonl"
+            if path.exists():
+                cut[name] = _truncate(path, int(offsets.get(name, 0)), Path(run_dir) / f"{name}.rolled_back.jsonl")
+        return cut
+
+
+def _truncate(path: Path, offset: int, keep: Path) -> int:
+    data = path.read_bytes()
+    if offset > len(data):
+        raise ValueError(f"{path}: checkpoint offset {offset} is past the end ({len(data)} bytes)")
+    tail = data[offset:]
+    if tail:
+        with open(keep, "ab") as f:
+            f.write(tail)
+    with open(path, "r+b") as f:
+        f.truncate(offset)
+    return tail.count(b"\n")

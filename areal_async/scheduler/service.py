@@ -1,0 +1,240 @@
+"""The scheduler process: SchedulerCore behind one ROUTER socket.
+
+It registers workers, forwards published weights to every rollout worker, turns events into
+the core's actions, writes the run's books (``RunLog``) and ends the run: after
+``total_train_steps`` it aborts what is still open, writes ``summary.json`` and sends
+``Shutdown`` to everyone. A worker that stops heart-beating for ``cluster.worker_timeout_s`` is
+declared lost; a lost rollout worker's open groups are aborted and re-issued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import zmq
+import zmq.asyncio
+
+from protocols.messages import (BatchPlan, CheckpointRequest, Error, GenerateRequest, Heartbeat, Message, Ping, Pong,
+                                Register, RegisterAck, RewardResult, Shutdown, TrainerReady, TrainStepDone,
+                                TrajectoryReady, WeightsLoaded, WeightsPublished)
+from protocols.sockets import make_socket, recv_message, send_message
+
+from areal_async.config import ExperimentConfig
+from areal_async.data.prompts import PromptCursor, load_problems
+from areal_async.runtime.fleet import Endpoints
+from areal_async.scheduler.core import SchedulerCore, SchedulerParams
+from areal_async.scheduler.runlog import RunLog
+
+log = logging.getLogger("areal_async.scheduler")
+
+
+def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> SchedulerCore:
+    problems = load_problems(cfg.train_dataset, cfg.seed)
+    encoded = {}
+
+    def problem(idx: int):
+        if idx not in encoded:
+            encoded[idx] = (tokenize(problems[idx].prompt), list(problems[idx].solutions))
+        return encoded[idx]
+
+    g = cfg.gconfig
+    params = SchedulerParams(
+        batch_size=cfg.train_dataset.batch_size, n_samples=g.n_samples, eta=cfg.rollout.max_head_offpolicyness,
+        total_steps=cfg.total_train_steps, max_concurrent=cfg.rollout.max_concurrent_rollouts,
+        gen=dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, greedy=g.greedy,
+                 stop_token_ids=list(g.stop_token_ids)))
+    cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
+    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample)
+
+
+class SchedulerService:
+    def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str | Path, t0: float, tokenize):
+        self.cfg, self.run_dir, self.t0 = cfg, Path(run_dir), t0
+        self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file)
+        self.core = build_core(cfg, tokenize, self.runlog)
+        self.ctx = zmq.asyncio.Context()
+        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
+        self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen}
+        self.latest_weights: Optional[WeightsPublished] = None
+        self.done = asyncio.Event()
+        self.exit_code = 0
+        self._step_t = time.time()
+
+    # ---- plumbing ------------------------------------------------------------------------
+    async def send(self, worker_id: str, msg: Message) -> None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            log.error("no worker %r to send %s to", worker_id, msg.TYPE)
+            return
+        try:
+            await send_message(self.sock, msg, to=w["ident"])
+        except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
+            log.error("send %s to %s failed: %s", msg.TYPE, worker_id, e)
+
+    def role(self, role: str) -> list[str]:
+        return [w for w, v in self.workers.items() if v["role"] == role]
+
+    async def run(self) -> int:
+        watchdog = asyncio.create_task(self._watchdog())
+        serve = asyncio.create_task(self._serve())
+        await self.done.wait()
+        await asyncio.sleep(0.2)  # let the Shutdown frames leave
+        for t in (watchdog, serve):
+            t.cancel()
+        self.runlog.close()
+        self.sock.close(0)
+        self.ctx.term()
+        return self.exit_code
+
+    async def _serve(self) -> None:
+        while True:
+            ident, msg = await recv_message(self.sock, routed=True, where="scheduler")
+            if msg is None:
+                await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
+                continue
+            try:
+                await self.handle(ident, msg)
+            except (ValueError, KeyError) as e:
+                log.error("message %s from %r refused: %s", msg.TYPE, ident, e)
+                await self._reply_error(ident, "refused", str(e))
+            await self._drive()
+
+    async def _reply_error(self, ident: Optional[bytes], code: str, detail: str) -> None:
+        if ident is not None:
+            try:
+                await send_message(self.sock, Error(code=code, detail=detail), to=ident)
+            except zmq.ZMQError:
+                pass  # sender vanished: nothing to tell
+
+    # ---- events --------------------------------------------------------------------------
+    async def handle(self, ident: bytes, msg: Message) -> None:
+        if isinstance(msg, Register):
+            return await self._register(ident, msg)
+        wid = ident.decode(errors="replace")
+        if wid not in self.workers and not isinstance(msg, Ping):
+            raise ValueError(f"{msg.TYPE} from unregistered peer {wid!r}")
+        if wid in self.workers:
+            self.workers[wid]["last_seen"] = time.monotonic()
+        handler = self._handlers().get(type(msg))
+        if handler is None:
+            raise ValueError(f"scheduler does not accept {msg.TYPE!r} messages")
+        await handler(wid, msg)
+
+    def _handlers(self) -> dict:
+        return {Heartbeat: self._noop, Ping: self._ping, TrajectoryReady: self._trajectory, RewardResult: self._reward,
+                WeightsPublished: self._weights_published, WeightsLoaded: self._weights_loaded,
+                TrainerReady: self._trainer_ready, TrainStepDone: self._step_done, Error: self._worker_error}
+
+    async def _noop(self, wid: str, msg: Message) -> None:
+        return None
+
+    async def _ping(self, wid: str, msg: Ping) -> None:
+        if wid in self.workers:
+            await self.send(wid, Pong(nonce=msg.nonce))
+
+    async def _register(self, ident: bytes, m: Register) -> None:
+        if m.role not in ("rollout", "reward", "trainer"):
+            raise ValueError(f"register: role {m.role!r} is not rollout | reward | trainer")
+        if ident.decode(errors="replace") != m.worker_id:
+            raise ValueError(f"register: socket identity {ident!r} differs from worker_id {m.worker_id!r}")
+        self.workers[m.worker_id] = {"role": m.role, "ident": ident, "last_seen": time.monotonic(), "pid": m.pid}
+        log.info("registered %s %s (pid %d)", m.role, m.worker_id, m.pid)
+        await self.send(m.worker_id, RegisterAck(worker_id=m.worker_id, version=self.core.version))
+        if m.role == "rollout":
+            self.core.add_rollout(m.worker_id)
+            if self.latest_weights is not None:
+                await self.send(m.worker_id, self.latest_weights)
+
+    async def _trajectory(self, wid: str, m: TrajectoryReady) -> None:
+        why = self.core.on_trajectory(m)
+        if why:
+            log.warning("ignored trajectory from %s: %s", wid, why)
+
+    async def _reward(self, wid: str, m: RewardResult) -> None:
+        why = self.core.on_reward(m)
+        if why:
+            log.warning("ignored reward from %s: %s", wid, why)
+
+    async def _weights_published(self, wid: str, m: WeightsPublished) -> None:
+        self.latest_weights = m
+        for r in self.role("rollout"):
+            await self.send(r, m)
+
+    async def _weights_loaded(self, wid: str, m: WeightsLoaded) -> None:
+        self.core.on_weights_loaded(wid, m.version)
+
+    async def _trainer_ready(self, wid: str, m: TrainerReady) -> None:
+        log.info("trainer ready at version %d, next step %d", m.version, m.next_step)
+        self.core.on_trainer_ready(m.version, m.next_step)
+
+    async def _worker_error(self, wid: str, m: Error) -> None:
+        log.error("worker %s reported %s: %s", wid, m.code, m.detail)
+
+    async def _step_done(self, wid: str, m: TrainStepDone) -> None:
+        trained = self.core.on_step_done(m.step, m.version)
+        self.runlog.metrics(self._metrics_row(m, trained))
+        self.core.ledger.forget_final()
+        if self.core.finished:
+            await self._finish()
+
+    def _metrics_row(self, m: TrainStepDone, trained: list) -> dict:
+        now = time.time()
+        scores = [r.score for r in trained]
+        row = {"step": m.step, "version": m.version,
+               "reward_mean": sum(scores) / max(1, len(scores)),
+               "staleness_max": max((m.step - r.version_min for r in trained), default=0),
+               "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
+               "samples_trained": len(trained), "samples_trained_total": self.core.ledger.n_trained,
+               "samples_aborted_total": self.core.ledger.n_aborted,
+               "step_s": now - self._step_t, "wall_s": now - self.t0}
+        self._step_t = now
+        row.update({k: v for k, v in m.metrics.items() if k not in row})
+        return row
+
+    # ---- driving the core ----------------------------------------------------------------
+    async def _drive(self) -> None:
+        plan, stale = self.core.plan()
+        if stale:
+            log.info("aborted %d stale samples (re-issued)", len(stale))
+        if plan is not None:
+            await self._send_plan(plan)
+        for worker, req in self.core.admit():
+            await self.send(worker, req)
+
+    async def _send_plan(self, plan: BatchPlan) -> None:
+        trainers = self.role("trainer")
+        if not trainers:
+            raise RuntimeError("a batch was planned but no trainer is registered")
+        await self.send(trainers[0], plan)
+
+    async def _finish(self) -> None:
+        aborted = self.core.abort_open("run_end: the run reached total_train_steps before this sample was trained")
+        c = self.core.ledger.counts()
+        summary = {"steps": self.core.next_step, "version": self.core.version, "samples_issued": c["issued"],
+                   "samples_trained": c["trained"], "samples_aborted": c["aborted"],
+                   "samples_lost": c["issued"] - self.runlog.n_sample_lines, "aborted_at_end": len(aborted),
+                   "wall_s": time.time() - self.t0}
+        self.runlog.summary(summary)
+        log.info("run finished: %s", summary)
+        for w in list(self.workers):
+            await self.send(w, Shutdown(reason="run finished"))
+        self.done.set()
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.cluster.heartbeat_s)
+            now = time.monotonic()
+            for wid, w in list(self.workers.items()):
+                if now - w["last_seen"] > self.cfg.cluster.worker_timeout_s:
+                    await self._lose(wid, f"no heartbeat for {now - w['last_seen']:.0f}s")
+
+    async def _lose(self, wid: str, why: str) -> None:
+        log.error("worker %s lost: %s", wid, why)
+        role = self.workers.pop(wid)["role"]
+        if role == "rollout":
+            self.core.lose_worker(wid, why)
+            await self._drive()
