@@ -142,6 +142,7 @@ class BatchPlan(Message):
     sample_ids: list[str]
     group_ids: list[str]
     scores: list[float]
+    aborted_ids: list[str] = field(default_factory=list)  # the trainer may drop their tensors
 
 
 @message

@@ -75,6 +75,7 @@ class SchedulerCore:
         self.rollouts: dict[str, RolloutState] = {}
         self.batch_groups: list[str] = []
         self.finished = False
+        self.aborted_since_plan: list[str] = []
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -163,7 +164,10 @@ class SchedulerCore:
         for gid in gids:
             for sid in self.ledger.groups[gid].sample_ids:
                 sids.append(sid), owners.append(gid), scores.append(self.ledger.samples[sid].score)
-        return BatchPlan(step=self.next_step, sample_ids=sids, group_ids=owners, scores=scores), aborted
+        plan = BatchPlan(step=self.next_step, sample_ids=sids, group_ids=owners, scores=scores,
+                         aborted_ids=self.aborted_since_plan)
+        self.aborted_since_plan = []
+        return plan, aborted
 
     def _drop_stale(self) -> list[SampleRecord]:
         out = []
@@ -192,6 +196,7 @@ class SchedulerCore:
         recs = self.ledger.abort_group(gid, reason)
         for rec in recs:
             self.log_sample(rec)
+            self.aborted_since_plan.append(rec.sample_id)
         if reissue and not self.finished:
             self.reissue.append((g.problem_index, g.prompt_id))
         return recs

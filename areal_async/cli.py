@@ -1,0 +1,61 @@
+"""``areal-async``: the command line.
+
+    areal-async run CONFIG [--run-dir DIR] [--dry-run] [--no-progress] [key=value ...]
+    areal-async sft CONFIG [--run-dir DIR] [key=value ...]
+    areal-async knobs                      # every config key with its help text
+
+Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
+is refused with a message naming it, before anything starts. Heavy modules are imported after
+the arguments are parsed so ``--help`` and ``--dry-run`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="areal-async", description="Asynchronous RL post-training on ZeroMQ workers.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, helptext in (("run", "launch a fleet and train"), ("sft", "supervised fine-tuning on packed sequences")):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("config", help="YAML preset, e.g. configs/tiny_arith.yaml")
+        s.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+        s.add_argument("--run-dir", default=None, help="output directory (default runs/<name>-<time>)")
+        s.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
+        s.add_argument("--no-progress", action="store_true", help="no live progress line")
+    sub.add_parser("knobs", help="list every config key with its help")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from areal_async.config import ConfigError, describe, load_config, to_yaml
+
+    if args.cmd == "knobs":
+        for key, text in describe():
+            print(f"{key:45s} {text}")
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"areal-async: config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    run_dir = Path(args.run_dir or f"runs/{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.cmd == "sft":
+        from areal_async.trainer.sft_run import run_sft
+
+        return run_sft(cfg, run_dir)
+    from areal_async.supervisor.local import run_local
+
+    return run_local(cfg, run_dir, progress=False if args.no_progress else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The reward worker process: RewardRequests from a PULL queue, scores from a killable pool.
+
+Rollout workers PUSH ``RewardRequest`` frames to every reward worker's PULL socket (ZeroMQ
+spreads them round-robin); each request is scored by ``RewardPool`` (math-verify in killable
+processes) and the ``RewardResult`` goes to the scheduler. Up to ``n_procs`` checks run at
+once. A malformed frame is logged and dropped; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+
+from protocols.messages import RewardRequest, RewardResult, Shutdown
+from protocols.sockets import make_socket, recv_message
+
+from areal_async.reward.pool import RewardPool
+from areal_async.runtime.control import ControlClient
+
+log = logging.getLogger("areal_async.reward")
+
+
+class RewardService:
+    def __init__(self, worker_id: str, control: ControlClient, ctx: zmq.asyncio.Context, bind: str, pool: RewardPool,
+                 n_procs: int):
+        self.worker_id, self.control, self.pool = worker_id, control, pool
+        self.pull = make_socket(ctx, zmq.PULL, bind=bind)
+        self.slots = asyncio.Semaphore(n_procs)
+        self.stop = asyncio.Event()
+        self.counts = {"ok": 0, "timeout": 0, "error": 0}
+
+    async def run(self) -> int:
+        await self.control.register(info={"n_procs": self.slots._value})
+        tasks = [asyncio.create_task(self._work()), asyncio.create_task(self._control())]
+        await self.stop.wait()
+        for t in tasks:
+            t.cancel()
+        self.pull.close(0)
+        return 0
+
+    async def _control(self) -> None:
+        while True:
+            msg = await self.control.recv()
+            if isinstance(msg, Shutdown):
+                self.stop.set()
+
+    async def _work(self) -> None:
+        while True:
+            _, req = await recv_message(self.pull, expect=(RewardRequest,), where=self.worker_id)
+            if req is None:
+                continue
+            await self.slots.acquire()
+            asyncio.create_task(self._score(req))
+
+    async def _score(self, req: RewardRequest) -> None:
+        try:
+            out = await self.pool.score(req.completion, req.solutions)
+        finally:
+            self.slots.release()
+        self.counts[out.status] = self.counts.get(out.status, 0) + 1
+        self.control.stats.update(self.counts)
+        if out.status != "ok":
+            log.warning("sample %s scored 0: %s %s", req.sample_id, out.status, out.detail)
+        await self.control.send(RewardResult(sample_id=req.sample_id, group_id=req.group_id, score=float(out.score),
+                                             status=out.status, worker_id=self.worker_id, detail=out.detail[:500]))

@@ -1,0 +1,207 @@
+"""The rollout worker process: one generation engine behind the control plane.
+
+Two threads of control::
+
+    asyncio loop (main thread)                      engine thread
+    ───────────────────────────                     ─────────────────────────────────────
+    GenerateRequest ──> inbox ───────────────────>  waits until its weights >= min_version,
+    WeightsPublished ─> fetch tensors (executor)    then add_request
+                      ─> pending weights (newest) >  between two steps: update_weights
+                                                     (interrupt; KV recomputed; resume)
+    <── finished groups ────────────────────────── step() ... group done
+    per sample: tensors -> trainer (tensor channel), TrajectoryReady -> scheduler,
+                RewardRequest -> reward workers (PUSH)
+    <── WeightsLoaded(version) ─────────────────── after each weight switch
+
+The engine thread is the only one that touches the engine, so generation and weight loads
+never race; the event loop stays free to receive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import zmq
+import zmq.asyncio
+
+from protocols.messages import (GenerateRequest, RewardRequest, Shutdown, TrajectoryReady, WeightsLoaded,
+                                WeightsPublished)
+from protocols.sockets import make_socket, send_message
+
+from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
+from areal_async.runtime.control import ControlClient
+
+log = logging.getLogger("areal_async.rollout")
+
+
+@dataclass
+class _Pending:
+    version: int
+    state_dict: dict
+
+
+class EngineThread(threading.Thread):
+    """Drives the engine: admits requests, steps, applies weights between steps."""
+
+    def __init__(self, engine: RolloutEngine, on_groups: Callable[[list, dict], None],
+                 on_loaded: Callable[[int], None], max_active_groups: int):
+        super().__init__(name="engine", daemon=True)
+        self.engine, self.on_groups, self.on_loaded = engine, on_groups, on_loaded
+        self.inbox: "queue.Queue[GenerateRequest]" = queue.Queue()
+        self.waiting: list[GenerateRequest] = []
+        self.requests: dict[str, GenerateRequest] = {}
+        self.max_active = max_active_groups
+        self._weights: Optional[_Pending] = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self.stopping = threading.Event()
+        self.busy_s = 0.0
+
+    def submit(self, req: GenerateRequest) -> None:
+        self.inbox.put(req)
+        self._wake.set()
+
+    def offer_weights(self, version: int, state_dict: dict) -> None:
+        with self._lock:  # newest wins: an older pending update is dropped unseen
+            if self._weights is None or version > self._weights.version:
+                self._weights = _Pending(version, state_dict)
+        self._wake.set()
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                self._apply_weights()
+                self._admit()
+                if self.engine.has_work():
+                    t = time.perf_counter()
+                    done = self.engine.step()
+                    self.busy_s += time.perf_counter() - t
+                    if done:
+                        self.on_groups(done, self.requests)
+                else:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except Exception:  # the worker must die loudly, not hang with a dead engine thread
+            log.exception("engine thread failed")
+            self.on_groups(None, {})
+
+    def _apply_weights(self) -> None:
+        with self._lock:
+            pending, self._weights = self._weights, None
+        if pending is not None and pending.version > self.engine.version:
+            self.engine.update_weights(pending.version, pending.state_dict)
+            self.on_loaded(pending.version)
+
+    def _admit(self) -> None:
+        while True:
+            try:
+                self.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        keep = []
+        for req in self.waiting:
+            if req.min_version <= self.engine.version and len(self.requests) < self.max_active:
+                self.requests[req.group_id] = req
+                self.engine.add_request(_gen_request(req))
+            else:
+                keep.append(req)
+        self.waiting = keep
+
+
+def _gen_request(r: GenerateRequest) -> GenRequest:
+    return GenRequest(group_id=r.group_id, prompt_ids=list(r.prompt_ids), n=len(r.sample_ids),
+                      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=r.greedy,
+                      stop_token_ids=tuple(r.stop_token_ids))
+
+
+class RolloutService:
+    def __init__(self, worker_id: str, control: ControlClient, ctx: zmq.asyncio.Context, engine: RolloutEngine,
+                 decode: Callable[[list[int]], str], traj_channel, weight_channel, reward_endpoints: list[str],
+                 max_active_groups: int):
+        self.worker_id, self.control, self.decode = worker_id, control, decode
+        self.traj, self.weights = traj_channel, weight_channel
+        self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.engine = EngineThread(engine, self._groups_from_thread, self._loaded_from_thread, max_active_groups)
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.stop = asyncio.Event()
+        self.error: Optional[str] = None
+        self.n_samples = 0
+
+    # ---- thread -> loop ------------------------------------------------------------------
+    def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
+        items = None if groups is None else [(g, requests.pop(g.group_id)) for g in groups]
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("groups", items))
+
+    def _loaded_from_thread(self, version: int) -> None:
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("loaded", version))
+
+    # ---- main ----------------------------------------------------------------------------
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        await self.control.register(info={"max_active_groups": self.engine.max_active})
+        self.engine.start()
+        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._out_loop())]
+        await self.stop.wait()
+        self.engine.stopping.set()
+        for t in tasks:
+            t.cancel()
+        self.reward_sock.close(0)
+        return 1 if self.error else 0
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.control.recv()
+            if isinstance(msg, GenerateRequest):
+                self.engine.submit(msg)
+            elif isinstance(msg, WeightsPublished):
+                asyncio.create_task(self._fetch_weights(msg))
+            elif isinstance(msg, Shutdown):
+                log.info("%s: shutdown (%s)", self.worker_id, msg.reason)
+                self.stop.set()
+            else:
+                log.debug("%s: ignoring %s", self.worker_id, msg.TYPE)
+
+    async def _fetch_weights(self, m: WeightsPublished) -> None:
+        try:
+            sd = await asyncio.get_running_loop().run_in_executor(None, self.weights.receive, m.manifest)
+        except Exception as e:  # a bad or vanished payload must not kill generation
+            log.error("%s: weights v%d not loaded: %s", self.worker_id, m.version, e)
+            return
+        self.engine.offer_weights(m.version, sd)
+
+    async def _out_loop(self) -> None:
+        while True:
+            kind, payload = await self.outbox.get()
+            if kind == "loaded":
+                await self.control.send(WeightsLoaded(worker_id=self.worker_id, version=payload))
+                self.control.stats["version"] = payload
+            elif payload is None:
+                self.error = "engine thread failed"
+                self.stop.set()
+            else:
+                for group, req in payload:
+                    await self._publish_group(group, req)
+
+    async def _publish_group(self, group: GroupOutput, req: GenerateRequest) -> None:
+        for sid, s in zip(req.sample_ids, group.samples):
+            tensors = {"prompt_ids": torch.tensor(req.prompt_ids, dtype=torch.int32),
+                       "output_ids": torch.tensor(s.output_ids, dtype=torch.int32),
+                       "logprobs": torch.tensor(s.logprobs, dtype=torch.float32),
+                       "versions": torch.tensor(s.versions, dtype=torch.int32)}
+            self.traj.send(sid, tensors, {"group_id": req.group_id})  # before TrajectoryReady: the trainer may be asked for it next
+            vmin, vmax = (min(s.versions), max(s.versions)) if s.versions else (-1, -1)
+            await self.control.send(TrajectoryReady(
+                sample_id=sid, group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids),
+                n_output_tokens=len(s.output_ids), version_min=vmin, version_max=vmax, finish_reason=s.finish_reason))
+            await send_message(self.reward_sock, RewardRequest(
+                sample_id=sid, group_id=req.group_id, completion=self.decode(s.output_ids), solutions=req.solutions))
+            self.n_samples += 1
+        self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))

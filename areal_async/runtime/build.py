@@ -1,0 +1,125 @@
+"""Build each worker from the run directory: the logic behind the thin ``workers/`` entry points.
+
+Every builder reads ``RUN_DIR/config.yaml`` and ``RUN_DIR/endpoints.json`` (written by the
+supervisor) and returns an object whose ``run()`` coroutine is the worker's life.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import zmq.asyncio
+
+from areal_async.config import ExperimentConfig, ModelConfig
+from areal_async.runtime.control import ControlClient
+from areal_async.runtime.fleet import Endpoints, load_run, set_torch_threads
+
+
+def load_tokenizer(cfg: ModelConfig):
+    if cfg.path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
+    from areal_async.models.tokenizer import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def prompt_encoder(tokenizer):
+    """text -> [bos] + tokens (no other special tokens)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return lambda text: bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+def _control(ctx, cfg: ExperimentConfig, ep: Endpoints, role: str, worker_id: str) -> ControlClient:
+    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s)
+
+
+def supervisor_t0() -> float:
+    return float(os.environ.get("AREAL_T0", time.time()))
+
+
+def build_scheduler(run_dir: str | Path):
+    from areal_async.scheduler.service import SchedulerService
+
+    cfg, ep = load_run(run_dir)
+    return SchedulerService(cfg, ep, run_dir, supervisor_t0(), prompt_encoder(load_tokenizer(cfg.model)))
+
+
+def build_reward(run_dir: str | Path, worker_id: str, index: int):
+    from areal_async.reward.pool import RewardPool
+    from areal_async.reward.service import RewardService
+
+    cfg, ep = load_run(run_dir)
+    pool = RewardPool(cfg.reward.fn, n_procs=cfg.reward.n_procs, timeout_s=cfg.reward.timeout_s,
+                      fn_kwargs=_reward_kwargs(cfg))
+    ctx = zmq.asyncio.Context()
+    return RewardService(worker_id, _control(ctx, cfg, ep, "reward", worker_id), ctx, ep.rewards[index], pool,
+                         cfg.reward.n_procs)
+
+
+def _reward_kwargs(cfg: ExperimentConfig) -> dict:
+    default = "areal_async.reward.math_verify_reward:boxed_math_reward"
+    return {"precision": cfg.reward.precision} if cfg.reward.fn == default else {}
+
+
+def build_rollout(run_dir: str | Path, worker_id: str, index: int):
+    from areal_async.models.tiny import build_model, load_model
+    from areal_async.rollout.service import RolloutService
+    from areal_async.rollout.torch_engine import TorchEngine
+    from areal_async.transport import make_tensor_channel, make_weight_channel
+
+    cfg, ep = load_run(run_dir)
+    set_torch_threads(cfg.cluster.torch_threads)
+    if not cfg.rollout.backend.startswith("torch"):
+        raise NotImplementedError(f"rollout.backend={cfg.rollout.backend!r}: only the embedded 'torch' engine is wired into workers yet")
+    tok = load_tokenizer(cfg.model)
+    # The engine starts without weights (version -1); version 0 comes from the trainer.
+    model = load_model(cfg.model.path, cfg.model.dtype) if cfg.model.path else build_model(cfg.model, len(tok), cfg.seed)
+    engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
+                         max_batch_groups=cfg.rollout.max_batch_groups)
+    ctx = zmq.asyncio.Context()
+    traj = make_tensor_channel(cfg.tensor_channel.trajectories, "send", endpoint=ep.trajectories, run_dir=str(run_dir))
+    weights = make_weight_channel(cfg.tensor_channel.weights, "receive", run_dir=str(run_dir), rank=index + 1,
+                                  world_size=cfg.cluster.n_rollout_workers + 1, rendezvous=ep.extra)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
+    return RolloutService(worker_id, _control(ctx, cfg, ep, "rollout", worker_id), ctx, engine, decode, traj, weights,
+                          ep.rewards, max_active)
+
+
+def build_trainer(run_dir: str | Path, worker_id: str):
+    from areal_async.models.tiny import load_policy
+    from areal_async.trainer.actor import PPOActor
+    from areal_async.trainer.service import TrainerService
+    from areal_async.transport import make_tensor_channel, make_weight_channel
+
+    cfg, ep = load_run(run_dir)
+    set_torch_threads(cfg.cluster.torch_threads)
+    model, tok = load_policy(cfg.model, cfg.seed)
+    warmup(cfg, model, tok)
+    actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
+                     total_steps=cfg.total_train_steps, device=cfg.cluster.device)
+    ctx = zmq.asyncio.Context()
+    traj = make_tensor_channel(cfg.tensor_channel.trajectories, "recv", endpoint=ep.trajectories, run_dir=str(run_dir))
+    weights = make_weight_channel(cfg.tensor_channel.weights, "send", run_dir=str(run_dir), rank=0,
+                                  world_size=cfg.cluster.n_rollout_workers + 1, rendezvous=ep.extra,
+                                  bucket_mb=cfg.tensor_channel.bucket_mb)
+    return TrainerService(_control(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights)
+
+
+def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
+    """The optional SFT warm-up that makes the initial weights (version 0)."""
+    if cfg.sft_warmup.steps == 0:
+        return []
+    from areal_async.data.prompts import load_problems
+    from areal_async.trainer.sft import SFTTrainer
+
+    enc = prompt_encoder(tok)
+    examples = [(enc(p.prompt), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id])
+                for p in load_problems(cfg.train_dataset, cfg.seed) if p.answer]
+    if not examples:
+        raise ValueError("sft_warmup.steps > 0 but the training dataset has no 'answer' fields to imitate")
+    return SFTTrainer(model, cfg.sft_warmup, cfg.actor.mb_spec.max_tokens_per_mb, seed=cfg.seed).run(examples)

@@ -1,0 +1,199 @@
+"""The local supervisor: one machine, one process per worker, watched until the run ends.
+
+``run_local(cfg, run_dir)`` writes the run directory (resolved config, endpoints), starts the
+scheduler, the reward workers, the trainer and the rollout workers as child processes (each in
+its own process group, logging to ``RUN_DIR/logs/<worker>.log``), and then watches them:
+
+- all children exit 0 after the scheduler's Shutdown          -> the run succeeded (exit 0);
+- any child exits non-zero (or dies by a signal)              -> the run fails loudly: the dead
+  worker's last log lines are printed, every other child is stopped, exit 1;
+- SIGINT / SIGTERM to the supervisor                          -> every child it started is
+  stopped (SIGTERM to its process group, SIGKILL after a grace period), exit 130 / 143.
+
+It only ever signals the pids it started (and their process groups), never by name.
+A live progress line (step, reward, staleness, samples/s) is drawn from ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from areal_async.config import ExperimentConfig, to_yaml
+from areal_async.runtime.fleet import plan_endpoints
+
+GRACE_S = 5.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+
+
+def worker_specs(cfg: ExperimentConfig) -> list[tuple[str, str, int]]:
+    """(worker id, module, index) in start order."""
+    specs = [("scheduler", "workers.scheduler", 0)]
+    specs += [(f"reward-{i}", "workers.reward", i) for i in range(cfg.cluster.n_reward_workers)]
+    specs += [("trainer", "workers.trainer", 0)]
+    specs += [(f"rollout-{i}", "workers.rollout", i) for i in range(cfg.cluster.n_rollout_workers)]
+    return specs
+
+
+class LocalSupervisor:
+    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None):
+        self.cfg, self.run_dir = cfg, Path(run_dir).resolve()
+        self.progress = cfg.stats_logger.progress if progress is None else progress
+        self.children: list[Child] = []
+        self.t0 = time.time()
+        self._signal: Optional[int] = None
+
+    # ---- set-up --------------------------------------------------------------------------
+    def prepare(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
+        self.endpoints = plan_endpoints(self.cfg)
+        self.endpoints.save(self.run_dir)
+
+    def start_all(self) -> None:
+        env = dict(os.environ, AREAL_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
+                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        for wid, module, idx in worker_specs(self.cfg):
+            log_path = self.run_dir / "logs" / f"{wid}.log"
+            cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid, "--index", str(idx)]
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=env, start_new_session=True)
+            self.children.append(Child(wid, proc, log_path))
+
+    # ---- watching ------------------------------------------------------------------------
+    def watch(self, poll_s: float = 0.25) -> int:
+        last_line = ""
+        while True:
+            if self._signal is not None:
+                self.stop_all()
+                return 128 + self._signal
+            failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+            if failed:
+                return self._fail(failed[0])
+            if all(c.proc.poll() == 0 for c in self.children):
+                self._progress_done(last_line)
+                return 0
+            last_line = self._progress(last_line)
+            time.sleep(poll_s)
+
+    def _fail(self, dead: Child) -> int:
+        code = dead.proc.returncode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        self.stop_all()
+        print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {how}; the run failed. "
+              f"Last lines of {dead.log_path}:", file=sys.stderr)
+        for line in tail(dead.log_path, 30):
+            print("  | " + line, file=sys.stderr)
+        return 1
+
+    def stop_all(self) -> None:
+        """SIGTERM every child's process group, SIGKILL what is left after GRACE_S; reap all."""
+        for c in self.children:
+            _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for c in self.children:
+            _signal_group(c.proc, signal.SIGKILL)  # the group too: a worker's own children
+            try:
+                c.proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                print(f"[areal-async] pid {c.proc.pid} ({c.name}) did not die", file=sys.stderr)
+
+    def on_signal(self, signum: int, frame) -> None:
+        self._signal = signum
+
+    def cleanup(self) -> None:
+        if getattr(self, "endpoints", None) is not None and self.endpoints.sock_dir:
+            shutil.rmtree(self.endpoints.sock_dir, ignore_errors=True)
+
+    # ---- progress ------------------------------------------------------------------------
+    def _progress(self, last: str) -> str:
+        if not self.progress:
+            return last
+        row = last_metrics(self.run_dir / "metrics.jsonl")
+        if row is None:
+            line = f"[areal-async] starting fleet ({time.time() - self.t0:5.1f}s)"
+        else:
+            line = (f"[areal-async] step {row['step'] + 1}/{self.cfg.total_train_steps}  v{row['version']}  "
+                    f"reward {row['reward_mean']:.3f}  staleness<={row['staleness_max']}  "
+                    f"{row.get('samples_trained_total', 0) / max(1e-9, row['wall_s']):6.1f} samples/s  "
+                    f"{row['wall_s']:6.1f}s")
+        if line != last:
+            sys.stdout.write("\r" + line.ljust(100))
+            sys.stdout.flush()
+        return line
+
+    def _progress_done(self, last: str) -> None:
+        if self.progress and last:
+            self._progress(last)
+            sys.stdout.write("\n")
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is not None and sig == signal.SIGTERM:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # the child leads its own session/group: start_new_session=True
+    except ProcessLookupError:
+        pass
+
+
+def tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError as e:
+        return [f"(cannot read log: {e})"]
+
+
+def last_metrics(path: Path) -> Optional[dict]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None) -> int:
+    sup = LocalSupervisor(cfg, run_dir, progress)
+    old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sup.prepare()
+        sup.start_all()
+        code = sup.watch()
+    except BaseException:
+        sup.stop_all()
+        raise
+    finally:
+        sup.cleanup()
+        for s, h in old.items():
+            signal.signal(s, h)
+    summary = sup.run_dir / "summary.json"
+    if code == 0 and summary.exists():
+        print(f"[areal-async] done: {summary.read_text().strip()}")
+    return code

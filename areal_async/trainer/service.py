@@ -1,0 +1,159 @@
+"""The trainer process: PPO steps on planned batches, weights published after every step.
+
+::
+
+    start: model (+ optional SFT warm-up) = version 0 ──publish──> rollouts; TrainerReady
+    trajectory receiver thread: tensor channel ──> buffer[sample_id]      (rollouts push)
+    control loop:
+      BatchPlan(step, ids) ─> wait until every planned id is in the buffer
+                           ─> PPOActor.train_step (executor thread: the loop keeps receiving)
+                           ─> publish weights of version step+1; TrainStepDone(step, version)
+      CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py)
+      Shutdown              ─> exit
+
+Covered: one trainer process (rank 0). Not covered: data-parallel trainer ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from protocols.messages import (BatchPlan, CheckpointRequest, Shutdown, TrainerReady, TrainStepDone,
+                                WeightsPublished)
+
+from areal_async.runtime.control import ControlClient
+from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.types import Trajectory
+
+log = logging.getLogger("areal_async.trainer")
+
+
+class TrajectoryBuffer:
+    """Trajectory tensors received from rollouts, by sample id (filled by a thread)."""
+
+    def __init__(self, channel):
+        self.channel = channel
+        self.items: dict[str, tuple[dict, dict]] = {}
+        self.dropped: set[str] = set()
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="traj-recv", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                got = self.channel.recv(timeout_s=0.2)
+            except TimeoutError:
+                continue
+            except (ValueError, RuntimeError) as e:  # a bad frame is refused; the channel stays usable
+                log.error("trajectory frame refused: %s", e)
+                continue
+            if got is None:
+                continue
+            key, meta, tensors = got
+            with self.cond:
+                if key not in self.dropped:
+                    self.items[key] = (meta, tensors)
+                self.cond.notify_all()
+
+    def drop(self, ids: list[str]) -> None:
+        with self.cond:
+            for sid in ids:
+                self.items.pop(sid, None)
+                self.dropped.add(sid)
+
+    def take(self, ids: list[str], timeout_s: float) -> dict[str, tuple[dict, dict]]:
+        """Block until every id arrived; raise naming the missing ones after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(i not in self.items for i in ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [i for i in ids if i not in self.items]
+                    raise TimeoutError(f"{len(missing)} planned trajectories never arrived, e.g. {missing[:3]}")
+                self.cond.wait(min(left, 0.5))
+            return {i: self.items.pop(i) for i in ids}
+
+
+class TrainerService:
+    def __init__(self, control: ControlClient, actor: PPOActor, traj_channel, weight_channel,
+                 checkpointer=None, start_step: int = 0, start_version: int = 0, plan_timeout_s: float = 300.0):
+        self.control, self.actor = control, actor
+        self.buffer = TrajectoryBuffer(traj_channel)
+        self.weights = weight_channel
+        self.checkpointer = checkpointer
+        self.next_step, self.version = start_step, start_version
+        self.plan_timeout_s = plan_timeout_s
+
+    async def run(self) -> int:
+        await self.control.register(info={"next_step": self.next_step})
+        self.buffer.thread.start()
+        await self.publish(self.version)
+        await self.control.send(TrainerReady(version=self.version, next_step=self.next_step))
+        try:
+            return await self._loop()
+        finally:
+            self.buffer.stopping.set()
+
+    async def _loop(self) -> int:
+        while True:
+            msg = await self.control.recv()
+            if isinstance(msg, BatchPlan):
+                await self.train(msg)
+            elif isinstance(msg, CheckpointRequest):
+                await self.checkpoint(msg)
+            elif isinstance(msg, Shutdown):
+                log.info("trainer: shutdown (%s)", msg.reason)
+                return 0
+            else:
+                log.debug("trainer: ignoring %s", msg.TYPE)
+
+    async def publish(self, version: int) -> None:
+        """Send weights of `version` to every rollout worker over the weight channel."""
+        loop = asyncio.get_running_loop()
+        sd = {k: v.detach() for k, v in self.actor.model.state_dict().items()}
+        t = time.perf_counter()
+        manifest = await loop.run_in_executor(None, self.weights.publish_begin, version, sd)
+        await self.control.send(WeightsPublished(version=version, manifest=manifest))
+        await loop.run_in_executor(None, self.weights.publish_end)
+        self.publish_s = time.perf_counter() - t
+        if version >= 2:
+            self.weights.release(version - 2)  # keep two: a slow reader may still be on the previous one
+
+    async def train(self, plan: BatchPlan) -> None:
+        if plan.step != self.next_step:
+            raise RuntimeError(f"BatchPlan for step {plan.step}, but the trainer is at step {self.next_step}")
+        loop = asyncio.get_running_loop()
+        self.buffer.drop(plan.aborted_ids)
+        t0 = time.perf_counter()
+        got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
+        trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
+        t1 = time.perf_counter()
+        metrics = await loop.run_in_executor(None, self.actor.train_step, trajs)
+        t2 = time.perf_counter()
+        self.next_step, self.version = plan.step + 1, plan.step + 1
+        await self.publish(self.version)
+        metrics.update(wait_data_s=t1 - t0, train_s=t2 - t1, publish_s=self.publish_s)
+        await self.control.send(TrainStepDone(step=plan.step, version=self.version,
+                                              metrics={k: float(v) for k, v in metrics.items()}))
+
+    async def checkpoint(self, req: CheckpointRequest) -> None:
+        if self.checkpointer is None:
+            log.warning("checkpoint requested but saving is not configured")
+            return
+        path = await asyncio.get_running_loop().run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
+        log.info("checkpoint after step %d saved to %s", req.step, path)
+
+
+def _trajectory(sid: str, item: tuple[dict, dict], score: float) -> Trajectory:
+    meta, t = item
+    return Trajectory(sample_id=sid, group_id=meta["group_id"], prompt_ids=t["prompt_ids"].tolist(),
+                      output_ids=t["output_ids"].tolist(), behav_logp=t["logprobs"].tolist(),
+                      versions=t["versions"].tolist(), score=float(score))

@@ -1,0 +1,173 @@
+"""SchedulerCore and the Ledger driven by simulated fleets (no sockets): invariants 1 and 2."""
+
+import random
+
+import pytest
+
+from protocols.messages import RewardResult, TrajectoryReady
+
+from areal_async.data.prompts import PromptCursor
+from areal_async.scheduler.core import SchedulerCore, SchedulerParams
+from areal_async.scheduler.ledger import Ledger, LedgerError
+from areal_async.scheduler.staleness import can_admit
+
+
+def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
+    params = SchedulerParams(batch_size=B, n_samples=n, eta=eta, total_steps=steps, max_concurrent=max_conc,
+                             gen=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[]))
+    core = SchedulerCore(params, PromptCursor(7, seed=0), lambda i: ([1, 2, i], [str(i)]),
+                         log_sample=(logged.append if logged is not None else lambda r: None))
+    core.add_rollout("r0")
+    core.add_rollout("r1")
+    core.on_trainer_ready(0, 0)
+    return core
+
+
+def finish_group(core, req, vmin, vmax, score=1.0, reward_first=False):
+    for sid in req.sample_ids:
+        traj = TrajectoryReady(sample_id=sid, group_id=req.group_id, worker_id="r0", n_prompt_tokens=3,
+                               n_output_tokens=4, version_min=vmin, version_max=vmax, finish_reason="stop")
+        rew = RewardResult(sample_id=sid, group_id=req.group_id, score=score, status="ok", worker_id="w")
+        for m in ((rew, traj) if reward_first else (traj, rew)):
+            assert (core.on_reward(m) if isinstance(m, RewardResult) else core.on_trajectory(m)) is None
+
+
+def simulate(core, rng, delay_max=3):
+    """Groups finish after random delays (in admission rounds); tokens carry the versions
+    current at start and at finish. Returns the trained records by step."""
+    inflight, trained = [], {}
+    while not core.finished:
+        for _, req in core.admit():
+            assert core.running <= (core.p.eta + core.version + 1) * core.p.batch_size
+            inflight.append([rng.randint(0, delay_max), req, core.version])
+        for item in list(inflight):
+            item[0] -= 1
+            if item[0] < 0:
+                inflight.remove(item)
+                _, req, v0 = item
+                if core.ledger.groups[req.group_id].status == "running":
+                    finish_group(core, req, v0, core.version, score=rng.random())
+        plan, _ = core.plan()
+        if plan is not None:
+            trained[plan.step] = core.on_step_done(plan.step, plan.step + 1)
+    core.abort_open("run_end")
+    return trained
+
+
+def test_eta_zero_is_synchronous_on_policy():
+    core = make_core(eta=0)
+    trained = simulate(core, random.Random(1))
+    assert sorted(trained) == list(range(5))
+    for step, recs in trained.items():
+        assert len(recs) == 2 * 3
+        assert all(r.version_min == r.version_max == step for r in recs)
+
+
+@pytest.mark.parametrize("eta", [1, 2, 4])
+def test_bounded_staleness_and_exactly_once(eta):
+    logged = []
+    core = make_core(eta=eta, steps=12, logged=logged)
+    trained = simulate(core, random.Random(eta), delay_max=6)
+    for step, recs in trained.items():
+        assert all(r.version_min >= step - eta for r in recs), step
+    ids = [r.sample_id for r in logged]
+    assert len(ids) == len(set(ids)) == core.ledger.n_samples_issued  # every sample ends exactly once
+    statuses = {r.status for r in logged}
+    assert statuses <= {"trained", "aborted"}
+    assert all(r.reason for r in logged if r.status == "aborted")
+    assert any(r.version_min < step for step, recs in trained.items() for r in recs)  # asynchrony happened
+
+
+def test_stale_group_is_aborted_and_its_prompt_reissued():
+    logged = []
+    core = make_core(eta=1, B=1, n=2, steps=10, logged=logged)
+    reqs = [r for _, r in core.admit()]
+    assert len(reqs) == 2  # (eta + v + 1) * B = 2
+    old = reqs[1]
+    finish_group(core, reqs[0], 0, 0)
+    plan, _ = core.plan()
+    core.on_step_done(plan.step, 1)
+    finish_group(core, core.admit()[0][1], 1, 1)
+    plan, _ = core.plan()
+    core.on_step_done(plan.step, 2)  # now at step 2: version 0 is too old for eta=1
+    finish_group(core, old, 0, 0)
+    plan, stale = core.plan()
+    assert [r.sample_id for r in stale] == old.sample_ids
+    assert all(r.status == "aborted" and r.reason.startswith("stale") for r in stale)
+    reissued = [r for _, r in core.admit() if r.prompt_id == old.prompt_id]
+    assert len(reissued) == 1 and reissued[0].group_id != old.group_id
+
+
+def test_lost_worker_work_is_reissued_not_lost_not_doubled():
+    logged = []
+    core = make_core(eta=1, logged=logged)
+    reqs = core.admit()
+    lost = [r for w, r in reqs if w == "r0"]
+    aborted = core.lose_worker("r0", "test")
+    assert {r.group_id for r in aborted} == {r.group_id for r in lost}
+    assert all(r.reason.startswith("worker_lost") for r in aborted)
+    again = core.admit()
+    assert {w for w, _ in again} == {"r1"}
+    assert sorted(r.prompt_id for _, r in again)[: len(lost)] == sorted(r.prompt_id for r in lost)
+    # a late result from the dead worker is refused and changes nothing
+    why = core.on_trajectory(TrajectoryReady(sample_id=lost[0].sample_ids[0], group_id=lost[0].group_id, worker_id="r0",
+                                             n_prompt_tokens=1, n_output_tokens=1, version_min=0, version_max=0,
+                                             finish_reason="stop"))
+    assert "already aborted" in why
+
+
+def test_reward_before_trajectory_and_admission_respects_concurrency():
+    core = make_core(eta=3, B=2, max_conc=3)
+    reqs = [r for _, r in core.admit()]
+    assert len(reqs) == 3 and core.running == 3
+    finish_group(core, reqs[0], 0, 0, reward_first=True)
+    assert core.ledger.groups[reqs[0].group_id].status == "ready"
+    assert core.running == 2 and len(core.admit()) == 1
+
+
+def test_no_admission_before_trainer_ready_or_without_rollouts():
+    params = SchedulerParams(2, 2, 0, 3, 10, gen={"max_new_tokens": 4})
+    core = SchedulerCore(params, PromptCursor(3, 0), lambda i: ([1], ["1"]))
+    assert core.admit() == []
+    core.add_rollout("r")
+    assert core.admit() == []
+    core.on_trainer_ready(0, 0)
+    assert len(core.admit()) == 2
+
+
+def test_step_done_for_unplanned_step_is_refused():
+    core = make_core()
+    with pytest.raises(ValueError, match="TrainStepDone for step 3"):
+        core.on_step_done(3, 4)
+
+
+def test_ledger_transitions():
+    led = Ledger()
+    g = led.issue_group("p0", 0, 2, "r0", 0)
+    a, b = g.sample_ids
+    assert led.mark_generated(a, 0, 0, 3, "stop") is False
+    with pytest.raises(LedgerError, match="generated twice"):
+        led.mark_generated(a, 0, 0, 3, "stop")
+    assert led.mark_rewarded(b, 1.0, "ok") is False  # reward first is fine
+    assert led.mark_rewarded(a, 0.0, "ok") is False
+    assert led.mark_generated(b, 0, 1, 2, "length") is True  # group ready
+    with pytest.raises(LedgerError, match="illegal transition"):
+        led.mark_trained([g.group_id])  # not batched yet
+    led.mark_batched([g.group_id], 0)
+    assert [r.status for r in led.mark_trained([g.group_id])] == ["trained", "trained"]
+    with pytest.raises(LedgerError, match="already trained"):
+        led.abort_group(g.group_id, "late")
+    assert led.refuse(a, g.group_id) == f"sample {a!r} already trained"
+    assert "unknown sample" in led.refuse("nope", g.group_id)
+    assert led.counts() == {"issued": 2, "trained": 2, "aborted": 0, "in_flight": 0, "lost": 0}
+    restored = Ledger.from_state(led.to_state())
+    assert restored.to_state() == led.to_state()
+
+
+def test_cursor_state_round_trip_continues_the_same_order():
+    c = PromptCursor(5, seed=3)
+    first = [c.next() for _ in range(7)]
+    d = PromptCursor.from_state(5, 3, True, c.state())
+    assert [d.next() for _ in range(6)] == [c.next() for _ in range(6)]
+    assert sorted(i for i, _ in first[:5]) == list(range(5))  # an epoch is a permutation
+    assert len({pid for _, pid in first}) == 7  # prompt ids never repeat
