@@ -1,0 +1,138 @@
+"""Wire protocol: typed msgpack messages, tensor frames, and receivers that survive bad frames."""
+
+import asyncio
+import dataclasses
+import logging
+import os
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from protocols import messages as M
+from protocols.messages import PROTOCOL_VERSION, REGISTRY, ProtocolError, decode, encode
+from protocols.sockets import make_socket, recv_message, send_message
+from protocols.tensors import decode_tensors, encode_tensors
+
+SAMPLES = {
+    "register": M.Register(role="rollout", worker_id="r0", pid=12, host="h", info={"a": 1}),
+    "register_ack": M.RegisterAck(worker_id="r0", version=3),
+    "heartbeat": M.Heartbeat(worker_id="r0", ts=1.5, stats={"x": 2}),
+    "generate_request": M.GenerateRequest(group_id="g1", prompt_id="e0p1", sample_ids=["g1.0", "g1.1"],
+                                          prompt_ids=[1, 5, 6], solutions=["7"], min_version=2, max_new_tokens=8,
+                                          temperature=0.7, top_p=0.9, greedy=False, stop_token_ids=[2]),
+    "trajectory_ready": M.TrajectoryReady(sample_id="g1.0", group_id="g1", worker_id="r0", n_prompt_tokens=3,
+                                          n_output_tokens=4, version_min=1, version_max=2, finish_reason="stop"),
+    "reward_request": M.RewardRequest(sample_id="g1.0", group_id="g1", completion="\\boxed{7}", solutions=["7"]),
+    "reward_result": M.RewardResult(sample_id="g1.0", group_id="g1", score=1.0, status="ok", worker_id="w", detail=""),
+    "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"]),
+    "train_step_done": M.TrainStepDone(step=0, version=1, metrics={"loss": 0.1}, checkpoint=""),
+    "weights_published": M.WeightsPublished(version=1, manifest={"kind": "shm", "names": ["w"]}),
+    "weights_loaded": M.WeightsLoaded(worker_id="r0", version=1),
+    "trainer_ready": M.TrainerReady(version=0, next_step=0),
+    "checkpoint_request": M.CheckpointRequest(step=3, state={"cursor": {"epoch": 0}}),
+    "shutdown": M.Shutdown(reason="done"),
+    "error": M.Error(code="bad", detail="why", worker_id="x"),
+    "ping": M.Ping(nonce=1),
+    "pong": M.Pong(nonce=1),
+}
+
+
+def test_every_registered_message_round_trips():
+    assert set(SAMPLES) == set(REGISTRY)
+    for name, msg in SAMPLES.items():
+        assert decode(encode(msg)) == msg, name
+
+
+def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
+    return msgpack.packb({"v": v, "t": t, "b": {"nonce": 1} if b is None else b})
+
+
+@pytest.mark.parametrize("frame, needle", [
+    (os.urandom(64), "not valid msgpack|not a message envelope"),
+    (b"", "not valid msgpack"),
+    (msgpack.packb([1, 2, 3]), "not a message envelope"),
+    (envelope(v=99), "protocol version 99"),
+    (envelope(t="launch_missiles"), "unknown message type 'launch_missiles'"),
+    (envelope(b={}), "missing field 'nonce'"),
+    (envelope(b={"nonce": "one"}), r"ping.nonce: expected int, got str"),
+    (envelope(b={"nonce": True}), r"ping.nonce: expected int, got bool"),
+    (envelope(b={"nonce": 1, "extra": 2}), "unknown field 'extra'"),
+    (envelope(t="batch_plan", b={"step": 0, "sample_ids": ["a", 3], "group_ids": [], "scores": []}),
+     r"batch_plan.sample_ids: expected list\[str\]"),
+    (b"\x00" * (M.MAX_MESSAGE_BYTES + 1), "exceeds"),
+])
+def test_malformed_frames_are_rejected_with_a_clear_error(frame, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        decode(frame)
+
+
+def test_unexpected_type_is_rejected_where_a_specific_one_is_expected():
+    with pytest.raises(ProtocolError, match="unexpected message type 'ping'"):
+        decode(encode(M.Ping(nonce=1)), expect=(M.RewardRequest,))
+
+
+def test_encode_refuses_mistyped_fields():
+    with pytest.raises(ProtocolError, match="register_ack.version: expected int"):
+        encode(M.RegisterAck(worker_id="x", version="3"))
+
+
+def test_pickle_is_never_accepted():
+    import pickle
+
+    with pytest.raises(ProtocolError):
+        decode(pickle.dumps(M.Ping(nonce=1)))
+
+
+@pytest.mark.parametrize("t", [torch.randn(3, 4), torch.arange(5, dtype=torch.int64), torch.tensor(3.5),
+                               torch.zeros(0, 7), torch.ones(2, 2, dtype=torch.bfloat16),
+                               torch.tensor([True, False])])
+def test_tensor_frames_round_trip_bit_exactly(t):
+    key, meta, out = decode_tensors(encode_tensors("k", {"g": 1}, {"x": t}))
+    assert (key, meta) == ("k", {"g": 1})
+    assert out["x"].dtype == t.dtype and out["x"].shape == t.shape
+    raw = lambda x: x.reshape(-1).view(torch.uint8)  # noqa: E731  bit-exact, NaN-safe comparison
+    assert torch.equal(raw(out["x"]), raw(t))
+
+
+def test_truncated_and_mislabelled_tensor_frames_are_rejected():
+    frames = encode_tensors("k", {}, {"x": torch.randn(4), "y": torch.arange(3)})
+    with pytest.raises(ProtocolError, match="needs 16 bytes"):
+        decode_tensors([frames[0], bytes(frames[1])[:10], frames[2]])
+    with pytest.raises(ProtocolError, match="header lists 2 tensors, got 1 frames"):
+        decode_tensors(frames[:2])
+    header = msgpack.unpackb(frames[0])
+    header["specs"][0]["dtype"] = "complex128"
+    with pytest.raises(ProtocolError, match="unsupported dtype 'complex128'"):
+        decode_tensors([msgpack.packb(header)] + frames[1:])
+    with pytest.raises(ProtocolError, match="not a tensor header"):
+        decode_tensors([encode(M.Ping(nonce=1))])
+
+
+async def test_router_receiver_keeps_serving_after_bad_frames(caplog, tmp_path):
+    """A ROUTER server answering Ping: garbage in between is logged and answered with Error."""
+    ctx = zmq.asyncio.Context()
+    ep = f"ipc://{tmp_path}/s.sock"
+    server = make_socket(ctx, zmq.ROUTER, bind=ep)
+    client = make_socket(ctx, zmq.DEALER, connect=ep, identity="c1")
+
+    async def serve():
+        while True:
+            ident, msg = await recv_message(server, routed=True, where="test-server")
+            reply = M.Pong(nonce=msg.nonce) if isinstance(msg, M.Ping) else M.Error(code="bad_frame", detail="")
+            await send_message(server, reply, to=ident)
+
+    task = asyncio.create_task(serve())
+    bad = [os.urandom(32), envelope(v=7), envelope(t="nope"), envelope(b={"nonce": "x"}), b""]
+    with caplog.at_level(logging.ERROR, logger="areal_async.protocols"):
+        for frame in bad:
+            await client.send(frame)
+            assert isinstance(decode(await asyncio.wait_for(client.recv(), 5)), M.Error)
+        await send_message(client, M.Ping(nonce=42))
+        assert decode(await asyncio.wait_for(client.recv(), 5)) == M.Pong(nonce=42)
+    rejected = [r for r in caplog.records if "rejected a frame" in r.getMessage()]
+    assert len(rejected) == len(bad)
+    task.cancel()
+    ctx.destroy(linger=0)
