@@ -1,0 +1,1 @@
+"""The embedded default policy: a character tokenizer and tiny Llama/Qwen2 models (no downloads)."""

@@ -1,0 +1,57 @@
+"""A character-level tokenizer for the embedded tiny model, built locally (no download).
+
+Covered: one token per character of a fixed alphabet (default: printable ASCII 32..126 plus
+newline), special tokens ``<pad>``=0, ``<bos>``=1, ``<eos>``=2, ``<unk>``=3, exact decode (no
+spaces inserted, no clean-up), and a round trip through ``save_pretrained`` /
+``AutoTokenizer.from_pretrained``.
+
+Unknown characters encode to ``<unk>`` (id 3) rather than raising: the tokenizer must behave the
+same after ``AutoTokenizer`` reloads it, and a reloaded ``tokenizers`` WordLevel model can only
+map unknowns to an unk token. Use :func:`check_encodable` where an error is wanted instead.
+
+Not covered: merges/BPE, chat templates. ``encode`` adds no special tokens; callers that want a
+``<bos>`` prefix or an ``<eos>`` suffix add them explicitly.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
+DEFAULT_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
+
+
+def _vocab(alphabet: str) -> dict[str, int]:
+    dupes = sorted({c for c in alphabet if alphabet.count(c) > 1})
+    if dupes:
+        raise ValueError(f"alphabet has duplicate characters {dupes!r}: expected each character once")
+    if not alphabet:
+        raise ValueError("alphabet is empty: expected at least one character")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({c: len(SPECIAL_TOKENS) + i for i, c in enumerate(alphabet)})
+    return vocab
+
+
+def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+    """One token per character of ``alphabet`` (default printable ASCII + newline)."""
+    vocab = _vocab(DEFAULT_ALPHABET if alphabet is None else alphabet)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # "[\s\S]" rather than "." so that newlines are split out as characters too.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # concatenate pieces: the default decoder would join with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        clean_up_tokenization_spaces=False,  # " ." must decode to " .", not "."
+        padding_side="left",  # generation batches are left-padded
+    )
+
+
+def check_encodable(tokenizer: PreTrainedTokenizerFast, text: str) -> None:
+    """Raise ``ValueError`` naming the first character of ``text`` the tokenizer maps to ``<unk>``."""
+    unk = tokenizer.unk_token_id
+    for ch in dict.fromkeys(text):  # unique characters, first-seen order
+        if unk is not None and tokenizer.convert_tokens_to_ids(ch) == unk and ch != tokenizer.unk_token:
+            raise ValueError(f"character {ch!r} in {text[:40]!r} is not in the tokenizer's alphabet")

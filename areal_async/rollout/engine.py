@@ -1,0 +1,100 @@
+"""The rollout-engine seam: one small abstract base and the data types that cross it.
+
+A rollout worker drives an engine from one thread::
+
+    engine.add_request(req)            # any number, between steps
+    while engine.has_work():
+        done = engine.step()           # every active sequence advances by one token
+        ...                            # ship finished groups; maybe engine.update_weights(v, sd)
+
+Covered here: the contract (types, call order, what versions and logprobs mean). Not covered:
+any implementation (``torch_engine.TorchEngine`` is the CPU/GPU embedded one; an SGLang engine
+sits beside it), networking, scheduling policy.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class GenRequest:
+    """Generate ``n`` samples (one GRPO group) continuing ``prompt_ids``."""
+
+    group_id: str
+    prompt_ids: list[int]
+    n: int  # samples of this prompt (a GRPO group)
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # eos always stops too
+
+    def validate(self) -> "GenRequest":
+        """Raise ``ValueError`` naming the first bad field; return self."""
+        checks = [
+            (bool(self.prompt_ids), "prompt_ids", "a non-empty list of token ids"),
+            (self.n >= 1, "n", "an integer >= 1"),
+            (self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1"),
+            (self.greedy or self.temperature > 0, "temperature", "> 0 (or greedy=True)"),
+            (0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise ValueError(f"GenRequest {self.group_id!r}: {name}={getattr(self, name)!r}, expected {expected}")
+        return self
+
+
+@dataclass
+class SampleOutput:
+    """One finished sample. ``logprobs``/``versions`` align with ``output_ids``."""
+
+    output_ids: list[int]
+    # behaviour logprob of each generated token: log_softmax(logits / temperature)[token], before
+    # top-p truncation; greedy uses temperature 1.
+    logprobs: list[float]
+    versions: list[int]  # policy version of the weights that produced each token
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+@dataclass
+class GroupOutput:
+    group_id: str
+    samples: list[SampleOutput]
+
+
+class RolloutEngine(ABC):
+    """Token-level generation engine hosting one policy.
+
+    ``version`` is the version of the loaded weights, -1 before the first load. Every generated
+    token records the version that produced it; weights may change between two ``step`` calls,
+    mid-generation, and an implementation must never mix a KV cache computed by one version with
+    weights of another (invariant 4).
+    """
+
+    version: int = -1
+
+    @abstractmethod
+    def add_request(self, req: GenRequest) -> None:
+        """Queue a group; it starts at the next ``step`` without waiting for running ones."""
+
+    @abstractmethod
+    def step(self) -> list[GroupOutput]:
+        """Advance every active sequence by one token; return the groups whose n samples all finished."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """True while any queued or running group is unfinished."""
+
+    @abstractmethod
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights of ``version``; running samples resume under them (their new tokens carry it)."""
+
+    @abstractmethod
+    def abort_all(self) -> list[GroupOutput]:
+        """Finish everything now: unfinished samples keep their tokens and get finish_reason "abort"."""

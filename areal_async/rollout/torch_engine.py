@@ -1,0 +1,371 @@
+"""``TorchEngine``: the embedded rollout engine, plain PyTorch + HF KV cache, CPU or one GPU.
+
+How it works::
+
+    add_request ──> pending ──(next step: prefill prompt[:-1] once per group,
+                                 expand the cache to the group's n rows)──> new cohort
+    cohorts ── merged while they hold <= max_batch_groups groups ──┐
+    step(): for each cohort one forward of one token per row ──> sample ──> finished rows leave,
+            a group is returned once its n samples have all finished
+
+A *cohort* is a batch of rows (samples) that share one left-padded KV cache. Each row keeps the
+token it will feed next (the last prompt token right after prefill, then the last sampled one),
+so every step is exactly one single-token forward per cohort, new and old rows alike. Cohorts are
+merged by left-padding the shorter cache (padding is masked), so requests arriving between steps
+join the running batch instead of waiting for it.
+
+Weight updates (AReaL's interrupt-and-resume): ``update_weights`` loads the new tensors, then
+throws away every cohort's KV cache and recomputes it by prefilling prompt + tokens generated so
+far under the NEW weights; decoding then continues. Tokens sampled before the update keep their
+old version and old logprobs, tokens after it carry the new version. No KV entry computed by old
+weights is ever read by new ones (invariant 4).
+
+Covered: temperature, top-p, greedy, eos/stop tokens, max_new_tokens, abort, seeded sampling
+(``torch.Generator``). Not covered: paged memory, a radix tree across groups (only the prompt of
+one group is shared), sliding-window or hybrid-cache models, speculative decoding. After a
+weight update each row is re-prefilled on its own (prompt sharing is not redone).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, PreTrainedModel
+
+from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput
+
+# Per-row tensors of a cohort and how each is padded when two cohorts merge:
+# "_B" no padding; "_BW" right-padded along dim 1 (generated-token buffers, stop sets);
+# "mask_BT" left-padded along dim 1 like the KV cache it describes.
+_ROW_PAD = {"out_BW": 0, "logp_BW": 0.0, "ver_BW": -1, "stop_BW": -1}
+
+
+@dataclass
+class _Group:
+    req: GenRequest
+    samples: list  # SampleOutput | None per sample index
+    left: int  # samples not finished yet
+
+    def output(self) -> GroupOutput:
+        return GroupOutput(self.req.group_id, list(self.samples))
+
+
+def _pad_dim(x: torch.Tensor, dim: int, size: int, value: float, left: bool) -> torch.Tensor:
+    missing = size - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    fill = torch.full(shape, value, dtype=x.dtype, device=x.device)
+    return torch.cat([fill, x] if left else [x, fill], dim=dim)
+
+
+def _cache_from(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    return DynamicCache(ddp_cache_data=kvs)
+
+
+def _kvs(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+class _Cohort:
+    """Rows decoded together: ``rows[i]`` = (group, sample index) of batch row i."""
+
+    def __init__(self, rows: list[tuple[_Group, int]], t: dict[str, torch.Tensor], cache: DynamicCache):
+        self.rows, self.t, self.cache = rows, t, cache
+
+    @property
+    def n_groups(self) -> int:
+        return len({id(g) for g, _ in self.rows})
+
+    def select(self, idx: torch.Tensor) -> None:
+        """Keep rows ``idx`` (in that order) and drop cache columns no kept row attends to."""
+        keep = idx.tolist()
+        self.rows = [self.rows[i] for i in keep]
+        self.t = {k: v[idx] for k, v in self.t.items()}
+        live_T = self.t["mask_BT"].any(0).nonzero()
+        start = int(live_T[0]) if len(live_T) else self.t["mask_BT"].shape[1]
+        self.t["mask_BT"] = self.t["mask_BT"][:, start:]
+        self.cache = _cache_from([(k[idx, :, start:], v[idx, :, start:]) for k, v in _kvs(self.cache)])
+
+    def merge(self, other: "_Cohort") -> None:
+        """Append ``other``'s rows; the shorter cache is left-padded with masked zeros."""
+        T = max(self.t["mask_BT"].shape[1], other.t["mask_BT"].shape[1])
+        W = max(self.t["out_BW"].shape[1], other.t["out_BW"].shape[1])
+        S = max(self.t["stop_BW"].shape[1], other.t["stop_BW"].shape[1])
+        self.t = {k: torch.cat([_pad_row(k, v, T, W, S), _pad_row(k, other.t[k], T, W, S)]) for k, v in self.t.items()}
+        kvs = [(torch.cat([_pad_dim(ka, 2, T, 0, True), _pad_dim(kb, 2, T, 0, True)]),
+                torch.cat([_pad_dim(va, 2, T, 0, True), _pad_dim(vb, 2, T, 0, True)]))
+               for (ka, va), (kb, vb) in zip(_kvs(self.cache), _kvs(other.cache))]
+        self.cache = _cache_from(kvs)
+        self.rows = self.rows + other.rows
+
+
+def _pad_row(name: str, x: torch.Tensor, T: int, W: int, S: int) -> torch.Tensor:
+    if name == "mask_BT":
+        return _pad_dim(x, 1, T, 0, left=True)
+    if name in _ROW_PAD:
+        return _pad_dim(x, 1, S if name == "stop_BW" else W, _ROW_PAD[name], left=False)
+    return x
+
+
+def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
+    """Zero the tail of each row beyond its nucleus (the most likely token always stays)."""
+    sorted_BV, order_BV = probs_BV.sort(dim=-1, descending=True)
+    mass_before_BV = sorted_BV.cumsum(-1) - sorted_BV
+    sorted_BV = sorted_BV.masked_fill(mass_before_BV >= top_p_B[:, None], 0.0)
+    return torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
+
+
+def sample_tokens(logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor,
+                  greedy_B: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_B, behaviour logprob_B): logprob = log_softmax(logits / T)[token], T = 1 for greedy,
+    taken before top-p truncation (the distribution the trainer recomputes)."""
+    temp_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
+    logp_BV = torch.log_softmax(logits_BV.float() / temp_B[:, None], dim=-1)
+    tok_B = logp_BV.argmax(-1)
+    if not bool(greedy_B.all()):
+        probs_BV = logp_BV.exp()
+        if bool((top_p_B < 1).any()):
+            probs_BV = _top_p_filter(probs_BV, top_p_B)
+        drawn_B = torch.multinomial(probs_BV, 1, generator=gen).squeeze(1)
+        tok_B = torch.where(greedy_B, tok_B, drawn_B)
+    return tok_B, logp_BV.gather(1, tok_B[:, None]).squeeze(1)
+
+
+class TorchEngine(RolloutEngine):
+    """KV-cached batched sampling with a shared prefill per group; see the module docstring.
+
+    ``tokenizer_or_eos_id``: a tokenizer (its ``eos_token_id`` is used) or the eos id itself; an id
+    outside the vocabulary (e.g. -1) means no eos (samples end by stop tokens or length only).
+    ``version``: version of the weights ``model`` already holds; the default -1 means "not loaded
+    from the trainer yet" (tokens generated before the first ``update_weights`` carry -1).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer_or_eos_id, device: str = "cpu", seed: int = 0,
+                 max_batch_groups: int = 16, version: int = -1):
+        if max_batch_groups < 1:
+            raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.eos_id = _eos_id(tokenizer_or_eos_id)
+        self.pad_id = 0  # any valid id: padded positions are masked out
+        self.max_batch_groups = max_batch_groups
+        self.version = version
+        self.gen = torch.Generator(self.device).manual_seed(seed)
+        self.pending: list[_Group] = []
+        self.cohorts: list[_Cohort] = []
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+
+    # ---- the seam ------------------------------------------------------------------------------
+
+    def add_request(self, req: GenRequest) -> None:
+        req.validate()
+        self._check_request(req)
+        self.pending.append(_Group(req, [None] * req.n, req.n))
+
+    def has_work(self) -> bool:
+        return bool(self.pending or self.cohorts)
+
+    @torch.inference_mode()
+    def step(self) -> list[GroupOutput]:
+        self._admit_pending()
+        finished: list[GroupOutput] = []
+        for cohort in self.cohorts:
+            finished += self._decode(cohort)
+        self.cohorts = [c for c in self.cohorts if c.rows]
+        return finished
+
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load ``state_dict`` as ``version``; recompute every running KV cache under it.
+
+        The state dict is checked in full first (names and shapes); on a mismatch a ``ValueError``
+        names the first bad key and nothing is loaded, so the engine keeps the old weights.
+        """
+        params = _check_state_dict(self.model, state_dict)
+        with torch.no_grad():
+            for name, p in params.items():
+                if name in state_dict:
+                    p.copy_(state_dict[name])
+        self.version = version
+        with torch.inference_mode():
+            for cohort in self.cohorts:
+                self._recompute(cohort)
+
+    def abort_all(self) -> list[GroupOutput]:
+        groups = {id(g): g for c in self.cohorts for g, _ in c.rows}
+        for cohort in self.cohorts:
+            self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
+        for g in self.pending:
+            groups[id(g)] = g
+            g.samples = [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]
+        self.pending, self.cohorts = [], []
+        return [g.output() for g in groups.values()]
+
+    # ---- admission and prefill -----------------------------------------------------------------
+
+    def _check_request(self, req: GenRequest) -> None:
+        live = {g.req.group_id for g in self.pending} | {g.req.group_id for c in self.cohorts for g, _ in c.rows}
+        if req.group_id in live:
+            raise ValueError(f"group_id {req.group_id!r} is already generating: expected a new id")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"GenRequest {req.group_id!r}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+        limit = self.model.config.max_position_embeddings
+        if len(req.prompt_ids) + req.max_new_tokens > limit:
+            raise ValueError(f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
+                             f"({req.max_new_tokens}) > the model's max_position_embeddings={limit}")
+
+    def _admit_pending(self) -> None:
+        """Prefill queued groups in chunks of max_batch_groups, then merge into running cohorts."""
+        cap, pending, self.pending = self.max_batch_groups, self.pending, []
+        for i in range(0, len(pending), cap):
+            new = self._new_cohort(pending[i:i + cap])
+            host = next((c for c in self.cohorts if c.n_groups + new.n_groups <= cap), None)
+            if host is None:
+                self.cohorts.append(new)
+            else:
+                host.merge(new)
+
+    def _new_cohort(self, groups: list[_Group]) -> _Cohort:
+        """Prefill each group's prompt[:-1] once, then repeat that cache row for its n samples."""
+        cache, mask_GT = self._prefill([g.req.prompt_ids[:-1] for g in groups])
+        n_G = torch.tensor([g.req.n for g in groups], device=self.device)
+        rows_G = torch.repeat_interleave(torch.arange(len(groups), device=self.device), n_G)
+        cache = _cache_from([(k[rows_G], v[rows_G]) for k, v in _kvs(cache)])
+        t = self._row_tensors(groups, rows_G)
+        t["mask_BT"] = mask_GT[rows_G]
+        rows = [(g, i) for g in groups for i in range(g.req.n)]
+        return _Cohort(rows, t, cache)
+
+    def _row_tensors(self, groups: list[_Group], rows_G: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-row state: the token to feed next, its position, sampling params, output buffers."""
+        dev, reqs = self.device, [g.req for g in groups]
+        stops = [(self.eos_id, *r.stop_token_ids) for r in reqs]
+        S, W = max(map(len, stops)), max(r.max_new_tokens for r in reqs)
+        t = {
+            "next_B": torch.tensor([r.prompt_ids[-1] for r in reqs], device=dev),
+            "pos_B": torch.tensor([len(r.prompt_ids) - 1 for r in reqs], device=dev),
+            "max_new_B": torch.tensor([r.max_new_tokens for r in reqs], device=dev),
+            "temp_B": torch.tensor([float(r.temperature) for r in reqs], device=dev),
+            "top_p_B": torch.tensor([float(r.top_p) for r in reqs], device=dev),
+            "greedy_B": torch.tensor([r.greedy for r in reqs], device=dev),
+            "stop_BW": torch.tensor([s + (-1,) * (S - len(s)) for s in stops], device=dev),
+        }
+        t = {k: v[rows_G] for k, v in t.items()}
+        B = len(rows_G)
+        t["n_gen_B"] = torch.zeros(B, dtype=torch.long, device=dev)
+        t["out_BW"] = torch.zeros(B, W, dtype=torch.long, device=dev)
+        t["logp_BW"] = torch.zeros(B, W, dtype=torch.float32, device=dev)
+        t["ver_BW"] = torch.full((B, W), -1, dtype=torch.long, device=dev)
+        return t
+
+    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
+        """Left-padded forward of ``contexts`` (may be empty lists) -> (KV cache, mask_BT)."""
+        B, T = len(contexts), max(map(len, contexts))
+        ids_BT = torch.tensor([[self.pad_id] * (T - len(c)) + c for c in contexts], dtype=torch.long,
+                              device=self.device).view(B, T)
+        mask_BT = torch.tensor([[0] * (T - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long,
+                               device=self.device).view(B, T)
+        if T == 0:  # all prompts are one token long: nothing to cache yet
+            return self._empty_cache(B), mask_BT
+        pos_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.model.config)
+        # base_model: the decoder stack without lm_head; the logits of a prefill are never used.
+        self.model.base_model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT,
+                              use_cache=True, **{self._cache_kw: cache})
+        return cache, mask_BT
+
+    def _empty_cache(self, B: int) -> DynamicCache:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(self.model.parameters()).dtype
+        kv = torch.zeros(B, cfg.num_key_value_heads, 0, head_dim, dtype=dtype, device=self.device)
+        return _cache_from([(kv, kv) for _ in range(cfg.num_hidden_layers)])
+
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def _decode(self, c: _Cohort) -> list[GroupOutput]:
+        """One single-token forward for every row of ``c``; sample; retire finished rows."""
+        t = c.t
+        B = len(c.rows)
+        # HF silently right-pads a short 2D mask, so a mask/cache mismatch would not fail loudly.
+        assert t["mask_BT"].shape[1] == c.cache.get_seq_length(), "cohort mask and KV cache disagree"
+        mask_BT = torch.cat([t["mask_BT"], torch.ones(B, 1, dtype=t["mask_BT"].dtype, device=self.device)], 1)
+        out = self.model(input_ids=t["next_B"][:, None], attention_mask=mask_BT, position_ids=t["pos_B"][:, None],
+                         use_cache=True, **{self._cache_kw: c.cache})
+        tok_B, logp_B = sample_tokens(out.logits[:, -1], t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen)
+        rows_B = torch.arange(B, device=self.device)
+        t["out_BW"][rows_B, t["n_gen_B"]] = tok_B
+        t["logp_BW"][rows_B, t["n_gen_B"]] = logp_B
+        t["ver_BW"][rows_B, t["n_gen_B"]] = self.version
+        t["n_gen_B"] += 1
+        t["next_B"], t["pos_B"], t["mask_BT"] = tok_B, t["pos_B"] + 1, mask_BT
+        return self._retire(c, tok_B)
+
+    def _retire(self, c: _Cohort, tok_B: torch.Tensor) -> list[GroupOutput]:
+        stop_B = (tok_B[:, None] == c.t["stop_BW"]).any(1)
+        done_B = stop_B | (c.t["n_gen_B"] >= c.t["max_new_B"])
+        if not bool(done_B.any()):
+            return []
+        done = done_B.nonzero().squeeze(1).tolist()
+        stopped = stop_B.tolist()
+        groups = self._finish_rows(c, done, ["stop" if stopped[i] else "length" for i in done])
+        c.select((~done_B).nonzero().squeeze(1))
+        return [g.output() for g in groups if g.left == 0]
+
+    def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
+        """Turn rows ``idx`` of ``c`` into SampleOutputs; return their groups (each once)."""
+        n_gen = c.t["n_gen_B"][idx].tolist()
+        out, logp, ver = (c.t[k][idx].tolist() for k in ("out_BW", "logp_BW", "ver_BW"))
+        touched = {}
+        for j, i in enumerate(idx):
+            g, s = c.rows[i]
+            n = n_gen[j]
+            g.samples[s] = SampleOutput(out[j][:n], logp[j][:n], ver[j][:n], reasons[j])
+            g.left -= 1
+            touched[id(g)] = g
+        return list(touched.values())
+
+    # ---- weight updates ------------------------------------------------------------------------
+
+    def _recompute(self, c: _Cohort) -> None:
+        """Replace ``c``'s KV cache by one prefilled under the current weights over
+        prompt + generated tokens, all but the last token (which is fed by the next step)."""
+        n_gen, out = c.t["n_gen_B"].tolist(), c.t["out_BW"].tolist()
+        seqs = [g.req.prompt_ids + out[i][:n_gen[i]] for i, (g, _) in enumerate(c.rows)]
+        c.cache, c.t["mask_BT"] = self._prefill([s[:-1] for s in seqs])
+
+
+def _eos_id(tokenizer_or_eos_id) -> int:
+    if isinstance(tokenizer_or_eos_id, int):
+        return tokenizer_or_eos_id
+    eos = getattr(tokenizer_or_eos_id, "eos_token_id", None)
+    if not isinstance(eos, int):
+        raise ValueError(f"tokenizer_or_eos_id={tokenizer_or_eos_id!r}: expected an int or a tokenizer with an eos_token_id")
+    return eos
+
+
+def _check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Return the model's state tensors by name after checking ``sd`` matches them.
+
+    A key may be missing only when it aliases (shares storage with) a key that is present:
+    tied embeddings appear under two names in ``model.state_dict()``.
+    """
+    params = model.state_dict(keep_vars=True)
+    unexpected = sorted(set(sd) - set(params))
+    if unexpected:
+        raise ValueError(f"state dict key {unexpected[0]!r} is not a weight of the model "
+                         f"(expected names like {next(iter(params))!r})")
+    present_ptrs = {params[k].data_ptr() for k in sd}
+    for name, p in params.items():
+        if name not in sd and p.data_ptr() not in present_ptrs:
+            raise ValueError(f"state dict is missing weight {name!r} (shape {tuple(p.shape)})")
+        if name in sd and tuple(sd[name].shape) != tuple(p.shape):
+            raise ValueError(f"state dict weight {name!r} has shape {tuple(sd[name].shape)}, "
+                             f"expected {tuple(p.shape)}")
+    return params

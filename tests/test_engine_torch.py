@@ -1,0 +1,251 @@
+"""TorchEngine: behaviour logprobs vs a no-cache forward, shared prefill, continuous batching,
+interrupt-and-resume weight updates, finish reasons, abort, and a printed micro-benchmark."""
+import time
+
+import pytest
+import torch
+
+from areal_async.config import ModelConfig
+from areal_async.models.tiny import build_model
+from areal_async.models.tokenizer import build_char_tokenizer
+from areal_async.rollout.engine import GenRequest, GroupOutput
+from areal_async.rollout.torch_engine import TorchEngine, sample_tokens
+
+TOK = build_char_tokenizer()
+SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+PROMPTS = ["7+5=", "1", "what is 12+30? ", "ab"]  # different lengths: left padding must not leak
+
+
+def _model(seed=0, cfg=SMALL):
+    return build_model(cfg, len(TOK), seed)
+
+
+def _req(gid, prompt, **kw):
+    kw.setdefault("n", 3)
+    kw.setdefault("max_new_tokens", 8)
+    return GenRequest(gid, TOK.encode(prompt), **kw)
+
+
+def _run(engine) -> dict[str, GroupOutput]:
+    done = {}
+    while engine.has_work():
+        done.update({o.group_id: o for o in engine.step()})
+    return done
+
+
+def _ref_logprobs(model, prompt_ids, out_ids, temperature=1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each generated token from one full forward, no cache, no padding."""
+    with torch.no_grad():
+        logits_TV = model(torch.tensor([prompt_ids + out_ids])).logits[0].float()
+    logp_TV = torch.log_softmax(logits_TV / temperature, -1)[len(prompt_ids) - 1:-1]
+    return logp_TV.gather(1, torch.tensor(out_ids)[:, None]).squeeze(1)
+
+
+def _assert_logprobs_match(model, reqs, outs, temperature):
+    for r in reqs:
+        for s in outs[r.group_id].samples:
+            ref = _ref_logprobs(model, r.prompt_ids, s.output_ids, temperature)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_p):
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=1, version=0)
+    reqs = [_req(f"g{i}", p, temperature=temperature, top_p=top_p) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    outs = _run(engine)
+    assert sorted(outs) == sorted(r.group_id for r in reqs)
+    assert all(len(o.samples) == 3 and all(s.versions == [0] * len(s.output_ids) for s in o.samples)
+               for o in outs.values())
+    _assert_logprobs_match(model, reqs, outs, temperature)
+
+
+def test_group_prompt_is_prefilled_once_and_samples_differ():
+    model = _model()
+    shapes = []
+    model.model.register_forward_hook(lambda m, args, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
+                                      with_kwargs=True)
+    engine = TorchEngine(model, TOK, seed=0)
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(_req(f"g{i}", p, n=4, max_new_tokens=6))
+    outs = _run(engine)
+    prefills = [s for s in shapes if s[1] > 1]
+    longest = max(len(p) for p in PROMPTS[:3])
+    assert prefills == [(3, longest - 1)]  # one forward, one row per group (not per sample)
+    assert shapes[len(prefills)][0] == 12  # then decoding runs over all 3 x 4 samples
+    for o in outs.values():
+        assert len({tuple(s.output_ids) for s in o.samples}) > 1
+
+
+def test_greedy_and_tiny_top_p_give_identical_samples():
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=0)
+    engine.add_request(_req("greedy", PROMPTS[0], n=4, greedy=True, temperature=0.5))
+    engine.add_request(_req("nucleus", PROMPTS[0], n=4, temperature=0.5, top_p=1e-6))
+    outs = _run(engine)
+    greedy = [s.output_ids for s in outs["greedy"].samples]
+    assert all(g == greedy[0] for g in greedy)
+    assert all(s.output_ids == greedy[0] for s in outs["nucleus"].samples)  # nucleus of one token == argmax
+    req = _req("x", PROMPTS[0])
+    _assert_logprobs_match(model, [req], {"x": outs["greedy"]}, 1.0)  # greedy: temperature 1
+    _assert_logprobs_match(model, [req], {"x": outs["nucleus"]}, 0.5)  # before top-p truncation
+
+
+def test_top_p_samples_only_the_nucleus_and_reports_untruncated_logprobs():
+    logits_BV = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)  # probs .64 .24 .09 .03
+    B = len(logits_BV)
+    gen = torch.Generator().manual_seed(0)
+    tok_B, logp_B = sample_tokens(logits_BV, torch.ones(B), torch.full((B,), 0.7), torch.zeros(B, dtype=torch.bool), gen)
+    assert set(tok_B.tolist()) == {0, 1}  # 0.64 < 0.7 needs token 1 too; 0.64 + 0.24 >= 0.7 stops there
+    assert abs((tok_B == 0).float().mean().item() - 0.644 / 0.881) < 0.03  # renormalised inside the nucleus
+    torch.testing.assert_close(logp_B, torch.log_softmax(logits_BV, -1).gather(1, tok_B[:, None]).squeeze(1))
+
+
+def test_same_seed_reproduces_samples():
+    model = _model()
+
+    def sample(seed):
+        engine = TorchEngine(model, TOK, seed=seed)
+        engine.add_request(_req("g", PROMPTS[2], n=4))
+        return [s.output_ids for s in _run(engine)["g"].samples]
+
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(6)
+
+
+@pytest.mark.parametrize("max_batch_groups", [16, 1])
+def test_request_added_mid_generation_finishes_correctly(max_batch_groups):
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=2, max_batch_groups=max_batch_groups, version=0)
+    # the late prompt is longer than the running context: the running cache gets left-padded
+    first, late = _req("first", PROMPTS[3], max_new_tokens=10), _req("late", PROMPTS[2], n=2, max_new_tokens=4)
+    engine.add_request(first)
+    outs = {o.group_id: o for _ in range(3) for o in engine.step()}
+    engine.add_request(late)
+    outs.update(_run(engine))
+    assert sorted(outs) == ["first", "late"]
+    assert all(len(s.output_ids) <= 4 for s in outs["late"].samples)
+    _assert_logprobs_match(model, [first, late], outs, 1.0)
+    assert len(engine.cohorts) == 0 and not engine.has_work()
+
+
+def test_rows_left_after_the_longest_prompt_finishes_stay_correct():
+    """When the longest-context rows leave, the all-padding cache columns are trimmed."""
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=4, version=0)
+    reqs = [_req("long", PROMPTS[2], n=2, max_new_tokens=2), _req("short", PROMPTS[1], n=2, max_new_tokens=9)]
+    for r in reqs:
+        engine.add_request(r)
+    outs = {o.group_id: o for _ in range(3) for o in engine.step()}
+    assert "long" in outs and engine.cohorts[0].t["mask_BT"].shape[1] == len(PROMPTS[1]) - 1 + 3
+    outs.update(_run(engine))
+    _assert_logprobs_match(model, reqs, outs, 1.0)
+
+
+def test_update_weights_mid_generation_recomputes_the_kv_cache():
+    old, new = _model(seed=0), _model(seed=1)
+    old_sd = {k: v.clone() for k, v in old.state_dict().items()}
+    engine = TorchEngine(_model(seed=0), TOK, seed=3, version=4)
+    reqs = [_req(f"g{i}", p, n=2, max_new_tokens=10) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    outs = {o.group_id: o for _ in range(4) for o in engine.step()}
+    engine.update_weights(5, new.state_dict())
+    assert engine.version == 5
+    outs.update(_run(engine))
+    old.load_state_dict(old_sd)
+    for r in reqs:
+        for s in outs[r.group_id].samples:
+            k = min(4, len(s.output_ids))
+            assert s.versions == [4] * k + [5] * (len(s.output_ids) - k)
+            ref_old = _ref_logprobs(old, r.prompt_ids, s.output_ids)[:k]
+            ref_new = _ref_logprobs(new, r.prompt_ids, s.output_ids)[k:]  # prompt + ALL tokens, new weights
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.cat([ref_old, ref_new]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda sd: sd.pop("model.norm.weight"), "missing weight 'model.norm.weight'"),
+    (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(7)), r"'model.norm.weight' has shape \(7,\)"),
+    (lambda sd: sd.__setitem__("extra.weight", torch.ones(1)), "'extra.weight' is not a weight"),
+])
+def test_mismatched_state_dict_is_refused_and_old_weights_keep_working(mutate, match):
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=0, version=0)
+    req = _req("g", PROMPTS[0], max_new_tokens=6)
+    engine.add_request(req)
+    engine.step()
+    bad = dict(_model(seed=7).state_dict())
+    mutate(bad)
+    with pytest.raises(ValueError, match=match):
+        engine.update_weights(1, bad)
+    assert engine.version == 0
+    outs = _run(engine)
+    assert all(s.versions == [0] * len(s.output_ids) for s in outs["g"].samples)
+    _assert_logprobs_match(model, [req], outs, 1.0)
+
+
+def test_tied_embeddings_accept_state_dict_without_the_alias():
+    cfg = ModelConfig(**{**SMALL.__dict__, "tie_word_embeddings": True})
+    engine = TorchEngine(_model(cfg=cfg), TOK, seed=0)
+    sd = dict(_model(seed=1, cfg=cfg).state_dict())
+    sd.pop("lm_head.weight")
+    engine.update_weights(0, sd)
+    assert torch.equal(engine.model.lm_head.weight, sd["model.embed_tokens.weight"])
+
+
+def test_length_stop_tokens_and_eos():
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=0)
+    engine.add_request(_req("len", PROMPTS[0], n=2, max_new_tokens=5, greedy=True))
+    greedy = _run(engine)["len"].samples
+    assert [(len(s.output_ids), s.finish_reason) for s in greedy] == [(5, "length")] * 2
+    first, second = greedy[0].output_ids[:2]
+    engine.add_request(_req("stop", PROMPTS[0], n=2, max_new_tokens=5, greedy=True, stop_token_ids=(second,)))
+    assert [(s.output_ids, s.finish_reason) for s in _run(engine)["stop"].samples] == [([first, second], "stop")] * 2
+    eos_engine = TorchEngine(model, first, seed=0)  # eos given as an id
+    eos_engine.add_request(_req("eos", PROMPTS[0], n=1, max_new_tokens=5, greedy=True))
+    assert [(s.output_ids, s.finish_reason) for s in _run(eos_engine)["eos"].samples] == [([first], "stop")]
+
+
+def test_abort_all_returns_unfinished_work_as_abort():
+    engine = TorchEngine(_model(), TOK, seed=0)
+    engine.add_request(_req("running", PROMPTS[0], n=2, max_new_tokens=10, greedy=True))
+    engine.add_request(_req("short", PROMPTS[1], n=1, max_new_tokens=1))
+    stepped = [o for _ in range(2) for o in engine.step()]
+    engine.add_request(_req("queued", PROMPTS[2], n=3))
+    aborted = {o.group_id: o for o in engine.abort_all()}
+    assert [o.group_id for o in stepped] == ["short"] and sorted(aborted) == ["queued", "running"]
+    assert [(len(s.output_ids), s.finish_reason) for s in aborted["running"].samples] == [(2, "abort")] * 2
+    assert [(s.output_ids, s.finish_reason) for s in aborted["queued"].samples] == [([], "abort")] * 3
+    assert not engine.has_work() and engine.step() == []
+
+
+def test_bad_requests_are_refused_with_the_field_named():
+    engine = TorchEngine(_model(), TOK)
+    with pytest.raises(ValueError, match="temperature=0"):
+        engine.add_request(_req("a", "1", temperature=0))
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        engine.add_request(_req("a", "1", top_p=1.5))
+    with pytest.raises(ValueError, match="token id 999"):
+        engine.add_request(GenRequest("a", [5, 999], n=1, max_new_tokens=2))
+    with pytest.raises(ValueError, match="max_position_embeddings=256"):
+        engine.add_request(_req("a", "1", max_new_tokens=300))
+    engine.add_request(_req("a", "1"))
+    with pytest.raises(ValueError, match="'a' is already generating"):
+        engine.add_request(_req("a", "2"))
+
+
+def test_microbenchmark_tokens_per_second():
+    """Printed, not asserted: 16 groups x 8 samples x 16 tokens, hidden 64, 2 layers."""
+    engine = TorchEngine(build_model(ModelConfig(hidden_size=64, num_hidden_layers=2), len(TOK), 0), -1, seed=0)
+    for i in range(16):  # eos id -1 never matches: every sample runs the full 16 tokens
+        engine.add_request(GenRequest(f"g{i}", TOK.encode(f"{i}+{2 * i}="), n=8, max_new_tokens=16))
+    start = time.perf_counter()
+    outs = _run(engine)
+    elapsed = time.perf_counter() - start
+    n_tokens = sum(len(s.output_ids) for o in outs.values() for s in o.samples)
+    assert n_tokens == 16 * 8 * 16
+    print(f"\nTorchEngine CPU: {n_tokens} tokens in {elapsed:.3f}s = {n_tokens / elapsed:,.0f} tokens/s")
