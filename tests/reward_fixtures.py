@@ -1,0 +1,85 @@
+"""Reward functions that misbehave on purpose, loaded by dotted path into RewardPool children.
+
+All follow the plug-in contract ``f(completion: str, solutions: list[str], **kwargs)``; the pool
+tests name them as ``"reward_fixtures:<name>"`` (pytest puts ``tests/`` on ``sys.path`` and the
+pool hands its ``sys.path`` to the children).
+"""
+
+import os
+import re
+import sys
+import time
+
+
+def exact_match(completion, solutions, strip: bool = False):
+    """A minimal well-behaved plug-in: 1.0 if the completion equals a solution."""
+    text = completion.strip() if strip else completion
+    return 1.0 if text in solutions else 0.0
+
+
+def sleep_echo(completion, solutions):
+    """Sleep ``float(completion)`` seconds, then return ``float(solutions[0])`` (ordering tests)."""
+    time.sleep(float(completion))
+    return float(solutions[0])
+
+
+def hang_forever(completion, solutions):
+    """Blocked in a syscall (sleep): the GIL is free but the check never ends."""
+    time.sleep(3600)
+    return 1.0
+
+
+def busy_loop(completion, solutions):
+    """Pure-Python busy loop: never yields to a signal-free timeout."""
+    while True:
+        pass
+
+
+def gil_hog(completion, solutions):
+    """One C call that holds the GIL for hours: catastrophic regex backtracking (like a sympy
+    power tower, no Python signal handler can run until it returns)."""
+    return float(bool(re.match(r"(a+)+$", "a" * 64 + "b")))
+
+
+def raise_error(completion, solutions):
+    raise RuntimeError(f"boom on {completion!r}")
+
+
+def return_string(completion, solutions):
+    return "not-a-number"
+
+
+def return_nan(completion, solutions):
+    return float("nan")
+
+
+def return_true(completion, solutions):
+    return True
+
+
+def die(completion, solutions):
+    os._exit(3)
+
+
+def noisy(completion, solutions):
+    """Prints to stdout, which must not corrupt the pool's framing on the child's stdout."""
+    print("stray output \x00\xff" * 100)
+    sys.stdout.flush()
+    return 1.0
+
+
+def torch_imported(completion, solutions):
+    """1.0 if torch is loaded in this (child) process: the pool's children must stay torch-free."""
+    return float("torch" in sys.modules)
+
+
+NOT_CALLABLE = 42
+
+
+def dispatch(completion, solutions):
+    """Behave as the fixture named by ``completion`` (e.g. "hang_forever"), else ``exact_match``:
+    lets one pool meet a misbehaving check and then a normal one."""
+    fn = globals().get(completion)
+    if callable(fn) and completion != "dispatch":
+        return fn(completion, solutions)
+    return exact_match(completion, solutions)
