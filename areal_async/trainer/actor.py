@@ -1,0 +1,205 @@
+"""The PPO actor: one trainer step from a batch of trajectories to updated weights.
+
+    train_step(trajs)
+      |- rewards -> advantages               (advantages.py; KL penalty only when kl_ctl > 0)
+      |- proximal logprobs, no grad          (when recompute_logprob; packed micro-batches)
+      |- for each of ppo_n_minibatches:      (one optimizer step each)
+      |    global loss-token count N         (rejection is known before the update)
+      |    for each packed micro-batch:      forward, loss = sum(token losses) / N, backward
+      |    clip grads, optimizer step        (skipped: grad norm not finite, or no token kept)
+      '- lr schedule step, step += 1
+
+Covered: the single-process update on any device, its metrics, and its resumable state
+(optimizer + lr scheduler + step; the weights are saved by ``checkpoint.py``).
+Not covered: data-parallel sharding and weight publication (the trainer worker does both).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from areal_async.config import ActorConfig
+from areal_async.trainer.advantages import compute_advantages, scaled_rewards
+from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, packed_logprobs
+from areal_async.trainer.loss import LossStats, count_loss_tokens, policy_loss
+from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from areal_async.trainer.types import Trajectory
+
+ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
+
+
+class _Batch:
+    """Per-trajectory tensors of one trainer step (all on the actor's device)."""
+
+    def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
+        self.seqs = [t.seq_ids for t in trajs]
+        self.n_prompt = [len(t.prompt_ids) for t in trajs]
+        self.behav = [torch.tensor(t.behav_logp, dtype=torch.float32, device=device) for t in trajs]
+        self.prox: Optional[list[torch.Tensor]] = None
+        self.adv: list[torch.Tensor] = []
+
+    def cat(self, name: str, indices: Sequence[int]) -> Optional[torch.Tensor]:
+        values = getattr(self, name)
+        return None if values is None else torch.cat([values[i] for i in indices])
+
+
+class PPOActor:
+    """Owns the policy's optimizer and schedule; ``train_step`` is one RL trainer step."""
+
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, temperature: float, total_steps: int,
+                 device: str | torch.device = "cpu", ref_model: Optional[ModelOrLoader] = None):
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature}: expected > 0 (the rollout's sampling temperature)")
+        if cfg.use_decoupled_loss and not cfg.recompute_logprob:
+            raise ValueError("use_decoupled_loss=True needs recompute_logprob=True (the proximal policy's "
+                             "logprobs); got recompute_logprob=False")
+        if cfg.kl_ctl > 0 and ref_model is None:
+            raise ValueError(f"kl_ctl={cfg.kl_ctl} > 0 needs a reference model (or a loader); got None")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.cfg = cfg
+        self.temperature = temperature
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps, cfg.optimizer)
+        self.step = 0
+        # boba runs kl_ctl = 0: keep no reference model around at all then
+        self._ref_source = ref_model if cfg.kl_ctl > 0 else None
+        self._ref: Optional[torch.nn.Module] = None
+
+    # ---------------------------------------------------------------------------------------
+    # public API
+    # ---------------------------------------------------------------------------------------
+
+    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        """One trainer step; returns its metrics (means over tokens unless named otherwise)."""
+        if not trajs:
+            raise ValueError("train_step got no trajectories; expected a non-empty batch")
+        batch = self._prepare(trajs)
+        stats, grad_norms, n_mb, skipped = LossStats(), [], 0, 0
+        for idx in self._minibatch_indices(len(trajs)):
+            mb_stats, grad_norm, n, stepped = self._update(batch, idx)
+            stats, n_mb, skipped = stats.merge(mb_stats), n_mb + n, skipped + (not stepped)
+            grad_norms.append(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._advance_schedule()
+        self.step += 1
+        m = self._metrics(trajs, batch, stats, grad_norms, n_mb, lr)
+        m["skipped_steps"] = float(skipped)
+        return m
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
+                "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = {"optimizer", "lr_scheduler", "step"} - set(state)
+        if missing:
+            raise ValueError(f"actor state lacks {sorted(missing)}; expected keys optimizer, lr_scheduler, step")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.step = int(state["step"])
+
+    @property
+    def ref_model(self) -> Optional[torch.nn.Module]:
+        """The frozen reference model, loaded on first use and only when kl_ctl > 0."""
+        if self._ref is None and self._ref_source is not None:
+            src = self._ref_source
+            ref = src if isinstance(src, torch.nn.Module) else src()
+            self._ref = ref.to(self.device).eval().requires_grad_(False)
+        return self._ref
+
+    # ---------------------------------------------------------------------------------------
+    # steps of train_step
+    # ---------------------------------------------------------------------------------------
+
+    def _prepare(self, trajs: Sequence[Trajectory]) -> _Batch:
+        batch = _Batch(trajs, self.device)
+        if self.cfg.recompute_logprob:
+            batch.prox = self._output_logprobs(self.model, batch)
+        ref = self._output_logprobs(self.ref_model, batch) if self.cfg.kl_ctl > 0 else None
+        old = batch.prox if batch.prox is not None else batch.behav
+        batch.adv = [a.to(self.device) for a in compute_advantages(trajs, self.cfg, old, ref)]
+        return batch
+
+    @torch.no_grad()
+    def _output_logprobs(self, model: torch.nn.Module, batch: _Batch) -> list[torch.Tensor]:
+        was_training = model.training
+        model.eval()
+        mb = self.cfg.mb_spec
+        full = packed_logprobs(model, batch.seqs, self.temperature, mb.max_tokens_per_mb, mb.oversize)
+        model.train(was_training)
+        # output token j sits at position P+j and is scored by position P+j-1
+        return [lp[p - 1:].float() for lp, p in zip(full, batch.n_prompt)]
+
+    def _advance_schedule(self) -> None:
+        # LambdaLR computes lr from its step counter, so advancing after a skipped optimizer
+        # step loses nothing; torch's order warning does not apply
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.lr_scheduler.step()
+
+    def _minibatch_indices(self, n: int) -> list[list[int]]:
+        k = self.cfg.ppo_n_minibatches
+        if k > n:
+            raise ValueError(f"ppo_n_minibatches={k} but the batch has {n} trajectories; expected <= {n}")
+        # contiguous chunks keep the samples of a group together where the sizes allow
+        return [c.tolist() for c in torch.arange(n).tensor_split(k)]
+
+    def _update(self, batch: _Batch, idx: list[int]) -> tuple[LossStats, float, int, bool]:
+        """One optimizer step on the minibatch ``idx``: (stats, grad norm, micro-batches, stepped).
+
+        No step when the grad norm is not finite, nor when every token was rejected (AdamW
+        would still move the weights by momentum and weight decay)."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        n_tokens = sum(count_loss_tokens(self._prox(batch, i), batch.behav[i], self.cfg) for i in idx)
+        stats, n_mb = LossStats(), 0
+        for mb in self._micro_batches(batch, idx):
+            loss, s = self._micro_loss(batch, [idx[j] for j in mb.indices], mb, n_tokens)
+            loss.backward()
+            stats, n_mb = stats.merge(s), n_mb + 1
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
+        stepped = n_tokens > 0 and math.isfinite(grad_norm)
+        if stepped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats, grad_norm, n_mb, stepped
+
+    def _micro_batches(self, batch: _Batch, idx: list[int]):
+        mb = self.cfg.mb_spec
+        return iter_micro_batches(self.model, [batch.seqs[i] for i in idx], self.temperature,
+                                  mb.max_tokens_per_mb, mb.oversize, with_entropy=True,
+                                  entropy_grad=self.cfg.entropy_coef != 0)
+
+    def _micro_loss(self, batch: _Batch, traj_idx: list[int], mb: MicroBatchOut,
+                    n_tokens: int) -> tuple[torch.Tensor, LossStats]:
+        cuts = [batch.n_prompt[i] - 1 for i in traj_idx]
+        logp = torch.cat([lp[c:] for lp, c in zip(mb.logp, cuts)])
+        entropy = torch.cat([e[c:] for e, c in zip(mb.entropy, cuts)]) if mb.entropy is not None else None
+        return policy_loss(logp, batch.cat("prox", traj_idx), batch.cat("behav", traj_idx),
+                           batch.cat("adv", traj_idx), self.cfg, n_tokens=n_tokens, entropy=entropy)
+
+    @staticmethod
+    def _prox(batch: _Batch, i: int) -> Optional[torch.Tensor]:
+        return batch.prox[i] if batch.prox is not None else None
+
+    def _metrics(self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float],
+                 n_mb: int, lr: float) -> dict[str, float]:
+        adv = torch.cat(batch.adv)
+        rewards = scaled_rewards([t.score for t in trajs], self.cfg.reward_bias, self.cfg.reward_scaling)
+        m = stats.as_dict()
+        m["loss"] = stats.loss / len(grad_norms)  # each minibatch's loss is already a token mean
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        m.update(
+            grad_norm=sum(finite) / len(finite) if finite else float("nan"),
+            lr=float(lr),
+            score_mean=sum(t.score for t in trajs) / len(trajs), reward_mean=float(rewards.mean()),
+            adv_mean=float(adv.mean()), adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
+            n_tokens=float(adv.numel()), n_seqs=float(len(trajs)), n_microbatches=float(n_mb),
+            step=float(self.step),
+        )
+        return m

@@ -1,0 +1,317 @@
+"""Sequence packing (no padding) and micro-batch allocation under a token budget.
+
+Covered:
+- ``pack``: variable-length sequences -> one 1D token tensor, ``cu_seqlens`` (cumulative
+  lengths, int32, N+1 entries) and position ids that restart at 0 for each sequence;
+- attention confined to each sequence, chosen by the model's ``attn_implementation``:
+  'eager'/'sdpa': a block-diagonal causal additive 4D mask of shape (1, 1, T, T);
+  'packed_sdpa' (registered here, see ``select_attn_implementation``/``use_varlen_attention``):
+  causal sdpa per sequence slice, no mask, O(sum L_i^2) - the fast CPU path;
+  'flash_attention_2'/'_3' (GPU, optional, never imported here): the varlen kernel.
+  The last two get ``cu_seq_lens_q/k`` through transformers' attention kwargs.
+  transformers 5.24 infers packing from restarting position ids only when no mask and no
+  cache are passed (with the default ``use_cache`` in eval mode it silently attends across
+  sequences), so the sequence boundaries are always passed explicitly, never left to that;
+- ``forward_packed``: per-token logprobs of token t+1 given its prefix (log_softmax(logits/T))
+  and, on request, the entropy of each next-token distribution; ``unpack`` scatters them back;
+- ``allocate_micro_batches``: first-fit-decreasing gives a feasible count; Karmarkar-Karp
+  (largest differencing) balances token sums at the smallest count from ceil(total/budget) up
+  where its result fits, else FFD's bins are balanced by local moves and swaps. A sequence over
+  the budget raises ``ValueError`` or, with ``oversize='own_mb'``, gets a micro-batch of its
+  own. Sequences are never truncated.
+
+Not covered: context parallelism (a sequence split across devices), padding to a multiple for
+kernels that want it. The dense mask is O(T^2) memory: fine for tests and small budgets;
+'packed_sdpa' and flash-attn varlen avoid it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+_FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
+_MASK_IMPLS = ("eager", "sdpa")
+
+
+# --------------------------------------------------------------------------------------------
+# packing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedBatch:
+    """Sequences laid end to end: ids_T[cu_seqlens[i]:cu_seqlens[i+1]] is sequence i."""
+
+    ids_T: torch.Tensor  # int64 (T,)
+    position_ids_T: torch.Tensor  # int64 (T,), restarting at 0 per sequence
+    cu_seqlens: torch.Tensor  # int32 (N+1,)
+    max_seqlen: int
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.cu_seqlens.diff().tolist()
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        return PackedBatch(self.ids_T.to(device), self.position_ids_T.to(device),
+                           self.cu_seqlens.to(device), self.max_seqlen)
+
+
+def pack(seqs: Sequence[Sequence[int]]) -> PackedBatch:
+    """Concatenate token-id sequences with no padding."""
+    if not seqs:
+        raise ValueError("pack() got no sequences; expected at least one")
+    lengths = [len(s) for s in seqs]
+    if min(lengths) == 0:
+        raise ValueError(f"sequence {lengths.index(0)} is empty; expected >= 1 token each")
+    ids_T = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+    position_ids_T = torch.cat([torch.arange(n) for n in lengths])
+    cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return PackedBatch(ids_T, position_ids_T, cu_seqlens, max(lengths))
+
+
+def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(T,) index of the sequence each packed token belongs to."""
+    lengths = cu_seqlens.diff().long()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, T, T) additive mask: 0 where query i may see key j (same sequence, j <= i), else -inf-ish.
+
+    Additive float (not bool) because eager attention adds the mask to the scores while sdpa
+    accepts either; finfo.min rather than -inf keeps softmax NaN-free.
+    """
+    seg_T = segment_ids(cu_seqlens)
+    T = seg_T.numel()
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=seg_T.device).tril()
+    allowed_TT = causal_TT & (seg_T[:, None] == seg_T[None, :])
+    mask_TT = torch.zeros(T, T, dtype=dtype, device=seg_T.device)
+    return mask_TT.masked_fill(~allowed_TT, torch.finfo(dtype).min)[None, None]
+
+
+def unpack(values_T: torch.Tensor, cu_seqlens: torch.Tensor, drop_last: bool = True) -> list[torch.Tensor]:
+    """Split packed per-token values back per sequence (dropping each sequence's last position,
+    whose 'next token' belongs to the following sequence, when drop_last)."""
+    bounds = cu_seqlens.tolist()
+    cut = 1 if drop_last else 0
+    return [values_T[a:b - cut] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+# --------------------------------------------------------------------------------------------
+# the model forward
+# --------------------------------------------------------------------------------------------
+
+
+VARLEN_IMPL = "packed_sdpa"  # our per-sequence attention, registered with transformers on demand
+
+
+def flash_attn_available() -> bool:
+    """True when the flash-attn package is installed (checked without importing it)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                         scaling: Optional[float] = None, **kwargs):
+    """Attention per packed sequence: causal sdpa on each [cu[i], cu[i+1]) slice.
+
+    query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), as transformers expects.
+    O(sum L_i^2) instead of the dense mask's O(T^2), and no (T, T) mask to build.
+    """
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        raise ValueError(f"attn_implementation={VARLEN_IMPL!r} serves packed forwards only (got no "
+                         "cu_seq_lens_q); use 'sdpa' for generation or padded batches")
+    from transformers.integrations.sdpa_attention import repeat_kv  # transformers is loaded by now
+
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    bounds = cu.tolist()
+    p = dropout if module.training else 0.0
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p,
+                                           is_causal=True, scale=scaling) for a, b in zip(bounds[:-1], bounds[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_varlen_attention() -> str:
+    """Make ``attn_implementation='packed_sdpa'`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_IMPL, _varlen_sdpa_forward)
+    return VARLEN_IMPL
+
+
+def use_varlen_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch a loaded model to per-sequence packed attention (training only: it refuses
+    unpacked forwards such as ``generate``)."""
+    model.set_attn_implementation(register_varlen_attention())
+    return model
+
+
+def select_attn_implementation(device: str | torch.device) -> str:
+    """What to pass as ``attn_implementation`` when loading a model for packed training:
+    flash-attn varlen on CUDA when installed, else our per-sequence sdpa (registered here)."""
+    if torch.device(device).type == "cuda" and flash_attn_available():
+        return "flash_attention_2"
+    return register_varlen_attention()
+
+
+def _attention_kwargs(model: torch.nn.Module, packed: PackedBatch, dtype: torch.dtype) -> dict:
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if impl in _FLASH_IMPLS or impl == VARLEN_IMPL:
+        cu = packed.cu_seqlens.to(torch.int32)
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen,
+                    max_length_k=packed.max_seqlen)
+    if impl in _MASK_IMPLS:
+        return dict(attention_mask=block_causal_mask(packed.cu_seqlens, dtype))
+    raise ValueError(f"attn_implementation={impl!r} is not supported by packing; expected one of "
+                     f"{_MASK_IMPLS + _FLASH_IMPLS + (VARLEN_IMPL,)}")
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def forward_packed(model: torch.nn.Module, packed: PackedBatch, temperature: float = 1.0,
+                   with_entropy: bool = False, entropy_grad: bool = True
+                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(logp_T, entropy_T or None) for every packed position; position t scores token t+1.
+
+    entropy_grad=False computes the entropy as a statistic only (no (T, V) softmax kept for
+    backward).
+    The last position of each sequence scores the next sequence's first token: meaningless,
+    dropped by ``unpack``. Logits are taken in float32 whatever the model dtype.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: expected > 0")
+    device = next(model.parameters()).device
+    packed = packed.to(device)
+    kwargs = _attention_kwargs(model, packed, _model_dtype(model))
+    out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
+    logits_TV = out.logits[0].float() / temperature
+    next_T = torch.roll(packed.ids_T, -1)
+    # gather - logsumexp instead of log_softmax: no second (T, V) tensor for the whole vocab
+    lse_T = torch.logsumexp(logits_TV, dim=-1)
+    logp_T = logits_TV.gather(-1, next_T[:, None])[:, 0] - lse_T
+    entropy_T = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            probs_TV = F.softmax(logits_TV, dim=-1)
+            entropy_T = lse_T - (probs_TV * logits_TV).sum(-1)
+    return logp_T, entropy_T
+
+
+# --------------------------------------------------------------------------------------------
+# micro-batch allocation
+# --------------------------------------------------------------------------------------------
+
+
+def lower_bound(lengths: Sequence[int], max_tokens: int) -> int:
+    """ceil(total / budget): no allocation can use fewer micro-batches."""
+    return math.ceil(sum(lengths) / max_tokens)
+
+
+def first_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Bins of indices, each bin's length sum <= max_tokens (all lengths must fit)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((b for b, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if slot is None:
+            bins.append([i])
+            loads.append(lengths[i])
+        else:
+            bins[slot].append(i)
+            loads[slot] += lengths[i]
+    return bins
+
+
+def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """k-way largest differencing: k bins of indices with balanced length sums (some may be empty).
+
+    Each item starts as a k-partition [item, {}, ...]; the two partitions with the largest
+    spread are merged, heaviest subset of one with the lightest of the other, until one is left.
+    """
+    heap = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        subsets = [(lengths[i], [i])] + [(0, [])] * (k - 1)
+        heapq.heappush(heap, (-lengths[i], i, subsets))  # spread = max - min = the item's length
+    while len(heap) > 1:
+        _, tie_a, a = heapq.heappop(heap)
+        _, tie_b, b = heapq.heappop(heap)
+        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in
+                  zip(sorted(a, key=lambda s: -s[0]), sorted(b, key=lambda s: s[0]))]
+        sums = [s for s, _ in merged]
+        heapq.heappush(heap, (-(max(sums) - min(sums)), min(tie_a, tie_b), merged))
+    return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
+
+
+def _best_exchange(heavy: list[int], light: list[int], lengths: Sequence[int], gap: int):
+    """The move (i, None) or swap (i, j) from heavy to light bringing the pair's sums closest
+    together; None if nothing strictly narrows the gap. Shifting d tokens narrows it iff 0 < d < gap."""
+    best, best_err = None, gap
+    for i in heavy:
+        for j in [None] + light:
+            d = lengths[i] - (lengths[j] if j is not None else 0)
+            if 0 < d < gap and abs(gap - 2 * d) < best_err:
+                best, best_err = (i, j), abs(gap - 2 * d)
+    return best
+
+
+def _rebalance(bins: list[list[int]], lengths: Sequence[int], max_rounds: int) -> list[list[int]]:
+    """Narrow the heaviest-lightest gap by moves and swaps. Never breaks the budget: the light
+    bin ends below the heavy bin's old sum, which was within it."""
+    bins = [list(b) for b in bins]
+    for _ in range(max_rounds):
+        sums = [sum(lengths[i] for i in b) for b in bins]
+        h, l = sums.index(max(sums)), sums.index(min(sums))
+        step = _best_exchange(bins[h], bins[l], lengths, sums[h] - sums[l])
+        if step is None:
+            break
+        i, j = step
+        bins[h].remove(i)
+        bins[l].append(i)
+        if j is not None:
+            bins[l].remove(j)
+            bins[h].append(j)
+    return [sorted(b) for b in bins]
+
+
+def _balanced(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Fewest bins found between the lower bound and FFD's count, balanced.
+
+    KK at the smallest count where its result fits the budget; if none does, FFD's bins
+    (feasible by construction) balanced by local moves and swaps.
+    """
+    ffd = first_fit_decreasing(lengths, max_tokens)
+    for k in range(lower_bound(lengths, max_tokens), len(ffd) + 1):
+        bins = [b for b in karmarkar_karp(lengths, k) if b]
+        if len(bins) == k and max(sum(lengths[i] for i in b) for b in bins) <= max_tokens:
+            return bins
+    return _rebalance(ffd, lengths, max_rounds=4 * len(lengths))
+
+
+def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int,
+                           oversize: str = "error") -> list[list[int]]:
+    """Partition sequence indices into micro-batches whose token sums are <= max_tokens_per_mb.
+
+    Returns lists of indices (ascending within a micro-batch); every index appears exactly once.
+    """
+    if max_tokens_per_mb < 1:
+        raise ValueError(f"max_tokens_per_mb={max_tokens_per_mb}: expected an integer >= 1")
+    if oversize not in ("error", "own_mb"):
+        raise ValueError(f"oversize={oversize!r}: expected 'error' or 'own_mb'")
+    big = [i for i, n in enumerate(lengths) if n > max_tokens_per_mb]
+    if big and oversize == "error":
+        i = big[0]
+        raise ValueError(f"sequence {i} has {lengths[i]} tokens, over the micro-batch budget "
+                         f"max_tokens_per_mb={max_tokens_per_mb}; raise the budget or set oversize='own_mb'")
+    small = [i for i, n in enumerate(lengths) if n <= max_tokens_per_mb]
+    bins = _balanced([lengths[i] for i in small], max_tokens_per_mb) if small else []
+    return [[small[j] for j in b] for b in bins] + [[i] for i in big]

@@ -1,0 +1,84 @@
+"""Supervised fine-tuning on (prompt, answer) token pairs, packed like the RL update.
+
+Covered: ``sft_step`` (one optimizer step: answer-token NLL, token-level mean over the whole
+batch, packed micro-batches with gradient accumulation, grad clipping) and ``SFTTrainer``, the
+small loop behind ``sft_warmup`` (seeded shuffling, cycling through the examples).
+Not covered: loss on prompt tokens (never trained), data loading/tokenization (callers pass ids).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Sequence
+
+import torch
+
+from areal_async.config import OptimizerConfig, SFTWarmupConfig
+from areal_async.trainer.logprobs import iter_micro_batches
+from areal_async.trainer.optim import build_optimizer, clip_grad_norm
+
+Example = tuple[list[int], list[int]]  # (prompt_ids, answer_ids)
+
+
+def _check_examples(examples: Sequence[Example]) -> None:
+    if not examples:
+        raise ValueError("sft_step got no examples; expected at least one (prompt_ids, answer_ids)")
+    for i, (prompt, answer) in enumerate(examples):
+        if not prompt or not answer:
+            raise ValueError(f"example {i}: prompt has {len(prompt)} and answer {len(answer)} tokens; "
+                             "expected >= 1 of each")
+
+
+def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples: Sequence[Example],
+             max_tokens_per_mb: int, *, grad_clip: float = 1.0, oversize: str = "error") -> dict:
+    """One optimizer step of NLL on answer tokens; returns loss, n_tokens, grad_norm."""
+    _check_examples(examples)
+    seqs = [list(p) + list(a) for p, a in examples]
+    n_tokens = sum(len(a) for _, a in examples)  # global count: micro-batches sum to a token mean
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for mb in iter_micro_batches(model, seqs, 1.0, max_tokens_per_mb, oversize):
+        # answer token j is scored by position P+j-1 of the L-1 next-token logprobs
+        logp = torch.cat([lp[len(examples[i][0]) - 1:] for i, lp in zip(mb.indices, mb.logp)])
+        loss = -logp.sum() / n_tokens
+        loss.backward()
+        total += float(loss.detach())
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": total, "n_tokens": float(n_tokens), "grad_norm": grad_norm}
+
+
+class SFTTrainer:
+    """Runs ``cfg.steps`` SFT steps of ``cfg.batch_size`` examples at ``cfg.lr`` (constant)."""
+
+    def __init__(self, model: torch.nn.Module, cfg: SFTWarmupConfig, max_tokens_per_mb: int,
+                 seed: int = 0, grad_clip: float = 1.0):
+        self.model = model
+        self.cfg = cfg
+        self.max_tokens_per_mb = max_tokens_per_mb
+        self.grad_clip = grad_clip
+        self.optimizer = build_optimizer(model.parameters(), OptimizerConfig(lr=cfg.lr))
+        self._rng = random.Random(seed)
+
+    def batches(self, examples: Sequence[Example]):
+        """Endless seeded epochs over the examples, cut into batches of cfg.batch_size."""
+        if not examples:
+            raise ValueError("SFTTrainer got no examples; expected at least one")
+        order: list[int] = []
+        while True:
+            while len(order) < self.cfg.batch_size:
+                epoch = list(range(len(examples)))
+                self._rng.shuffle(epoch)
+                order += epoch
+            yield [examples[i] for i in order[:self.cfg.batch_size]]
+            order = order[self.cfg.batch_size:]
+
+    def run(self, examples: Sequence[Example]) -> list[dict]:
+        """cfg.steps steps; the per-step metrics, in order."""
+        stream = self.batches(examples)
+        return [sft_step(self.model, self.optimizer, next(stream), self.max_tokens_per_mb,
+                         grad_clip=self.grad_clip) for _ in range(self.cfg.steps)]

@@ -1,0 +1,185 @@
+"""Packing: layout, block-causal mask, packed logprobs == per-sequence logprobs, allocator."""
+import copy
+import math
+import random
+
+import pytest
+import torch
+import transformers
+
+from areal_async.trainer.logprobs import iter_micro_batches, packed_logprobs
+from areal_async.trainer.packing import (VARLEN_IMPL, allocate_micro_batches, block_causal_mask,
+                                         first_fit_decreasing, forward_packed, lower_bound, pack,
+                                         select_attn_implementation, unpack, use_varlen_attention)
+
+torch.set_num_threads(1)
+VOCAB = 61
+
+
+def tiny_model(attn: str) -> torch.nn.Module:
+    """Same weights whatever the attention implementation (GQA: 4 heads, 2 KV heads)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager" if attn == "eager" else "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return use_varlen_attention(model) if attn == VARLEN_IMPL else model
+
+
+def random_seqs(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_logprobs(model, seq, temperature):
+    """One unpadded sequence alone through plain sdpa, plain log_softmax: the ground truth."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.tensor([logp[t, seq[t + 1]].item() for t in range(len(seq) - 1)])
+
+
+def test_pack_layout():
+    p = pack([[5, 6, 7], [8], [9, 10]])
+    assert p.ids_T.tolist() == [5, 6, 7, 8, 9, 10]
+    assert p.position_ids_T.tolist() == [0, 1, 2, 0, 0, 1]
+    assert p.cu_seqlens.tolist() == [0, 3, 4, 6] and p.cu_seqlens.dtype == torch.int32
+    assert p.max_seqlen == 3 and p.lengths == [3, 1, 2]
+    assert [v.tolist() for v in unpack(torch.arange(6), p.cu_seqlens)] == [[0, 1], [], [4]]
+
+
+def test_block_causal_mask_by_hand():
+    mask = block_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32), torch.float32)[0, 0]
+    allowed = [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    assert mask.shape == (3, 3)
+    for i in range(3):
+        for j in range(3):
+            assert (mask[i, j] == 0) == bool(allowed[i][j])
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", VARLEN_IMPL])
+def test_packed_logprobs_match_per_sequence(attn):
+    model, plain = tiny_model(attn), tiny_model("sdpa")
+    seqs = random_seqs([7, 1, 13, 4, 20, 2, 9])
+    for budget in (10_000, 24):  # one micro-batch, then several
+        with torch.no_grad():
+            got = packed_logprobs(model, seqs, temperature=0.7, max_tokens_per_mb=budget)
+        for s, g in zip(seqs, got):
+            ref = reference_logprobs(plain, s, 0.7)
+            assert g.shape == (len(s) - 1,)
+            assert torch.allclose(g, ref, atol=1e-5), (attn, budget, (g - ref).abs().max())
+
+
+def test_block_structure_matters():
+    """A plain causal 4D mask over the packed tokens lets sequence 2 see sequence 1: differs."""
+    model = tiny_model("sdpa")
+    p = pack(random_seqs([6, 8]))
+    causal = torch.zeros(14, 14).masked_fill(~torch.ones(14, 14, dtype=torch.bool).tril(), -1e30)[None, None]
+    with torch.no_grad():
+        leaky = model(input_ids=p.ids_T[None], position_ids=p.position_ids_T[None], attention_mask=causal,
+                      use_cache=False).logits[0]
+        logp, _ = forward_packed(model, p)
+    second_leaky = torch.log_softmax(leaky[6:13], -1).gather(-1, p.ids_T[7:14, None])[:, 0]
+    assert not torch.allclose(second_leaky, unpack(logp, p.cu_seqlens)[1], atol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", VARLEN_IMPL])
+def test_packed_logprobs_qwen2(attn):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    plain = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = use_varlen_attention(copy.deepcopy(plain)) if attn == VARLEN_IMPL else plain
+    seqs = random_seqs([9, 3, 14])
+    with torch.no_grad():
+        got = packed_logprobs(model, seqs, 1.0, 16)
+    for s, g in zip(seqs, got):
+        assert torch.allclose(g, reference_logprobs(plain, s, 1.0), atol=1e-5)
+
+
+def test_varlen_and_mask_paths_give_the_same_gradients():
+    seqs = random_seqs([5, 11, 3, 8])
+    grads = []
+    for attn in ("sdpa", VARLEN_IMPL):
+        model = tiny_model(attn).train()
+        sum(lp.sum() for lp in packed_logprobs(model, seqs, 1.0, 4096)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_varlen_attention_refuses_unpacked_forward():
+    model = tiny_model(VARLEN_IMPL)
+    with pytest.raises(ValueError, match="packed forwards only"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert select_attn_implementation("cpu") == VARLEN_IMPL
+
+
+def test_packed_logprobs_carry_gradient_and_entropy():
+    model = tiny_model("sdpa").train()
+    seqs = random_seqs([5, 9, 3])
+    mbs = list(iter_micro_batches(model, seqs, 1.0, 12, with_entropy=True))
+    assert sorted(i for mb in mbs for i in mb.indices) == [0, 1, 2]
+    total = sum(lp.sum() for mb in mbs for lp in mb.logp)
+    total.backward()
+    assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+    # entropy of position 0 of sequence 0 against a direct computation
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seqs[0]])).logits[0, 0]
+    p = torch.softmax(logits, -1)
+    ent = float(-(p * torch.log(p)).sum())
+    mb0 = next(mb for mb in mbs if 0 in mb.indices)
+    assert abs(float(mb0.entropy[mb0.indices.index(0)][0].detach()) - ent) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# allocator
+# ------------------------------------------------------------------------------------------
+
+
+def _check_partition(bins, lengths, budget):
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= budget for b in bins)
+
+
+def test_allocator_random_mixes_within_budget_and_near_lower_bound():
+    rng = random.Random(0)
+    budget = 1000
+    for trial in range(120):
+        n = rng.randint(1, 150)
+        if trial % 2:  # long tail, like reasoning traces
+            lengths = [min(budget, int(rng.lognormvariate(math.log(150), 1.0)) + 1) for _ in range(n)]
+        else:
+            lengths = [rng.randint(1, budget // 3) for _ in range(n)]
+        bins = allocate_micro_batches(lengths, budget)
+        _check_partition(bins, lengths, budget)
+        assert len(bins) <= lower_bound(lengths, budget) + 1, (trial, len(bins))
+
+
+def test_allocator_never_worse_than_ffd_on_hard_mixes():
+    rng = random.Random(1)
+    for _ in range(40):  # uniform up to the budget: many items > budget/2, the bound is loose
+        lengths = [rng.randint(1, 500) for _ in range(rng.randint(1, 80))]
+        bins = allocate_micro_batches(lengths, 500)
+        _check_partition(bins, lengths, 500)
+        assert len(bins) <= len(first_fit_decreasing(lengths, 500))
+
+
+def test_allocator_balances():
+    lengths = [100] * 8 + [50] * 8  # 1200 tokens, budget 400 -> 3 micro-batches of 400 exist
+    bins = allocate_micro_batches(lengths, 400)
+    assert sorted(sum(lengths[i] for i in b) for b in bins) == [400, 400, 400]
+
+
+def test_allocator_oversize():
+    with pytest.raises(ValueError, match=r"500 tokens.*max_tokens_per_mb=300"):
+        allocate_micro_batches([100, 500, 20], 300)
+    bins = allocate_micro_batches([100, 500, 20], 300, oversize="own_mb")
+    assert [1] in bins and sorted(i for b in bins for i in b) == [0, 1, 2]
+    assert all(sum([100, 500, 20][i] for i in b) <= 300 for b in bins if b != [1])
+
+
+def test_packed_logprobs_oversize_error_names_length():
+    model = tiny_model("sdpa")
+    with pytest.raises(ValueError, match="30 tokens"):
+        packed_logprobs(model, random_seqs([30, 3]), 1.0, max_tokens_per_mb=16)

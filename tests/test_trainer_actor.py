@@ -1,0 +1,182 @@
+"""PPOActor.train_step and SFT on a tiny Llama: learning direction, accumulation, state, reference model."""
+import copy
+
+import pytest
+import torch
+import transformers
+
+from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, SFTWarmupConfig
+from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.logprobs import packed_logprobs
+from areal_async.trainer.sft import SFTTrainer, sft_step
+from areal_async.trainer.types import Trajectory
+
+torch.set_num_threads(1)
+PROMPT = [1, 2, 3]
+GOOD, BAD = [5, 6, 7, 8], [9, 10]
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def output_logp(model, prompt, output):
+    with torch.no_grad():
+        return packed_logprobs(model, [prompt + output], 1.0, 4096)[0][len(prompt) - 1:]
+
+
+def make_trajs(model, n_each=2):
+    """On-policy: behaviour logprobs are the model's own."""
+    out = []
+    for k in range(n_each):
+        for ids, score in ((GOOD, 1.0), (BAD, 0.0)):
+            lp = output_logp(model, PROMPT, ids).tolist()
+            out.append(Trajectory(f"{score}-{k}", "g", PROMPT, ids, lp, [0] * len(ids), score))
+    return out
+
+
+def boba_cfg(**kw):
+    base = dict(use_decoupled_loss=True, recompute_logprob=True, reward_scaling=10.0, reward_bias=-0.5,
+                eps_clip=0.4, optimizer=OptimizerConfig(lr=1e-2), mb_spec=MicroBatchSpec(max_tokens_per_mb=16))
+    base.update(kw)
+    return ActorConfig(**base)
+
+
+def test_train_step_raises_logprob_of_positive_advantage_samples():
+    model = tiny_model()
+    actor = PPOActor(model, boba_cfg(ppo_n_minibatches=2), temperature=1.0, total_steps=10)
+    good0, bad0 = output_logp(model, PROMPT, GOOD).sum(), output_logp(model, PROMPT, BAD).sum()
+    losses = []
+    for _ in range(4):
+        m = actor.train_step(make_trajs(model))
+        losses.append(m["loss"])
+    assert output_logp(model, PROMPT, GOOD).sum() > good0 + 0.5
+    assert output_logp(model, PROMPT, BAD).sum() < bad0 - 0.5
+    assert all(l == l and abs(l) < 10 for l in losses)  # finite
+    assert m["rejected_frac"] == 0.0 and m["imp_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["n_tokens"] == 12 and m["score_mean"] == 0.5 and m["reward_mean"] == pytest.approx(0.0)
+    assert m["n_microbatches"] >= 2 and m["lr"] == pytest.approx(1e-2) and m["step"] == 4
+    assert actor.step == 4 and m["grad_norm"] > 0
+    for key in ("clip_frac", "imp_weight_max", "approx_kl", "entropy", "adv_mean", "adv_std", "skipped_steps"):
+        assert key in m
+
+
+def test_minibatches_are_optimizer_steps():
+    actor = PPOActor(tiny_model(), boba_cfg(ppo_n_minibatches=2), 1.0, total_steps=10)
+    actor.train_step(make_trajs(actor.model))
+    state = next(iter(actor.optimizer.state.values()))
+    assert int(state["step"]) == 2
+    with pytest.raises(ValueError, match="ppo_n_minibatches=9"):
+        PPOActor(tiny_model(), boba_cfg(ppo_n_minibatches=9), 1.0, 10).train_step(make_trajs(actor.model))
+
+
+def captured_grads(budget):
+    """Gradients handed to the optimizer on the first step, with micro-batch budget ``budget``."""
+    model = tiny_model()
+    cfg = boba_cfg(mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
+                   optimizer=OptimizerConfig(lr=1e-2, gradient_clipping=0.0))
+    actor = PPOActor(model, cfg, 1.0, 10)
+    trajs = make_trajs(model, n_each=3)
+    grads = []
+    actor.optimizer.register_step_pre_hook(lambda *_: grads.append([p.grad.clone() for p in model.parameters()]))
+    m = actor.train_step(trajs)
+    return grads[0], m["n_microbatches"]
+
+
+def test_gradient_accumulation_matches_single_micro_batch():
+    """Normalizing each micro-batch by the minibatch's global token count makes the summed
+    gradient independent of how sequences were split."""
+    whole, n1 = captured_grads(4096)
+    split, n2 = captured_grads(8)
+    assert n1 == 1 and n2 >= 4
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_state_dict_round_trip():
+    model = tiny_model()
+    actor = PPOActor(model, boba_cfg(optimizer=OptimizerConfig(lr=1e-2, lr_scheduler_type="linear")), 1.0, 10)
+    actor.train_step(make_trajs(model))
+    state = copy.deepcopy(actor.state_dict())
+    fresh = PPOActor(copy.deepcopy(model), actor.cfg, 1.0, 10)
+    fresh.load_state_dict(state)
+    assert fresh.step == 1 and fresh.optimizer.param_groups[0]["lr"] == pytest.approx(0.9e-2)
+    for p_old, p_new in zip(actor.optimizer.state.values(), fresh.optimizer.state.values()):
+        assert torch.equal(p_old["exp_avg"], p_new["exp_avg"])
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        fresh.load_state_dict({"optimizer": state["optimizer"], "step": 1})
+
+
+def test_reference_model_only_loaded_when_kl_is_on():
+    calls = []
+
+    def loader():
+        calls.append(1)
+        return tiny_model(seed=1)
+
+    model = tiny_model()
+    PPOActor(model, boba_cfg(kl_ctl=0.0), 1.0, 10, ref_model=loader).train_step(make_trajs(model))
+    assert calls == []
+    actor = PPOActor(model, boba_cfg(kl_ctl=0.1), 1.0, 10, ref_model=loader)
+    assert calls == []  # lazy: not at construction
+    actor.train_step(make_trajs(model))
+    actor.train_step(make_trajs(model))
+    assert calls == [1]
+    with pytest.raises(ValueError, match="kl_ctl=0.1"):
+        PPOActor(model, boba_cfg(kl_ctl=0.1), 1.0, 10)
+
+
+def test_rejection_counts_stale_tokens():
+    model = tiny_model()
+    trajs = make_trajs(model)
+    for t in trajs[:2]:  # behaviour far less likely than proximal: weight e^3 > upper 5
+        t.behav_logp = [x - 3.0 for x in t.behav_logp]
+    m = PPOActor(model, boba_cfg(), 1.0, 10).train_step(trajs)
+    assert m["rejected_frac"] == pytest.approx(6 / 12, abs=1e-6)
+    assert m["imp_weight_max"] == pytest.approx(float(torch.exp(torch.tensor(3.0))), rel=1e-4)
+
+
+def test_all_rejected_minibatch_takes_no_step():
+    model = tiny_model()
+    trajs = make_trajs(model)
+    for t in trajs:
+        t.behav_logp = [x - 3.0 for x in t.behav_logp]
+    before = [p.detach().clone() for p in model.parameters()]
+    m = PPOActor(model, boba_cfg(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1)), 1.0, 10).train_step(trajs)
+    assert m["rejected_frac"] == 1.0 and m["skipped_steps"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_decoupled_needs_recompute():
+    with pytest.raises(ValueError, match="recompute_logprob"):
+        PPOActor(tiny_model(), boba_cfg(recompute_logprob=False), 1.0, 10)
+
+
+# ------------------------------------------------------------------------------------------
+# SFT
+# ------------------------------------------------------------------------------------------
+
+
+def test_sft_loss_is_answer_token_nll_and_decreases():
+    model = tiny_model()
+    examples = [([1, 2], [5, 6, 7]), ([3], [8, 9]), ([4, 4, 4], [10])]
+    ref = torch.cat([output_logp(model, p, a) for p, a in examples])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = sft_step(model, opt, examples, max_tokens_per_mb=6)
+    assert first["n_tokens"] == 6
+    assert first["loss"] == pytest.approx(float(-ref.mean()), abs=1e-5)
+    for _ in range(10):
+        last = sft_step(model, opt, examples, max_tokens_per_mb=6)
+    assert last["loss"] < first["loss"] - 0.5
+
+
+def test_sft_trainer_runs_configured_steps():
+    model = tiny_model()
+    examples = [([1, 2], [5, 6, 7]), ([3], [8, 9]), ([4, 4, 4], [10])]
+    hist = SFTTrainer(model, SFTWarmupConfig(steps=5, batch_size=2, lr=1e-2), max_tokens_per_mb=16).run(examples)
+    assert len(hist) == 5 and all(h["n_tokens"] > 0 for h in hist)
+    with pytest.raises(ValueError, match="answer 0 tokens"):
+        sft_step(model, torch.optim.SGD(model.parameters(), lr=0.1), [([1], [])], 16)
