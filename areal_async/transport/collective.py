@@ -1,0 +1,273 @@
+"""Channels over a collective library: gloo here (CPU), NCCL in ``nccl.py`` (GPU), one code path.
+
+Set-up (both): a transport group of ``world_size`` processes, rank 0 = the trainer, ranks
+1..N = rollout workers, rendezvous through a ``torch.distributed.TCPStore`` at ``store``
+("host:port", hosted by rank 0). Constructing a channel is itself collective: it returns once
+every rank of its group has constructed its own. The trajectory and the weight channel are
+separate groups (``name``), so a broadcast never interleaves with point-to-point traffic.
+
+Trajectories: the sender pushes a msgpack note (the ``protocols.tensors`` header plus the byte
+size of each tensor and its own rank) over ZeroMQ to the receiver's ``endpoint``, then sends the
+payload with the library's ``send``; the receiver reads the note (so ``recv`` can time out
+cleanly and needs no any-source receive, which NCCL lacks), receives every payload into one
+aligned buffer on its device, and only then checks the header: a mislabelled header raises
+``ProtocolError`` after the bytes were drained, so the next message still lines up.
+
+Weights: ``publish_begin`` only plans the buckets (the manifest carries the layout; checksums
+travel in band, after the buckets). ``publish_end`` packs bucket k+1 while bucket k is being
+broadcast (two buffers; ``pipeline=False`` packs and broadcasts strictly in turn, for the
+benchmark). Receivers post every bucket's broadcast into one flat buffer, checksum each as it
+lands, then compare with the trailer. A receiver that rejects a manifest does not join the
+broadcast, and the publisher then waits until the group timeout: manifests come from our own
+publisher, so that is a bug to fix, not a condition to recover from.
+
+Not covered: trainers with several ranks publishing shards (rank 0 publishes the full state
+dict), elastic groups (a restarted worker needs a new group: build new channels).
+"""
+
+from __future__ import annotations
+
+import datetime
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any, Optional
+
+import torch
+
+from areal_async.transport import buckets as B
+from areal_async.transport.base import TensorChannel, Tensors, WeightChannel
+from areal_async.transport.frames import flat_bytes, header_bytes, layout, parse_header, tensor_views
+from areal_async.transport.notify import Pipe, deadline_of, int_list, pack_note, unpack_note
+from protocols.messages import ProtocolError
+
+MAX_MESSAGE_BYTES = 64 << 30  # a note asking for more is garbage, not a trajectory
+_SCHEMA = {"group_tensors": {"src": int, "sizes": list, "header": bytes}}
+_STORES: dict[tuple[str, int], Any] = {}
+
+
+class Group(ABC):
+    """The few collective calls the channels use; handles are waited with ``wait``."""
+
+    name: str = ""  # the manifest's channel name: "gloo" | "nccl"
+    default_checksum: str = "sum64"
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @abstractmethod
+    def send(self, bufs: list[torch.Tensor], dst: int) -> Any: ...
+
+    @abstractmethod
+    def recv(self, bufs: list[torch.Tensor], src: int) -> Any: ...
+
+    @abstractmethod
+    def broadcast(self, buf: torch.Tensor, root: int) -> Any: ...
+
+    @abstractmethod
+    def wait(self, handle: Any) -> None:
+        """Block until the operation is done and its buffers may be reused."""
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def close(self) -> None:
+        """Tear the group down."""
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: expected an int >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r}: expected an int in [0, {world_size})")
+
+
+def tcp_store(address: str, rank: int, timeout_s: float):
+    """The rendezvous store at ``host:port`` (rank 0 hosts it); one per address per process."""
+    import torch.distributed as dist
+
+    host, sep, port = str(address).rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"store={address!r}: expected 'host:port' (rank 0 listens there)")
+    key = (host, int(port))
+    if key not in _STORES:
+        _STORES[key] = dist.TCPStore(host, int(port), None, rank == 0, datetime.timedelta(seconds=timeout_s),
+                                     wait_for_workers=False)
+    return _STORES[key]
+
+
+class GlooGroup(Group):
+    name = "gloo"
+    device = torch.device("cpu")
+
+    def __init__(self, *, rank: int, world_size: int, store: str, name: str, timeout_s: float = 300.0):
+        import torch.distributed as dist
+
+        check_rank(rank, world_size)
+        self.rank, self.world_size = rank, world_size
+        prefixed = dist.PrefixStore(f"areal/{name}", tcp_store(store, rank, timeout_s))
+        self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
+
+    def send(self, bufs: list[torch.Tensor], dst: int) -> list:
+        return [self.pg.send([b], dst, 0) for b in bufs]
+
+    def recv(self, bufs: list[torch.Tensor], src: int) -> list:
+        return [self.pg.recv([b], src, 0) for b in bufs]
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> list:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        return [self.pg.broadcast([buf], opts)]
+
+    def wait(self, handle: list) -> None:
+        for work in handle:
+            work.wait()
+
+    def close(self) -> None:
+        self.pg = None
+
+
+# --------------------------------------------------------------------------------------------
+# trajectories
+# --------------------------------------------------------------------------------------------
+
+
+class CollectiveTensorChannel(TensorChannel):
+    """Receiver: binds ``endpoint``; senders push notes there and send payload to rank ``dst``."""
+
+    def __init__(self, group: Group, *, role: str, endpoint: str, dst: int = 0):
+        self.group = group
+        self._pipe = Pipe(role, endpoint)
+        self.endpoint = self._pipe.endpoint
+        check_rank(dst, group.world_size)
+        self.dst = dst
+
+    def send(self, key: str, tensors: Tensors, meta: Optional[dict] = None) -> None:
+        header = header_bytes(key, meta or {}, tensors)
+        payload = [flat_bytes(t.to(self.group.device)) for t in tensors.values()]
+        sizes = [p.numel() for p in payload]
+        self._pipe.sock.send(pack_note("group_tensors", {"src": self.group.rank, "sizes": sizes, "header": header}))
+        self.group.wait(self.group.send([p for p in payload if p.numel()], self.dst))
+
+    def recv(self, timeout_s: Optional[float] = None) -> tuple[str, dict, Tensors]:
+        self._pipe.wait(deadline_of(timeout_s))
+        note = unpack_note(self._pipe.sock.recv(copy=False), _SCHEMA)
+        src, sizes = note["src"], int_list(note["sizes"], "sizes")
+        if not 0 <= src < self.group.world_size or src == self.group.rank:
+            raise ProtocolError(f"tensor note names source rank {src}, expected a peer in [0, {self.group.world_size})")
+        offsets, total = layout(sizes)
+        if total > MAX_MESSAGE_BYTES:
+            raise ProtocolError(f"tensor note announces {total} bytes, more than {MAX_MESSAGE_BYTES}")
+        flat = self.group.alloc(total)
+        bufs = [flat[o:o + n] for o, n in zip(offsets, sizes) if n]
+        self.group.wait(self.group.recv(bufs, src))
+        header = parse_header(note["header"])  # checked after draining: a bad one cannot desync the pair
+        return header["key"], header["meta"], tensor_views(header, flat, offsets, sizes)
+
+    def close(self) -> None:
+        self._pipe.close()
+        self.group.close()
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------
+
+
+class CollectiveWeightChannel(WeightChannel):
+    """Rank ``root`` publishes; every other rank of the group receives every version."""
+
+    def __init__(self, group: Group, *, role: str, bucket_mb: float = 64.0, checksum: Optional[str] = None,
+                 pipeline: bool = True, root: int = 0):
+        want = "publisher" if group.rank == root else "receiver"
+        if role != want:
+            raise ValueError(f"role={role!r} at rank {group.rank}: rank {root} publishes, others receive; expected {want!r}")
+        self.group, self.root, self.pipeline = group, root, pipeline
+        self.algo = checksum or group.default_checksum
+        if self.algo not in B.CHECKSUMS:
+            raise ValueError(f"checksum={self.algo!r}: expected one of {B.CHECKSUMS}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self._pending: Optional[tuple[int, B.Layout, Tensors]] = None
+
+    def publish_begin(self, version: int, state_dict: Tensors) -> dict:
+        lay = B.plan(state_dict, self.bucket_bytes)
+        self._pending = (version, lay, state_dict)
+        handle = {"root": self.root, "world_size": self.group.world_size}
+        return B.manifest(self.group.name, version, lay, self.algo, None, handle)
+
+    def publish_end(self) -> None:
+        if self._pending is None:
+            raise RuntimeError("publish_end() without publish_begin()")
+        version, lay, sd = self._pending
+        self._pending = None
+        values = self._send_buckets(lay, sd)
+        trailer = torch.tensor([_signed(v) for v in values], dtype=torch.int64, device=self.group.device)
+        self.group.wait(self.group.broadcast(trailer.view(torch.uint8), self.root))
+
+    def _send_buckets(self, lay: B.Layout, sd: Tensors) -> list[int]:
+        """Pack bucket k+1 into the spare buffer while bucket k is on the wire; checksums."""
+        nbuf = 2 if self.pipeline else 1
+        bufs = [self.group.alloc(max(lay.bucket_sizes, default=0)) for _ in range(nbuf)]
+        inflight: deque = deque()
+        values = []
+        for k, n in enumerate(lay.bucket_sizes):
+            if len(inflight) == nbuf:
+                self.group.wait(inflight.popleft())
+            buf = bufs[k % nbuf][:n]
+            B.pack(lay, sd, k, buf)
+            values.append(B.checksum(buf, self.algo) if self.algo != "none" else 0)
+            if n:
+                inflight.append(self.group.broadcast(buf, self.root))
+        for h in inflight:
+            self.group.wait(h)
+        return values
+
+    def receive(self, manifest: dict) -> Tensors:
+        lay, m = B.parse_manifest(manifest, self.group.name)
+        if m["handle"] != {"root": self.root, "world_size": self.group.world_size}:
+            raise B.ManifestError(f"{self.group.name} manifest handle {m['handle']!r}: this group has root "
+                                  f"{self.root} and world_size {self.group.world_size}")
+        algo = m["checksum"]["algo"]
+        flat = self.group.alloc(lay.total)
+        bufs = [flat[o:o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
+        handles = [self.group.broadcast(b, self.root) if b.numel() else None for b in bufs]
+        trailer = self.group.alloc(8 * len(bufs))
+        trailer_h = self.group.broadcast(trailer, self.root) if bufs else None
+        got = []
+        for buf, h in zip(bufs, handles):  # checksum bucket k while k+1.. are still arriving
+            if h is not None:
+                self.group.wait(h)
+            got.append(B.checksum(buf, algo) if algo != "none" else 0)
+        if trailer_h is not None:
+            self.group.wait(trailer_h)
+        if algo != "none":
+            want = [v & ((1 << 64) - 1) for v in trailer.view(torch.int64).tolist()]
+            B.compare(got, want, algo, m["version"], lay.bucket_sizes)
+        return B.unflatten(lay, bufs)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def _signed(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+# --------------------------------------------------------------------------------------------
+# gloo
+# --------------------------------------------------------------------------------------------
+
+
+class GlooTensorChannel(CollectiveTensorChannel):
+    def __init__(self, *, role: str, endpoint: str, rank: int, world_size: int, store: str, dst: int = 0,
+                 name: str = "trajectories", timeout_s: float = 300.0):
+        group = GlooGroup(rank=rank, world_size=world_size, store=store, name=name, timeout_s=timeout_s)
+        super().__init__(group, role=role, endpoint=endpoint, dst=dst)
+
+
+class GlooWeightChannel(CollectiveWeightChannel):
+    def __init__(self, *, role: str, rank: int, world_size: int, store: str, bucket_mb: float = 64.0,
+                 checksum: Optional[str] = None, pipeline: bool = True, name: str = "weights", timeout_s: float = 300.0):
+        group = GlooGroup(rank=rank, world_size=world_size, store=store, name=name, timeout_s=timeout_s)
+        super().__init__(group, role=role, bucket_mb=bucket_mb, checksum=checksum, pipeline=pipeline)

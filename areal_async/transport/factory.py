@@ -1,0 +1,58 @@
+"""Pick a tensor channel by name (``TensorChannelConfig.trajectories`` / ``.weights``).
+
+Keyword arguments by kind (``role`` always; everything else keyword-only, unknown ones raise):
+
+=========  ==========================================================================================
+kind       trajectories (``role``: sender | receiver)       weights (``role``: publisher | receiver)
+=========  ==========================================================================================
+shm        endpoint, pool_mb=2048, run_id                   bucket_mb, checksum='sum64', run_id
+zmq        endpoint                                         bucket_mb, checksum, endpoint (publisher
+                                                            bind address), expect_receivers=0
+gloo       endpoint, rank, world_size, store, dst=0         rank, world_size, store, bucket_mb,
+                                                            checksum, pipeline=True
+nccl       as gloo, + device, rendezvous                    as gloo, + device, rendezvous
+cuda_ipc   endpoint, device                                 bucket_mb, checksum='sum64', device
+=========  ==========================================================================================
+
+``endpoint``: the ZeroMQ address the trajectory *receiver* binds and senders connect to
+(``tcp://host:port`` or ``ipc:///path``); a receiver bound to port ``*`` reports the real one in
+its ``.endpoint``. ``store``: ``host:port`` of the rendezvous TCPStore hosted by rank 0.
+Implementations are imported on first use, so asking for ``shm`` never imports CUDA code and
+asking for ``nccl`` on a CPU machine fails with ``TransportUnavailable`` naming what is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from areal_async.transport.base import TensorChannel, WeightChannel
+
+KINDS = ("shm", "zmq", "gloo", "nccl", "cuda_ipc")
+_TENSOR = {"shm": "shm:ShmTensorChannel", "zmq": "zmq_channel:ZmqTensorChannel",
+           "gloo": "collective:GlooTensorChannel", "nccl": "nccl:NcclTensorChannel",
+           "cuda_ipc": "cuda_ipc:CudaIpcTensorChannel"}
+_WEIGHT = {"shm": "shm:ShmWeightChannel", "zmq": "zmq_channel:ZmqWeightChannel",
+           "gloo": "collective:GlooWeightChannel", "nccl": "nccl:NcclWeightChannel",
+           "cuda_ipc": "cuda_ipc:CudaIpcWeightChannel"}
+
+
+def _load(table: dict[str, str], kind: str) -> Any:
+    if kind not in table:
+        raise ValueError(f"tensor channel kind {kind!r}: expected one of {' | '.join(KINDS)}")
+    module, cls = table[kind].split(":")
+    return getattr(importlib.import_module(f"areal_async.transport.{module}"), cls)
+
+
+def make_tensor_channel(kind: str, *, role: str, **kwargs: Any) -> TensorChannel:
+    """Trajectory channel of ``kind``; ``role`` is 'sender' (rollout) or 'receiver' (trainer)."""
+    if role not in ("sender", "receiver"):
+        raise ValueError(f"role={role!r}: a tensor channel is a 'sender' or a 'receiver'")
+    return _load(_TENSOR, kind)(role=role, **kwargs)
+
+
+def make_weight_channel(kind: str, *, role: str, **kwargs: Any) -> WeightChannel:
+    """Weight channel of ``kind``; ``role`` is 'publisher' (trainer) or 'receiver' (rollout)."""
+    if role not in ("publisher", "receiver"):
+        raise ValueError(f"role={role!r}: a weight channel is a 'publisher' or a 'receiver'")
+    return _load(_WEIGHT, kind)(role=role, **kwargs)

@@ -1,0 +1,170 @@
+"""NCCL channels through CuPy (``cupy.cuda.nccl.NcclCommunicator``): GPU to GPU, any hosts.
+
+The same channels as gloo (``collective.py``: notes over ZeroMQ + payload by send/recv for
+trajectories, pipelined bucket broadcast with an in-band checksum trailer for weights); only the
+``Group`` differs. Payload is received straight into CUDA memory allocated by torch on this
+rank's device; the returned tensors are views of it (no host staging, no extra copy). NCCL calls
+run on a dedicated stream that first waits for the caller's current stream, so tensors produced
+by queued kernels are sent only once they are ready; ``wait`` blocks the host until the call is
+done (a send returns once the receiver has the bytes, like gloo's).
+
+Rendezvous: rank 0 creates the NCCL unique id (``nccl.get_unique_id()``, 128 bytes) and the other
+ranks need it before the (collective) communicator init. Either pass ``rendezvous``, a callable
+that the caller routes over the control plane - rank 0 calls ``rendezvous(uid_bytes)``, the
+others ``rendezvous(None)``, and every call returns the id as bytes - or pass ``store="host:port"``
+and the id travels through the same ``TCPStore`` the gloo channels use.
+
+Environment knobs that matter (read by NCCL at communicator init; set them in the launcher):
+
+- ``NCCL_SOCKET_IFNAME``: the interface for bootstrap and socket transport (``eth0``, ``^lo``);
+  a wrong default (docker bridge) is the usual cause of hangs at init across hosts.
+- ``NCCL_IB_HCA``: which InfiniBand/RoCE adapters to use (``mlx5_0,mlx5_1``... one per GPU).
+- ``NCCL_IB_GID_INDEX``: the RoCE GID index (often 3 for RoCE v2); wrong -> init hangs/fails.
+- ``NCCL_NET_GDR_LEVEL``: how close NIC and GPU must be for GPUDirect RDMA (``PIX``, ``PXB``,
+  ``PHB``, ``SYS``). Whether GPUDirect RDMA is used is NCCL's own decision from the topology and
+  this knob (and needs the nvidia-peermem module); this code cannot force it, only the env can.
+- ``NCCL_P2P_LEVEL``: when to use NVLink/PCIe peer-to-peer between GPUs of one host
+  (``NVL`` to require NVLink); ``NCCL_P2P_DISABLE=1`` to rule it out when debugging.
+- ``NCCL_DEBUG=INFO`` (``NCCL_DEBUG_SUBSYS=INIT,NET``): prints the chosen transports - look for
+  ``NET/IB ... GDRDMA`` to confirm GPUDirect RDMA, ``P2P/CUMEM``/``NVLS`` for NVLink.
+- ``NCCL_BUFFSIZE``, ``NCCL_NCHANNELS_PER_NET_PEER``: throughput tuning for large broadcasts.
+
+Not covered here (CPU machines): everything past ``require_nccl``, which raises
+``TransportUnavailable`` naming what is missing (cupy, NCCL, a CUDA device). The GPU tests in
+``tests/gpu/test_gpu_transport.py`` exercise the rest. NCCL refuses two ranks on one GPU, so on a
+single-GPU machine only single-rank groups can be built.
+"""
+
+from __future__ import annotations
+
+import platform
+from typing import Any, Callable, Optional
+
+import torch
+
+from areal_async.transport.base import TransportError, TransportUnavailable
+from areal_async.transport.collective import (CollectiveTensorChannel, CollectiveWeightChannel, Group, check_rank,
+                                              tcp_store)
+
+UID_BYTES = 128
+Rendezvous = Callable[[Optional[bytes]], bytes]
+
+
+def require_nccl() -> Any:
+    """The ``cupy.cuda.nccl`` module, or ``TransportUnavailable`` listing every missing piece."""
+    missing, nccl = [], None
+    try:
+        import cupy  # noqa: F401
+        from cupy.cuda import nccl
+        if not getattr(nccl, "available", False):
+            missing.append("the NCCL library for CuPy (pip install nvidia-nccl-cu12)")
+    except ImportError as e:
+        missing.append(f"cupy (pip install cupy-cuda12x; import said: {e})")
+    if not torch.cuda.is_available():
+        missing.append(f"a CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
+                       f"built for CUDA {torch.version.cuda})")
+    if missing:
+        raise TransportUnavailable("the 'nccl' tensor channel needs " + "; ".join(missing)
+                                   + ". On CPU use 'gloo' (same set-up and calls) or 'shm'/'zmq'.")
+    return nccl
+
+
+def uid_to_bytes(uid: tuple) -> bytes:
+    return bytes(x & 0xFF for x in uid)
+
+
+def uid_from_bytes(b: bytes) -> tuple:
+    """CuPy wants the C ``char`` values back: signed on x86-64, unsigned on aarch64."""
+    if not isinstance(b, (bytes, bytearray)) or len(b) != UID_BYTES:
+        raise TransportError(f"NCCL unique id must be {UID_BYTES} bytes, got {type(b).__name__} of {len(b) if b else 0}")
+    if platform.machine() in ("aarch64", "arm64"):
+        return tuple(b)
+    return tuple(x - 256 if x > 127 else x for x in b)
+
+
+class NcclGroup(Group):
+    name = "nccl"
+
+    def __init__(self, *, rank: int, world_size: int, store: Optional[str] = None,
+                 rendezvous: Optional[Rendezvous] = None, device: Optional[int] = None, name: str,
+                 timeout_s: float = 300.0):
+        self.nccl = require_nccl()
+        check_rank(rank, world_size)
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        torch.cuda.set_device(self.device)
+        uid = self._unique_id(store, rendezvous, name, timeout_s)
+        import cupy
+
+        with cupy.cuda.Device(self.device.index):
+            self.comm = self.nccl.NcclCommunicator(world_size, uid_from_bytes(uid), rank)
+        self.stream = torch.cuda.Stream(self.device)
+
+    def _unique_id(self, store: Optional[str], rendezvous: Optional[Rendezvous], name: str, timeout_s: float) -> bytes:
+        mine = uid_to_bytes(self.nccl.get_unique_id()) if self.rank == 0 else None
+        if rendezvous is not None:
+            return rendezvous(mine)
+        if store is None:
+            raise ValueError("the nccl channel needs store='host:port' or a rendezvous callable to share its unique id")
+        s = tcp_store(store, self.rank, timeout_s)
+        key = f"areal/{name}/nccl_unique_id"
+        if mine is not None:
+            s.set(key, mine)
+            return mine
+        return s.get(key)
+
+    def _launch(self, bufs: list[torch.Tensor], call: Callable[[int], None]) -> torch.cuda.Event:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for b in bufs:  # the caching allocator must not hand these out while NCCL still uses them
+            b.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            call(self.stream.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def send(self, bufs: list[torch.Tensor], dst: int) -> torch.cuda.Event:
+        return self._launch(bufs, lambda s: self._grouped(bufs, lambda b: self.comm.send(
+            b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, dst, s)))
+
+    def recv(self, bufs: list[torch.Tensor], src: int) -> torch.cuda.Event:
+        return self._launch(bufs, lambda s: self._grouped(bufs, lambda b: self.comm.recv(
+            b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, src, s)))
+
+    def _grouped(self, bufs: list[torch.Tensor], one: Callable[[torch.Tensor], None]) -> None:
+        self.nccl.groupStart()  # one fused launch for all tensors of a message
+        try:
+            for b in bufs:
+                one(b)
+        finally:
+            self.nccl.groupEnd()
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> torch.cuda.Event:
+        return self._launch([buf], lambda s: self.comm.bcast(buf.data_ptr(), buf.numel(), self.nccl.NCCL_UINT8, root, s))
+
+    def wait(self, handle: torch.cuda.Event) -> None:
+        handle.synchronize()
+
+    def close(self) -> None:
+        if getattr(self, "comm", None) is not None:
+            self.stream.synchronize()
+            self.comm.destroy()
+            self.comm = None
+
+
+class NcclTensorChannel(CollectiveTensorChannel):
+    def __init__(self, *, role: str, endpoint: str, rank: int, world_size: int, store: Optional[str] = None,
+                 rendezvous: Optional[Rendezvous] = None, device: Optional[int] = None, dst: int = 0,
+                 name: str = "trajectories", timeout_s: float = 300.0):
+        group = NcclGroup(rank=rank, world_size=world_size, store=store, rendezvous=rendezvous, device=device,
+                          name=name, timeout_s=timeout_s)
+        super().__init__(group, role=role, endpoint=endpoint, dst=dst)
+
+
+class NcclWeightChannel(CollectiveWeightChannel):
+    def __init__(self, *, role: str, rank: int, world_size: int, store: Optional[str] = None,
+                 rendezvous: Optional[Rendezvous] = None, device: Optional[int] = None, bucket_mb: float = 64.0,
+                 checksum: str = "sum64", pipeline: bool = True, name: str = "weights", timeout_s: float = 300.0):
+        group = NcclGroup(rank=rank, world_size=world_size, store=store, rendezvous=rendezvous, device=device,
+                          name=name, timeout_s=timeout_s)
+        super().__init__(group, role=role, bucket_mb=bucket_mb, checksum=checksum, pipeline=pipeline)

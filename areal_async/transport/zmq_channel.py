@@ -1,0 +1,205 @@
+"""ZeroMQ tensor channels: the CPU path across hosts (payload in band, as ``protocols.tensors`` frames).
+
+Trajectories: PUSH/PULL, one multipart message per ``send`` (header + one raw frame per tensor,
+sent with ``copy=False`` from the tensors' own memory; ``decode_tensors`` validates and copies
+them into tensors that own their memory on the receiving side).
+
+Weights: the publisher packs the buckets in ``publish_begin`` and serves them from a ROUTER
+socket in a background thread; each receiver connects a DEALER to the endpoint named in the
+manifest, requests the buckets (a window of ``WINDOW`` in flight) and checks every one. Any
+number of receivers may fetch, at any time until ``release(version)``; ``publish_end`` waits for
+``expect_receivers`` complete fetches (0: returns at once). Buckets are packed up front rather
+than pipelined with the wire because receivers fetch at their own pace, long after packing.
+
+Not covered: encryption/authentication (use it on a trusted network, like the control plane).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Optional
+
+import msgpack
+import torch
+import zmq
+
+from areal_async.transport import buckets as B
+from areal_async.transport.base import TensorChannel, Tensors, TransportError, WeightChannel
+from areal_async.transport.notify import Pipe, deadline_of
+from protocols.messages import PROTOCOL_VERSION, ProtocolError
+from protocols.sockets import make_socket
+from protocols.tensors import decode_tensors, encode_tensors
+
+WINDOW = 4  # buckets requested ahead: keeps the pipe full without buffering the whole model
+
+
+class ZmqTensorChannel(TensorChannel):
+    def __init__(self, *, role: str, endpoint: str):
+        self._pipe = Pipe(role, endpoint)
+        self.endpoint = self._pipe.endpoint
+
+    def send(self, key: str, tensors: Tensors, meta: Optional[dict] = None) -> None:
+        self._pipe.sock.send_multipart(encode_tensors(key, meta or {}, tensors), copy=False)
+
+    def recv(self, timeout_s: Optional[float] = None) -> tuple[str, dict, Tensors]:
+        self._pipe.wait(deadline_of(timeout_s))
+        return decode_tensors(self._pipe.sock.recv_multipart(copy=False))
+
+    def close(self) -> None:
+        self._pipe.close()
+
+
+class ZmqWeightChannel(WeightChannel):
+    """``role='publisher'`` binds ``endpoint`` (default: a free port on ``advertise_host``)."""
+
+    def __init__(self, *, role: str, bucket_mb: float = 64.0, checksum: str = "sum64",
+                 endpoint: Optional[str] = None, advertise_host: str = "127.0.0.1",
+                 expect_receivers: int = 0, timeout_s: float = 120.0):
+        if role not in ("publisher", "receiver"):
+            raise ValueError(f"role={role!r}: expected 'publisher' or 'receiver'")
+        if checksum not in B.CHECKSUMS:
+            raise ValueError(f"checksum={checksum!r}: expected one of {B.CHECKSUMS}")
+        self.role, self.algo, self.timeout_s = role, checksum, timeout_s
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.expect_receivers = expect_receivers
+        self._last: Optional[int] = None
+        self._server = _BucketServer(endpoint or f"tcp://{advertise_host}:*", advertise_host) if role == "publisher" else None
+
+    def publish_begin(self, version: int, state_dict: Tensors) -> dict:
+        layout = B.plan(state_dict, self.bucket_bytes)
+        bufs = [torch.empty(n, dtype=torch.uint8) for n in layout.bucket_sizes]
+        for k, buf in enumerate(bufs):
+            B.pack(layout, state_dict, k, buf)
+        values = None if self.algo == "none" else [B.checksum(b, self.algo) for b in bufs]
+        self._server.add(version, bufs)
+        self._last = version
+        return B.manifest("zmq", version, layout, self.algo, values, {"endpoint": self._server.endpoint})
+
+    def publish_end(self) -> None:
+        if self._last is None:
+            raise RuntimeError("publish_end() without publish_begin()")
+        self._server.wait_fetches(self._last, self.expect_receivers, self.timeout_s)
+
+    def receive(self, manifest: dict) -> Tensors:
+        layout, m = B.parse_manifest(manifest, "zmq")
+        endpoint = m["handle"].get("endpoint")
+        if not isinstance(endpoint, str):
+            raise B.ManifestError(f"zmq manifest handle {m['handle']!r}: expected {{'endpoint': str}}")
+        bufs = _fetch(endpoint, m["version"], layout.bucket_sizes, self.timeout_s)
+        B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
+        return B.unflatten(layout, bufs)
+
+    def release(self, version: int) -> None:
+        if self._server:
+            self._server.drop(version)
+
+    def close(self) -> None:
+        if self._server:
+            self._server.close()
+            self._server = None
+
+
+def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
+    """Request buckets 0..n-1 (``WINDOW`` ahead) and return them in order, checked against ``sizes``."""
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=endpoint)
+    try:
+        out: list[torch.Tensor] = []
+        asked = 0
+        while len(out) < len(sizes):
+            while asked < len(sizes) and asked - len(out) < WINDOW:
+                sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "t": "weight_fetch", "version": version, "bucket": asked}))
+                asked += 1
+            out.append(_bucket_reply(sock, version, len(out), sizes, timeout_s))
+        return out
+    finally:
+        sock.close()
+
+
+def _bucket_reply(sock: zmq.Socket, version: int, k: int, sizes: list[int], timeout_s: float) -> torch.Tensor:
+    if not sock.poll(int(timeout_s * 1000)):
+        raise TransportError(f"weights v{version}: bucket {k} did not arrive within {timeout_s}s")
+    key, meta, tensors = decode_tensors(sock.recv_multipart(copy=False))
+    if "error" in meta:
+        raise TransportError(f"weights v{version}: publisher refused bucket {k}: {meta['error']}")
+    buf = tensors.get("bucket")
+    if key != f"w{version}/{k}" or buf is None or buf.dtype != torch.uint8 or buf.numel() != sizes[k]:
+        got = None if buf is None else (buf.dtype, buf.numel())
+        raise TransportError(f"weights v{version}: expected bucket {k} of {sizes[k]} bytes, got {key!r} {got}")
+    return buf
+
+
+class _BucketServer:
+    """A ROUTER in a thread: answers ``weight_fetch`` requests with bucket frames (zero-copy)."""
+
+    def __init__(self, endpoint: str, advertise_host: str):
+        self._versions: dict[int, list[torch.Tensor]] = {}
+        self._done: dict[tuple[int, bytes], int] = {}  # (version, peer) -> buckets served
+        self._lock = threading.Condition()
+        self._stop = threading.Event()
+        self._sock = make_socket(zmq.Context.instance(), zmq.ROUTER, bind=endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", advertise_host or socket.gethostname())
+        self._thread = threading.Thread(target=self._serve, name="zmq-weight-server", daemon=True)
+        self._thread.start()
+
+    def add(self, version: int, bufs: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._versions[version] = bufs
+
+    def drop(self, version: int) -> None:
+        with self._lock:
+            self._versions.pop(version, None)
+            self._done = {k: v for k, v in self._done.items() if k[0] != version}
+
+    def wait_fetches(self, version: int, n: int, timeout_s: float) -> None:
+        """Block until ``n`` peers fetched every bucket of ``version``."""
+        def complete() -> int:
+            total = len(self._versions.get(version, []))
+            return sum(1 for (v, _), c in self._done.items() if v == version and c >= total)
+        with self._lock:
+            if not self._lock.wait_for(lambda: complete() >= n, timeout_s):
+                raise TransportError(f"weights v{version}: {complete()} of {n} receivers fetched within {timeout_s}s")
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                peer, raw = self._recv()
+                if peer is not None:
+                    self._reply(peer, raw)
+
+    def _recv(self) -> tuple[Optional[bytes], bytes]:
+        frames = self._sock.recv_multipart()
+        return (frames[0], frames[1]) if len(frames) == 2 else (None, b"")
+
+    def _reply(self, peer: bytes, raw: bytes) -> None:
+        try:
+            version, k = _parse_fetch(raw)
+        except ProtocolError as e:  # a bad request is answered, never fatal for the server
+            self._sock.send_multipart([peer] + encode_tensors("error", {"error": str(e)}, {}))
+            return
+        with self._lock:
+            bufs = self._versions.get(version)
+            if bufs is None or not 0 <= k < len(bufs):
+                frames = encode_tensors("error", {"error": f"version {version} bucket {k} is not published"}, {})
+            else:
+                frames = encode_tensors(f"w{version}/{k}", {}, {"bucket": bufs[k]})
+                self._done[(version, peer)] = self._done.get((version, peer), 0) + 1
+                self._lock.notify_all()
+        self._sock.send_multipart([peer] + frames, copy=False)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+
+def _parse_fetch(raw: bytes) -> tuple[int, int]:
+    try:
+        req = msgpack.unpackb(raw, raw=False)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"weight fetch is not msgpack ({type(e).__name__})") from None
+    if not isinstance(req, dict) or req.get("t") != "weight_fetch" or req.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"expected a weight_fetch request of protocol v{PROTOCOL_VERSION}, got {req!r:.200}")
+    if not isinstance(req.get("version"), int) or not isinstance(req.get("bucket"), int):
+        raise ProtocolError(f"weight_fetch needs int version and bucket, got {req!r:.200}")
+    return req["version"], req["bucket"]

@@ -1,0 +1,230 @@
+"""Alpha-beta model of the generation->training transfer and of the weight broadcast, 8..1024 GPUs.
+
+    python -m benchmarks.scale_model [--from transfer_latency.json] [--json PATH] [--train-frac 0.25]
+
+A message of n bytes over one link costs ``alpha + n / beta``. Two sources of (alpha, beta):
+
+- fitted: per transport from ``benchmarks.transfer_latency`` rows (``--from``), by least squares
+  on the relative error (so the small payloads pin alpha and the large ones beta);
+- documented link figures for H100/H200 clusters (defaults below, all overridable): NVLink 4,
+  900 GB/s per GPU counted both directions, so 450 GB/s each way; InfiniBand NDR 400 Gb/s per
+  NIC (50 GB/s), 8 NICs per node of 8 GPUs; alpha ~20 us per NCCL operation across nodes and
+  ~5 us inside a node (NCCL's small-message latency, not the wire's ~1-2 us).
+
+Generation -> training (the boba batch: 512 prompts x 16 samples, sequence lengths lognormal with
+median 4000 tokens, sigma 1, capped at 27K - the shape ``transfer_latency`` uses - and 12 bytes
+per token: int32 id + float32 logprob + int32 version). With N GPUs, ``train_frac`` of them
+train; every trajectory is its own message; senders work in parallel and each trainer receives
+its share through its own NIC: ``T = (msgs / trainers) * alpha + (bytes / trainers) / beta``
+("spread"); "one_rank" funnels the whole batch into one trainer rank (trainers = 1).
+
+Weight broadcast of P bf16 parameters (S = 2P bytes) from the trainer to the G generation GPUs,
+across nodes on IB (the 8 NICs of a node carry 1/8 of S each, as NCCL's parallel rings do) and
+inside a node on NVLink:
+- p2p: the source sends a full copy to each node in turn: ``nodes * (alpha + S / B_node)``;
+- tree: binomial tree over nodes, whole message per hop: ``ceil(log2(nodes)) * (alpha + S / B_node)``;
+- ring: pipelined chain over nodes in k chunks, k chosen optimally: ``S/B_node + (nodes - 1 + k - 1) *
+  alpha + (nodes - 1) * S / (k B_node)`` ~ ``S/B_node + (nodes-1) alpha + 2 sqrt((nodes-1) alpha S/B_node)``;
+each followed (multi-node) by an NVLink allgather of the 8 shards inside every node,
+``7/8 * S / B_nvlink + 7 * alpha_nvl``. Not modelled: congestion, stragglers, the time to gather
+FSDP shards on the trainer, and the engine's weight load after the bytes arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Optional
+
+import numpy as np
+
+GB = 1e9
+BYTES_PER_TOKEN = 12
+MODELS = {"1.5B": 1.54e9, "7B": 7.6e9, "32B": 32.8e9}
+GPUS = [8 * 2**i for i in range(8)]  # 8 .. 1024
+CLAIM_S = 3.0
+
+
+def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares of t = alpha + n / beta on relative error; (alpha_s, beta_bytes_per_s)."""
+    n = np.array([p[0] for p in points], dtype=float)
+    t = np.array([p[1] for p in points], dtype=float)
+    a = np.stack([1 / t, n / t], axis=1)  # rows scaled by 1/t: minimizes sum(((alpha + b n) - t) / t)^2
+    (alpha, inv_beta), *_ = np.linalg.lstsq(a, np.ones_like(t), rcond=None)
+    return max(float(alpha), 0.0), 1 / max(float(inv_beta), 1e-30)
+
+
+def fits_from(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    by_kind: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r.get("metric") == "transfer_latency" and r.get("payload") == "bytes":
+            by_kind.setdefault(f"{r['transport']}@{r.get('device', 'cpu')}", []).append((r["bytes"], r["p50_s"]))
+    return {k: fit_alpha_beta(v) for k, v in by_kind.items() if len(v) >= 2}
+
+
+def boba_bytes(n_prompts: int = 512, n_samples: int = 16, median: float = 4000, sigma: float = 1.0,
+               cap: int = 27000, seed: int = 0) -> tuple[int, int]:
+    """(bytes, sequences) of the boba batch, lengths drawn as in ``transfer_latency.boba_batch``."""
+    rng = np.random.default_rng(seed)
+    lens = np.minimum(rng.lognormal(np.log(median), sigma, n_prompts * n_samples), cap).astype(int).clip(1)
+    return int(lens.sum()) * BYTES_PER_TOKEN, len(lens)
+
+
+class Cluster:
+    def __init__(self, a: argparse.Namespace):
+        self.gpn = a.gpus_per_node
+        self.nic_bps = a.ib_gbit / 8 * GB
+        self.node_bps = self.nic_bps * a.nics_per_node
+        self.nvl_bps = a.nvlink_gbs * GB
+        self.alpha_net = a.alpha_net_us * 1e-6
+        self.alpha_nvl = a.alpha_nvl_us * 1e-6
+        self.train_frac = a.train_frac
+
+    def link(self, gpus: int) -> tuple[float, float]:
+        """(alpha, beta) of one GPU's link: NVLink inside one node, its NIC beyond."""
+        return (self.alpha_nvl, self.nvl_bps) if gpus <= self.gpn else (self.alpha_net, self.nic_bps)
+
+    def split(self, gpus: int) -> tuple[int, int]:
+        train = max(1, round(gpus * self.train_frac))
+        return train, gpus - train
+
+
+def transfer_terms(total_bytes: int, msgs: int, trainers: int, alpha: float, beta: float) -> tuple[float, float]:
+    """(latency term, bandwidth term) of the gen->train transfer, trainers receiving in parallel."""
+    return math.ceil(msgs / trainers) * alpha, total_bytes / trainers / beta
+
+
+def broadcast_terms(algo: str, size: float, nodes: int, alpha: float, node_bps: float) -> tuple[float, float]:
+    """(latency term, bandwidth term) of broadcasting ``size`` bytes to ``nodes`` nodes."""
+    if nodes <= 1:
+        return 0.0, 0.0
+    if algo == "p2p":
+        return nodes * alpha, nodes * size / node_bps
+    if algo == "tree":
+        hops = math.ceil(math.log2(nodes + 1))
+        return hops * alpha, hops * size / node_bps
+    k = max(1, round(math.sqrt((nodes - 1) * size / node_bps / alpha)))  # optimal chunk count
+    return (nodes - 1 + k - 1) * alpha, size / node_bps + (nodes - 1) * size / (k * node_bps)
+
+
+def weight_broadcast(c: Cluster, algo: str, params: float, gpus: int) -> tuple[float, float]:
+    """(latency, bandwidth) seconds to get 2*params bytes onto every generation GPU."""
+    size = 2 * params
+    _, gen = c.split(gpus)
+    if gpus <= c.gpn:  # one node: NVLink ring among the GPUs
+        lat, bw = broadcast_terms(algo, size, gen + 1, c.alpha_nvl, c.nvl_bps)
+        return lat, bw
+    nodes = math.ceil(gen / c.gpn)
+    lat, bw = broadcast_terms(algo, size, nodes + 1, c.alpha_net, c.node_bps)  # +1: the trainer's node
+    return lat + (c.gpn - 1) * c.alpha_nvl, bw + (c.gpn - 1) / c.gpn * size / c.nvl_bps
+
+
+def dominant(lat: float, bw: float) -> str:
+    return "latency" if lat > bw else "bandwidth"
+
+
+def predict(c: Cluster, boba: tuple[int, int], fits: dict) -> list[dict]:
+    rows = []
+    size, msgs = boba
+    for gpus in GPUS:
+        train, _ = c.split(gpus)
+        for mode, receivers in (("spread", train), ("one_rank", 1)):
+            lat, bw = transfer_terms(size, msgs, receivers, *c.link(gpus))
+            rows.append({"metric": "predict_gen_to_train_s", "value": lat + bw, "unit": "s", "gpus": gpus,
+                         "link": "cluster", "mode": mode, "latency_s": lat, "bandwidth_s": bw,
+                         "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
+        for name, (alpha, beta) in fits.items():
+            lat, bw = transfer_terms(size, msgs, train, alpha, beta)
+            rows.append({"metric": "predict_gen_to_train_s", "value": lat + bw, "unit": "s", "gpus": gpus, "link": name,
+                         "mode": "spread", "latency_s": lat, "bandwidth_s": bw, "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
+        for model, params in MODELS.items():
+            for algo in ("ring", "tree", "p2p"):
+                lat, bw = weight_broadcast(c, algo, params, gpus)
+                rows.append({"metric": "predict_weight_broadcast_s", "value": lat + bw, "unit": "s", "gpus": gpus,
+                             "model": model, "algo": algo, "latency_s": lat, "bandwidth_s": bw,
+                             "dominant": dominant(lat, bw)})
+    return rows
+
+
+def pick(rows: list[dict], **kw) -> dict:
+    return next(r for r in rows if all(r.get(k) == v for k, v in kw.items()))
+
+
+def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Optional[str]) -> list[dict]:
+    print(f"boba batch: {boba[1]} sequences, {boba[0] / GB:.3f} GB (ids int32 + logprobs f32 + versions int32)")
+    if fits:
+        print(f"\nfitted from {source}:")
+        for name, (alpha, beta) in fits.items():
+            print(f"  {name:<16} alpha {alpha * 1e6:9.1f} us   beta {beta / GB:7.3f} GB/s")
+    else:
+        print("\nno measurements given (--from): documented link figures only")
+    head = f"{'GPUs':>5} {'g2t spread':>11} {'g2t 1 rank':>11} " + " ".join(f"{m + ' ' + a:>11}" for m in MODELS for a in ("ring", "tree", "p2p"))
+    print(f"\npredicted seconds (claim: under {CLAIM_S:.0f} s at ~1000 GPUs)\n{head}")
+    for gpus in GPUS:
+        cells = [pick(rows, metric="predict_gen_to_train_s", gpus=gpus, link="cluster", mode=m)["value"]
+                 for m in ("spread", "one_rank")]
+        cells += [pick(rows, metric="predict_weight_broadcast_s", gpus=gpus, model=m, algo=a)["value"]
+                  for m in MODELS for a in ("ring", "tree", "p2p")]
+        print(f"{gpus:>5} " + " ".join(f"{v:>11.4g}" for v in cells))
+    return verdicts(rows)
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    out = []
+    print()
+    for mode in ("spread", "one_rank"):
+        t = pick(rows, metric="predict_gen_to_train_s", gpus=1024, link="cluster", mode=mode)
+        out.append({"metric": "claim_gen_to_train_1024", "value": t["value"], "unit": "s", "mode": mode,
+                    "under_claim": t["value"] < CLAIM_S, "dominant": t["dominant"]})
+        print(f"at 1024 GPUs: gen->train ({mode}) {t['value']:.4g} s ({t['dominant']} term dominates: "
+              f"{t['latency_s']:.3g} s latency vs {t['bandwidth_s']:.3g} s bandwidth) -> "
+              f"{'under' if t['value'] < CLAIM_S else 'OVER'} the {CLAIM_S:.0f} s claim")
+    for r in rows:
+        if r["metric"] == "predict_gen_to_train_s" and r["gpus"] == 1024 and r["link"] != "cluster":
+            print(f"  same batch if every link were {r['link']} (fitted): {r['value']:.3g} s ({r['dominant']} dominates)")
+    for model in MODELS:
+        for algo in ("ring", "tree", "p2p"):
+            b = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo=algo)
+            out.append({"metric": "claim_weight_broadcast_1024", "value": b["value"], "unit": "s", "model": model,
+                        "algo": algo, "under_claim": b["value"] < CLAIM_S, "dominant": b["dominant"]})
+        over = [r["algo"] for r in out if r.get("model") == model and not r["under_claim"]]
+        ring = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo="ring")
+        print(f"at 1024 GPUs: {model} ring broadcast {ring['value']:.3g} s ({ring['dominant']} dominates: "
+              f"{ring['latency_s']:.3g} s latency vs {ring['bandwidth_s']:.3g} s bandwidth); over {CLAIM_S:.0f} s: "
+              f"{', '.join(over) or 'none of ring/tree/p2p'}")
+    return out
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="src", help="transfer_latency JSON to fit alpha/beta from")
+    p.add_argument("--json", help="write rows here")
+    p.add_argument("--train-frac", type=float, default=0.25, help="fraction of GPUs that train")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nics-per-node", type=int, default=8)
+    p.add_argument("--ib-gbit", type=float, default=400.0, help="Gb/s per InfiniBand NIC (NDR)")
+    p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU per direction (900 both ways)")
+    p.add_argument("--alpha-net-us", type=float, default=20.0, help="per-operation latency across nodes")
+    p.add_argument("--alpha-nvl-us", type=float, default=5.0, help="per-operation latency inside a node")
+    p.add_argument("--boba-prompts", type=int, default=512)
+    p.add_argument("--boba-samples", type=int, default=16)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    a = parse_args(argv)
+    fits = fits_from(json.load(open(a.src))) if a.src else {}
+    boba = boba_bytes(a.boba_prompts, a.boba_samples)
+    rows = [{"metric": "fit_alpha_s", "value": al, "unit": "s", "transport": k} for k, (al, _) in fits.items()]
+    rows += [{"metric": "fit_beta_gbps", "value": be / GB, "unit": "GB/s", "transport": k} for k, (_, be) in fits.items()]
+    rows += predict(Cluster(a), boba, fits)
+    rows += print_report(rows, fits, boba, a.src)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

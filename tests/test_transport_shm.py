@@ -1,0 +1,189 @@
+"""Shared-memory channels: across processes, zero-copy views, slab reuse, bad notes, weights, no leaks."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import zmq
+
+from areal_async.transport import (ManifestError, ProtocolError, TransportError, make_tensor_channel,
+                                   make_weight_channel)
+from areal_async.transport.buckets import state_checksum
+from areal_async.transport.frames import header_bytes
+from areal_async.transport.notify import pack_note
+from areal_async.transport.shm import CTRL, SHM_DIR
+from protocols.sockets import make_socket
+from test_transport_helpers import Peer, ask, assert_bit_exact, no_shm_leaks, reply, sample_tensors  # noqa: F401
+
+pytestmark = [pytest.mark.usefixtures("no_shm_leaks"),
+              pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")]
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    sd = {k: v.contiguous() for k, v in sample_tensors(seed).items()}
+    sd["w"] = torch.randn(300, 70).to(torch.bfloat16)  # spans several 16 KiB buckets
+    return sd
+
+
+def _peer(conn) -> None:
+    """Rollout side: send three samples over shm, then receive one weight version."""
+    torch.set_num_threads(1)
+    tx = make_tensor_channel("shm", role="sender", endpoint=ask(conn)["endpoint"])
+    for seed in range(3):
+        tx.send(f"traj-{seed}", sample_tensors(seed), {"seed": seed})
+    rx = make_weight_channel("shm", role="receiver")
+    sd = rx.receive(ask(conn)["manifest"])
+    reply(conn, {"crc": state_checksum(sd), "names": list(sd)})
+    del sd
+    tx.close()
+    reply(conn, {"bye": True})
+
+
+@pytest.mark.timeout(60)
+def test_across_processes_trajectories_and_weights():
+    rx = make_tensor_channel("shm", role="receiver", endpoint="tcp://127.0.0.1:*")
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
+    peer = Peer(_peer)
+    try:
+        peer.send({"endpoint": rx.endpoint})
+        for seed in range(3):
+            key, meta, got = rx.recv(timeout_s=30)
+            assert (key, meta) == (f"traj-{seed}", {"seed": seed})
+            assert_bit_exact(got, sample_tensors(seed))
+        sd = _weights()
+        manifest = pub.publish_begin(1, sd)
+        pub.publish_end()
+        assert len(manifest["bucket_bytes"]) > 1
+        peer.send({"manifest": manifest})
+        assert peer.recv() == {"crc": state_checksum(sd), "names": list(sd)}
+        assert peer.recv() == {"bye": True}
+        peer.join()
+    finally:
+        pub.close()
+        rx.close()
+
+
+@pytest.fixture
+def pair():
+    rx = make_tensor_channel("shm", role="receiver", endpoint="tcp://127.0.0.1:*")
+    tx = make_tensor_channel("shm", role="sender", endpoint=rx.endpoint)
+    yield tx, rx
+    gc.collect()
+    tx.close()
+    rx.close()
+
+
+def test_views_share_the_slab_and_slabs_are_reused_once_dropped(pair):
+    tx, rx = pair
+    x = {"x": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
+    tx.send("a", x)
+    _, _, held = rx.recv(timeout_s=5)
+    slab = tx._pool.slabs[0]
+    held["x"][0] = 42.0  # the receiver's tensor *is* the shared slab: the sender's mapping sees it
+    assert torch.from_numpy(slab.seg.array(CTRL))[:4].view(torch.float32).item() == 42.0
+    tx.send("b", x)  # slab 0 is still held -> a second slab
+    _, _, other = rx.recv(timeout_s=5)
+    assert len(tx._pool.slabs) == 2 and not slab.is_free()
+    del held, other
+    gc.collect()
+    assert all(s.is_free() for s in tx._pool.slabs)
+    for i in range(3):
+        tx.send(f"c{i}", x)
+        _, _, got = rx.recv(timeout_s=5)
+        assert torch.equal(got["x"], x["x"])
+        del got
+    assert len(tx._pool.slabs) == 2  # reused, not grown
+
+
+def test_bad_notes_raise_and_the_receiver_keeps_serving(pair):
+    tx, rx = pair
+    good = {"x": torch.arange(6, dtype=torch.int64)}
+    tx.send("seed", good)  # make a slab we can point bad notes at
+    _, _, got = rx.recv(timeout_s=5)
+    del got
+    gc.collect()
+    slab = tx._pool.slabs[0]
+    raw = make_socket(zmq.Context.instance(), zmq.PUSH, connect=rx.endpoint)
+    mislabelled = header_bytes("bad", {}, {"x": torch.zeros(6, dtype=torch.float16)})  # 12 bytes, payload has 48
+    note = {"seg": slab.seg.name, "size": slab.seg.size, "pooled": True, "offsets": [0], "sizes": [48]}
+    cases = [
+        (b"\x00garbage", ProtocolError, "not valid msgpack"),
+        (pack_note("shm_tensors", {**note, "header": mislabelled}), ProtocolError, "needs 12 bytes"),
+        (pack_note("shm_tensors", {**note, "size": slab.seg.size + 4096, "header": mislabelled}), ProtocolError,
+         "was mapped with"),
+        (pack_note("shm_tensors", {**note, "seg": "areal_missing_0", "header": mislabelled}), TransportError,
+         "does not exist"),
+        (pack_note("shm_tensors", {**note, "seg": "../etc/passwd", "header": mislabelled}), TransportError,
+         "segment name"),
+        (pack_note("shm_tensors", {**note, "sizes": [48, 8], "header": mislabelled}), ProtocolError, "payload has 2"),
+        (pack_note("shm_tensors", {"seg": slab.seg.name}), ProtocolError, "expected"),
+    ]
+    for raw_note, exc, match in cases:
+        slab.ctrl[0] = 1  # as if the sender had just filled it
+        raw.send(raw_note)
+        with pytest.raises(exc, match=match):
+            rx.recv(timeout_s=5)
+        tx.send("after", good)
+        key, _, got = rx.recv(timeout_s=5)
+        assert key == "after" and torch.equal(got["x"], good["x"])
+        del got
+    raw.close()
+
+
+def test_pool_cap_falls_back_to_one_shot_slabs():
+    rx = make_tensor_channel("shm", role="receiver", endpoint="tcp://127.0.0.1:*")
+    tx = make_tensor_channel("shm", role="sender", endpoint=rx.endpoint, pool_mb=1)
+    x = {"x": torch.randn(1 << 19)}  # 2 MiB > the 1 MiB pool
+    kept = []
+    for i in range(3):
+        tx.send(f"m{i}", x)
+        kept.append(rx.recv(timeout_s=5)[2])
+    assert tx._pool.slabs == [] and all(torch.equal(k["x"], x["x"]) for k in kept)
+    tx.close()
+    rx.close()
+
+
+def test_weights_checksum_truncation_release_and_private_writes():
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
+    sub = make_weight_channel("shm", role="receiver")
+    sd = _weights()
+    m = pub.publish_begin(7, sd)
+    got = sub.receive(m)
+    assert_bit_exact(got, sd)
+    got["w"].zero_()  # copy-on-write: our write never reaches the publisher or other receivers
+    assert_bit_exact(sub.receive(m), sd)
+    del got
+    with open(SHM_DIR / m["handle"]["segment"], "r+b") as f:  # corrupt one byte of bucket 0
+        f.seek(m["tensors"][0]["offset"])
+        f.write(b"\x7f")
+    with pytest.raises(TransportError, match="bucket 0 .* sum64 .* corrupt"):
+        sub.receive(m)
+    with pytest.raises(ManifestError, match="expected .*'size'"):
+        sub.receive({**m, "handle": {**m["handle"], "size": m["handle"]["size"] - 64}})
+    with pytest.raises(ManifestError, match="is for channel 'shm', this receiver is 'zmq'"):
+        make_weight_channel("zmq", role="receiver").receive(m)
+    pub.release(7)
+    with pytest.raises(TransportError, match="does not exist"):
+        sub.receive(m)
+    pub.close()
+
+
+def test_publisher_close_unlinks_every_version():
+    pub = make_weight_channel("shm", role="publisher")
+    for v in range(3):
+        pub.publish_begin(v, {"a": torch.ones(10)})
+    assert len([p for p in SHM_DIR.glob(pub._prefix + "_*")]) == 3
+    pub.close()
+    assert not list(SHM_DIR.glob(pub._prefix + "_*"))
+
+
+def test_manifest_travels_in_a_weights_published_message():
+    from protocols.messages import WeightsPublished, decode, encode
+
+    pub = make_weight_channel("shm", role="publisher")
+    sd = _weights(1)
+    msg = decode(encode(WeightsPublished(version=3, manifest=pub.publish_begin(3, sd))))
+    assert_bit_exact(make_weight_channel("shm", role="receiver").receive(msg.manifest), sd)
+    pub.close()
