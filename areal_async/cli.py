@@ -32,7 +32,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)  # overrides may follow options: collect them here
+    bad = [x for x in extra if "=" not in x or x.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        if args.cmd == "knobs":
+            parser.error(f"'knobs' takes no overrides, got {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     from areal_async.config import ConfigError, describe, load_config, to_yaml
 
     if args.cmd == "knobs":

@@ -360,6 +360,11 @@ def _coerce(key: str, value: Any, tp: Any, base: Any = None) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}={value!r}: expected a number")
     if tp is str:
         if isinstance(value, str):

@@ -41,6 +41,34 @@ def supervisor_t0() -> float:
     return float(os.environ.get("AREAL_T0", time.time()))
 
 
+def _group(cfg: ExperimentConfig, ep: Endpoints, kind: str, rank: int, store_key: str) -> dict:
+    """Rank/world/store for the collective kinds (rank 0 = trainer, 1..N = rollout workers)."""
+    if kind not in ("gloo", "nccl"):
+        return {}
+    return {"rank": rank, "world_size": cfg.cluster.n_rollout_workers + 1, "store": ep.extra[store_key]}
+
+
+def trajectory_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
+    from areal_async.transport import make_tensor_channel
+
+    kind = cfg.tensor_channel.trajectories
+    kw = {"run_id": ep.extra.get("run_id")} if kind == "shm" else {}
+    return make_tensor_channel(kind, role=role, endpoint=ep.trajectories, **kw,
+                               **_group(cfg, ep, kind, rank, "traj_store"))
+
+
+def weight_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
+    from areal_async.transport import make_weight_channel
+
+    kind = cfg.tensor_channel.weights
+    kw = {"run_id": ep.extra.get("run_id")} if kind == "shm" else {}
+    if role == "publisher":
+        kw["bucket_mb"] = cfg.tensor_channel.bucket_mb
+        if kind == "zmq":
+            kw["endpoint"] = ep.extra["weights_endpoint"]
+    return make_weight_channel(kind, role=role, **kw, **_group(cfg, ep, kind, rank, "weight_store"))
+
+
 def build_scheduler(run_dir: str | Path):
     from areal_async.scheduler.service import SchedulerService
 
@@ -69,7 +97,6 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int):
     from areal_async.models.tiny import build_model, load_model
     from areal_async.rollout.service import RolloutService
     from areal_async.rollout.torch_engine import TorchEngine
-    from areal_async.transport import make_tensor_channel, make_weight_channel
 
     cfg, ep = load_run(run_dir)
     set_torch_threads(cfg.cluster.torch_threads)
@@ -81,9 +108,8 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int):
     engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
                          max_batch_groups=cfg.rollout.max_batch_groups)
     ctx = zmq.asyncio.Context()
-    traj = make_tensor_channel(cfg.tensor_channel.trajectories, "send", endpoint=ep.trajectories, run_dir=str(run_dir))
-    weights = make_weight_channel(cfg.tensor_channel.weights, "receive", run_dir=str(run_dir), rank=index + 1,
-                                  world_size=cfg.cluster.n_rollout_workers + 1, rendezvous=ep.extra)
+    traj = trajectory_channel(cfg, ep, "sender", rank=index + 1)
+    weights = weight_channel(cfg, ep, "receiver", rank=index + 1)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
     return RolloutService(worker_id, _control(ctx, cfg, ep, "rollout", worker_id), ctx, engine, decode, traj, weights,
@@ -94,7 +120,6 @@ def build_trainer(run_dir: str | Path, worker_id: str):
     from areal_async.models.tiny import load_policy
     from areal_async.trainer.actor import PPOActor
     from areal_async.trainer.service import TrainerService
-    from areal_async.transport import make_tensor_channel, make_weight_channel
 
     cfg, ep = load_run(run_dir)
     set_torch_threads(cfg.cluster.torch_threads)
@@ -103,10 +128,8 @@ def build_trainer(run_dir: str | Path, worker_id: str):
     actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
                      total_steps=cfg.total_train_steps, device=cfg.cluster.device)
     ctx = zmq.asyncio.Context()
-    traj = make_tensor_channel(cfg.tensor_channel.trajectories, "recv", endpoint=ep.trajectories, run_dir=str(run_dir))
-    weights = make_weight_channel(cfg.tensor_channel.weights, "send", run_dir=str(run_dir), rank=0,
-                                  world_size=cfg.cluster.n_rollout_workers + 1, rendezvous=ep.extra,
-                                  bucket_mb=cfg.tensor_channel.bucket_mb)
+    traj = trajectory_channel(cfg, ep, "receiver", rank=0)
+    weights = weight_channel(cfg, ep, "publisher", rank=0)
     return TrainerService(_control(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights)
 
 

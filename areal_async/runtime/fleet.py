@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,14 +40,15 @@ class Endpoints:
 
 
 def plan_endpoints(cfg: ExperimentConfig) -> Endpoints:
-    n = cfg.cluster.n_reward_workers
+    n, host = cfg.cluster.n_reward_workers, cfg.cluster.host
+    extra = {"run_id": uuid.uuid4().hex[:10], "traj_store": f"{host}:{free_tcp_port(host)}",
+             "weight_store": f"{host}:{free_tcp_port(host)}", "weights_endpoint": f"tcp://{host}:{free_tcp_port(host)}"}
     if cfg.cluster.control == "ipc":
         d = tempfile.mkdtemp(prefix="areal-")  # short path: ipc paths are limited to ~100 chars
         return Endpoints(ipc_endpoint(d, "control"), ipc_endpoint(d, "traj"),
-                         [ipc_endpoint(d, f"reward{i}") for i in range(n)], d)
-    host = cfg.cluster.host
+                         [ipc_endpoint(d, f"reward{i}") for i in range(n)], d, extra)
     tcp = lambda: f"tcp://{host}:{free_tcp_port(host)}"  # noqa: E731
-    return Endpoints(tcp(), tcp(), [tcp() for _ in range(n)], "")
+    return Endpoints(tcp(), tcp(), [tcp() for _ in range(n)], "", extra)
 
 
 def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:

@@ -137,15 +137,17 @@ class LocalSupervisor:
                     f"reward {row['reward_mean']:.3f}  staleness<={row['staleness_max']}  "
                     f"{row.get('samples_trained_total', 0) / max(1e-9, row['wall_s']):6.1f} samples/s  "
                     f"{row['wall_s']:6.1f}s")
-        if line != last:
-            sys.stdout.write("\r" + line.ljust(100))
+        if line != last and (row is not None or sys.stdout.isatty()):
+            # a terminal gets one live line; a log file gets one line per step
+            sys.stdout.write("\r" + line.ljust(100) if sys.stdout.isatty() else line + "\n")
             sys.stdout.flush()
         return line
 
     def _progress_done(self, last: str) -> None:
         if self.progress and last:
             self._progress(last)
-            sys.stdout.write("\n")
+            if sys.stdout.isatty():
+                sys.stdout.write("\n")
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
