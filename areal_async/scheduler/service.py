@@ -125,12 +125,12 @@ class SchedulerService:
         await handler(wid, msg)
 
     def _handlers(self) -> dict:
-        return {Heartbeat: self._noop, Ping: self._ping, TrajectoryReady: self._trajectory, RewardResult: self._reward,
+        return {Heartbeat: self._heartbeat, Ping: self._ping, TrajectoryReady: self._trajectory, RewardResult: self._reward,
                 WeightsPublished: self._weights_published, WeightsLoaded: self._weights_loaded,
                 TrainerReady: self._trainer_ready, TrainStepDone: self._step_done, Error: self._worker_error}
 
-    async def _noop(self, wid: str, msg: Message) -> None:
-        return None
+    async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
+        self.workers[wid]["stats"] = msg.stats
 
     async def _ping(self, wid: str, msg: Ping) -> None:
         if wid in self.workers:
@@ -190,7 +190,10 @@ class SchedulerService:
                "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
                "samples_trained": len(trained), "samples_trained_total": self.core.ledger.n_trained,
                "samples_aborted_total": self.core.ledger.n_aborted,
-               "step_s": now - self._step_t, "wall_s": now - self.t0}
+               "step_s": now - self._step_t, "wall_s": now - self.t0,
+               # rollout engines' cumulative busy seconds, from their last heartbeats
+               "gen_busy_s_total": sum(float(w.get("stats", {}).get("busy_s", 0.0)) for w in self.workers.values()
+                                       if w["role"] == "rollout")}
         self._step_t = now
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row
