@@ -74,6 +74,8 @@ class LocalSupervisor:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, start_new_session=True)
             self.children.append(Child(wid, proc, log_path))
+        pids = {c.name: c.proc.pid for c in self.children} | {"supervisor": os.getpid()}
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
 
     # ---- watching ------------------------------------------------------------------------
     def watch(self, poll_s: float = 0.25) -> int:

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch and this package (+ test and bench extras).
+# torch is installed first and pinned: the package's own range (torch>=2.5) is then already
+# satisfied, so pip never pulls a multi-GB CUDA build on a CPU machine.
+# GPU machines: .venv/bin/pip install -e '.[gpu]' afterwards (brings sglang, cupy, nccl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e '.[test,bench]'
+echo "areal-async: environment ready in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,141 @@
+"""End-to-end: real fleets of processes on ZeroMQ, started by the real CLI.
+
+Each test runs a short tiny_arith job and checks the run's books against the invariants:
+staleness bound, exactly-once accounting, clean shutdown on SIGTERM, loud failure when a worker
+dies. The learning bar itself is measured by the full preset (README), not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["total_train_steps=6", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
+        "rollout.dump_to_file=true", "cluster.heartbeat_s=0.5"]
+
+
+def cli(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"),
+            "--run-dir", str(run_dir), "--no-progress", *FAST, *overrides]
+
+
+def run_ok(run_dir: Path, *overrides: str, timeout: float = 240) -> None:
+    proc = subprocess.run(cli(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_books(run_dir: Path, eta: int) -> list[dict]:
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trajs = read_jsonl(run_dir / "trajectories.jsonl")
+    assert [m["step"] for m in metrics] == list(range(6))
+    for m in metrics:
+        assert {"step", "version", "reward_mean", "staleness_max", "samples_trained", "wall_s"} <= set(m)
+        assert m["version"] == m["step"] + 1 and 0 <= m["reward_mean"] <= 1 and m["staleness_max"] <= eta
+    ids = [t["id"] for t in trajs]
+    assert len(ids) == len(set(ids)) == summary["samples_issued"]  # every sample appears exactly once
+    assert summary["samples_lost"] == 0 and summary["steps"] == 6
+    trained = [t for t in trajs if t["status"] == "trained"]
+    assert len(trained) == summary["samples_trained"] == 6 * 4 * 4
+    assert all(t["status"] == "aborted" and t["reason"] for t in trajs if t["status"] != "trained")
+    for t in trained:
+        assert t["version_min"] >= t["train_step"] - eta, t
+        assert t["version_min"] <= t["version_max"] <= t["train_step"], t
+    return trained
+
+
+def test_async_run_keeps_staleness_bound_and_books(tmp_path):
+    run_ok(tmp_path / "run", "rollout.max_head_offpolicyness=2")
+    trained = check_books(tmp_path / "run", eta=2)
+    assert any(t["version_min"] < t["train_step"] for t in trained)  # asynchrony really happened
+
+
+def test_eta_zero_is_on_policy(tmp_path):
+    run_ok(tmp_path / "run", "rollout.max_head_offpolicyness=0")
+    trained = check_books(tmp_path / "run", eta=0)
+    assert all(t["version_min"] == t["version_max"] == t["train_step"] for t in trained)
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for_metrics(run_dir: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no trainer step within the deadline"
+        time.sleep(0.2)
+
+
+def test_sigterm_stops_every_process_it_started(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_metrics(run_dir, proc)
+    started = descendants(proc.pid)
+    assert len(started) >= 5  # scheduler, reward (+ its pool), trainer, 2 rollouts
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    time.sleep(10)
+    assert [p for p in started if alive(p)] == []
+
+
+def test_a_dead_worker_fails_the_run_loudly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_metrics(run_dir, proc)
+    started = descendants(proc.pid)
+    victim = json.loads((run_dir / "pids.json").read_text())["rollout-1"]
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert "worker rollout-1" in err and "killed by signal 9" in err and "  | " in err  # its last log lines
+    time.sleep(2)
+    assert [p for p in started if alive(p)] == []
+
+
+def test_bad_override_is_refused_before_anything_starts(tmp_path):
+    proc = subprocess.run(cli(tmp_path / "run", "rollout.max_head_offpolicyness=-1"), capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "rollout.max_head_offpolicyness=-1" in proc.stderr
+    assert not (tmp_path / "run").exists()
