@@ -12,6 +12,7 @@ expressed here key for key (see ``configs/boba_grpo.yaml``).
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,8 @@ class ClusterConfig:
     worker_timeout_s: float = _f(120.0, "A worker silent this long is declared dead.")
     torch_threads: int = _f(1, "torch intra-op threads per worker process.")
     device: str = _f("cpu", "cpu | cuda.")
+    n_nodes: int = _f(1, "Machines in the fleet (the seed: one node).")
+    n_gpus_per_node: int = _f(8, "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel degree dN.")
 
 
 @dataclass
@@ -197,6 +200,60 @@ class SFTWarmupConfig:
     steps: int = _f(0, "SFT steps on the training prompts' reference answers; 0 disables.")
     batch_size: int = _f(64, "Sequences per SFT step.")
     lr: float = _f(3e-3, "SFT learning rate.")
+
+
+@dataclass
+class RefConfig:
+    """The frozen reference policy of the KL penalty (the seed's ``ref``); loaded only when actor.kl_ctl > 0."""
+
+    path: Optional[str] = _f(None, "Local HF directory of the reference model; None = the initial policy (model.path or the built tiny model).")
+    dtype: str = _f("float32", "Reference model dtype: float32 | bfloat16 | float16.")
+    mb_spec: MicroBatchSpec = _sub(MicroBatchSpec, "Micro-batch packing of the reference forward passes.")
+
+
+@dataclass
+class SGLangConfig:
+    """SGLang server settings for ``rollout.backend: sglang[:dN]`` (seed's ``sglang``; model, seed and dtype follow model.* and seed)."""
+
+    context_length: int = _f(32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len + gconfig.max_new_tokens.")
+    mem_fraction_static: float = _f(0.9, "Fraction of GPU memory SGLang reserves for weights + KV cache, in (0, 1].")
+    max_running_requests: Optional[int] = _f(None, "Cap on requests decoded at once per server; None = SGLang decides.")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM settings (the seed's ``vllm``, the alternative backend; not wired into rollout workers yet)."""
+
+    max_model_len: int = _f(32768, "vLLM context limit in tokens (the seed's max_model_len).")
+    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory vLLM may use, in (0, 1].")
+
+
+@dataclass
+class EvaluatorConfig:
+    """Evaluation sampling: used by ``areal-async sft`` before and after training (RL runs don't evaluate yet).
+
+    Accuracy is the mean reward (reward.fn) over all samples = pass@1 averaged over n_samples
+    (seed: 32 samples; SFT models at temperature 0.6, top_p 0.95; RL models at 1.0)."""
+
+    enabled: bool = _f(True, "Run the evaluation (off for models the embedded torch engine cannot sample in reasonable time).")
+    n_samples: int = _f(1, "Samples per problem; accuracy averages over them (pass@1).")
+    greedy: bool = _f(True, "Greedy decoding (then n_samples must be 1: greedy samples are identical).")
+    temperature: float = _f(1.0, "Sampling temperature when not greedy.")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1] when not greedy.")
+    max_new_tokens: int = _f(0, "Generated tokens per sample; 0 = gconfig.max_new_tokens.")
+    max_problems: int = _f(0, "Evaluate at most this many problems per split (first ones of the seeded order); 0 = all.")
+
+
+@dataclass
+class SFTConfig:
+    """Standalone supervised fine-tuning (``areal-async sft``): loss on answer tokens only, packed micro-batches."""
+
+    steps: int = _f(0, "Optimizer steps; 0 derives them from epochs: ceil(epochs * examples / batch_size).")
+    epochs: float = _f(1.0, "Passes over the training examples when steps is 0.")
+    batch_size: int = _f(16, "(prompt, answer) examples per optimizer step, split into micro-batches by actor.mb_spec.")
+    optimizer: OptimizerConfig = _sub(OptimizerConfig, "SFT optimizer and lr schedule (total steps = the SFT steps).")
+    save_freq_steps: int = _f(0, "Atomic checkpoint to RUN_DIR/checkpoints every N steps, saver.keep_last kept (0 disables); the final model always goes to RUN_DIR/model.")
+    holdout: int = _f(0, "Problems held out of training (the last ones of the seeded order) and evaluated separately; 0 = none.")
 
 
 @dataclass
@@ -238,6 +295,11 @@ class ExperimentConfig:
     cluster: ClusterConfig = _sub(ClusterConfig, "Fleet shape and control plane.")
     tensor_channel: TensorChannelConfig = _sub(TensorChannelConfig, "Tensor transport.")
     sft_warmup: SFTWarmupConfig = _sub(SFTWarmupConfig, "Supervised warm-up before RL.")
+    ref: RefConfig = _sub(RefConfig, "Reference model of the KL penalty.")
+    sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings.")
+    vllm: VLLMConfig = _sub(VLLMConfig, "vLLM settings.")
+    evaluator: EvaluatorConfig = _sub(EvaluatorConfig, "Evaluation sampling.")
+    sft: SFTConfig = _sub(SFTConfig, "Standalone SFT.")
     saver: SaverConfig = _sub(SaverConfig, "Checkpointing.")
     recover: RecoverConfig = _sub(RecoverConfig, "Resuming.")
     stats_logger: StatsLoggerConfig = _sub(StatsLoggerConfig, "Progress output.")
@@ -329,6 +391,85 @@ def _validate(c: ExperimentConfig) -> None:
     _check(c.saver.freq_steps >= 0, "saver.freq_steps", c.saver.freq_steps, "an integer >= 0")
     _check(c.saver.keep_last >= 1, "saver.keep_last", c.saver.keep_last, "an integer >= 1")
     _check(c.recover.mode in ("disabled", "auto", "resume"), "recover.mode", c.recover.mode, "disabled | auto | resume")
+    _validate_sections(c)
+
+
+_BACKEND_RE = re.compile(r"^(torch|sglang)(:d([1-9][0-9]*))?$")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _validate_sections(c: ExperimentConfig) -> None:
+    """Checks of the sections that mirror the seed's skeleton (ref, sglang, vllm, evaluator, sft, cluster size)."""
+    _validate_fleet_shape(c)
+    _validate_servers(c)
+    _validate_evaluator(c.evaluator)
+    _validate_sft(c.sft)
+    r = c.ref
+    _check(r.dtype in _DTYPES, "ref.dtype", r.dtype, " | ".join(_DTYPES))
+    _check(r.mb_spec.max_tokens_per_mb >= 1, "ref.mb_spec.max_tokens_per_mb", r.mb_spec.max_tokens_per_mb, "an integer >= 1")
+    _check(r.mb_spec.oversize in ("error", "own_mb"), "ref.mb_spec.oversize", r.mb_spec.oversize, "'error' or 'own_mb'")
+
+
+def rollout_dp_degree(backend: str) -> int:
+    """'sglang:d4' -> 4; a backend without ':dN' -> 1."""
+    m = _BACKEND_RE.match(backend)
+    return int(m.group(3)) if m and m.group(3) else 1
+
+
+def _validate_fleet_shape(c: ExperimentConfig) -> None:
+    cl = c.cluster
+    _check(cl.n_nodes >= 1, "cluster.n_nodes", cl.n_nodes, "an integer >= 1")
+    _check(cl.n_gpus_per_node >= 1, "cluster.n_gpus_per_node", cl.n_gpus_per_node, "an integer >= 1")
+    b = c.rollout.backend
+    _check(_BACKEND_RE.match(b) is not None, "rollout.backend", b, "'torch', 'sglang' or 'sglang:dN' with N >= 1")
+    gpus = cl.n_nodes * cl.n_gpus_per_node
+    _check(not b.startswith("sglang") or rollout_dp_degree(b) <= gpus, "rollout.backend", b,
+           f"a data-parallel degree <= cluster.n_nodes * cluster.n_gpus_per_node = {gpus}")
+    _check(not b.startswith("sglang") or cl.device == "cuda", "cluster.device", cl.device,
+           f"'cuda' with rollout.backend={b!r}")
+
+
+def _validate_servers(c: ExperimentConfig) -> None:
+    s, v = c.sglang, c.vllm
+    _check(s.context_length >= 1, "sglang.context_length", s.context_length, "an integer >= 1")
+    _check(0 < s.mem_fraction_static <= 1, "sglang.mem_fraction_static", s.mem_fraction_static, "a number in (0, 1]")
+    _check(s.max_running_requests is None or s.max_running_requests >= 1, "sglang.max_running_requests",
+           s.max_running_requests, "null or an integer >= 1")
+    _check(v.max_model_len >= 1, "vllm.max_model_len", v.max_model_len, "an integer >= 1")
+    _check(0 < v.gpu_memory_utilization <= 1, "vllm.gpu_memory_utilization", v.gpu_memory_utilization, "a number in (0, 1]")
+    need = c.train_dataset.max_prompt_len + c.gconfig.max_new_tokens
+    _check(not c.rollout.backend.startswith("sglang") or s.context_length >= need, "sglang.context_length",
+           s.context_length, f">= train_dataset.max_prompt_len + gconfig.max_new_tokens = {need}")
+
+
+def _validate_evaluator(e: EvaluatorConfig) -> None:
+    _check(e.n_samples >= 1, "evaluator.n_samples", e.n_samples, "an integer >= 1")
+    _check(not e.greedy or e.n_samples == 1, "evaluator.n_samples", e.n_samples,
+           "1 when evaluator.greedy=true (greedy samples are identical)")
+    _check(e.greedy or e.temperature > 0, "evaluator.temperature", e.temperature, "> 0 (or evaluator.greedy=true)")
+    _check(0 < e.top_p <= 1, "evaluator.top_p", e.top_p, "a number in (0, 1]")
+    _check(e.max_new_tokens >= 0, "evaluator.max_new_tokens", e.max_new_tokens, "an integer >= 0 (0 = gconfig.max_new_tokens)")
+    _check(e.max_problems >= 0, "evaluator.max_problems", e.max_problems, "an integer >= 0 (0 = all)")
+
+
+def _validate_sft(s: SFTConfig) -> None:
+    _check(s.steps >= 0, "sft.steps", s.steps, "an integer >= 0 (0 = derive from sft.epochs)")
+    _check(s.epochs > 0, "sft.epochs", s.epochs, "> 0")
+    _check(s.batch_size >= 1, "sft.batch_size", s.batch_size, "an integer >= 1")
+    _check(s.save_freq_steps >= 0, "sft.save_freq_steps", s.save_freq_steps, "an integer >= 0")
+    _check(s.holdout >= 0, "sft.holdout", s.holdout, "an integer >= 0")
+    o = s.optimizer
+    _check(o.lr > 0, "sft.optimizer.lr", o.lr, "> 0")
+    _check(o.eps > 0, "sft.optimizer.eps", o.eps, "> 0")
+    _check(0 <= o.beta1 < 1, "sft.optimizer.beta1", o.beta1, "a number in [0, 1)")
+    _check(0 <= o.beta2 < 1, "sft.optimizer.beta2", o.beta2, "a number in [0, 1)")
+    _check(o.weight_decay >= 0, "sft.optimizer.weight_decay", o.weight_decay, ">= 0")
+    _check(o.lr_scheduler_type in ("constant", "linear", "cosine"), "sft.optimizer.lr_scheduler_type",
+           o.lr_scheduler_type, "constant | linear | cosine")
+    _check(0 <= o.warmup_steps_proportion < 1, "sft.optimizer.warmup_steps_proportion", o.warmup_steps_proportion,
+           "a number in [0, 1)")
+    _check(0 <= o.min_lr_ratio <= 1, "sft.optimizer.min_lr_ratio", o.min_lr_ratio, "a number in [0, 1]")
+    _check(o.gradient_clipping >= 0, "sft.optimizer.gradient_clipping", o.gradient_clipping, ">= 0")
 
 
 # --------------------------------------------------------------------------------------------

@@ -139,3 +139,45 @@ def test_bad_override_is_refused_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert "rollout.max_head_offpolicyness=-1" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
+    """Kill the trainer mid-run, rerun with recover.mode=auto: the run continues from the newest
+    complete checkpoint and, across both parts, every sample is trained once or aborted."""
+    run_dir = tmp_path / "run"
+    args = ["total_train_steps=12", "saver.freq_steps=3", "saver.keep_last=2", "rollout.max_head_offpolicyness=1"]
+    proc = subprocess.Popen(cli(run_dir, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while len(read_jsonl(run_dir / "metrics.jsonl")) < 8 if (run_dir / "metrics.jsonl").exists() else True:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    os.kill(json.loads((run_dir / "pids.json").read_text())["trainer"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "worker trainer" in err
+    before = read_jsonl(run_dir / "trajectories.jsonl")
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    resumed_step = max(int(n.split("_")[1]) for n in ckpts)
+    assert resumed_step in (5, 8) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
+
+    run_ok(run_dir, *args, "recover.mode=auto")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(12))  # steps after the checkpoint were redone once
+    final = read_jsonl(run_dir / "trajectories.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ids = [t["id"] for t in final]
+    assert len(ids) == len(set(ids)) == summary["samples_issued"] and summary["samples_lost"] == 0
+    trained = [t for t in final if t["status"] == "trained"]
+    assert sorted({t["train_step"] for t in trained}) == list(range(12))
+    assert all(sum(t["train_step"] == s for t in trained) == 4 * 4 for s in range(12))
+    recovered = [t for t in final if t["status"] == "aborted" and t["reason"].startswith("recovered")]
+    assert recovered and all(not t["id"].startswith("r1-") for t in recovered)
+    # what run 1 trained after the checkpoint was rolled back, and its prompts were trained again
+    rolled = read_jsonl(run_dir / "trajectories.rolled_back.jsonl")
+    lost_updates = [t for t in rolled if t["status"] == "trained"]
+    assert lost_updates and all(t["train_step"] > resumed_step for t in lost_updates)
+    retrained_prompts = {t["prompt_id"] for t in trained if t["id"].startswith("r1-")}
+    open_at_end = {t["prompt_id"] for t in final if t["status"] == "aborted" and t["reason"].startswith("run_end")}
+    assert {t["prompt_id"] for t in lost_updates} <= retrained_prompts | open_at_end
+    # nothing trained before the checkpoint was touched
+    kept = [t for t in before if t["status"] == "trained" and t["train_step"] <= resumed_step]
+    assert all(t in final for t in kept)

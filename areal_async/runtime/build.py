@@ -117,20 +117,56 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int):
 
 
 def build_trainer(run_dir: str | Path, worker_id: str):
-    from areal_async.models.tiny import load_policy
     from areal_async.trainer.actor import PPOActor
     from areal_async.trainer.service import TrainerService
 
     cfg, ep = load_run(run_dir)
     set_torch_threads(cfg.cluster.torch_threads)
-    model, tok = load_policy(cfg.model, cfg.seed)
-    warmup(cfg, model, tok)
+    resume = ep.extra.get("resume_from")
+    model, tok, ckpt = _trainer_policy(cfg, resume)
     actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
                      total_steps=cfg.total_train_steps, device=cfg.cluster.device)
+    start_step = start_version = 0
+    if ckpt is not None:
+        actor.load_state_dict(ckpt["actor_state"])
+        start_step, start_version = ckpt["step"] + 1, ckpt["version"]
     ctx = zmq.asyncio.Context()
     traj = trajectory_channel(cfg, ep, "receiver", rank=0)
     weights = weight_channel(cfg, ep, "publisher", rank=0)
-    return TrainerService(_control(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights)
+    return TrainerService(_control(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights,
+                          checkpointer=_checkpointer(cfg, run_dir, actor, tok), start_step=start_step,
+                          start_version=start_version)
+
+
+def _trainer_policy(cfg: ExperimentConfig, resume: str | None):
+    """(model, tokenizer, checkpoint or None): from the checkpoint when resuming, else built +
+    SFT warm-up (the warm-up makes version 0 and is not repeated on resume)."""
+    from areal_async.models.tiny import load_model, load_policy
+
+    if not resume:
+        model, tok = load_policy(cfg.model, cfg.seed)
+        warmup(cfg, model, tok)
+        return model, tok, None
+    from transformers import AutoTokenizer
+
+    from areal_async.trainer.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(resume, restore_rng=True)
+    tok = AutoTokenizer.from_pretrained(resume, local_files_only=True)
+    return load_model(resume, cfg.model.dtype), tok, ckpt
+
+
+def _checkpointer(cfg: ExperimentConfig, run_dir: str | Path, actor, tok):
+    from areal_async.trainer.checkpoint import prune, save_checkpoint
+
+    root = Path(run_dir) / "checkpoints"
+
+    def save(step: int, version: int, state: dict) -> Path:
+        path = save_checkpoint(root, step, version, actor.model, tok, actor.state_dict(), extra=state)
+        prune(root, cfg.saver.keep_last)
+        return path
+
+    return save
 
 
 def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:

@@ -76,6 +76,7 @@ class SchedulerCore:
         self.batch_groups: list[str] = []
         self.finished = False
         self.aborted_since_plan: list[str] = []
+        self.resumes = 0
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -212,9 +213,27 @@ class SchedulerCore:
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict:
-        open_prompts = [(g.problem_index, g.prompt_id) for g in self.ledger.open_groups()]
+        """Everything a resumed run needs to continue the same books (JSON-able)."""
         return {"version": self.version, "next_step": self.next_step, "cursor": self.cursor.state(),
-                "reissue": [list(x) for x in self.reissue] + [list(x) for x in open_prompts],
-                "counts": {"issued": self.ledger.n_samples_issued, "trained": self.ledger.n_trained,
-                           "aborted": self.ledger.n_aborted, "groups": self.ledger.n_groups_issued},
-                "open_groups": [g.group_id for g in self.ledger.open_groups()]}
+                "reissue": [list(x) for x in self.reissue], "ledger": self.ledger.to_state(),
+                "resumes": self.resumes}
+
+    def restore(self, state: dict) -> list[SampleRecord]:
+        """Continue from a checkpoint's state. Groups that were open at the checkpoint (their
+        samples neither trained nor aborted then) are aborted now with a reason and their
+        prompts re-issued first; returns those records (already logged)."""
+        self.version, self.next_step = int(state["version"]), int(state["next_step"])
+        self.cursor = type(self.cursor).from_state(self.cursor.n, self.cursor.seed, self.cursor.shuffle, state["cursor"])
+        self.resumes = int(state.get("resumes", 0)) + 1
+        self.ledger = Ledger.from_state(state["ledger"])
+        self.ledger.id_prefix = f"r{self.resumes}-"
+        self.reissue = deque(tuple(x) for x in state["reissue"])
+        self.accepted = self.next_step * self.p.batch_size  # every group still open is re-issued below
+        self.finished = self.next_step >= self.p.total_steps
+        out = []
+        for g in self.ledger.open_groups():
+            out += self._abort(g.group_id, f"recovered: in flight at the checkpoint after step {self.next_step - 1}; "
+                                           "prompt re-issued", reissue=True)
+        self.ledger.forget_final()
+        self.aborted_since_plan = []
+        return out

@@ -62,10 +62,11 @@ class Ledger:
     n_samples_issued: int = 0  # cumulative counters survive forget_final()
     n_trained: int = 0
     n_aborted: int = 0
+    id_prefix: str = ""  # "r1-" after the first resume: ids never repeat across a resumed run
 
     # ---- issuing -------------------------------------------------------------------------
     def issue_group(self, prompt_id: str, problem_index: int, n: int, worker: str, version: int) -> GroupRecord:
-        gid = f"g{self.n_groups_issued}"
+        gid = f"{self.id_prefix}g{self.n_groups_issued}"
         self.n_groups_issued += 1
         sids = [f"{gid}.{k}" for k in range(n)]
         self.n_samples_issued += n
@@ -175,14 +176,15 @@ class Ledger:
 
     # ---- checkpoint ----------------------------------------------------------------------
     def to_state(self) -> dict:
-        return {"n_groups_issued": self.n_groups_issued, "n_samples_issued": self.n_samples_issued,
+        return {"id_prefix": self.id_prefix, "n_groups_issued": self.n_groups_issued,
+                "n_samples_issued": self.n_samples_issued,
                 "n_trained": self.n_trained, "n_aborted": self.n_aborted,
                 "groups": [asdict(g) for g in self.groups.values()],
                 "samples": [asdict(s) for s in self.samples.values()]}
 
     @classmethod
     def from_state(cls, state: dict) -> "Ledger":
-        led = cls()
+        led = cls(id_prefix=str(state.get("id_prefix", "")))
         led.n_groups_issued, led.n_samples_issued = int(state["n_groups_issued"]), int(state["n_samples_issued"])
         led.n_trained, led.n_aborted = int(state["n_trained"]), int(state["n_aborted"])
         for g in state["groups"]:

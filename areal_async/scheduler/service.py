@@ -10,6 +10,7 @@ declared lost; a lost rollout worker's open groups are aborted and re-issued.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from pathlib import Path
@@ -51,11 +52,31 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> SchedulerCore
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample)
 
 
+def _checkpoint_state(path: str) -> dict:
+    state = json.loads((Path(path) / "extra.json").read_text())
+    missing = {"version", "next_step", "cursor", "ledger", "offsets", "n_sample_lines"} - set(state)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks scheduler state {sorted(missing)}")
+    return state
+
+
 class SchedulerService:
     def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str | Path, t0: float, tokenize):
         self.cfg, self.run_dir, self.t0 = cfg, Path(run_dir), t0
+        resume = endpoints.extra.get("resume_from")
+        ckpt_state = _checkpoint_state(resume) if resume else None
+        if ckpt_state is not None or cfg.recover.mode != "disabled":
+            # a resumed run continues the books from the checkpoint (nothing, if there is none)
+            cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
+            log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
         self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file)
         self.core = build_core(cfg, tokenize, self.runlog)
+        if ckpt_state is not None:
+            self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
+            recovered = self.core.restore(ckpt_state)
+            log.info("restored step %d, version %d; %d in-flight samples aborted and re-issued",
+                     self.core.next_step, self.core.version, len(recovered))
+        self._last_save = time.monotonic()
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
         self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen}
@@ -169,7 +190,12 @@ class SchedulerService:
 
     async def _trainer_ready(self, wid: str, m: TrainerReady) -> None:
         log.info("trainer ready at version %d, next step %d", m.version, m.next_step)
+        if (m.version, m.next_step) != (self.core.version, self.core.next_step) and self.core.next_step > 0:
+            raise ValueError(f"trainer resumed at version {m.version}, step {m.next_step}; the scheduler's books are at "
+                             f"version {self.core.version}, step {self.core.next_step}")
         self.core.on_trainer_ready(m.version, m.next_step)
+        if self.core.finished:
+            await self._finish()
 
     async def _worker_error(self, wid: str, m: Error) -> None:
         log.error("worker %s reported %s: %s", wid, m.code, m.detail)
@@ -180,6 +206,21 @@ class SchedulerService:
         self.core.ledger.forget_final()
         if self.core.finished:
             await self._finish()
+        elif self._save_due(m.step):
+            await self._request_checkpoint(m.step)
+
+    def _save_due(self, step: int) -> bool:
+        sv = self.cfg.saver
+        by_steps = sv.freq_steps > 0 and (step + 1) % sv.freq_steps == 0
+        by_time = sv.freq_secs > 0 and time.monotonic() - self._last_save >= sv.freq_secs
+        return by_steps or by_time
+
+    async def _request_checkpoint(self, step: int) -> None:
+        """The trainer saves weights + optimizer with this state before it trains the next step."""
+        state = self.core.state() | {"offsets": self.runlog.offsets(), "n_sample_lines": self.runlog.n_sample_lines}
+        self._last_save = time.monotonic()
+        for t in self.role("trainer"):
+            await self.send(t, CheckpointRequest(step=step, state=state))
 
     def _metrics_row(self, m: TrainStepDone, trained: list) -> dict:
         now = time.time()

@@ -33,6 +33,10 @@ from areal_async.runtime.fleet import plan_endpoints
 GRACE_S = 5.0
 
 
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (it holds another run, or no checkpoint)."""
+
+
 @dataclass
 class Child:
     name: str
@@ -59,10 +63,30 @@ class LocalSupervisor:
 
     # ---- set-up --------------------------------------------------------------------------
     def prepare(self) -> None:
+        resume = self.resume_point()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         self.endpoints = plan_endpoints(self.cfg)
+        self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.save(self.run_dir)
+        if resume:
+            print(f"[areal-async] resuming from {resume}")
+
+    def resume_point(self) -> Optional[Path]:
+        """The newest complete checkpoint to resume from, per recover.mode; refuses to mix runs."""
+        from areal_async.trainer.checkpoint import latest_complete_checkpoint
+
+        mode = self.cfg.recover.mode
+        if mode == "disabled":
+            books = self.run_dir / "metrics.jsonl"
+            if books.exists() and books.stat().st_size > 0:
+                raise RunDirError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
+                                  "or recover.mode=auto to continue it")
+            return None
+        latest = latest_complete_checkpoint(self.run_dir / "checkpoints")
+        if latest is None and mode == "resume":
+            raise RunDirError(f"recover.mode=resume but {self.run_dir / 'checkpoints'} holds no complete checkpoint")
+        return latest
 
     def start_all(self) -> None:
         env = dict(os.environ, AREAL_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
@@ -187,7 +211,11 @@ def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[boo
     sup = LocalSupervisor(cfg, run_dir, progress)
     old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        sup.prepare()
+        try:
+            sup.prepare()
+        except RunDirError as e:
+            print(f"areal-async: {e}", file=sys.stderr)
+            return 2
         sup.start_all()
         code = sup.watch()
     except BaseException:

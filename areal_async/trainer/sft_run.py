@@ -1,0 +1,321 @@
+"""``areal-async sft``: supervised fine-tuning of the policy on (prompt, answer) pairs, one process.
+
+    config ──> policy + tokenizer (load_policy) ──> problems with an 'answer' ──> train / held-out split
+           ──> evaluate (before) ──> sft.steps packed steps ──> RUN_DIR/model ──> evaluate (after)
+
+Outputs in RUN_DIR:
+    config.yaml      the resolved config
+    metrics.jsonl    one object per step: step, loss, n_tokens, grad_norm, lr, wall_s, elapsed_s
+    checkpoints/     atomic step_<k> checkpoints every sft.save_freq_steps (when > 0)
+    model/           the final model (HF safetensors) and tokenizer: AutoModelForCausalLM.from_pretrained
+    summary.json     data counts, first/final loss, timings, accuracy before/after per split
+
+The loss is ``sft_step``'s: NLL of the answer tokens only (+ eos), token-level mean over the whole
+batch, micro-batches packed under ``actor.mb_spec.max_tokens_per_mb``. Evaluation samples with the
+embedded ``TorchEngine`` (``evaluator.*``: greedy by default) and scores with ``reward.fn`` in a
+``RewardPool`` (killable, so a pathological answer times out instead of hanging the run).
+
+Bad input (no answers, a held-out split that leaves nothing to train, sequences longer than the
+model or the micro-batch budget, a missing model or dataset path) is reported on stderr before
+anything trains, and ``run_sft`` returns 2.
+
+Not covered: multi-GPU / sharded training, resuming an SFT run (``recover`` is ignored; the
+checkpoints hold what a resume would need), chat templates or the seed's ``<think>`` prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from areal_async.config import ExperimentConfig, to_yaml
+from areal_async.data.prompts import Problem, load_problems
+from areal_async.trainer.sft import Example, sft_step
+
+__all__ = ["run_sft", "prepare_data", "evaluate", "sft_total_steps"]
+
+
+@dataclass
+class SFTData:
+    """Tokenized training examples and the problems each evaluation split uses."""
+
+    train: list[Example]
+    splits: dict[str, list[Problem]]  # "train" (and "heldout") problems to evaluate
+    n_problems: int  # problems in the dataset
+    n_too_long: int  # dropped: prompt longer than train_dataset.max_prompt_len
+
+
+def run_sft(cfg: ExperimentConfig, run_dir: Path) -> int:
+    """Run the whole SFT job; 0 on success, 2 when the inputs are unusable (message on stderr)."""
+    from areal_async.reward.pool import RewardPool
+
+    run_dir = Path(run_dir)
+    t0 = time.perf_counter()
+    try:
+        model, tok, data = _prepare(cfg)
+        pool = RewardPool.from_config(cfg.reward) if cfg.evaluator.enabled else None
+    except (ValueError, OSError) as e:  # OSError: missing model / dataset / tokenizer files
+        print(f"areal-async sft: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = _train_and_evaluate(cfg, run_dir, model, tok, data, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+    summary["wall_s"] = round(time.perf_counter() - t0, 3)
+    _write_json(run_dir / "summary.json", summary)
+    _print_summary(summary, run_dir)
+    return 0
+
+
+def _prepare(cfg: ExperimentConfig):
+    """Policy, tokenizer and data, every input checked before any training starts."""
+    from areal_async.models.tiny import load_policy
+    from areal_async.runtime.fleet import set_torch_threads
+
+    set_torch_threads(cfg.cluster.torch_threads)
+    torch.manual_seed(cfg.seed)
+    model, tok = load_policy(cfg.model, cfg.seed)
+    data = prepare_data(cfg, tok)
+    _check_lengths(cfg, data, model.config.max_position_embeddings, tok)
+    return model.to(cfg.cluster.device), tok, data
+
+
+def _train_and_evaluate(cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool) -> dict:
+    from areal_async.models.tiny import save_policy
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    before = _evaluate_splits(cfg, model, tok, data, pool)
+    t_train = time.perf_counter()
+    rows = train(cfg, model, tok, data.train, run_dir)
+    train_wall_s = time.perf_counter() - t_train
+    save_policy(model, tok, run_dir / "model")
+    after = _evaluate_splits(cfg, model, tok, data, pool)
+    return _summary(cfg, data, rows, train_wall_s, before, after, run_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+
+
+def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
+    """Problems -> (prompt_ids, answer_ids + eos); the last ``sft.holdout`` problems are held out.
+
+    Prompts longer than ``train_dataset.max_prompt_len`` tokens are dropped (the seed's filter);
+    a dataset without any 'answer' is an error, problems without one are kept for evaluation only.
+    """
+    from areal_async.runtime.build import prompt_encoder
+
+    problems = load_problems(cfg.train_dataset, cfg.seed)
+    _require_answers(cfg, problems)
+    enc = prompt_encoder(tok)
+    kept = [p for p in problems if len(enc(p.prompt)) <= cfg.train_dataset.max_prompt_len]
+    train_p, held_p = _split(cfg, kept)
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    train = [(enc(p.prompt), tok.encode(p.answer, add_special_tokens=False) + eos) for p in train_p if p.answer]
+    if not train:
+        raise ValueError(f"no training examples left: {len(problems)} problems, {len(kept)} within "
+                         f"train_dataset.max_prompt_len={cfg.train_dataset.max_prompt_len}, "
+                         f"sft.holdout={cfg.sft.holdout}; expected at least one with an 'answer'")
+    splits = {"train": _first(train_p, cfg.evaluator.max_problems)}
+    if held_p:
+        splits["heldout"] = _first(held_p, cfg.evaluator.max_problems)
+    return SFTData(train, splits, len(problems), len(problems) - len(kept))
+
+
+def _require_answers(cfg: ExperimentConfig, problems: Sequence[Problem]) -> None:
+    if not any(p.answer for p in problems):
+        where = cfg.train_dataset.path or cfg.train_dataset.type
+        raise ValueError(f"train_dataset {where!r}: none of its {len(problems)} problems has an 'answer' field; "
+                         "SFT needs jsonl lines like {\"prompt\": ..., \"solutions\": [...], \"answer\": <target completion>}")
+
+
+def _split(cfg: ExperimentConfig, problems: list[Problem]) -> tuple[list[Problem], list[Problem]]:
+    k = cfg.sft.holdout
+    if k >= len(problems):
+        raise ValueError(f"sft.holdout={k}: expected fewer than the {len(problems)} usable problems")
+    return (problems[:len(problems) - k], problems[len(problems) - k:]) if k else (problems, [])
+
+
+def _first(problems: list[Problem], limit: int) -> list[Problem]:
+    return problems[:limit] if limit else problems
+
+
+def _eval_max_new_tokens(cfg: ExperimentConfig) -> int:
+    return cfg.evaluator.max_new_tokens or cfg.gconfig.max_new_tokens
+
+
+def _check_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok) -> None:
+    """Every training sequence fits the model (and the micro-batch budget unless oversize is own_mb);
+    every evaluated prompt + evaluator max_new_tokens fits the model."""
+    longest = max(len(p) + len(a) for p, a in data.train)
+    if longest > max_positions:
+        raise ValueError(f"a training sequence has {longest} tokens (prompt + answer + eos): expected <= the "
+                         f"model's max_position_embeddings={max_positions}")
+    mb = cfg.actor.mb_spec
+    if mb.oversize == "error" and longest > mb.max_tokens_per_mb:
+        raise ValueError(f"a training sequence has {longest} tokens: expected <= actor.mb_spec.max_tokens_per_mb="
+                         f"{mb.max_tokens_per_mb} (or actor.mb_spec.oversize=own_mb)")
+    if cfg.evaluator.enabled:
+        _check_eval_lengths(cfg, data, max_positions, tok)
+
+
+def _check_eval_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok) -> None:
+    from areal_async.runtime.build import prompt_encoder
+
+    enc, new = prompt_encoder(tok), _eval_max_new_tokens(cfg)
+    longest = max((len(enc(p.prompt)) for probs in data.splits.values() for p in probs), default=0)
+    if longest + new > max_positions:
+        raise ValueError(f"evaluation needs prompt ({longest}) + max_new_tokens ({new}) = {longest + new} positions: "
+                         f"expected <= the model's max_position_embeddings={max_positions} "
+                         "(lower evaluator.max_new_tokens or gconfig.max_new_tokens)")
+
+
+# --------------------------------------------------------------------------------------------
+# training
+# --------------------------------------------------------------------------------------------
+
+
+def sft_total_steps(cfg: ExperimentConfig, n_examples: int) -> int:
+    """``sft.steps``, or ceil(epochs * examples / batch_size) when it is 0."""
+    return cfg.sft.steps or max(1, math.ceil(cfg.sft.epochs * n_examples / cfg.sft.batch_size))
+
+
+def batches(examples: Sequence[Example], batch_size: int, seed: int) -> Iterator[list[Example]]:
+    """Endless seeded epochs over ``examples`` cut into batches (a batch may span two epochs)."""
+    rng, order = random.Random(seed), []
+    while True:
+        while len(order) < batch_size:
+            epoch = list(range(len(examples)))
+            rng.shuffle(epoch)
+            order += epoch
+        yield [examples[i] for i in order[:batch_size]]
+        order = order[batch_size:]
+
+
+def train(cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: Path) -> list[dict]:
+    """The SFT loop; appends one metrics row per step to RUN_DIR/metrics.jsonl and returns the rows."""
+    from areal_async.trainer.optim import build_lr_scheduler, build_optimizer
+
+    total, oc = sft_total_steps(cfg, len(examples)), cfg.sft.optimizer
+    opt = build_optimizer(model.parameters(), oc)
+    sched = build_lr_scheduler(opt, total, oc)
+    stream, rows, t0 = batches(examples, cfg.sft.batch_size, cfg.seed), [], time.perf_counter()
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for step in range(1, total + 1):
+            row = _step(cfg, model, opt, next(stream), step, t0)
+            sched.step()
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            _maybe_checkpoint(cfg, run_dir, step, model, tok, opt, sched)
+    return rows
+
+
+def _step(cfg: ExperimentConfig, model, opt, batch: list[Example], step: int, t0: float) -> dict:
+    lr, t = opt.param_groups[0]["lr"], time.perf_counter()
+    mb = cfg.actor.mb_spec
+    m = sft_step(model, opt, batch, mb.max_tokens_per_mb, grad_clip=cfg.sft.optimizer.gradient_clipping,
+                 oversize=mb.oversize)
+    now = time.perf_counter()
+    return {"step": step, "loss": m["loss"], "n_tokens": int(m["n_tokens"]), "grad_norm": m["grad_norm"],
+            "lr": lr, "wall_s": round(now - t, 4), "elapsed_s": round(now - t0, 3)}
+
+
+def _maybe_checkpoint(cfg: ExperimentConfig, run_dir: Path, step: int, model, tok, opt, sched) -> None:
+    from areal_async.trainer.checkpoint import prune, save_checkpoint
+
+    freq = cfg.sft.save_freq_steps
+    if not freq or step % freq:
+        return
+    root = run_dir / "checkpoints"
+    state = {"optimizer": opt.state_dict(), "lr_scheduler": sched.state_dict(), "step": step}
+    save_checkpoint(root, step, step, model, tok, state, {"kind": "sft", "step": step})
+    prune(root, cfg.saver.keep_last)
+
+
+# --------------------------------------------------------------------------------------------
+# evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def _evaluate_splits(cfg: ExperimentConfig, model, tok, data: SFTData, pool) -> dict:
+    if pool is None:
+        return {}
+    return {name: evaluate(cfg, model, tok, problems, pool) for name, problems in data.splits.items()}
+
+
+def evaluate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem], pool) -> dict:
+    """Mean reward over ``evaluator.n_samples`` samples of each problem (pass@1; greedy by default)."""
+    completions = generate(cfg, model, tok, problems)
+    items = [(c, list(p.solutions)) for p, cs in zip(problems, completions) for c in cs]
+    scores = [o.score for o in asyncio.run(pool.score_many(items))]
+    return {"accuracy": sum(scores) / len(scores), "n_problems": len(problems), "n_samples": len(scores),
+            "examples": [{"prompt": p.prompt, "completion": cs[0]} for p, cs in zip(problems[:3], completions)]}
+
+
+def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> list[list[str]]:
+    """Decoded completions, ``evaluator.n_samples`` per problem, in problem order."""
+    from areal_async.rollout.torch_engine import TorchEngine
+    from areal_async.runtime.build import prompt_encoder
+
+    engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed,
+                         max_batch_groups=cfg.rollout.max_batch_groups)
+    enc = prompt_encoder(tok)
+    for i, p in enumerate(problems):
+        engine.add_request(_eval_request(cfg, f"eval-{i}", enc(p.prompt)))
+    done = {}
+    while engine.has_work():
+        done.update({g.group_id: g for g in engine.step()})
+    return [[tok.decode(s.output_ids, skip_special_tokens=True) for s in done[f"eval-{i}"].samples]
+            for i in range(len(problems))]
+
+
+def _eval_request(cfg: ExperimentConfig, group_id: str, prompt_ids: list[int]):
+    from areal_async.rollout.engine import GenRequest
+
+    e = cfg.evaluator
+    return GenRequest(group_id, prompt_ids, n=e.n_samples, max_new_tokens=_eval_max_new_tokens(cfg),
+                      temperature=e.temperature, top_p=e.top_p, greedy=e.greedy,
+                      stop_token_ids=tuple(cfg.gconfig.stop_token_ids))
+
+
+# --------------------------------------------------------------------------------------------
+# reporting
+# --------------------------------------------------------------------------------------------
+
+
+def _summary(cfg, data: SFTData, rows: list[dict], train_wall_s: float, before: dict, after: dict,
+             run_dir: Path) -> dict:
+    return {
+        "experiment_name": cfg.experiment_name, "steps": len(rows), "n_problems": data.n_problems,
+        "n_train_examples": len(data.train), "n_dropped_long_prompts": data.n_too_long,
+        "eval_problems": {k: len(v) for k, v in data.splits.items()},
+        "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
+        "train_tokens": sum(r["n_tokens"] for r in rows), "train_wall_s": round(train_wall_s, 3),
+        "eval": {"before": before, "after": after}, "model_dir": str(run_dir / "model"),
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def _print_summary(s: dict, run_dir: Path) -> None:
+    acc = lambda side: ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in s["eval"][side].items()) or "-"  # noqa: E731
+    print(f"sft: {s['steps']} steps on {s['n_train_examples']} examples in {s['train_wall_s']:.1f}s "
+          f"(total {s['wall_s']:.1f}s); loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}; "
+          f"accuracy before: {acc('before')}; after: {acc('after')}; model: {run_dir / 'model'}")
