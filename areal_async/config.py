@@ -241,7 +241,7 @@ class EvaluatorConfig:
     temperature: float = _f(1.0, "Sampling temperature when not greedy.")
     top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1] when not greedy.")
     max_new_tokens: int = _f(0, "Generated tokens per sample; 0 = gconfig.max_new_tokens.")
-    max_problems: int = _f(0, "Evaluate at most this many problems per split (first ones of the seeded order); 0 = all.")
+    max_problems: int = _f(0, "Evaluate at most this many problems per split (its first ones: seeded order for tiny_arith, file order for jsonl); 0 = all.")
 
 
 @dataclass

@@ -15,9 +15,10 @@ batch, micro-batches packed under ``actor.mb_spec.max_tokens_per_mb``. Evaluatio
 embedded ``TorchEngine`` (``evaluator.*``: greedy by default) and scores with ``reward.fn`` in a
 ``RewardPool`` (killable, so a pathological answer times out instead of hanging the run).
 
-Bad input (no answers, a held-out split that leaves nothing to train, sequences longer than the
-model or the micro-batch budget, a missing model or dataset path) is reported on stderr before
-anything trains, and ``run_sft`` returns 2.
+``sft(cfg, run_dir)`` does the job and returns the trained model with the summary (tests use it);
+``run_sft`` is the CLI's wrapper around it. Bad input (no answers, a held-out split that leaves
+nothing to train, sequences longer than the model or the micro-batch budget, a missing model or
+dataset path) raises ``SFTInputError`` before anything trains; ``run_sft`` prints it and returns 2.
 
 Not covered: multi-GPU / sharded training, resuming an SFT run (``recover`` is ignored; the
 checkpoints hold what a resume would need), chat templates or the seed's ``<think>`` prefix.
@@ -41,7 +42,7 @@ from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.data.prompts import Problem, load_problems
 from areal_async.trainer.sft import Example, sft_step
 
-__all__ = ["run_sft", "prepare_data", "evaluate", "sft_total_steps"]
+__all__ = ["run_sft", "sft", "SFTInputError", "SFTResult", "prepare_data", "train", "evaluate", "sft_total_steps"]
 
 
 @dataclass
@@ -54,18 +55,41 @@ class SFTData:
     n_too_long: int  # dropped: prompt longer than train_dataset.max_prompt_len
 
 
+class SFTInputError(ValueError):
+    """The config's inputs cannot be trained on (data, paths, lengths); the message says why."""
+
+
+@dataclass
+class SFTResult:
+    model: torch.nn.Module  # the trained model, as saved to RUN_DIR/model
+    tokenizer: object
+    summary: dict  # what RUN_DIR/summary.json holds
+
+
 def run_sft(cfg: ExperimentConfig, run_dir: Path) -> int:
-    """Run the whole SFT job; 0 on success, 2 when the inputs are unusable (message on stderr)."""
+    """``areal-async sft``: 0 on success, 2 when the inputs are unusable (message on stderr)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's shard bar would interleave with our summary line
+    try:
+        result = sft(cfg, Path(run_dir))
+    except SFTInputError as e:
+        print(f"areal-async sft: error: {e}", file=sys.stderr)
+        return 2
+    _print_summary(result.summary, Path(run_dir))
+    return 0
+
+
+def sft(cfg: ExperimentConfig, run_dir: Path) -> SFTResult:
+    """Check inputs, evaluate, train, save, evaluate; ``SFTInputError`` before anything trains."""
     from areal_async.reward.pool import RewardPool
 
-    run_dir = Path(run_dir)
     t0 = time.perf_counter()
     try:
         model, tok, data = _prepare(cfg)
         pool = RewardPool.from_config(cfg.reward) if cfg.evaluator.enabled else None
     except (ValueError, OSError) as e:  # OSError: missing model / dataset / tokenizer files
-        print(f"areal-async sft: error: {e}", file=sys.stderr)
-        return 2
+        raise SFTInputError(str(e)) from e
     try:
         summary = _train_and_evaluate(cfg, run_dir, model, tok, data, pool)
     finally:
@@ -73,8 +97,7 @@ def run_sft(cfg: ExperimentConfig, run_dir: Path) -> int:
             pool.close()
     summary["wall_s"] = round(time.perf_counter() - t0, 3)
     _write_json(run_dir / "summary.json", summary)
-    _print_summary(summary, run_dir)
-    return 0
+    return SFTResult(model, tok, summary)
 
 
 def _prepare(cfg: ExperimentConfig):
