@@ -124,6 +124,10 @@ def build_trainer(run_dir: str | Path, worker_id: str):
     set_torch_threads(cfg.cluster.torch_threads)
     resume = ep.extra.get("resume_from")
     model, tok, ckpt = _trainer_policy(cfg, resume)
+    from areal_async.trainer.packing import select_attn_implementation
+
+    # packed training: per-sequence attention (flash-attn varlen on CUDA) instead of a dense mask
+    model.set_attn_implementation(select_attn_implementation(cfg.cluster.device))
     actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
                      total_steps=cfg.total_train_steps, device=cfg.cluster.device)
     start_step = start_version = 0
