@@ -181,3 +181,15 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
     # nothing trained before the checkpoint was touched
     kept = [t for t in before if t["status"] == "trained" and t["train_step"] <= resumed_step]
     assert all(t in final for t in kept)
+
+
+@pytest.mark.parametrize("trajectories, weights", [("shm", "zmq"), ("gloo", "gloo")])
+def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights):
+    """The same fleet with the other CPU channels: trajectories and weights really move over them."""
+    run_dir = tmp_path / "run"
+    run_ok(run_dir, f"tensor_channel.trajectories={trajectories}", f"tensor_channel.weights={weights}")
+    check_books(run_dir, eta=2)
+    for r in range(2):  # every rollout worker loaded the last published version over the channel
+        log = (run_dir / "logs" / f"rollout-{r}.log").read_text()
+        assert "exiting with code 0" in log
+    assert json.loads((run_dir / "summary.json").read_text())["version"] == 6

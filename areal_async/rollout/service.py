@@ -153,6 +153,9 @@ class RolloutService:
         self.engine.stopping.set()
         for t in tasks:
             t.cancel()
+        self.engine.join(timeout=10)
+        for ch in (self.traj, self.weights):
+            ch.close()
         self.reward_sock.close(0)
         return 1 if self.error else 0
 

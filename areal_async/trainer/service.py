@@ -100,7 +100,16 @@ class TrainerService:
         try:
             return await self._loop()
         finally:
-            self.buffer.stopping.set()
+            self.close()
+
+    def close(self) -> None:
+        """Stop the receiver thread before the channels: a collective torn down under a live
+        recv aborts the process."""
+        self.buffer.stopping.set()
+        if self.buffer.thread.is_alive():
+            self.buffer.thread.join(timeout=5)
+        for ch in (self.buffer.channel, self.weights):
+            ch.close()
 
     async def _loop(self) -> int:
         while True:
