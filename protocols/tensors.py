@@ -54,7 +54,7 @@ def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Te
     """[header, raw...] -> (key, meta, {name: tensor}); tensors own their memory."""
     if not frames:
         raise ProtocolError("tensor message has no frames")
-    header = _header(_buf(frames[0]))
+    header = parse_header(_buf(frames[0]))
     specs = header["specs"]
     if len(frames) - 1 != len(specs):
         raise ProtocolError(f"tensor message {header['key']!r}: header lists {len(specs)} tensors, got {len(frames) - 1} frames")
@@ -68,7 +68,8 @@ def _buf(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def _header(buf: memoryview) -> dict:
+def parse_header(buf: memoryview) -> dict:
+    """Validated tensor header (envelope, version, key/meta/specs types); ProtocolError if not."""
     if len(buf) > MAX_HEADER_BYTES:
         raise ProtocolError(f"tensor header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
@@ -86,17 +87,25 @@ def _header(buf: memoryview) -> dict:
     return h
 
 
-def _tensor(spec: Any, buf: memoryview, key: str) -> torch.Tensor:
+def check_spec(spec: Any, have: int, key: str) -> tuple[str, torch.dtype, list[int]]:
+    """(name, dtype, shape) of one spec whose payload has ``have`` bytes; ``ProtocolError`` if off.
+    Shared by every channel so all of them reject the same malformed specs the same way."""
     if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape", "nbytes"}:
         raise ProtocolError(f"tensor message {key!r}: malformed spec {spec!r}")
     name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
     if dtype not in DTYPES:
-        raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}, expected one of {sorted(DTYPES)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
-    want = math.prod(shape) * torch.empty((), dtype=DTYPES[dtype]).element_size()
-    if spec["nbytes"] != want or len(buf) != want:
-        raise ProtocolError(f"tensor {name!r}: {dtype}{shape} needs {want} bytes; header says {spec['nbytes']}, frame has {len(buf)}")
-    if want == 0:
-        return torch.empty(shape, dtype=DTYPES[dtype])
-    return torch.frombuffer(bytearray(buf), dtype=DTYPES[dtype]).reshape(shape)
+    want = math.prod(shape) * DTYPES[dtype].itemsize
+    if spec["nbytes"] != want or have != want:
+        raise ProtocolError(f"tensor {name!r}: {dtype}{shape} needs {want} bytes; header says "
+                            f"{spec['nbytes']}, payload has {have}")
+    return name, DTYPES[dtype], shape
+
+
+def _tensor(spec: Any, buf: memoryview, key: str) -> torch.Tensor:
+    _, dtype, shape = check_spec(spec, len(buf), key)
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)

@@ -43,7 +43,7 @@ def test_bad_frames_raise_and_the_receiver_keeps_serving(pair):
     cases = [
         ([b"\x93not-a-header"], "not valid msgpack"),
         ([header], "header lists 1 tensors, got 0 frames"),  # truncated: the raw frame is missing
-        ([header, bytes(frame)[:10]], "frame has 10"),  # truncated frame
+        ([header, bytes(frame)[:10]], "payload has 10"),  # truncated frame
         ([msgpack.packb(bad_header), bytes(frame)], "float64"),
         ([msgpack.packb({**bad_header, "v": PROTOCOL_VERSION + 1}), bytes(frame)], "protocol version"),
     ]

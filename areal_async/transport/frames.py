@@ -21,7 +21,7 @@ import msgpack
 import torch
 
 from protocols.messages import PROTOCOL_VERSION, ProtocolError
-from protocols.tensors import DTYPES, _header, spec_of
+from protocols.tensors import DTYPES, check_spec, parse_header as _parse_header, spec_of
 
 ALIGN = 64  # cache line; also a multiple of every element size, so dtype views are legal
 
@@ -41,7 +41,7 @@ def header_bytes(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> byte
 
 def parse_header(buf: bytes | memoryview) -> dict:
     """Validated header dict (envelope, version, key/meta/specs types); ``ProtocolError`` if not."""
-    return _header(memoryview(buf))
+    return _parse_header(memoryview(buf))
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -59,22 +59,6 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
-
-
-def check_spec(spec: object, have: int, key: str) -> tuple[str, torch.dtype, list[int]]:
-    """(name, dtype, shape) of one spec whose payload has ``have`` bytes; ``ProtocolError`` if off."""
-    if not isinstance(spec, dict) or set(spec) != {"name", "dtype", "shape", "nbytes"}:
-        raise ProtocolError(f"tensor message {key!r}: malformed spec {spec!r}")
-    name, dtype, shape = spec["name"], spec["dtype"], spec["shape"]
-    if dtype not in DTYPES:
-        raise ProtocolError(f"tensor {name!r}: unsupported dtype {dtype!r}, expected one of {sorted(DTYPES)}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
-    want = math.prod(shape) * DTYPES[dtype].itemsize
-    if spec["nbytes"] != want or have != want:
-        raise ProtocolError(f"tensor {name!r}: {dtype}{shape} needs {want} bytes; header says "
-                            f"{spec['nbytes']}, payload has {have}")
-    return name, DTYPES[dtype], shape
 
 
 def view_as(flat: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
