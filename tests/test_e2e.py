@@ -96,6 +96,11 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def leaked_segments(run_dir: Path) -> list[str]:
+    run_id = json.loads((run_dir / "endpoints.json").read_text())["extra"]["run_id"]
+    return [p.name for p in Path("/dev/shm").glob(f"areal_{run_id}_*")]
+
+
 def wait_for_metrics(run_dir: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
@@ -116,6 +121,7 @@ def test_sigterm_stops_every_process_it_started(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM
     time.sleep(10)
     assert [p for p in started if alive(p)] == []
+    assert leaked_segments(run_dir) == []
 
 
 def test_a_dead_worker_fails_the_run_loudly(tmp_path):
@@ -131,6 +137,7 @@ def test_a_dead_worker_fails_the_run_loudly(tmp_path):
     assert "worker rollout-1" in err and "killed by signal 9" in err and "  | " in err  # its last log lines
     time.sleep(2)
     assert [p for p in started if alive(p)] == []
+    assert leaked_segments(run_dir) == []
 
 
 def test_bad_override_is_refused_before_anything_starts(tmp_path):

@@ -7,6 +7,7 @@ Holds no tests itself; the ``test_transport_*`` modules import it (pytest puts `
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 import msgpack
@@ -47,7 +48,18 @@ def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
 
 
 def shm_names() -> set[str]:
-    return {p.name for p in SHM.glob("areal_*")} if SHM.is_dir() else set()
+    """Segments that this test process could have leaked: made by it, or by a process that has
+    exited (a spawned peer). Live processes of other runs on the machine are not ours to judge."""
+    names = {p.name for p in SHM.glob("areal_*")} if SHM.is_dir() else set()
+    return {n for n in names if _owner_gone_or_me(n)}
+
+
+def _owner_gone_or_me(name: str) -> bool:
+    parts = name.split("_")  # areal_<run id>_<pid>_<random>...
+    if len(parts) < 3 or not parts[2].isdigit():
+        return True
+    pid = int(parts[2])
+    return pid == os.getpid() or not Path(f"/proc/{pid}").exists()
 
 
 @pytest.fixture

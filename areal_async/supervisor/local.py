@@ -148,8 +148,15 @@ class LocalSupervisor:
         self._signal = signum
 
     def cleanup(self) -> None:
-        if getattr(self, "endpoints", None) is not None and self.endpoints.sock_dir:
-            shutil.rmtree(self.endpoints.sock_dir, ignore_errors=True)
+        """Remove the run's sockets and any shared-memory segment a killed worker left behind."""
+        ep = getattr(self, "endpoints", None)
+        if ep is None:
+            return
+        if ep.sock_dir:
+            shutil.rmtree(ep.sock_dir, ignore_errors=True)
+        run_id = ep.extra.get("run_id")
+        for seg in Path("/dev/shm").glob(f"areal_{run_id}_*") if run_id else []:
+            seg.unlink(missing_ok=True)
 
     # ---- progress ------------------------------------------------------------------------
     def _progress(self, last: str) -> str:
