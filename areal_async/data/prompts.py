@@ -30,14 +30,21 @@ class Problem:
 
 
 def tiny_arith(cfg: DatasetConfig, seed: int) -> list[Problem]:
-    """All distinct ``a op b`` problems over 0..max_operand, shuffled, first ``size`` kept."""
+    """All distinct ``a op b`` problems over 0..max_operand, shuffled, first ``size`` kept.
+
+    Reference answers (for SFT) are zero-padded to one width (``\\boxed{07}``; math-verify
+    reads it as 7): when answer length tracks difficulty (one digit = small sums), the groups
+    that finish first in an asynchronous fleet are the easy ones, and early batches are biased.
+    """
     rng = random.Random(seed)
     items = [(a, op, b) for a in range(cfg.max_operand + 1) for b in range(cfg.max_operand + 1) for op in cfg.ops]
     rng.shuffle(items)
+    values = [a + b if op == "+" else a - b if op == "-" else a * b for a, op, b in items[: cfg.size]]
+    width = len(str(max(abs(v) for v in values)))
     out = []
-    for i, (a, op, b) in enumerate(items[: cfg.size]):
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        out.append(Problem(i, f"{a}{op}{b}=", (str(value),), f"\\boxed{{{value}}}"))
+    for i, ((a, op, b), value) in enumerate(zip(items, values)):
+        shown = f"{value:0{width}d}" if value >= 0 else str(value)
+        out.append(Problem(i, f"{a}{op}{b}=", (str(value),), f"\\boxed{{{shown}}}"))
     return out
 
 
