@@ -194,7 +194,8 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
 def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights):
     """The same fleet with the other CPU channels: trajectories and weights really move over them."""
     run_dir = tmp_path / "run"
-    run_ok(run_dir, f"tensor_channel.trajectories={trajectories}", f"tensor_channel.weights={weights}")
+    run_ok(run_dir, f"tensor_channel.trajectories={trajectories}", f"tensor_channel.weights={weights}",
+           "rollout.max_head_offpolicyness=2")
     check_books(run_dir, eta=2)
     for r in range(2):  # every rollout worker loaded the last published version over the channel
         log = (run_dir / "logs" / f"rollout-{r}.log").read_text()
