@@ -52,6 +52,10 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> SchedulerCore
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample)
 
 
+_SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward",),
+            WeightsPublished: ("trainer",), TrainerReady: ("trainer",), TrainStepDone: ("trainer",)}
+
+
 def _checkpoint_state(path: str) -> dict:
     state = json.loads((Path(path) / "extra.json").read_text())
     missing = {"version", "next_step", "cursor", "ledger", "offsets", "n_sample_lines"} - set(state)
@@ -143,6 +147,10 @@ class SchedulerService:
         handler = self._handlers().get(type(msg))
         if handler is None:
             raise ValueError(f"scheduler does not accept {msg.TYPE!r} messages")
+        allowed = _SENDERS.get(type(msg))
+        if allowed and self.workers[wid]["role"] not in allowed:
+            raise ValueError(f"a {self.workers[wid]['role']} worker may not send {msg.TYPE!r} "
+                             f"(only {' | '.join(allowed)})")
         await handler(wid, msg)
 
     def _handlers(self) -> dict:
