@@ -30,8 +30,20 @@ def cli(run_dir: Path, *overrides: str) -> list[str]:
 
 
 def run_ok(run_dir: Path, *overrides: str, timeout: float = 240) -> None:
-    proc = subprocess.run(cli(run_dir, *overrides), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    """Run to completion; every process the run started (workers and their own children, such
+    as reward-checking processes) must be gone shortly after the supervisor exits."""
+    proc = subprocess.Popen(cli(run_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        seen |= descendants(proc.pid)
+        assert time.monotonic() < deadline, "run did not finish in time"
+        time.sleep(0.3)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    time.sleep(1.0)
+    assert [p for p in seen if alive(p)] == [], "processes outlived the run"
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -38,6 +38,7 @@ class RewardService:
         await self.stop.wait()
         for t in tasks:
             t.cancel()
+        self.pool.close()  # kill and reap the checking processes before the worker exits
         self.pull.close(0)
         return 0
 

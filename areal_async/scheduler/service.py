@@ -87,7 +87,7 @@ class SchedulerService:
         self.latest_weights: Optional[WeightsPublished] = None
         self.done = asyncio.Event()
         self.exit_code = 0
-        self._step_t = time.time()
+        self._step_t = self._plan_t = time.time()
 
     # ---- plumbing ------------------------------------------------------------------------
     async def send(self, worker_id: str, msg: Message) -> None:
@@ -240,6 +240,8 @@ class SchedulerService:
                "samples_trained": len(trained), "samples_trained_total": self.core.ledger.n_trained,
                "samples_aborted_total": self.core.ledger.n_aborted,
                "step_s": now - self._step_t, "wall_s": now - self.t0,
+               # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
+               "plan_wait_s": self._plan_t - self._step_t,
                # rollout engines' cumulative busy seconds, from their last heartbeats
                "gen_busy_s_total": sum(float(w.get("stats", {}).get("busy_s", 0.0)) for w in self.workers.values()
                                        if w["role"] == "rollout")}
@@ -261,6 +263,7 @@ class SchedulerService:
         trainers = self.role("trainer")
         if not trainers:
             raise RuntimeError("a batch was planned but no trainer is registered")
+        self._plan_t = time.time()
         await self.send(trainers[0], plan)
 
     async def _finish(self) -> None:
