@@ -95,6 +95,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.common import write_rows
+
 THRESHOLD = 0.8
 MA_WINDOW = 10
 FINAL_WINDOW = 10
@@ -486,8 +488,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print_table(runs, cmp, meta)
     rows = to_rows(runs, cmp, {k: meta[k] for k in ("n_rollout_workers", "seed", "batch_samples")})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(args.json, rows)
         print(f"rows written to {args.json}")
     return rows
 

@@ -22,7 +22,6 @@ Each JSON row: metric, value, unit, bound (what limits or defines the figure), p
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
@@ -32,6 +31,7 @@ import transformers
 
 from areal_async.trainer.packing import (allocate_micro_batches, forward_packed, lower_bound, pack,
                                          select_attn_implementation)
+from benchmarks.common import write_rows
 
 BUDGET, CAP, MEDIAN, SIGMA = 16384, 27000, 4000, 0.9
 SCALE = 32  # part 2: lengths, cap and budget divided by this
@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     rows = allocation_rows(args.n, args.seed) + timing_rows(args.seed, args.repeats)
     _print_table(rows)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return rows
 
 

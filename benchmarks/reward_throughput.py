@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
 import time
 
 from areal_async.reward import RewardPool
+
+from benchmarks.common import write_rows
 
 _BOUND = f"CPU: sympy in the child processes ({os.cpu_count()} cores on this machine, shared)"
 
@@ -84,8 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     items = make_items(args.n)
     rows = [row for p in args.procs for row in asyncio.run(_run(p, items, args.timeout))]
     _print_table(rows)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
+    write_rows(args.json, rows)
     return rows
 
 

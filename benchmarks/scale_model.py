@@ -39,6 +39,8 @@ from typing import Optional
 
 import numpy as np
 
+from benchmarks.common import write_rows
+
 GB = 1e9
 BYTES_PER_TOKEN = 12
 MODELS = {"1.5B": 1.54e9, "7B": 7.6e9, "32B": 32.8e9}
@@ -221,8 +223,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows += predict(Cluster(a), boba, fits)
     rows += print_report(rows, fits, boba, a.src)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(a.json, rows)
     return rows
 
 

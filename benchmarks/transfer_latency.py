@@ -44,6 +44,8 @@ import torch
 
 from protocols.sockets import free_tcp_port
 
+from benchmarks.common import write_rows
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_MAX_BYTES = 256 * MiB
 ZMQ_CPU_MAX_PARAMS = 6e8  # zmq weight sync holds ~4 copies (state dict, buckets, frames, decoded)
@@ -574,8 +576,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows = run(build_opts(a))
     print_table(rows)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_rows(a.json, rows)
     if a.plot:
         plot(rows, a.plot)
     return rows

@@ -1,7 +1,6 @@
 """Wire protocol: typed msgpack messages, tensor frames, and receivers that survive bad frames."""
 
 import asyncio
-import dataclasses
 import logging
 import os
 

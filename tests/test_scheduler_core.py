@@ -9,7 +9,6 @@ from protocols.messages import RewardResult, TrajectoryReady
 from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.ledger import Ledger, LedgerError
-from areal_async.scheduler.staleness import can_admit
 
 
 def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):

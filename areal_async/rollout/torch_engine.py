@@ -32,7 +32,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput

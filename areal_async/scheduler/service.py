@@ -19,7 +19,7 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from protocols.messages import (BatchPlan, CheckpointRequest, Error, GenerateRequest, Heartbeat, Message, Ping, Pong,
+from protocols.messages import (BatchPlan, CheckpointRequest, Error, Heartbeat, Message, Ping, Pong,
                                 Register, RegisterAck, RewardResult, Shutdown, TrainerReady, TrainStepDone,
                                 TrajectoryReady, WeightsLoaded, WeightsPublished)
 from protocols.sockets import make_socket, recv_message, send_message

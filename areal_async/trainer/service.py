@@ -20,10 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from pathlib import Path
-from typing import Optional
 
-import torch
 
 from protocols.messages import (BatchPlan, CheckpointRequest, Shutdown, TrainerReady, TrainStepDone,
                                 WeightsPublished)

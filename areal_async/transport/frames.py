@@ -14,14 +14,13 @@ Not covered: non-dense layouts (sparse, nested); they are rejected by ``spec_of`
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import msgpack
 import torch
 
 from protocols.messages import PROTOCOL_VERSION, ProtocolError
-from protocols.tensors import DTYPES, check_spec, parse_header as _parse_header, spec_of
+from protocols.tensors import check_spec, parse_header as _parse_header, spec_of
 
 ALIGN = 64  # cache line; also a multiple of every element size, so dtype views are legal
 
