@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         from areal_async.trainer.sft_run import run_sft
 
         return run_sft(cfg, run_dir)
+    if not cfg.rollout.backend.startswith("torch"):
+        print(f"areal-async: rollout.backend={cfg.rollout.backend!r} validates, but only the embedded 'torch' "
+              "engine is wired into the rollout workers so far", file=sys.stderr)
+        return 2
     from areal_async.supervisor.local import run_local
 
     return run_local(cfg, run_dir, progress=False if args.no_progress else None)

@@ -213,3 +213,10 @@ def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights)
         log = (run_dir / "logs" / f"rollout-{r}.log").read_text()
         assert "exiting with code 0" in log
     assert json.loads((run_dir / "summary.json").read_text())["version"] == 6
+
+
+def test_unwired_backend_is_refused_clearly(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/boba_grpo.yaml"),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "only the embedded 'torch' engine" in proc.stderr
+    assert not (tmp_path / "run").exists()
