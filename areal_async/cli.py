@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal-async: rollout.backend={cfg.rollout.backend!r} validates, but only the embedded 'torch' "
               "engine is wired into the rollout workers so far", file=sys.stderr)
         return 2
+    if cfg.cluster.launcher != "local":
+        print(f"areal-async: cluster.launcher={cfg.cluster.launcher!r} validates, but only the 'local' launcher "
+              "is built so far", file=sys.stderr)
+        return 2
     from areal_async.supervisor.local import run_local
 
     return run_local(cfg, run_dir, progress=False if args.no_progress else None)
