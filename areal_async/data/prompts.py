@@ -107,3 +107,16 @@ class PromptCursor:
     @classmethod
     def from_state(cls, n: int, seed: int, shuffle: bool, state: dict) -> "PromptCursor":
         return cls(n, seed, shuffle, int(state["epoch"]), int(state["position"]))
+
+
+def prompt_encoder(tokenizer):
+    """text -> [bos] + tokens (no other special tokens): how every worker tokenizes a prompt."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    return lambda text: bos + tokenizer.encode(text, add_special_tokens=False)
+
+
+def sft_examples(problems: list[Problem], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + eos) for every problem that has an answer (SFT and warm-up)."""
+    enc = prompt_encoder(tokenizer)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return [(enc(p.prompt), tokenizer.encode(p.answer, add_special_tokens=False) + eos) for p in problems if p.answer]

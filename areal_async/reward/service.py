@@ -28,12 +28,13 @@ class RewardService:
                  n_procs: int):
         self.worker_id, self.control, self.pool = worker_id, control, pool
         self.pull = make_socket(ctx, zmq.PULL, bind=bind)
+        self.n_procs = n_procs
         self.slots = asyncio.Semaphore(n_procs)
         self.stop = asyncio.Event()
         self.counts = {"ok": 0, "timeout": 0, "error": 0}
 
     async def run(self) -> int:
-        await self.control.register(info={"n_procs": self.slots._value})
+        await self.control.register(info={"n_procs": self.n_procs})
         tasks = [asyncio.create_task(self._work()), asyncio.create_task(self._control())]
         await self.stop.wait()
         for t in tasks:

@@ -13,6 +13,7 @@ from pathlib import Path
 import zmq.asyncio
 
 from areal_async.config import ExperimentConfig, ModelConfig
+from areal_async.data.prompts import prompt_encoder  # noqa: F401  (re-exported: sft_run, tests import it here)
 from areal_async.runtime.control import ControlClient
 from areal_async.runtime.fleet import Endpoints, load_run, set_torch_threads
 
@@ -25,12 +26,6 @@ def load_tokenizer(cfg: ModelConfig):
     from areal_async.models.tokenizer import build_char_tokenizer
 
     return build_char_tokenizer()
-
-
-def prompt_encoder(tokenizer):
-    """text -> [bos] + tokens (no other special tokens)."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return lambda text: bos + tokenizer.encode(text, add_special_tokens=False)
 
 
 def _control(ctx, cfg: ExperimentConfig, ep: Endpoints, role: str, worker_id: str) -> ControlClient:
@@ -81,16 +76,10 @@ def build_reward(run_dir: str | Path, worker_id: str, index: int):
     from areal_async.reward.service import RewardService
 
     cfg, ep = load_run(run_dir)
-    pool = RewardPool(cfg.reward.fn, n_procs=cfg.reward.n_procs, timeout_s=cfg.reward.timeout_s,
-                      fn_kwargs=_reward_kwargs(cfg))
+    pool = RewardPool.from_config(cfg.reward)
     ctx = zmq.asyncio.Context()
     return RewardService(worker_id, _control(ctx, cfg, ep, "reward", worker_id), ctx, ep.rewards[index], pool,
                          cfg.reward.n_procs)
-
-
-def _reward_kwargs(cfg: ExperimentConfig) -> dict:
-    default = "areal_async.reward.math_verify_reward:boxed_math_reward"
-    return {"precision": cfg.reward.precision} if cfg.reward.fn == default else {}
 
 
 def build_rollout(run_dir: str | Path, worker_id: str, index: int):
@@ -177,12 +166,10 @@ def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
     """The optional SFT warm-up that makes the initial weights (version 0)."""
     if cfg.sft_warmup.steps == 0:
         return []
-    from areal_async.data.prompts import load_problems
+    from areal_async.data.prompts import load_problems, sft_examples
     from areal_async.trainer.sft import SFTTrainer
 
-    enc = prompt_encoder(tok)
-    examples = [(enc(p.prompt), tok.encode(p.answer, add_special_tokens=False) + [tok.eos_token_id])
-                for p in load_problems(cfg.train_dataset, cfg.seed) if p.answer]
+    examples = sft_examples(load_problems(cfg.train_dataset, cfg.seed), tok)
     if not examples:
         raise ValueError("sft_warmup.steps > 0 but the training dataset has no 'answer' fields to imitate")
     return SFTTrainer(model, cfg.sft_warmup, cfg.actor.mb_spec.max_tokens_per_mb, seed=cfg.seed).run(examples)

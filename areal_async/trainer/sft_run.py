@@ -39,7 +39,7 @@ from typing import Iterator, Sequence
 import torch
 
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.data.prompts import Problem, load_problems
+from areal_async.data.prompts import Problem, load_problems, sft_examples
 from areal_async.trainer.sft import Example, sft_step
 
 __all__ = ["run_sft", "sft", "SFTInputError", "SFTResult", "prepare_data", "train", "evaluate", "sft_total_steps"]
@@ -145,8 +145,7 @@ def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
     enc = prompt_encoder(tok)
     kept = [p for p in problems if len(enc(p.prompt)) <= cfg.train_dataset.max_prompt_len]
     train_p, held_p = _split(cfg, kept)
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    train = [(enc(p.prompt), tok.encode(p.answer, add_special_tokens=False) + eos) for p in train_p if p.answer]
+    train = sft_examples(train_p, tok)
     if not train:
         raise ValueError(f"no training examples left: {len(problems)} problems, {len(kept)} within "
                          f"train_dataset.max_prompt_len={cfg.train_dataset.max_prompt_len}, "
