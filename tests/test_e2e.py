@@ -176,7 +176,8 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
     before = read_jsonl(run_dir / "trajectories.jsonl")
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     resumed_step = max(int(n.split("_")[1]) for n in ckpts)
-    assert resumed_step in (5, 8) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
+    assert resumed_step in (5, 8, 11) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
+    last_trained = max(t["train_step"] for t in before if t["status"] == "trained")  # the kill races the trainer
 
     run_ok(run_dir, *args, "recover.mode=auto")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -191,9 +192,10 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
     recovered = [t for t in final if t["status"] == "aborted" and t["reason"].startswith("recovered")]
     assert recovered and all(not t["id"].startswith("r1-") for t in recovered)
     # what run 1 trained after the checkpoint was rolled back, and its prompts were trained again
-    rolled = read_jsonl(run_dir / "trajectories.rolled_back.jsonl")
+    rolled_path = run_dir / "trajectories.rolled_back.jsonl"
+    rolled = read_jsonl(rolled_path) if rolled_path.exists() else []
     lost_updates = [t for t in rolled if t["status"] == "trained"]
-    assert lost_updates and all(t["train_step"] > resumed_step for t in lost_updates)
+    assert sorted({t["train_step"] for t in lost_updates}) == list(range(resumed_step + 1, last_trained + 1))
     retrained_prompts = {t["prompt_id"] for t in trained if t["id"].startswith("r1-")}
     open_at_end = {t["prompt_id"] for t in final if t["status"] == "aborted" and t["reason"].startswith("run_end")}
     assert {t["prompt_id"] for t in lost_updates} <= retrained_prompts | open_at_end
