@@ -4,7 +4,8 @@ Every message on a ZeroMQ socket is one of the dataclasses below, encoded as a m
 ``{"v": PROTOCOL_VERSION, "t": <type name>, "b": {<fields>}}``. Decoding checks, in order: the
 frame size, that the bytes are msgpack, the envelope keys, the protocol version, that the type
 is registered (and, when the receiver says what it expects, that it is one of those), that no
-field is missing or unknown, and every field's type. Anything else raises ``ProtocolError`` with
+field is missing or unknown, every field's type, and the message's own consistency check
+(``validate``: e.g. parallel per-sample lists of equal length). Anything else raises ``ProtocolError`` with
 a message that names what was wrong; receivers log it and keep serving.
 
 Never pickle: msgpack carries only plain data, so a peer cannot make us run code.
@@ -20,7 +21,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: one TrajectoryReady / RewardRequest / RewardResult per group
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # control messages are small; tensors use tensor frames
 
 
@@ -46,6 +47,10 @@ class Message:
 
     def to_body(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self) -> Optional[str]:
+        """What is wrong with this message beyond field types (checked on encode and decode), or None."""
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,38 +105,61 @@ class GenerateRequest(Message):
 
 @message
 class TrajectoryReady(Message):
-    """rollout worker -> scheduler: one sample generated (its tensors went to the trainer)."""
+    """rollout worker -> scheduler: samples of one group generated (their tensors went to the trainer).
+
+    One message per group, not per sample: per-sample messages cost the scheduler and the
+    rollout worker CPU in proportion to n (16 in boba). Parallel lists, one entry per sample;
+    a group may also be reported in parts (any subset of its samples)."""
     TYPE: ClassVar[str] = "trajectory_ready"
-    sample_id: str
     group_id: str
     worker_id: str
     n_prompt_tokens: int
-    n_output_tokens: int
-    version_min: int
-    version_max: int
-    finish_reason: str
+    sample_ids: list[str]
+    n_output_tokens: list[int]
+    version_min: list[int]
+    version_max: list[int]
+    finish_reasons: list[str]
+
+    def validate(self) -> Optional[str]:
+        return _same_lengths(self, "sample_ids", "n_output_tokens", "version_min", "version_max", "finish_reasons")
 
 
 @message
 class RewardRequest(Message):
-    """rollout worker -> reward workers (PUSH/PULL work queue): score one completion."""
+    """rollout worker -> reward workers (PUSH/PULL work queue): score the completions of one group."""
     TYPE: ClassVar[str] = "reward_request"
-    sample_id: str
     group_id: str
-    completion: str
+    sample_ids: list[str]
+    completions: list[str]
     solutions: list[str]
+
+    def validate(self) -> Optional[str]:
+        return _same_lengths(self, "sample_ids", "completions")
 
 
 @message
 class RewardResult(Message):
-    """reward worker -> scheduler."""
+    """reward worker -> scheduler: scores of one group's samples (parallel lists)."""
     TYPE: ClassVar[str] = "reward_result"
-    sample_id: str
     group_id: str
-    score: float
-    status: str  # ok | timeout | error
     worker_id: str
-    detail: str = ""
+    sample_ids: list[str]
+    scores: list[float]
+    statuses: list[str]  # per sample: ok | timeout | error
+    details: list[str]
+
+    def validate(self) -> Optional[str]:
+        return _same_lengths(self, "sample_ids", "scores", "statuses", "details")
+
+
+def _same_lengths(msg: "Message", *names: str) -> Optional[str]:
+    """The check of messages made of parallel per-sample lists: non-empty, equal lengths."""
+    lengths = {n: len(getattr(msg, n)) for n in names}
+    if len(set(lengths.values())) != 1:
+        return "parallel lists differ in length: " + ", ".join(f"{n}={k}" for n, k in lengths.items())
+    if lengths[names[0]] == 0:
+        return f"{names[0]} is empty"
+    return None
 
 
 @message
@@ -226,6 +254,7 @@ def encode(msg: Message) -> bytes:
         raise ProtocolError(f"cannot encode {type(msg).__name__}: not a registered message type")
     for f in dataclasses.fields(msg):
         _check_value(getattr(msg, f.name), _hints(type(msg))[f.name], f"{msg.TYPE}.{f.name}")
+    _check_consistent(msg)
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
 
 
@@ -270,7 +299,15 @@ def _build(cls: type, body: dict) -> Message:
             raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
         if name in body:
             _check_value(body[name], hints[name], f"{cls.TYPE}.{name}")
-    return cls(**body)
+    msg = cls(**body)
+    _check_consistent(msg)
+    return msg
+
+
+def _check_consistent(msg: Message) -> None:
+    why = msg.validate()
+    if why:
+        raise ProtocolError(f"{msg.TYPE}: {why}")
 
 
 _HINTS: dict[type, dict] = {}

@@ -22,10 +22,13 @@ SAMPLES = {
     "generate_request": M.GenerateRequest(group_id="g1", prompt_id="e0p1", sample_ids=["g1.0", "g1.1"],
                                           prompt_ids=[1, 5, 6], solutions=["7"], min_version=2, max_new_tokens=8,
                                           temperature=0.7, top_p=0.9, greedy=False, stop_token_ids=[2]),
-    "trajectory_ready": M.TrajectoryReady(sample_id="g1.0", group_id="g1", worker_id="r0", n_prompt_tokens=3,
-                                          n_output_tokens=4, version_min=1, version_max=2, finish_reason="stop"),
-    "reward_request": M.RewardRequest(sample_id="g1.0", group_id="g1", completion="\\boxed{7}", solutions=["7"]),
-    "reward_result": M.RewardResult(sample_id="g1.0", group_id="g1", score=1.0, status="ok", worker_id="w", detail=""),
+    "trajectory_ready": M.TrajectoryReady(group_id="g1", worker_id="r0", n_prompt_tokens=3, sample_ids=["g1.0", "g1.1"],
+                                          n_output_tokens=[4, 0], version_min=[1, -1], version_max=[2, -1],
+                                          finish_reasons=["stop", "length"]),
+    "reward_request": M.RewardRequest(group_id="g1", sample_ids=["g1.0", "g1.1"], completions=["\\boxed{7}", ""],
+                                      solutions=["7"]),
+    "reward_result": M.RewardResult(group_id="g1", worker_id="w", sample_ids=["g1.0", "g1.1"], scores=[1.0, 0.0],
+                                    statuses=["ok", "timeout"], details=["", "killed after 5.0 s"]),
     "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"]),
     "train_step_done": M.TrainStepDone(step=0, version=1, metrics={"loss": 0.1}, checkpoint=""),
     "weights_published": M.WeightsPublished(version=1, manifest={"kind": "shm", "names": ["w"]}),
@@ -66,6 +69,30 @@ def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
 def test_malformed_frames_are_rejected_with_a_clear_error(frame, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode(frame)
+
+
+def _group_body(**over):
+    body = {"group_id": "g1", "worker_id": "w", "sample_ids": ["g1.0", "g1.1"], "scores": [1.0, 0.0],
+            "statuses": ["ok", "ok"], "details": ["", ""]}
+    return {**body, **over}
+
+
+@pytest.mark.parametrize("body, needle", [
+    (_group_body(scores=[1.0]), r"reward_result: parallel lists differ in length: sample_ids=2, scores=1"),
+    (_group_body(sample_ids=[], scores=[], statuses=[], details=[]), "reward_result: sample_ids is empty"),
+])
+def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
+    """Per-group messages carry one entry per sample in parallel lists; a mismatch would pair a
+    score with the wrong sample, so it is refused on decode and on encode."""
+    with pytest.raises(ProtocolError, match=needle):
+        decode(envelope(t="reward_result", b=body))
+    with pytest.raises(ProtocolError, match=needle):
+        encode(M.RewardResult(**body))
+    with pytest.raises(ProtocolError, match="trajectory_ready: parallel lists differ in length"):
+        encode(M.TrajectoryReady(group_id="g", worker_id="r", n_prompt_tokens=1, sample_ids=["g.0", "g.1"],
+                                 n_output_tokens=[1, 2], version_min=[0, 0], version_max=[0], finish_reasons=["stop"] * 2))
+    with pytest.raises(ProtocolError, match="reward_request: parallel lists differ in length"):
+        encode(M.RewardRequest(group_id="g", sample_ids=["g.0"], completions=["a", "b"], solutions=["1"]))
 
 
 def test_unexpected_type_is_rejected_where_a_specific_one_is_expected():

@@ -22,13 +22,23 @@ def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
     return core
 
 
+def traj_msg(gid, sids, vmin=0, vmax=0, worker="r0"):
+    n = len(sids)
+    return TrajectoryReady(group_id=gid, worker_id=worker, n_prompt_tokens=3, sample_ids=list(sids),
+                           n_output_tokens=[4] * n, version_min=[vmin] * n, version_max=[vmax] * n,
+                           finish_reasons=["stop"] * n)
+
+
+def reward_msg(gid, sids, score=1.0):
+    n = len(sids)
+    return RewardResult(group_id=gid, worker_id="w", sample_ids=list(sids), scores=[score] * n, statuses=["ok"] * n,
+                        details=[""] * n)
+
+
 def finish_group(core, req, vmin, vmax, score=1.0, reward_first=False):
-    for sid in req.sample_ids:
-        traj = TrajectoryReady(sample_id=sid, group_id=req.group_id, worker_id="r0", n_prompt_tokens=3,
-                               n_output_tokens=4, version_min=vmin, version_max=vmax, finish_reason="stop")
-        rew = RewardResult(sample_id=sid, group_id=req.group_id, score=score, status="ok", worker_id="w")
-        for m in ((rew, traj) if reward_first else (traj, rew)):
-            assert (core.on_reward(m) if isinstance(m, RewardResult) else core.on_trajectory(m)) is None
+    traj, rew = traj_msg(req.group_id, req.sample_ids, vmin, vmax), reward_msg(req.group_id, req.sample_ids, score)
+    for m in ((rew, traj) if reward_first else (traj, rew)):
+        assert (core.on_reward(m) if isinstance(m, RewardResult) else core.on_trajectory(m)) is None
 
 
 def simulate(core, rng, delay_max=3):
@@ -109,9 +119,7 @@ def test_lost_worker_work_is_reissued_not_lost_not_doubled():
     assert {w for w, _ in again} == {"r1"}
     assert sorted(r.prompt_id for _, r in again)[: len(lost)] == sorted(r.prompt_id for r in lost)
     # a late result from the dead worker is refused and changes nothing
-    why = core.on_trajectory(TrajectoryReady(sample_id=lost[0].sample_ids[0], group_id=lost[0].group_id, worker_id="r0",
-                                             n_prompt_tokens=1, n_output_tokens=1, version_min=0, version_max=0,
-                                             finish_reason="stop"))
+    why = core.on_trajectory(traj_msg(lost[0].group_id, lost[0].sample_ids[:1]))
     assert "already aborted" in why
 
 
@@ -122,6 +130,23 @@ def test_reward_before_trajectory_and_admission_respects_concurrency():
     finish_group(core, reqs[0], 0, 0, reward_first=True)
     assert core.ledger.groups[reqs[0].group_id].status == "ready"
     assert core.running == 2 and len(core.admit()) == 1
+
+
+def test_group_messages_in_parts_and_bad_entries_are_refused_per_sample():
+    """A group may be reported in parts; a message's refused entries (another group's sample, a
+    repeat, an unknown id) change nothing while its good entries still count."""
+    core = make_core(eta=1, B=1, n=3)
+    a, b = [r for _, r in core.admit()][:2]
+    assert core.on_trajectory(traj_msg(a.group_id, a.sample_ids[:2])) is None
+    why = core.on_trajectory(traj_msg(a.group_id, [a.sample_ids[0], b.sample_ids[0], "nope.0", a.sample_ids[2]]))
+    assert "already generated" in why and "belongs to group" in why and "unknown sample 'nope.0'" in why
+    assert core.ledger.samples[a.sample_ids[2]].status == "generated"  # the good entry counted
+    assert core.ledger.samples[b.sample_ids[0]].status == "issued"  # the misrouted one did not
+    assert core.on_reward(reward_msg(a.group_id, a.sample_ids[:1], score=1.0)) is None
+    assert "already rewarded" in core.on_reward(reward_msg(a.group_id, a.sample_ids, score=0.0))
+    assert core.ledger.samples[a.sample_ids[0]].score == 1.0  # the repeat did not overwrite it
+    assert core.ledger.groups[a.group_id].status == "ready"
+    assert [core.ledger.samples[s].score for s in a.sample_ids] == [1.0, 0.0, 0.0]
 
 
 def test_no_admission_before_trainer_ready_or_without_rollouts():

@@ -1,9 +1,10 @@
 """The reward worker process: RewardRequests from a PULL queue, scores from a killable pool.
 
 Rollout workers PUSH ``RewardRequest`` frames to every reward worker's PULL socket (ZeroMQ
-spreads them round-robin); each request is scored by ``RewardPool`` (math-verify in killable
-processes) and the ``RewardResult`` goes to the scheduler. Up to ``n_procs`` checks run at
-once. A malformed frame is logged and dropped; the worker keeps serving.
+spreads them round-robin). A request carries one group's completions; they are scored by
+``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once) and one
+``RewardResult`` with the group's scores goes to the scheduler. At most ``n_procs`` groups are
+taken off the queue at a time, so an idle reward worker is not starved by a busy one. A malformed frame is logged and dropped; the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -59,12 +60,15 @@ class RewardService:
 
     async def _score(self, req: RewardRequest) -> None:
         try:
-            out = await self.pool.score(req.completion, req.solutions)
+            outs = await self.pool.score_many([(c, req.solutions) for c in req.completions])
         finally:
             self.slots.release()
-        self.counts[out.status] = self.counts.get(out.status, 0) + 1
+        for sid, out in zip(req.sample_ids, outs):
+            self.counts[out.status] = self.counts.get(out.status, 0) + 1
+            if out.status != "ok":
+                log.warning("sample %s scored 0: %s %s", sid, out.status, out.detail)
         self.control.stats.update(self.counts)
-        if out.status != "ok":
-            log.warning("sample %s scored 0: %s %s", req.sample_id, out.status, out.detail)
-        await self.control.send(RewardResult(sample_id=req.sample_id, group_id=req.group_id, score=float(out.score),
-                                             status=out.status, worker_id=self.worker_id, detail=out.detail[:500]))
+        await self.control.send(RewardResult(
+            group_id=req.group_id, worker_id=self.worker_id, sample_ids=list(req.sample_ids),
+            scores=[float(o.score) for o in outs], statuses=[o.status for o in outs],
+            details=[o.detail[:500] for o in outs]))

@@ -9,7 +9,7 @@ Two threads of control::
                       ─> pending weights (newest) >  between two steps: update_weights
                                                      (interrupt; KV recomputed; resume)
     <── finished groups ────────────────────────── step() ... group done
-    per sample: tensors -> trainer (tensor channel), TrajectoryReady -> scheduler,
+    per sample: tensors -> trainer (tensor channel); per group: TrajectoryReady -> scheduler,
                 RewardRequest -> reward workers (PUSH)
     <── WeightsLoaded(version) ─────────────────── after each weight switch
 
@@ -200,11 +200,15 @@ class RolloutService:
                        "logprobs": torch.tensor(s.logprobs, dtype=torch.float32),
                        "versions": torch.tensor(s.versions, dtype=torch.int32)}
             self.traj.send(sid, tensors, {"group_id": req.group_id})  # before TrajectoryReady: the trainer may be asked for it next
-            vmin, vmax = (min(s.versions), max(s.versions)) if s.versions else (-1, -1)
-            await self.control.send(TrajectoryReady(
-                sample_id=sid, group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids),
-                n_output_tokens=len(s.output_ids), version_min=vmin, version_max=vmax, finish_reason=s.finish_reason))
-            await send_message(self.reward_sock, RewardRequest(
-                sample_id=sid, group_id=req.group_id, completion=self.decode(s.output_ids), solutions=req.solutions))
-            self.n_samples += 1
+        sids = list(req.sample_ids[:len(group.samples)])
+        vmin = [min(s.versions) if s.versions else -1 for s in group.samples]
+        vmax = [max(s.versions) if s.versions else -1 for s in group.samples]
+        await self.control.send(TrajectoryReady(
+            group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids), sample_ids=sids,
+            n_output_tokens=[len(s.output_ids) for s in group.samples], version_min=vmin, version_max=vmax,
+            finish_reasons=[s.finish_reason for s in group.samples]))
+        await send_message(self.reward_sock, RewardRequest(
+            group_id=req.group_id, sample_ids=sids, completions=[self.decode(s.output_ids) for s in group.samples],
+            solutions=req.solutions))
+        self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))

@@ -7,7 +7,7 @@
          v
     GenerateRequest(group of n, min_version=v) ──> rollout worker with the fewest groups
          │
-    TrajectoryReady ×n (rollout) + RewardResult ×n (reward)     [either order]
+    TrajectoryReady (rollout) + RewardResult (reward), one each per group   [either order]
          │   group ready when all n samples are generated and rewarded
          v
     ready queue (completion order) ──> plan(): trainer idle, B fresh groups
@@ -130,18 +130,35 @@ class SchedulerCore:
 
     # ---- progress ------------------------------------------------------------------------
     def on_trajectory(self, m: TrajectoryReady) -> Optional[str]:
-        """Returns why the message was ignored, or None."""
-        why = self.ledger.refuse(m.sample_id, m.group_id)
-        if why is None:
-            ready = self.ledger.mark_generated(m.sample_id, m.version_min, m.version_max, m.n_output_tokens, m.finish_reason)
-            self._on_maybe_ready(m.group_id, ready)
-        return why
+        """Record the generated samples of one group. Returns why some were ignored, or None.
+
+        Each sample is checked on its own: a refused one (unknown, of another group, already
+        final, reported twice) changes nothing, and the others of the message still count."""
+        whys = []
+        for i, sid in enumerate(m.sample_ids):
+            why = self.ledger.refuse(sid, m.group_id)
+            if why is None and self.ledger.samples[sid].status != "issued":
+                why = f"sample {sid!r} already generated"
+            if why is None:
+                ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
+                                                   m.finish_reasons[i])
+                self._on_maybe_ready(m.group_id, ready)
+            else:
+                whys.append(why)
+        return "; ".join(whys) or None
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
-        why = self.ledger.refuse(m.sample_id, m.group_id)
-        if why is None:
-            self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(m.sample_id, m.score, m.status))
-        return why
+        """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
+        whys = []
+        for sid, score, status in zip(m.sample_ids, m.scores, m.statuses):
+            why = self.ledger.refuse(sid, m.group_id)
+            if why is None and self.ledger.samples[sid].score is not None:
+                why = f"sample {sid!r} already rewarded"
+            if why is None:
+                self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(sid, score, status))
+            else:
+                whys.append(why)
+        return "; ".join(whys) or None
 
     def _on_maybe_ready(self, gid: str, ready: bool) -> None:
         if ready:
