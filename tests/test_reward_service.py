@@ -1,0 +1,65 @@
+"""The reward worker behind real sockets: a group's completions in one RewardRequest come back as
+one RewardResult with a score per sample (real math-verify in the real killable pool), and a
+malformed frame on its work queue is logged and dropped while it keeps serving."""
+
+import asyncio
+import logging
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from protocols import messages as M
+from protocols.messages import decode
+from protocols.sockets import ipc_endpoint, make_socket, send_message
+
+from areal_async.reward.pool import RewardPool
+from areal_async.reward.service import RewardService
+from areal_async.runtime.control import ControlClient
+
+
+async def next_of(sock, cls, timeout=30.0):
+    """The next message of type ``cls`` from the ROUTER (heartbeats skipped): (ident, msg)."""
+    async def loop():
+        while True:
+            ident, frame = await sock.recv_multipart()
+            msg = decode(frame)
+            if isinstance(msg, cls):
+                return ident, msg
+    return await asyncio.wait_for(loop(), timeout)
+
+
+async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frames(tmp_path, caplog):
+    ctx = zmq.asyncio.Context()
+    control_ep, work_ep = ipc_endpoint(tmp_path, "control"), ipc_endpoint(tmp_path, "work")
+    scheduler = make_socket(ctx, zmq.ROUTER, bind=control_ep)
+    pool = RewardPool(n_procs=2, timeout_s=20.0)
+    svc = RewardService("reward-0", ControlClient(ctx, control_ep, "reward", "reward-0", heartbeat_s=0.2), ctx,
+                        work_ep, pool, n_procs=2)
+    task = asyncio.create_task(svc.run())
+    push = make_socket(ctx, zmq.PUSH, connect=work_ep)
+    try:
+        ident, reg = await next_of(scheduler, M.Register)
+        assert reg.role == "reward" and reg.info == {"n_procs": 2}
+        await send_message(scheduler, M.RegisterAck(worker_id="reward-0", version=0), to=ident)
+
+        with caplog.at_level(logging.ERROR):
+            await push.send(msgpack.packb({"v": M.PROTOCOL_VERSION, "t": "reward_request",
+                                           "b": {"group_id": "g0", "sample_ids": ["g0.0"], "completions": [],
+                                                 "solutions": ["7"]}}))
+            await push.send(b"\x00garbage")
+            completions = ["so \\boxed{7}", "\\boxed{07}", "\\boxed{8}", "no box at all"]
+            await send_message(push, M.RewardRequest(group_id="g1", sample_ids=[f"g1.{k}" for k in range(4)],
+                                                     completions=completions, solutions=["7"]))
+            _, res = await next_of(scheduler, M.RewardResult)
+        assert res.group_id == "g1" and res.worker_id == "reward-0"
+        assert res.sample_ids == ["g1.0", "g1.1", "g1.2", "g1.3"]
+        assert res.scores == [1.0, 1.0, 0.0, 0.0] and res.statuses == ["ok"] * 4
+        assert sum("rejected a frame" in r.getMessage() for r in caplog.records) == 2
+        assert "parallel lists differ in length" in caplog.text
+        assert svc.counts["ok"] == 4
+    finally:
+        await send_message(scheduler, M.Shutdown(reason="test"), to=b"reward-0")
+        assert await asyncio.wait_for(task, 10) == 0
+        assert pool.pids() == []  # the service closed its pool: no checking process left
+        ctx.destroy(linger=0)
