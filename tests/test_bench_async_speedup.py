@@ -178,3 +178,11 @@ def test_median_throughput_ignores_a_burst():
     run = bench.summarize_run(2, rows, skip=5)
     assert run["samples_per_s_median"] == pytest.approx(128 / 0.5)
     assert run["samples_per_s"] < 0.8 * run["samples_per_s_median"]  # the mean-based headline pays for it
+
+
+def test_placement_gives_the_trainer_a_cpu_of_its_own():
+    assert bench.placement([0, 1], []) == ["cluster.cpu_affinity.trainer=0", "cluster.cpu_affinity.scheduler=1",
+                                           "cluster.cpu_affinity.rollout=1", "cluster.cpu_affinity.reward=1"]
+    assert bench.placement([2, 5, 6], [])[-1] == "cluster.cpu_affinity.reward=5,6"
+    assert bench.placement([0], []) == []  # one CPU: nothing to separate
+    assert bench.placement([0, 1], ["cluster.cpu_affinity.trainer=1"]) == []  # the caller's placement wins

@@ -222,3 +222,44 @@ def test_unwired_backend_is_refused_clearly(tmp_path):
                            "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "only the embedded 'torch' engine" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_cpu_affinity_pins_each_role_and_its_children(tmp_path):
+    """cluster.cpu_affinity: the trainer on one CPU, everything else on another; every thread of
+    every worker, and the reward worker's checking processes, carry their role's pin."""
+    cpus = sorted(os.sched_getaffinity(0))
+    mine, rest = cpus[0], cpus[-1]  # the same CPU on a 1-core machine: the pins are still checked
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000", f"cluster.cpu_affinity.trainer={mine}",
+                                *(f"cluster.cpu_affinity.{r}={rest}" for r in ("scheduler", "rollout", "reward"))),
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_metrics(run_dir, proc)
+        roles = {}
+        for pid in descendants(proc.pid):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+                threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+                pins = {frozenset(os.sched_getaffinity(t)) for t in threads}
+            except (OSError, ProcessLookupError):
+                continue
+            role = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else \
+                "reward-pool" if "areal_async.reward._child" in argv else "other"
+            roles[role] = pins
+        assert {"scheduler", "trainer", "rollout-0", "rollout-1", "reward-0", "reward-pool"} <= set(roles), roles
+        for role, pins in roles.items():
+            if role != "other":
+                assert pins == {frozenset({mine if role == "trainer" else rest})}, (role, pins)
+        assert os.sched_getaffinity(proc.pid) == set(cpus)  # the supervisor itself is not pinned
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_unavailable_cpus_are_refused_before_anything_starts(tmp_path):
+    bad = max(os.sched_getaffinity(0)) + 1000
+    proc = subprocess.run(cli(tmp_path / "run", f"cluster.cpu_affinity.trainer=0,{bad}"), capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert f"cluster.cpu_affinity.trainer='0,{bad}': CPU(s) [{bad}] are not available here" in proc.stderr
+    assert not (tmp_path / "run").exists()

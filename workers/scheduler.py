@@ -1,21 +1,15 @@
-"""Entry point of the scheduler worker process (started by the supervisor).
+"""Entry point of the scheduler worker process (started by the supervisor); see workers/_main.py.
 
-    python -m workers.scheduler --run-dir RUN_DIR --worker-id ID --index I
+    python -m workers.scheduler --run-dir RUN_DIR --worker-id ID --index I [--cpus LIST]
 """
 
-import argparse
 import sys
+
+from workers._main import worker_main
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="workers.scheduler")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--worker-id", default="scheduler")
-    p.add_argument("--index", type=int, default=0)
-    args = p.parse_args(argv)
-    from areal_async.runtime.entry import run_worker  # heavy imports after parsing
-
-    return run_worker("scheduler", args.run_dir, args.worker_id, args.index)
+    return worker_main("scheduler", argv)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from areal_async.runtime.fleet import plan_endpoints
 GRACE_S = 5.0
 
 
-class RunDirError(RuntimeError):
-    """The run directory cannot be used as asked (it holds another run, or no checkpoint)."""
+class LaunchError(RuntimeError):
+    """The run cannot start as asked (the run dir holds another run or no checkpoint; CPUs not available)."""
 
 
 @dataclass
@@ -42,6 +42,24 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+
+
+def worker_cpus(cfg: ExperimentConfig, module: str) -> str:
+    """The cpu list a worker of this module is pinned to ('' = not pinned)."""
+    return getattr(cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1])
+
+
+def check_placement(cfg: ExperimentConfig) -> None:
+    """LaunchError (before anything starts) if a pinned role names CPUs this machine does not allow."""
+    from areal_async.runtime.affinity import check_available
+
+    for role in ("scheduler", "trainer", "rollout", "reward"):
+        spec = getattr(cfg.cluster.cpu_affinity, role)
+        if spec:
+            try:
+                check_available(spec, f"cluster.cpu_affinity.{role}")
+            except ValueError as e:
+                raise LaunchError(str(e)) from None
 
 
 def worker_specs(cfg: ExperimentConfig) -> list[tuple[str, str, int]]:
@@ -63,6 +81,7 @@ class LocalSupervisor:
 
     # ---- set-up --------------------------------------------------------------------------
     def prepare(self) -> None:
+        check_placement(self.cfg)
         resume = self.resume_point()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
@@ -80,12 +99,12 @@ class LocalSupervisor:
         if mode == "disabled":
             books = self.run_dir / "metrics.jsonl"
             if books.exists() and books.stat().st_size > 0:
-                raise RunDirError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
+                raise LaunchError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
                                   "or recover.mode=auto to continue it")
             return None
         latest = latest_complete_checkpoint(self.run_dir / "checkpoints")
         if latest is None and mode == "resume":
-            raise RunDirError(f"recover.mode=resume but {self.run_dir / 'checkpoints'} holds no complete checkpoint")
+            raise LaunchError(f"recover.mode=resume but {self.run_dir / 'checkpoints'} holds no complete checkpoint")
         return latest
 
     def start_all(self) -> None:
@@ -94,6 +113,8 @@ class LocalSupervisor:
         for wid, module, idx in worker_specs(self.cfg):
             log_path = self.run_dir / "logs" / f"{wid}.log"
             cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid, "--index", str(idx)]
+            if cpus := worker_cpus(self.cfg, module):
+                cmd += ["--cpus", cpus]
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         env=env, start_new_session=True)
@@ -220,7 +241,7 @@ def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[boo
     try:
         try:
             sup.prepare()
-        except RunDirError as e:
+        except LaunchError as e:
             print(f"areal-async: {e}", file=sys.stderr)
             return 2
         sup.start_all()

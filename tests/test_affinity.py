@@ -1,0 +1,43 @@
+"""CPU-list parsing and pinning (cluster.cpu_affinity)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from areal_async.runtime.affinity import check_available, parse_cpu_list
+
+
+@pytest.mark.parametrize("spec, cpus", [("0", {0}), ("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,5-6", {0, 2, 5, 6}),
+                                        (" 1 , 4-4 ", {1, 4})])
+def test_parse_cpu_list(spec, cpus):
+    assert parse_cpu_list(spec) == cpus
+
+
+@pytest.mark.parametrize("spec, words", [("", "'' is not N or N-M"), ("a", "'a' is not N or N-M"),
+                                         ("1,,2", "'' is not N or N-M"), ("-1", "'-1' is not N or N-M"),
+                                         ("3-1", "range '3-1' runs backwards"), ("1-", "'1-' is not N or N-M")])
+def test_bad_cpu_lists_name_the_bad_part(spec, words):
+    with pytest.raises(ValueError, match=words):
+        parse_cpu_list(spec)
+
+
+def test_cpus_this_process_may_not_use_are_refused():
+    allowed = sorted(os.sched_getaffinity(0))
+    assert check_available(str(allowed[0])) == {allowed[0]}
+    with pytest.raises(ValueError, match=r"CPU\(s\) \[100000\] are not available here"):
+        check_available(f"{allowed[0]},100000")
+
+
+def test_worker_entry_pins_itself_before_starting():
+    """`python -m workers.X --cpus N` pins the process; a bad list fails before the worker runs."""
+    cpu = max(os.sched_getaffinity(0))
+    code = ("import os, sys; from workers._main import worker_main; import areal_async.runtime.entry as e; "
+            "e.run_worker = lambda *a: print(sorted(os.sched_getaffinity(0))) or 0; "
+            f"sys.exit(worker_main('trainer', ['--run-dir', 'x', '--cpus', '{cpu}']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == f"[{cpu}]", out.stderr
+    bad = subprocess.run([sys.executable, "-m", "workers.trainer", "--run-dir", "x", "--cpus", "0-"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "'0-' is not N or N-M" in bad.stderr
