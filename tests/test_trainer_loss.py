@@ -108,5 +108,7 @@ def test_micro_batch_split_equals_whole_batch():
     b, s_b = policy_loss(logp[5:], prox[5:], behav[5:], adv[5:], cfg, n_tokens=n)
     assert float(a + b) == pytest.approx(float(whole), abs=1e-6)
     merged = s_a.merge(s_b).as_dict()
-    for k in ("clip_frac", "imp_weight_mean", "imp_weight_max", "rejected_frac", "approx_kl"):
+    for k in ("clip_frac", "imp_weight_mean", "imp_weight_max", "rejected_frac", "approx_kl", "behav_approx_kl"):
         assert merged[k] == pytest.approx(s_whole.as_dict()[k], abs=1e-6)
+    expected = float((0.5 * (prox - behav) ** 2).mean())  # over every token, rejected ones included
+    assert s_whole.as_dict()["behav_approx_kl"] == pytest.approx(expected, rel=1e-6) and expected > 0

@@ -38,6 +38,7 @@ class LossStats:
     iw_sum: float = 0.0  # behaviour importance weight exp(prox - behav) over all tokens, raw
     iw_max: float = 0.0
     kl_sum: float = 0.0  # 0.5 * (logp - old_logp)^2 over loss tokens
+    behav_kl_sum: float = 0.0  # 0.5 * (prox_logp - behav_logp)^2 over all tokens: how far off-policy the data is
     entropy_sum: float = 0.0  # over loss tokens
 
     def merge(self, other: "LossStats") -> "LossStats":
@@ -54,6 +55,7 @@ class LossStats:
             "imp_weight_max": self.iw_max,
             "rejected_frac": self.n_rejected / max(self.n_tokens, 1.0),
             "approx_kl": self.kl_sum / k,
+            "behav_approx_kl": self.behav_kl_sum / max(self.n_tokens, 1.0),
             "entropy": self.entropy_sum / k,
             "n_loss_tokens": self.n_loss_tokens,
         }
@@ -125,10 +127,11 @@ def _stats(loss, logp, old, behav_logp, prox_logp, keep, clipped, entropy) -> Lo
     with torch.no_grad():
         iw = torch.exp(prox_logp.float() - behav_logp.float()) if prox_logp is not None else torch.ones_like(logp)
         kl = 0.5 * (logp.detach().float() - old.float()) ** 2
+        log_iw = (prox_logp.float() - behav_logp.float()) if prox_logp is not None else torch.zeros_like(kl)
         return LossStats(
             loss=float(loss.detach()), n_loss_tokens=float(keep.sum()), n_tokens=float(keep.numel()),
             n_rejected=float((~keep).sum()), n_clipped=float((clipped & keep).sum()),
             iw_sum=float(iw.sum()), iw_max=float(iw.max()) if iw.numel() else 0.0,
-            kl_sum=float(kl[keep].sum()),
+            kl_sum=float(kl[keep].sum()), behav_kl_sum=float((0.5 * log_iw ** 2).sum()),
             entropy_sum=float(entropy.detach()[keep].sum()) if entropy is not None else 0.0,
         )
