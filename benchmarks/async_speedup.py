@@ -62,7 +62,7 @@ checks and message handling, and its step stretched from 0.25 s (η = 0) to 0.31
 in the runs measured here; pinned, it stays at the synchronous run's 0.22-0.24 s. On a GPU
 cluster the trainer has devices of its own; this is the CPU machine's equivalent.
 
-Defaults: η 0 1 2 4, 200 steps each (~5 min on 2 cores); ``--quick``: η 0 and 2, 30 steps
+Defaults: η 0 1 2 4, 300 steps each (the preset's run length; ~8 min on 2 cores); ``--quick``: η 0 and 2, 30 steps
 (~70 s), too short for time to 0.8 or a stable final reward.
 
 Covered: the whole control plane and data path of one machine (scheduler admission under the
@@ -111,7 +111,7 @@ FINAL_WINDOW = 10
 WARMUP_STEPS = 5
 TARGET_ETA, TARGET_FRACTION, TARGET_REWARD_DROP = 2, 0.80, 0.05
 RUN_TIMEOUT_S = 1200.0
-DEFAULT_STEPS, QUICK_STEPS = 200, 30
+DEFAULT_STEPS, QUICK_STEPS = 300, 30  # 300: the preset's run length
 
 
 # --------------------------------------------------------------------------------------------
