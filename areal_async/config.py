@@ -165,6 +165,7 @@ class RewardConfig:
     timeout_s: float = _f(5.0, "A check past this is killed and scores 0 with status 'timeout'.")
     n_procs: int = _f(1, "Processes per reward worker.")
     precision: int = _f(6, "Significant digits for numeric comparison (math-verify float_rounding).")
+    memory_limit_mb: int = _f(4096, "Address-space cap of each checking process (a check past it scores 0, status 'error'); 0 = none.")
 
 
 class CpuList(str):
@@ -392,6 +393,8 @@ def _validate(c: ExperimentConfig) -> None:
     _check(rs.mode in ("mask", "clamp"), "actor.rejection_sampling.mode", rs.mode, "'mask' or 'clamp'")
     _check(c.reward.timeout_s > 0, "reward.timeout_s", c.reward.timeout_s, "> 0")
     _check(c.reward.n_procs >= 1, "reward.n_procs", c.reward.n_procs, "an integer >= 1")
+    _check(c.reward.memory_limit_mb == 0 or c.reward.memory_limit_mb >= 256, "reward.memory_limit_mb",
+           c.reward.memory_limit_mb, "0 (no limit) or >= 256")
     _check(":" in c.reward.fn, "reward.fn", c.reward.fn, "a dotted path 'module:function'")
     cl = c.cluster
     _check(cl.n_rollout_workers >= 1, "cluster.n_rollout_workers", cl.n_rollout_workers, "an integer >= 1")

@@ -83,3 +83,10 @@ def dispatch(completion, solutions):
     if callable(fn) and completion != "dispatch":
         return fn(completion, solutions)
     return exact_match(completion, solutions)
+
+
+def allocate_gib(completion, solutions):
+    """Allocate ``float(completion)`` GiB and touch it (a check that blows up in memory); 1.0 if it could."""
+    block = bytearray(int(float(completion) * (1 << 30)))
+    block[:: 1 << 20] = b"x" * len(block[:: 1 << 20])
+    return 1.0

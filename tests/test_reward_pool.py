@@ -276,3 +276,33 @@ def test_from_config_passes_precision_only_to_fns_that_take_it():
     cfg = RewardConfig(precision=3, timeout_s=5.0)
     with RewardPool.from_config(cfg) as pool:
         assert pool.score_sync(r"\boxed{0.3333}", ["1/3"]).score == 1.0  # only right at precision 3
+
+
+def test_memory_hungry_check_fails_alone_under_the_cap_and_the_child_lives_on():
+    """reward.memory_limit_mb: a check allocating past the cap scores 0 with a MemoryError
+    instead of taking the machine's memory; the same child then scores the next check."""
+    with RewardPool("reward_fixtures:allocate_gib", n_procs=1, timeout_s=30.0, memory_limit_mb=512) as pool:
+        small = pool.score_sync("0.01", ["x"])
+        assert small.status == "ok" and small.score == 1.0
+        pid = pool.pids()[0]
+        big = pool.score_sync("4", ["x"])
+        assert big.status == "error" and big.score == 0.0 and "MemoryError" in big.detail
+        again = pool.score_sync("0.01", ["x"])
+        assert again.status == "ok" and pool.pids() == [pid]
+    with RewardPool("reward_fixtures:allocate_gib", n_procs=1, timeout_s=30.0) as unlimited:  # 0: no cap
+        assert unlimited.score_sync("0.6", ["x"]).status == "ok"
+
+
+def test_math_verify_runs_under_the_default_memory_cap():
+    from areal_async.config import RewardConfig
+
+    with RewardPool.from_config(RewardConfig()) as pool:
+        assert RewardConfig().memory_limit_mb == 4096
+        assert pool.score_sync("\\boxed{\\frac{1}{2}}", ["0.5"]).score == 1.0
+        assert pool.score_sync("\\boxed{3}", ["4"]).score == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1g"])
+def test_bad_memory_limit_is_refused(bad):
+    with pytest.raises(ValueError, match="memory_limit_mb must be an int >= 0"):
+        RewardPool("reward_fixtures:exact_match", memory_limit_mb=bad)

@@ -3,7 +3,7 @@
 Protocol, msgpack frames (see ``_wire.py``) over the child's stdin/stdout, never
 pickle, one task at a time:
 
-    parent -> child  {"fn": "mod:func", "kwargs": {...}}        once, first
+    parent -> child  {"fn": "mod:func", "kwargs": {...}, "memory_limit_mb": N}   once, first
     child  -> parent {"ready": true, "pid": ...} | {"ready": false, "error": "..."}
     parent -> child  {"completion": "...", "solutions": ["..."]}  repeated
     child  -> parent {"score": 1.0} | {"error": "..."}
@@ -66,9 +66,15 @@ def _load(init: dict | None):
     if not init or "fn" not in init:
         return None, None, {"ready": False, "error": f"bad init message {init!r:.200}"}
     try:
-        return load_callable(init["fn"]), init.get("kwargs") or {}, {"ready": True, "pid": os.getpid()}
+        fn = load_callable(init["fn"])
     except ValueError as e:
         return None, None, {"ready": False, "error": str(e)}
+    limit_mb = init.get("memory_limit_mb") or 0
+    if limit_mb:  # after the imports: the cap is for the checks, not for loading the function
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit_mb << 20, limit_mb << 20))
+    return fn, init.get("kwargs") or {}, {"ready": True, "pid": os.getpid()}
 
 
 def main(argv: list[str]) -> int:

@@ -22,8 +22,12 @@ Covered:
 - No zombies or orphans: ``close()`` (also at interpreter exit, via atexit) kills and reaps every
   child; a child exits by itself when its stdin closes or its parent dies.
 
-Not covered: retrying a timed-out check (a timeout is a verdict: score 0), memory limits on a
-child, cancelling a running check from asyncio (a cancelled ``score`` still occupies its child
+- Memory: with ``memory_limit_mb`` > 0 each child caps its address space (RLIMIT_AS) once the
+  function is loaded; a check that allocates past it fails with ``MemoryError`` (status
+  ``error``, score 0) and the child lives on (or, if it dies, is replaced), instead of pushing
+  the machine into swap or the OOM killer.
+
+Not covered: retrying a timed-out check (a timeout is a verdict: score 0), cancelling a running check from asyncio (a cancelled ``score`` still occupies its child
 until the check ends or times out).
 """
 
@@ -76,13 +80,13 @@ class _Timeout(Exception):
 class _ChildSpec:
     """How to start a child: command line, environment (parent's sys.path), init frame."""
 
-    def __init__(self, fn: str, fn_kwargs: dict):
+    def __init__(self, fn: str, fn_kwargs: dict, memory_limit_mb: int = 0):
         self.argv = [sys.executable, "-m", "areal_async.reward._child", str(os.getpid())]
         self.env = dict(os.environ)
         # The child must import exactly what the parent can (e.g. test helpers on pytest's path).
         paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str)]
         self.env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        self.init_frame = encode_frame({"fn": fn, "kwargs": fn_kwargs})
+        self.init_frame = encode_frame({"fn": fn, "kwargs": fn_kwargs, "memory_limit_mb": memory_limit_mb})
 
     def start(self) -> subprocess.Popen:
         proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, bufsize=0)
@@ -252,10 +256,12 @@ class RewardPool:
     """
 
     def __init__(self, fn: str = DEFAULT_REWARD_FN, n_procs: int = 1, timeout_s: float = 5.0,
-                 fn_kwargs: dict | None = None, *, startup_timeout_s: float = 60.0):
+                 fn_kwargs: dict | None = None, *, startup_timeout_s: float = 60.0, memory_limit_mb: int = 0):
         _check_args(n_procs, timeout_s, startup_timeout_s)
+        if isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int) or memory_limit_mb < 0:
+            raise ValueError(f"memory_limit_mb must be an int >= 0 (0 = no limit), got {memory_limit_mb!r}")
         load_callable(fn)  # a bad path fails here, in the caller, not later in every child
-        spec = _child_spec(fn, fn_kwargs)
+        spec = _child_spec(fn, fn_kwargs, memory_limit_mb)
         self.fn, self.n_procs, self.timeout_s = fn, n_procs, float(timeout_s)
         self._closed = False
         self._slots = [_Slot(spec, self.timeout_s, startup_timeout_s) for _ in range(n_procs)]
@@ -270,7 +276,8 @@ class RewardPool:
         """Build from a ``RewardConfig``; ``cfg.precision`` goes to ``fn`` if it takes
         ``precision`` (or ``**kwargs``), so a plug-in without that knob still loads."""
         fn_kwargs = {"precision": cfg.precision} if _accepts(load_callable(cfg.fn), "precision") else {}
-        return cls(cfg.fn, n_procs=cfg.n_procs, timeout_s=cfg.timeout_s, fn_kwargs=fn_kwargs)
+        return cls(cfg.fn, n_procs=cfg.n_procs, timeout_s=cfg.timeout_s, fn_kwargs=fn_kwargs,
+                   memory_limit_mb=cfg.memory_limit_mb)
 
     def pids(self) -> list[int]:
         """Pids of the live children (for monitoring and tests)."""
@@ -344,11 +351,11 @@ def _check_args(n_procs, timeout_s, startup_timeout_s) -> None:
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
-def _child_spec(fn: str, fn_kwargs) -> _ChildSpec:
+def _child_spec(fn: str, fn_kwargs, memory_limit_mb: int = 0) -> _ChildSpec:
     if fn_kwargs is not None and not isinstance(fn_kwargs, dict):
         raise TypeError(f"fn_kwargs must be a dict or None, got {type(fn_kwargs).__name__}: {fn_kwargs!r:.80}")
     try:
-        return _ChildSpec(fn, dict(fn_kwargs or {}))
+        return _ChildSpec(fn, dict(fn_kwargs or {}), memory_limit_mb)
     except (TypeError, ValueError) as e:  # msgpack refuses it: it could never reach the child
         raise ValueError(
             f"fn_kwargs must be msgpack-serialisable (str keys, plain values), got {fn_kwargs!r:.200}: {e}"
