@@ -198,6 +198,9 @@ class ClusterConfig:
     host: str = _f("127.0.0.1", "Address the scheduler and trainer bind for 'tcp'.")
     heartbeat_s: float = _f(2.0, "Heartbeat period of every worker.")
     worker_timeout_s: float = _f(120.0, "A worker silent this long is declared dead.")
+    max_restarts: int = _f(2, "Times the supervisor restarts each dead rollout or reward worker before failing the run "
+                              "(zmq/shm channels only); the trainer and scheduler are never restarted: rerun with "
+                              "recover.mode=auto.")
     torch_threads: int = _f(1, "torch intra-op threads per worker process.")
     cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
     device: str = _f("cpu", "cpu | cuda.")
@@ -405,6 +408,7 @@ def _validate(c: ExperimentConfig) -> None:
     _check(cl.worker_timeout_s > cl.heartbeat_s, "cluster.worker_timeout_s", cl.worker_timeout_s, "> cluster.heartbeat_s")
     _check(cl.device in ("cpu", "cuda"), "cluster.device", cl.device, "'cpu' or 'cuda'")
     _check(cl.torch_threads >= 1, "cluster.torch_threads", cl.torch_threads, "an integer >= 1")
+    _check(cl.max_restarts >= 0, "cluster.max_restarts", cl.max_restarts, "an integer >= 0")
     for role in ("scheduler", "trainer", "rollout", "reward"):
         spec = getattr(cl.cpu_affinity, role)
         _check(spec == "" or _cpu_list_ok(spec), f"cluster.cpu_affinity.{role}", spec,

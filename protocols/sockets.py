@@ -9,6 +9,10 @@ ROUTER sends to a peer it cannot route (ROUTER_MANDATORY makes that an error ins
 and PUSH *block* at the HWM (back-pressure); they never discard. So with ROUTER_MANDATORY on the
 scheduler, every send either arrives or raises.
 
+A restarted worker reconnects with its old identity; ROUTER_HANDOVER lets the new connection
+take the identity over at once (without it the ROUTER would ignore the newcomer until it noticed
+the old connection was gone).
+
 Receivers never die on a bad frame: ``recv_message`` turns any undecodable frame into a logged
 ``ProtocolError`` and returns None, and the caller goes on serving.
 """
@@ -53,6 +57,7 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
     sock.setsockopt(zmq.RCVHWM, HWM)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if bind:

@@ -138,8 +138,8 @@ def test_sigterm_stops_every_process_it_started(tmp_path):
 
 def test_a_dead_worker_fails_the_run_loudly(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000", "cluster.max_restarts=0"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_metrics(run_dir, proc)
     started = descendants(proc.pid)
     victim = json.loads((run_dir / "pids.json").read_text())["rollout-1"]
@@ -147,6 +147,7 @@ def test_a_dead_worker_fails_the_run_loudly(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "worker rollout-1" in err and "killed by signal 9" in err and "  | " in err  # its last log lines
+    assert "no restart: cluster.max_restarts=0" in err
     time.sleep(2)
     assert [p for p in started if alive(p)] == []
     assert leaked_segments(run_dir) == []
@@ -263,3 +264,41 @@ def test_unavailable_cpus_are_refused_before_anything_starts(tmp_path):
     assert proc.returncode == 2
     assert f"cluster.cpu_affinity.trainer='0,{bad}': CPU(s) [{bad}] are not available here" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exact(tmp_path):
+    """SIGKILL a rollout worker and the reward worker mid-run: the supervisor restarts each, the
+    scheduler aborts and re-issues what they held, and the run finishes with every sample
+    trained or aborted exactly once."""
+    run_dir = tmp_path / "run"
+    steps = 80  # long enough that the restarted workers register well before the run ends
+    proc = subprocess.Popen(cli(run_dir, f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_metrics(run_dir, proc)
+    pids = json.loads((run_dir / "pids.json").read_text())
+    os.kill(pids["rollout-1"], signal.SIGKILL)
+    os.kill(pids["reward-0"], signal.SIGKILL)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 240
+    while proc.poll() is None:
+        seen |= descendants(proc.pid)
+        assert time.monotonic() < deadline, "run did not finish after the restarts"
+        time.sleep(0.3)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    assert "worker rollout-1" in err and "restarting it (1/2)" in err
+    assert "worker reward-0" in err
+    new = json.loads((run_dir / "pids.json").read_text())
+    assert new["rollout-1"] != pids["rollout-1"] and new["reward-0"] != pids["reward-0"]
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(steps))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    trajs = read_jsonl(run_dir / "trajectories.jsonl")
+    ids = [t["id"] for t in trajs]
+    assert len(ids) == len(set(ids)) == summary["samples_issued"] and summary["samples_lost"] == 0
+    assert sum(t["status"] == "trained" for t in trajs) == summary["samples_trained"] == steps * 4 * 4
+    reasons = " ".join(t["reason"] for t in trajs if t["status"] == "aborted")
+    assert "restarted" in reasons  # the scheduler saw the new incarnations and re-issued their work
+    time.sleep(1.0)
+    assert [p for p in seen if alive(p)] == [], "processes outlived the run"
+    assert leaked_segments(run_dir) == []

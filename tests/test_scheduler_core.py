@@ -149,6 +149,23 @@ def test_group_messages_in_parts_and_bad_entries_are_refused_per_sample():
     assert [core.ledger.samples[s].score for s in a.sample_ids] == [1.0, 0.0, 0.0]
 
 
+def test_lost_reward_worker_reissues_only_groups_waiting_for_a_score():
+    """The requests a dead reward worker held are unknown, so every open group with a generated
+    but unscored sample is aborted and re-issued; groups still generating or already ready stay."""
+    core = make_core(eta=2, B=3, n=2)
+    waiting, generating, ready = [r for _, r in core.admit()][:3]
+    core.on_trajectory(traj_msg(waiting.group_id, waiting.sample_ids))
+    core.on_reward(reward_msg(waiting.group_id, waiting.sample_ids[:1]))  # one of two scored
+    finish_group(core, ready, 0, 0)
+    lost = core.lose_reward_worker("reward-0", "restarted")
+    assert {r.sample_id for r in lost} == set(waiting.sample_ids)
+    assert all(r.reason.startswith("reward_worker_lost: reward-0") for r in lost)
+    assert core.ledger.groups[generating.group_id].status == "running"
+    assert core.ledger.groups[ready.group_id].status == "ready"
+    assert "already aborted" in core.on_reward(reward_msg(waiting.group_id, waiting.sample_ids[1:]))
+    assert [p for _, p in core.reissue] == [waiting.prompt_id]
+
+
 def test_no_admission_before_trainer_ready_or_without_rollouts():
     params = SchedulerParams(2, 2, 0, 3, 10, gen={"max_new_tokens": 4})
     core = SchedulerCore(params, PromptCursor(3, 0), lambda i: ([1], ["1"]))

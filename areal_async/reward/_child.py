@@ -82,11 +82,14 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=_watch_parent, args=(int(argv[0]),), daemon=True).start()
     proto_in, proto_out = _protocol_streams()
     fn, kwargs, ready = _load(read_frame(proto_in))
-    proto_out.write(encode_frame(ready))
-    proto_out.flush()
-    while fn is not None and (msg := read_frame(proto_in)) is not None:
-        proto_out.write(encode_frame(_run_one(fn, kwargs, msg)))
+    try:
+        proto_out.write(encode_frame(ready))
         proto_out.flush()
+        while fn is not None and (msg := read_frame(proto_in)) is not None:
+            proto_out.write(encode_frame(_run_one(fn, kwargs, msg)))
+            proto_out.flush()
+    except BrokenPipeError:  # the parent died mid-check: nobody to answer, nothing to report
+        os._exit(0)
     return 0 if fn is not None else 1
 
 

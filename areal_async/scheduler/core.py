@@ -99,6 +99,17 @@ class SchedulerCore:
                 out += self._abort(gid, f"worker_lost: {worker_id} ({why})", reissue=True)
         return out
 
+    def lose_reward_worker(self, worker_id: str, why: str) -> list[SampleRecord]:
+        """A reward worker is gone: the requests it held are lost with it. Which ones is not known
+        (rollouts spread requests over reward workers), so every open group with a sample that
+        was generated but not yet scored is aborted and its prompt re-issued. Results that still
+        come for them are refused (already aborted): nothing is counted twice."""
+        out = []
+        for g in list(self.ledger.open_groups()):
+            if g.status == "running" and any(self.ledger.samples[s].status == "generated" for s in g.sample_ids):
+                out += self._abort(g.group_id, f"reward_worker_lost: {worker_id} ({why})", reissue=True)
+        return out
+
     # ---- admission -----------------------------------------------------------------------
     @property
     def running(self) -> int:

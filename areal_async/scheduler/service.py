@@ -3,8 +3,10 @@
 It registers workers, forwards published weights to every rollout worker, turns events into
 the core's actions, writes the run's books (``RunLog``) and ends the run: after
 ``total_train_steps`` it aborts what is still open, writes ``summary.json`` and sends
-``Shutdown`` to everyone. A worker that stops heart-beating for ``cluster.worker_timeout_s`` is
-declared lost; a lost rollout worker's open groups are aborted and re-issued.
+``Shutdown`` to everyone. A worker that stops heart-beating for ``cluster.worker_timeout_s``, or
+registers again (restarted by the supervisor), is declared lost: a lost rollout worker's open
+groups, and after a lost reward worker every open group waiting for a score, are aborted and
+their prompts re-issued.
 """
 
 from __future__ import annotations
@@ -170,9 +172,18 @@ class SchedulerService:
             raise ValueError(f"register: role {m.role!r} is not rollout | reward | trainer")
         if ident.decode(errors="replace") != m.worker_id:
             raise ValueError(f"register: socket identity {ident!r} differs from worker_id {m.worker_id!r}")
+        old = self.workers.get(m.worker_id)
+        if old is not None:
+            if old["role"] != m.role:
+                raise ValueError(f"register: {m.worker_id!r} is registered as a {old['role']} worker, not {m.role}")
+            # a restarted worker (new pid, same id): what its old incarnation held is gone
+            await self._lose(m.worker_id, f"restarted (pid {old.get('pid')} -> {m.pid})")
         self.workers[m.worker_id] = {"role": m.role, "ident": ident, "last_seen": time.monotonic(), "pid": m.pid}
         log.info("registered %s %s (pid %d)", m.role, m.worker_id, m.pid)
         await self.send(m.worker_id, RegisterAck(worker_id=m.worker_id, version=self.core.version))
+        if self.done.is_set():  # a worker restarted just as the run ended: nothing left for it
+            await self.send(m.worker_id, Shutdown(reason="run finished"))
+            return
         if m.role == "rollout":
             self.core.add_rollout(m.worker_id)
             if self.latest_weights is not None:
@@ -292,4 +303,7 @@ class SchedulerService:
         role = self.workers.pop(wid)["role"]
         if role == "rollout":
             self.core.lose_worker(wid, why)
+            await self._drive()
+        elif role == "reward":
+            self.core.lose_reward_worker(wid, why)
             await self._drive()

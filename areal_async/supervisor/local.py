@@ -5,7 +5,10 @@ scheduler, the reward workers, the trainer and the rollout workers as child proc
 its own process group, logging to ``RUN_DIR/logs/<worker>.log``), and then watches them:
 
 - all children exit 0 after the scheduler's Shutdown          -> the run succeeded (exit 0);
-- any child exits non-zero (or dies by a signal)              -> the run fails loudly: the dead
+- a rollout or reward worker exits non-zero (or dies by a signal) -> it is restarted with the
+  same command, up to ``cluster.max_restarts`` times each (zmq/shm tensor channels only: a
+  gloo/NCCL group cannot take in a new process); the scheduler re-issues the work it held;
+- any other child dies, or restarts are used up / impossible  -> the run fails loudly: the dead
   worker's last log lines are printed, every other child is stopped, exit 1;
 - SIGINT / SIGTERM to the supervisor                          -> every child it started is
   stopped (SIGTERM to its process group, SIGKILL after a grace period), exit 130 / 143.
@@ -23,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +34,7 @@ from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.runtime.fleet import plan_endpoints
 
 GRACE_S = 5.0
+RUN_END_GRACE_S = 30.0  # how long workers may outlive a scheduler that finished the run
 
 
 class LaunchError(RuntimeError):
@@ -42,6 +46,21 @@ class Child:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    cmd: list = field(default_factory=list)
+    restarts: int = 0
+
+
+RESTARTABLE = ("rollout", "reward")  # the trainer resumes from a checkpoint instead (recover.mode)
+
+
+def restart_blocker(cfg: ExperimentConfig) -> Optional[str]:
+    """Why a dead worker of this config cannot be restarted, or None."""
+    if cfg.cluster.max_restarts == 0:
+        return "cluster.max_restarts=0"
+    fixed = sorted({cfg.tensor_channel.trajectories, cfg.tensor_channel.weights} - {"zmq", "shm"})
+    if fixed:
+        return f"tensor channel(s) {', '.join(fixed)} form a fixed process group that a new process cannot join"
+    return None
 
 
 def worker_cpus(cfg: ExperimentConfig, module: str) -> str:
@@ -78,6 +97,7 @@ class LocalSupervisor:
         self.children: list[Child] = []
         self.t0 = time.time()
         self._signal: Optional[int] = None
+        self._run_end_seen: Optional[float] = None  # when the scheduler was first seen exited 0
 
     # ---- set-up --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -115,12 +135,21 @@ class LocalSupervisor:
             cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid, "--index", str(idx)]
             if cpus := worker_cpus(self.cfg, module):
                 cmd += ["--cpus", cpus]
-            with open(log_path, "ab") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, start_new_session=True)
-            self.children.append(Child(wid, proc, log_path))
+            self.children.append(Child(wid, self._spawn(cmd, log_path, env), log_path, cmd))
+        self._env = env
+        self._write_pids()
+
+    @staticmethod
+    def _spawn(cmd: list, log_path: Path, env: dict) -> subprocess.Popen:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+
+    def _write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children} | {"supervisor": os.getpid()}
-        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2))
+        tmp = self.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids, indent=2))
+        tmp.replace(self.run_dir / "pids.json")
 
     # ---- watching ------------------------------------------------------------------------
     def watch(self, poll_s: float = 0.25) -> int:
@@ -130,20 +159,74 @@ class LocalSupervisor:
                 self.stop_all()
                 return 128 + self._signal
             failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
+            if failed and self._may_restart(failed[0]):
+                self._restart(failed[0])
+                continue
             if failed:
                 return self._fail(failed[0])
             if all(c.proc.poll() == 0 for c in self.children):
                 self._progress_done(last_line)
                 return 0
+            if self._lingering_after_run_end():
+                self._progress_done(last_line)
+                return 0
             last_line = self._progress(last_line)
             time.sleep(poll_s)
 
-    def _fail(self, dead: Child) -> int:
-        code = dead.proc.returncode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    def _scheduler_done(self) -> bool:
+        return any(c.name == "scheduler" and c.proc.poll() == 0 for c in self.children)
+
+    def _no_restart(self, dead: Child) -> Optional[str]:
+        """Why this dead worker is not restarted, or None if it is."""
+        if dead.name.split("-")[0] not in RESTARTABLE:
+            return f"a {dead.name.split('-')[0]} worker is never restarted"
+        if self._scheduler_done():
+            return "the run had ended"
+        if blocker := restart_blocker(self.cfg):
+            return blocker
+        if dead.restarts >= self.cfg.cluster.max_restarts:
+            return f"{dead.restarts} restart(s) used"
+        return None
+
+    def _may_restart(self, dead: Child) -> bool:
+        return self._no_restart(dead) is None
+
+    def _lingering_after_run_end(self) -> bool:
+        """True (after stopping them) when workers still run RUN_END_GRACE_S after the scheduler
+        finished the run: e.g. one restarted too late to be told to shut down."""
+        if not self._scheduler_done():
+            self._run_end_seen = None
+            return False
+        now = time.monotonic()
+        self._run_end_seen = self._run_end_seen or now
+        if now - self._run_end_seen < RUN_END_GRACE_S:
+            return False
+        left = [c.name for c in self.children if c.proc.poll() is None]
+        print(f"\n[areal-async] the run finished, but {', '.join(left)} still ran {RUN_END_GRACE_S:.0f}s after the "
+              "scheduler exited; stopping them", file=sys.stderr)
         self.stop_all()
-        print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {how}; the run failed. "
-              f"Last lines of {dead.log_path}:", file=sys.stderr)
+        return True
+
+    def _restart(self, dead: Child) -> None:
+        """Start the same command again: the new process registers under the same id, and the
+        scheduler re-issues what the old one held (see scheduler/service.py)."""
+        old_pid = dead.proc.pid
+        _signal_group(dead.proc, signal.SIGKILL)  # whatever the dead worker left in its group (reward checks)
+        dead.restarts += 1
+        print(f"\n[areal-async] worker {dead.name} (pid {old_pid}) {_how(dead.proc.returncode)}; restarting it "
+              f"({dead.restarts}/{self.cfg.cluster.max_restarts}). Last lines of {dead.log_path}:", file=sys.stderr)
+        for line in tail(dead.log_path, 5):
+            print("  | " + line, file=sys.stderr)
+        with open(dead.log_path, "a") as log:
+            log.write(f"\n----- restarted by the supervisor ({dead.restarts}/{self.cfg.cluster.max_restarts}) -----\n")
+        dead.proc = self._spawn(dead.cmd, dead.log_path, self._env)
+        self._write_pids()
+
+    def _fail(self, dead: Child) -> int:
+        self.stop_all()
+        why = "" if dead.name.split("-")[0] not in RESTARTABLE else f" (no restart: {self._no_restart(dead)})"
+        print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {_how(dead.proc.returncode)}; the run "
+              f"failed{why}. Last lines of {dead.log_path}:", file=sys.stderr)
         for line in tail(dead.log_path, 30):
             print("  | " + line, file=sys.stderr)
         return 1
@@ -202,6 +285,10 @@ class LocalSupervisor:
             self._progress(last)
             if sys.stdout.isatty():
                 sys.stdout.write("\n")
+
+
+def _how(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
