@@ -123,3 +123,42 @@ def test_steps_follow_epochs_when_zero():
     cfg = small_cfg("sft.steps=0", "sft.epochs=2.5", "sft.batch_size=16")
     assert sft_total_steps(cfg, 32) == 5  # ceil(2.5 * 32 / 16)
     assert sft_total_steps(small_cfg("sft.steps=7"), 32) == 7
+
+
+def test_interrupted_sft_resumes_to_the_same_model_as_an_uninterrupted_run(tmp_path, monkeypatch, short_run):
+    """Crash after step 23 of 30 (checkpoints at 10 and 20), rerun with recover.mode=auto: the run
+    continues from step 20 with its optimizer, schedule, RNG and batch order, rolls back the
+    metrics rows of steps 21-23, and ends with the uninterrupted run's weights."""
+    from areal_async.trainer import sft_run
+
+    overrides = ("sft.steps=30", "sft.save_freq_steps=10", "saver.keep_last=2")
+    real_step = sft_run._step
+
+    def crashing_step(cfg, model, opt, batch, step, t0):
+        if step == 24:
+            raise RuntimeError("simulated crash")
+        return real_step(cfg, model, opt, batch, step, t0)
+
+    monkeypatch.setattr(sft_run, "_step", crashing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        sft(small_cfg(*overrides), tmp_path)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 24))
+    monkeypatch.setattr(sft_run, "_step", real_step)
+    resumed = sft(small_cfg(*overrides, "recover.mode=auto"), tmp_path)
+
+    assert resumed.summary["resumed_from_step"] == 20
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    reference_dir, reference = short_run  # the same config, never interrupted
+    ref_rows = read_jsonl(reference_dir / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref_rows], rel=1e-5)
+    ref_sd, sd = reference.model.state_dict(), resumed.model.state_dict()
+    assert ref_sd.keys() == sd.keys()
+    for k in ref_sd:
+        torch.testing.assert_close(sd[k], ref_sd[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert resumed.summary["eval"]["before"] == reference.summary["eval"]["before"]  # the first attempt's
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    with pytest.raises(SFTInputError, match="recover.mode=resume but .* holds no complete checkpoint"):
+        sft(small_cfg("sft.steps=2", "recover.mode=resume"), tmp_path)

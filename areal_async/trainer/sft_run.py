@@ -20,8 +20,14 @@ embedded ``TorchEngine`` (``evaluator.*``: greedy by default) and scores with ``
 nothing to train, sequences longer than the model or the micro-batch budget, a missing model or
 dataset path) raises ``SFTInputError`` before anything trains; ``run_sft`` prints it and returns 2.
 
-Not covered: multi-GPU / sharded training, resuming an SFT run (``recover`` is ignored; the
-checkpoints hold what a resume would need), chat templates or the seed's ``<think>`` prefix.
+Resuming (``recover.mode=auto`` or ``resume``, same command and run dir): training continues from
+the newest complete SFT checkpoint with its weights, optimizer, lr schedule and RNG states, the
+batch stream fast-forwarded to the same place, and metrics rows written after that checkpoint
+replaced; the result equals an uninterrupted run's. The "before" accuracy is the one the first
+attempt saved (``eval_before.json``). ``resume`` without a checkpoint is an error; ``auto``
+without one starts afresh.
+
+Not covered: multi-GPU / sharded training, chat templates or the seed's ``<think>`` prefix.
 """
 
 from __future__ import annotations
@@ -87,11 +93,12 @@ def sft(cfg: ExperimentConfig, run_dir: Path) -> SFTResult:
     t0 = time.perf_counter()
     try:
         model, tok, data = _prepare(cfg)
+        ckpt = _resume_point(cfg, run_dir)
         pool = RewardPool.from_config(cfg.reward) if cfg.evaluator.enabled else None
     except (ValueError, OSError) as e:  # OSError: missing model / dataset / tokenizer files
         raise SFTInputError(str(e)) from e
     try:
-        summary = _train_and_evaluate(cfg, run_dir, model, tok, data, pool)
+        model, summary = _train_and_evaluate(cfg, run_dir, model, tok, data, pool, ckpt)
     finally:
         if pool is not None:
             pool.close()
@@ -113,18 +120,48 @@ def _prepare(cfg: ExperimentConfig):
     return model.to(cfg.cluster.device), tok, data
 
 
-def _train_and_evaluate(cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool) -> dict:
-    from areal_async.models.tiny import save_policy
+def _resume_point(cfg: ExperimentConfig, run_dir: Path) -> dict | None:
+    """The newest complete SFT checkpoint per ``recover.mode`` (loaded), or None to start afresh."""
+    from areal_async.trainer.checkpoint import latest_complete_checkpoint, load_checkpoint
+
+    if cfg.recover.mode == "disabled":
+        return None
+    latest = latest_complete_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        if cfg.recover.mode == "resume":
+            raise ValueError(f"recover.mode=resume but {run_dir / 'checkpoints'} holds no complete checkpoint")
+        return None
+    ckpt = load_checkpoint(latest)
+    if ckpt["extra"].get("kind") != "sft":
+        raise ValueError(f"{latest} is not an SFT checkpoint (kind {ckpt['extra'].get('kind')!r}); "
+                         "an SFT run resumes only from its own checkpoints")
+    return ckpt
+
+
+def _train_and_evaluate(cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool,
+                        ckpt: dict | None = None) -> tuple[torch.nn.Module, dict]:
+    """(the trained model, the summary); when resuming, the model is the checkpoint's, trained on."""
+    from areal_async.models.tiny import load_model, save_policy
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    before = _evaluate_splits(cfg, model, tok, data, pool)
+    saved_before = run_dir / "eval_before.json"
+    if ckpt is not None and saved_before.exists():
+        before = json.loads(saved_before.read_text())
+    else:
+        before = _evaluate_splits(cfg, model, tok, data, pool)  # the initial model, also when resuming
+        _write_json(saved_before, before)
+    if ckpt is not None:
+        model = load_model(ckpt["path"], cfg.model.dtype).to(cfg.cluster.device)
+        print(f"[areal-async sft] resuming from {ckpt['path']} (step {ckpt['step']})", flush=True)
     t_train = time.perf_counter()
-    rows = train(cfg, model, tok, data.train, run_dir)
+    rows = train(cfg, model, tok, data.train, run_dir, ckpt)
     train_wall_s = time.perf_counter() - t_train
     save_policy(model, tok, run_dir / "model")
     after = _evaluate_splits(cfg, model, tok, data, pool)
-    return _summary(cfg, data, rows, train_wall_s, before, after, run_dir)
+    summary = _summary(cfg, data, rows, train_wall_s, before, after, run_dir)
+    summary["resumed_from_step"] = ckpt["step"] if ckpt is not None else None
+    return model, summary
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,16 +263,30 @@ def batches(examples: Sequence[Example], batch_size: int, seed: int) -> Iterator
         order = order[batch_size:]
 
 
-def train(cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: Path) -> list[dict]:
-    """The SFT loop; appends one metrics row per step to RUN_DIR/metrics.jsonl and returns the rows."""
+def train(cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: Path,
+          ckpt: dict | None = None) -> list[dict]:
+    """The SFT loop; appends one metrics row per step to RUN_DIR/metrics.jsonl and returns the rows
+    (all of the run's, earlier attempts' included, when resuming from ``ckpt``)."""
+    from areal_async.trainer.checkpoint import restore_rng_states
     from areal_async.trainer.optim import build_lr_scheduler, build_optimizer
 
     total, oc = sft_total_steps(cfg, len(examples)), cfg.sft.optimizer
     opt = build_optimizer(model.parameters(), oc)
     sched = build_lr_scheduler(opt, total, oc)
     stream, rows, t0 = batches(examples, cfg.sft.batch_size, cfg.seed), [], time.perf_counter()
+    start = 1
+    if ckpt is not None:
+        opt.load_state_dict(ckpt["actor_state"]["optimizer"])
+        sched.load_state_dict(ckpt["actor_state"]["lr_scheduler"])
+        start = ckpt["step"] + 1
+        for _ in range(ckpt["step"]):  # the batches the checkpointed steps consumed
+            next(stream)
+        rows = [r for r in _read_rows(run_dir / "metrics.jsonl") if r["step"] < start]  # later rows: rolled back
+        restore_rng_states(ckpt["rng"])
     with open(run_dir / "metrics.jsonl", "w") as f:
-        for step in range(1, total + 1):
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for step in range(start, total + 1):
             row = _step(cfg, model, opt, next(stream), step, t0)
             sched.step()
             rows.append(row)
@@ -243,6 +294,10 @@ def train(cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: P
             f.flush()
             _maybe_checkpoint(cfg, run_dir, step, model, tok, opt, sched)
     return rows
+
+
+def _read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def _step(cfg: ExperimentConfig, model, opt, batch: list[Example], step: int, t0: float) -> dict:
