@@ -409,8 +409,7 @@ def _validate(c: ExperimentConfig) -> None:
     _check(cl.device in ("cpu", "cuda"), "cluster.device", cl.device, "'cpu' or 'cuda'")
     _check(cl.torch_threads >= 1, "cluster.torch_threads", cl.torch_threads, "an integer >= 1")
     _check(cl.max_restarts >= 0, "cluster.max_restarts", cl.max_restarts, "an integer >= 0")
-    for role in ("scheduler", "trainer", "rollout", "reward"):
-        spec = getattr(cl.cpu_affinity, role)
+    for role, spec in dataclasses.asdict(cl.cpu_affinity).items():
         _check(spec == "" or _cpu_list_ok(spec), f"cluster.cpu_affinity.{role}", spec,
                "a cpu list such as '0', '1-3' or '0,2' (or '' for no pinning)")
     tc = c.tensor_channel

@@ -66,8 +66,8 @@ checks and message handling, and its step stretched from 0.25 s (η = 0) to 0.31
 in the runs measured here; pinned, it stays at the synchronous run's 0.22-0.24 s. On a GPU
 cluster the trainer has devices of its own; this is the CPU machine's equivalent.
 
-Defaults: η 0 1 2 4, 300 steps each (the preset's run length; ~8 min on 2 cores); ``--quick``: η 0 and 2, 30 steps
-(~70 s), too short for time to 0.8 or a stable final reward.
+Defaults: η 0 1 2 4, 300 steps each (the preset's run length; ~8 min on 2 cores); ``--quick``:
+η 0 and 2, 30 steps (~70 s), too short for time to 0.8 or a stable final reward.
 
 Covered: the whole control plane and data path of one machine (scheduler admission under the
 staleness budget, ZeroMQ messages, tensor channels, reward workers, interrupt-and-resume

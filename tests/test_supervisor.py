@@ -1,11 +1,9 @@
 """The local supervisor's watch loop on real (stand-in) child processes: restart policy, loud
 failure, and the end of a run when a worker outlives the scheduler."""
 
-import subprocess
 import sys
 import time
 
-import pytest
 
 from areal_async.config import from_dict
 from areal_async.supervisor import local

@@ -27,8 +27,9 @@ Covered:
   ``error``, score 0) and the child lives on (or, if it dies, is replaced), instead of pushing
   the machine into swap or the OOM killer.
 
-Not covered: retrying a timed-out check (a timeout is a verdict: score 0), cancelling a running check from asyncio (a cancelled ``score`` still occupies its child
-until the check ends or times out).
+Not covered: retrying a timed-out check (a timeout is a verdict: score 0), cancelling a running
+check from asyncio (a cancelled ``score`` still occupies its child until the check ends or times
+out).
 """
 
 from __future__ import annotations
@@ -257,9 +258,7 @@ class RewardPool:
 
     def __init__(self, fn: str = DEFAULT_REWARD_FN, n_procs: int = 1, timeout_s: float = 5.0,
                  fn_kwargs: dict | None = None, *, startup_timeout_s: float = 60.0, memory_limit_mb: int = 0):
-        _check_args(n_procs, timeout_s, startup_timeout_s)
-        if isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int) or memory_limit_mb < 0:
-            raise ValueError(f"memory_limit_mb must be an int >= 0 (0 = no limit), got {memory_limit_mb!r}")
+        _check_args(n_procs, timeout_s, startup_timeout_s, memory_limit_mb)
         load_callable(fn)  # a bad path fails here, in the caller, not later in every child
         spec = _child_spec(fn, fn_kwargs, memory_limit_mb)
         self.fn, self.n_procs, self.timeout_s = fn, n_procs, float(timeout_s)
@@ -343,12 +342,14 @@ class RewardPool:
         return f"RewardPool(fn={self.fn!r}, n_procs={self.n_procs}, timeout_s={self.timeout_s:g}, {state})"
 
 
-def _check_args(n_procs, timeout_s, startup_timeout_s) -> None:
+def _check_args(n_procs, timeout_s, startup_timeout_s, memory_limit_mb) -> None:
     if isinstance(n_procs, bool) or not isinstance(n_procs, int) or n_procs < 1:
         raise ValueError(f"n_procs must be an int >= 1, got {n_procs!r}")
     for name, value in (("timeout_s", timeout_s), ("startup_timeout_s", startup_timeout_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if isinstance(memory_limit_mb, bool) or not isinstance(memory_limit_mb, int) or memory_limit_mb < 0:
+        raise ValueError(f"memory_limit_mb must be an int >= 0 (0 = no limit), got {memory_limit_mb!r}")
 
 
 def _child_spec(fn: str, fn_kwargs, memory_limit_mb: int = 0) -> _ChildSpec:

@@ -4,7 +4,8 @@ Rollout workers PUSH ``RewardRequest`` frames to every reward worker's PULL sock
 spreads them round-robin). A request carries one group's completions; they are scored by
 ``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once) and one
 ``RewardResult`` with the group's scores goes to the scheduler. At most ``n_procs`` groups are
-taken off the queue at a time, so an idle reward worker is not starved by a busy one. A malformed frame is logged and dropped; the worker keeps serving.
+taken off the queue at a time, so an idle reward worker is not starved by a busy one. A
+malformed frame is logged and dropped; the worker keeps serving.
 """
 
 from __future__ import annotations

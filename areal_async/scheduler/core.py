@@ -147,28 +147,22 @@ class SchedulerCore:
         final, reported twice) changes nothing, and the others of the message still count."""
         whys = []
         for i, sid in enumerate(m.sample_ids):
-            why = self.ledger.refuse(sid, m.group_id)
-            if why is None and self.ledger.samples[sid].status != "issued":
-                why = f"sample {sid!r} already generated"
-            if why is None:
-                ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
-                                                   m.finish_reasons[i])
-                self._on_maybe_ready(m.group_id, ready)
-            else:
+            if why := self.ledger.refuse(sid, m.group_id, "generated"):
                 whys.append(why)
+                continue
+            ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
+                                               m.finish_reasons[i])
+            self._on_maybe_ready(m.group_id, ready)
         return "; ".join(whys) or None
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
         whys = []
         for sid, score, status in zip(m.sample_ids, m.scores, m.statuses):
-            why = self.ledger.refuse(sid, m.group_id)
-            if why is None and self.ledger.samples[sid].score is not None:
-                why = f"sample {sid!r} already rewarded"
-            if why is None:
-                self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(sid, score, status))
-            else:
+            if why := self.ledger.refuse(sid, m.group_id, "rewarded"):
                 whys.append(why)
+                continue
+            self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(sid, score, status))
         return "; ".join(whys) or None
 
     def _on_maybe_ready(self, gid: str, ready: bool) -> None:

@@ -76,8 +76,9 @@ class Ledger:
         return self.groups[gid]
 
     # ---- progress ------------------------------------------------------------------------
-    def refuse(self, sample_id: str, group_id: str) -> Optional[str]:
-        """Why a message about this sample must be ignored, or None if it is live."""
+    def refuse(self, sample_id: str, group_id: str, event: Optional[str] = None) -> Optional[str]:
+        """Why a message about this sample must be ignored, or None if it is live (and, with
+        ``event`` 'generated' or 'rewarded', not already recorded as such)."""
         rec = self.samples.get(sample_id)
         if rec is None:
             return f"unknown sample {sample_id!r}"
@@ -85,6 +86,8 @@ class Ledger:
             return f"sample {sample_id!r} belongs to group {rec.group_id!r}, not {group_id!r}"
         if rec.status in FINAL:
             return f"sample {sample_id!r} already {rec.status}"
+        if (event == "generated" and rec.status != "issued") or (event == "rewarded" and rec.score is not None):
+            return f"sample {sample_id!r} already {event}"
         return None
 
     def mark_generated(self, sample_id: str, version_min: int, version_max: int, n_tokens: int, finish: str) -> bool:

@@ -301,9 +301,7 @@ class SchedulerService:
     async def _lose(self, wid: str, why: str) -> None:
         log.error("worker %s lost: %s", wid, why)
         role = self.workers.pop(wid)["role"]
-        if role == "rollout":
-            self.core.lose_worker(wid, why)
-            await self._drive()
-        elif role == "reward":
-            self.core.lose_reward_worker(wid, why)
+        lose = {"rollout": self.core.lose_worker, "reward": self.core.lose_reward_worker}.get(role)
+        if lose is not None:
+            lose(wid, why)
             await self._drive()

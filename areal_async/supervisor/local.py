@@ -19,6 +19,7 @@ A live progress line (step, reward, staleness, samples/s) is drawn from ``metric
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -49,6 +50,10 @@ class Child:
     cmd: list = field(default_factory=list)
     restarts: int = 0
 
+    @property
+    def role(self) -> str:  # "rollout-1" -> "rollout"
+        return self.name.split("-")[0]
+
 
 RESTARTABLE = ("rollout", "reward")  # the trainer resumes from a checkpoint instead (recover.mode)
 
@@ -63,17 +68,11 @@ def restart_blocker(cfg: ExperimentConfig) -> Optional[str]:
     return None
 
 
-def worker_cpus(cfg: ExperimentConfig, module: str) -> str:
-    """The cpu list a worker of this module is pinned to ('' = not pinned)."""
-    return getattr(cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1])
-
-
 def check_placement(cfg: ExperimentConfig) -> None:
     """LaunchError (before anything starts) if a pinned role names CPUs this machine does not allow."""
     from areal_async.runtime.affinity import check_available
 
-    for role in ("scheduler", "trainer", "rollout", "reward"):
-        spec = getattr(cfg.cluster.cpu_affinity, role)
+    for role, spec in dataclasses.asdict(cfg.cluster.cpu_affinity).items():
         if spec:
             try:
                 check_available(spec, f"cluster.cpu_affinity.{role}")
@@ -113,19 +112,16 @@ class LocalSupervisor:
 
     def resume_point(self) -> Optional[Path]:
         """The newest complete checkpoint to resume from, per recover.mode; refuses to mix runs."""
-        from areal_async.trainer.checkpoint import latest_complete_checkpoint
+        from areal_async.trainer.checkpoint import checkpoint_to_resume
 
-        mode = self.cfg.recover.mode
-        if mode == "disabled":
-            books = self.run_dir / "metrics.jsonl"
-            if books.exists() and books.stat().st_size > 0:
-                raise LaunchError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
-                                  "or recover.mode=auto to continue it")
-            return None
-        latest = latest_complete_checkpoint(self.run_dir / "checkpoints")
-        if latest is None and mode == "resume":
-            raise LaunchError(f"recover.mode=resume but {self.run_dir / 'checkpoints'} holds no complete checkpoint")
-        return latest
+        books = self.run_dir / "metrics.jsonl"
+        if self.cfg.recover.mode == "disabled" and books.exists() and books.stat().st_size > 0:
+            raise LaunchError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
+                              "or recover.mode=auto to continue it")
+        try:
+            return checkpoint_to_resume(self.run_dir / "checkpoints", self.cfg.recover.mode)
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
 
     def start_all(self) -> None:
         env = dict(os.environ, AREAL_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
@@ -133,7 +129,7 @@ class LocalSupervisor:
         for wid, module, idx in worker_specs(self.cfg):
             log_path = self.run_dir / "logs" / f"{wid}.log"
             cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid, "--index", str(idx)]
-            if cpus := worker_cpus(self.cfg, module):
+            if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
             self.children.append(Child(wid, self._spawn(cmd, log_path, env), log_path, cmd))
         self._env = env
@@ -159,7 +155,7 @@ class LocalSupervisor:
                 self.stop_all()
                 return 128 + self._signal
             failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
-            if failed and self._may_restart(failed[0]):
+            if failed and self._no_restart(failed[0]) is None:
                 self._restart(failed[0])
                 continue
             if failed:
@@ -178,8 +174,8 @@ class LocalSupervisor:
 
     def _no_restart(self, dead: Child) -> Optional[str]:
         """Why this dead worker is not restarted, or None if it is."""
-        if dead.name.split("-")[0] not in RESTARTABLE:
-            return f"a {dead.name.split('-')[0]} worker is never restarted"
+        if dead.role not in RESTARTABLE:
+            return f"a {dead.role} worker is never restarted"
         if self._scheduler_done():
             return "the run had ended"
         if blocker := restart_blocker(self.cfg):
@@ -187,9 +183,6 @@ class LocalSupervisor:
         if dead.restarts >= self.cfg.cluster.max_restarts:
             return f"{dead.restarts} restart(s) used"
         return None
-
-    def _may_restart(self, dead: Child) -> bool:
-        return self._no_restart(dead) is None
 
     def _lingering_after_run_end(self) -> bool:
         """True (after stopping them) when workers still run RUN_END_GRACE_S after the scheduler
@@ -224,7 +217,7 @@ class LocalSupervisor:
 
     def _fail(self, dead: Child) -> int:
         self.stop_all()
-        why = "" if dead.name.split("-")[0] not in RESTARTABLE else f" (no restart: {self._no_restart(dead)})"
+        why = "" if dead.role not in RESTARTABLE else f" (no restart: {self._no_restart(dead)})"
         print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {_how(dead.proc.returncode)}; the run "
               f"failed{why}. Last lines of {dead.log_path}:", file=sys.stderr)
         for line in tail(dead.log_path, 30):

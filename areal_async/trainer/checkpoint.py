@@ -164,6 +164,17 @@ def latest_complete_checkpoint(root: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
+def checkpoint_to_resume(root: str | Path, mode: str) -> Optional[Path]:
+    """The checkpoint a run resumes from per ``recover.mode``: None for 'disabled'; the newest
+    complete one for 'auto' (None if there is none) and 'resume' (ValueError if there is none)."""
+    if mode == "disabled":
+        return None
+    latest = latest_complete_checkpoint(root)
+    if latest is None and mode == "resume":
+        raise ValueError(f"recover.mode=resume but {root} holds no complete checkpoint")
+    return latest
+
+
 def load_checkpoint(path: str | Path, restore_rng: bool = False, map_location: str = "cpu") -> dict:
     """The checkpoint's state: path, step, version, actor_state, extra, rng (and optionally
     restores the RNGs). Weights load separately: ``AutoModelForCausalLM.from_pretrained(path)``."""

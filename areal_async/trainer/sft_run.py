@@ -122,14 +122,10 @@ def _prepare(cfg: ExperimentConfig):
 
 def _resume_point(cfg: ExperimentConfig, run_dir: Path) -> dict | None:
     """The newest complete SFT checkpoint per ``recover.mode`` (loaded), or None to start afresh."""
-    from areal_async.trainer.checkpoint import latest_complete_checkpoint, load_checkpoint
+    from areal_async.trainer.checkpoint import checkpoint_to_resume, load_checkpoint
 
-    if cfg.recover.mode == "disabled":
-        return None
-    latest = latest_complete_checkpoint(run_dir / "checkpoints")
+    latest = checkpoint_to_resume(run_dir / "checkpoints", cfg.recover.mode)
     if latest is None:
-        if cfg.recover.mode == "resume":
-            raise ValueError(f"recover.mode=resume but {run_dir / 'checkpoints'} holds no complete checkpoint")
         return None
     ckpt = load_checkpoint(latest)
     if ckpt["extra"].get("kind") != "sft":
