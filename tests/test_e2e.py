@@ -34,6 +34,11 @@ def run_ok(run_dir: Path, *overrides: str, timeout: float = 240) -> None:
     as reward-checking processes) must be gone shortly after the supervisor exits."""
     proc = subprocess.Popen(cli(run_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT)
+    finish_ok(proc, timeout)
+
+
+def finish_ok(proc: subprocess.Popen, timeout: float = 240) -> str:
+    """Wait for a started run to exit 0 and leave no process behind; returns its stderr."""
     seen: set[int] = set()
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
@@ -44,6 +49,7 @@ def run_ok(run_dir: Path, *overrides: str, timeout: float = 240) -> None:
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
     time.sleep(1.0)
     assert [p for p in seen if alive(p)] == [], "processes outlived the run"
+    return err
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -278,14 +284,7 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
     pids = json.loads((run_dir / "pids.json").read_text())
     os.kill(pids["rollout-1"], signal.SIGKILL)
     os.kill(pids["reward-0"], signal.SIGKILL)
-    seen: set[int] = set()
-    deadline = time.monotonic() + 240
-    while proc.poll() is None:
-        seen |= descendants(proc.pid)
-        assert time.monotonic() < deadline, "run did not finish after the restarts"
-        time.sleep(0.3)
-    out, err = proc.communicate()
-    assert proc.returncode == 0, out[-2000:] + err[-4000:]
+    err = finish_ok(proc)
     assert "worker rollout-1" in err and "restarting it (1/2)" in err
     assert "worker reward-0" in err
     new = json.loads((run_dir / "pids.json").read_text())
@@ -299,6 +298,4 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
     assert sum(t["status"] == "trained" for t in trajs) == summary["samples_trained"] == steps * 4 * 4
     reasons = " ".join(t["reason"] for t in trajs if t["status"] == "aborted")
     assert "restarted" in reasons  # the scheduler saw the new incarnations and re-issued their work
-    time.sleep(1.0)
-    assert [p for p in seen if alive(p)] == [], "processes outlived the run"
     assert leaked_segments(run_dir) == []
