@@ -79,3 +79,27 @@ def test_weights_fetched_by_two_receivers_and_checked():
     with pytest.raises(TransportError, match="version 4 bucket 0 is not published"):
         rxs[0].receive(m)
     pub.close()
+
+
+def test_closing_a_receiver_cancels_a_fetch_from_a_silent_publisher():
+    """A publisher that went away mid-fetch (here: a socket that never answers) must not hold a
+    closing worker for the whole timeout: close() makes the waiting receive() raise at once."""
+    import threading
+    import time
+
+    pub = make_weight_channel("zmq", role="publisher", bucket_mb=0.0001)
+    m = pub.publish_begin(1, {"w": torch.ones(8)})
+    pub.close()
+    silent = make_socket(zmq.Context.instance(), zmq.ROUTER, bind="tcp://127.0.0.1:*")
+    m["handle"]["endpoint"] = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+    rx = make_weight_channel("zmq", role="receiver", timeout_s=60)
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(TransportError, rx.receive, m)))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    rx.close()
+    t.join(timeout=5)
+    assert not t.is_alive() and time.monotonic() - t0 < 2
+    assert "cancelled: the channel was closed" in str(errors[0].value)
+    silent.close(0)

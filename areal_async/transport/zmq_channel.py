@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Optional
 
 import msgpack
@@ -31,6 +32,7 @@ from protocols.messages import PROTOCOL_VERSION, ProtocolError
 from protocols.sockets import make_socket
 from protocols.tensors import decode_tensors, encode_tensors
 
+_CANCEL_POLL_S = 0.1  # how often a waiting fetch checks whether its channel was closed
 WINDOW = 4  # buckets requested ahead: keeps the pipe full without buffering the whole model
 
 
@@ -64,6 +66,7 @@ class ZmqWeightChannel(WeightChannel):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.expect_receivers = expect_receivers
         self._last: Optional[int] = None
+        self._closing = threading.Event()  # set by close(): an in-flight receive() gives up at once
         self._server = _BucketServer(endpoint or f"tcp://{advertise_host}:*", advertise_host) if role == "publisher" else None
 
     def publish_begin(self, version: int, state_dict: Tensors) -> dict:
@@ -86,7 +89,7 @@ class ZmqWeightChannel(WeightChannel):
         endpoint = m["handle"].get("endpoint")
         if not isinstance(endpoint, str):
             raise B.ManifestError(f"zmq manifest handle {m['handle']!r}: expected {{'endpoint': str}}")
-        bufs = _fetch(endpoint, m["version"], layout.bucket_sizes, self.timeout_s)
+        bufs = _fetch(endpoint, m["version"], layout.bucket_sizes, self.timeout_s, self._closing)
         B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
         return B.unflatten(layout, bufs)
 
@@ -95,12 +98,16 @@ class ZmqWeightChannel(WeightChannel):
             self._server.drop(version)
 
     def close(self) -> None:
+        """Stop serving (publisher); make a receive() in flight in another thread raise at once
+        (receiver), so a worker shutting down never waits out ``timeout_s`` for a gone publisher."""
+        self._closing.set()
         if self._server:
             self._server.close()
             self._server = None
 
 
-def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float) -> list[torch.Tensor]:
+def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float,
+           cancel: Optional[threading.Event] = None) -> list[torch.Tensor]:
     """Request buckets 0..n-1 (``WINDOW`` ahead) and return them in order, checked against ``sizes``."""
     sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=endpoint)
     try:
@@ -110,15 +117,20 @@ def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float) -> l
             while asked < len(sizes) and asked - len(out) < WINDOW:
                 sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "t": "weight_fetch", "version": version, "bucket": asked}))
                 asked += 1
-            out.append(_bucket_reply(sock, version, len(out), sizes, timeout_s))
+            out.append(_bucket_reply(sock, version, len(out), sizes, timeout_s, cancel))
         return out
     finally:
         sock.close()
 
 
-def _bucket_reply(sock: zmq.Socket, version: int, k: int, sizes: list[int], timeout_s: float) -> torch.Tensor:
-    if not sock.poll(int(timeout_s * 1000)):
-        raise TransportError(f"weights v{version}: bucket {k} did not arrive within {timeout_s}s")
+def _bucket_reply(sock: zmq.Socket, version: int, k: int, sizes: list[int], timeout_s: float,
+                  cancel: Optional[threading.Event] = None) -> torch.Tensor:
+    deadline = time.monotonic() + timeout_s
+    while not sock.poll(int(max(0.0, min(_CANCEL_POLL_S, deadline - time.monotonic())) * 1000)):
+        if cancel is not None and cancel.is_set():
+            raise TransportError(f"weights v{version}: fetch of bucket {k} cancelled: the channel was closed")
+        if time.monotonic() >= deadline:
+            raise TransportError(f"weights v{version}: bucket {k} did not arrive within {timeout_s}s")
     key, meta, tensors = decode_tensors(sock.recv_multipart(copy=False))
     if "error" in meta:
         raise TransportError(f"weights v{version}: publisher refused bucket {k}: {meta['error']}")
