@@ -88,6 +88,10 @@ BAD = [
     ("cluster.n_gpus_per_node=2", "rollout.backend", "n_gpus_per_node"),
     ("actor.ppo_n_minibatches=100000", "actor.ppo_n_minibatches", "samples per step"),
     ("evaluator.greedy=true", "evaluator.n_samples", "greedy"),  # boba_grpo evaluates 32 samples
+    ("cluster.max_restarts=-1", "cluster.max_restarts", ">= 0"),
+    ("reward.memory_limit_mb=100", "reward.memory_limit_mb", ">= 256"),
+    ("cluster.cpu_affinity.trainer=0-x", "cluster.cpu_affinity.trainer", "a cpu list"),
+    ("cluster.cpu_affinity.reward=[0]", "cluster.cpu_affinity.reward", "a cpu list"),
 ]
 
 
