@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from areal_async.config import ActorConfig, RejectionSamplingConfig
-from areal_async.trainer.loss import behav_importance, clipped_surrogate, count_loss_tokens, policy_loss
+from areal_async.trainer.loss import behav_importance, clipped_surrogate, count_kept_tokens, policy_loss
 
 L15, L05 = math.log(1.5), math.log(0.5)
 
@@ -61,8 +61,8 @@ def test_decoupled_loss_by_hand():
     per_tok = []
     for ri, ai in zip(r, adv):
         per_tok.append(max(-ai * ri, -ai * min(max(ri, 0.8), 1.2)))
-    # mask: token 2 (w=8 > 5) leaves the loss and the count
-    want_mask = sum(per_tok[i] * w[i] for i in (0, 1, 3)) / 3
+    # mask: token 2 (w=8 > 5) leaves the loss but stays in the count (AReaL's ppo_actor_loss_fn)
+    want_mask = sum(per_tok[i] * w[i] for i in (0, 1, 3)) / 4
     loss, s = policy_loss(logp, prox, behav, torch.tensor(adv), decoupled_cfg("mask"))
     assert float(loss) == pytest.approx(want_mask, abs=1e-6)
     assert s.n_loss_tokens == 3 and s.n_rejected == 1 and s.as_dict()["rejected_frac"] == pytest.approx(0.25)
@@ -72,7 +72,7 @@ def test_decoupled_loss_by_hand():
     want_clamp = (per_tok[0] * 1 + per_tok[1] * 2 + per_tok[2] * 5 + per_tok[3] * 0.5) / 4
     loss, s = policy_loss(logp, prox, behav, torch.tensor(adv), decoupled_cfg("clamp"))
     assert float(loss) == pytest.approx(want_clamp, abs=1e-6) and s.n_rejected == 0
-    assert count_loss_tokens(prox, behav, decoupled_cfg("mask")) == 3
+    assert count_kept_tokens(prox, behav, decoupled_cfg("mask")) == 3
 
 
 def test_global_token_count_and_entropy_bonus():
@@ -103,7 +103,7 @@ def test_micro_batch_split_equals_whole_batch():
     logp, prox, behav, adv = (torch.randn(12) * 0.3 for _ in range(4))
     cfg = decoupled_cfg("mask", upper=1.3)
     whole, s_whole = policy_loss(logp, prox, behav, adv, cfg)
-    n = count_loss_tokens(prox, behav, cfg)
+    n = 12  # every token, rejected ones included
     a, s_a = policy_loss(logp[:5], prox[:5], behav[:5], adv[:5], cfg, n_tokens=n)
     b, s_b = policy_loss(logp[5:], prox[5:], behav[5:], adv[5:], cfg, n_tokens=n)
     assert float(a + b) == pytest.approx(float(whole), abs=1e-6)
@@ -112,3 +112,27 @@ def test_micro_batch_split_equals_whole_batch():
         assert merged[k] == pytest.approx(s_whole.as_dict()[k], abs=1e-6)
     expected = float((0.5 * (prox - behav) ** 2).mean())  # over every token, rejected ones included
     assert s_whole.as_dict()["behav_approx_kl"] == pytest.approx(expected, rel=1e-6) and expected > 0
+
+
+def test_rejected_tokens_stay_in_the_denominator_reference():
+    """Hand-computed reference: 4 tokens, prox = logp (ratio 1, no clipping), advantages 1, 2, 3, 4,
+    behaviour weights 1, 1, 10, 1 with upper 5. Token 3 is rejected: its loss is zeroed but the
+    denominator stays 4, so loss = -(1 + 2 + 4) / 4 = -1.75 (dividing by the 3 survivors would
+    give -2.333..., up-weighting them as the batch gets staler) and each survivor's gradient
+    w.r.t. its logp is -A_i / 4."""
+    prox = torch.tensor([-1.0, -0.5, -2.0, -0.25])
+    logp = prox.clone().requires_grad_(True)
+    behav = prox - torch.log(torch.tensor([1.0, 1.0, 10.0, 1.0]))
+    adv = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    loss, s = policy_loss(logp, prox, behav, adv, decoupled_cfg("mask", upper=5.0))
+    assert float(loss.detach()) == pytest.approx(-1.75, abs=1e-6)
+    loss.backward()
+    assert logp.grad.tolist() == pytest.approx([-0.25, -0.5, 0.0, -1.0], abs=1e-6)
+    assert s.n_rejected == 1 and s.n_tokens == 4 and s.n_loss_tokens == 3
+    # split over two micro-batches with the global count 4: the same gradient
+    g = torch.zeros(4)
+    for sl in (slice(0, 3), slice(3, 4)):
+        part = prox[sl].clone().requires_grad_(True)
+        policy_loss(part, prox[sl], behav[sl], adv[sl], decoupled_cfg("mask"), n_tokens=4)[0].backward()
+        g[sl] = part.grad
+    assert g.tolist() == pytest.approx([-0.25, -0.5, 0.0, -1.0], abs=1e-6)

@@ -4,7 +4,7 @@
       |- rewards -> advantages               (advantages.py; KL penalty only when kl_ctl > 0)
       |- proximal logprobs, no grad          (when recompute_logprob; packed micro-batches)
       |- for each of ppo_n_minibatches:      (one optimizer step each)
-      |    global loss-token count N         (rejection is known before the update)
+      |    global token count N              (every output token, rejected ones included)
       |    for each packed micro-batch:      forward, loss = sum(token losses) / N, backward
       |    clip grads, optimizer step        (skipped: grad norm not finite, or no token kept)
       '- lr schedule step, step += 1
@@ -25,7 +25,7 @@ import torch
 from areal_async.config import ActorConfig
 from areal_async.trainer.advantages import compute_advantages, scaled_rewards
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, packed_logprobs
-from areal_async.trainer.loss import LossStats, count_loss_tokens, policy_loss
+from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from areal_async.trainer.types import Trajectory
 
@@ -156,14 +156,15 @@ class PPOActor:
         would still move the weights by momentum and weight decay)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = sum(count_loss_tokens(self._prox(batch, i), batch.behav[i], self.cfg) for i in idx)
+        n_tokens = sum(batch.behav[i].numel() for i in idx)  # the loss denominator: rejected tokens stay in it
+        n_kept = sum(count_kept_tokens(self._prox(batch, i), batch.behav[i], self.cfg) for i in idx)
         stats, n_mb = LossStats(), 0
         for mb in self._micro_batches(batch, idx):
             loss, s = self._micro_loss(batch, [idx[j] for j in mb.indices], mb, n_tokens)
             loss.backward()
             stats, n_mb = stats.merge(s), n_mb + 1
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
-        stepped = n_tokens > 0 and math.isfinite(grad_norm)
+        stepped = n_kept > 0 and math.isfinite(grad_norm)
         if stepped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

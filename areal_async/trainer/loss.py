@@ -6,8 +6,10 @@ Covered:
   (NOT a per-sequence mean: a 100-token sequence weighs 10x a 10-token one). Under gradient
   accumulation the caller passes the global token count of the minibatch as ``n_tokens``;
 - decoupled PPO (behaviour / proximal / current): r = exp(logp - prox_logp), each token weighted
-  by w = exp(prox_logp - behav_logp); rejection by ``rejection_sampling`` ('mask' drops tokens
-  with w > upper from the loss and from the token count, 'clamp' clips w at upper);
+  by w = exp(prox_logp - behav_logp); rejection by ``rejection_sampling`` ('mask' zeroes the
+  loss of tokens with w > upper but keeps them in the token count, as AReaL's
+  ``ppo_actor_loss_fn`` does: dropping them from the count would up-weight the survivors of a
+  staler batch; 'clamp' clips w at upper);
 - plain PPO: r = exp(logp - old_logp), old = prox if recompute_logprob else behaviour;
 - an optional entropy bonus, and summable statistics (``LossStats``) so micro-batches merge
   exactly.
@@ -88,10 +90,11 @@ def loss_weights(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
     return ones, torch.ones_like(ones, dtype=torch.bool)
 
 
-def count_loss_tokens(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor, cfg: ActorConfig) -> int:
-    """Tokens that will enter the loss: the global denominator for gradient accumulation.
+def count_kept_tokens(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor, cfg: ActorConfig) -> int:
+    """Tokens whose loss is not zeroed by rejection (the actor skips a step that keeps none).
 
     Known before the update because rejection depends only on prox and behaviour logprobs.
+    The loss denominator is NOT this count: it is every output token (rejected ones included).
     """
     return int(loss_weights(prox_logp, behav_logp, cfg)[1].sum())
 
@@ -108,15 +111,18 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
 def policy_loss(logp: torch.Tensor, prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
                 adv: torch.Tensor, cfg: ActorConfig, n_tokens: Optional[int] = None,
                 entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
-    """Scalar loss = sum over kept tokens / n_tokens (default: this call's kept tokens)."""
+    """Scalar loss = sum over kept tokens / n_tokens (default: this call's tokens, rejected ones included).
+
+    Under gradient accumulation or data parallelism ``n_tokens`` is the global count of output
+    tokens of the minibatch (over every micro-batch and rank)."""
     old = prox_logp if (cfg.use_decoupled_loss or cfg.recompute_logprob) else behav_logp
     if old is None:
         raise ValueError("recompute_logprob / use_decoupled_loss need prox_logp; got None")
     weight, keep = loss_weights(prox_logp, behav_logp, cfg)
     tok_loss, clipped = clipped_surrogate(logp, old, adv, cfg.eps_clip)
     keep_f = keep.to(tok_loss.dtype)
-    # max(., 1): a micro-batch whose tokens were all rejected contributes 0, not NaN
-    denom = max(float(n_tokens if n_tokens is not None else keep_f.sum()), 1.0)
+    # rejected tokens stay in the denominator (AReaL: pg_loss.sum() / loss_mask_count)
+    denom = max(float(n_tokens if n_tokens is not None else keep_f.numel()), 1.0)
     loss = (tok_loss * weight * keep_f).sum() / denom
     if entropy is not None and cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * (entropy * keep_f).sum() / denom
