@@ -27,8 +27,8 @@ import importlib
 from typing import Any
 
 from areal_async.transport.base import TensorChannel, WeightChannel
+from protocols.channels import CHANNEL_KINDS as KINDS
 
-KINDS = ("shm", "zmq", "gloo", "nccl", "cuda_ipc")
 _TENSOR = {"shm": "shm:ShmTensorChannel", "zmq": "zmq_channel:ZmqTensorChannel",
            "gloo": "collective:GlooTensorChannel", "nccl": "nccl:NcclTensorChannel",
            "cuda_ipc": "cuda_ipc:CudaIpcTensorChannel"}
