@@ -36,7 +36,11 @@ def test_build_is_seeded_and_leaves_global_rng_alone():
 
 def test_dtype_and_bad_inputs():
     assert next(build_model(ModelConfig(dtype="bfloat16", **CFG), 20, 0).parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="arch='gpt2'"):
+        ModelConfig(arch="gpt2", **CFG)  # the config refuses it when built ...
+    cfg = ModelConfig(**CFG)
+    cfg.arch = "gpt2"  # ... and build_model when a built config was changed after
     with pytest.raises(ValueError, match="model.arch='gpt2'"):
-        build_model(ModelConfig(arch="gpt2", **CFG), 20, 0)
+        build_model(cfg, 20, 0)
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model("/nonexistent/model/dir")

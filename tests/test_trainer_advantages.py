@@ -124,8 +124,10 @@ def test_kl_penalty_per_token():
 def test_kl_needs_logprobs_and_levels_are_checked():
     with pytest.raises(ValueError, match="kl_ctl"):
         token_rewards(1.0, 3, kl_ctl=0.1)
+    norm = NormConfig()
+    norm.mean_level = "token"  # NormConfig("token") itself is refused when built
     with pytest.raises(ValueError, match="'token'"):
-        normalize([torch.ones(2)], ["g"], NormConfig("token", "none"))
+        normalize([torch.ones(2)], ["g"], norm)
 
 
 def test_trajectory_validation():

@@ -49,9 +49,10 @@ def test_schedule_hand_values():
 
 
 def test_bad_schedule_name():
+    cfg = OptimizerConfig()
+    cfg.lr_scheduler_type = "step"  # OptimizerConfig(lr_scheduler_type="step") itself is refused when built
     with pytest.raises(ValueError, match="'step'"):
-        build_lr_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))], OptimizerConfig()), 10,
-                           OptimizerConfig(lr_scheduler_type="step"))
+        build_lr_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))], OptimizerConfig()), 10, cfg)
 
 
 def test_clip_grad_norm_returns_norm_and_clips():

@@ -1,0 +1,202 @@
+"""The run-level sections (reference model, inference servers, evaluation, SFT, checkpoints) and
+``ExperimentConfig``, which holds every section and checks the rules that join them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from areal_async.config.base import Section, _f, _sub, _unread, above, at_least, one_of, require, within
+from areal_async.config.sections import (DTYPES, ActorConfig, ClusterConfig, DatasetConfig, GenerationConfig,
+                                         MicroBatchSpec, ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig,
+                                         TensorChannelConfig, rollout_dp_degree)
+
+UNREAD_BY_REF = "the trainer-at-scale issue (10)"
+UNREAD_BY_SGLANG = "the SGLang backend issue (11)"
+UNREAD_BY_VLLM = "the vLLM backend issue (16)"
+
+
+@dataclass
+class SFTWarmupConfig(Section):
+    """Optional supervised warm-up of the initial weights (version 0) before RL."""
+
+    steps: int = _f(0, "SFT steps on the training prompts' reference answers; 0 disables.")
+    batch_size: int = _f(64, "Sequences per SFT step.")
+    lr: float = _f(3e-3, "SFT learning rate.")
+
+    def check(self) -> None:
+        at_least(self, "steps", 0)
+        at_least(self, "batch_size", 1)
+        above(self, "lr", 0)
+
+
+@dataclass
+class RefConfig(Section):
+    """The frozen reference policy of the KL penalty (the seed's ``ref``); loaded only when actor.kl_ctl > 0."""
+
+    path: Optional[str] = _unread(None, "Local HF directory of the reference model; None = the initial policy "
+                                        "(model.path or the built tiny model).", UNREAD_BY_REF)
+    dtype: str = _unread("float32", "Reference model dtype: float32 | bfloat16 | float16.", UNREAD_BY_REF)
+    mb_spec: MicroBatchSpec = _sub(MicroBatchSpec, "Micro-batch packing of the reference forward passes.",
+                                   unread_by=UNREAD_BY_REF)
+
+    def check(self) -> None:
+        one_of(self, "dtype", DTYPES)
+
+
+@dataclass
+class SGLangConfig(Section):
+    """SGLang server settings for ``rollout.backend: sglang[:dN]`` (the seed's ``sglang``; model, seed and
+    dtype follow model.* and seed)."""
+
+    context_length: int = _unread(32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len "
+                                         "+ gconfig.max_new_tokens.", UNREAD_BY_SGLANG)
+    mem_fraction_static: float = _unread(0.9, "Fraction of GPU memory SGLang reserves for weights + KV cache, "
+                                              "in (0, 1].", UNREAD_BY_SGLANG)
+    max_running_requests: Optional[int] = _unread(None, "Cap on requests decoded at once per server; None = "
+                                                        "SGLang decides.", UNREAD_BY_SGLANG)
+
+    def check(self) -> None:
+        at_least(self, "context_length", 1)
+        within(self, "mem_fraction_static", "(0, 1]")
+        require(self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests",
+                self.max_running_requests, "null or an integer >= 1")
+
+
+@dataclass
+class VLLMConfig(Section):
+    """vLLM settings (the seed's ``vllm``, the alternative backend)."""
+
+    max_model_len: int = _unread(32768, "vLLM context limit in tokens (the seed's max_model_len).", UNREAD_BY_VLLM)
+    gpu_memory_utilization: float = _unread(0.9, "Fraction of GPU memory vLLM may use, in (0, 1].", UNREAD_BY_VLLM)
+
+    def check(self) -> None:
+        at_least(self, "max_model_len", 1)
+        within(self, "gpu_memory_utilization", "(0, 1]")
+
+
+@dataclass
+class EvaluatorConfig(Section):
+    """Evaluation sampling: used by ``areal-async sft`` before and after training (RL runs don't evaluate yet).
+
+    Accuracy is the mean reward (reward.fn) over all samples = pass@1 averaged over n_samples
+    (seed: 32 samples; SFT models at temperature 0.6, top_p 0.95; RL models at 1.0)."""
+
+    enabled: bool = _f(True, "Run the evaluation (off for models the embedded torch engine cannot sample in "
+                             "reasonable time).")
+    n_samples: int = _f(1, "Samples per problem; accuracy averages over them (pass@1).")
+    greedy: bool = _f(True, "Greedy decoding (then n_samples must be 1: greedy samples are identical).")
+    temperature: float = _f(1.0, "Sampling temperature when not greedy.")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1] when not greedy.")
+    max_new_tokens: int = _f(0, "Generated tokens per sample; 0 = gconfig.max_new_tokens.")
+    max_problems: int = _f(0, "Evaluate at most this many problems per split (its first ones: seeded order for "
+                              "tiny_arith, file order for jsonl); 0 = all.")
+
+    def check(self) -> None:
+        at_least(self, "n_samples", 1)
+        require(not self.greedy or self.n_samples == 1, "n_samples", self.n_samples,
+                "1 when greedy=true (greedy samples are identical)")
+        require(self.greedy or self.temperature > 0, "temperature", self.temperature, "> 0 (or greedy=true)")
+        within(self, "top_p", "(0, 1]")
+        at_least(self, "max_new_tokens", 0, " (0 = gconfig.max_new_tokens)")
+        at_least(self, "max_problems", 0, " (0 = all)")
+
+
+@dataclass
+class SFTConfig(Section):
+    """Standalone supervised fine-tuning (``areal-async sft``): loss on answer tokens only, packed micro-batches."""
+
+    steps: int = _f(0, "Optimizer steps; 0 derives them from epochs: ceil(epochs * examples / batch_size).")
+    epochs: float = _f(1.0, "Passes over the training examples when steps is 0.")
+    batch_size: int = _f(16, "(prompt, answer) examples per optimizer step, split into micro-batches by "
+                             "actor.mb_spec.")
+    optimizer: OptimizerConfig = _sub(OptimizerConfig, "SFT optimizer and lr schedule (total steps = the SFT steps).")
+    save_freq_steps: int = _f(0, "Atomic checkpoint to RUN_DIR/checkpoints every N steps, saver.keep_last kept "
+                                 "(0 disables); the final model always goes to RUN_DIR/model.")
+    holdout: int = _f(0, "Problems held out of training (the last ones of the seeded order) and evaluated "
+                         "separately; 0 = none.")
+
+    def check(self) -> None:
+        at_least(self, "steps", 0, " (0 = derive from epochs)")
+        above(self, "epochs", 0)
+        at_least(self, "batch_size", 1)
+        at_least(self, "save_freq_steps", 0)
+        at_least(self, "holdout", 0)
+
+
+@dataclass
+class SaverConfig(Section):
+    """Periodic checkpoints (model in HF safetensors, optimizer, scheduler ledger, cursor, RNG)."""
+
+    freq_steps: int = _f(0, "Save every N trainer steps (0 disables).")
+    freq_secs: float = _f(0.0, "Save when this many seconds passed since the last save (0 disables).")
+    keep_last: int = _f(2, "Complete checkpoints kept.")
+
+    def check(self) -> None:
+        at_least(self, "freq_steps", 0)
+        at_least(self, "freq_secs", 0)
+        at_least(self, "keep_last", 1)
+
+
+@dataclass
+class RecoverConfig(Section):
+    """Resume from checkpoints."""
+
+    mode: str = _f("disabled", "disabled | auto (resume from the newest complete checkpoint if any) | resume "
+                               "(must exist).")
+
+    def check(self) -> None:
+        one_of(self, "mode", ("disabled", "auto", "resume"))
+
+
+@dataclass
+class StatsLoggerConfig(Section):
+    """Progress output."""
+
+    progress: bool = _f(True, "Live progress line on the supervisor's terminal.")
+
+
+@dataclass
+class ExperimentConfig(Section):
+    """A whole run: what `areal-async run CONFIG` builds a fleet from."""
+
+    experiment_name: str = _f("areal-async", "Name shown in logs.")
+    seed: int = _f(1, "Global seed (data order, model init, sampling).")
+    total_train_steps: int = _f(100, "RL trainer steps; the run ends after this many.")
+    model: ModelConfig = _sub(ModelConfig, "Policy model.")
+    train_dataset: DatasetConfig = _sub(DatasetConfig, "Training prompts.")
+    gconfig: GenerationConfig = _sub(GenerationConfig, "Sampling.")
+    rollout: RolloutConfig = _sub(RolloutConfig, "Rollout fleet and staleness.")
+    actor: ActorConfig = _sub(ActorConfig, "Policy optimization.")
+    reward: RewardConfig = _sub(RewardConfig, "Reward function and pool.")
+    cluster: ClusterConfig = _sub(ClusterConfig, "Fleet shape and control plane.")
+    tensor_channel: TensorChannelConfig = _sub(TensorChannelConfig, "Tensor transport.")
+    sft_warmup: SFTWarmupConfig = _sub(SFTWarmupConfig, "Supervised warm-up before RL.")
+    ref: RefConfig = _sub(RefConfig, "Reference model of the KL penalty.")
+    sglang: SGLangConfig = _sub(SGLangConfig, "SGLang server settings.")
+    vllm: VLLMConfig = _sub(VLLMConfig, "vLLM settings.")
+    evaluator: EvaluatorConfig = _sub(EvaluatorConfig, "Evaluation sampling.")
+    sft: SFTConfig = _sub(SFTConfig, "Standalone SFT.")
+    saver: SaverConfig = _sub(SaverConfig, "Checkpointing.")
+    recover: RecoverConfig = _sub(RecoverConfig, "Resuming.")
+    stats_logger: StatsLoggerConfig = _sub(StatsLoggerConfig, "Progress output.")
+
+    def check(self) -> None:
+        """Rules joining sections (each section checked its own fields when it was built)."""
+        at_least(self, "total_train_steps", 1)
+        per_step = self.train_dataset.batch_size * self.gconfig.n_samples
+        require(self.actor.ppo_n_minibatches <= per_step, "actor.ppo_n_minibatches", self.actor.ppo_n_minibatches,
+                f"<= samples per step ({per_step})")
+        self._check_sglang_fleet()
+
+    def _check_sglang_fleet(self) -> None:
+        b, cl = self.rollout.backend, self.cluster
+        if not b.startswith("sglang"):
+            return
+        gpus = cl.n_nodes * cl.n_gpus_per_node
+        require(rollout_dp_degree(b) <= gpus, "rollout.backend", b,
+                f"a data-parallel degree <= cluster.n_nodes * cluster.n_gpus_per_node = {gpus}")
+        require(cl.device == "cuda", "cluster.device", cl.device, f"'cuda' with rollout.backend={b!r}")
+        need = self.train_dataset.max_prompt_len + self.gconfig.max_new_tokens
+        require(self.sglang.context_length >= need, "sglang.context_length", self.sglang.context_length,
+                f">= train_dataset.max_prompt_len + gconfig.max_new_tokens = {need}")

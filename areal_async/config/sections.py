@@ -1,0 +1,314 @@
+"""The config sections of a run: policy, data, sampling, rollout, PPO, reward, fleet, channels.
+
+Each dataclass checks its own fields when built (``check()``, run by ``Section.__post_init__``);
+rules that join sections live on ``ExperimentConfig`` (``experiment.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from areal_async.config.base import (CpuList, Section, _f, _sub, _unread, above, at_least, one_of, require,
+                                     within)
+from areal_async.runtime.affinity import parse_cpu_list
+from protocols.channels import CHANNEL_KINDS
+
+DTYPES = ("float32", "bfloat16", "float16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+NORM_LEVELS = ("group", "batch", "none")
+_BACKEND_RE = re.compile(r"^(torch|sglang)(:d([1-9][0-9]*))?$")
+UNREAD_BY_TRAINER = "the trainer-at-scale and launcher issues (10, 13)"
+
+
+def rollout_dp_degree(backend: str) -> int:
+    """'sglang:d4' -> 4; a backend without ':dN' -> 1."""
+    m = _BACKEND_RE.match(backend)
+    return int(m.group(3)) if m and m.group(3) else 1
+
+
+@dataclass
+class ModelConfig(Section):
+    """The policy model: a local HF directory, or a tiny Llama/Qwen2 built from these numbers."""
+
+    path: Optional[str] = _f(None, "Local HF model directory; None builds a tiny model from the fields below "
+                                   "(no download).")
+    arch: str = _f("llama", "Architecture of the built model: 'llama' or 'qwen2'.")
+    hidden_size: int = _f(64, "Hidden size of the built model.")
+    intermediate_size: int = _f(128, "MLP width of the built model.")
+    num_hidden_layers: int = _f(2, "Transformer layers of the built model.")
+    num_attention_heads: int = _f(4, "Attention heads of the built model.")
+    num_key_value_heads: int = _f(4, "KV heads of the built model (GQA when smaller than heads).")
+    max_position_embeddings: int = _f(256, "Context length of the built model.")
+    dtype: str = _f("float32", "Parameter dtype: float32 | bfloat16 | float16.")
+    tie_word_embeddings: bool = _f(False, "Tie input and output embeddings of the built model.")
+
+    def check(self) -> None:
+        one_of(self, "arch", ("llama", "qwen2"))
+        one_of(self, "dtype", DTYPES)
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "max_position_embeddings"):
+            at_least(self, name, 1)
+        require(self.hidden_size % self.num_attention_heads == 0, "hidden_size", self.hidden_size,
+                f"a multiple of num_attention_heads={self.num_attention_heads}")
+        require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                self.num_key_value_heads, f"a divisor of num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass
+class DatasetConfig(Section):
+    """Where prompts come from. ``type: tiny_arith`` generates an arithmetic task locally."""
+
+    type: str = _f("tiny_arith", "'tiny_arith' (generated locally) or 'jsonl' (lines with 'prompt' and 'solutions').")
+    path: Optional[str] = _f(None, "jsonl file for type 'jsonl'.")
+    batch_size: int = _f(16, "Prompts per trainer step (each expands to gconfig.n_samples samples).")
+    max_prompt_len: int = _f(1024, "Prompts longer than this many tokens are filtered out.")
+    shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
+    size: int = _f(2000, "tiny_arith: number of generated problems.")
+    max_operand: int = _f(9, "tiny_arith: operands are drawn from 0..max_operand.")
+    ops: str = _f("+", "tiny_arith: operators to draw from, e.g. '+-'.")
+
+    def check(self) -> None:
+        one_of(self, "type", ("tiny_arith", "jsonl"))
+        require(self.type != "jsonl" or bool(self.path), "path", self.path, "a jsonl path when type is 'jsonl'")
+        at_least(self, "batch_size", 1)
+        at_least(self, "max_prompt_len", 1)
+        at_least(self, "size", 1)
+        at_least(self, "max_operand", 1)
+        require(bool(self.ops) and set(self.ops) <= set("+-*"), "ops", self.ops, "a non-empty string of '+-*'")
+
+
+@dataclass
+class GenerationConfig(Section):
+    """Sampling parameters of the rollout engines (the seed's ``gconfig``)."""
+
+    n_samples: int = _f(8, "Samples per prompt (a GRPO group).")
+    max_new_tokens: int = _f(16, "Maximum generated tokens per sample.")
+    temperature: float = _f(1.0, "Sampling temperature (> 0 unless greedy).")
+    top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1].")
+    greedy: bool = _f(False, "Greedy decoding (ignores temperature and top_p).")
+    stop_token_ids: list = _f([], "Extra token ids that end a sample (eos always does).")
+
+    def check(self) -> None:
+        at_least(self, "n_samples", 1)
+        at_least(self, "max_new_tokens", 1)
+        require(self.greedy or self.temperature > 0, "temperature", self.temperature, "> 0 (or greedy=true)")
+        within(self, "top_p", "(0, 1]")
+
+
+@dataclass
+class RolloutConfig(Section):
+    """Rollout workers and the asynchrony budget."""
+
+    backend: str = _f("torch", "Engine: 'torch' (embedded, CPU or GPU) or 'sglang[:dN]' (server, GPU).")
+    max_head_offpolicyness: int = _f(2, "η: trainer step v consumes only samples whose oldest token version "
+                                        ">= v - η; 0 = synchronous on-policy.")
+    max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout "
+                                          "workers.")
+    dump_to_file: bool = _f(False, "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample).")
+    max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
+
+    def check(self) -> None:
+        require(_BACKEND_RE.match(self.backend) is not None, "backend", self.backend,
+                "'torch', 'sglang' or 'sglang:dN' with N >= 1")
+        at_least(self, "max_head_offpolicyness", 0)
+        at_least(self, "max_concurrent_rollouts", 1)
+        at_least(self, "max_batch_groups", 1)
+
+
+@dataclass
+class RejectionSamplingConfig(Section):
+    """Behaviour-importance rejection of the decoupled loss."""
+
+    metric: str = _f("ratio", "'ratio' (exp(prox_logp - behav_logp)) or 'none'.")
+    upper: float = _f(5.0, "Tokens whose importance weight exceeds this are rejected.")
+    mode: str = _f("mask", "'mask' drops rejected tokens from the loss; 'clamp' clips their weight to 'upper'.")
+
+    def check(self) -> None:
+        one_of(self, "metric", ("ratio", "none"))
+        above(self, "upper", 1)
+        one_of(self, "mode", ("mask", "clamp"))
+
+
+@dataclass
+class NormConfig(Section):
+    """Mean/std normalization levels ('group', 'batch' or 'none')."""
+
+    mean_level: str = _f("group", "Subtract the mean over: group | batch | none.")
+    std_level: str = _f("group", "Divide by the std over: group | batch | none.")
+    eps: float = _f(1e-5, "Added to the std.")
+
+    def check(self) -> None:
+        one_of(self, "mean_level", NORM_LEVELS)
+        one_of(self, "std_level", NORM_LEVELS)
+        at_least(self, "eps", 0)
+
+
+@dataclass
+class OptimizerConfig(Section):
+    """AdamW with a learning-rate schedule."""
+
+    lr: float = _f(1e-3, "Peak learning rate.")
+    eps: float = _f(1e-8, "Adam epsilon.")
+    beta1: float = _f(0.9, "Adam beta1.")
+    beta2: float = _f(0.999, "Adam beta2.")
+    weight_decay: float = _f(0.0, "Decoupled weight decay.")
+    lr_scheduler_type: str = _f("constant", "constant | linear | cosine.")
+    warmup_steps_proportion: float = _f(0.0, "Fraction of total steps spent in linear warm-up.")
+    min_lr_ratio: float = _f(0.0, "Final lr / peak lr for linear and cosine schedules.")
+    gradient_clipping: float = _f(1.0, "Max global grad norm (0 disables).")
+
+    def check(self) -> None:
+        above(self, "lr", 0)
+        above(self, "eps", 0)
+        within(self, "beta1", "[0, 1)")
+        within(self, "beta2", "[0, 1)")
+        at_least(self, "weight_decay", 0)
+        one_of(self, "lr_scheduler_type", LR_SCHEDULES)
+        within(self, "warmup_steps_proportion", "[0, 1)")
+        within(self, "min_lr_ratio", "[0, 1]")
+        at_least(self, "gradient_clipping", 0)
+
+
+@dataclass
+class MicroBatchSpec(Section):
+    """How a batch is split into packed micro-batches."""
+
+    max_tokens_per_mb: int = _f(16384, "Token budget of one packed micro-batch.")
+    oversize: str = _f("error", "A sequence longer than the budget: 'error' or 'own_mb' (gets a micro-batch of its "
+                                "own).")
+
+    def check(self) -> None:
+        at_least(self, "max_tokens_per_mb", 1)
+        one_of(self, "oversize", ("error", "own_mb"))
+
+
+@dataclass
+class ActorConfig(Section):
+    """The trained policy and its PPO objective (GRPO-style: no critic)."""
+
+    mb_spec: MicroBatchSpec = _sub(MicroBatchSpec, "Micro-batch packing.")
+    optimizer: OptimizerConfig = _sub(OptimizerConfig, "Optimizer and schedule.")
+    kl_ctl: float = _f(0.0, "KL penalty to the reference model; 0 loads no reference model.")
+    eps_clip: float = _f(0.2, "PPO ratio clip.")
+    reward_scaling: float = _f(1.0, "Reward fed to the loss = (score + reward_bias) * reward_scaling.")
+    reward_bias: float = _f(0.0, "See reward_scaling (boba: bias -0.5, scaling 10 -> -5/+5).")
+    reward_norm: NormConfig = _sub(NormConfig, "Reward normalization (boba: group level).")
+    adv_norm: NormConfig = _f(NormConfig(mean_level="batch", std_level="batch"),
+                              "Advantage normalization (boba: batch level).")
+    discount: float = _f(1.0, "GAE gamma.")
+    gae_lambda: float = _f(1.0, "GAE lambda.")
+    ppo_n_minibatches: int = _f(1, "PPO minibatches (optimizer steps) per trainer step.")
+    use_decoupled_loss: bool = _f(False, "Decoupled PPO: behaviour, proximal and current policies.")
+    recompute_logprob: bool = _f(False, "Recompute proximal logprobs with the trainer's weights before the update.")
+    rejection_sampling: RejectionSamplingConfig = _sub(RejectionSamplingConfig,
+                                                       "Importance-weight rejection (decoupled loss).")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+
+    def check(self) -> None:
+        at_least(self, "kl_ctl", 0)
+        above(self, "eps_clip", 0)
+        within(self, "discount", "[0, 1]")
+        within(self, "gae_lambda", "[0, 1]")
+        at_least(self, "ppo_n_minibatches", 1)
+
+
+@dataclass
+class RewardConfig(Section):
+    """Reward workers: a pool of killable processes running the reward function."""
+
+    fn: str = _f("areal_async.reward.math_verify_reward:boxed_math_reward",
+                 "Dotted path 'module:function' of the reward function.")
+    timeout_s: float = _f(5.0, "A check past this is killed and scores 0 with status 'timeout'.")
+    n_procs: int = _f(1, "Processes per reward worker.")
+    precision: int = _f(6, "Significant digits for numeric comparison (math-verify float_rounding).")
+    memory_limit_mb: int = _f(4096, "Address-space cap of each checking process (a check past it scores 0, status "
+                                    "'error'); 0 = none.")
+
+    def check(self) -> None:
+        require(":" in self.fn, "fn", self.fn, "a dotted path 'module:function'")
+        above(self, "timeout_s", 0)
+        at_least(self, "n_procs", 1)
+        require(self.memory_limit_mb == 0 or self.memory_limit_mb >= 256, "memory_limit_mb", self.memory_limit_mb,
+                "0 (no limit) or >= 256")
+
+
+@dataclass
+class CpuAffinityConfig(Section):
+    """CPUs each role's processes are pinned to (Linux cpu-list syntax: '0', '1-3', '0,2'); '' = not pinned.
+
+    Opt-in. On a machine with few cores it gives the trainer a core of its own, as it has its own
+    devices on a GPU cluster: in an async pipeline the trainer is the bottleneck whenever
+    t_train >= t_gen, and every time slice it loses to decoding or reward checks is lost
+    throughput. Checked against the CPUs this machine allows before anything starts."""
+
+    scheduler: CpuList = _f("", "CPUs of the scheduler process.")
+    trainer: CpuList = _f("", "CPUs of the trainer process.")
+    rollout: CpuList = _f("", "CPUs of every rollout worker.")
+    reward: CpuList = _f("", "CPUs of every reward worker and its checking processes.")
+
+    def check(self) -> None:
+        for role in ("scheduler", "trainer", "rollout", "reward"):
+            spec = getattr(self, role)
+            require(spec == "" or _is_cpu_list(spec), role, spec,
+                    "a cpu list such as '0', '1-3' or '0,2' (or '' for no pinning)")
+
+
+def _is_cpu_list(spec: str) -> bool:
+    try:
+        parse_cpu_list(spec)
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass
+class ClusterConfig(Section):
+    """Fleet shape and the control plane."""
+
+    n_rollout_workers: int = _f(2, "Rollout worker processes.")
+    n_reward_workers: int = _f(1, "Reward worker processes.")
+    launcher: str = _f("local", "local | ray | slurm.")
+    control: str = _f("ipc", "ZeroMQ endpoints: 'ipc' (one host) or 'tcp'.")
+    host: str = _f("127.0.0.1", "Address the scheduler and trainer bind for 'tcp'.")
+    heartbeat_s: float = _f(2.0, "Heartbeat period of every worker.")
+    worker_timeout_s: float = _f(120.0, "A worker silent this long is declared dead.")
+    max_restarts: int = _f(2, "Times the supervisor restarts each dead rollout or reward worker before failing the run "
+                              "(zmq/shm channels only); the trainer and scheduler are never restarted: rerun with "
+                              "recover.mode=auto.")
+    torch_threads: int = _f(1, "torch intra-op threads per worker process.")
+    cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
+    device: str = _f("cpu", "cpu | cuda.")
+    n_nodes: int = _unread(1, "Machines in the fleet (the seed: one node); checked against rollout.backend's dN.",
+                           UNREAD_BY_TRAINER)
+    n_gpus_per_node: int = _unread(8, "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel "
+                                      "degree dN.", UNREAD_BY_TRAINER)
+
+    def check(self) -> None:
+        at_least(self, "n_rollout_workers", 1)
+        at_least(self, "n_reward_workers", 1)
+        one_of(self, "launcher", ("local", "ray", "slurm"))
+        one_of(self, "control", ("ipc", "tcp"))
+        above(self, "heartbeat_s", 0)
+        require(self.worker_timeout_s > self.heartbeat_s, "worker_timeout_s", self.worker_timeout_s,
+                f"> heartbeat_s={self.heartbeat_s}")
+        at_least(self, "max_restarts", 0)
+        at_least(self, "torch_threads", 1)
+        one_of(self, "device", ("cpu", "cuda"))
+        at_least(self, "n_nodes", 1)
+        at_least(self, "n_gpus_per_node", 1)
+
+
+@dataclass
+class TensorChannelConfig(Section):
+    """How tensors move (trajectories rollout -> trainer, weights trainer -> rollout)."""
+
+    weights: str = _f("shm", f"Weight channel: {' | '.join(CHANNEL_KINDS)}.")
+    trajectories: str = _f("zmq", f"Trajectory channel: {' | '.join(CHANNEL_KINDS)}.")
+    bucket_mb: float = _f(64.0, "Weight-sync bucket size in MiB.")
+
+    def check(self) -> None:
+        one_of(self, "weights", CHANNEL_KINDS)
+        one_of(self, "trajectories", CHANNEL_KINDS)
+        above(self, "bucket_mb", 0)
