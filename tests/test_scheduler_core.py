@@ -1,14 +1,16 @@
 """SchedulerCore and the Ledger driven by simulated fleets (no sockets): invariants 1 and 2."""
 
+import json
 import random
 
 import pytest
 
-from protocols.messages import RewardResult, TrajectoryReady
+from protocols.messages import CheckpointRequest, RewardResult, TrajectoryReady, decode, encode
 
 from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
-from areal_async.scheduler.ledger import Ledger, LedgerError
+from areal_async.scheduler.ledger import GroupState, Ledger, LedgerError, SampleState
+from areal_async.scheduler.runlog import sample_line
 
 
 def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
@@ -212,3 +214,50 @@ def test_cursor_state_round_trip_continues_the_same_order():
     assert [d.next() for _ in range(6)] == [c.next() for _ in range(6)]
     assert sorted(i for i, _ in first[:5]) == list(range(5))  # an epoch is a permutation
     assert len({pid for _, pid in first}) == 7  # prompt ids never repeat
+
+
+# A ledger as written into a checkpoint's extra.json before the states were an enum (hand-written, not produced
+# by the code under test): one group trained, one batched, one running with a sample generated and one issued.
+OLD_LEDGER_JSON = """{"id_prefix": "", "n_groups_issued": 3, "n_samples_issued": 5, "n_trained": 2, "n_aborted": 0,
+ "groups": [
+  {"group_id": "g1", "prompt_id": "p1", "problem_index": 1, "sample_ids": ["g1.0"], "worker": "r0",
+   "issued_version": 0, "status": "batched"},
+  {"group_id": "g2", "prompt_id": "p2", "problem_index": 2, "sample_ids": ["g2.0", "g2.1"], "worker": "r1",
+   "issued_version": 1, "status": "running"}],
+ "samples": [
+  {"sample_id": "g1.0", "group_id": "g1", "prompt_id": "p1", "problem_index": 1, "status": "batched", "worker": "r0",
+   "version_min": 0, "version_max": 0, "n_output_tokens": 4, "finish_reason": "stop", "score": 1.0,
+   "reward_status": "ok", "train_step": 1, "reason": ""},
+  {"sample_id": "g2.0", "group_id": "g2", "prompt_id": "p2", "problem_index": 2, "status": "generated",
+   "worker": "r1", "version_min": 1, "version_max": 1, "n_output_tokens": 3, "finish_reason": "length",
+   "score": null, "reward_status": "", "train_step": -1, "reason": ""},
+  {"sample_id": "g2.1", "group_id": "g2", "prompt_id": "p2", "problem_index": 2, "status": "issued", "worker": "r1",
+   "version_min": -1, "version_max": -1, "n_output_tokens": 0, "finish_reason": "", "score": null,
+   "reward_status": "", "train_step": -1, "reason": ""}]}"""
+
+
+def test_ledger_loads_a_checkpoint_written_before_the_state_enum_and_writes_the_same_strings():
+    old = json.loads(OLD_LEDGER_JSON)
+    led = Ledger.from_state(old)
+    assert led.groups["g2"].status is GroupState.RUNNING and led.samples["g2.0"].status is SampleState.GENERATED
+    assert json.loads(json.dumps(led.to_state())) == old  # extra.json of a new checkpoint: the same strings
+    wire = decode(encode(CheckpointRequest(step=2, state=led.to_state())))  # the state travels to the trainer
+    assert wire.state == old and type(wire.state["samples"][0]["status"]) is str
+    led.mark_rewarded("g2.1", 0.0, "ok")  # the restored books keep moving
+    assert led.mark_generated("g2.1", 2, 2, 5, "stop") is False  # g2.0 still has no reward
+    assert led.mark_rewarded("g2.0", 1.0, "ok") is True
+    assert [r.status for r in led.mark_trained(["g1"])] == ["trained"]
+    assert led.counts() == {"issued": 5, "trained": 3, "aborted": 0, "in_flight": 2, "lost": 0}
+    line = json.dumps(sample_line(led.samples["g1.0"]))
+    assert '"status": "trained"' in line and '"train_step": 1' in line  # trajectories.jsonl unchanged
+
+
+def test_ledger_refuses_a_checkpoint_with_an_unknown_state_naming_it():
+    old = json.loads(OLD_LEDGER_JSON)
+    old["samples"][1]["status"] = "scored"
+    with pytest.raises(ValueError, match="sample 'g2.0': status 'scored' is not one of"):
+        Ledger.from_state(old)
+    old = json.loads(OLD_LEDGER_JSON)
+    old["groups"][0]["status"] = "done"
+    with pytest.raises(ValueError, match="group 'g1': status 'done' is not one of"):
+        Ledger.from_state(old)

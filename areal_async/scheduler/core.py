@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 from protocols.messages import BatchPlan, GenerateRequest, RewardResult, TrajectoryReady
 
-from areal_async.scheduler.ledger import Ledger, SampleRecord
+from areal_async.scheduler.ledger import GroupState, Ledger, SampleRecord, SampleState
 from areal_async.scheduler.staleness import can_admit, is_fresh_enough
 
 
@@ -95,7 +95,7 @@ class SchedulerCore:
         out = []
         for gid in sorted(st.groups) if st else []:
             g = self.ledger.groups[gid]
-            if g.status == "running":
+            if g.status == GroupState.RUNNING:
                 out += self._abort(gid, f"worker_lost: {worker_id} ({why})", reissue=True)
         return out
 
@@ -106,7 +106,8 @@ class SchedulerCore:
         come for them are refused (already aborted): nothing is counted twice."""
         out = []
         for g in list(self.ledger.open_groups()):
-            if g.status == "running" and any(self.ledger.samples[s].status == "generated" for s in g.sample_ids):
+            unscored = any(self.ledger.samples[s].status == SampleState.GENERATED for s in g.sample_ids)
+            if g.status == GroupState.RUNNING and unscored:
                 out += self._abort(g.group_id, f"reward_worker_lost: {worker_id} ({why})", reissue=True)
         return out
 
@@ -147,7 +148,7 @@ class SchedulerCore:
         final, reported twice) changes nothing, and the others of the message still count."""
         whys = []
         for i, sid in enumerate(m.sample_ids):
-            if why := self.ledger.refuse(sid, m.group_id, "generated"):
+            if why := self.ledger.refuse(sid, m.group_id, SampleState.GENERATED):
                 whys.append(why)
                 continue
             ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
@@ -159,7 +160,7 @@ class SchedulerCore:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
         whys = []
         for sid, score, status in zip(m.sample_ids, m.scores, m.statuses):
-            if why := self.ledger.refuse(sid, m.group_id, "rewarded"):
+            if why := self.ledger.refuse(sid, m.group_id, SampleState.REWARDED):
                 whys.append(why)
                 continue
             self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(sid, score, status))

@@ -15,10 +15,36 @@ caller logs: they never change the books.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Optional
 
-FINAL = ("trained", "aborted")
-_NEXT = {"issued": "generated", "generated": "rewarded", "rewarded": "batched", "batched": "trained"}
+
+class SampleState(StrEnum):
+    """Where a sample is. A ``StrEnum``: each member *is* its string (``SampleState.TRAINED == "trained"``),
+    so trajectories.jsonl and checkpoints hold the same plain strings as before the enum existed."""
+
+    ISSUED = "issued"
+    GENERATED = "generated"
+    REWARDED = "rewarded"
+    BATCHED = "batched"
+    TRAINED = "trained"
+    ABORTED = "aborted"
+
+
+class GroupState(StrEnum):
+    """Where a group is: running until all its samples are rewarded, then ready, batched, trained."""
+
+    RUNNING = "running"
+    READY = "ready"
+    BATCHED = "batched"
+    TRAINED = "trained"
+    ABORTED = "aborted"
+
+
+FINAL = (SampleState.TRAINED, SampleState.ABORTED)
+GROUP_FINAL = (GroupState.TRAINED, GroupState.ABORTED)
+_ORDER = (SampleState.ISSUED, SampleState.GENERATED, SampleState.REWARDED, SampleState.BATCHED, SampleState.TRAINED)
+_NEXT = dict(zip(_ORDER, _ORDER[1:]))  # the one legal step forward from each non-final state
 
 
 @dataclass
@@ -27,7 +53,7 @@ class SampleRecord:
     group_id: str
     prompt_id: str
     problem_index: int
-    status: str = "issued"
+    status: SampleState = SampleState.ISSUED
     worker: str = ""
     version_min: int = -1
     version_max: int = -1
@@ -38,6 +64,9 @@ class SampleRecord:
     train_step: int = -1
     reason: str = ""
 
+    def __post_init__(self):
+        self.status = _state(SampleState, self.status, f"sample {self.sample_id!r}")
+
 
 @dataclass
 class GroupRecord:
@@ -47,7 +76,18 @@ class GroupRecord:
     sample_ids: list[str]
     worker: str
     issued_version: int
-    status: str = "running"  # running | ready | batched | trained | aborted
+    status: GroupState = GroupState.RUNNING
+
+    def __post_init__(self):
+        self.status = _state(GroupState, self.status, f"group {self.group_id!r}")
+
+
+def _state(kind: type[StrEnum], value: str, what: str) -> StrEnum:
+    """``value`` as a member of ``kind`` (a checkpoint holds plain strings); ValueError naming it if unknown."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what}: status {value!r} is not one of {[m.value for m in kind]}") from None
 
 
 class LedgerError(RuntimeError):
@@ -76,9 +116,9 @@ class Ledger:
         return self.groups[gid]
 
     # ---- progress ------------------------------------------------------------------------
-    def refuse(self, sample_id: str, group_id: str, event: Optional[str] = None) -> Optional[str]:
+    def refuse(self, sample_id: str, group_id: str, event: Optional[SampleState] = None) -> Optional[str]:
         """Why a message about this sample must be ignored, or None if it is live (and, with
-        ``event`` 'generated' or 'rewarded', not already recorded as such)."""
+        ``event`` GENERATED or REWARDED, not already recorded as such)."""
         rec = self.samples.get(sample_id)
         if rec is None:
             return f"unknown sample {sample_id!r}"
@@ -86,73 +126,74 @@ class Ledger:
             return f"sample {sample_id!r} belongs to group {rec.group_id!r}, not {group_id!r}"
         if rec.status in FINAL:
             return f"sample {sample_id!r} already {rec.status}"
-        if (event == "generated" and rec.status != "issued") or (event == "rewarded" and rec.score is not None):
+        generated_twice = event == SampleState.GENERATED and rec.status != SampleState.ISSUED
+        if generated_twice or (event == SampleState.REWARDED and rec.score is not None):
             return f"sample {sample_id!r} already {event}"
         return None
 
     def mark_generated(self, sample_id: str, version_min: int, version_max: int, n_tokens: int, finish: str) -> bool:
         """Record generation; True when the sample's group became ready."""
         rec = self.samples[sample_id]
-        if rec.status != "issued":
+        if rec.status != SampleState.ISSUED:
             raise LedgerError(f"sample {sample_id}: generated twice (status {rec.status})")
         rec.version_min, rec.version_max, rec.n_output_tokens, rec.finish_reason = version_min, version_max, n_tokens, finish
-        rec.status = "rewarded" if rec.score is not None else "generated"
+        rec.status = SampleState.REWARDED if rec.score is not None else SampleState.GENERATED
         return self._maybe_ready(rec.group_id)
 
     def mark_rewarded(self, sample_id: str, score: float, status: str) -> bool:
         """Record the reward; True when the sample's group became ready."""
         rec = self.samples[sample_id]
-        if rec.score is not None or rec.status not in ("issued", "generated"):
+        if rec.score is not None or rec.status not in (SampleState.ISSUED, SampleState.GENERATED):
             raise LedgerError(f"sample {sample_id}: rewarded twice (status {rec.status})")
         rec.score, rec.reward_status = float(score), status
-        if rec.status == "generated":
-            rec.status = "rewarded"
+        if rec.status == SampleState.GENERATED:
+            rec.status = SampleState.REWARDED
         return self._maybe_ready(rec.group_id)
 
     def _maybe_ready(self, gid: str) -> bool:
         g = self.groups[gid]
-        if g.status == "running" and all(self.samples[s].status == "rewarded" for s in g.sample_ids):
-            g.status = "ready"
+        if g.status == GroupState.RUNNING and all(self.samples[s].status == SampleState.REWARDED for s in g.sample_ids):
+            g.status = GroupState.READY
             return True
         return False
 
     def mark_batched(self, gids: list[str], step: int) -> None:
         for gid in gids:
-            self._advance_group(gid, "ready", "batched")
+            self._advance_group(gid, GroupState.READY, GroupState.BATCHED)
             for sid in self.groups[gid].sample_ids:
-                self._advance(sid, "batched")
+                self._advance(sid, SampleState.BATCHED)
                 self.samples[sid].train_step = step
 
     def mark_trained(self, gids: list[str]) -> list[SampleRecord]:
         out = []
         for gid in gids:
-            self._advance_group(gid, "batched", "trained")
+            self._advance_group(gid, GroupState.BATCHED, GroupState.TRAINED)
             for sid in self.groups[gid].sample_ids:
-                self._advance(sid, "trained")
+                self._advance(sid, SampleState.TRAINED)
                 self.n_trained += 1
                 out.append(self.samples[sid])
         return out
 
     def abort_group(self, gid: str, reason: str) -> list[SampleRecord]:
         g = self.groups[gid]
-        if g.status in ("trained", "aborted"):
+        if g.status in GROUP_FINAL:
             raise LedgerError(f"group {gid}: cannot abort, already {g.status}")
-        g.status = "aborted"
+        g.status = GroupState.ABORTED
         out = []
         for sid in g.sample_ids:
             rec = self.samples[sid]
-            rec.status, rec.reason = "aborted", reason
+            rec.status, rec.reason = SampleState.ABORTED, reason
             self.n_aborted += 1
             out.append(rec)
         return out
 
-    def _advance(self, sid: str, to: str) -> None:
+    def _advance(self, sid: str, to: SampleState) -> None:
         rec = self.samples[sid]
         if _NEXT.get(rec.status) != to:
             raise LedgerError(f"sample {sid}: illegal transition {rec.status} -> {to}")
         rec.status = to
 
-    def _advance_group(self, gid: str, frm: str, to: str) -> None:
+    def _advance_group(self, gid: str, frm: GroupState, to: GroupState) -> None:
         g = self.groups[gid]
         if g.status != frm:
             raise LedgerError(f"group {gid}: illegal transition {g.status} -> {to}")
@@ -163,7 +204,7 @@ class Ledger:
         return min(self.samples[s].version_min for s in self.groups[gid].sample_ids)
 
     def open_groups(self) -> list[GroupRecord]:
-        return [g for g in self.groups.values() if g.status not in ("trained", "aborted")]
+        return [g for g in self.groups.values() if g.status not in GROUP_FINAL]
 
     def counts(self) -> dict[str, int]:
         in_flight = sum(1 for r in self.samples.values() if r.status not in FINAL)
@@ -173,7 +214,7 @@ class Ledger:
 
     def forget_final(self) -> None:
         """Drop ended groups from memory (their lines are already in trajectories.jsonl)."""
-        for gid in [g.group_id for g in self.groups.values() if g.status in ("trained", "aborted")]:
+        for gid in [g.group_id for g in self.groups.values() if g.status in GROUP_FINAL]:
             for sid in self.groups.pop(gid).sample_ids:
                 self.samples.pop(sid)
 
