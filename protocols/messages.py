@@ -8,6 +8,11 @@ field is missing or unknown, every field's type, and the message's own consisten
 (``validate``: e.g. parallel per-sample lists of equal length). Anything else raises ``ProtocolError`` with
 a message that names what was wrong; receivers log it and keep serving.
 
+Side formats (``protocols.side``: the tensor header, the transport notes, the weight fetch, the
+reward pool's pipe) are ``SideMessage`` classes: the same typed fields and the same checks, in the
+flat layout those formats have always had on the wire. ``decode`` is the one place where msgpack
+bytes become a message, for both kinds.
+
 Never pickle: msgpack carries only plain data, so a peer cannot make us run code.
 Bulk tensors do not travel in these messages (see ``protocols.tensors`` for tensor frames).
 """
@@ -29,16 +34,28 @@ class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version."""
 
 
-REGISTRY: dict[str, type["Message"]] = {}
+REGISTRY: dict[str, type["Message"]] = {}  # control messages, looked up by the envelope's "t"
+SIDE_REGISTRY: dict[str, type["SideMessage"]] = {}  # side formats, always decoded against an explicit type
 
 
 def message(cls: type) -> type:
     """Class decorator: make a dataclass and register it under its TYPE name."""
+    return _register(cls, REGISTRY)
+
+
+def side_message(cls: type) -> type:
+    """Class decorator for a ``SideMessage``: a dataclass registered under its TYPE name."""
+    if not issubclass(cls, SideMessage):
+        raise TypeError(f"{cls.__name__} must subclass SideMessage")
+    return _register(cls, SIDE_REGISTRY)
+
+
+def _register(cls: type, registry: dict) -> type:
     cls = dataclass(cls)
     name = cls.TYPE
-    if name in REGISTRY:
+    if name in REGISTRY or name in SIDE_REGISTRY:
         raise RuntimeError(f"message type {name!r} registered twice")
-    REGISTRY[name] = cls
+    registry[name] = cls
     return cls
 
 
@@ -51,6 +68,19 @@ class Message:
     def validate(self) -> Optional[str]:
         """What is wrong with this message beyond field types (checked on encode and decode), or None."""
         return None
+
+
+class SideMessage(Message):
+    """A message of a side format, in that format's flat layout: ``{"v", "t", <fields>}`` (``INLINE``)
+    or, for the reward pool's private pipe, the bare map of fields. A field whose default is None
+    is left out while it is None (so ``{"score": 1.0}`` and ``{"error": "..."}`` are one type)."""
+
+    INLINE: ClassVar[bool] = True
+    MAX_BYTES: ClassVar[int] = MAX_MESSAGE_BYTES
+
+    def to_body(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if not (f.default is None and getattr(self, f.name) is None)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,41 +280,80 @@ class Pong(Message):
 
 
 def encode(msg: Message) -> bytes:
-    if type(msg).TYPE not in REGISTRY:
-        raise ProtocolError(f"cannot encode {type(msg).__name__}: not a registered message type")
+    cls = type(msg)
+    if REGISTRY.get(cls.TYPE, SIDE_REGISTRY.get(cls.TYPE)) is not cls:
+        raise ProtocolError(f"cannot encode {cls.__name__}: not a registered message type")
     for f in dataclasses.fields(msg):
-        _check_value(getattr(msg, f.name), _hints(type(msg))[f.name], f"{msg.TYPE}.{f.name}")
+        _check_value(getattr(msg, f.name), _hints(cls)[f.name], f"{msg.TYPE}.{f.name}")
     _check_consistent(msg)
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
+    if not isinstance(msg, SideMessage):
+        return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
+    body = msg.to_body()
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, **body} if msg.INLINE else body, use_bin_type=True)
 
 
 def decode(data: bytes | memoryview, expect: Optional[tuple[type, ...]] = None) -> Message:
-    """Bytes -> message, or ProtocolError naming the problem."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    env = _unpack(data)
+    """Bytes -> message, or ProtocolError naming the problem. The one msgpack decode of the project.
+
+    ``expect``: the message classes acceptable here. Control messages may leave it None (any
+    registered type); side formats must name theirs (all side classes, never mixed with control)."""
+    side = _is_side(expect)
+    limit = max(c.MAX_BYTES for c in expect) if side else MAX_MESSAGE_BYTES
+    if len(data) > limit:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {limit}-byte limit")
+    raw = _unpack(data)
+    cls, body = _side_body(raw, expect) if side else _envelope_body(raw, expect)
+    return _build(cls, body)
+
+
+def _is_side(expect: Optional[tuple[type, ...]]) -> bool:
+    kinds = {issubclass(c, SideMessage) for c in expect or ()}
+    if len(kinds) > 1:
+        raise TypeError(f"expect mixes side formats and control messages: {[c.__name__ for c in expect]}")
+    if True in kinds and len(expect) > 1 and not all(c.INLINE for c in expect):
+        raise TypeError(f"a bare side format carries no type name: expect exactly one, got {expect}")
+    return kinds == {True}
+
+
+def _unpack(data: bytes | memoryview) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
+
+
+def _envelope_body(env: Any, expect: Optional[tuple[type, ...]]) -> tuple[type, dict]:
+    if not isinstance(env, dict) or set(env) != {"v", "t", "b"}:
+        got = sorted(env) if isinstance(env, dict) else type(env).__name__
+        raise ProtocolError(f"frame is not a message envelope {{v, t, b}} (got {got})")
+    _check_version(env["v"])
+    if not isinstance(env["b"], dict):
+        raise ProtocolError(f"message body of {env['t']!r} is {type(env['b']).__name__}, expected a map")
     name = env["t"]
     cls = REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {name!r} (known: {', '.join(sorted(REGISTRY))})")
     if expect is not None and cls not in expect:
         raise ProtocolError(f"unexpected message type {name!r} here (expected {', '.join(c.TYPE for c in expect)})")
-    return _build(cls, env["b"])
+    return cls, env["b"]
 
 
-def _unpack(data: bytes | memoryview) -> dict:
-    try:
-        env = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
-    if not isinstance(env, dict) or set(env) != {"v", "t", "b"}:
-        got = sorted(env) if isinstance(env, dict) else type(env).__name__
-        raise ProtocolError(f"frame is not a message envelope {{v, t, b}} (got {got})")
-    if env["v"] != PROTOCOL_VERSION:
-        raise ProtocolError(f"protocol version {env['v']!r} is not supported (this side speaks {PROTOCOL_VERSION})")
-    if not isinstance(env["b"], dict):
-        raise ProtocolError(f"message body of {env['t']!r} is {type(env['b']).__name__}, expected a map")
-    return env
+def _side_body(raw: Any, expect: tuple[type, ...]) -> tuple[type, dict]:
+    names = " or ".join(c.TYPE for c in expect)
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"{names} frame is {type(raw).__name__} {_short(raw)}, expected a map")
+    if not expect[0].INLINE:
+        return expect[0], raw
+    _check_version(raw.get("v"))
+    cls = next((c for c in expect if c.TYPE == raw.get("t")), None)
+    if cls is None:
+        raise ProtocolError(f"expected a {names} frame, got type {_short(raw.get('t'))}")
+    return cls, {k: v for k, v in raw.items() if k not in ("v", "t")}
+
+
+def _check_version(v: Any) -> None:
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {v!r} is not supported (this side speaks {PROTOCOL_VERSION})")
 
 
 def _build(cls: type, body: dict) -> Message:

@@ -13,13 +13,11 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import msgpack
 import torch
 
-from protocols.messages import PROTOCOL_VERSION, ProtocolError
+from protocols.messages import ProtocolError, decode, encode
+from protocols.side import TensorHeader
 
-MAX_HEADER_BYTES = 4 * 1024 * 1024
-MAX_TENSORS = 1 << 16
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -43,11 +41,13 @@ def spec_of(name: str, t: torch.Tensor) -> dict:
     return {"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "nbytes": t.numel() * t.element_size()}
 
 
+def header_bytes(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:
+    """The ``TensorHeader`` frame describing ``tensors`` (on any device)."""
+    return encode(TensorHeader(key=key, meta=meta, specs=[spec_of(n, t) for n, t in tensors.items()]))
+
+
 def encode_tensors(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> list:
-    specs = [spec_of(n, t) for n, t in tensors.items()]
-    header = msgpack.packb({"v": PROTOCOL_VERSION, "t": "tensors", "key": key, "meta": meta, "specs": specs},
-                           use_bin_type=True)
-    return [header] + [tensor_bytes(t) for t in tensors.values()]
+    return [header_bytes(key, meta, tensors)] + [tensor_bytes(t) for t in tensors.values()]
 
 
 def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Tensor]]:
@@ -55,36 +55,23 @@ def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Te
     if not frames:
         raise ProtocolError("tensor message has no frames")
     header = parse_header(_buf(frames[0]))
-    specs = header["specs"]
+    specs = header.specs
     if len(frames) - 1 != len(specs):
-        raise ProtocolError(f"tensor message {header['key']!r}: header lists {len(specs)} tensors, got {len(frames) - 1} frames")
+        raise ProtocolError(f"tensor message {header.key!r}: header lists {len(specs)} tensors, "
+                            f"got {len(frames) - 1} frames")
     out = {}
     for spec, frame in zip(specs, frames[1:]):
-        out[spec["name"]] = _tensor(spec, _buf(frame), header["key"])
-    return header["key"], header["meta"], out
+        out[spec["name"]] = _tensor(spec, _buf(frame), header.key)
+    return header.key, header.meta, out
 
 
 def _buf(frame: Any) -> memoryview:
     return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
 
 
-def parse_header(buf: memoryview) -> dict:
-    """Validated tensor header (envelope, version, key/meta/specs types); ProtocolError if not."""
-    if len(buf) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"tensor header of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
-    try:
-        h = msgpack.unpackb(buf, raw=False)
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"tensor header is not valid msgpack ({type(e).__name__}: {e})") from None
-    if not isinstance(h, dict) or h.get("t") != "tensors":
-        raise ProtocolError("first frame is not a tensor header")
-    if h.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"tensor header protocol version {h.get('v')!r} is not {PROTOCOL_VERSION}")
-    if not isinstance(h.get("key"), str) or not isinstance(h.get("meta"), dict) or not isinstance(h.get("specs"), list):
-        raise ProtocolError("tensor header needs key (str), meta (map) and specs (list)")
-    if len(h["specs"]) > MAX_TENSORS:
-        raise ProtocolError(f"tensor header lists {len(h['specs'])} tensors (limit {MAX_TENSORS})")
-    return h
+def parse_header(buf: bytes | memoryview) -> TensorHeader:
+    """The validated header frame (version, type, fields and their types); ``ProtocolError`` if not."""
+    return decode(buf, (TensorHeader,))
 
 
 def check_spec(spec: Any, have: int, key: str) -> tuple[str, torch.dtype, list[int]]:

@@ -15,7 +15,7 @@ import torch
 from areal_async.transport import ProtocolError, make_tensor_channel, make_weight_channel
 from areal_async.transport.buckets import state_checksum
 from areal_async.transport.frames import header_bytes
-from areal_async.transport.notify import pack_note
+from protocols.side import GroupTensors
 from protocols.sockets import free_tcp_port
 from test_transport_helpers import Peer, ask, assert_bit_exact, reply, sample_tensors
 
@@ -51,7 +51,7 @@ def _rollout_rank(conn, rank: int, cfg: dict) -> None:
 def _send_mislabelled(tx, rank: int) -> None:
     """A note whose header says float64[4] (32 bytes) while 16 bytes of payload follow."""
     header = header_bytes("bad", {}, {"x": torch.zeros(4, dtype=torch.float64)})
-    tx._pipe.sock.send(pack_note("group_tensors", {"src": rank, "sizes": [16], "header": header}))
+    tx._pipe.send_note(GroupTensors(src=rank, sizes=[16], header=header))
     tx.group.wait(tx.group.send([torch.zeros(16, dtype=torch.uint8)], 0))
 
 

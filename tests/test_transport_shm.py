@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import msgpack
 import pytest
 import torch
 import zmq
@@ -12,8 +13,8 @@ from areal_async.transport import (ManifestError, ProtocolError, TransportError,
                                    make_weight_channel)
 from areal_async.transport.buckets import state_checksum
 from areal_async.transport.frames import header_bytes
-from areal_async.transport.notify import pack_note
 from areal_async.transport.shm import CTRL, SHM_DIR
+from protocols.messages import PROTOCOL_VERSION
 from protocols.sockets import make_socket
 from test_transport_helpers import Peer, ask, assert_bit_exact, no_shm_leaks, reply, sample_tensors  # noqa: F401
 
@@ -97,6 +98,11 @@ def test_views_share_the_slab_and_slabs_are_reused_once_dropped(pair):
     assert len(tx._pool.slabs) == 2  # reused, not grown
 
 
+def pack_note(kind: str, body: dict) -> bytes:
+    """A note as the untyped code built it (hand-made here, so it can be wrong)."""
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **body}, use_bin_type=True)
+
+
 def test_bad_notes_raise_and_the_receiver_keeps_serving(pair):
     tx, rx = pair
     good = {"x": torch.arange(6, dtype=torch.int64)}
@@ -118,7 +124,12 @@ def test_bad_notes_raise_and_the_receiver_keeps_serving(pair):
         (pack_note("shm_tensors", {**note, "seg": "../etc/passwd", "header": mislabelled}), TransportError,
          "segment name"),
         (pack_note("shm_tensors", {**note, "sizes": [48, 8], "header": mislabelled}), ProtocolError, "payload has 2"),
-        (pack_note("shm_tensors", {"seg": slab.seg.name}), ProtocolError, "expected"),
+        (pack_note("shm_tensors", {"seg": slab.seg.name}), ProtocolError, "shm_tensors: missing field 'size'"),
+        (pack_note("shm_tensors", {**note, "header": mislabelled, "ttl": 5}), ProtocolError,
+         "shm_tensors: unknown field 'ttl'"),
+        (pack_note("shm_tensors", {**note, "pooled": "yes", "header": mislabelled}), ProtocolError,
+         "shm_tensors.pooled: expected bool, got str"),
+        (pack_note("shm_retire", {"segs": [slab.seg.name, 7]}), ProtocolError, "shm_retire.segs: expected list"),
     ]
     for raw_note, exc, match in cases:
         slab.ctrl[0] = 1  # as if the sender had just filled it

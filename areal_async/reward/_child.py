@@ -1,12 +1,15 @@
 """Entry point of one reward child process (``python -m areal_async.reward._child PARENT_PID``).
 
-Protocol, msgpack frames (see ``_wire.py``) over the child's stdin/stdout, never
-pickle, one task at a time:
+Protocol, msgpack frames (see ``_wire.py``; the typed messages of ``protocols.side``) over the
+child's stdin/stdout, never pickle, one task at a time:
 
-    parent -> child  {"fn": "mod:func", "kwargs": {...}, "memory_limit_mb": N}   once, first
-    child  -> parent {"ready": true, "pid": ...} | {"ready": false, "error": "..."}
-    parent -> child  {"completion": "...", "solutions": ["..."]}  repeated
-    child  -> parent {"score": 1.0} | {"error": "..."}
+    parent -> child  RewardInit  {"fn": "mod:func", "kwargs": {...}, "memory_limit_mb": N}   once, first
+    child  -> parent RewardReady {"ready": true, "pid": ...} | {"ready": false, "error": "..."}
+    parent -> child  RewardTask  {"completion": "...", "solutions": ["..."]}  repeated
+    child  -> parent RewardReply {"score": 1.0} | {"error": "..."}
+
+A task frame that is not a valid ``RewardTask`` is answered with an error reply naming the
+problem; the child keeps serving (the length prefix keeps the stream in step).
 
 The reward function runs in this process's MAIN thread. The child exits when its stdin closes
 (the parent closed the pool or died); a watchdog thread also exits it when it is re-parented
@@ -26,6 +29,8 @@ import threading
 import time
 
 from areal_async.reward._wire import encode_frame, read_frame
+from protocols.messages import ProtocolError
+from protocols.side import RewardInit, RewardReady, RewardReply, RewardTask
 
 _WATCHDOG_PERIOD_S = 1.0
 
@@ -48,46 +53,63 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(_WATCHDOG_PERIOD_S)
 
 
-def _run_one(fn, kwargs: dict, msg: dict) -> dict:
+def _run_one(fn, kwargs: dict, task: RewardTask) -> RewardReply:
     try:
-        value = fn(msg["completion"], msg["solutions"], **kwargs)
+        value = fn(task.completion, task.solutions, **kwargs)
     except Exception as e:  # the reward fn's bug becomes an "error" outcome; this child lives on
-        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+        return RewardReply(error=f"{type(e).__name__}: {e}"[:2000])
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         kind = type(value).__name__
-        return {"error": f"reward function returned {value!r:.200} ({kind}); expected a finite real number"}
-    return {"score": float(value)}
+        return RewardReply(error=f"reward function returned {value!r:.200} ({kind}); expected a finite real number")
+    return RewardReply(score=float(value))
 
 
-def _load(init: dict | None):
+def _load(proto_in):
     """(fn, kwargs, ready message) from the init message."""
     from areal_async.utils.plugins import load_callable
 
-    if not init or "fn" not in init:
-        return None, None, {"ready": False, "error": f"bad init message {init!r:.200}"}
     try:
-        fn = load_callable(init["fn"])
+        init = read_frame(proto_in, RewardInit)
+    except ProtocolError as e:
+        return None, None, RewardReady(ready=False, error=f"bad init message: {e}")
+    if init is None:
+        return None, None, RewardReady(ready=False, error="no init message (stdin closed)")
+    try:
+        fn = load_callable(init.fn)
     except ValueError as e:
-        return None, None, {"ready": False, "error": str(e)}
-    limit_mb = init.get("memory_limit_mb") or 0
-    if limit_mb:  # after the imports: the cap is for the checks, not for loading the function
+        return None, None, RewardReady(ready=False, error=str(e))
+    if init.memory_limit_mb:  # after the imports: the cap is for the checks, not for loading the function
         import resource
 
-        resource.setrlimit(resource.RLIMIT_AS, (limit_mb << 20, limit_mb << 20))
-    return fn, init.get("kwargs") or {}, {"ready": True, "pid": os.getpid()}
+        resource.setrlimit(resource.RLIMIT_AS, (init.memory_limit_mb << 20, init.memory_limit_mb << 20))
+    return fn, init.kwargs, RewardReady(ready=True, pid=os.getpid())
+
+
+def _serve(fn, kwargs: dict, proto_in, proto_out) -> None:
+    """Answer tasks until stdin closes; a malformed task gets an error reply, not a crash."""
+    while True:
+        try:
+            task = read_frame(proto_in, RewardTask)
+        except ProtocolError as e:
+            reply = RewardReply(error=f"ProtocolError: {e}")
+        else:
+            if task is None:
+                return
+            reply = _run_one(fn, kwargs, task)
+        proto_out.write(encode_frame(reply))
+        proto_out.flush()
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent; it kills us
     threading.Thread(target=_watch_parent, args=(int(argv[0]),), daemon=True).start()
     proto_in, proto_out = _protocol_streams()
-    fn, kwargs, ready = _load(read_frame(proto_in))
+    fn, kwargs, ready = _load(proto_in)
     try:
         proto_out.write(encode_frame(ready))
         proto_out.flush()
-        while fn is not None and (msg := read_frame(proto_in)) is not None:
-            proto_out.write(encode_frame(_run_one(fn, kwargs, msg)))
-            proto_out.flush()
+        if fn is not None:
+            _serve(fn, kwargs, proto_in, proto_out)
     except BrokenPipeError:  # the parent died mid-check: nobody to answer, nothing to report
         os._exit(0)
     return 0 if fn is not None else 1

@@ -50,9 +50,10 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import msgpack
 
 from areal_async.reward._wire import HEADER, encode_frame
+from protocols.messages import SideMessage, decode
+from protocols.side import RewardInit, RewardReady, RewardReply, RewardTask
 from areal_async.utils.plugins import load_callable
 
 __all__ = ["RewardOutcome", "RewardPool", "DEFAULT_REWARD_FN"]
@@ -87,7 +88,7 @@ class _ChildSpec:
         # The child must import exactly what the parent can (e.g. test helpers on pytest's path).
         paths = [os.path.abspath(p) for p in sys.path if isinstance(p, str)]
         self.env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        self.init_frame = encode_frame({"fn": fn, "kwargs": fn_kwargs, "memory_limit_mb": memory_limit_mb})
+        self.init_frame = encode_frame(RewardInit(fn=fn, kwargs=fn_kwargs, memory_limit_mb=memory_limit_mb))
 
     def start(self) -> subprocess.Popen:
         proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env, bufsize=0)
@@ -143,22 +144,22 @@ class _Slot:
             return None
         t0 = time.monotonic()
         try:
-            msg = _read_frame(proc, t0 + self.startup_timeout_s)
+            msg = _read_frame(proc, t0 + self.startup_timeout_s, RewardReady)
         except (_Timeout, EOFError, OSError, ValueError) as e:
-            msg = {"ready": False, "error": f"{type(e).__name__}: {e}" if str(e) else type(e).__name__}
-        if msg.get("ready"):
+            msg = RewardReady(ready=False, error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+        if msg.ready:
             self.ready = True
             return None
         self._replace(proc)
-        detail = f"reward process pid {proc.pid} failed to start: {msg.get('error')}"
+        detail = f"reward process pid {proc.pid} failed to start: {msg.error}"
         return RewardOutcome(0.0, "error", detail, time.monotonic() - t0)
 
     def _check(self, proc, completion: str, solutions: list[str]) -> RewardOutcome:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         try:
-            _write_frame(proc, encode_frame({"completion": completion, "solutions": solutions}), deadline)
-            reply = _read_frame(proc, deadline)
+            _write_frame(proc, encode_frame(RewardTask(completion=completion, solutions=list(solutions))), deadline)
+            reply = _read_frame(proc, deadline, RewardReply)
         except _Timeout:
             self._replace(proc)
             logger.warning("reward check killed at its %.3g s timeout (pid %d)", self.timeout_s, proc.pid)
@@ -180,12 +181,11 @@ class _Slot:
         return code
 
 
-def _outcome(reply: dict, elapsed_s: float) -> RewardOutcome:
-    if "error" in reply:
-        return RewardOutcome(0.0, "error", str(reply["error"]), elapsed_s)
-    if not isinstance(reply.get("score"), (int, float)):  # the child checks; this guards the wire
-        return RewardOutcome(0.0, "error", f"malformed reply {reply!r:.200}; expected {{'score': float}}", elapsed_s)
-    return RewardOutcome(float(reply["score"]), "ok", "", elapsed_s)
+def _outcome(reply: RewardReply, elapsed_s: float) -> RewardOutcome:
+    """The reply's type was checked on decode (exactly one of score and error)."""
+    if reply.error is not None:
+        return RewardOutcome(0.0, "error", reply.error, elapsed_s)
+    return RewardOutcome(float(reply.score), "ok", "", elapsed_s)
 
 
 def _kill(proc: subprocess.Popen) -> int | None:
@@ -214,15 +214,13 @@ def _write_frame(proc, frame: bytes, deadline: float) -> None:
             continue
 
 
-def _read_frame(proc, deadline: float) -> dict:
+def _read_frame(proc, deadline: float, expect: type[SideMessage]) -> SideMessage:
+    """The child's next reply as an ``expect``; ValueError (``ProtocolError``) if it is not one."""
     fd = proc.stdout.fileno()
     (n,) = HEADER.unpack(_read_exact(fd, HEADER.size, deadline))
     if n > _MAX_FRAME:
         raise ValueError(f"reply frame of {n} bytes from pid {proc.pid}; expected < {_MAX_FRAME}")
-    msg = msgpack.unpackb(_read_exact(fd, n, deadline), raw=False)
-    if not isinstance(msg, dict):
-        raise ValueError(f"reply from pid {proc.pid} is {msg!r:.80}; expected a map")
-    return msg
+    return decode(_read_exact(fd, n, deadline), (expect,))
 
 
 def _read_exact(fd: int, n: int, deadline: float) -> bytes:

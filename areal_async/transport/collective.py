@@ -37,11 +37,11 @@ import torch
 from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, WeightChannel
 from areal_async.transport.frames import flat_bytes, header_bytes, layout, parse_header, tensor_views
-from areal_async.transport.notify import Pipe, deadline_of, int_list, pack_note, unpack_note
+from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
+from protocols.side import GroupTensors
 
 MAX_MESSAGE_BYTES = 64 << 30  # a note asking for more is garbage, not a trajectory
-_SCHEMA = {"group_tensors": {"src": int, "sizes": list, "header": bytes}}
 _STORES: dict[tuple[str, int], Any] = {}
 
 
@@ -147,13 +147,13 @@ class CollectiveTensorChannel(TensorChannel):
         header = header_bytes(key, meta or {}, tensors)
         payload = [flat_bytes(t.to(self.group.device)) for t in tensors.values()]
         sizes = [p.numel() for p in payload]
-        self._pipe.sock.send(pack_note("group_tensors", {"src": self.group.rank, "sizes": sizes, "header": header}))
+        self._pipe.send_note(GroupTensors(src=self.group.rank, sizes=sizes, header=header))
         self.group.wait(self.group.send([p for p in payload if p.numel()], self.dst))
 
     def recv(self, timeout_s: Optional[float] = None) -> tuple[str, dict, Tensors]:
         self._pipe.wait(deadline_of(timeout_s))
-        note = unpack_note(self._pipe.sock.recv(copy=False), _SCHEMA)
-        src, sizes = note["src"], int_list(note["sizes"], "sizes")
+        note = self._pipe.recv_note((GroupTensors,))
+        src, sizes = note.src, note.sizes
         if not 0 <= src < self.group.world_size or src == self.group.rank:
             raise ProtocolError(f"tensor note names source rank {src}, expected a peer in [0, {self.group.world_size})")
         offsets, total = layout(sizes)
@@ -162,8 +162,8 @@ class CollectiveTensorChannel(TensorChannel):
         flat = self.group.alloc(total)
         bufs = [flat[o:o + n] for o, n in zip(offsets, sizes) if n]
         self.group.wait(self.group.recv(bufs, src))
-        header = parse_header(note["header"])  # checked after draining: a bad one cannot desync the pair
-        return header["key"], header["meta"], tensor_views(header, flat, offsets, sizes)
+        header = parse_header(note.header)  # checked after draining: a bad one cannot desync the pair
+        return header.key, header.meta, tensor_views(header, flat, offsets, sizes)
 
     def close(self) -> None:
         self._pipe.close()

@@ -24,12 +24,12 @@ import torch
 from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, TransportUnavailable, WeightChannel
 from areal_async.transport.frames import ALIGN, header_bytes, layout, parse_header, tensor_views, view_as
-from areal_async.transport.notify import Pipe, deadline_of, int_list, pack_note, unpack_note
+from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
+from protocols.side import IpcTensors
 
 _IPC_FIELDS = {"device": int, "handle": bytes, "storage_bytes": int, "storage_offset": int, "ref_handle": bytes,
                "ref_offset": int, "event_handle": (bytes, type(None)), "event_sync": bool, "offset": int, "nbytes": int}
-_SCHEMA = {"ipc_tensors": {"ipc": (dict, type(None)), "offsets": list, "sizes": list, "header": bytes}}
 
 
 def require_cuda(device: Optional[int]) -> torch.device:
@@ -80,16 +80,15 @@ class CudaIpcTensorChannel(TensorChannel):
             if n:
                 view_as(buf[off:off + n], t.dtype, list(t.shape)).copy_(t.detach())
         ipc = share(buf) if total else None
-        self._pipe.sock.send(pack_note("ipc_tensors", {"ipc": ipc, "offsets": offsets, "sizes": sizes, "header": header}))
+        self._pipe.send_note(IpcTensors(ipc=ipc, offsets=offsets, sizes=sizes, header=header))
         torch.cuda.ipc_collect()  # reclaim earlier buffers receivers are done with
 
     def recv(self, timeout_s: Optional[float] = None) -> tuple[str, dict, Tensors]:
         self._pipe.wait(deadline_of(timeout_s))
-        note = unpack_note(self._pipe.sock.recv(copy=False), _SCHEMA)
-        header = parse_header(note["header"])
-        flat = open_shared(note["ipc"]) if note["ipc"] is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
-        return header["key"], header["meta"], tensor_views(header, flat, int_list(note["offsets"], "offsets"),
-                                                           int_list(note["sizes"], "sizes"))
+        note = self._pipe.recv_note((IpcTensors,))
+        header = parse_header(note.header)
+        flat = open_shared(note.ipc) if note.ipc is not None else torch.empty(0, dtype=torch.uint8, device=self.device)
+        return header.key, header.meta, tensor_views(header, flat, note.offsets, note.sizes)
 
     def close(self) -> None:
         self._pipe.close()

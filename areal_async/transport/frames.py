@@ -1,7 +1,7 @@
 """Tensor headers and zero-copy views, shared by the channels that move payload out of band.
 
-The header is the one of ``protocols.tensors`` (msgpack ``{"v", "t": "tensors", "key", "meta",
-"specs"}``, each spec ``{name, dtype, shape, nbytes}``), parsed by the same function, so every
+The header is the one of ``protocols.tensors`` (the ``protocols.side.TensorHeader`` message, each
+spec ``{name, dtype, shape, nbytes}``), built and parsed by the same functions, so every
 channel rejects the same malformed headers with the same ``ProtocolError``. What differs here:
 the payload is one flat uint8 buffer (a shared-memory slab, a gloo/NCCL receive buffer, a CUDA
 IPC allocation) with each tensor at a 64-byte aligned offset, and tensors come back as *views*
@@ -16,31 +16,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import msgpack
 import torch
 
-from protocols.messages import PROTOCOL_VERSION, ProtocolError
-from protocols.tensors import check_spec, parse_header as _parse_header, spec_of
+from protocols.messages import ProtocolError
+from protocols.side import TensorHeader
+from protocols.tensors import check_spec, header_bytes, parse_header
+
+__all__ = ["ALIGN", "align", "flat_bytes", "header_bytes", "layout", "parse_header", "tensor_views", "view_as"]
 
 ALIGN = 64  # cache line; also a multiple of every element size, so dtype views are legal
 
 
 def align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def header_bytes(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:
-    """The ``protocols.tensors`` header for ``tensors`` (on any device)."""
-    if not isinstance(key, str):
-        raise TypeError(f"message key must be a str, got {type(key).__name__}")
-    specs = [spec_of(n, t) for n, t in tensors.items()]
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": "tensors", "key": key, "meta": meta or {}, "specs": specs},
-                         use_bin_type=True)
-
-
-def parse_header(buf: bytes | memoryview) -> dict:
-    """Validated header dict (envelope, version, key/meta/specs types); ``ProtocolError`` if not."""
-    return _parse_header(memoryview(buf))
 
 
 def layout(sizes: Sequence[int]) -> tuple[list[int], int]:
@@ -67,9 +55,10 @@ def view_as(flat: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.T
     return flat.view(dtype).reshape(shape)
 
 
-def tensor_views(header: dict, flat: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> dict[str, torch.Tensor]:
+def tensor_views(header: TensorHeader, flat: torch.Tensor, offsets: Sequence[int],
+                 sizes: Sequence[int]) -> dict[str, torch.Tensor]:
     """Check every spec against the payload actually present and return views into ``flat``."""
-    specs, key = header["specs"], header["key"]
+    specs, key = header.specs, header.key
     if len(specs) != len(offsets) or len(specs) != len(sizes):
         raise ProtocolError(f"tensor message {key!r}: header lists {len(specs)} tensors, payload has {len(sizes)}")
     out: dict[str, torch.Tensor] = {}

@@ -39,8 +39,9 @@ import torch
 from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, TransportError, WeightChannel
 from areal_async.transport.frames import ALIGN, header_bytes, layout, parse_header, tensor_views, view_as
-from areal_async.transport.notify import Pipe, deadline_of, int_list, pack_note, unpack_note
+from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
+from protocols.side import ShmRetire, ShmTensors
 
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "areal_"
@@ -48,8 +49,6 @@ _NAME_RE = re.compile(r"areal_[A-Za-z0-9_.-]{1,200}")
 CTRL = 64  # control block at the head of a slab: byte 0 state (FREE/BUSY), byte 1 receiver-mapped
 FREE, BUSY = 0, 1
 QUANTUM = 1 << 20  # slab sizes are rounded up to this, so similar messages share slabs
-_SCHEMA = {"shm_tensors": {"seg": str, "size": int, "pooled": bool, "offsets": list, "sizes": list, "header": bytes},
-           "shm_retire": {"segs": list}}
 
 
 def new_prefix(run_id: Optional[str] = None) -> str:
@@ -199,9 +198,8 @@ class ShmTensorChannel(TensorChannel):
             for t, off, n in zip(tensors.values(), offsets, sizes):
                 if n:  # copy_ handles strides and devices: this is the one memcpy of the path
                     view_as(data[off:off + n], t.dtype, list(t.shape)).copy_(t.detach())
-            note = {"seg": slab.seg.name, "size": slab.seg.size, "pooled": slab.pooled, "offsets": offsets,
-                    "sizes": sizes, "header": header}
-            self._pipe.sock.send(pack_note("shm_tensors", note))
+            self._pipe.send_note(ShmTensors(seg=slab.seg.name, size=slab.seg.size, pooled=slab.pooled,
+                                            offsets=offsets, sizes=sizes, header=header))
         except BaseException:
             slab.release()
             raise
@@ -210,25 +208,24 @@ class ShmTensorChannel(TensorChannel):
         deadline = deadline_of(timeout_s)
         while True:
             self._pipe.wait(deadline)
-            note = unpack_note(self._pipe.sock.recv(copy=False), _SCHEMA)
-            if note["t"] == "shm_tensors":
+            note = self._pipe.recv_note((ShmTensors, ShmRetire))
+            if isinstance(note, ShmTensors):
                 return self._open(note)
-            for name in note["segs"]:  # a sender closed: forget its slabs (memory goes with the last view)
+            for name in note.segs:  # a sender closed: forget its slabs (memory goes with the last view)
                 self._maps.pop(name, None)
 
-    def _open(self, note: dict) -> tuple[str, dict, Tensors]:
-        slab = self._slab(note["seg"], note["size"], note["pooled"])
+    def _open(self, note: ShmTensors) -> tuple[str, dict, Tensors]:
+        slab = self._slab(note.seg, note.size, note.pooled)
         try:
-            header = parse_header(note["header"])
+            header = parse_header(note.header)
             lease = slab.seg.array(CTRL)  # one object per message: its death frees the slab
-            views = tensor_views(header, torch.from_numpy(lease), int_list(note["offsets"], "offsets"),
-                                 int_list(note["sizes"], "sizes"))
+            views = tensor_views(header, torch.from_numpy(lease), note.offsets, note.sizes)
         except BaseException:
             slab.release()
             raise
         if slab.pooled:
             weakref.finalize(lease, slab.release)
-        return header["key"], header["meta"], views
+        return header.key, header.meta, views
 
     def _slab(self, name: str, size: int, pooled: bool) -> _Slab:
         slab = self._maps.get(name)
@@ -249,7 +246,7 @@ class ShmTensorChannel(TensorChannel):
         if self._pool is not None:
             names = self._pool.close(self._grace)
             if names:
-                self._pipe.sock.send(pack_note("shm_retire", {"segs": names}))
+                self._pipe.send_note(ShmRetire(segs=names))
             self._pool = None
         self._maps.clear()
         self._pipe.close()

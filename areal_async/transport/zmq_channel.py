@@ -21,14 +21,14 @@ import threading
 import time
 from typing import Optional
 
-import msgpack
 import torch
 import zmq
 
 from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, TransportError, WeightChannel
 from areal_async.transport.notify import Pipe, deadline_of
-from protocols.messages import PROTOCOL_VERSION, ProtocolError
+from protocols.messages import ProtocolError, decode, encode
+from protocols.side import WeightFetch
 from protocols.sockets import make_socket
 from protocols.tensors import decode_tensors, encode_tensors
 
@@ -115,7 +115,7 @@ def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float,
         asked = 0
         while len(out) < len(sizes):
             while asked < len(sizes) and asked - len(out) < WINDOW:
-                sock.send(msgpack.packb({"v": PROTOCOL_VERSION, "t": "weight_fetch", "version": version, "bucket": asked}))
+                sock.send(encode(WeightFetch(version=version, bucket=asked)))
                 asked += 1
             out.append(_bucket_reply(sock, version, len(out), sizes, timeout_s, cancel))
         return out
@@ -185,10 +185,11 @@ class _BucketServer:
 
     def _reply(self, peer: bytes, raw: bytes) -> None:
         try:
-            version, k = _parse_fetch(raw)
+            req = decode(raw, (WeightFetch,))
         except ProtocolError as e:  # a bad request is answered, never fatal for the server
             self._sock.send_multipart([peer] + encode_tensors("error", {"error": str(e)}, {}))
             return
+        version, k = req.version, req.bucket
         with self._lock:
             bufs = self._versions.get(version)
             if bufs is None or not 0 <= k < len(bufs):
@@ -203,15 +204,3 @@ class _BucketServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close()
-
-
-def _parse_fetch(raw: bytes) -> tuple[int, int]:
-    try:
-        req = msgpack.unpackb(raw, raw=False)
-    except Exception as e:  # msgpack raises several unrelated exception types
-        raise ProtocolError(f"weight fetch is not msgpack ({type(e).__name__})") from None
-    if not isinstance(req, dict) or req.get("t") != "weight_fetch" or req.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"expected a weight_fetch request of protocol v{PROTOCOL_VERSION}, got {req!r:.200}")
-    if not isinstance(req.get("version"), int) or not isinstance(req.get("bucket"), int):
-        raise ProtocolError(f"weight_fetch needs int version and bucket, got {req!r:.200}")
-    return req["version"], req["bucket"]

@@ -1,0 +1,178 @@
+"""Side formats: the msgpack frames that are not control messages, typed like them.
+
+Each is a ``SideMessage`` (see ``protocols.messages``): fields and their types are checked on
+encode and on ``decode(data, (Cls, ...))``, so a missing, unknown or mistyped field is a
+``ProtocolError`` naming it, exactly as on the control plane. Their layout on the wire is the
+one they had before they were typed (flat ``{"v", "t", <fields>}``; the reward pipe: the bare
+field map), so no peer sees a change but the stricter checks.
+
+- ``TensorHeader``: first frame of a tensor message (``protocols.tensors``, ``transport.frames``).
+- ``ShmTensors``, ``ShmRetire``, ``GroupTensors``, ``IpcTensors``: the notes the shm, gloo/nccl
+  and cuda_ipc channels push while the payload moves out of band (``transport.notify``).
+- ``WeightFetch``: a rollout worker asks the zmq weight publisher for one bucket.
+- ``RewardInit``, ``RewardReady``, ``RewardTask``, ``RewardReply``: the reward pool <-> child pipe
+  (length-prefixed frames, ``areal_async.reward._wire``).
+
+Only msgpack-level imports here (no torch): the reward child imports this module.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Optional
+
+from protocols.messages import SideMessage, side_message
+
+MAX_TENSORS = 1 << 16
+
+
+def _negative(msg: SideMessage, *names: str) -> Optional[str]:
+    """The check of byte offsets/sizes lists: every entry >= 0."""
+    for name in names:
+        bad = [x for x in getattr(msg, name) if x < 0]
+        if bad:
+            return f"{name} has a negative entry {bad[0]}: expected ints >= 0"
+    return None
+
+
+# ---- tensors ---------------------------------------------------------------------------------
+
+
+@side_message
+class TensorHeader(SideMessage):
+    """What follows a tensor message's header: each spec ``{name, dtype, shape, nbytes}`` (checked
+    against the payload by ``protocols.tensors.check_spec``)."""
+    TYPE: ClassVar[str] = "tensors"
+    MAX_BYTES: ClassVar[int] = 4 * 1024 * 1024
+    key: str
+    meta: dict
+    specs: list[dict]
+
+    def validate(self) -> Optional[str]:
+        if len(self.specs) > MAX_TENSORS:
+            return f"header lists {len(self.specs)} tensors (limit {MAX_TENSORS})"
+        return None
+
+
+_NOTE_BYTES = 8 * 1024 * 1024
+
+
+@side_message
+class ShmTensors(SideMessage):
+    """shm sender -> receiver: a message's payload is in segment ``seg`` (``size`` bytes mapped)."""
+    TYPE: ClassVar[str] = "shm_tensors"
+    MAX_BYTES: ClassVar[int] = _NOTE_BYTES
+    seg: str
+    size: int
+    pooled: bool
+    offsets: list[int]
+    sizes: list[int]
+    header: bytes  # a TensorHeader frame
+
+    def validate(self) -> Optional[str]:
+        return _negative(self, "offsets", "sizes")
+
+
+@side_message
+class ShmRetire(SideMessage):
+    """shm sender -> receiver: the sender closed; forget the mappings of these segments."""
+    TYPE: ClassVar[str] = "shm_retire"
+    MAX_BYTES: ClassVar[int] = _NOTE_BYTES
+    segs: list[str]
+
+
+@side_message
+class GroupTensors(SideMessage):
+    """gloo/nccl sender -> receiver: rank ``src`` sends buffers of ``sizes`` bytes right after this."""
+    TYPE: ClassVar[str] = "group_tensors"
+    MAX_BYTES: ClassVar[int] = _NOTE_BYTES
+    src: int
+    sizes: list[int]
+    header: bytes
+
+    def validate(self) -> Optional[str]:
+        return _negative(self, "sizes")
+
+
+@side_message
+class IpcTensors(SideMessage):
+    """cuda_ipc sender -> receiver: the CUDA IPC handle of the payload (None: nothing to map)."""
+    TYPE: ClassVar[str] = "ipc_tensors"
+    MAX_BYTES: ClassVar[int] = _NOTE_BYTES
+    ipc: Optional[dict]
+    offsets: list[int]
+    sizes: list[int]
+    header: bytes
+
+    def validate(self) -> Optional[str]:
+        return _negative(self, "offsets", "sizes")
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+
+@side_message
+class WeightFetch(SideMessage):
+    """rollout worker -> zmq weight publisher: send bucket ``bucket`` of weights ``version``."""
+    TYPE: ClassVar[str] = "weight_fetch"
+    MAX_BYTES: ClassVar[int] = 4096
+    version: int
+    bucket: int
+
+
+# ---- reward pool <-> child (bare field maps: the pipe is private to one pool and its children) --
+
+_PIPE_BYTES = 64 << 20  # a reply is a few bytes; anything this big means a corrupt stream
+
+
+@side_message
+class RewardInit(SideMessage):
+    """pool -> child, once, first: load ``fn`` ("module:function") and cap memory (0: no cap)."""
+    TYPE: ClassVar[str] = "reward_init"
+    INLINE: ClassVar[bool] = False
+    MAX_BYTES: ClassVar[int] = _PIPE_BYTES
+    fn: str
+    kwargs: dict
+    memory_limit_mb: int
+
+
+@side_message
+class RewardReady(SideMessage):
+    """child -> pool, once: the function loaded (with the child's pid), or why not."""
+    TYPE: ClassVar[str] = "reward_ready"
+    INLINE: ClassVar[bool] = False
+    MAX_BYTES: ClassVar[int] = _PIPE_BYTES
+    ready: bool
+    pid: Optional[int] = None
+    error: Optional[str] = None
+
+    def validate(self) -> Optional[str]:
+        if self.ready and self.pid is None:
+            return "ready without a pid"
+        if not self.ready and self.error is None:
+            return "not ready without an error"
+        return None
+
+
+@side_message
+class RewardTask(SideMessage):
+    """pool -> child, repeated: score one completion against the reference solutions."""
+    TYPE: ClassVar[str] = "reward_task"
+    INLINE: ClassVar[bool] = False
+    MAX_BYTES: ClassVar[int] = _PIPE_BYTES
+    completion: str
+    solutions: list[str]
+
+
+@side_message
+class RewardReply(SideMessage):
+    """child -> pool, one per task: the score, or the error the reward function raised."""
+    TYPE: ClassVar[str] = "reward_reply"
+    INLINE: ClassVar[bool] = False
+    MAX_BYTES: ClassVar[int] = _PIPE_BYTES
+    score: Optional[float] = None
+    error: Optional[str] = None
+
+    def validate(self) -> Optional[str]:
+        if (self.score is None) == (self.error is None):
+            return "expected exactly one of score and error"
+        return None
