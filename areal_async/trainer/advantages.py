@@ -23,10 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from areal_async.config import ActorConfig, NormConfig
+from areal_async.config import NORM_LEVELS, ActorConfig, NormConfig
 from areal_async.trainer.types import Trajectory
-
-_LEVELS = ("group", "batch", "none")
 
 
 def scaled_rewards(scores: Sequence[float], reward_bias: float, reward_scaling: float) -> torch.Tensor:
@@ -42,8 +40,8 @@ def _unbiased_std(x: torch.Tensor) -> torch.Tensor:
 
 def _keys(level: str, group_ids: Sequence[str]) -> list[str]:
     """The key whose pooled values give sequence i its statistics at this level."""
-    if level not in _LEVELS:
-        raise ValueError(f"normalization level {level!r}: expected one of {_LEVELS}")
+    if level not in NORM_LEVELS:
+        raise ValueError(f"normalization level {level!r}: expected one of {NORM_LEVELS}")
     return ["<batch>"] * len(group_ids) if level == "batch" else list(group_ids)
 
 

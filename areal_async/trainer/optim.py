@@ -21,9 +21,7 @@ from typing import Iterable
 
 import torch
 
-from areal_async.config import OptimizerConfig
-
-_SCHEDULES = ("constant", "linear", "cosine")
+from areal_async.config import LR_SCHEDULES, OptimizerConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
@@ -33,8 +31,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
     """Factor applied to the peak lr at 0-based step ``step`` (see the module docstring)."""
-    if cfg.lr_scheduler_type not in _SCHEDULES:
-        raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type!r}: expected one of {_SCHEDULES}")
+    if cfg.lr_scheduler_type not in LR_SCHEDULES:
+        raise ValueError(f"lr_scheduler_type={cfg.lr_scheduler_type!r}: expected one of {LR_SCHEDULES}")
     warmup = int(cfg.warmup_steps_proportion * total_steps)
     if step < warmup:
         return (step + 1) / warmup
