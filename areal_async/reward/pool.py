@@ -17,8 +17,9 @@ Covered:
   a non-number, or the child died; score 0). A raising function keeps its child; a dead or
   killed child is replaced at once, so the pool stays at ``n_procs``.
 - Children are fresh interpreters (``subprocess``, not fork: the parent may hold torch / ZeroMQ
-  threads), import only ``msgpack`` and the reward function's module (never torch), and talk
-  msgpack frames over stdin/stdout (see ``_child.py``), never pickle. One task per child at a time.
+  threads), import only ``msgpack``, ``protocols.side`` and the reward function's module (never
+  torch), and talk typed msgpack frames over stdin/stdout (see ``_child.py``), never pickle. One
+  task per child at a time.
 - No zombies or orphans: ``close()`` (also at interpreter exit, via atexit) kills and reaps every
   child; a child exits by itself when its stdin closes or its parent dies.
 
