@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import types
 import typing
 from contextlib import contextmanager
 from typing import Any, Iterator, Sequence
@@ -102,11 +103,17 @@ def field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def optional_of(tp: Any) -> Any:
+    """X for ``Optional[X]`` or ``X | None``; None for any other annotation."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(tp) if a is not type(None)][0]
+    return None
+
+
 def _typed(name: str, value: Any, tp: Any) -> Any:
     """``value`` if it fits annotation ``tp`` (ints widen to float, a CPU number to a cpu list), else ConfigError."""
-    if typing.get_origin(tp) is typing.Union:  # Optional[X]
-        inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
-        return None if value is None else _typed(name, value, inner)
+    if optional_of(tp) is not None:
+        return None if value is None else _typed(name, value, optional_of(tp))
     is_int = isinstance(value, int) and not isinstance(value, bool)
     if tp is bool:
         require(isinstance(value, bool), name, value, "true or false")

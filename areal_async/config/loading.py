@@ -8,20 +8,18 @@ so every section's own checks run on the final values and their errors get the d
 from __future__ import annotations
 
 import dataclasses
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from areal_async.config.base import ConfigError, field_types, keys_under, unread_note
+from areal_async.config.base import ConfigError, field_types, keys_under, optional_of, unread_note
 from areal_async.config.experiment import ExperimentConfig
 
 
 def _from_yaml(key: str, value: Any, tp: Any, base: Any) -> Any:
     """The field value for YAML ``value``: nested sections built on ``base``; types are checked by the section."""
-    if typing.get_origin(tp) is typing.Union and value is not None:  # Optional[X]
-        tp = [a for a in typing.get_args(tp) if a is not type(None)][0]
+    tp = optional_of(tp) or tp
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping of {tp.__name__} fields")
