@@ -168,7 +168,7 @@ def test_scale_model_fit_recovers_alpha_and_beta():
 
 
 def test_boba_batch_shape_and_packing():
-    from benchmarks.transfer_latency import boba_batch, nbytes, pack_batch
+    from benchmarks.common.payloads import boba_batch, nbytes, pack_batch
 
     seqs = boba_batch(n_prompts=2, n_samples=4, max_len=300)
     assert len(seqs) == 8 and all(1 <= len(s["ids_T"]) <= 300 for s in seqs)

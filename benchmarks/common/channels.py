@@ -1,0 +1,173 @@
+"""Timing messages over a tensor or weight channel whose receiving end lives in a ``Peer``.
+
+Peer side, ``CHANNEL_OPS`` (give them to ``Peer(device, CHANNEL_OPS)``):
+
+- ``open``: build the receiver of a tensor (``what="traj"``) or weight channel (``"weights"``);
+- ``expect``: receive ``n`` messages whose meta carries the sender's ``t0``, reply each latency
+  (``ack="each"``) and finally the first-send-to-last-receive latency;
+- ``weights``: receive one weight version by its manifest, reply the receive time and params;
+- ``close``: close a channel end.
+
+This side: ``open_pair`` builds both ends concurrently (collective channels rendezvous in their
+constructors); ``endpoints`` / ``weight_kwargs`` give the two ends' keyword arguments per kind;
+``time_each`` / ``time_stream`` / ``time_weights`` take the samples, each next to a sample of the
+bound (``timing.Copier``). Timestamps are ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for
+all processes of a Linux host); a receive counts once tensors are usable there (device synced).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+
+from benchmarks.common.peers import Op, Peer, reply
+from benchmarks.common.timing import Copier, sync
+from protocols.sockets import free_tcp_port
+
+GPU_KINDS = ("cuda_ipc", "nccl")
+
+def _open(state: dict, cmd: dict) -> dict:
+    from areal_async.transport import make_tensor_channel, make_weight_channel
+
+    if cmd["kwargs"].get("device") is not None:
+        torch.cuda.set_device(cmd["kwargs"]["device"])
+    make = make_tensor_channel if cmd["what"] == "traj" else make_weight_channel
+    state[cmd["what"]] = make(cmd["kind"], role="receiver", **cmd["kwargs"])
+    return {"ok": True}
+
+
+def _expect(state: dict, cmd: dict) -> dict:
+    """Receive ``n`` messages; ack each one's latency ('each') or first-send-to-last-receive ('last')."""
+    ch, first_t0, t1 = state["traj"], None, 0.0
+    for _ in range(cmd["n"]):
+        key, meta, tensors = ch.recv(timeout_s=300)
+        sync(state["device"])
+        t1 = time.perf_counter()
+        first_t0 = meta["t0"] if first_t0 is None else first_t0
+        del tensors  # frees the shm slab for the next message
+        if cmd["ack"] == "each":
+            reply(state, {"lat": t1 - meta["t0"]})
+    return {"lat": t1 - first_t0}
+
+
+def _weights(state: dict, cmd: dict) -> dict:
+    sd = state["weights"].receive(cmd["manifest"])
+    sync(state["device"])
+    return {"t1": time.perf_counter(), "params": sum(t.numel() for t in sd.values())}
+
+
+def _close(state: dict, cmd: dict) -> dict:
+    ch = state.pop(cmd["what"], None)
+    if ch is not None:
+        ch.close()
+    return {"ok": True}
+
+
+CHANNEL_OPS: dict[str, Op] = {"open": _open, "expect": _expect, "weights": _weights, "close": _close}
+
+
+
+
+def endpoints(kind: str) -> tuple[dict, dict]:
+    """(peer kwargs, my kwargs) for a trajectory channel: the peer receives (trainer, rank 0)."""
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    if kind in ("shm", "zmq"):
+        return {"endpoint": ep}, {"endpoint": ep}
+    if kind == "cuda_ipc":
+        return {"endpoint": ep, "device": 0}, {"endpoint": ep, "device": 0}
+    group = {"world_size": 2, "store": f"127.0.0.1:{free_tcp_port()}", "endpoint": ep}
+    dev = ({"device": 0}, {"device": 1}) if kind == "nccl" else ({}, {})
+    return {**group, "rank": 0, **dev[0]}, {**group, "rank": 1, **dev[1]}
+
+
+def weight_kwargs(kind: str) -> tuple[dict, dict]:
+    """(peer kwargs, my kwargs) for a weight channel: this process publishes (rank 0)."""
+    if kind in ("shm", "zmq"):
+        return {}, {}
+    if kind == "cuda_ipc":
+        return {"device": 0}, {"device": 0}
+    group = {"world_size": 2, "store": f"127.0.0.1:{free_tcp_port()}"}
+    dev = ({"device": 1}, {"device": 0}) if kind == "nccl" else ({}, {})
+    return {**group, "rank": 1, **dev[0]}, {**group, "rank": 0, **dev[1]}
+
+
+def open_pair(peer: Peer, kind: str, what: str, mine: dict, theirs: dict):
+    """This side's end (sender / publisher) of a channel whose receiving end the peer builds at once."""
+    from areal_async.transport import make_tensor_channel, make_weight_channel
+
+    peer.ask("open", what=what, kind=kind, kwargs=theirs)
+    if what == "traj":
+        ch = make_tensor_channel(kind, role="sender", **mine)
+    else:
+        ch = make_weight_channel(kind, role="publisher", **mine)
+    peer.answer()
+    return ch
+
+
+def unavailable(kind: str, device: str) -> Optional[str]:
+    """None when channel ``kind`` can run here, else why not."""
+    if kind in GPU_KINDS and device != "cuda":
+        return f"{kind} needs --device cuda"
+    if kind == "nccl":
+        try:
+            from areal_async.transport.nccl import require_nccl
+
+            require_nccl()
+        except RuntimeError as e:
+            return str(e)
+        if torch.cuda.device_count() < 2:
+            return "nccl needs 2 GPUs (NCCL refuses two ranks on one device)"
+    if kind == "shm" and not os.path.isdir("/dev/shm"):
+        return "shm needs /dev/shm"
+    return None
+
+
+def time_each(peer: Peer, ch, payload: dict, repeats: int, bound: Copier) -> tuple[list[float], list[float]]:
+    """Latency of ``repeats`` messages, one in flight at a time, after one warm-up; bound samples."""
+    peer.ask("expect", n=repeats + 1, ack="each")
+    out, ref = [], []
+    for i in range(repeats + 1):
+        ref.append(bound.sample())
+        ch.send(f"m{i}", payload, {"t0": time.perf_counter()})
+        lat = peer.answer()["lat"]
+        if i:
+            out.append(lat)
+    peer.answer()
+    return out, ref[1:]
+
+
+def time_stream(peer: Peer, ch, seqs: list[dict], repeats: int, bound: Copier) -> tuple[list[float], list[float]]:
+    """First send to last receive for the sequences sent back to back; bound samples."""
+    out, ref = [], []
+    for i in range(repeats + 1):
+        ref.append(bound.sample())
+        peer.ask("expect", n=len(seqs), ack="last")
+        for j, s in enumerate(seqs):
+            ch.send(f"s{i}/{j}", s, {"t0": time.perf_counter()})
+        lat = peer.answer()["lat"]
+        if i:
+            out.append(lat)
+    return out, ref[1:]
+
+
+def time_weights(peer: Peer, ch, sd: dict, version: int, repeats: int, bound: Copier):
+    """(latencies, publisher-side times, bound samples) of ``repeats`` versions after a warm-up:
+    from ``publish_begin`` to the peer's ``receive`` returning."""
+    lat, pub, ref = [], [], []
+    for i in range(repeats + 1):
+        ref.append(bound.sample())
+        sync(str(next(iter(sd.values())).device))
+        t0 = time.perf_counter()
+        manifest = ch.publish_begin(version + i, sd)
+        peer.ask("weights", manifest=manifest)  # the control plane's WeightsPublished
+        ch.publish_end()
+        t_pub = time.perf_counter() - t0
+        t1 = peer.answer()["t1"]
+        ch.release(version + i)
+        if i:
+            lat.append(t1 - t0)
+            pub.append(t_pub)
+    return lat, pub, ref[1:]
