@@ -4,69 +4,16 @@ import json
 
 import pytest
 
+from bench_fixtures import make_rows
+
 from benchmarks import async_speedup as bench
-
-
-def make_rows(n: int, step_s: float, train_s: float, publish_s: float = 0.0, rewards=None, batch: int = 128,
-              start_wall: float = 30.0, gen_busy_per_step: float = 0.0, staleness: int = 0) -> list[dict]:
-    rewards = rewards if rewards is not None else [0.5] * n
-    return [{"step": i, "version": i + 1, "reward_mean": rewards[i], "staleness_max": staleness,
-             "samples_trained": batch, "samples_trained_total": batch * (i + 1),
-             "step_s": 25.0 if i == 0 else step_s,  # step 0 carries start-up and SFT warm-up
-             "wall_s": start_wall + i * step_s, "gen_busy_s_total": gen_busy_per_step * (i + 1),
-             "train_s": train_s, "publish_s": publish_s, "wait_data_s": 0.001} for i in range(n)]
-
-
-def test_moving_average_uses_full_trailing_windows():
-    assert bench.moving_average([1, 2, 3, 4, 5], 2) == [1.5, 2.5, 3.5, 4.5]
-    assert bench.moving_average([1, 2, 3], 3) == [2.0]
-    assert bench.moving_average([1, 2], 3) == []
-    with pytest.raises(ValueError, match="window"):
-        bench.moving_average([1.0], 0)
-
-
-def test_time_to_threshold_first_full_window_and_seconds_since_step0():
-    rewards = [1.0] * 5 + [0.0] * 5 + [0.9] * 20  # early luck must not count: no full window yet
-    rows = make_rows(30, step_s=2.0, train_s=1.0, rewards=rewards)
-    step, secs = bench.time_to_threshold(rows, threshold=0.8, window=10)
-    # window ending at step i holds the steps i-9..i; mean >= 0.8 first at i = 18 (0.9 * 9 / 10 = 0.81)
-    assert step == 18
-    assert secs == pytest.approx(18 * 2.0)
+from benchmarks.common.metrics import time_to_threshold
 
 
 def test_time_to_threshold_never_reached_is_none():
     rows = make_rows(20, step_s=1.0, train_s=0.5, rewards=[0.79] * 20)
-    assert bench.time_to_threshold(rows, 0.8, 10) == (None, None)
+    assert time_to_threshold(rows, 0.8, 10) == (None, None)
     assert bench.summarize_run(0, rows, skip=2)["time_to_0.8"] is None
-
-
-def test_steady_throughput_excludes_warmup_rows():
-    rows = make_rows(20, step_s=0.5, train_s=0.3, batch=100)
-    rows[1]["wall_s"] += 100.0  # a slow warm-up step must not change the steady figure
-    for r in rows[2:]:
-        r["wall_s"] += 100.0
-    assert bench.steady_samples_per_s(rows, skip=2) == pytest.approx(100 / 0.5)
-    with pytest.raises(ValueError, match="metrics rows"):
-        bench.steady_samples_per_s(rows[:3], skip=2)
-
-
-def test_phase_times_split_a_synchronous_step():
-    rows = make_rows(20, step_s=1.0, train_s=0.55, publish_s=0.05, gen_busy_per_step=0.25)
-    ph = bench.phase_times(rows, skip=5)
-    assert ph["t_train"] == pytest.approx(0.6)
-    assert ph["t_gen"] == pytest.approx(0.4)  # step_s - train - publish
-    assert ph["t_gen_engine"] == pytest.approx(0.25)
-    assert ph["step_s"] == pytest.approx(1.0)  # step 0's 25 s start-up is outside the window
-
-
-def test_ideal_limit():
-    assert bench.ideal_limit(1.0, 1.0) == pytest.approx(2.0)
-    assert bench.ideal_limit(0.4, 0.6) == pytest.approx(1.0 / 0.6)
-    assert bench.ideal_limit(0.0, 0.6) == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="t_gen"):
-        bench.ideal_limit(0.0, 0.0)
-    with pytest.raises(ValueError, match="t_gen"):
-        bench.ideal_limit(-0.1, 0.5)
 
 
 def _runs():
@@ -121,24 +68,6 @@ def test_cli_refuses_eta_override_and_too_few_steps():
         bench.main(["rollout.max_head_offpolicyness=3"])
 
 
-def test_cpu_per_step_over_the_steady_window():
-    samples = [(0, {"trainer": 5.0}),  # before row `skip`: start-up and SFT
-               (3, {"trainer": 10.0, "rollout-0": 1.0}),  # first sample holding row skip=2
-               (5, {"trainer": 10.4, "rollout-0": 1.2}),
-               (13, {"trainer": 13.6, "rollout-0": 2.0}),  # last one with every role alive
-               (13, {"trainer": 13.7})]  # the rollout worker exited: its last reading is lost
-    got = bench.cpu_per_step(samples, skip=2)
-    assert got == pytest.approx({"trainer": 0.36, "rollout-0": 0.1})
-    assert bench.cpu_per_step(samples[:1], skip=2) == {}  # never reached the window
-    assert bench.cpu_per_step([(3, {"trainer": 1.0})], skip=2) == {}  # one sample: no interval
-
-
-def test_cpu_limit_adds_the_machine_as_a_bound():
-    # t_gen 0.2, t_train 0.25: ideal 1.8x; 0.6 CPU-s per step on 2 cores -> a step >= 0.3 s
-    assert bench.cpu_limit(0.2, 0.25, 0.6, 2) == pytest.approx(0.45 / 0.3)
-    assert bench.cpu_limit(0.2, 0.25, 0.4, 2) == pytest.approx(bench.ideal_limit(0.2, 0.25))
-
-
 def test_compare_reports_the_cpu_limit_when_the_baseline_was_sampled():
     runs = _runs()
     runs[0]["cpu_s_per_step"] = {"trainer": 0.7, "rollout-0": 0.5}
@@ -178,11 +107,3 @@ def test_median_throughput_ignores_a_burst():
     run = bench.summarize_run(2, rows, skip=5)
     assert run["samples_per_s_median"] == pytest.approx(128 / 0.5)
     assert run["samples_per_s"] < 0.8 * run["samples_per_s_median"]  # the mean-based headline pays for it
-
-
-def test_placement_gives_the_trainer_a_cpu_of_its_own():
-    assert bench.placement([0, 1], []) == ["cluster.cpu_affinity.trainer=0", "cluster.cpu_affinity.scheduler=1",
-                                           "cluster.cpu_affinity.rollout=1", "cluster.cpu_affinity.reward=1"]
-    assert bench.placement([2, 5, 6], [])[-1] == "cluster.cpu_affinity.reward=5,6"
-    assert bench.placement([0], []) == []  # one CPU: nothing to separate
-    assert bench.placement([0, 1], ["cluster.cpu_affinity.trainer=1"]) == []  # the caller's placement wins

@@ -1,0 +1,99 @@
+"""benchmarks/common/cpu.py against real processes whose CPU use is known from their own clocks."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.common import cpu
+
+# Burns `target` CPU seconds by its own process clock (clock_gettime, independent of /proc), prints
+# what it burned, then idles until its stdin closes: /proc must then report the same amount.
+BURNER = """
+import sys, time
+target = float(sys.argv[1])
+t0 = time.process_time()
+while time.process_time() - t0 < target:
+    pass
+print(time.process_time(), flush=True)
+sys.stdin.read()
+"""
+
+# Starts a burner and an idler under itself, each named by --worker-id, says "ready" once both run.
+PARENT = f"""
+import subprocess, sys
+burner = subprocess.Popen([sys.executable, "-c", {BURNER!r}, "0.4", "--worker-id", "burner"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+idler = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", "--worker-id", "idler"],
+                         stdin=subprocess.PIPE)
+print(burner.stdout.readline().strip(), flush=True)
+sys.stdin.read()
+burner.stdin.close(); idler.stdin.close(); burner.wait(); idler.wait()
+"""
+
+TICK = 1 / cpu.CLK_TCK
+
+
+def _start(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _finish(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    proc.wait(timeout=30)
+
+
+def test_proc_cpu_s_reads_what_a_busy_child_burned_and_nothing_while_it_idles():
+    proc = _start(BURNER, "0.5")
+    try:
+        burned = float(proc.stdout.readline())  # whole-process CPU by its own clock (start-up included)
+        got = cpu.proc_cpu_s(proc.pid)
+        assert got == pytest.approx(burned, abs=3 * TICK + 0.02)
+        assert burned >= 0.5
+        time.sleep(0.5)  # blocked on stdin: no CPU
+        assert cpu.proc_cpu_s(proc.pid) - got <= 2 * TICK
+    finally:
+        _finish(proc)
+    assert cpu.proc_cpu_s(proc.pid) is None  # reaped: gone
+
+
+def test_tree_sampler_sums_a_process_tree_by_role():
+    root = _start(PARENT)
+    try:
+        burned = float(root.stdout.readline())  # the burner grandchild is done burning
+        sampler = cpu.TreeCPU(root.pid, progress=lambda: 7, period_s=0.05)
+        sampler.start()
+        time.sleep(0.3)
+        sampler.stop()
+        steps, per_role = sampler.samples[-1]
+        assert steps == 7 and set(per_role) == {"burner", "idler", "other"}  # the root's argv is "-c ...": other
+        assert per_role["burner"] == pytest.approx(burned, abs=3 * TICK + 0.02)
+        assert per_role["idler"] < 0.5 * burned  # an interpreter's start-up only
+        assert len(cpu.tree_cpu(root.pid)) == 3
+    finally:
+        _finish(root)
+
+
+def test_machine_busy_time_covers_a_busy_child():
+    b0 = cpu.cpu_busy_s()
+    proc = _start(BURNER, "0.3")
+    try:
+        burned = float(proc.stdout.readline())
+    finally:
+        _finish(proc)
+    assert cpu.cpu_busy_s() - b0 >= burned - 2 * TICK  # other processes only add to it
+    assert cpu.own_cpu_s() >= burned - 2 * TICK  # the reaped child counts as this process's
+
+
+def test_cpu_per_step_over_the_steady_window():
+    samples = [(0, {"trainer": 5.0}),  # before row `skip`: start-up and SFT
+               (3, {"trainer": 10.0, "rollout-0": 1.0}),  # first sample holding row skip=2
+               (5, {"trainer": 10.4, "rollout-0": 1.2}),
+               (13, {"trainer": 13.6, "rollout-0": 2.0}),  # last one with every role alive
+               (13, {"trainer": 13.7})]  # the rollout worker exited: its last reading is lost
+    got = cpu.cpu_per_step(samples, skip=2)
+    assert got == pytest.approx({"trainer": 0.36, "rollout-0": 0.1})
+    assert cpu.cpu_per_step(samples[:1], skip=2) == {}  # never reached the window
+    assert cpu.cpu_per_step([(3, {"trainer": 1.0})], skip=2) == {}  # one sample: no interval
