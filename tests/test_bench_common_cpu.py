@@ -32,6 +32,21 @@ sys.stdin.read()
 burner.stdin.close(); idler.stdin.close(); burner.wait(); idler.wait()
 """
 
+# Runs two burners of one role one after the other (as a reward pool replaces a child), each left idle
+# for a moment after burning so a sampler reads its total before it exits; prints both totals.
+SUCCESSION = f"""
+import subprocess, sys, time
+totals = []
+for _ in range(2):
+    p = subprocess.Popen([sys.executable, "-c", {BURNER!r}, "0.3", "--worker-id", "pool"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    totals.append(p.stdout.readline().strip())
+    time.sleep(0.3)
+    p.stdin.close(); p.wait()
+print(*totals, flush=True)
+sys.stdin.read()
+"""
+
 TICK = 1 / cpu.CLK_TCK
 
 
@@ -74,6 +89,21 @@ def test_tree_sampler_sums_a_process_tree_by_role():
         assert len(cpu.tree_cpu(root.pid)) == 3
     finally:
         _finish(root)
+
+
+def test_a_role_keeps_the_cpu_of_its_exited_processes():
+    root = _start(SUCCESSION)
+    sampler = cpu.TreeCPU(root.pid, progress=lambda: 0, period_s=0.05)
+    sampler.start()
+    try:
+        first, second = map(float, root.stdout.readline().split())
+        time.sleep(0.2)
+    finally:
+        sampler.stop()
+        _finish(root)
+    pool = [per_role.get("pool", 0.0) for _, per_role in sampler.samples]
+    assert all(b >= a for a, b in zip(pool, pool[1:]))  # never drops when the first burner is replaced
+    assert pool[-1] == pytest.approx(first + second, abs=6 * TICK + 0.04)
 
 
 def test_machine_busy_time_covers_a_busy_child():

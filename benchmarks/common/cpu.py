@@ -76,7 +76,8 @@ def count_lines(path: Path) -> int:
 
 class TreeCPU(threading.Thread):
     """Samples, every period_s, the CPU seconds of each role in a process tree together with a
-    progress count: ``samples`` = [(progress, {role: CPU s})] for `cpu_per_step`."""
+    progress count: ``samples`` = [(progress, {role: CPU s})] for `cpu_per_step`. A process that
+    exited keeps its last reading (up to period_s of its final CPU is missed)."""
 
     def __init__(self, root_pid: int, progress: Callable[[], int], period_s: float = 0.5,
                  role: Callable[[int], str] = fleet_role):
@@ -92,11 +93,14 @@ class TreeCPU(threading.Thread):
             self.samples.append((self.progress(), self.sample()))
 
     def sample(self) -> dict[str, float]:
-        per_role: dict[str, float] = {}
+        """{role: CPU s} of every process seen under the root so far; one that exited counts with its
+        last reading, so a role's sum never drops when one of its processes is replaced."""
         for pid, cpu in tree_cpu(self.root).items():
             self.last[pid] = cpu
-            role = self.roles.setdefault(pid, self.role_of(pid))
-            per_role[role] = per_role.get(role, 0.0) + cpu
+            self.roles.setdefault(pid, self.role_of(pid))
+        per_role: dict[str, float] = {}
+        for pid, cpu in self.last.items():
+            per_role[self.roles[pid]] = per_role.get(self.roles[pid], 0.0) + cpu
         return per_role
 
     def stop(self) -> None:
