@@ -14,8 +14,8 @@ Part 2 (timing): the same generator scaled down 32x (median 125, cap 843, budget
 64 sequences) so a tiny Llama (vocab 1024, hidden 64, 2 layers) trains on one CPU thread in
 well under a minute; forward + backward of a token-mean NLL, best of ``--repeats`` passes.
 Packed is timed with the CPU trainer's attention ('packed_sdpa': causal sdpa per sequence) and,
-for reference, with sdpa + the dense (1, 1, T, T) block mask. tokens/s counts real tokens only. Not measured: GPU kernels (flash-attn varlen), real model
-sizes.
+for reference, with sdpa + the dense (1, 1, T, T) block mask. tokens/s counts real tokens only.
+Not measured: GPU kernels (flash-attn varlen), real model sizes.
 Each JSON row: metric, value, unit, bound (what limits or defines the figure), part.
 """
 

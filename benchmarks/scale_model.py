@@ -35,17 +35,40 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from benchmarks.common import write_rows
+from benchmarks.common.rows import write_rows
 
 GB = 1e9
 BYTES_PER_TOKEN = 12
 MODELS = {"1.5B": 1.54e9, "7B": 7.6e9, "32B": 32.8e9}
 GPUS = [8 * 2**i for i in range(8)]  # 8 .. 1024
 CLAIM_S = 3.0
+
+
+# --- configure --------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--from", dest="src", help="transfer_latency JSON to fit alpha/beta from")
+    p.add_argument("--json", help="write rows here")
+    p.add_argument("--train-frac", type=float, default=0.25, help="fraction of GPUs that train")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nics-per-node", type=int, default=8)
+    p.add_argument("--ib-gbit", type=float, default=400.0, help="Gb/s per InfiniBand NIC (NDR)")
+    p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU per direction (900 both ways)")
+    p.add_argument("--alpha-net-us", type=float, default=20.0, help="per-operation latency across nodes")
+    p.add_argument("--alpha-nvl-us", type=float, default=5.0, help="per-operation latency inside a node")
+    p.add_argument("--boba-prompts", type=int, default=512)
+    p.add_argument("--boba-samples", type=int, default=16)
+    return p.parse_args(argv)
+
+
+# --- model (the measure step: fitted or documented links -> predicted seconds) ----------------
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -67,7 +90,7 @@ def fits_from(rows: list[dict]) -> dict[str, tuple[float, float]]:
 
 def boba_bytes(n_prompts: int = 512, n_samples: int = 16, median: float = 4000, sigma: float = 1.0,
                cap: int = 27000, seed: int = 0) -> tuple[int, int]:
-    """(bytes, sequences) of the boba batch, lengths drawn as in ``transfer_latency.boba_batch``."""
+    """(bytes, sequences) of the boba batch, lengths drawn as in ``benchmarks.common.payloads.boba_batch``."""
     rng = np.random.default_rng(seed)
     lens = np.minimum(rng.lognormal(np.log(median), sigma, n_prompts * n_samples), cap).astype(int).clip(1)
     return int(lens.sum()) * BYTES_PER_TOKEN, len(lens)
@@ -138,8 +161,9 @@ def predict(c: Cluster, boba: tuple[int, int], fits: dict) -> list[dict]:
                          "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
         for name, (alpha, beta) in fits.items():
             lat, bw = transfer_terms(size, msgs, train, alpha, beta)
-            rows.append({"metric": "predict_gen_to_train_s", "value": lat + bw, "unit": "s", "gpus": gpus, "link": name,
-                         "mode": "spread", "latency_s": lat, "bandwidth_s": bw, "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
+            rows.append({"metric": "predict_gen_to_train_s", "value": lat + bw, "unit": "s", "gpus": gpus,
+                         "link": name, "mode": "spread", "latency_s": lat, "bandwidth_s": bw,
+                         "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
         for model, params in MODELS.items():
             for algo in ("ring", "tree", "p2p"):
                 lat, bw = weight_broadcast(c, algo, params, gpus)
@@ -149,11 +173,32 @@ def predict(c: Cluster, boba: tuple[int, int], fits: dict) -> list[dict]:
     return rows
 
 
+# --- rows -------------------------------------------------------------------------------------
+
+
 def pick(rows: list[dict], **kw) -> dict:
     return next(r for r in rows if all(r.get(k) == v for k, v in kw.items()))
 
 
-def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Optional[str]) -> list[dict]:
+def verdict_rows(rows: list[dict]) -> list[dict]:
+    """Each prediction at 1024 GPUs against the claim (gen->train per mode, broadcast per model and algo)."""
+    out = []
+    for mode in ("spread", "one_rank"):
+        t = pick(rows, metric="predict_gen_to_train_s", gpus=1024, link="cluster", mode=mode)
+        out.append({"metric": "claim_gen_to_train_1024", "value": t["value"], "unit": "s", "mode": mode,
+                    "under_claim": t["value"] < CLAIM_S, "dominant": t["dominant"]})
+    for model in MODELS:
+        for algo in ("ring", "tree", "p2p"):
+            b = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo=algo)
+            out.append({"metric": "claim_weight_broadcast_1024", "value": b["value"], "unit": "s", "model": model,
+                        "algo": algo, "under_claim": b["value"] < CLAIM_S, "dominant": b["dominant"]})
+    return out
+
+
+# --- table ------------------------------------------------------------------------------------
+
+
+def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Optional[str]) -> None:
     print(f"boba batch: {boba[1]} sequences, {boba[0] / GB:.3f} GB (ids int32 + logprobs f32 + versions int32)")
     if fits:
         print(f"\nfitted from {source}:")
@@ -161,7 +206,8 @@ def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Op
             print(f"  {name:<16} alpha {alpha * 1e6:9.1f} us   beta {beta / GB:7.3f} GB/s")
     else:
         print("\nno measurements given (--from): documented link figures only")
-    head = f"{'GPUs':>5} {'g2t spread':>11} {'g2t 1 rank':>11} " + " ".join(f"{m + ' ' + a:>11}" for m in MODELS for a in ("ring", "tree", "p2p"))
+    head = f"{'GPUs':>5} {'g2t spread':>11} {'g2t 1 rank':>11} " + " ".join(
+        f"{m + ' ' + a:>11}" for m in MODELS for a in ("ring", "tree", "p2p"))
     print(f"\npredicted seconds (claim: under {CLAIM_S:.0f} s at ~1000 GPUs)\n{head}")
     for gpus in GPUS:
         cells = [pick(rows, metric="predict_gen_to_train_s", gpus=gpus, link="cluster", mode=m)["value"]
@@ -169,59 +215,39 @@ def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Op
         cells += [pick(rows, metric="predict_weight_broadcast_s", gpus=gpus, model=m, algo=a)["value"]
                   for m in MODELS for a in ("ring", "tree", "p2p")]
         print(f"{gpus:>5} " + " ".join(f"{v:>11.4g}" for v in cells))
-    return verdicts(rows)
+    print_verdicts(rows)
 
 
-def verdicts(rows: list[dict]) -> list[dict]:
-    out = []
+def print_verdicts(rows: list[dict]) -> None:
     print()
     for mode in ("spread", "one_rank"):
         t = pick(rows, metric="predict_gen_to_train_s", gpus=1024, link="cluster", mode=mode)
-        out.append({"metric": "claim_gen_to_train_1024", "value": t["value"], "unit": "s", "mode": mode,
-                    "under_claim": t["value"] < CLAIM_S, "dominant": t["dominant"]})
         print(f"at 1024 GPUs: gen->train ({mode}) {t['value']:.4g} s ({t['dominant']} term dominates: "
               f"{t['latency_s']:.3g} s latency vs {t['bandwidth_s']:.3g} s bandwidth) -> "
               f"{'under' if t['value'] < CLAIM_S else 'OVER'} the {CLAIM_S:.0f} s claim")
     for r in rows:
         if r["metric"] == "predict_gen_to_train_s" and r["gpus"] == 1024 and r["link"] != "cluster":
-            print(f"  same batch if every link were {r['link']} (fitted): {r['value']:.3g} s ({r['dominant']} dominates)")
+            print(f"  same batch if every link were {r['link']} (fitted): {r['value']:.3g} s "
+                  f"({r['dominant']} dominates)")
     for model in MODELS:
-        for algo in ("ring", "tree", "p2p"):
-            b = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo=algo)
-            out.append({"metric": "claim_weight_broadcast_1024", "value": b["value"], "unit": "s", "model": model,
-                        "algo": algo, "under_claim": b["value"] < CLAIM_S, "dominant": b["dominant"]})
-        over = [r["algo"] for r in out if r.get("model") == model and not r["under_claim"]]
+        over = [r["algo"] for r in rows if r["metric"] == "claim_weight_broadcast_1024" and r["model"] == model
+                and not r["under_claim"]]
         ring = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo="ring")
         print(f"at 1024 GPUs: {model} ring broadcast {ring['value']:.3g} s ({ring['dominant']} dominates: "
               f"{ring['latency_s']:.3g} s latency vs {ring['bandwidth_s']:.3g} s bandwidth); over {CLAIM_S:.0f} s: "
               f"{', '.join(over) or 'none of ring/tree/p2p'}")
-    return out
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--from", dest="src", help="transfer_latency JSON to fit alpha/beta from")
-    p.add_argument("--json", help="write rows here")
-    p.add_argument("--train-frac", type=float, default=0.25, help="fraction of GPUs that train")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--nics-per-node", type=int, default=8)
-    p.add_argument("--ib-gbit", type=float, default=400.0, help="Gb/s per InfiniBand NIC (NDR)")
-    p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU per direction (900 both ways)")
-    p.add_argument("--alpha-net-us", type=float, default=20.0, help="per-operation latency across nodes")
-    p.add_argument("--alpha-nvl-us", type=float, default=5.0, help="per-operation latency inside a node")
-    p.add_argument("--boba-prompts", type=int, default=512)
-    p.add_argument("--boba-samples", type=int, default=16)
-    return p.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     a = parse_args(argv)
-    fits = fits_from(json.load(open(a.src))) if a.src else {}
+    fits = fits_from(json.loads(Path(a.src).read_text())) if a.src else {}
     boba = boba_bytes(a.boba_prompts, a.boba_samples)
     rows = [{"metric": "fit_alpha_s", "value": al, "unit": "s", "transport": k} for k, (al, _) in fits.items()]
-    rows += [{"metric": "fit_beta_gbps", "value": be / GB, "unit": "GB/s", "transport": k} for k, (_, be) in fits.items()]
+    rows += [{"metric": "fit_beta_gbps", "value": be / GB, "unit": "GB/s", "transport": k}
+             for k, (_, be) in fits.items()]
     rows += predict(Cluster(a), boba, fits)
-    rows += print_report(rows, fits, boba, a.src)
+    rows += verdict_rows(rows)
+    print_report(rows, fits, boba, a.src)
     if a.json:
         write_rows(a.json, rows)
     return rows
