@@ -5,8 +5,9 @@
     areal-async knobs                      # every config key with its help text
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
-is refused with a message naming it, before anything starts. Heavy modules are imported after
-the arguments are parsed so ``--help`` and ``--dry-run`` stay fast.
+is refused with a message naming it, before anything starts. Nothing here imports torch except
+``sft`` (after the arguments are parsed), so ``--help``, ``knobs``, ``--dry-run`` and the
+supervisor of ``run`` stay fast.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+from areal_async.config import ConfigError, describe, load_config, to_yaml
+from areal_async.supervisor.local import run_local
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "knobs":
             parser.error(f"'knobs' takes no overrides, got {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
-    from areal_async.config import ConfigError, describe, load_config, to_yaml
-
     if args.cmd == "knobs":
         for key, text in describe():
             print(f"{key:45s} {text}")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_dir = Path(args.run_dir or f"runs/{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.cmd == "sft":
-        from areal_async.trainer.sft_run import run_sft
+        from areal_async.app.sft import run_sft
 
         return run_sft(cfg, run_dir)
     if not cfg.rollout.backend.startswith("torch"):
@@ -68,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal-async: cluster.launcher={cfg.cluster.launcher!r} validates, but only the 'local' launcher "
               "is built so far", file=sys.stderr)
         return 2
-    from areal_async.supervisor.local import run_local
-
     return run_local(cfg, run_dir, progress=False if args.no_progress else None)
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from areal_async.runtime.affinity import check_available, parse_cpu_list
+from areal_async.base.affinity import check_available, parse_cpu_list
 
 
 @pytest.mark.parametrize("spec, cpus", [("0", {0}), ("3", {3}), ("0-3", {0, 1, 2, 3}), ("0,2,5-6", {0, 2, 5, 6}),
@@ -33,11 +33,12 @@ def test_cpus_this_process_may_not_use_are_refused():
 def test_worker_entry_pins_itself_before_starting():
     """`python -m workers.X --cpus N` pins the process; a bad list fails before the worker runs."""
     cpu = max(os.sched_getaffinity(0))
-    code = ("import os, sys; from workers._main import worker_main; import areal_async.runtime.entry as e; "
-            "e.run_worker = lambda *a: print(sorted(os.sched_getaffinity(0))) or 0; "
-            f"sys.exit(worker_main('trainer', ['--run-dir', 'x', '--cpus', '{cpu}']))")
+    code = ("import os, sys, workers.trainer; from workers._main import worker_args; "
+            f"worker_args('trainer', ['--run-dir', 'x', '--cpus', '{cpu}']); "
+            "print(sorted(os.sched_getaffinity(0))); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == f"[{cpu}]", out.stderr
+    # pinned, and nothing heavy imported yet: the entry module imports its builder only after pinning
+    assert out.returncode == 0 and out.stdout.split() == [f"[{cpu}]", "False"], out.stderr
     bad = subprocess.run([sys.executable, "-m", "workers.trainer", "--run-dir", "x", "--cpus", "0-"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "'0-' is not N or N-M" in bad.stderr

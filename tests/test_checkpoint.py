@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from areal_async.config import ActorConfig, OptimizerConfig
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.checkpoint import (COMPLETE, latest_complete_checkpoint, load_checkpoint, prune,
-                                            save_checkpoint)
+from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.trainer.checkpoint_dirs import COMPLETE, latest_complete_checkpoint, prune
 from areal_async.trainer.types import Trajectory
 
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ import os.path
 
 import pytest
 
-from areal_async.utils.plugins import load_callable
+from areal_async.base.plugins import load_callable
 
 
 def test_loads_colon_and_dotted_forms():

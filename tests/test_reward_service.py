@@ -15,7 +15,7 @@ from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.reward.pool import RewardPool
 from areal_async.reward.service import RewardService
-from areal_async.runtime.control import ControlClient
+from areal_async.base.control import ControlClient
 
 
 async def next_of(sock, cls, timeout=30.0):

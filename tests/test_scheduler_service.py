@@ -14,7 +14,7 @@ from protocols.messages import decode
 from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.config import from_dict
-from areal_async.runtime.fleet import Endpoints
+from areal_async.base.endpoints import Endpoints
 from areal_async.scheduler.service import SchedulerService
 
 

@@ -5,14 +5,19 @@
 ``--cpus`` (Linux cpu-list syntax, e.g. ``0`` or ``2-5,8``; from ``cluster.cpu_affinity``)
 pins the process before anything heavy is imported, so every thread it starts later (torch's
 pools, ZeroMQ's I/O thread) and every process it spawns (reward-pool children) inherits the pin.
+Each ``workers/<role>.py`` therefore imports its builder (``areal_async.app.<role>_worker``)
+only after ``worker_args`` returns.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from areal_async.base.affinity import pin_self
 
-def worker_main(role: str, argv=None) -> int:
+
+def worker_args(role: str, argv=None) -> argparse.Namespace:
+    """The parsed command line; the process is pinned to ``--cpus`` (if given) when this returns."""
     p = argparse.ArgumentParser(prog=f"workers.{role}")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--worker-id", default=role)
@@ -20,9 +25,5 @@ def worker_main(role: str, argv=None) -> int:
     p.add_argument("--cpus", default="", help="pin this process to these CPUs (cpu-list syntax)")
     args = p.parse_args(argv)
     if args.cpus:
-        from areal_async.runtime.affinity import pin_self
-
         pin_self(args.cpus)
-    from areal_async.runtime.entry import run_worker  # heavy imports after parsing and pinning
-
-    return run_worker(role, args.run_dir, args.worker_id, args.index)
+    return args

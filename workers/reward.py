@@ -5,11 +5,15 @@
 
 import sys
 
-from workers._main import worker_main
+from areal_async.app.worker import run_worker
+from workers._main import worker_args
 
 
 def main(argv=None) -> int:
-    return worker_main("reward", argv)
+    a = worker_args("reward", argv)
+    from areal_async.app.reward_worker import build_reward  # after pinning: see workers/_main.py
+
+    return run_worker(a.worker_id, lambda: build_reward(a.run_dir, a.worker_id, a.index))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@
 
 import sys
 
-from workers._main import worker_main
+from areal_async.app.worker import run_worker
+from workers._main import worker_args
 
 
 def main(argv=None) -> int:
-    return worker_main("rollout", argv)
+    a = worker_args("rollout", argv)
+    from areal_async.app.rollout_worker import build_rollout  # after pinning: see workers/_main.py
+
+    return run_worker(a.worker_id, lambda: build_rollout(a.run_dir, a.worker_id, a.index))
 
 
 if __name__ == "__main__":

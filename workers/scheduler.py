@@ -5,11 +5,15 @@
 
 import sys
 
-from workers._main import worker_main
+from areal_async.app.worker import run_worker
+from workers._main import worker_args
 
 
 def main(argv=None) -> int:
-    return worker_main("scheduler", argv)
+    a = worker_args("scheduler", argv)
+    from areal_async.app.scheduler_worker import build_scheduler  # after pinning: see workers/_main.py
+
+    return run_worker(a.worker_id, lambda: build_scheduler(a.run_dir))
 
 
 if __name__ == "__main__":

@@ -5,11 +5,15 @@
 
 import sys
 
-from workers._main import worker_main
+from areal_async.app.worker import run_worker
+from workers._main import worker_args
 
 
 def main(argv=None) -> int:
-    return worker_main("trainer", argv)
+    a = worker_args("trainer", argv)
+    from areal_async.app.trainer_worker import build_trainer  # after pinning: see workers/_main.py
+
+    return run_worker(a.worker_id, lambda: build_trainer(a.run_dir, a.worker_id))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ Not covered: merges/BPE, chat templates. ``encode`` adds no special tokens; call
 from __future__ import annotations
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
@@ -55,3 +55,12 @@ def check_encodable(tokenizer: PreTrainedTokenizerFast, text: str) -> None:
     for ch in dict.fromkeys(text):  # unique characters, first-seen order
         if unk is not None and tokenizer.convert_tokens_to_ids(ch) == unk and ch != tokenizer.unk_token:
             raise ValueError(f"character {ch!r} in {text[:40]!r} is not in the tokenizer's alphabet")
+
+
+def load_tokenizer(path: str | None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local HF directory (never downloads), or the character tokenizer when ``path`` is empty."""
+    if not path:
+        return build_char_tokenizer()
+    from transformers import AutoTokenizer  # imports torch: the embedded default's scheduler never needs it
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

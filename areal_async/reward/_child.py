@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from areal_async.base.plugins import load_callable
 from areal_async.reward._wire import encode_frame, read_frame
 from protocols.messages import ProtocolError
 from protocols.side import RewardInit, RewardReady, RewardReply, RewardTask
@@ -66,8 +67,6 @@ def _run_one(fn, kwargs: dict, task: RewardTask) -> RewardReply:
 
 def _load(proto_in):
     """(fn, kwargs, ready message) from the init message."""
-    from areal_async.utils.plugins import load_callable
-
     try:
         init = read_frame(proto_in, RewardInit)
     except ProtocolError as e:

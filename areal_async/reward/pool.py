@@ -52,10 +52,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 
+from areal_async.base.plugins import load_callable
 from areal_async.reward._wire import HEADER, encode_frame
 from protocols.messages import SideMessage, decode
 from protocols.side import RewardInit, RewardReady, RewardReply, RewardTask
-from areal_async.utils.plugins import load_callable
 
 __all__ = ["RewardOutcome", "RewardPool", "DEFAULT_REWARD_FN"]
 

@@ -20,7 +20,7 @@ from protocols.messages import RewardRequest, RewardResult, Shutdown
 from protocols.sockets import make_socket, recv_message
 
 from areal_async.reward.pool import RewardPool
-from areal_async.runtime.control import ControlClient
+from areal_async.base.control import ControlClient
 
 log = logging.getLogger("areal_async.reward")
 

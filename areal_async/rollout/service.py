@@ -36,7 +36,7 @@ from protocols.messages import (GenerateRequest, RewardRequest, Shutdown, Trajec
 from protocols.sockets import make_socket, send_message
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
-from areal_async.runtime.control import ControlClient
+from areal_async.base.control import ControlClient
 
 log = logging.getLogger("areal_async.rollout")
 

@@ -28,7 +28,7 @@ from protocols.sockets import make_socket, recv_message, send_message
 
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import PromptCursor, load_problems
-from areal_async.runtime.fleet import Endpoints
+from areal_async.base.endpoints import Endpoints
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.runlog import RunLog
 

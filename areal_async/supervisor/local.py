@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from areal_async.base.affinity import check_available
+from areal_async.base.endpoints import plan_endpoints
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.runtime.fleet import plan_endpoints
+from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 GRACE_S = 5.0
 RUN_END_GRACE_S = 30.0  # how long workers may outlive a scheduler that finished the run
@@ -70,8 +72,6 @@ def restart_blocker(cfg: ExperimentConfig) -> Optional[str]:
 
 def check_placement(cfg: ExperimentConfig) -> None:
     """LaunchError (before anything starts) if a pinned role names CPUs this machine does not allow."""
-    from areal_async.runtime.affinity import check_available
-
     for role, spec in dataclasses.asdict(cfg.cluster.cpu_affinity).items():
         if spec:
             try:
@@ -104,7 +104,8 @@ class LocalSupervisor:
         resume = self.resume_point()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        self.endpoints = plan_endpoints(self.cfg)
+        self.endpoints = plan_endpoints(self.cfg.cluster.n_reward_workers, self.cfg.cluster.host,
+                                        self.cfg.cluster.control)
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.save(self.run_dir)
         if resume:
@@ -112,8 +113,6 @@ class LocalSupervisor:
 
     def resume_point(self) -> Optional[Path]:
         """The newest complete checkpoint to resume from, per recover.mode; refuses to mix runs."""
-        from areal_async.trainer.checkpoint import checkpoint_to_resume
-
         books = self.run_dir / "metrics.jsonl"
         if self.cfg.recover.mode == "disabled" and books.exists() and books.stat().st_size > 0:
             raise LaunchError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "

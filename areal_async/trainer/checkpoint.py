@@ -11,7 +11,7 @@ Layout of one checkpoint (the directory itself loads with ``AutoModelForCausalLM
 
 Atomicity: everything is written into ``root/.tmp-step_<k>-<pid>/``, fsynced, ``COMPLETE`` is
 added, then the directory is renamed to ``step_<k>`` (rename is atomic on one filesystem) and
-``root`` is fsynced. ``latest_complete_checkpoint`` only considers ``step_<k>`` directories that
+``root`` is fsynced. ``checkpoint_dirs.latest_complete_checkpoint`` only considers ``step_<k>`` directories that
 hold ``COMPLETE``, so a crash at any point leaves the previous checkpoint as the latest.
 
 Assumes one writer per root (the trainer's rank 0). Not covered: sharded (FSDP) state; the
@@ -23,17 +23,16 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-_STEP_RE = re.compile(r"^step_(\d+)$")
-COMPLETE = "COMPLETE"
+from areal_async.trainer.checkpoint_dirs import COMPLETE
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,34 +144,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# finding, loading, pruning
+# loading (finding and pruning: checkpoint_dirs)
 # --------------------------------------------------------------------------------------------
-
-
-def complete_checkpoints(root: str | Path) -> list[Path]:
-    """``step_<k>`` directories holding ``COMPLETE``, oldest (smallest k) first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP_RE.match(p.name)) and p.is_dir() and (p / COMPLETE).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_complete_checkpoint(root: str | Path) -> Optional[Path]:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
-
-
-def checkpoint_to_resume(root: str | Path, mode: str) -> Optional[Path]:
-    """The checkpoint a run resumes from per ``recover.mode``: None for 'disabled'; the newest
-    complete one for 'auto' (None if there is none) and 'resume' (ValueError if there is none)."""
-    if mode == "disabled":
-        return None
-    latest = latest_complete_checkpoint(root)
-    if latest is None and mode == "resume":
-        raise ValueError(f"recover.mode=resume but {root} holds no complete checkpoint")
-    return latest
 
 
 def load_checkpoint(path: str | Path, restore_rng: bool = False, map_location: str = "cpu") -> dict:
@@ -191,24 +164,3 @@ def load_checkpoint(path: str | Path, restore_rng: bool = False, map_location: s
         "actor_state": torch.load(path / "actor_state.pt", map_location=map_location, weights_only=True),
         "extra": json.loads((path / "extra.json").read_text()), "rng": rng,
     }
-
-
-def prune(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints, plus leftovers: incomplete
-    ``step_<k>`` older than the newest complete one and temp dirs of other (crashed) processes.
-    Returns what was deleted."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last={keep_last}: expected an integer >= 1")
-    root = Path(root)
-    complete = complete_checkpoints(root)
-    doomed = complete[:-keep_last]
-    newest = int(_STEP_RE.match(complete[-1].name).group(1)) if complete else None
-    for p in root.iterdir() if root.is_dir() else []:
-        m = _STEP_RE.match(p.name)
-        if m and newest is not None and p not in complete and int(m.group(1)) < newest:
-            doomed.append(p)  # a crashed save: superseded by a newer complete checkpoint
-        elif p.name.startswith((".tmp-", ".trash-")) and not p.name.endswith(f"-{os.getpid()}"):
-            doomed.append(p)  # single writer per root: another pid's temp dir is a crash's leftover
-    for p in doomed:
-        shutil.rmtree(p)
-    return doomed

@@ -25,7 +25,7 @@ import time
 from protocols.messages import (BatchPlan, CheckpointRequest, Shutdown, TrainerReady, TrainStepDone,
                                 WeightsPublished)
 
-from areal_async.runtime.control import ControlClient
+from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.types import Trajectory
 

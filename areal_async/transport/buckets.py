@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from areal_async.transport.base import TransportError
-from areal_async.transport.frames import ALIGN, align, view_as
+from areal_async.transport.frames import ALIGN, align, flat_bytes, view_as
 from protocols.tensors import DTYPE_NAMES, DTYPES
 
 MANIFEST_FORMAT = "areal-weights/1"
@@ -226,8 +226,6 @@ def unflatten(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torc
 
 def state_checksum(state_dict: dict[str, torch.Tensor]) -> int:
     """One order-sensitive checksum of a whole state dict (crc32 of names, dtypes, shapes, bytes); for tests."""
-    from areal_async.transport.frames import flat_bytes
-
     crc = 0
     for name, t in state_dict.items():
         crc = zlib.crc32(f"{name}|{DTYPE_NAMES[t.dtype]}|{list(t.shape)}".encode(), crc)

@@ -44,8 +44,16 @@ from typing import Iterator, Sequence
 
 import torch
 
+from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.data.prompts import Problem, load_problems, sft_examples
+from areal_async.data.prompts import Problem, load_problems, prompt_encoder, sft_examples
+from areal_async.models.tiny import load_model, load_policy, save_policy
+from areal_async.reward.pool import RewardPool
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.trainer.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
+from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, prune
+from areal_async.trainer.optim import build_lr_scheduler, build_optimizer
 from areal_async.trainer.sft import Example, sft_step
 
 __all__ = ["run_sft", "sft", "SFTInputError", "SFTResult", "prepare_data", "train", "evaluate", "sft_total_steps"]
@@ -88,8 +96,6 @@ def run_sft(cfg: ExperimentConfig, run_dir: Path) -> int:
 
 def sft(cfg: ExperimentConfig, run_dir: Path) -> SFTResult:
     """Check inputs, evaluate, train, save, evaluate; ``SFTInputError`` before anything trains."""
-    from areal_async.reward.pool import RewardPool
-
     t0 = time.perf_counter()
     try:
         model, tok, data = _prepare(cfg)
@@ -109,9 +115,6 @@ def sft(cfg: ExperimentConfig, run_dir: Path) -> SFTResult:
 
 def _prepare(cfg: ExperimentConfig):
     """Policy, tokenizer and data, every input checked before any training starts."""
-    from areal_async.models.tiny import load_policy
-    from areal_async.runtime.fleet import set_torch_threads
-
     set_torch_threads(cfg.cluster.torch_threads)
     torch.manual_seed(cfg.seed)
     model, tok = load_policy(cfg.model, cfg.seed)
@@ -122,8 +125,6 @@ def _prepare(cfg: ExperimentConfig):
 
 def _resume_point(cfg: ExperimentConfig, run_dir: Path) -> dict | None:
     """The newest complete SFT checkpoint per ``recover.mode`` (loaded), or None to start afresh."""
-    from areal_async.trainer.checkpoint import checkpoint_to_resume, load_checkpoint
-
     latest = checkpoint_to_resume(run_dir / "checkpoints", cfg.recover.mode)
     if latest is None:
         return None
@@ -137,8 +138,6 @@ def _resume_point(cfg: ExperimentConfig, run_dir: Path) -> dict | None:
 def _train_and_evaluate(cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool,
                         ckpt: dict | None = None) -> tuple[torch.nn.Module, dict]:
     """(the trained model, the summary); when resuming, the model is the checkpoint's, trained on."""
-    from areal_async.models.tiny import load_model, save_policy
-
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     saved_before = run_dir / "eval_before.json"
@@ -171,8 +170,6 @@ def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
     Prompts longer than ``train_dataset.max_prompt_len`` tokens are dropped (the seed's filter);
     a dataset without any 'answer' is an error, problems without one are kept for evaluation only.
     """
-    from areal_async.runtime.build import prompt_encoder
-
     problems = load_problems(cfg.train_dataset, cfg.seed)
     _require_answers(cfg, problems)
     enc = prompt_encoder(tok)
@@ -227,8 +224,6 @@ def _check_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok
 
 
 def _check_eval_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok) -> None:
-    from areal_async.runtime.build import prompt_encoder
-
     enc, new = prompt_encoder(tok), _eval_max_new_tokens(cfg)
     longest = max((len(enc(p.prompt)) for probs in data.splits.values() for p in probs), default=0)
     if longest + new > max_positions:
@@ -263,9 +258,6 @@ def train(cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: P
           ckpt: dict | None = None) -> list[dict]:
     """The SFT loop; appends one metrics row per step to RUN_DIR/metrics.jsonl and returns the rows
     (all of the run's, earlier attempts' included, when resuming from ``ckpt``)."""
-    from areal_async.trainer.checkpoint import restore_rng_states
-    from areal_async.trainer.optim import build_lr_scheduler, build_optimizer
-
     total, oc = sft_total_steps(cfg, len(examples)), cfg.sft.optimizer
     opt = build_optimizer(model.parameters(), oc)
     sched = build_lr_scheduler(opt, total, oc)
@@ -307,8 +299,6 @@ def _step(cfg: ExperimentConfig, model, opt, batch: list[Example], step: int, t0
 
 
 def _maybe_checkpoint(cfg: ExperimentConfig, run_dir: Path, step: int, model, tok, opt, sched) -> None:
-    from areal_async.trainer.checkpoint import prune, save_checkpoint
-
     freq = cfg.sft.save_freq_steps
     if not freq or step % freq:
         return
@@ -340,9 +330,6 @@ def evaluate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem], poo
 
 def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> list[list[str]]:
     """Decoded completions, ``evaluator.n_samples`` per problem, in problem order."""
-    from areal_async.rollout.torch_engine import TorchEngine
-    from areal_async.runtime.build import prompt_encoder
-
     engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed,
                          max_batch_groups=cfg.rollout.max_batch_groups)
     enc = prompt_encoder(tok)
@@ -356,8 +343,6 @@ def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> 
 
 
 def _eval_request(cfg: ExperimentConfig, group_id: str, prompt_ids: list[int]):
-    from areal_async.rollout.engine import GenRequest
-
     e = cfg.evaluator
     return GenRequest(group_id, prompt_ids, n=e.n_samples, max_new_tokens=_eval_max_new_tokens(cfg),
                       temperature=e.temperature, top_p=e.top_p, greedy=e.greedy,

@@ -1,23 +1,19 @@
-"""What a worker process needs to find its peers: the run directory's config and endpoints.
+"""What a worker process needs to find its peers: the run directory's endpoints.
 
-The supervisor writes ``RUN_DIR/config.yaml`` (the resolved config) and
-``RUN_DIR/endpoints.json`` before starting anyone; every worker reads both. Endpoints are
-``ipc://`` sockets in a short private directory on one host, or ``tcp://host:port`` with ports
-chosen by the supervisor.
+The supervisor writes ``RUN_DIR/endpoints.json`` (and the resolved ``RUN_DIR/config.yaml``)
+before starting anyone; every worker reads both. Endpoints are ``ipc://`` sockets in a short
+private directory on one host, or ``tcp://host:port`` with ports chosen by the supervisor.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
-import sys
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from areal_async.config import ExperimentConfig, load_config
 from protocols.sockets import free_tcp_port, ipc_endpoint
 
 
@@ -39,30 +35,13 @@ class Endpoints:
         return cls(**json.loads((Path(run_dir) / "endpoints.json").read_text()))
 
 
-def plan_endpoints(cfg: ExperimentConfig) -> Endpoints:
-    n, host = cfg.cluster.n_reward_workers, cfg.cluster.host
+def plan_endpoints(n_reward_workers: int, host: str, control: str) -> Endpoints:
+    """Fresh endpoints for one run (``control``: ``ipc`` or ``tcp``, as ``cluster.control``)."""
     extra = {"run_id": uuid.uuid4().hex[:10], "traj_store": f"{host}:{free_tcp_port(host)}",
              "weight_store": f"{host}:{free_tcp_port(host)}", "weights_endpoint": f"tcp://{host}:{free_tcp_port(host)}"}
-    if cfg.cluster.control == "ipc":
+    if control == "ipc":
         d = tempfile.mkdtemp(prefix="areal-")  # short path: ipc paths are limited to ~100 chars
         return Endpoints(ipc_endpoint(d, "control"), ipc_endpoint(d, "traj"),
-                         [ipc_endpoint(d, f"reward{i}") for i in range(n)], d, extra)
+                         [ipc_endpoint(d, f"reward{i}") for i in range(n_reward_workers)], d, extra)
     tcp = lambda: f"tcp://{host}:{free_tcp_port(host)}"  # noqa: E731
-    return Endpoints(tcp(), tcp(), [tcp() for _ in range(n)], "", extra)
-
-
-def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
-    return load_config(Path(run_dir) / "config.yaml"), Endpoints.load(run_dir)
-
-
-def setup_worker_logging(worker_id: str) -> logging.Logger:
-    logging.basicConfig(level=os.environ.get("AREAL_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s")
-    return logging.getLogger(f"areal_async.{worker_id}")
-
-
-def set_torch_threads(n: int) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(n))
-    import torch
-
-    torch.set_num_threads(n)
+    return Endpoints(tcp(), tcp(), [tcp() for _ in range(n_reward_workers)], "", extra)

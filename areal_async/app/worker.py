@@ -4,27 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from typing import Callable
 
+from areal_async.base.process import setup_worker_logging
 from protocols.sockets import run_async
 
-from areal_async.runtime.fleet import setup_worker_logging
 
-
-def run_worker(role: str, run_dir: str, worker_id: str, index: int) -> int:
+def run_worker(worker_id: str, build: Callable[[], object]) -> int:
+    """Build the service (``build()``, an object with a ``run()`` coroutine) and run it until it returns
+    or SIGTERM/SIGINT arrives (exit code 143)."""
     log = setup_worker_logging(worker_id)
-    from areal_async.runtime import build
-
-    builders = {"scheduler": lambda: build.build_scheduler(run_dir),
-                "reward": lambda: build.build_reward(run_dir, worker_id, index),
-                "trainer": lambda: build.build_trainer(run_dir, worker_id),
-                "rollout": lambda: build.build_rollout(run_dir, worker_id, index)}
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)  # SIGTERM from the supervisor: unwind and exit
-        service = builders[role]()
+        service = build()
         log.info("%s started", worker_id)
         return await service.run()
 

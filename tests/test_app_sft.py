@@ -1,4 +1,4 @@
-"""``areal-async sft`` (areal_async.trainer.sft_run): a short run on a tiny model learns, writes its
+"""``areal-async sft`` (areal_async.app.sft): a short run on a tiny model learns, writes its
 books, saves a model that reloads with ``from_pretrained`` to the same logits; bad inputs are
 refused before training with exit code 2 and a message naming the problem."""
 
@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async.config import load_config
-from areal_async.trainer.sft_run import SFTInputError, batches, run_sft, sft, sft_total_steps
+from areal_async.app import sft as sft_app
+from areal_async.app.sft import SFTInputError, batches, run_sft, sft, sft_total_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/tiny_sft.yaml"
@@ -129,21 +130,19 @@ def test_interrupted_sft_resumes_to_the_same_model_as_an_uninterrupted_run(tmp_p
     """Crash after step 23 of 30 (checkpoints at 10 and 20), rerun with recover.mode=auto: the run
     continues from step 20 with its optimizer, schedule, RNG and batch order, rolls back the
     metrics rows of steps 21-23, and ends with the uninterrupted run's weights."""
-    from areal_async.trainer import sft_run
-
     overrides = ("sft.steps=30", "sft.save_freq_steps=10", "saver.keep_last=2")
-    real_step = sft_run._step
+    real_step = sft_app._step
 
     def crashing_step(cfg, model, opt, batch, step, t0):
         if step == 24:
             raise RuntimeError("simulated crash")
         return real_step(cfg, model, opt, batch, step, t0)
 
-    monkeypatch.setattr(sft_run, "_step", crashing_step)
+    monkeypatch.setattr(sft_app, "_step", crashing_step)
     with pytest.raises(RuntimeError, match="simulated crash"):
         sft(small_cfg(*overrides), tmp_path)
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(1, 24))
-    monkeypatch.setattr(sft_run, "_step", real_step)
+    monkeypatch.setattr(sft_app, "_step", real_step)
     resumed = sft(small_cfg(*overrides, "recover.mode=auto"), tmp_path)
 
     assert resumed.summary["resumed_from_step"] == 20

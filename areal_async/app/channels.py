@@ -1,0 +1,31 @@
+"""The tensor channels of a rollout worker and the trainer, as ``tensor_channel.*`` configures them."""
+
+from __future__ import annotations
+
+from areal_async.base.endpoints import Endpoints
+from areal_async.config import ExperimentConfig
+from areal_async.transport import make_tensor_channel, make_weight_channel
+
+
+def _group(cfg: ExperimentConfig, ep: Endpoints, kind: str, rank: int, store_key: str) -> dict:
+    """Rank/world/store for the collective kinds (rank 0 = trainer, 1..N = rollout workers)."""
+    if kind not in ("gloo", "nccl"):
+        return {}
+    return {"rank": rank, "world_size": cfg.cluster.n_rollout_workers + 1, "store": ep.extra[store_key]}
+
+
+def trajectory_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
+    kind = cfg.tensor_channel.trajectories
+    kw = {"run_id": ep.extra.get("run_id")} if kind == "shm" else {}
+    return make_tensor_channel(kind, role=role, endpoint=ep.trajectories, **kw,
+                               **_group(cfg, ep, kind, rank, "traj_store"))
+
+
+def weight_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
+    kind = cfg.tensor_channel.weights
+    kw = {"run_id": ep.extra.get("run_id")} if kind == "shm" else {}
+    if role == "publisher":
+        kw["bucket_mb"] = cfg.tensor_channel.bucket_mb
+        if kind == "zmq":
+            kw["endpoint"] = ep.extra["weights_endpoint"]
+    return make_weight_channel(kind, role=role, **kw, **_group(cfg, ep, kind, rank, "weight_store"))

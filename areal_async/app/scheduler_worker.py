@@ -1,0 +1,15 @@
+"""The scheduler worker, built from the run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from areal_async.app.wiring import load_run, supervisor_t0
+from areal_async.data.prompts import prompt_encoder
+from areal_async.models.tokenizer import load_tokenizer
+from areal_async.scheduler.service import SchedulerService
+
+
+def build_scheduler(run_dir: str | Path) -> SchedulerService:
+    cfg, ep = load_run(run_dir)
+    return SchedulerService(cfg, ep, run_dir, supervisor_t0(), prompt_encoder(load_tokenizer(cfg.model.path)))

@@ -1,0 +1,31 @@
+"""What every worker builder reads first: the run directory's config and endpoints, the supervisor's
+clock, and its control link to the scheduler.
+
+Every builder reads ``RUN_DIR/config.yaml`` and ``RUN_DIR/endpoints.json`` (written by the
+supervisor) and returns an object whose ``run()`` coroutine is the worker's life.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import zmq.asyncio
+
+from areal_async.base.control import ControlClient
+from areal_async.base.endpoints import Endpoints
+from areal_async.config import ExperimentConfig, load_config
+
+
+def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
+    return load_config(Path(run_dir) / "config.yaml"), Endpoints.load(run_dir)
+
+
+def control_client(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,
+                   worker_id: str) -> ControlClient:
+    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s)
+
+
+def supervisor_t0() -> float:
+    return float(os.environ.get("AREAL_T0", time.time()))

@@ -1,1 +1,0 @@
-"""Small helpers shared by the library (plug-in loading, ...). Importing this is cheap."""

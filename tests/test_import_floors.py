@@ -1,0 +1,148 @@
+"""One direction of imports: the floors of the house, checked over the source with ``ast``.
+
+A module may import its own room (package) and any room on a lower floor; never a room on its
+own floor or above. A project import inside a function (the old way to dodge a cycle) is refused
+unless ``LAZY`` lists it with the reason it must stay lazy. Third-party imports are not checked.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("protocols", "areal_async", "workers", "benchmarks")
+
+# floor -> rooms (module prefixes). Lowest first; a room is a package or a single module.
+FLOORS: dict[int, tuple[str, ...]] = {
+    0: ("protocols",),  # wire messages, tensor frames, socket patterns
+    1: ("areal_async.base",),  # control client, endpoints, cpu lists, worker process settings, plug-ins
+    2: ("areal_async.config",),  # the dataclass configs, loading, overrides
+    3: ("areal_async.data", "areal_async.models", "areal_async.transport"),  # libraries the roles share
+    4: ("areal_async.scheduler", "areal_async.rollout", "areal_async.reward", "areal_async.trainer"),  # roles
+    5: ("areal_async.supervisor", "areal_async.app"),  # launchers; the wiring of each process, sft
+    6: ("areal_async.cli", "workers"),  # the command line; process entry points
+    7: ("benchmarks",),
+}
+
+# Where a project import inside a function is refused unless listed in LAZY (benchmarks: direction only).
+LAZY_CHECKED = ("protocols", "areal_async", "workers")
+
+# (importer, imported) -> why the import must stay inside a function.
+LAZY: dict[tuple[str, str], str] = {
+    ("areal_async.cli", "areal_async.app.sft"):
+        "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
+    **{(f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
+       for r in ("scheduler", "reward", "rollout", "trainer")},
+}
+
+
+def room_of(module: str) -> tuple[int, str]:
+    """(floor, room) of a project module; the longest matching room wins."""
+    best = None
+    for floor, rooms in FLOORS.items():
+        for room in rooms:
+            if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
+                best = (floor, room)
+    if best is None and module in PACKAGES:
+        return 0, module  # a package root (its __init__ is empty)
+    if best is None:
+        raise LookupError(f"module {module!r} is on no floor: add its room to FLOORS in {__file__}")
+    return best
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not node.level:
+        return [node.module or ""]
+    base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+    return [".".join(base + ([node.module] if node.module else []))]
+
+
+def project_imports(path: Path, root: Path = ROOT):
+    """(importer, imported, line, inside a function) for every import of a project module in ``path``."""
+    module, tree = module_name(path, root), ast.parse(path.read_text(), str(path))
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                for name in imported_names(child, module, path.name == "__init__.py"):
+                    if name.split(".")[0] in PACKAGES:
+                        found.append((module, name, child.lineno, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(tree, False)
+    return found
+
+
+def all_imports(root: Path = ROOT):
+    return [imp for pkg in PACKAGES for path in sorted((root / pkg).rglob("*.py")) for imp in project_imports(path, root)]
+
+
+def floor_violations(imports) -> list[str]:
+    bad = []
+    for importer, imported, line, _ in imports:
+        (f_from, r_from), (f_to, r_to) = room_of(importer), room_of(imported)
+        if r_from != r_to and f_to >= f_from:
+            side = "above it" if f_to > f_from else "beside it"
+            bad.append(f"{importer}:{line} imports {imported} (floor {f_to}, {side}: {importer} is on floor {f_from})")
+    return bad
+
+
+def lazy_violations(imports) -> list[str]:
+    """Unlisted project imports inside functions (in LAZY_CHECKED packages), and LAZY entries no longer needed."""
+    lazy = {(i, m): line for i, m, line, inside in imports if inside and i.split(".")[0] in LAZY_CHECKED}
+    bad = [f"{i}:{line} imports {m} inside a function" for (i, m), line in lazy.items() if (i, m) not in LAZY]
+    return bad + [f"LAZY lists {i} -> {m}, which is no longer imported inside a function" for i, m in LAZY
+                  if (i, m) not in lazy]
+
+
+def test_every_module_is_on_a_floor():
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            room_of(module_name(path))
+
+
+def test_no_module_imports_its_own_floor_or_above():
+    bad = floor_violations(all_imports())
+    assert not bad, "imports against the floors:\n" + "\n".join(bad)
+
+
+def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
+    bad = lazy_violations(all_imports())
+    assert not bad, ("move these imports to the top of the module, or list them in LAZY with the reason "
+                     "they must stay lazy:\n" + "\n".join(bad))
+
+
+def test_the_checker_catches_what_it_should(tmp_path):
+    """A small tree with known faults: each is reported, the allowed imports are not."""
+    files = {
+        "areal_async/trainer/actor.py": "from areal_async.app.sft import x\nfrom ..config import C\nfrom . import loss\n"
+                                        "import torch, protocols.messages\n",
+        "areal_async/trainer/loss.py": "def f():\n    from areal_async.reward import pool\n",
+        "areal_async/app/sft.py": "from areal_async.trainer import actor\n",
+    }
+    for rel, src in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(src)
+    imports = all_imports(tmp_path)
+    assert [(i, m, inside) for i, m, _, inside in imports] == [
+        ("areal_async.app.sft", "areal_async.trainer", False),
+        ("areal_async.trainer.actor", "areal_async.app.sft", False),
+        ("areal_async.trainer.actor", "areal_async.config", False),
+        ("areal_async.trainer.actor", "areal_async.trainer", False),
+        ("areal_async.trainer.actor", "protocols.messages", False),
+        ("areal_async.trainer.loss", "areal_async.reward", True),
+    ]
+    assert floor_violations(imports) == [
+        "areal_async.trainer.actor:1 imports areal_async.app.sft (floor 5, above it: areal_async.trainer.actor is on floor 4)",
+        "areal_async.trainer.loss:2 imports areal_async.reward (floor 4, beside it: areal_async.trainer.loss is on floor 4)",
+    ]
+    assert lazy_violations(imports)[0] == "areal_async.trainer.loss:2 imports areal_async.reward inside a function"
