@@ -10,9 +10,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from areal_async.base.affinity import parse_cpu_list
 from areal_async.config.base import (CpuList, Section, _f, _sub, _unread, above, at_least, one_of, require,
                                      within)
-from areal_async.base.affinity import parse_cpu_list
 from protocols.channels import CHANNEL_KINDS
 
 DTYPES = ("float32", "bfloat16", "float16")
