@@ -2,16 +2,19 @@
 
     train_step(trajs)
       |- rewards -> advantages               (advantages.py; KL penalty only when kl_ctl > 0)
-      |- proximal logprobs, no grad          (when recompute_logprob; packed micro-batches)
-      |- for each of ppo_n_minibatches:      (one optimizer step each)
-      |    global token count N              (every output token, rejected ones included)
+      |- proximal logprobs, no grad          (when recompute_logprob; each rank its share, gathered)
+      |- for each of ppo_n_minibatches:      (balanced by tokens; one optimizer step each)
+      |    global token count N              (every output token of the minibatch on every rank,
+      |                                       rejected ones included)
       |    for each packed micro-batch:      forward, loss = sum(token losses) / N, backward
       |    clip grads, optimizer step        (skipped: grad norm not finite, or no token kept)
       '- lr schedule step, step += 1
 
-Covered: the single-process update on any device, its metrics, and its resumable state
-(optimizer + lr scheduler + step; the weights are saved by ``checkpoint.py``).
-Not covered: data-parallel sharding and weight publication (the trainer worker does both).
+Covered: the update on one process or on K data-parallel ranks (``dp.py``: FSDP2, the batch
+split over ranks by tokens, one global N, so K ranks take the same step as one), its metrics
+(merged over ranks), and its resumable state (optimizer + lr scheduler + step; the weights are
+saved by ``checkpoint.py``). Every rank calls ``train_step`` with the same trajectories.
+Not covered: weight publication (the trainer worker gathers shards for it).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import torch
 
 from areal_async.config import ActorConfig
 from areal_async.trainer.advantages import compute_advantages, scaled_rewards
-from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, packed_logprobs
+from areal_async.trainer.dp import DataParallel, minibatches_by_tokens, rank_micro_batches, shard_model, split_over_ranks
+from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from areal_async.trainer.packing import forward_packed, pack
 from areal_async.trainer.types import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -37,6 +42,7 @@ class _Batch:
 
     def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
         self.seqs = [t.seq_ids for t in trajs]
+        self.lengths = [len(s) for s in self.seqs]
         self.n_prompt = [len(t.prompt_ids) for t in trajs]
         self.behav = [torch.tensor(t.behav_logp, dtype=torch.float32, device=device) for t in trajs]
         self.prox: Optional[list[torch.Tensor]] = None
@@ -51,7 +57,12 @@ class PPOActor:
     """Owns the policy's optimizer and schedule; ``train_step`` is one RL trainer step."""
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, temperature: float, total_steps: int,
-                 device: str | torch.device = "cpu", ref_model: Optional[ModelOrLoader] = None):
+                 device: str | torch.device = "cpu", ref_model: Optional[ModelOrLoader] = None,
+                 dp: Optional[DataParallel] = None, compute_dtype: Optional[torch.dtype] = None):
+        """``dp``: this process's trainer rank (default: the only one). ``compute_dtype``: shard the
+        policy with FSDP2 (needs an initialised process group, even of one rank) and keep float32
+        master weights and optimizer state while forward/backward run in this dtype; None keeps
+        the model as given (and is only allowed with one rank)."""
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: expected > 0 (the rollout's sampling temperature)")
         if cfg.use_decoupled_loss and not cfg.recompute_logprob:
@@ -60,7 +71,11 @@ class PPOActor:
         if cfg.kl_ctl > 0 and ref_model is None:
             raise ValueError(f"kl_ctl={cfg.kl_ctl} > 0 needs a reference model (or a loader); got None")
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        self.dp = dp or DataParallel.single()
+        if self.dp.active and compute_dtype is None:
+            raise ValueError(f"{self.dp.world} trainer ranks need compute_dtype (FSDP2 sharding); got None")
+        self.sharded = compute_dtype is not None
+        self.model = shard_model(model, compute_dtype, self.device) if self.sharded else model.to(self.device)
         self.cfg = cfg
         self.temperature = temperature
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
@@ -80,10 +95,11 @@ class PPOActor:
             raise ValueError("train_step got no trajectories; expected a non-empty batch")
         batch = self._prepare(trajs)
         stats, grad_norms, n_mb, skipped = LossStats(), [], 0, 0
-        for idx in self._minibatch_indices(len(trajs)):
+        for idx in minibatches_by_tokens(batch.lengths, self.cfg.ppo_n_minibatches):
             mb_stats, grad_norm, n, stepped = self._update(batch, idx)
             stats, n_mb, skipped = stats.merge(mb_stats), n_mb + n, skipped + (not stepped)
             grad_norms.append(grad_norm)
+        stats = self.dp.sum_stats(stats)
         lr = self.optimizer.param_groups[0]["lr"]
         self._advance_schedule()
         self.step += 1
@@ -127,13 +143,42 @@ class PPOActor:
 
     @torch.no_grad()
     def _output_logprobs(self, model: torch.nn.Module, batch: _Batch) -> list[torch.Tensor]:
+        """Output-token logprobs of every sequence: each rank computes its share, then all gather."""
         was_training = model.training
         model.eval()
-        mb = self.cfg.mb_spec
-        full = packed_logprobs(model, batch.seqs, self.temperature, mb.max_tokens_per_mb, mb.oversize)
+        shares = split_over_ranks(batch.lengths, self.dp.world)
+        mine: dict[int, torch.Tensor] = {}
+        for mb in self._rank_micro_batches(model, batch, shares, grad=False):
+            for i, lp in zip(mb.indices, mb.logp):
+                # output token j sits at position P+j and is scored by position P+j-1
+                mine[i] = lp[batch.n_prompt[i] - 1:].float()
         model.train(was_training)
-        # output token j sits at position P+j and is scored by position P+j-1
-        return [lp[p - 1:].float() for lp, p in zip(full, batch.n_prompt)]
+        out_lengths = [n - p for n, p in zip(batch.lengths, batch.n_prompt)]
+        gathered = self.dp.all_gather_per_seq(mine, shares, out_lengths)
+        return [g.to(self.device) for g in gathered]
+
+    def _rank_micro_batches(self, model: torch.nn.Module, batch: _Batch, shares: list[list[int]], grad: bool):
+        """This rank's packed micro-batches (MicroBatchOut with batch indices), then as many
+        zero-loss padding forwards (and backwards when ``grad``) as it takes to run the same
+        count as the busiest rank: FSDP's gathers and reductions are collectives."""
+        mb = self.cfg.mb_spec
+        per_rank, n_mb = rank_micro_batches(batch.lengths, shares, mb.max_tokens_per_mb, mb.oversize)
+        own = per_rank[self.dp.rank]
+        share = shares[self.dp.rank]
+        pos = {i: j for j, i in enumerate(share)}
+        alloc = [[pos[i] for i in m] for m in own]
+        for out in iter_micro_batches(model, [batch.seqs[i] for i in share], self.temperature, mb.max_tokens_per_mb,
+                                      mb.oversize, with_entropy=grad, entropy_grad=self.cfg.entropy_coef != 0,
+                                      allocation=alloc):
+            yield MicroBatchOut([share[j] for j in out.indices], out.logp, out.entropy)
+        for _ in range(n_mb - len(own)):
+            self._padding_pass(model, grad)
+
+    @staticmethod
+    def _padding_pass(model: torch.nn.Module, grad: bool) -> None:
+        logp_T, _ = forward_packed(model, pack([[0, 0]]))
+        if grad:
+            (logp_T.sum() * 0.0).backward()
 
     def _advance_schedule(self) -> None:
         # LambdaLR computes lr from its step counter, so advancing after a skipped optimizer
@@ -141,13 +186,6 @@ class PPOActor:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.lr_scheduler.step()
-
-    def _minibatch_indices(self, n: int) -> list[list[int]]:
-        k = self.cfg.ppo_n_minibatches
-        if k > n:
-            raise ValueError(f"ppo_n_minibatches={k} but the batch has {n} trajectories; expected <= {n}")
-        # contiguous chunks keep the samples of a group together where the sizes allow
-        return [c.tolist() for c in torch.arange(n).tensor_split(k)]
 
     def _update(self, batch: _Batch, idx: list[int]) -> tuple[LossStats, float, int, bool]:
         """One optimizer step on the minibatch ``idx``: (stats, grad norm, micro-batches, stepped).
@@ -159,8 +197,9 @@ class PPOActor:
         n_tokens = sum(batch.behav[i].numel() for i in idx)  # the loss denominator: rejected tokens stay in it
         n_kept = sum(count_kept_tokens(self._prox(batch, i), batch.behav[i], self.cfg) for i in idx)
         stats, n_mb = LossStats(), 0
-        for mb in self._micro_batches(batch, idx):
-            loss, s = self._micro_loss(batch, [idx[j] for j in mb.indices], mb, n_tokens)
+        shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
+        for mb in self._rank_micro_batches(self.model, batch, shares, grad=True):
+            loss, s = self._micro_loss(batch, mb.indices, mb, n_tokens)
             loss.backward()
             stats, n_mb = stats.merge(s), n_mb + 1
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
@@ -169,12 +208,6 @@ class PPOActor:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats, grad_norm, n_mb, stepped
-
-    def _micro_batches(self, batch: _Batch, idx: list[int]):
-        mb = self.cfg.mb_spec
-        return iter_micro_batches(self.model, [batch.seqs[i] for i in idx], self.temperature,
-                                  mb.max_tokens_per_mb, mb.oversize, with_entropy=True,
-                                  entropy_grad=self.cfg.entropy_coef != 0)
 
     def _micro_loss(self, batch: _Batch, traj_idx: list[int], mb: MicroBatchOut,
                     n_tokens: int) -> tuple[torch.Tensor, LossStats]:

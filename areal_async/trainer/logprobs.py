@@ -28,10 +28,16 @@ class MicroBatchOut:
 
 def iter_micro_batches(model: torch.nn.Module, seqs: Sequence[Sequence[int]], temperature: float,
                        max_tokens_per_mb: int, oversize: str = "error",
-                       with_entropy: bool = False, entropy_grad: bool = True) -> Iterator[MicroBatchOut]:
+                       with_entropy: bool = False, entropy_grad: bool = True,
+                       allocation: Optional[list[list[int]]] = None) -> Iterator[MicroBatchOut]:
     """Run the model on balanced packed micro-batches, yielding each before computing the next,
-    so a caller can backward and free one micro-batch's graph at a time."""
-    for indices in allocate_micro_batches([len(s) for s in seqs], max_tokens_per_mb, oversize):
+    so a caller can backward and free one micro-batch's graph at a time.
+
+    ``allocation``: the micro-batches (lists of indices into ``seqs``) when the caller planned
+    them (data-parallel ranks plan theirs together); default: allocated here under the budget."""
+    if allocation is None:
+        allocation = allocate_micro_batches([len(s) for s in seqs], max_tokens_per_mb, oversize)
+    for indices in allocation:
         packed = pack([seqs[i] for i in indices])
         logp_T, entropy_T = forward_packed(model, packed, temperature, with_entropy, entropy_grad)
         cu = packed.cu_seqlens

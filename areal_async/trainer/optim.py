@@ -61,10 +61,12 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip the global L2 grad norm to max_norm (0 disables clipping) and return the norm before it."""
+    """Clip the global L2 grad norm to max_norm (0 disables clipping) and return the norm before it.
+
+    FSDP2 parameters (DTensor shards): the norm is over the whole model, gathered from every rank."""
     grads = [p for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in grads])))
+    # an infinite max_norm clips nothing (the coefficient is clamped to 1) but still returns the norm
+    total = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm > 0 else float("inf"))
+    return float(total.full_tensor() if hasattr(total, "full_tensor") else total)

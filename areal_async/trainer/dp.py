@@ -1,0 +1,289 @@
+"""Data-parallel trainer ranks: FSDP2 sharding, the batch split by tokens, global normalisation.
+
+::
+
+    rank 0 (on the control plane)                 ranks 1..K-1
+    BatchPlan -> trajectories ─ broadcast_batch ─> the same trajectories
+    every rank: advantages of the whole batch (identical everywhere: same inputs, same code)
+    prox logprobs: each rank its share (split_over_ranks), then all_gather_per_seq -> whole batch
+    each PPO minibatch (balanced by tokens): split over ranks by tokens, each share into
+      micro-batches; every rank runs the same number of micro-batches (padding ones run a
+      zero-loss forward/backward: FSDP's all-gathers and reduce-scatters are collectives)
+    loss of a micro-batch = sum of its token losses / N, N = the minibatch's tokens on ALL ranks
+    gradients: reduce-scatter SUM (divide factor 1), so K ranks take one rank's step
+
+Why the same update: the loss is a sum over tokens divided by one global N, and the gradient of a
+sum is the sum of the ranks' gradients; a per-rank N would weight a rank's tokens by N / N_r.
+
+Collectives used (all on gloo in torch 2.13 CPU: checked, ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` included, which FSDP2 needs): broadcast (the batch, commands),
+all_gather (per-sequence logprobs, padded to the longest share), all_reduce (loss statistics).
+
+``DataParallel.single()`` is the one-process case: every method is an identity and no process
+group exists, so the actor has one code path.
+
+Not covered: tensor/sequence/pipeline parallelism, meta-device initialisation (every rank
+builds the full model before ``fully_shard`` keeps its shard; fine up to what one host's memory
+holds), HSDP.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+from areal_async.trainer.loss import LossStats
+from areal_async.trainer.packing import allocate_micro_batches, karmarkar_karp
+from areal_async.trainer.types import Trajectory
+
+# commands rank 0 broadcasts to the other ranks before each collective phase
+CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP = 1, 2, 3, 4
+CMD_NAMES = {CMD_TRAIN: "train", CMD_PUBLISH: "publish", CMD_SAVE: "save", CMD_STOP: "stop"}
+
+
+# --------------------------------------------------------------------------------------------
+# pure planning (identical on every rank: a function of the sequence lengths only)
+# --------------------------------------------------------------------------------------------
+
+
+def split_over_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Sequence indices per rank, token sums balanced (Karmarkar-Karp); a rank may get none
+    when there are fewer sequences than ranks. Deterministic: every rank computes the same."""
+    if world < 1:
+        raise ValueError(f"world={world}: expected an integer >= 1")
+    if world == 1:
+        return [list(range(len(lengths)))]
+    bins = karmarkar_karp(list(lengths), world)
+    # heaviest share to rank 0 ... a fixed order, so the split does not depend on heap ties
+    return sorted(bins, key=lambda b: (-sum(lengths[i] for i in b), b))
+
+
+def minibatches_by_tokens(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """PPO minibatches: k sets of sequence indices with balanced token sums (each non-empty)."""
+    if k > len(lengths):
+        raise ValueError(f"ppo_n_minibatches={k} but the batch has {len(lengths)} trajectories; "
+                         f"expected <= {len(lengths)}")
+    if k == 1:
+        return [list(range(len(lengths)))]
+    return sorted(karmarkar_karp(list(lengths), k), key=lambda b: b[0])
+
+
+def rank_micro_batches(lengths: Sequence[int], shares: list[list[int]], budget: int,
+                       oversize: str) -> tuple[list[list[list[int]]], int]:
+    """(per rank: micro-batches of indices into ``lengths``, the common micro-batch count).
+
+    Every rank allocates its own share under the token budget; the count every rank must run is
+    the largest of them (the others pad with zero-loss micro-batches)."""
+    per_rank = []
+    for share in shares:
+        mbs = allocate_micro_batches([lengths[i] for i in share], budget, oversize) if share else []
+        per_rank.append([[share[j] for j in mb] for mb in mbs])
+    return per_rank, max(len(m) for m in per_rank)
+
+
+# --------------------------------------------------------------------------------------------
+# the group
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataParallel:
+    """This process's place among the trainer ranks (``world == 1``: no process group)."""
+
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def single(cls) -> "DataParallel":
+        return cls(0, 1)
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    # ---- the batch ---------------------------------------------------------------------------
+    def broadcast_batch(self, trajs: Optional[Sequence[Trajectory]]) -> list[Trajectory]:
+        """Rank 0's trajectories on every rank (others pass None)."""
+        if not self.active:
+            return list(trajs or [])
+        import torch.distributed as dist
+
+        parts = encode_batch(trajs) if self.rank == 0 else None
+        sizes = torch.tensor([p.numel() for p in parts] if parts else [0, 0, 0], dtype=torch.int64)
+        dist.broadcast(sizes, 0)
+        if parts is None:
+            parts = [torch.empty(int(n), dtype=d) for n, d in zip(sizes.tolist(), _PART_DTYPES)]
+        for p in parts:
+            dist.broadcast(p, 0)
+        return decode_batch(*parts)
+
+    def all_gather_per_seq(self, mine: dict[int, torch.Tensor], shares: list[list[int]],
+                           lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Per-sequence float tensors computed by their owning rank, on every rank, in batch order.
+
+        ``mine``: this rank's sequences (index -> tensor of ``lengths[index]`` values)."""
+        n = len(lengths)
+        if not self.active:
+            return [mine[i] for i in range(n)]
+        import torch.distributed as dist
+
+        totals = [sum(lengths[i] for i in s) for s in shares]
+        width = max(max(totals), 1)
+        flat = torch.zeros(width, dtype=torch.float32)
+        own = shares[self.rank]
+        if own:
+            flat[:totals[self.rank]] = torch.cat([mine[i].detach().float().cpu() for i in own])
+        out = [torch.empty(width, dtype=torch.float32) for _ in range(self.world)]
+        dist.all_gather(out, flat)
+        full: list[Optional[torch.Tensor]] = [None] * n
+        for r, share in enumerate(shares):
+            pos = 0
+            for i in share:
+                full[i] = out[r][pos:pos + lengths[i]]
+                pos += lengths[i]
+        return full  # type: ignore[return-value]
+
+    # ---- statistics --------------------------------------------------------------------------
+    def sum_stats(self, stats: LossStats) -> LossStats:
+        """The merge of every rank's statistics (sums added, iw_max the largest)."""
+        if not self.active:
+            return stats
+        import torch.distributed as dist
+
+        names = [f.name for f in fields(LossStats)]
+        t = torch.tensor([getattr(stats, k) for k in names], dtype=torch.float64)
+        dist.all_reduce(t)
+        top = torch.tensor([stats.iw_max], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        out = LossStats(**dict(zip(names, t.tolist())))
+        out.iw_max = float(top)
+        return out
+
+    # ---- commands (rank 0 -> the others) -----------------------------------------------------
+    def command(self, op: int = 0, arg: int = 0, text: str = "") -> tuple[int, int, str]:
+        """Rank 0 sends (op, arg, text); the others receive and return it."""
+        if not self.active:
+            return op, arg, text
+        import torch.distributed as dist
+
+        raw = text.encode() if self.rank == 0 else b""
+        head = torch.tensor([op, arg, len(raw)], dtype=torch.int64)
+        dist.broadcast(head, 0)
+        buf = torch.tensor(list(raw), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(head[2]), dtype=torch.uint8)
+        if int(head[2]):
+            dist.broadcast(buf, 0)
+        return int(head[0]), int(head[1]), bytes(buf.tolist()).decode()
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+
+def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_s: float = 3600.0) -> DataParallel:
+    """Join the trainer ranks' default process group (``store`` = 'host:port', hosted by rank 0)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"trainer rank {rank}: expected an integer in [0, {world})")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+    if world == 1:
+        return DataParallel.single()
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return DataParallel(rank, world)
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2
+# --------------------------------------------------------------------------------------------
+
+
+def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """FSDP2 over the policy: each decoder layer and the root are ``fully_shard``-ed over every
+    rank of the default group. Parameters (the master weights) and the optimizer state stay
+    float32; forward/backward compute in ``compute_dtype``; gradients are reduced in float32 and
+    summed (divide factor 1: the loss is already normalised by the global token count). FSDP2's
+    default reduction is AVG, or PREMUL_SUM for another factor; gloo supports neither, so the
+    reduction is forced to SUM (``set_force_sum_reduction_for_comms``).
+
+    Works for a group of one rank too (the mixed-precision path of a single trainer)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import torch.distributed as dist
+
+    model = model.to(device=device, dtype=torch.float32)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = _decoder_layers(model)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    for m in [*layers, model]:
+        # SUM (never AVG / PREMUL_SUM: gloo has neither) and a post-division by 1 (exact)
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no .model.layers; expected a HF decoder-only causal LM")
+    return list(layers)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly) sharded parameter: an all-gather for a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+# --------------------------------------------------------------------------------------------
+# the batch on the wire between ranks: three flat tensors, no pickle
+# --------------------------------------------------------------------------------------------
+
+_PART_DTYPES = (torch.int64, torch.float32, torch.float64)
+
+
+def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
+    """(ints, behaviour logprobs, scores). ints = [n, (n_prompt, n_out, group#) * n, prompt ids,
+    output ids, versions]; group ids become their first-appearance index (normalisation only
+    compares them)."""
+    groups: dict[str, int] = {}
+    head, body = [len(trajs)], []
+    for t in trajs:
+        head += [len(t.prompt_ids), len(t.output_ids), groups.setdefault(t.group_id, len(groups))]
+        body += list(t.prompt_ids) + list(t.output_ids) + list(t.versions)
+    logp = [x for t in trajs for x in t.behav_logp]
+    return [torch.tensor(head + body, dtype=torch.int64), torch.tensor(logp, dtype=torch.float32),
+            torch.tensor([t.score for t in trajs], dtype=torch.float64)]
+
+
+def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -> list[Trajectory]:
+    v = ints.tolist()
+    n = v[0]
+    pos, lp_pos, out = 1 + 3 * n, 0, []
+    lp = logp.tolist()
+    for i in range(n):
+        n_p, n_o, g = v[1 + 3 * i:4 + 3 * i]
+        prompt, output, versions = v[pos:pos + n_p], v[pos + n_p:pos + n_p + n_o], v[pos + n_p + n_o:pos + n_p + 2 * n_o]
+        pos += n_p + 2 * n_o
+        out.append(Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=prompt, output_ids=output,
+                              behav_logp=lp[lp_pos:lp_pos + n_o], versions=versions, score=float(scores[i])))
+        lp_pos += n_o
+    return out

@@ -1,0 +1,160 @@
+"""Data-parallel trainer ranks on gloo: 2 FSDP2 ranks take the 1-rank step; bf16 compute keeps
+float32 master weights; the batch split and the batch's trip between ranks."""
+import math
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+import transformers
+
+from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, RejectionSamplingConfig
+from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.dp import (decode_batch, encode_batch, minibatches_by_tokens, rank_micro_batches,
+                                    split_over_ranks)
+from areal_async.trainer.types import Trajectory
+from protocols.sockets import free_tcp_port
+
+torch.set_num_threads(1)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def make_trajs():
+    """Uneven lengths (so the ranks' token shares differ), 3 groups, behaviour logprobs off the
+    policy by a fixed pattern so that importance weights vary and some tokens are rejected."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for k, (n_p, n_o) in enumerate([(3, 20), (2, 4), (4, 9), (3, 3), (2, 14), (5, 2), (3, 7)]):
+        prompt = torch.randint(1, 16, (n_p,), generator=g).tolist()
+        output = torch.randint(1, 16, (n_o,), generator=g).tolist()
+        behav = (-2.5 + 0.8 * torch.randn(n_o, generator=g)).tolist()
+        out.append(Trajectory(f"s{k}", f"g{k % 3}", prompt, output, behav, [0] * n_o, float(k % 2)))
+    return out
+
+
+def cfg():
+    # Adam eps 0.1 makes the update close to lr * grad (not sign(grad)), so a wrong gradient scale shows
+    return ActorConfig(use_decoupled_loss=True, recompute_logprob=True, reward_scaling=10.0, reward_bias=-0.5,
+                       eps_clip=0.2, ppo_n_minibatches=2, mb_spec=MicroBatchSpec(max_tokens_per_mb=24),
+                       rejection_sampling=RejectionSamplingConfig("ratio", 2.0, "mask"),
+                       optimizer=OptimizerConfig(lr=1e-2, eps=0.1, gradient_clipping=0.0))
+
+
+def _init(rank, world, port):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _rank_step(rank, world, port, out_path):
+    """One train_step on an FSDP2 rank (float32 compute); rank 0 saves the full weights."""
+    from areal_async.trainer.dp import DataParallel, full_tensor
+
+    _init(rank, world, port)
+    actor = PPOActor(tiny_model(), cfg(), 1.0, 10, dp=DataParallel(rank, world), compute_dtype=torch.float32)
+    metrics = actor.train_step(make_trajs())
+    full = {k: full_tensor(v).detach().clone() for k, v in actor.model.state_dict().items()}
+    if rank == 0:
+        torch.save({"weights": full, "metrics": metrics}, out_path)
+
+
+def _spawn(target, world, *args):
+    ctx = mp.get_context("spawn")
+    port = free_tcp_port("127.0.0.1")
+    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0] * world, f"rank exit codes {codes}"
+
+
+def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
+    base = tiny_model()
+    w0 = {k: v.clone() for k, v in base.state_dict().items()}
+    one = PPOActor(base, cfg(), 1.0, 10)
+    m1 = one.train_step(make_trajs())
+    w1 = base.state_dict()
+    _spawn(_rank_step, 2, str(tmp_path / "two.pt"))
+    got = torch.load(tmp_path / "two.pt", weights_only=True)
+    w2, m2 = got["weights"], got["metrics"]
+    assert m1["rejected_frac"] > 0 and m1["skipped_steps"] == 0  # rejection is exercised
+    for k in w1:
+        rel = float((w2[k] - w1[k]).norm() / w1[k].norm())
+        assert rel < 1e-5, f"{k}: 2-rank weights differ from 1-rank by {rel:.2e} (relative)"
+        d1, d2 = w1[k] - w0[k], w2[k] - w0[k]
+        if d1.norm() > 0:  # the update itself agrees, not only the weights (which barely move)
+            assert float((d2 - d1).norm() / d1.norm()) < 1e-3, k
+    for key in ("loss", "grad_norm", "rejected_frac", "clip_frac", "imp_weight_mean", "approx_kl", "n_loss_tokens"):
+        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+
+
+def _mixed_precision_step(rank, world, port, out_path):
+    from areal_async.trainer.dp import full_tensor
+
+    _init(rank, world, port)
+    small = ActorConfig(optimizer=OptimizerConfig(lr=1e-6, gradient_clipping=0.0), mb_spec=MicroBatchSpec(64))
+    actor = PPOActor(tiny_model(), small, 1.0, 10, compute_dtype=torch.bfloat16)
+    seen = []
+    layer = actor.model.model.layers[0].self_attn.q_proj
+    layer.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+    actor.train_step(make_trajs())
+    state = {k: full_tensor(v).detach().clone() for k, v in actor.model.state_dict().items()}
+    opt_dtypes = sorted({str(s["exp_avg"].dtype) for s in actor.optimizer.state.values()})
+    torch.save({"weights": state, "compute": [str(d) for d in seen], "opt": opt_dtypes}, out_path)
+
+
+def test_bf16_compute_moves_fp32_master_weights_where_a_bf16_optimizer_would_not(tmp_path):
+    w0 = tiny_model().state_dict()
+    _spawn(_mixed_precision_step, 1, str(tmp_path / "mp.pt"))
+    got = torch.load(tmp_path / "mp.pt", weights_only=True)
+    assert set(got["compute"]) == {"torch.bfloat16"}  # forward ran on bf16 weights
+    assert got["opt"] == ["torch.float32"]
+    # the same step on a pure-bf16 model and optimizer
+    pure = tiny_model().to(torch.bfloat16)
+    w_bf16 = {k: v.clone() for k, v in pure.state_dict().items()}
+    small = ActorConfig(optimizer=OptimizerConfig(lr=1e-6, gradient_clipping=0.0), mb_spec=MicroBatchSpec(64))
+    PPOActor(pure, small, 1.0, 10).train_step(make_trajs())
+    k = "model.layers.0.mlp.up_proj.weight"
+    master, before = got["weights"][k], w0[k]
+    assert master.dtype == torch.float32
+    big = before.abs() > 1 / 128  # bf16 spacing there is >= 2**-14 = 6.1e-5, far above the ~1e-6 step
+    moved = (master - before)[big].abs()
+    assert float((moved > 0).float().mean()) > 0.9 and float(moved.max()) < 2e-6  # Adam's first step: about lr
+    assert torch.equal(pure.state_dict()[k][big], w_bf16[k][big])  # bf16: every such update rounded away
+
+
+def test_split_over_ranks_balances_tokens_and_keeps_every_index():
+    lengths = [23, 6, 13, 6, 16, 7, 10]
+    shares = split_over_ranks(lengths, 2)
+    assert sorted(i for s in shares for i in s) == list(range(7))
+    sums = [sum(lengths[i] for i in s) for s in shares]
+    # total 81: largest differencing gives 42 / 39 (by hand: 23+6+6+7 vs 16+13+10); the best is 41 / 40
+    assert sums == [42, 39]
+    assert split_over_ranks(lengths, 2) == shares  # deterministic: every rank computes the same
+    assert split_over_ranks([5], 3) == [[0], [], []]
+    per_rank, n = rank_micro_batches(lengths, shares, 24, "error")
+    assert n == max(len(m) for m in per_rank) and all(sum(lengths[i] for i in mb) <= 24 for m in per_rank for mb in m)
+    mbs = minibatches_by_tokens(lengths, 2)
+    assert sorted(i for m in mbs for i in m) == list(range(7)) and all(mbs)
+
+
+def test_batch_crosses_ranks_as_three_tensors_and_back():
+    trajs = make_trajs()
+    back = decode_batch(*encode_batch(trajs))
+    assert [(t.prompt_ids, t.output_ids, t.versions, t.score) for t in back] == \
+        [(t.prompt_ids, t.output_ids, t.versions, t.score) for t in trajs]
+    assert all(torch.equal(torch.tensor(a.behav_logp), torch.tensor(b.behav_logp, dtype=torch.float32))
+               for a, b in zip(back, trajs))
+    # group structure kept (names are not)
+    same = lambda ts: [[a.group_id == b.group_id for b in ts] for a in ts]  # noqa: E731
+    assert same(back) == same(trajs)
+    assert not math.isnan(sum(x for t in back for x in t.behav_logp)) and os.getpid()
