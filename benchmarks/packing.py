@@ -74,8 +74,10 @@ def allocation_rows(n: int, seed: int) -> list[dict]:
     rest = [x for x in lengths if x <= BUDGET]
     loads = [sum(lengths[i] for i in b) for b in packed if len(b) > 1 or lengths[b[0]] <= BUDGET]
     packed_pad = sum(pack([[0] * lengths[i] for i in b]).ids_T.numel() for b in packed) - sum(lengths)
-    r = lambda metric, value, unit, bound: {"metric": metric, "value": value, "unit": unit, "bound": bound,
-                                            "part": "allocation"}
+
+    def r(metric, value, unit, bound):
+        return {"metric": metric, "value": value, "unit": unit, "bound": bound, "part": "allocation"}
+
     return [
         r("sequences", n, "count", f"lognormal median {MEDIAN}, sigma {SIGMA}, cap {CAP}, seed {seed}"),
         r("total_tokens", sum(lengths), "tokens", "sum of lengths"),
@@ -154,7 +156,10 @@ def timing_rows(seed: int, repeats: int, n: int = 64) -> list[dict]:
     tokens = sum(lengths)
     note = (f"scaled-down mix for CPU: {n} seqs, lengths/{SCALE} (median {MEDIAN // SCALE}, cap {CAP // SCALE}), "
             f"budget {budget}, tiny Llama, 1 thread, best of {repeats}")
-    r = lambda metric, value, unit: {"metric": metric, "value": value, "unit": unit, "bound": note, "part": "timing"}
+
+    def r(metric, value, unit):
+        return {"metric": metric, "value": value, "unit": unit, "bound": note, "part": "timing"}
+
     return [
         r("tokens_per_s_padded", tokens / t_padded, "tokens/s"),
         r("tokens_per_s_packed", tokens / t_varlen, "tokens/s"),

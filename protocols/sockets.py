@@ -37,7 +37,8 @@ HWM = 100_000
 def ipc_endpoint(sock_dir: str | Path, name: str) -> str:
     path = Path(sock_dir) / f"{name}.sock"
     if len(str(path)) > 100:  # sun_path is 108 bytes on Linux
-        raise ValueError(f"ipc socket path {str(path)!r} is too long ({len(str(path))} > 100 chars); use a shorter directory")
+        raise ValueError(f"ipc socket path {str(path)!r} is too long ({len(str(path))} > 100 chars); "
+                         "use a shorter directory")
     return f"ipc://{path}"
 
 

@@ -40,7 +40,8 @@ def test_boba_grpo_holds_the_seed_numbers():
     c = load_config(BOBA)
     a, o = c.actor, c.actor.optimizer
     assert c.model.path.endswith("DeepSeek-R1-Distill-Qwen-1.5B") and c.model.path.startswith("/")
-    assert (c.gconfig.n_samples, c.gconfig.max_new_tokens, c.gconfig.temperature, c.gconfig.greedy) == (16, 8192, 1.0, False)
+    g = c.gconfig
+    assert (g.n_samples, g.max_new_tokens, g.temperature, g.greedy) == (16, 8192, 1.0, False)
     assert a.mb_spec.max_tokens_per_mb == 16384 and c.ref.mb_spec.max_tokens_per_mb == 16384
     assert a.ppo_n_minibatches == 4
     assert (o.lr, o.eps, o.weight_decay, o.beta1, o.beta2) == (1e-5, 1e-8, 0.01, 0.9, 0.999)

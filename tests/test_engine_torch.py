@@ -98,7 +98,8 @@ def test_top_p_samples_only_the_nucleus_and_reports_untruncated_logprobs():
     logits_BV = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)  # probs .64 .24 .09 .03
     B = len(logits_BV)
     gen = torch.Generator().manual_seed(0)
-    tok_B, logp_B = sample_tokens(logits_BV, torch.ones(B), torch.full((B,), 0.7), torch.zeros(B, dtype=torch.bool), gen)
+    tok_B, logp_B = sample_tokens(logits_BV, torch.ones(B), torch.full((B,), 0.7), torch.zeros(B, dtype=torch.bool),
+                                  gen)
     assert set(tok_B.tolist()) == {0, 1}  # 0.64 < 0.7 needs token 1 too; 0.64 + 0.24 >= 0.7 stops there
     assert abs((tok_B == 0).float().mean().item() - 0.644 / 0.881) < 0.03  # renormalised inside the nucleus
     torch.testing.assert_close(logp_B, torch.log_softmax(logits_BV, -1).gather(1, tok_B[:, None]).squeeze(1))

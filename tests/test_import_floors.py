@@ -83,7 +83,8 @@ def project_imports(path: Path, root: Path = ROOT):
 
 
 def all_imports(root: Path = ROOT):
-    return [imp for pkg in PACKAGES for path in sorted((root / pkg).rglob("*.py")) for imp in project_imports(path, root)]
+    paths = [path for pkg in PACKAGES for path in sorted((root / pkg).rglob("*.py"))]
+    return [imp for path in paths for imp in project_imports(path, root)]
 
 
 def floor_violations(imports) -> list[str]:
@@ -124,8 +125,8 @@ def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
 def test_the_checker_catches_what_it_should(tmp_path):
     """A small tree with known faults: each is reported, the allowed imports are not."""
     files = {
-        "areal_async/trainer/actor.py": "from areal_async.app.sft import x\nfrom ..config import C\nfrom . import loss\n"
-                                        "import torch, protocols.messages\n",
+        "areal_async/trainer/actor.py": "from areal_async.app.sft import x\nfrom ..config import C\n"
+                                        "from . import loss\nimport torch, protocols.messages\n",
         "areal_async/trainer/loss.py": "def f():\n    from areal_async.reward import pool\n",
         "areal_async/app/sft.py": "from areal_async.trainer import actor\n",
     }
@@ -142,7 +143,9 @@ def test_the_checker_catches_what_it_should(tmp_path):
         ("areal_async.trainer.loss", "areal_async.reward", True),
     ]
     assert floor_violations(imports) == [
-        "areal_async.trainer.actor:1 imports areal_async.app.sft (floor 5, above it: areal_async.trainer.actor is on floor 4)",
-        "areal_async.trainer.loss:2 imports areal_async.reward (floor 4, beside it: areal_async.trainer.loss is on floor 4)",
+        ("areal_async.trainer.actor:1 imports areal_async.app.sft "
+         "(floor 5, above it: areal_async.trainer.actor is on floor 4)"),
+        ("areal_async.trainer.loss:2 imports areal_async.reward "
+         "(floor 4, beside it: areal_async.trainer.loss is on floor 4)"),
     ]
     assert lazy_violations(imports)[0] == "areal_async.trainer.loss:2 imports areal_async.reward inside a function"

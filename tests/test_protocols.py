@@ -90,7 +90,8 @@ def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
         encode(M.RewardResult(**body))
     with pytest.raises(ProtocolError, match="trajectory_ready: parallel lists differ in length"):
         encode(M.TrajectoryReady(group_id="g", worker_id="r", n_prompt_tokens=1, sample_ids=["g.0", "g.1"],
-                                 n_output_tokens=[1, 2], version_min=[0, 0], version_max=[0], finish_reasons=["stop"] * 2))
+                                 n_output_tokens=[1, 2], version_min=[0, 0], version_max=[0],
+                                 finish_reasons=["stop"] * 2))
     with pytest.raises(ProtocolError, match="reward_request: parallel lists differ in length"):
         encode(M.RewardRequest(group_id="g", sample_ids=["g.0"], completions=["a", "b"], solutions=["1"]))
 

@@ -8,7 +8,6 @@ close(), after a normal parent exit (atexit) or a parent killed mid-check.
 """
 
 import asyncio
-import os
 import subprocess
 import sys
 import textwrap

@@ -35,7 +35,8 @@ async def test_scheduler_refuses_bad_frames_and_keeps_serving(tmp_path, caplog):
         assert isinstance(await recv(w), M.RegisterAck)
         await send_message(w, M.TrainerReady(version=0, next_step=0))  # only the trainer may say this
         err = await recv(w)
-        assert isinstance(err, M.Error) and err.code == "refused" and "rollout worker may not send 'trainer_ready'" in err.detail
+        assert isinstance(err, M.Error) and err.code == "refused"
+        assert "rollout worker may not send 'trainer_ready'" in err.detail
         assert not svc.core.trainer_ready
         with caplog.at_level(logging.ERROR):
             for frame in (os.urandom(40), msgpack.packb({"v": 99, "t": "ping", "b": {"nonce": 1}}),

@@ -55,7 +55,7 @@ def test_train_step_raises_logprob_of_positive_advantage_samples():
         losses.append(m["loss"])
     assert output_logp(model, PROMPT, GOOD).sum() > good0 + 0.5
     assert output_logp(model, PROMPT, BAD).sum() < bad0 - 0.5
-    assert all(l == l and abs(l) < 10 for l in losses)  # finite
+    assert all(x == x and abs(x) < 10 for x in losses)  # finite
     assert m["rejected_frac"] == 0.0 and m["imp_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert m["n_tokens"] == 12 and m["score_mean"] == 0.5 and m["reward_mean"] == pytest.approx(0.0)
     assert m["n_microbatches"] >= 2 and m["lr"] == pytest.approx(1e-2) and m["step"] == 4

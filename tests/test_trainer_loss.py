@@ -66,7 +66,8 @@ def test_decoupled_loss_by_hand():
     loss, s = policy_loss(logp, prox, behav, torch.tensor(adv), decoupled_cfg("mask"))
     assert float(loss) == pytest.approx(want_mask, abs=1e-6)
     assert s.n_loss_tokens == 3 and s.n_rejected == 1 and s.as_dict()["rejected_frac"] == pytest.approx(0.25)
-    assert s.iw_max == pytest.approx(8.0, abs=1e-5) and s.as_dict()["imp_weight_mean"] == pytest.approx(11.5 / 4, abs=1e-5)
+    assert s.iw_max == pytest.approx(8.0, abs=1e-5)
+    assert s.as_dict()["imp_weight_mean"] == pytest.approx(11.5 / 4, abs=1e-5)
     assert s.n_clipped == 1  # token 1 (r=1.5, A>0); token 2 would be but is rejected
     # clamp: all 4 tokens, token 2 weighted 5
     want_clamp = (per_tok[0] * 1 + per_tok[1] * 2 + per_tok[2] * 5 + per_tok[3] * 0.5) / 4

@@ -190,7 +190,8 @@ def _require_answers(cfg: ExperimentConfig, problems: Sequence[Problem]) -> None
     if not any(p.answer for p in problems):
         where = cfg.train_dataset.path or cfg.train_dataset.type
         raise ValueError(f"train_dataset {where!r}: none of its {len(problems)} problems has an 'answer' field; "
-                         "SFT needs jsonl lines like {\"prompt\": ..., \"solutions\": [...], \"answer\": <target completion>}")
+                         "SFT needs jsonl lines like "
+                         "{\"prompt\": ..., \"solutions\": [...], \"answer\": <target completion>}")
 
 
 def _split(cfg: ExperimentConfig, problems: list[Problem]) -> tuple[list[Problem], list[Problem]]:

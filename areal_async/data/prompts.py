@@ -67,7 +67,8 @@ def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> 
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
     prompt, sols = (obj.get("prompt"), obj.get("solutions")) if isinstance(obj, dict) else (None, None)
-    if not isinstance(prompt, str) or not isinstance(sols, list) or not sols or not all(isinstance(s, str) for s in sols):
+    sols_ok = isinstance(sols, list) and sols and all(isinstance(s, str) for s in sols)
+    if not isinstance(prompt, str) or not sols_ok:
         raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": str, \"solutions\": [str, ...]}}")
     return Problem(index, prompt, tuple(sols), obj.get("answer", "") if isinstance(obj.get("answer", ""), str) else "")
 

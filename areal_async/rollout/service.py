@@ -199,7 +199,8 @@ class RolloutService:
                        "output_ids": torch.tensor(s.output_ids, dtype=torch.int32),
                        "logprobs": torch.tensor(s.logprobs, dtype=torch.float32),
                        "versions": torch.tensor(s.versions, dtype=torch.int32)}
-            self.traj.send(sid, tensors, {"group_id": req.group_id})  # before TrajectoryReady: the trainer may be asked for it next
+            # before TrajectoryReady: the trainer may be asked for it next
+            self.traj.send(sid, tensors, {"group_id": req.group_id})
         sids = list(req.sample_ids[:len(group.samples)])
         vmin = [min(s.versions) if s.versions else -1 for s in group.samples]
         vmax = [max(s.versions) if s.versions else -1 for s in group.samples]

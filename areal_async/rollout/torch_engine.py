@@ -213,7 +213,8 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"group_id {req.group_id!r} is already generating: expected a new id")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"GenRequest {req.group_id!r}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"GenRequest {req.group_id!r}: token id {bad[0]} outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         limit = self.model.config.max_position_embeddings
         if len(req.prompt_ids) + req.max_new_tokens > limit:
             raise ValueError(f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
@@ -345,7 +346,8 @@ def _eos_id(tokenizer_or_eos_id) -> int:
         return tokenizer_or_eos_id
     eos = getattr(tokenizer_or_eos_id, "eos_token_id", None)
     if not isinstance(eos, int):
-        raise ValueError(f"tokenizer_or_eos_id={tokenizer_or_eos_id!r}: expected an int or a tokenizer with an eos_token_id")
+        raise ValueError(f"tokenizer_or_eos_id={tokenizer_or_eos_id!r}: expected an int or a tokenizer with an "
+                         "eos_token_id")
     return eos
 
 

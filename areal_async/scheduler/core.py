@@ -195,16 +195,20 @@ class SchedulerCore:
 
     def _drop_stale(self) -> list[SampleRecord]:
         out = []
-        for gid in [g for g in self.ready if not is_fresh_enough(self.ledger.group_version_min(g), self.next_step, self.p.eta)]:
+        stale = [g for g in self.ready
+                 if not is_fresh_enough(self.ledger.group_version_min(g), self.next_step, self.p.eta)]
+        for gid in stale:
             self.ready.remove(gid)
             self.accepted -= 1
             vmin = self.ledger.group_version_min(gid)
-            out += self._abort(gid, f"stale: oldest token version {vmin} < step {self.next_step} - eta {self.p.eta}", reissue=True)
+            why = f"stale: oldest token version {vmin} < step {self.next_step} - eta {self.p.eta}"
+            out += self._abort(gid, why, reissue=True)
         return out
 
     def on_step_done(self, step: int, version: int) -> list[SampleRecord]:
         if not self.trainer_busy or step != self.next_step:
-            raise ValueError(f"TrainStepDone for step {step}, but the trainer was planned step {self.next_step if self.trainer_busy else None}")
+            planned = self.next_step if self.trainer_busy else None
+            raise ValueError(f"TrainStepDone for step {step}, but the trainer was planned step {planned}")
         trained = self.ledger.mark_trained(self.batch_groups)
         for rec in trained:
             self.log_sample(rec)
@@ -246,7 +250,8 @@ class SchedulerCore:
         samples neither trained nor aborted then) are aborted now with a reason and their
         prompts re-issued first; returns those records (already logged)."""
         self.version, self.next_step = int(state["version"]), int(state["next_step"])
-        self.cursor = type(self.cursor).from_state(self.cursor.n, self.cursor.seed, self.cursor.shuffle, state["cursor"])
+        c = self.cursor
+        self.cursor = type(c).from_state(c.n, c.seed, c.shuffle, state["cursor"])
         self.resumes = int(state.get("resumes", 0)) + 1
         self.ledger = Ledger.from_state(state["ledger"])
         self.ledger.id_prefix = f"r{self.resumes}-"

@@ -136,7 +136,8 @@ class Ledger:
         rec = self.samples[sample_id]
         if rec.status != SampleState.ISSUED:
             raise LedgerError(f"sample {sample_id}: generated twice (status {rec.status})")
-        rec.version_min, rec.version_max, rec.n_output_tokens, rec.finish_reason = version_min, version_max, n_tokens, finish
+        rec.version_min, rec.version_max = version_min, version_max
+        rec.n_output_tokens, rec.finish_reason = n_tokens, finish
         rec.status = SampleState.REWARDED if rec.score is not None else SampleState.GENERATED
         return self._maybe_ready(rec.group_id)
 

@@ -156,9 +156,10 @@ class SchedulerService:
         await handler(wid, msg)
 
     def _handlers(self) -> dict:
-        return {Heartbeat: self._heartbeat, Ping: self._ping, TrajectoryReady: self._trajectory, RewardResult: self._reward,
-                WeightsPublished: self._weights_published, WeightsLoaded: self._weights_loaded,
-                TrainerReady: self._trainer_ready, TrainStepDone: self._step_done, Error: self._worker_error}
+        return {Heartbeat: self._heartbeat, Ping: self._ping, TrajectoryReady: self._trajectory,
+                RewardResult: self._reward, WeightsPublished: self._weights_published,
+                WeightsLoaded: self._weights_loaded, TrainerReady: self._trainer_ready, TrainStepDone: self._step_done,
+                Error: self._worker_error}
 
     async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
         self.workers[wid]["stats"] = msg.stats
@@ -210,8 +211,8 @@ class SchedulerService:
     async def _trainer_ready(self, wid: str, m: TrainerReady) -> None:
         log.info("trainer ready at version %d, next step %d", m.version, m.next_step)
         if (m.version, m.next_step) != (self.core.version, self.core.next_step) and self.core.next_step > 0:
-            raise ValueError(f"trainer resumed at version {m.version}, step {m.next_step}; the scheduler's books are at "
-                             f"version {self.core.version}, step {self.core.next_step}")
+            raise ValueError(f"trainer resumed at version {m.version}, step {m.next_step}; the scheduler's books are "
+                             f"at version {self.core.version}, step {self.core.next_step}")
         self.core.on_trainer_ready(m.version, m.next_step)
         if self.core.finished:
             await self._finish()

@@ -127,7 +127,8 @@ class LocalSupervisor:
                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
         for wid, module, idx in worker_specs(self.cfg):
             log_path = self.run_dir / "logs" / f"{wid}.log"
-            cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid, "--index", str(idx)]
+            cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid,
+                   "--index", str(idx)]
             if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
             self.children.append(Child(wid, self._spawn(cmd, log_path, env), log_path, cmd))

@@ -94,7 +94,8 @@ def place(shape: ClusterShape) -> dict[str, Slot]:
     trainers = trainer_names(shape.n_trainer_ranks)
     out = {w: Slot(node=0) for w in shape.extra_workers}
     if shape.device != "cuda":
-        return out | {w: Slot(node=0) for w in rollout} | {w: Slot(node=0, local_rank=r) for r, w in enumerate(trainers)}
+        return (out | {w: Slot(node=0) for w in rollout}
+                | {w: Slot(node=0, local_rank=r) for r, w in enumerate(trainers)})
     _check_total(shape)
     per_worker = shape.rollout_gpus // max(1, shape.n_rollout_workers)
     pos, per_node = 0, shape.n_gpus_per_node

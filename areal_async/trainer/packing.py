@@ -270,16 +270,16 @@ def _rebalance(bins: list[list[int]], lengths: Sequence[int], max_rounds: int) -
     bins = [list(b) for b in bins]
     for _ in range(max_rounds):
         sums = [sum(lengths[i] for i in b) for b in bins]
-        h, l = sums.index(max(sums)), sums.index(min(sums))
-        step = _best_exchange(bins[h], bins[l], lengths, sums[h] - sums[l])
+        hi, lo = sums.index(max(sums)), sums.index(min(sums))
+        step = _best_exchange(bins[hi], bins[lo], lengths, sums[hi] - sums[lo])
         if step is None:
             break
         i, j = step
-        bins[h].remove(i)
-        bins[l].append(i)
+        bins[hi].remove(i)
+        bins[lo].append(i)
         if j is not None:
-            bins[l].remove(j)
-            bins[h].append(j)
+            bins[lo].remove(j)
+            bins[hi].append(j)
     return [sorted(b) for b in bins]
 
 

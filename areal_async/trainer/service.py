@@ -154,7 +154,8 @@ class TrainerService:
         if self.checkpointer is None:
             log.warning("checkpoint requested but saving is not configured")
             return
-        path = await asyncio.get_running_loop().run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
+        loop = asyncio.get_running_loop()
+        path = await loop.run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
         log.info("checkpoint after step %d saved to %s", req.step, path)
 
 

@@ -63,7 +63,7 @@ class TensorChannel(ABC):
     def recv(self, timeout_s: Optional[float] = None) -> tuple[str, dict, Tensors]:
         """Next message; ``TimeoutError`` after ``timeout_s`` (None waits forever)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Free sockets, segments and groups; idempotent."""
 
 
@@ -82,10 +82,10 @@ class WeightChannel(ABC):
     def receive(self, manifest: dict) -> Tensors:
         """Every tensor of the manifest, verified; ``TransportError`` otherwise."""
 
-    def release(self, version: int) -> None:
+    def release(self, version: int) -> None:  # noqa: B027 (optional: a no-op by default)
         """Free what ``version`` still holds (segments, buffers); unknown versions are ignored."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Release everything; idempotent."""
 
 

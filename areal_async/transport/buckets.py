@@ -153,7 +153,8 @@ def parse_manifest(m: object, channel: str) -> tuple[Layout, dict]:
 
 def _check_checksum(c: object, n_buckets: int) -> None:
     if not isinstance(c, dict) or set(c) != {"algo", "values"} or c["algo"] not in CHECKSUMS:
-        raise ManifestError(f"manifest checksum {c!r}: expected {{'algo': one of {CHECKSUMS}, 'values': [...] or None}}")
+        raise ManifestError(f"manifest checksum {c!r}: expected "
+                            f"{{'algo': one of {CHECKSUMS}, 'values': [...] or None}}")
     v = c["values"]
     if v is not None and (not isinstance(v, list) or len(v) != n_buckets or not all(isinstance(x, int) for x in v)):
         raise ManifestError(f"manifest checksum values {v!r}: expected {n_buckets} ints or None")

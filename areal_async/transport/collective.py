@@ -70,7 +70,7 @@ class Group(ABC):
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Tear the group down."""
 
 
@@ -182,7 +182,8 @@ class CollectiveWeightChannel(WeightChannel):
                  pipeline: bool = True, root: int = 0):
         want = "publisher" if group.rank == root else "receiver"
         if role != want:
-            raise ValueError(f"role={role!r} at rank {group.rank}: rank {root} publishes, others receive; expected {want!r}")
+            raise ValueError(f"role={role!r} at rank {group.rank}: rank {root} publishes, others receive; "
+                             f"expected {want!r}")
         self.group, self.root, self.pipeline = group, root, pipeline
         self.algo = checksum or group.default_checksum
         if self.algo not in B.CHECKSUMS:
@@ -268,6 +269,7 @@ class GlooTensorChannel(CollectiveTensorChannel):
 
 class GlooWeightChannel(CollectiveWeightChannel):
     def __init__(self, *, role: str, rank: int, world_size: int, store: str, bucket_mb: float = 64.0,
-                 checksum: Optional[str] = None, pipeline: bool = True, name: str = "weights", timeout_s: float = 300.0):
+                 checksum: Optional[str] = None, pipeline: bool = True, name: str = "weights",
+                 timeout_s: float = 300.0):
         group = GlooGroup(rank=rank, world_size=world_size, store=store, name=name, timeout_s=timeout_s)
         super().__init__(group, role=role, bucket_mb=bucket_mb, checksum=checksum, pipeline=pipeline)

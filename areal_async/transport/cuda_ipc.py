@@ -34,9 +34,9 @@ _IPC_FIELDS = {"device": int, "handle": bytes, "storage_bytes": int, "storage_of
 
 def require_cuda(device: Optional[int]) -> torch.device:
     if not torch.cuda.is_available():
-        raise TransportUnavailable(f"the 'cuda_ipc' tensor channel needs a CUDA device (torch.cuda.is_available() is "
-                                   f"False; torch {torch.__version__}, built for CUDA {torch.version.cuda}). On CPU use "
-                                   f"'shm' for colocated processes.")
+        raise TransportUnavailable(f"the 'cuda_ipc' tensor channel needs a CUDA device "
+                                   f"(torch.cuda.is_available() is False; torch {torch.__version__}, "
+                                   f"built for CUDA {torch.version.cuda}). On CPU use 'shm' for colocated processes.")
     return torch.device("cuda", torch.cuda.current_device() if device is None else device)
 
 

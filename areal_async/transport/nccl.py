@@ -76,7 +76,8 @@ def uid_to_bytes(uid: tuple) -> bytes:
 def uid_from_bytes(b: bytes) -> tuple:
     """CuPy wants the C ``char`` values back: signed on x86-64, unsigned on aarch64."""
     if not isinstance(b, (bytes, bytearray)) or len(b) != UID_BYTES:
-        raise TransportError(f"NCCL unique id must be {UID_BYTES} bytes, got {type(b).__name__} of {len(b) if b else 0}")
+        raise TransportError(f"NCCL unique id must be {UID_BYTES} bytes, got {type(b).__name__} "
+                             f"of {len(b) if b else 0}")
     if platform.machine() in ("aarch64", "arm64"):
         return tuple(b)
     return tuple(x - 256 if x > 127 else x for x in b)
@@ -140,7 +141,8 @@ class NcclGroup(Group):
             self.nccl.groupEnd()
 
     def broadcast(self, buf: torch.Tensor, root: int) -> torch.cuda.Event:
-        return self._launch([buf], lambda s: self.comm.bcast(buf.data_ptr(), buf.numel(), self.nccl.NCCL_UINT8, root, s))
+        u8 = self.nccl.NCCL_UINT8
+        return self._launch([buf], lambda s: self.comm.bcast(buf.data_ptr(), buf.numel(), u8, root, s))
 
     def wait(self, handle: torch.cuda.Event) -> None:
         handle.synchronize()

@@ -97,7 +97,8 @@ class Segment:
         try:
             have = os.fstat(fd).st_size
             if have != size:
-                raise TransportError(f"shared-memory segment {name!r} is {have} bytes, expected {size}: truncated or mislabelled")
+                raise TransportError(f"shared-memory segment {name!r} is {have} bytes, expected {size}: "
+                                     "truncated or mislabelled")
             flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

@@ -67,7 +67,9 @@ class ZmqWeightChannel(WeightChannel):
         self.expect_receivers = expect_receivers
         self._last: Optional[int] = None
         self._closing = threading.Event()  # set by close(): an in-flight receive() gives up at once
-        self._server = _BucketServer(endpoint or f"tcp://{advertise_host}:*", advertise_host) if role == "publisher" else None
+        self._server = None
+        if role == "publisher":
+            self._server = _BucketServer(endpoint or f"tcp://{advertise_host}:*", advertise_host)
 
     def publish_begin(self, version: int, state_dict: Tensors) -> dict:
         layout = B.plan(state_dict, self.bucket_bytes)
@@ -150,7 +152,8 @@ class _BucketServer:
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._sock = make_socket(zmq.Context.instance(), zmq.ROUTER, bind=endpoint)
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).replace("0.0.0.0", advertise_host or socket.gethostname())
+        bound = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = bound.replace("0.0.0.0", advertise_host or socket.gethostname())
         self._thread = threading.Thread(target=self._serve, name="zmq-weight-server", daemon=True)
         self._thread.start()
 

@@ -89,7 +89,7 @@ def fleet_meta(config: str, overrides: list[str]) -> dict:
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        raise SystemExit(f"benchmark config error: {e}")
+        raise SystemExit(f"benchmark config error: {e}") from None
     aff = cfg.cluster.cpu_affinity
     return {"config": config, "n_rollout_workers": cfg.cluster.n_rollout_workers, "seed": cfg.seed,
             "placement": {r: getattr(aff, r) for r in ("trainer", "scheduler", "rollout", "reward")},

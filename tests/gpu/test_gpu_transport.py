@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.gpu,
 def _zoo(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     t = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
-         "f16": torch.randn(2, 3, generator=g).half(), "i64": torch.arange(7), "i32": torch.arange(6, dtype=torch.int32),
+         "f16": torch.randn(2, 3, generator=g).half(), "i64": torch.arange(7),
+         "i32": torch.arange(6, dtype=torch.int32),
          "bool": torch.rand(9, generator=g) > 0.5, "u8": torch.arange(13, dtype=torch.uint8),
          "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5)}
     return {k: v.to(device) for k, v in t.items()}
