@@ -27,7 +27,8 @@ import torch
 
 from areal_async.config import ActorConfig
 from areal_async.trainer.advantages import compute_advantages, scaled_rewards
-from areal_async.trainer.dp import DataParallel, minibatches_by_tokens, rank_micro_batches, shard_model, split_over_ranks
+from areal_async.trainer.dp import (DataParallel, minibatches_by_tokens, rank_micro_batches, shard_model,
+                                   split_over_ranks)
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm

@@ -172,7 +172,10 @@ class DataParallel:
         raw = text.encode() if self.rank == 0 else b""
         head = torch.tensor([op, arg, len(raw)], dtype=torch.int64)
         dist.broadcast(head, 0)
-        buf = torch.tensor(list(raw), dtype=torch.uint8) if self.rank == 0 else torch.empty(int(head[2]), dtype=torch.uint8)
+        if self.rank == 0:
+            buf = torch.tensor(list(raw), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(head[2]), dtype=torch.uint8)
         if int(head[2]):
             dist.broadcast(buf, 0)
         return int(head[0]), int(head[1]), bytes(buf.tolist()).decode()
@@ -281,7 +284,8 @@ def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -
     lp = logp.tolist()
     for i in range(n):
         n_p, n_o, g = v[1 + 3 * i:4 + 3 * i]
-        prompt, output, versions = v[pos:pos + n_p], v[pos + n_p:pos + n_p + n_o], v[pos + n_p + n_o:pos + n_p + 2 * n_o]
+        prompt, output = v[pos:pos + n_p], v[pos + n_p:pos + n_p + n_o]
+        versions = v[pos + n_p + n_o:pos + n_p + 2 * n_o]
         pos += n_p + 2 * n_o
         out.append(Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=prompt, output_ids=output,
                               behav_logp=lp[lp_pos:lp_pos + n_o], versions=versions, score=float(scores[i])))
