@@ -25,9 +25,6 @@ FLOORS: dict[int, tuple[str, ...]] = {
     7: ("benchmarks",),
 }
 
-# Where a project import inside a function is refused unless listed in LAZY (benchmarks: direction only).
-LAZY_CHECKED = ("protocols", "areal_async", "workers")
-
 # (importer, imported) -> why the import must stay inside a function.
 LAZY: dict[tuple[str, str], str] = {
     ("areal_async.cli", "areal_async.app.sft"):
@@ -98,8 +95,8 @@ def floor_violations(imports) -> list[str]:
 
 
 def lazy_violations(imports) -> list[str]:
-    """Unlisted project imports inside functions (in LAZY_CHECKED packages), and LAZY entries no longer needed."""
-    lazy = {(i, m): line for i, m, line, inside in imports if inside and i.split(".")[0] in LAZY_CHECKED}
+    """Unlisted project imports inside functions, and LAZY entries no longer needed."""
+    lazy = {(i, m): line for i, m, line, inside in imports if inside}
     bad = [f"{i}:{line} imports {m} inside a function" for (i, m), line in lazy.items() if (i, m) not in LAZY]
     return bad + [f"LAZY lists {i} -> {m}, which is no longer imported inside a function" for i, m in LAZY
                   if (i, m) not in lazy]

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from areal_async.transport import make_tensor_channel, make_weight_channel
+from areal_async.transport.nccl import require_nccl
 from benchmarks.common.peers import Op, Peer, reply
 from benchmarks.common.timing import Copier, sync
 from protocols.sockets import free_tcp_port
@@ -30,8 +32,6 @@ from protocols.sockets import free_tcp_port
 GPU_KINDS = ("cuda_ipc", "nccl")
 
 def _open(state: dict, cmd: dict) -> dict:
-    from areal_async.transport import make_tensor_channel, make_weight_channel
-
     if cmd["kwargs"].get("device") is not None:
         torch.cuda.set_device(cmd["kwargs"]["device"])
     make = make_tensor_channel if cmd["what"] == "traj" else make_weight_channel
@@ -96,8 +96,6 @@ def weight_kwargs(kind: str) -> tuple[dict, dict]:
 
 def open_pair(peer: Peer, kind: str, what: str, mine: dict, theirs: dict):
     """This side's end (sender / publisher) of a channel whose receiving end the peer builds at once."""
-    from areal_async.transport import make_tensor_channel, make_weight_channel
-
     peer.ask("open", what=what, kind=kind, kwargs=theirs)
     if what == "traj":
         ch = make_tensor_channel(kind, role="sender", **mine)
@@ -113,8 +111,6 @@ def unavailable(kind: str, device: str) -> Optional[str]:
         return f"{kind} needs --device cuda"
     if kind == "nccl":
         try:
-            from areal_async.transport.nccl import require_nccl
-
             require_nccl()
         except RuntimeError as e:
             return str(e)

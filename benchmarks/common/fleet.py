@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from areal_async.config import ConfigError, load_config
 from benchmarks.common.cpu import TreeCPU, count_lines, cpu_busy_s, own_cpu_s
 
 RUN_TIMEOUT_S = 1200.0
@@ -84,8 +85,6 @@ def placement(cpus: list[int], overrides: list[str]) -> list[str]:
 def fleet_meta(config: str, overrides: list[str]) -> dict:
     """The resolved settings a benchmark's runs share; validates config and overrides before anything
     starts (SystemExit naming the bad key or value)."""
-    from areal_async.config import ConfigError, load_config
-
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
