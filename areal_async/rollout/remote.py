@@ -1,0 +1,308 @@
+"""The remote-engine seam: a ``RolloutEngine`` whose tokens come from inference servers over HTTP.
+
+One small abstract base, ``ServerClient`` (one server: generate, pause, resume, load weights,
+health), and one engine over any number of them, ``RemoteEngine``, which the rollout worker drives
+exactly like the embedded ``TorchEngine`` (``add_request`` / ``step`` / ``update_weights``).
+``sglang_client.SGLangClient`` is the SGLang implementation; a vLLM client implements the same
+five calls and reuses everything here (routing, interruption, re-issue, revival).
+
+::
+
+    add_request(group) -> one sample per request in `queue`
+    step():  revive servers that came back (health, then the current weights)
+             dispatch queued samples to the least-loaded healthy server (a thread per request)
+             collect finished requests (waits <= poll_s):
+               stop / length       -> sample done (its group is returned when all n are)
+               abort (we paused)   -> requeued: prompt + tokens so far, the remaining budget
+               server unreachable  -> server marked down, sample requeued (its tokens so far kept)
+    update_weights(v, sd): every healthy server in parallel: pause(mode) -> load v -> resume;
+             a server that fails is marked down and revived later with the newest weights
+
+Per-token versions come from the server's answer (``meta_info.weight_versions`` spans, else
+``weight_version`` for all tokens of that answer), never from what the client believes it
+loaded, so a resubmitted sample carries the old version on its first tokens and the new one on
+the rest. Versions are integers on our side and SGLang's strings on the wire (``str(v)``).
+
+Not covered: streaming, prefix-aware routing, several samples per request (``n`` > 1 would share
+the prompt's prefill on the server but not survive a partial resubmission).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput
+
+log = logging.getLogger("areal_async.rollout.remote")
+
+
+class ServerDown(ConnectionError):
+    """A server cannot be used now (unreachable, timed out, or failed a weight update)."""
+
+
+@dataclass
+class Completion:
+    """One answer of a server to one request; lists align with ``output_ids``."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class ServerClient(ABC):
+    """One inference server. Methods block; ``RemoteEngine`` calls them from its threads.
+
+    Failures: ``ServerDown`` when the server cannot be used now (the engine moves its work and
+    revives it later); any other exception is a bug or a contract violation and ends the worker.
+    """
+
+    address: str
+
+    @abstractmethod
+    def wait_ready(self, timeout_s: float) -> None:
+        """Return once the server answers its health check; ``ServerDown`` after timeout_s."""
+
+    @abstractmethod
+    def generate(self, rid: str, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> Completion:
+        """Sample up to ``max_new_tokens`` continuing ``input_ids`` with ``req``'s sampling settings."""
+
+    @abstractmethod
+    def pause(self) -> None:
+        """Stop generating (running requests end with "abort" or wait, per the client's mode)."""
+
+    @abstractmethod
+    def resume(self) -> None:
+        """Generate again."""
+
+    @abstractmethod
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Make the server hold ``state_dict`` as ``version``, checked; ``ServerDown`` otherwise."""
+
+    def reset(self) -> None:
+        """Forget per-server state (weight groups) before reviving a restarted server."""
+
+    def abort_all(self) -> None:
+        """End every running request now (best effort)."""
+
+    def close(self) -> None:
+        """Free what the client holds."""
+
+
+@dataclass
+class _Group:
+    req: GenRequest
+    samples: list  # SampleOutput | None per sample index
+    left: int
+
+
+@dataclass
+class _Sample:
+    group: _Group
+    index: int
+    out: list = field(default_factory=list)
+    logp: list = field(default_factory=list)
+    ver: list = field(default_factory=list)
+    attempts: int = 0
+
+    @property
+    def remaining(self) -> int:
+        return self.group.req.max_new_tokens - len(self.out)
+
+    def rid(self) -> str:
+        return f"{self.group.req.group_id}/{self.index}.{self.attempts}"
+
+
+@dataclass
+class _Server:
+    client: ServerClient
+    up: bool = True
+    load: int = 0
+    down_since: float = 0.0
+    next_check: float = 0.0
+    reviving: Optional[Future] = None
+
+
+class RemoteEngine(RolloutEngine):
+    """Rollout engine over ``ServerClient``s; see the module docstring."""
+
+    def __init__(self, clients: list[ServerClient], *, max_in_flight: int = 256, poll_s: float = 0.02,
+                 down_timeout_s: float = 120.0, revive_every_s: float = 1.0, max_attempts: int = 100,
+                 ready_timeout_s: float = 300.0):
+        if not clients:
+            raise ValueError("clients=[]: a remote engine needs at least one server")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight!r}: expected an int >= 1")
+        self.servers = [_Server(c) for c in clients]
+        self.max_in_flight, self.poll_s = max_in_flight, poll_s
+        self.down_timeout_s, self.revive_every_s, self.max_attempts = down_timeout_s, revive_every_s, max_attempts
+        self.pool = ThreadPoolExecutor(max_in_flight + 2 * len(clients) + 2, thread_name_prefix="remote")
+        self.queue: deque[_Sample] = deque()
+        self.inflight: dict[Future, tuple[_Sample, _Server]] = {}
+        self.groups: dict[str, _Group] = {}
+        self.weights: Optional[tuple[int, dict]] = None
+        self.version = -1
+        self.resubmitted = 0  # samples sent again after an abort (interruption) or a lost server
+        for f in [self.pool.submit(s.client.wait_ready, ready_timeout_s) for s in self.servers]:
+            f.result()
+
+    # ---- the seam ------------------------------------------------------------------------
+    def add_request(self, req: GenRequest) -> None:
+        req.validate()
+        if req.group_id in self.groups:
+            raise ValueError(f"group_id {req.group_id!r} is already generating: expected a new id")
+        g = self.groups[req.group_id] = _Group(req, [None] * req.n, req.n)
+        self.queue.extend(_Sample(g, i) for i in range(req.n))
+
+    def has_work(self) -> bool:
+        return bool(self.groups)
+
+    def step(self) -> list[GroupOutput]:
+        self._revive()
+        self._dispatch()
+        if not self.inflight:
+            time.sleep(self.poll_s)
+            return []
+        done, _ = wait(list(self.inflight), timeout=self.poll_s, return_when=FIRST_COMPLETED)
+        finished: list[GroupOutput] = []
+        for f in done:
+            finished += self._collect(f)
+        return finished
+
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        """Pause, load and resume every healthy server in parallel; tokens sampled after this
+        carry ``version`` (the servers say so in their answers)."""
+        self.weights = (version, state_dict)
+        up = [s for s in self.servers if s.up]
+        futures = {self.pool.submit(_swap, s.client, version, state_dict): s for s in up}
+        for f, s in futures.items():
+            try:
+                f.result()
+            except ServerDown as e:
+                self._down(s, e)
+        self.version = version
+
+    def abort_all(self) -> list[GroupOutput]:
+        for s in self.servers:
+            if s.up:
+                try:
+                    s.client.abort_all()
+                except ServerDown:
+                    pass
+        wait(list(self.inflight), timeout=5.0)
+        out = []
+        for g in self.groups.values():
+            g.samples = [s or SampleOutput([], [], [], "abort") for s in g.samples]
+            out.append(GroupOutput(g.req.group_id, list(g.samples)))
+        self.groups, self.queue, self.inflight = {}, deque(), {}
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for s in self.servers:
+            s.client.close()
+
+    # ---- dispatch and collection ---------------------------------------------------------
+    def _dispatch(self) -> None:
+        while self.queue and len(self.inflight) < self.max_in_flight:
+            up = [s for s in self.servers if s.up]
+            if not up:
+                return
+            srv = min(up, key=lambda s: s.load)
+            smp = self.queue.popleft()
+            req = smp.group.req
+            f = self.pool.submit(srv.client.generate, smp.rid(), req.prompt_ids + smp.out, smp.remaining, req)
+            self.inflight[f] = (smp, srv)
+            srv.load += 1
+
+    def _collect(self, f: Future) -> list[GroupOutput]:
+        smp, srv = self.inflight.pop(f)
+        srv.load -= 1
+        try:
+            c = f.result()
+        except ServerDown as e:
+            self._down(srv, e)
+            return self._requeue(smp)
+        smp.out += c.output_ids
+        smp.logp += c.logprobs
+        smp.ver += c.versions
+        if c.finish_reason == "abort" and smp.remaining > 0 and smp.attempts < self.max_attempts:
+            return self._requeue(smp)
+        reason = "length" if c.finish_reason == "abort" and smp.remaining <= 0 else c.finish_reason
+        return self._finish(smp, reason)
+
+    def _requeue(self, smp: _Sample) -> list[GroupOutput]:
+        smp.attempts += 1
+        self.resubmitted += 1
+        self.queue.appendleft(smp)
+        return []
+
+    def _finish(self, smp: _Sample, reason: str) -> list[GroupOutput]:
+        g = smp.group
+        g.samples[smp.index] = SampleOutput(smp.out, smp.logp, smp.ver, reason)
+        g.left -= 1
+        if g.left:
+            return []
+        del self.groups[g.req.group_id]
+        return [GroupOutput(g.req.group_id, list(g.samples))]
+
+    # ---- failures ------------------------------------------------------------------------
+    def _down(self, srv: _Server, err: Exception) -> None:
+        if srv.up:
+            log.warning("server %s is down (%s); its requests go to the others and it is revived when it answers",
+                        srv.client.address, err)
+            srv.up, srv.down_since, srv.next_check = False, time.monotonic(), 0.0
+
+    def _revive(self) -> None:
+        now = time.monotonic()
+        for srv in self.servers:
+            if srv.up:
+                continue
+            if srv.reviving is not None and srv.reviving.done():
+                self._revived(srv, srv.reviving)
+            elif srv.reviving is None and now >= srv.next_check:
+                srv.next_check = now + self.revive_every_s
+                srv.reviving = self.pool.submit(_bring_back, srv.client, self.weights)
+        if all(not s.up for s in self.servers):
+            oldest = min(s.down_since for s in self.servers)
+            if now - oldest > self.down_timeout_s:
+                raise RuntimeError(f"every server has been down for more than {self.down_timeout_s}s: "
+                                   f"{[s.client.address for s in self.servers]}")
+
+    def _revived(self, srv: _Server, f: Future) -> None:
+        srv.reviving = None
+        try:
+            pushed = f.result()
+        except ServerDown as e:
+            log.info("server %s not back yet: %s", srv.client.address, e)
+            return
+        if self.weights is not None and pushed != self.weights[0]:
+            return  # newer weights arrived meanwhile: the next check pushes those
+        srv.up = True
+        log.info("server %s is back (weights v%s)", srv.client.address, pushed)
+
+
+def _swap(client: ServerClient, version: int, sd: dict) -> None:
+    """A server whose load fails stays paused (never half-updated and serving) and is marked down."""
+    client.pause()
+    client.load_weights(version, sd)
+    client.resume()
+
+
+def _bring_back(client: ServerClient, weights: Optional[tuple[int, dict]]) -> Optional[int]:
+    """Health check, then the newest weights; returns the version pushed (None: no weights yet)."""
+    client.wait_ready(2.0)
+    client.reset()
+    if weights is None:
+        return None
+    client.load_weights(*weights)
+    client.resume()  # it may have been left paused by a failed update
+    return weights[0]

@@ -1,0 +1,278 @@
+"""``SGLangClient``: one SGLang server (or the CPU twin, ``sglang_server.py``) behind ``ServerClient``.
+
+The HTTP contract, as read from sglang 0.5.23 (``api/v1/api_types.py``, ``srt/managers/io_struct.py``,
+``srt/entrypoints/http_server.py``); ``tests/test_sglang_contract.py`` checks every body built
+here against the pinned release's own schema::
+
+    POST /generate {rid, input_ids, sampling_params{max_new_tokens, temperature, top_p,
+                    stop_token_ids}, return_logprob: true}
+         -> output_ids, meta_info.output_token_logprobs [[logprob, token_id, text]],
+            meta_info.finish_reason {"type": stop|length|abort}, meta_info.weight_version(s)
+    POST /pause_generation {mode}  ->  weights  ->  POST /continue_generation {}
+
+Weights (``weight_sync="distributed"``): this process is rank 0 of a group with the server
+(``weight_group.init_custom_group``; the server joins through ``POST /init_weights_update_group``
+with ``rank_offset`` 1, world size 2, a group name unique per worker, server and epoch). Per
+bucket, ``POST /update_weights_from_distributed`` (names, dtypes, shapes, ``load_format:
+"flattened_bucket"``, ``flush_cache``; ``weight_version`` on the last bucket only, so the server's
+version moves once the whole set is in) runs on a helper thread while this thread broadcasts
+the bucket. Optionally ``/begin_weight_update`` / ``/end_weight_update`` bracket the buckets
+(SGLang releases that pack weights in place need them). Afterwards ``GET /model_info`` must
+report the new ``weight_version``, or the update counts as failed. Any failure tears the group
+down (a new epoch's group is built next time) and raises ``ServerDown``; the server is left
+paused (``RemoteEngine`` never resumes a server whose update failed).
+
+``weight_sync="disk"``: the state dict is written as ``model.safetensors`` under ``disk_dir`` and
+loaded with ``POST /update_weights_from_disk``; the simple fallback, no group needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from areal_async.rollout import weight_group as W
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.remote import Completion, ServerClient, ServerDown
+
+log = logging.getLogger("areal_async.rollout.sglang")
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+WEIGHT_SYNCS = ("distributed", "disk")
+FINISH_TYPES = ("stop", "length", "abort")
+_EPOCHS = itertools.count()
+
+
+class SGLangClient(ServerClient):
+    def __init__(self, address: str, *, name: str, pause_mode: str = "abort", weight_sync: str = "distributed",
+                 group_backend: str = "gloo", group_host: str = "127.0.0.1", bucket_mb: float = 64.0,
+                 request_timeout_s: float = 3600.0, control_timeout_s: float = 60.0, update_timeout_s: float = 300.0,
+                 weight_update_session: bool = False, disk_dir: Optional[str] = None):
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode={pause_mode!r}: expected one of {PAUSE_MODES}")
+        if weight_sync not in WEIGHT_SYNCS:
+            raise ValueError(f"weight_sync={weight_sync!r}: expected one of {WEIGHT_SYNCS}")
+        if weight_sync == "disk" and not disk_dir:
+            raise ValueError("weight_sync='disk' needs disk_dir (a directory both sides can read)")
+        self.address = address.rstrip("/")
+        self.name, self.pause_mode, self.weight_sync = name, pause_mode, weight_sync
+        self.group_backend, self.group_host = group_backend, group_host
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
+        self.update_timeout_s, self.session = update_timeout_s, weight_update_session
+        self.disk_dir = disk_dir
+        self.group = None
+        self.group_name = ""
+
+    # ---- plumbing ------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None):
+        try:
+            return call(self.address, method, path, body, timeout_s or self.control_timeout_s)
+        except ServerUnreachable as e:
+            raise ServerDown(str(e)) from None
+        except HTTPStatusError as e:
+            if e.status >= 500:
+                raise ServerDown(str(e)) from None
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._call("GET", "/health", timeout_s=max(1.0, min(5.0, timeout_s)))
+                return
+            except (ServerDown, HTTPStatusError) as e:
+                if time.monotonic() >= deadline:
+                    raise ServerDown(f"{self.address} not healthy after {timeout_s}s: {e}") from None
+            time.sleep(0.2)
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate_body(self, rid: str, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> dict:
+        """The /generate body: only keys SGLang's SamplingParams accepts (it answers 400 to others)."""
+        sp: dict = {"max_new_tokens": int(max_new_tokens)}
+        if req.greedy:
+            sp["temperature"] = 0.0
+        else:
+            sp["temperature"], sp["top_p"] = float(req.temperature), float(req.top_p)
+        if req.stop_token_ids:
+            sp["stop_token_ids"] = [int(t) for t in req.stop_token_ids]
+        return {"rid": rid, "input_ids": [int(t) for t in input_ids], "sampling_params": sp, "return_logprob": True}
+
+    def generate(self, rid: str, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> Completion:
+        body = self.generate_body(rid, input_ids, max_new_tokens, req)
+        return parse_generate(self._call("POST", "/generate", body, self.request_timeout_s), rid)
+
+    def pause(self) -> None:
+        self._call("POST", "/pause_generation", {"mode": self.pause_mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def abort_all(self) -> None:
+        self._call("POST", "/abort_request", {"abort_all": True})
+
+    # ---- weights -------------------------------------------------------------------------
+    def reset(self) -> None:
+        self._drop_group()
+
+    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        try:
+            if self.weight_sync == "disk":
+                self._load_from_disk(version, state_dict)
+            else:
+                self._load_distributed(version, state_dict)
+            self._check_version(version)
+        except ServerDown:
+            self._drop_group()
+            raise
+        except (HTTPStatusError, RuntimeError, ValueError) as e:  # refused or broken mid-way: fail loudly, drop the group
+            self._drop_group()
+            raise ServerDown(f"{self.address}: weight update to v{version} failed: {e}") from None
+
+    def _check_version(self, version: int) -> None:
+        got = self._call("GET", "/model_info").get("weight_version")
+        if got != str(version):
+            raise ServerDown(f"{self.address} reports weight_version {got!r} after loading v{version}")
+
+    def _load_distributed(self, version: int, sd: dict[str, torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        if self.group is None:
+            self._init_group()
+        buckets = W.flattened_buckets(sd, self.bucket_bytes)
+        if self.session:
+            self._call("POST", "/begin_weight_update", {})
+        for i, b in enumerate(buckets):
+            body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
+            with _Background(self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s) as req:
+                dist.broadcast(b.flat(), src=0, group=self.group)
+            req.result()
+        if self.session:
+            self._call("POST", "/end_weight_update", {})
+
+    def update_body(self, b: W.Bucket, weight_version: Optional[str]) -> dict:
+        body = {"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes, "group_name": self.group_name,
+                "flush_cache": True, "load_format": "flattened_bucket"}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return body
+
+    def init_body(self, port: int) -> dict:
+        return {"master_address": self.group_host, "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": self.group_name, "backend": self.group_backend}
+
+    def _init_group(self) -> None:
+        from protocols.sockets import free_tcp_port
+
+        port = free_tcp_port(self.group_host)
+        self.group_name = f"areal-{self.name}-{next(_EPOCHS)}"
+        with _Background(self._call, "POST", "/init_weights_update_group", self.init_body(port),
+                         self.update_timeout_s) as req:
+            try:
+                self.group = W.init_custom_group(self.group_backend, self.group_host, port, 0, 2, self.group_name,
+                                                 timeout_s=self.update_timeout_s)
+            except Exception as e:  # the server did not join (it refused or died): no group
+                raise ServerDown(f"{self.address}: weight group {self.group_name} not formed: {e}") from None
+        req.result()
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            W.destroy_group(self.group)
+            self.group = None
+
+    def _load_from_disk(self, version: int, sd: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        d = Path(self.disk_dir) / f"v{version}"
+        if not (d / "model.safetensors").exists():
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / "model.safetensors.tmp"
+            save_file({k: v.detach().contiguous() for k, v in _untied(sd).items()}, str(tmp))
+            tmp.replace(d / "model.safetensors")
+        self._call("POST", "/update_weights_from_disk",
+                   {"model_path": str(d), "weight_version": str(version), "flush_cache": True}, self.update_timeout_s)
+
+
+def _untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory: keep the first name of each storage."""
+    seen, out = set(), {}
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
+        if key not in seen:
+            seen.add(key)
+            out[k] = v
+    return out
+
+
+class _Background:
+    """Run one call on a helper thread for the duration of a ``with`` block (the HTTP side of a
+    collective, while this thread does the collective); ``result()`` re-raises its error."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+        self.out, self.err = None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.out = self.fn(*self.args)
+        except BaseException as e:  # handed to result()
+            self.err = e
+
+    def __enter__(self) -> "_Background":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.thread.join()
+
+    def result(self):
+        if self.err is not None:
+            raise self.err
+        return self.out
+
+
+def parse_generate(resp: dict, rid: str) -> Completion:
+    """output_ids, logprobs, per-token versions and finish reason of one /generate answer."""
+    if not isinstance(resp, dict) or not isinstance(resp.get("meta_info"), dict):
+        raise ValueError(f"/generate answer for {rid!r} has no meta_info: {str(resp)[:200]}")
+    meta = resp["meta_info"]
+    ids = resp.get("output_ids")
+    triples = meta.get("output_token_logprobs") or []
+    if not isinstance(ids, list) or len(triples) != len(ids):
+        raise ValueError(f"/generate answer for {rid!r}: {len(triples)} logprobs for output_ids {ids!r}")
+    if [int(t[1]) for t in triples] != ids:
+        raise ValueError(f"/generate answer for {rid!r}: logprob token ids differ from output_ids")
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason not in FINISH_TYPES:
+        raise ValueError(f"/generate answer for {rid!r}: finish_reason {meta.get('finish_reason')!r}, "
+                         f"expected a type in {FINISH_TYPES}")
+    return Completion(list(ids), [float(t[0]) for t in triples], token_versions(meta, len(ids)), reason)
+
+
+def token_versions(meta: dict, n: int) -> list[int]:
+    """Per-token versions from ``weight_versions`` spans (sglang >= 0.5.2x), else ``weight_version``.
+    SGLang's "default" (weights the trainer never sent) maps to -1."""
+    spans = meta.get("weight_versions") or []
+    out = []
+    for sp in spans:
+        out += [_version(sp["version"])] * (int(sp["end"]) - int(sp["start"]))
+    if len(out) != n:
+        out = [_version(meta.get("weight_version"))] * n
+    return out
+
+
+def _version(label) -> int:
+    if label in (None, "default"):
+        return -1
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight_version {label!r}: expected the integer version this client sent") from None

@@ -1,0 +1,450 @@
+"""An SGLang-compatible HTTP server on CPU: SGLang's native endpoints over the embedded ``TorchEngine``.
+
+SGLang 0.5.x has no CPU build on PyPI, so CI cannot start ``python -m sglang.launch_server``.
+This server speaks the part of SGLang's HTTP contract the rollout backend uses (read from
+sglang 0.5.23: ``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``,
+``api/v1/api_types.py``), and takes weight updates over a torch.distributed **gloo** group
+exactly as SGLang takes them over NCCL::
+
+    POST /generate                          input_ids, sampling_params, return_logprob, rid
+         -> text, output_ids, meta_info{finish_reason{type}, output_token_logprobs
+            [[logprob, token_id, text]], weight_version, weight_versions[{version,start,end}]}
+    POST /pause_generation {mode}           abort | retract | in_place; /generate waits while paused
+    POST /continue_generation
+    POST /init_weights_update_group         joins the group (weight_group.init_custom_group)
+    POST /update_weights_from_distributed   names, dtypes, shapes, group_name, weight_version,
+                                            load_format ("flattened_bucket" or per tensor)
+    POST /begin_weight_update, /end_weight_update, /destroy_weights_update_group
+    POST /update_weights_from_disk          model_path (an HF directory with safetensors)
+    GET  /health, /model_info, /flush_cache;  POST /abort_request {rid | abort_all}
+
+Pause modes, as SGLang defines them: ``abort`` returns every running request now with
+finish_reason abort and the tokens it has (the client resubmits prompt + tokens); ``retract``
+keeps the requests, and their KV cache is recomputed under the weights loaded meanwhile;
+``in_place`` keeps the requests *and their KV cache*: tokens after ``continue`` attend to keys
+computed by the old weights (SGLang's semantics; the client's default is ``abort``). Outside of
+``in_place`` no KV entry computed under old weights is read after an update.
+
+Weight versions are SGLang's strings ("default" until an update names one); every token records
+the version that produced it and a response reports them as ``weight_versions`` spans.
+
+Not covered: streaming, text prompts (``input_ids`` only), batched requests, ``n > 1``, top-k /
+min-p / penalties / grammars (refused with 400 naming the key), a radix cache across requests
+(``/flush_cache`` has nothing to flush), tensor/data parallelism, CUDA.
+
+    python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml --port 30000
+    python -m areal_async.rollout.sglang_server --model-path HF_DIR --port 30000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+import torch
+
+from areal_async.rollout.engine import GenRequest, GroupOutput
+from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
+from areal_async.rollout import weight_group as W
+
+log = logging.getLogger("areal_async.sglang_server")
+
+DEFAULT_VERSION = "default"  # SGLang's weight_version before any update names one
+# sampling_params keys SGLang knows (api_types.SamplingParams) that this server runs; the
+# remaining SGLang keys are answered 400 "not supported", anything else 400 "unknown field".
+SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "stop_token_ids", "n", "ignore_eos",
+                      "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "sampling_seed"}
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class BadRequest(ValueError):
+    """Answered 400 with the message (SGLang answers a contract violation the same way)."""
+
+
+@dataclass
+class _Waiter:
+    rid: str
+    prompt_len: int
+    return_logprob: bool
+    t0: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Optional[dict] = None
+
+
+class CpuSGLangServer:
+    """The state behind the endpoints: one TorchEngine stepped by one thread, under one lock."""
+
+    def __init__(self, engine: TorchEngine, decode, model_path: str = "", served_model_name: str = "areal-tiny"):
+        self.engine, self.decode = engine, decode
+        self.model_path, self.served_model_name = model_path, served_model_name
+        self.labels = [DEFAULT_VERSION]  # engine.version indexes this list
+        self.engine.version = 0
+        self.mu = threading.Condition()
+        self.waiters: dict[str, _Waiter] = {}
+        self.paused: Optional[str] = None  # the pause mode while paused
+        self.broken: Optional[str] = None  # why the weights are unusable (a failed update)
+        self.groups: dict[str, Any] = {}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            with self.mu:
+                while not self.stopping.is_set() and (self.paused or not self.engine.has_work()):
+                    self.mu.wait(0.5)
+                if self.stopping.is_set():
+                    return
+                with torch.inference_mode():
+                    self._deliver(self.engine.step())
+
+    def _deliver(self, groups: list[GroupOutput]) -> None:
+        for g in groups:
+            w = self.waiters.pop(g.group_id, None)
+            if w is not None:  # None: cancelled by /abort_request, already answered
+                w.result = self._response(w, g.samples[0])
+                w.done.set()
+
+    def _response(self, w: _Waiter, s) -> dict:
+        n = len(s.output_ids)
+        reason: dict = {"type": s.finish_reason}
+        if s.finish_reason == "stop" and n:
+            reason["matched"] = s.output_ids[-1]
+        elif s.finish_reason == "length":
+            reason["length"] = n
+        elif s.finish_reason == "abort":
+            reason["message"] = "Abort before or during generation (pause_generation or abort_request)."
+        meta = {"id": w.rid, "prompt_tokens": w.prompt_len, "completion_tokens": n, "finish_reason": reason,
+                "cached_tokens": 0, "e2e_latency": time.perf_counter() - w.t0,
+                "weight_version": self.labels[self.engine.version], "weight_versions": self._spans(s.versions)}
+        if w.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.output_ids)]
+        return {"text": self.decode(s.output_ids), "output_ids": list(s.output_ids), "meta_info": meta}
+
+    def _spans(self, versions: list[int]) -> list[dict]:
+        spans: list[dict] = []
+        for i, v in enumerate(versions):
+            label = self.labels[v] if v >= 0 else DEFAULT_VERSION
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": label, "start": i, "end": i + 1})
+        return spans or [{"version": self.labels[self.engine.version], "start": 0, "end": 0}]
+
+    # ---- /generate ---------------------------------------------------------------------
+    def generate(self, body: dict, timeout_s: float = 3600.0) -> dict:
+        req, w = self._parse_generate(body)
+        with self.mu:
+            while self.paused and not self.stopping.is_set():  # SGLang holds new requests while paused
+                self.mu.wait(0.5)
+            if self.broken:
+                raise BadRequest(f"weights unusable after a failed update ({self.broken}); update them again")
+            if req.group_id in self.waiters:
+                raise BadRequest(f"rid {req.group_id!r} is already generating")
+            self.engine.add_request(req)
+            self.waiters[req.group_id] = w
+            self.mu.notify_all()
+        if not w.done.wait(timeout_s):
+            raise TimeoutError(f"rid {w.rid!r} did not finish in {timeout_s}s")
+        return w.result
+
+    def _parse_generate(self, body: dict) -> tuple[GenRequest, _Waiter]:
+        ids = body.get("input_ids")
+        if body.get("text") is not None or not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest(f"input_ids={ids!r}: this server takes one non-empty list of token ids (no text, no batch)")
+        if body.get("stream"):
+            raise BadRequest("stream=true: this server answers whole responses only")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadRequest(f"sampling_params={sp!r}: expected one object")
+        for key in sp:
+            if key not in SUPPORTED_SAMPLING:
+                raise BadRequest(f"sampling_params key {key!r} is not supported by the CPU server "
+                                 f"(supported: {sorted(SUPPORTED_SAMPLING)})")
+        if sp.get("n", 1) != 1:
+            raise BadRequest(f"sampling_params.n={sp['n']!r}: the CPU server generates one sample per request")
+        rid = body.get("rid") or f"req-{time.monotonic_ns()}"
+        temp = float(sp.get("temperature", 1.0))
+        stops = tuple(int(t) for t in sp.get("stop_token_ids") or ())
+        req = GenRequest(group_id=str(rid), prompt_ids=list(ids), n=1, max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                         temperature=temp if temp > 0 else 1.0, top_p=float(sp.get("top_p", 1.0)), greedy=temp == 0,
+                         stop_token_ids=stops)
+        try:
+            req.validate()
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        return req, _Waiter(str(rid), len(ids), bool(body.get("return_logprob")))
+
+    # ---- pause / continue / abort ------------------------------------------------------
+    def pause(self, body: dict) -> dict:
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise BadRequest(f"mode={mode!r}: expected one of {PAUSE_MODES}")
+        with self.mu:
+            self.paused = mode
+            if mode == "abort":
+                self._deliver(self.engine.abort_all())
+            self.mu.notify_all()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def resume(self, body: dict) -> dict:
+        with self.mu:
+            self.paused = None
+            self.mu.notify_all()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def abort_request(self, body: dict) -> None:
+        with self.mu:
+            if body.get("abort_all"):
+                self._deliver(self.engine.abort_all())
+                return
+            w = self.waiters.pop(str(body.get("rid", "")), None)  # compute runs on; the caller is answered now
+            if w is not None:
+                w.result = self._response(w, _Aborted())
+                w.done.set()
+
+    # ---- weights -----------------------------------------------------------------------
+    def init_group(self, body: dict) -> dict:
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if backend != "gloo":
+            return {"success": False, "message": f"backend={backend!r}: the CPU server joins 'gloo' groups only"}
+        try:
+            rank = int(body["rank_offset"])  # + tp_rank 0
+            pg = W.init_custom_group("gloo", body["master_address"], int(body["master_port"]), rank,
+                                     int(body["world_size"]), name, timeout_s=float(body.get("timeout_s", 120)))
+        except Exception as e:  # reported as SGLang does: success false, 400
+            return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
+        self.groups[name] = pg
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict) -> dict:
+        pg = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        if pg is None:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        W.destroy_group(pg)
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_from_distributed(self, body: dict) -> dict:
+        import torch.distributed as dist
+
+        name = body.get("group_name", "weight_update_group")
+        if name not in self.groups:
+            return {"success": False, "message": f"Group {name} not in {list(self.groups)}. "
+                                                 "Please call `init_weights_update_group` first."}
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        try:
+            if body.get("load_format") == "flattened_bucket":
+                flat = torch.empty(W.bucket_size(dtypes, shapes), dtype=torch.uint8)
+                dist.broadcast(flat, src=0, group=self.groups[name])
+                sd = W.unflatten(names, dtypes, shapes, flat)
+            else:
+                sd = {n: torch.empty(s, dtype=getattr(torch, d)) for n, d, s in zip(names, dtypes, shapes, strict=True)}
+                for t in sd.values():
+                    dist.broadcast(t, src=0, group=self.groups[name])
+        except Exception as e:
+            return self._failed(f"receiving the broadcast failed: {e}")
+        return self._load(sd, body)
+
+    def update_from_disk(self, body: dict) -> dict:
+        from safetensors.torch import load_file
+        from pathlib import Path
+
+        files = sorted(Path(body["model_path"]).glob("*.safetensors"))
+        if not files:
+            return {"success": False, "message": f"model_path={body['model_path']!r} holds no *.safetensors",
+                    "num_paused_requests": 0}
+        sd = {k: v for f in files for k, v in load_file(str(f)).items()}
+        out = self._load(sd, body)
+        if out["success"]:
+            self.model_path = str(body["model_path"])
+        return out | {"num_paused_requests": 0}
+
+    def _load(self, sd: dict[str, torch.Tensor], body: dict) -> dict:
+        with self.mu:
+            if body.get("abort_all_requests"):
+                self._deliver(self.engine.abort_all())
+            merged = _rest(self.engine, sd) | sd
+            try:
+                params = _check_state_dict(self.engine.model, merged)
+            except ValueError as e:
+                return self._failed(str(e))
+            version = body.get("weight_version")
+            if version is not None:
+                self.labels.append(str(version))
+                self.broken = None
+            index = len(self.labels) - 1
+            if self.paused == "in_place":  # SGLang keeps the running requests' old KV cache
+                with torch.no_grad():
+                    for k, v in sd.items():
+                        params[k].copy_(v)
+                self.engine.version = index
+            else:  # loads, then recomputes every running request's KV under the new weights
+                self.engine.update_weights(index, merged)
+            self.mu.notify_all()
+        msg = "Succeeded to update model weights." + (f" Weight version updated to {version}." if version else "")
+        return {"success": True, "message": msg}
+
+    def _failed(self, why: str) -> dict:
+        """A failed update leaves the weights unusable: /generate answers 400 until a full update
+        names a weight_version again (SGLang: 'Please discard the whole weights')."""
+        self.broken = why
+        log.error("weight update failed: %s", why)
+        return {"success": False, "message": f"Failed to update parameter online: {why}"}
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_path, "served_model_name": self.served_model_name,
+                "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": self.labels[self.engine.version], "load_format": "auto", "reasoning_parser": None,
+                "tool_call_parser": None}
+
+
+class _Aborted:
+    output_ids: list = []
+    logprobs: list = []
+    versions: list = []
+    finish_reason = "abort"
+
+
+def _rest(engine: TorchEngine, sd: dict) -> dict:
+    """The model's other tensors, so one bucket checks against the whole state dict."""
+    return {k: v for k, v in engine.model.state_dict().items() if k not in sd}
+
+
+# ---- HTTP ------------------------------------------------------------------------------------
+
+_POST = {"/generate": "generate", "/pause_generation": "pause", "/continue_generation": "resume",
+         "/init_weights_update_group": "init_group", "/destroy_weights_update_group": "destroy_group",
+         "/update_weights_from_distributed": "update_from_distributed", "/update_weights_from_disk": "update_from_disk"}
+_OK = {"success": True, "message": "ok"}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a client reuses its connection
+    server_version = "areal-cpu-sglang/1"
+    state: CpuSGLangServer  # set on the subclass made by make_http_server
+
+    def log_message(self, fmt: str, *args) -> None:  # one line per request is too much at 1000s of requests/s
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        path = urlparse(self.path).path
+        if path in ("/health", "/health_generate"):
+            self._send(503 if self.state.broken else 200, None)
+        elif path in ("/model_info", "/get_model_info"):
+            self._send(200, self.state.model_info())
+        elif path == "/flush_cache":
+            self._send(200, "Cache flushed.\n")
+        else:
+            self._send(404, {"error": {"message": f"no route GET {path}", "code": 404}})
+
+    def do_POST(self) -> None:
+        path = urlparse(self.path).path
+        try:
+            body = self._body()
+            if path in ("/begin_weight_update", "/end_weight_update"):
+                return self._send(200, _OK)
+            if path == "/flush_cache":
+                return self._send(200, "Cache flushed.\n")
+            if path == "/abort_request":
+                self.state.abort_request(body)
+                return self._send(200, None)
+            if path not in _POST:
+                return self._send(404, {"error": {"message": f"no route POST {path}", "code": 404}})
+            out = getattr(self.state, _POST[path])(body)
+            self._send(400 if out.get("success") is False else 200, out)
+        except BadRequest as e:
+            self._send(400, {"error": {"message": str(e), "code": 400}})
+        except (KeyError, TypeError, ValueError) as e:
+            self._send(400, {"error": {"message": f"bad request body for {path}: {e!r}", "code": 400}})
+        except TimeoutError as e:
+            self._send(504, {"error": {"message": str(e), "code": 504}})
+
+    def _body(self) -> dict:
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b"{}"
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError as e:
+            raise BadRequest(f"body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest(f"body {body!r}: expected a JSON object")
+        return body
+
+    def _send(self, code: int, payload) -> None:
+        if payload is None:
+            data, ctype = b"", "text/plain"
+        elif isinstance(payload, str):
+            data, ctype = payload.encode(), "text/plain"
+        else:
+            data, ctype = json.dumps(payload).encode(), "application/json"
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def make_http_server(state: CpuSGLangServer, host: str, port: int) -> ThreadingHTTPServer:
+    handler = type("Handler", (_Handler,), {"state": state})
+    srv = ThreadingHTTPServer((host, port), handler)
+    srv.daemon_threads = True
+    return srv
+
+
+def build_state(args) -> CpuSGLangServer:
+    from areal_async.models.tiny import build_model, load_model
+    from areal_async.runtime.build import load_tokenizer
+
+    if args.model_path:
+        from transformers import AutoTokenizer
+
+        model = load_model(args.model_path, args.dtype)
+        tok = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
+    else:
+        from areal_async.config import load_config
+
+        cfg = load_config(args.config)
+        tok = load_tokenizer(cfg.model)
+        model = build_model(cfg.model, len(tok), cfg.seed)  # random init: weights arrive by update
+    engine = TorchEngine(model, tok, seed=args.random_seed, max_batch_groups=args.max_running_requests)
+    return CpuSGLangServer(engine, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                           model_path=args.model_path or "", served_model_name=args.served_model_name)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="areal_async.rollout.sglang_server", description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-path", default="", help="HF model directory (as sglang.launch_server takes it)")
+    src.add_argument("--config", default="", help="areal-async config YAML: build its tiny model (random init)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded in one batch")
+    p.add_argument("--served-model-name", default="areal-tiny")
+    p.add_argument("--torch-threads", type=int, default=1)
+    args = p.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s sglang-cpu %(levelname)s %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    state = build_state(args)
+    srv = make_http_server(state, args.host, args.port)
+    state.thread.start()
+    log.info("serving on http://%s:%d", args.host, args.port)
+    try:
+        srv.serve_forever(poll_interval=0.2)
+    finally:
+        state.stopping.set()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
