@@ -145,8 +145,7 @@ def test_validate_checks_fields_assigned_after_building():
 
 def test_unread_fields_say_so_in_their_help():
     unread = {k for k, text in describe() if "[not read yet: wired by" in text}
-    assert unread == {"sglang.context_length", "sglang.mem_fraction_static", "sglang.max_running_requests",
-                      "vllm.max_model_len", "vllm.gpu_memory_utilization", "ref.path", "ref.dtype",
+    assert unread == {"vllm.max_model_len", "vllm.gpu_memory_utilization", "ref.path", "ref.dtype",
                       "ref.mb_spec.max_tokens_per_mb", "ref.mb_spec.oversize", "cluster.n_nodes",
                       "cluster.n_gpus_per_node"}
 

@@ -16,6 +16,7 @@ from areal_async.config import ConfigError, describe, from_dict, load_config, ro
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 BOBA = ROOT / "configs/boba_grpo.yaml"
+TINY = ROOT / "configs/tiny_arith.yaml"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -103,9 +104,17 @@ def test_bad_override_is_refused_naming_the_key(override, key, expected):
     assert key in str(e.value) and expected in str(e.value)
 
 
-def test_sglang_backend_needs_cuda():
-    with pytest.raises(ConfigError, match=r"cluster\.device='cpu'.*'cuda'"):
-        load_config(BOBA, ["cluster.device=cpu"])
+def test_sglang_backend_on_cpu_runs_the_cpu_servers_one_per_worker_or_a_multiple():
+    from areal_async.config import n_servers
+
+    assert n_servers(load_config(TINY, ["rollout.backend=sglang"])) == 2  # one per rollout worker
+    assert n_servers(load_config(TINY, ["rollout.backend=sglang:d4"])) == 4
+    with pytest.raises(ConfigError, match=r"rollout\.backend='sglang:d3'.*multiple of cluster\.n_rollout_workers=2"):
+        load_config(TINY, ["rollout.backend=sglang:d3"])
+    with pytest.raises(ConfigError, match=r"sglang\.addresses='localhost:30000'.*http://host:port"):
+        load_config(TINY, ["rollout.backend=sglang", "sglang.addresses=[localhost:30000, localhost:30001]"])
+    with pytest.raises(ConfigError, match=r"sglang\.pause_mode='later'"):
+        load_config(TINY, ["sglang.pause_mode=later"])
 
 
 @pytest.mark.parametrize("override,key", [("rollout.max_head_offpolicy=1", "rollout.max_head_offpolicy"),

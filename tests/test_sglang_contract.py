@@ -27,7 +27,7 @@ from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.rollout import sglang_client as SC
 from areal_async.rollout.engine import GenRequest
-from areal_async.runtime.build import load_tokenizer
+from areal_async.models.tokenizer import load_tokenizer
 from tests.sglang_fixtures import SGLANG_PIN, TINY, pinned_sglang_file, start_cpu_server, stop
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,7 +81,7 @@ def traffic(tmp_path_factory):
 
 def _drive(url: str, tmp_dir: str) -> None:
     cfg = load_config(TINY)
-    tok = load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model.path)
     sd = build_model(cfg.model, len(tok), 3).state_dict()
     c = SC.SGLangClient(url, name="contract", weight_update_session=True)
     c.wait_ready(120)

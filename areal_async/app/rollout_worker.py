@@ -1,4 +1,5 @@
-"""A rollout worker, built from the run directory: the embedded torch engine behind the rollout service."""
+"""A rollout worker, built from the run directory: an engine (the embedded torch engine, or the SGLang
+servers this worker owns behind a ``RemoteEngine``) behind the rollout service."""
 
 from __future__ import annotations
 
@@ -8,31 +9,55 @@ import zmq.asyncio
 
 from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
+from areal_async.base.endpoints import Endpoints
 from areal_async.base.process import set_torch_threads
+from areal_async.config import ExperimentConfig
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import load_tokenizer
+from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.rollout.service import RolloutService
+from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
 
 
 def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutService:
     cfg, ep = load_run(run_dir)
     set_torch_threads(cfg.cluster.torch_threads)
-    if not cfg.rollout.backend.startswith("torch"):
-        raise NotImplementedError(f"rollout.backend={cfg.rollout.backend!r}: only the embedded 'torch' engine "
-                                  "is wired into workers yet")
     tok = load_tokenizer(cfg.model.path)
-    # The engine starts without weights (version -1); version 0 comes from the trainer.
-    if cfg.model.path:
-        model = load_model(cfg.model.path, cfg.model.dtype)
+    max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
+    if cfg.rollout.backend.startswith("sglang"):
+        engine = sglang_engine(cfg, ep, run_dir, worker_id, index, max_in_flight=max_active * cfg.gconfig.n_samples)
     else:
-        model = build_model(cfg.model, len(tok), cfg.seed)
-    engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
-                         max_batch_groups=cfg.rollout.max_batch_groups)
+        engine = torch_engine(cfg, tok, index)
     ctx = zmq.asyncio.Context()
     traj = trajectory_channel(cfg, ep, "sender", rank=index + 1)
     weights = weight_channel(cfg, ep, "receiver", rank=index + 1)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
     return RolloutService(worker_id, control_client(ctx, cfg, ep, "rollout", worker_id), ctx, engine, decode, traj,
                           weights, ep.rewards, max_active)
+
+
+def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:
+    """The embedded engine; it starts without weights (version -1): version 0 comes from the trainer."""
+    if cfg.model.path:
+        model = load_model(cfg.model.path, cfg.model.dtype)
+    else:
+        model = build_model(cfg.model, len(tok), cfg.seed)
+    return TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
+                       max_batch_groups=cfg.rollout.max_batch_groups)
+
+
+def sglang_engine(cfg: ExperimentConfig, ep: Endpoints, run_dir: str | Path, worker_id: str, index: int,
+                  max_in_flight: int) -> RemoteEngine:
+    """A RemoteEngine over the SGLang servers this worker owns (started by the supervisor, or sglang.addresses)."""
+    s = cfg.sglang
+    mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
+    clients = [SGLangClient(a, name=f"{worker_id}-s{j}", pause_mode=s.pause_mode, weight_sync=s.weight_sync,
+                            group_backend="gloo" if cfg.cluster.device == "cpu" else "nccl",
+                            group_host=cfg.cluster.host, bucket_mb=cfg.tensor_channel.bucket_mb,
+                            request_timeout_s=s.request_timeout_s, update_timeout_s=s.update_timeout_s,
+                            weight_update_session=s.weight_update_session,
+                            disk_dir=str(Path(run_dir) / "weights" / worker_id))
+               for j, a in enumerate(mine)]
+    return RemoteEngine(clients, max_in_flight=max_in_flight, down_timeout_s=s.server_down_timeout_s,
+                        ready_timeout_s=s.update_timeout_s)

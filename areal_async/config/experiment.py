@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -12,7 +13,6 @@ from areal_async.config.sections import (DTYPES, ActorConfig, ClusterConfig, Dat
                                          TensorChannelConfig, rollout_dp_degree)
 
 UNREAD_BY_REF = "the trainer-at-scale issue (10)"
-UNREAD_BY_SGLANG = "the SGLang backend issue (11)"
 UNREAD_BY_VLLM = "the vLLM backend issue (16)"
 
 
@@ -47,20 +47,41 @@ class RefConfig(Section):
 @dataclass
 class SGLangConfig(Section):
     """SGLang server settings for ``rollout.backend: sglang[:dN]`` (the seed's ``sglang``; model, seed and
-    dtype follow model.* and seed)."""
+    dtype follow model.* and seed). On ``cluster.device=cpu`` the servers are the project's CPU twin."""
 
-    context_length: int = _unread(32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len "
-                                         "+ gconfig.max_new_tokens.", UNREAD_BY_SGLANG)
-    mem_fraction_static: float = _unread(0.9, "Fraction of GPU memory SGLang reserves for weights + KV cache, "
-                                              "in (0, 1].", UNREAD_BY_SGLANG)
-    max_running_requests: Optional[int] = _unread(None, "Cap on requests decoded at once per server; None = "
-                                                        "SGLang decides.", UNREAD_BY_SGLANG)
+    context_length: int = _f(32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len "
+                                    "+ gconfig.max_new_tokens.")
+    mem_fraction_static: float = _f(0.9, "Fraction of GPU memory SGLang reserves for weights + KV cache, in (0, 1].")
+    max_running_requests: Optional[int] = _f(None, "Cap on requests decoded at once per server; None = SGLang "
+                                                   "decides (the CPU server: rollout.max_batch_groups x "
+                                                   "gconfig.n_samples).")
+    addresses: list = _f([], "Attach to running servers ('http://host:port', a multiple of "
+                             "cluster.n_rollout_workers, dealt out in turn); empty = the supervisor starts them.")
+    pause_mode: str = _f("abort", "How servers stop for a weight update: 'abort' (running requests return their "
+                                  "tokens and are resubmitted), 'retract' (kept, KV recomputed), 'in_place' (kept "
+                                  "with their old KV cache, SGLang's semantics).")
+    weight_sync: str = _f("distributed", "'distributed': a torch.distributed group per server (gloo on CPU, NCCL "
+                                         "on GPU) and /update_weights_from_distributed; 'disk': safetensors + "
+                                         "/update_weights_from_disk.")
+    weight_update_session: bool = _f(False, "Bracket each update with /begin_weight_update and /end_weight_update "
+                                            "(SGLang releases that pack weights in place need it).")
+    request_timeout_s: float = _f(3600.0, "A /generate call taking longer marks its server down (work re-issued).")
+    update_timeout_s: float = _f(300.0, "Timeout of a weight update (group set-up, each bucket).")
+    server_down_timeout_s: float = _f(120.0, "A rollout worker whose servers are all down this long fails (the "
+                                             "supervisor restarts it and the scheduler re-issues its work).")
 
     def check(self) -> None:
         at_least(self, "context_length", 1)
         within(self, "mem_fraction_static", "(0, 1]")
         require(self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests",
                 self.max_running_requests, "null or an integer >= 1")
+        one_of(self, "pause_mode", ("abort", "retract", "in_place"))
+        one_of(self, "weight_sync", ("distributed", "disk"))
+        for name in ("request_timeout_s", "update_timeout_s", "server_down_timeout_s"):
+            above(self, name, 0)
+        for a in self.addresses:
+            require(isinstance(a, str) and re.match(r"^http://[^/:]+:[0-9]+/?$", a) is not None, "addresses", a,
+                    "'http://host:port' entries")
 
 
 @dataclass
@@ -194,9 +215,19 @@ class ExperimentConfig(Section):
         if not b.startswith("sglang"):
             return
         gpus = cl.n_nodes * cl.n_gpus_per_node
-        require(rollout_dp_degree(b) <= gpus, "rollout.backend", b,
+        require(cl.device == "cpu" or rollout_dp_degree(b) <= gpus, "rollout.backend", b,
                 f"a data-parallel degree <= cluster.n_nodes * cluster.n_gpus_per_node = {gpus}")
-        require(cl.device == "cuda", "cluster.device", cl.device, f"'cuda' with rollout.backend={b!r}")
+        require(n_servers(self) % cl.n_rollout_workers == 0, "rollout.backend", b,
+                f"a number of servers that is a multiple of cluster.n_rollout_workers={cl.n_rollout_workers} "
+                "(each worker owns its own)")
         need = self.train_dataset.max_prompt_len + self.gconfig.max_new_tokens
         require(self.sglang.context_length >= need, "sglang.context_length", self.sglang.context_length,
                 f">= train_dataset.max_prompt_len + gconfig.max_new_tokens = {need}")
+
+
+def n_servers(c: ExperimentConfig) -> int:
+    """Servers of an sglang backend: len(sglang.addresses) when attaching, else N of 'sglang:dN', else one
+    per rollout worker."""
+    if c.sglang.addresses:
+        return len(c.sglang.addresses)
+    return rollout_dp_degree(c.rollout.backend) if ":d" in c.rollout.backend else c.cluster.n_rollout_workers

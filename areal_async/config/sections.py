@@ -101,7 +101,8 @@ class GenerationConfig(Section):
 class RolloutConfig(Section):
     """Rollout workers and the asynchrony budget."""
 
-    backend: str = _f("torch", "Engine: 'torch' (embedded, CPU or GPU) or 'sglang[:dN]' (server, GPU).")
+    backend: str = _f("torch", "Engine: 'torch' (embedded, CPU or GPU) or 'sglang[:dN]' (N SGLang servers over "
+                               "HTTP, default one per rollout worker; on cluster.device=cpu the project's CPU twin).")
     max_head_offpolicyness: int = _f(2, "η: trainer step v consumes only samples whose oldest token version "
                                         ">= v - η; 0 = synchronous on-policy.")
     max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout "

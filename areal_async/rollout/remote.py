@@ -206,6 +206,12 @@ class RemoteEngine(RolloutEngine):
         return out
 
     def close(self) -> None:
+        """Abort what the servers still run for us (so no request thread outlives the worker), stop."""
+        for s in self.servers:
+            try:
+                s.client.abort_all()
+            except (ServerDown, RuntimeError):
+                pass
         self.pool.shutdown(wait=False, cancel_futures=True)
         for s in self.servers:
             s.client.close()
@@ -288,6 +294,15 @@ class RemoteEngine(RolloutEngine):
             return  # newer weights arrived meanwhile: the next check pushes those
         srv.up = True
         log.info("server %s is back (weights v%s)", srv.client.address, pushed)
+
+
+def servers_of(addresses: list[str], worker_index: int, n_workers: int) -> list[str]:
+    """The servers rollout worker ``worker_index`` owns: every n_workers-th, starting at its index. Each
+    server has one owner, the only one that pauses it, updates its weights and re-issues its requests."""
+    mine = addresses[worker_index::n_workers]
+    if not mine:
+        raise ValueError(f"rollout worker {worker_index} of {n_workers} gets no server out of {len(addresses)}")
+    return mine
 
 
 def _swap(client: ServerClient, version: int, sd: dict) -> None:

@@ -154,6 +154,8 @@ class RolloutService:
         for t in tasks:
             t.cancel()
         self.engine.join(timeout=10)
+        if hasattr(self.engine.engine, "close"):  # a remote engine: stop its request threads
+            self.engine.engine.close()
         for ch in (self.traj, self.weights):
             ch.close()
         self.reward_sock.close(0)

@@ -37,6 +37,8 @@ from typing import Optional
 
 import torch
 
+from protocols.sockets import free_tcp_port
+
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
@@ -152,7 +154,7 @@ class SGLangClient(ServerClient):
         for i, b in enumerate(buckets):
             body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
             with _Background(self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s) as req:
-                dist.broadcast(b.flat(), src=0, group=self.group)
+                dist.broadcast(b.flat().to("cuda" if self.group_backend == "nccl" else "cpu"), src=0, group=self.group)
             req.result()
         if self.session:
             self._call("POST", "/end_weight_update", {})
@@ -169,8 +171,6 @@ class SGLangClient(ServerClient):
                 "group_name": self.group_name, "backend": self.group_backend}
 
     def _init_group(self) -> None:
-        from protocols.sockets import free_tcp_port
-
         port = free_tcp_port(self.group_host)
         self.group_name = f"areal-{self.name}-{next(_EPOCHS)}"
         with _Background(self._call, "POST", "/init_weights_update_group", self.init_body(port),

@@ -45,14 +45,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
 import torch
 
+from areal_async.base.affinity import pin_self
+from areal_async.config import load_config
+from areal_async.models.tiny import build_model, load_model
+from areal_async.models.tokenizer import load_tokenizer
+from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest, GroupOutput
 from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
-from areal_async.rollout import weight_group as W
 
 log = logging.getLogger("areal_async.sglang_server")
 
@@ -256,7 +261,6 @@ class CpuSGLangServer:
 
     def update_from_disk(self, body: dict) -> dict:
         from safetensors.torch import load_file
-        from pathlib import Path
 
         files = sorted(Path(body["model_path"]).glob("*.safetensors"))
         if not files:
@@ -395,25 +399,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_http_server(state: CpuSGLangServer, host: str, port: int) -> ThreadingHTTPServer:
     handler = type("Handler", (_Handler,), {"state": state})
-    srv = ThreadingHTTPServer((host, port), handler)
-    srv.daemon_threads = True
-    return srv
+    server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 4096, "daemon_threads": True})
+    return server_cls((host, port), handler)  # a deep backlog: a worker opens hundreds of connections at once
 
 
 def build_state(args) -> CpuSGLangServer:
-    from areal_async.models.tiny import build_model, load_model
-    from areal_async.runtime.build import load_tokenizer
-
     if args.model_path:
-        from transformers import AutoTokenizer
-
         model = load_model(args.model_path, args.dtype)
-        tok = AutoTokenizer.from_pretrained(args.model_path, local_files_only=True)
+        tok = load_tokenizer(args.model_path)
     else:
-        from areal_async.config import load_config
-
         cfg = load_config(args.config)
-        tok = load_tokenizer(cfg.model)
+        tok = load_tokenizer(cfg.model.path)
         model = build_model(cfg.model, len(tok), cfg.seed)  # random init: weights arrive by update
     engine = TorchEngine(model, tok, seed=args.random_seed, max_batch_groups=args.max_running_requests)
     return CpuSGLangServer(engine, lambda ids: tok.decode(ids, skip_special_tokens=True),
@@ -432,7 +428,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded in one batch")
     p.add_argument("--served-model-name", default="areal-tiny")
     p.add_argument("--torch-threads", type=int, default=1)
+    p.add_argument("--cpus", default="", help="pin this process to these CPUs (cpu-list syntax)")
     args = p.parse_args(argv)
+    if args.cpus:
+        pin_self(args.cpus)
     logging.basicConfig(level="INFO", format="%(asctime)s sglang-cpu %(levelname)s %(message)s")
     torch.set_num_threads(args.torch_threads)
     state = build_state(args)

@@ -34,6 +34,7 @@ from typing import Optional
 from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import plan_endpoints
 from areal_async.config import ExperimentConfig, to_yaml
+from areal_async.supervisor.servers import SERVER_ROLE, plan_server_addresses, server_commands
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 GRACE_S = 5.0
@@ -57,7 +58,7 @@ class Child:
         return self.name.split("-")[0]
 
 
-RESTARTABLE = ("rollout", "reward")  # the trainer resumes from a checkpoint instead (recover.mode)
+RESTARTABLE = ("rollout", "reward", "sglang")  # the trainer resumes from a checkpoint instead (recover.mode)
 
 
 def restart_blocker(cfg: ExperimentConfig) -> Optional[str]:
@@ -107,6 +108,7 @@ class LocalSupervisor:
         self.endpoints = plan_endpoints(self.cfg.cluster.n_reward_workers, self.cfg.cluster.host,
                                         self.cfg.cluster.control)
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
+        self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)
         self.endpoints.save(self.run_dir)
         if resume:
             print(f"[areal-async] resuming from {resume}")
@@ -125,6 +127,7 @@ class LocalSupervisor:
     def start_all(self) -> None:
         env = dict(os.environ, AREAL_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
                    TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        self._start_servers(env)
         for wid, module, idx in worker_specs(self.cfg):
             log_path = self.run_dir / "logs" / f"{wid}.log"
             cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid,
@@ -134,6 +137,25 @@ class LocalSupervisor:
             self.children.append(Child(wid, self._spawn(cmd, log_path, env), log_path, cmd))
         self._env = env
         self._write_pids()
+
+    def _start_servers(self, env: dict) -> None:
+        """The rollout backend's inference servers (sglang), before the workers that use them."""
+        for name, cmd in server_commands(self.cfg, self.run_dir, self.endpoints.extra["servers"]):
+            log_path = self.run_dir / "logs" / f"{name}.log"
+            self.children.append(Child(name, self._spawn(cmd, log_path, env), log_path, cmd))
+
+    def _stop_servers(self) -> None:
+        """Servers never exit by themselves: stop them once every worker has finished."""
+        for c in self.children:
+            if c.role == SERVER_ROLE:
+                _signal_group(c.proc, signal.SIGTERM)
+        for c in self.children:
+            if c.role == SERVER_ROLE:
+                try:
+                    c.proc.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:
+                    _signal_group(c.proc, signal.SIGKILL)
+                    c.proc.wait(timeout=GRACE_S)
 
     @staticmethod
     def _spawn(cmd: list, log_path: Path, env: dict) -> subprocess.Popen:
@@ -160,7 +182,8 @@ class LocalSupervisor:
                 continue
             if failed:
                 return self._fail(failed[0])
-            if all(c.proc.poll() == 0 for c in self.children):
+            if all(c.proc.poll() == 0 for c in self.children if c.role != SERVER_ROLE):
+                self._stop_servers()
                 self._progress_done(last_line)
                 return 0
             if self._lingering_after_run_end():
@@ -178,7 +201,7 @@ class LocalSupervisor:
             return f"a {dead.role} worker is never restarted"
         if self._scheduler_done():
             return "the run had ended"
-        if blocker := restart_blocker(self.cfg):
+        if dead.role != SERVER_ROLE and (blocker := restart_blocker(self.cfg)):
             return blocker
         if dead.restarts >= self.cfg.cluster.max_restarts:
             return f"{dead.restarts} restart(s) used"

@@ -1,0 +1,66 @@
+"""Inference servers the supervisor starts for ``rollout.backend: sglang[:dN]``.
+
+Rollout worker ``i`` of ``W`` owns servers ``i, i + W, i + 2W, ...`` (``rollout.remote.servers_of``); nobody
+else talks to them, so each worker alone pauses them, updates their weights and re-issues their
+requests. With ``sglang.addresses`` the servers are already running and none is started.
+
+- ``cluster.device=cpu``: the project's SGLang-compatible CPU server
+  (``python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml``), random init:
+  the weights arrive over the weight group before any request;
+- ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path``, server
+  ``j`` on GPU ``j`` (``--base-gpu-id``; the rollout GPUs come first, see ``placement.py``).
+
+A server that dies is restarted by the supervisor with the same command and port (up to
+``cluster.max_restarts``); its worker notices, moves the requests, and re-sends the weights
+through a new group once it answers again.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from areal_async.config import ExperimentConfig, n_servers
+from protocols.sockets import free_tcp_port
+
+SERVER_ROLE = "sglang"
+
+
+def uses_servers(cfg: ExperimentConfig) -> bool:
+    return cfg.rollout.backend.startswith("sglang")
+
+
+def plan_server_addresses(cfg: ExperimentConfig) -> list[str]:
+    """Every server's base URL: the configured ones, or free ports on this host for ours."""
+    if not uses_servers(cfg):
+        return []
+    if cfg.sglang.addresses:
+        return [a.rstrip("/") for a in cfg.sglang.addresses]
+    host = cfg.cluster.host
+    return [f"http://{host}:{free_tcp_port(host)}" for _ in range(n_servers(cfg))]
+
+
+def server_commands(cfg: ExperimentConfig, run_dir: Path, addresses: list[str]) -> list[tuple[str, list[str]]]:
+    """(child name, command) of each server the supervisor starts; [] when attaching."""
+    if not uses_servers(cfg) or cfg.sglang.addresses:
+        return []
+    return [(f"{SERVER_ROLE}-{j}", _command(cfg, run_dir, j, a)) for j, a in enumerate(addresses)]
+
+
+def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list[str]:
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    s = cfg.sglang
+    if cfg.cluster.device == "cpu":
+        batch = s.max_running_requests or cfg.rollout.max_batch_groups * cfg.gconfig.n_samples
+        cmd = [sys.executable, "-m", "areal_async.rollout.sglang_server", "--config", str(run_dir / "config.yaml"),
+               "--host", host, "--port", port, "--max-running-requests", str(batch),
+               "--random-seed", str(cfg.seed * 1000 + j), "--torch-threads", str(cfg.cluster.torch_threads)]
+        return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
+    if not cfg.model.path:
+        raise ValueError("rollout.backend=sglang on cuda needs model.path (an HF directory the servers load)")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.path, "--host", host, "--port", port,
+           "--base-gpu-id", str(j), "--dtype", cfg.model.dtype, "--mem-fraction-static", str(s.mem_fraction_static),
+           "--context-length", str(s.context_length), "--random-seed", str(cfg.seed * 1000 + j)]
+    if s.max_running_requests:
+        cmd += ["--max-running-requests", str(s.max_running_requests)]
+    return cmd
