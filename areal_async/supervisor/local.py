@@ -34,7 +34,7 @@ from typing import Optional
 from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import plan_endpoints
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.supervisor.servers import SERVER_ROLE, plan_server_addresses, server_commands
+from areal_async.supervisor.servers import SERVER_ROLE, launch_blocker, plan_server_addresses, server_commands
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 GRACE_S = 5.0
@@ -102,6 +102,8 @@ class LocalSupervisor:
     # ---- set-up --------------------------------------------------------------------------
     def prepare(self) -> None:
         check_placement(self.cfg)
+        if why := launch_blocker(self.cfg):
+            raise LaunchError(why)
         resume = self.resume_point()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))

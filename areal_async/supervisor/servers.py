@@ -30,6 +30,21 @@ def uses_servers(cfg: ExperimentConfig) -> bool:
     return cfg.rollout.backend.startswith("sglang")
 
 
+def launch_blocker(cfg: ExperimentConfig) -> str | None:
+    """Why the servers this config asks for cannot be started here, or None."""
+    if not uses_servers(cfg) or cfg.sglang.addresses or cfg.cluster.device == "cpu":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return (f"rollout.backend={cfg.rollout.backend!r} on cluster.device='cuda' starts sglang.launch_server, but "
+                "the sglang package is not installed (pip install -e '.[gpu]'), or use cluster.device=cpu for the "
+                "CPU server, or sglang.addresses to attach to running servers")
+    if not cfg.model.path or not Path(cfg.model.path).is_dir():
+        return f"model.path={cfg.model.path!r}: the SGLang servers need an HF model directory"
+    return None
+
+
 def plan_server_addresses(cfg: ExperimentConfig) -> list[str]:
     """Every server's base URL: the configured ones, or free ports on this host for ours."""
     if not uses_servers(cfg):
