@@ -99,7 +99,8 @@ def test_every_section_has_a_refusal_above():
 
 CROSS = [  # rules that join sections live on ExperimentConfig and name the full dotted key
     ({"actor": ActorConfig(ppo_n_minibatches=200)}, "actor.ppo_n_minibatches=200", "<= samples per step (128)"),
-    ({"rollout": RolloutConfig(backend="sglang:d2")}, "cluster.device='cpu'", "'cuda' with rollout.backend"),
+    ({"rollout": RolloutConfig(backend="sglang:d3")}, "rollout.backend='sglang:d3'",
+     "a multiple of cluster.n_rollout_workers=2"),  # on cpu: the CPU servers, each worker owning its own
     ({"rollout": RolloutConfig(backend="sglang:d16"), "cluster": ClusterConfig(device="cuda")},
      "rollout.backend='sglang:d16'", "cluster.n_nodes * cluster.n_gpus_per_node = 8"),
     ({"rollout": RolloutConfig(backend="sglang"), "cluster": ClusterConfig(device="cuda"),
