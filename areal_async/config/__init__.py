@@ -35,7 +35,7 @@ from areal_async.config.sections import (DTYPES, LR_SCHEDULES, NORM_LEVELS, Acto
 
 __all__ = ["DTYPES", "LR_SCHEDULES", "NORM_LEVELS", "ActorConfig", "ClusterConfig", "ConfigError", "CpuAffinityConfig",
            "CpuList", "DatasetConfig", "EvaluatorConfig", "ExperimentConfig", "GenerationConfig", "MicroBatchSpec",
-           "ModelConfig", "n_servers", "NormConfig", "OptimizerConfig", "RecoverConfig", "RefConfig", "RejectionSamplingConfig",
+           "ModelConfig", "NormConfig", "OptimizerConfig", "RecoverConfig", "RefConfig", "RejectionSamplingConfig",
            "RewardConfig", "RolloutConfig", "SFTConfig", "SFTWarmupConfig", "SGLangConfig", "SaverConfig", "Section",
            "StatsLoggerConfig", "TensorChannelConfig", "VLLMConfig", "describe", "from_dict", "load_config",
-           "parse_override", "rollout_dp_degree", "to_dict", "to_yaml"]
+           "n_servers", "parse_override", "rollout_dp_degree", "to_dict", "to_yaml"]

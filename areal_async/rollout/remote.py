@@ -87,13 +87,13 @@ class ServerClient(ABC):
     def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Make the server hold ``state_dict`` as ``version``, checked; ``ServerDown`` otherwise."""
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Forget per-server state (weight groups) before reviving a restarted server."""
 
-    def abort_all(self) -> None:
+    def abort_all(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """End every running request now (best effort)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Free what the client holds."""
 
 

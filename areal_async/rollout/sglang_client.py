@@ -134,7 +134,7 @@ class SGLangClient(ServerClient):
         except ServerDown:
             self._drop_group()
             raise
-        except (HTTPStatusError, RuntimeError, ValueError) as e:  # refused or broken mid-way: fail loudly, drop the group
+        except (HTTPStatusError, RuntimeError, ValueError) as e:  # refused or broken mid-way: drop the group
             self._drop_group()
             raise ServerDown(f"{self.address}: weight update to v{version} failed: {e}") from None
 
@@ -153,8 +153,9 @@ class SGLangClient(ServerClient):
             self._call("POST", "/begin_weight_update", {})
         for i, b in enumerate(buckets):
             body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
+            flat = b.flat().to("cuda" if self.group_backend == "nccl" else "cpu")
             with _Background(self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s) as req:
-                dist.broadcast(b.flat().to("cuda" if self.group_backend == "nccl" else "cpu"), src=0, group=self.group)
+                dist.broadcast(flat, src=0, group=self.group)
             req.result()
         if self.session:
             self._call("POST", "/end_weight_update", {})

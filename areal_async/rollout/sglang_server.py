@@ -164,7 +164,8 @@ class CpuSGLangServer:
         ids = body.get("input_ids")
         if body.get("text") is not None or not isinstance(ids, list) or not ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest(f"input_ids={ids!r}: this server takes one non-empty list of token ids (no text, no batch)")
+            raise BadRequest(f"input_ids={ids!r}: this server takes one non-empty list of token ids "
+                             "(no text, no batch)")
         if body.get("stream"):
             raise BadRequest("stream=true: this server answers whole responses only")
         sp = body.get("sampling_params") or {}
@@ -179,9 +180,9 @@ class CpuSGLangServer:
         rid = body.get("rid") or f"req-{time.monotonic_ns()}"
         temp = float(sp.get("temperature", 1.0))
         stops = tuple(int(t) for t in sp.get("stop_token_ids") or ())
-        req = GenRequest(group_id=str(rid), prompt_ids=list(ids), n=1, max_new_tokens=int(sp.get("max_new_tokens", 128)),
-                         temperature=temp if temp > 0 else 1.0, top_p=float(sp.get("top_p", 1.0)), greedy=temp == 0,
-                         stop_token_ids=stops)
+        req = GenRequest(group_id=str(rid), prompt_ids=list(ids), n=1,
+                         max_new_tokens=int(sp.get("max_new_tokens", 128)), temperature=temp if temp > 0 else 1.0,
+                         top_p=float(sp.get("top_p", 1.0)), greedy=temp == 0, stop_token_ids=stops)
         try:
             req.validate()
         except ValueError as e:

@@ -116,7 +116,8 @@ def unflatten(names: list[str], dtypes: list[str], shapes: list[list[int]], flat
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype {dt!r} of {name!r}: expected a torch dtype name such as 'float32'")
         if offset % dtype.itemsize:
-            raise ValueError(f"tensor {name!r} starts at byte {offset}, not a multiple of its item size {dtype.itemsize}")
+            raise ValueError(f"tensor {name!r} starts at byte {offset}, not a multiple of its item size "
+                             f"{dtype.itemsize}")
         n = int(torch.Size(shape).numel()) * dtype.itemsize
         out[name] = flat[offset:offset + n].view(dtype).reshape(shape)
         offset += n
