@@ -154,7 +154,8 @@ class SGLangClient(ServerClient):
         for i, b in enumerate(buckets):
             body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
             flat = b.flat().to("cuda" if self.group_backend == "nccl" else "cpu")
-            with _Background(self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s) as req:
+            post = (self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s)
+            with _Background(*post) as req:
                 dist.broadcast(flat, src=0, group=self.group)
             req.result()
         if self.session:
