@@ -12,4 +12,5 @@ from areal_async.scheduler.service import SchedulerService
 
 def build_scheduler(run_dir: str | Path) -> SchedulerService:
     cfg, ep = load_run(run_dir)
-    return SchedulerService(cfg, ep, run_dir, supervisor_t0(), prompt_encoder(load_tokenizer(cfg.model.path)))
+    encode = prompt_encoder(load_tokenizer(cfg.model.path), cfg.train_dataset.template)
+    return SchedulerService(cfg, ep, run_dir, supervisor_t0(), encode)

@@ -27,7 +27,8 @@ replaced; the result equals an uninterrupted run's. The "before" accuracy is the
 attempt saved (``eval_before.json``). ``resume`` without a checkpoint is an error; ``auto``
 without one starts afresh.
 
-Not covered: multi-GPU / sharded training, chat templates or the seed's ``<think>`` prefix.
+Prompts go through ``train_dataset.template`` (none | chat | r1) like RL's and eval's.
+Not covered: multi-GPU / sharded training.
 """
 
 from __future__ import annotations
@@ -172,10 +173,10 @@ def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
     """
     problems = load_problems(cfg.train_dataset, cfg.seed)
     _require_answers(cfg, problems)
-    enc = prompt_encoder(tok)
-    kept = [p for p in problems if len(enc(p.prompt)) <= cfg.train_dataset.max_prompt_len]
+    d, enc = cfg.train_dataset, prompt_encoder(tok, cfg.train_dataset.template)
+    kept = [p for p in problems if len(enc(p.prompt)) <= d.max_prompt_len]
     train_p, held_p = _split(cfg, kept)
-    train = sft_examples(train_p, tok)
+    train = sft_examples(train_p, tok, d.template)
     if not train:
         raise ValueError(f"no training examples left: {len(problems)} problems, {len(kept)} within "
                          f"train_dataset.max_prompt_len={cfg.train_dataset.max_prompt_len}, "
@@ -225,7 +226,7 @@ def _check_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok
 
 
 def _check_eval_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok) -> None:
-    enc, new = prompt_encoder(tok), _eval_max_new_tokens(cfg)
+    enc, new = prompt_encoder(tok, cfg.train_dataset.template), _eval_max_new_tokens(cfg)
     longest = max((len(enc(p.prompt)) for probs in data.splits.values() for p in probs), default=0)
     if longest + new > max_positions:
         raise ValueError(f"evaluation needs prompt ({longest}) + max_new_tokens ({new}) = {longest + new} positions: "
@@ -333,7 +334,7 @@ def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> 
     """Decoded completions, ``evaluator.n_samples`` per problem, in problem order."""
     engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed,
                          max_batch_groups=cfg.rollout.max_batch_groups)
-    enc = prompt_encoder(tok)
+    enc = prompt_encoder(tok, cfg.train_dataset.template)
     for i, p in enumerate(problems):
         engine.add_request(_eval_request(cfg, f"eval-{i}", enc(p.prompt)))
     done = {}

@@ -11,7 +11,7 @@ from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig
-from areal_async.data.prompts import load_problems, sft_examples
+from areal_async.data.prompts import keep_short, load_problems, prompt_encoder, sft_examples
 from areal_async.models.tiny import load_model, load_policy
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.trainer.actor import PPOActor
@@ -69,7 +69,10 @@ def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
     """The optional SFT warm-up that makes the initial weights (version 0)."""
     if cfg.sft_warmup.steps == 0:
         return []
-    examples = sft_examples(load_problems(cfg.train_dataset, cfg.seed), tok)
+    d = cfg.train_dataset
+    problems = load_problems(d, cfg.seed)
+    kept = keep_short(problems, prompt_encoder(tok, d.template), d.max_prompt_len).kept
+    examples = sft_examples([problems[i] for i in kept], tok, d.template)
     if not examples:
         raise ValueError("sft_warmup.steps > 0 but the training dataset has no 'answer' fields to imitate")
     return SFTTrainer(model, cfg.sft_warmup, cfg.actor.mb_spec.max_tokens_per_mb, seed=cfg.seed).run(examples)

@@ -15,6 +15,8 @@ from areal_async.config.base import (CpuList, Section, _f, _sub, _unread, above,
                                      within)
 from protocols.channels import CHANNEL_KINDS
 
+TEMPLATES = ("none", "chat", "r1")  # train_dataset.template; data/templates.py renders them
+
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 NORM_LEVELS = ("group", "batch", "none")
@@ -63,7 +65,11 @@ class DatasetConfig(Section):
     type: str = _f("tiny_arith", "'tiny_arith' (generated locally) or 'jsonl' (lines with 'prompt' and 'solutions').")
     path: Optional[str] = _f(None, "jsonl file for type 'jsonl'.")
     batch_size: int = _f(16, "Prompts per trainer step (each expands to gconfig.n_samples samples).")
-    max_prompt_len: int = _f(1024, "Prompts longer than this many tokens are filtered out.")
+    max_prompt_len: int = _f(1024, "Prompts longer than this many tokens (after the template) are filtered out, "
+                                   "in RL, SFT and the warm-up; RL logs the count at start and in summary.json.")
+    template: str = _f("none", "Prompt template for RL, SFT and eval: 'none' ([bos] + prompt), 'chat' (the "
+                               "tokenizer's chat template, one user turn) or 'r1' (chat template of prompt + the "
+                               "seed's 'Please reason step by step...' instruction, then '<think>\\n').")
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
     size: int = _f(2000, "tiny_arith: number of generated problems.")
     max_operand: int = _f(9, "tiny_arith: operands are drawn from 0..max_operand.")
@@ -71,6 +77,7 @@ class DatasetConfig(Section):
 
     def check(self) -> None:
         one_of(self, "type", ("tiny_arith", "jsonl"))
+        one_of(self, "template", TEMPLATES)
         require(self.type != "jsonl" or bool(self.path), "path", self.path, "a jsonl path when type is 'jsonl'")
         at_least(self, "batch_size", 1)
         at_least(self, "max_prompt_len", 1)

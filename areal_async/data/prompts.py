@@ -6,9 +6,9 @@ a seeded permutation epoch after epoch and its whole position is two integers, s
 checkpoint can store it and a resumed run continues with the same next prompt.
 
 The tiny task (``tiny_arith``): ``"3+4="`` -> reference ``"7"``; a correct completion is
-``\\boxed{7}``. Its reward goes through math-verify like any other dataset's. Not covered here:
-tokenizer-dependent prompt templates (chat templates, the seed's "<think>\\n" prefix) beyond the
-plain ``prompt_template`` string.
+``\\boxed{7}``. Its reward goes through math-verify like any other dataset's. Prompt templates
+(``train_dataset.template``: none | chat | r1) live in ``templates.py``; ``prompt_encoder`` applies
+them, for every caller. ``keep_short`` is the seed's ``max_prompt_len`` filter.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_async.config import DatasetConfig
+from areal_async.data.templates import render_prompt_ids, render_prompt_text
 
 
 @dataclass(frozen=True)
@@ -110,14 +111,45 @@ class PromptCursor:
         return cls(n, seed, shuffle, int(state["epoch"]), int(state["position"]))
 
 
-def prompt_encoder(tokenizer):
-    """text -> [bos] + tokens (no other special tokens): how every worker tokenizes a prompt."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return lambda text: bos + tokenizer.encode(text, add_special_tokens=False)
+def prompt_encoder(tokenizer, template: str):
+    """prompt text -> token ids under ``template`` (see templates.py): how RL, SFT and evaluation
+    tokenize a prompt. A template the tokenizer cannot render is refused here, before any prompt."""
+    render_prompt_text(tokenizer, "", template)  # fail now: e.g. 'chat' with a tokenizer that has no template
+    return lambda text: render_prompt_ids(tokenizer, text, template)
 
 
-def sft_examples(problems: list[Problem], tokenizer) -> list[tuple[list[int], list[int]]]:
+@dataclass
+class LengthFilter:
+    """What ``keep_short`` kept: indices into the problem list, and the longest prompt dropped."""
+
+    kept: list[int]
+    n_total: int
+    max_prompt_len: int
+    longest_dropped: int = 0
+
+    @property
+    def n_dropped(self) -> int:
+        return self.n_total - len(self.kept)
+
+    def describe(self) -> str:
+        return (f"{self.n_total} prompts, {self.n_dropped} longer than max_prompt_len={self.max_prompt_len} tokens "
+                f"filtered out (longest {self.longest_dropped}), {len(self.kept)} kept")
+
+
+def keep_short(problems: list[Problem], encode, max_prompt_len: int) -> LengthFilter:
+    """The seed's filter: problems whose encoded prompt has at most ``max_prompt_len`` tokens.
+    Raises ``ValueError`` when none is left (naming the limit and the shortest prompt)."""
+    lengths = [len(encode(p.prompt)) for p in problems]
+    kept = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
+    if not kept:
+        raise ValueError(f"train_dataset.max_prompt_len={max_prompt_len}: every one of the {len(problems)} prompts "
+                         f"is longer (shortest {min(lengths, default=0)} tokens after the template)")
+    dropped = [n for n in lengths if n > max_prompt_len]
+    return LengthFilter(kept, len(problems), max_prompt_len, max(dropped, default=0))
+
+
+def sft_examples(problems: list[Problem], tokenizer, template: str) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, answer ids + eos) for every problem that has an answer (SFT and warm-up)."""
-    enc = prompt_encoder(tokenizer)
+    enc = prompt_encoder(tokenizer, template)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return [(enc(p.prompt), tokenizer.encode(p.answer, add_special_tokens=False) + eos) for p in problems if p.answer]

@@ -9,8 +9,10 @@ Unknown characters encode to ``<unk>`` (id 3) rather than raising: the tokenizer
 same after ``AutoTokenizer`` reloads it, and a reloaded ``tokenizers`` WordLevel model can only
 map unknowns to an unk token. Use :func:`check_encodable` where an error is wanted instead.
 
-Not covered: merges/BPE, chat templates. ``encode`` adds no special tokens; callers that want a
-``<bos>`` prefix or an ``<eos>`` suffix add them explicitly.
+A minimal chat template (``CHAT_TEMPLATE``: ``<bos>User: ...\\nAssistant: ...<eos>\\n``, in the
+alphabet) lets ``train_dataset.template`` chat / r1 run on the embedded model; it survives
+``save_pretrained``. Not covered: merges/BPE. ``encode`` adds no special tokens; callers that want
+a ``<bos>`` prefix or an ``<eos>`` suffix add them explicitly.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 DEFAULT_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}Assistant: "
+                 "{{ m['content'] }}{{ eos_token }}\n{% else %}User: {{ m['content'] }}\n{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}Assistant: {% endif %}")
 
 
 def _vocab(alphabet: str) -> dict[str, int]:
@@ -46,6 +51,7 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
         tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
         clean_up_tokenization_spaces=False,  # " ." must decode to " .", not "."
         padding_side="left",  # generation batches are left-padded
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -27,7 +27,7 @@ from protocols.messages import (BatchPlan, CheckpointRequest, Error, Heartbeat, 
 from protocols.sockets import make_socket, recv_message, send_message
 
 from areal_async.config import ExperimentConfig
-from areal_async.data.prompts import PromptCursor, load_problems
+from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
 from areal_async.base.endpoints import Endpoints
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.runlog import RunLog
@@ -35,8 +35,12 @@ from areal_async.scheduler.runlog import RunLog
 log = logging.getLogger("areal_async.scheduler")
 
 
-def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> SchedulerCore:
+def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[SchedulerCore, LengthFilter]:
+    """The core over the problems within ``train_dataset.max_prompt_len`` (counted and logged here, at start)."""
     problems = load_problems(cfg.train_dataset, cfg.seed)
+    lengths = keep_short(problems, tokenize, cfg.train_dataset.max_prompt_len)
+    log.info("train_dataset: %s", lengths.describe())
+    problems = [problems[i] for i in lengths.kept]
     encoded = {}
 
     def problem(idx: int):
@@ -51,7 +55,7 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> SchedulerCore
         gen=dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, greedy=g.greedy,
                  stop_token_ids=list(g.stop_token_ids)))
     cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
-    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample)
+    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
 
 
 _SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward",),
@@ -76,7 +80,7 @@ class SchedulerService:
             cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
             log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
         self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file)
-        self.core = build_core(cfg, tokenize, self.runlog)
+        self.core, self.prompts = build_core(cfg, tokenize, self.runlog)
         if ckpt_state is not None:
             self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
             recovered = self.core.restore(ckpt_state)
@@ -284,6 +288,7 @@ class SchedulerService:
         summary = {"steps": self.core.next_step, "version": self.core.version, "samples_issued": c["issued"],
                    "samples_trained": c["trained"], "samples_aborted": c["aborted"],
                    "samples_lost": c["issued"] - self.runlog.n_sample_lines, "aborted_at_end": len(aborted),
+                   "prompts_total": self.prompts.n_total, "prompts_filtered_long": self.prompts.n_dropped,
                    "wall_s": time.time() - self.t0}
         self.runlog.summary(summary)
         log.info("run finished: %s", summary)
