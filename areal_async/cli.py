@@ -3,6 +3,7 @@
     areal-async run CONFIG [--run-dir DIR] [--dry-run] [--no-progress] [key=value ...]
     areal-async sft CONFIG [--run-dir DIR] [key=value ...]
     areal-async knobs                      # every config key with its help text
+    areal-async data prepare INPUT -o OUTPUT [--format auto|boba|gsm8k|math] [--skip-bad]
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. Nothing here imports torch except
@@ -32,7 +33,41 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
         s.add_argument("--no-progress", action="store_true", help="no live progress line")
     sub.add_parser("knobs", help="list every config key with its help")
+    _data_parser(sub)
     return p
+
+
+def _data_parser(sub) -> None:
+    d = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_cmd", required=True)
+    prep = d.add_parser("prepare", help="convert boba / GSM8K / MATH jsonl into the training jsonl")
+    prep.add_argument("input", help="source jsonl")
+    prep.add_argument("-o", "--output", required=True, help="training jsonl to write")
+    prep.add_argument("--format", default="auto", choices=("auto", "boba", "gsm8k", "math"),
+                      help="input format (auto: each line by its keys)")
+    prep.add_argument("--skip-bad", action="store_true", help="write the good lines and count the bad ones")
+
+
+def _data_prepare(args) -> int:
+    from areal_async.app.data_prepare import prepare
+
+    try:
+        report = prepare(args.input, args.output, args.format, args.skip_bad)
+    except (ValueError, OSError) as e:
+        print(f"areal-async data prepare: error: {e}", file=sys.stderr)
+        return 2
+    print(f"data prepare: {report.describe()} -> {args.output}")
+    for err in report.errors:
+        print(f"  skipped {err}", file=sys.stderr)
+    return 0
+
+
+NO_CONFIG = {"knobs": lambda args: _knobs(), "data": lambda args: _data_prepare(args)}
+
+
+def _knobs() -> int:
+    for key, text in describe():
+        print(f"{key:45s} {text}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
-        if args.cmd == "knobs":
-            parser.error(f"'knobs' takes no overrides, got {' '.join(extra)}")
+        if not hasattr(args, "overrides"):
+            parser.error(f"'{args.cmd}' takes no overrides, got {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
-    if args.cmd == "knobs":
-        for key, text in describe():
-            print(f"{key:45s} {text}")
-        return 0
+    if args.cmd in NO_CONFIG:
+        return NO_CONFIG[args.cmd](args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

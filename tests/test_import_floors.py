@@ -29,6 +29,7 @@ FLOORS: dict[int, tuple[str, ...]] = {
 LAZY: dict[tuple[str, str], str] = {
     ("areal_async.cli", "areal_async.app.sft"):
         "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
+    ("areal_async.cli", "areal_async.app.data_prepare"): "math-verify: `run`, `knobs` and `--help` never need it",
     **{(f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
        for r in ("scheduler", "reward", "rollout", "trainer")},
 }
