@@ -116,7 +116,8 @@ async def test_rl_issues_r1_ids_to_the_engine_and_filters_a_long_prompt(tmp_path
     with caplog.at_level(logging.INFO, logger="areal_async.scheduler"):
         svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0,
                                tokenize=prompt_encoder(build_char_tokenizer(), cfg.train_dataset.template))
-    assert (svc.prompts.n_total, svc.prompts.n_dropped, svc.prompts.longest_dropped) == (2, 1, short_len - 4 + 82)  # "3+4=" -> 82 chars
+    longest = short_len - len("3+4=") + len(long_prompt)
+    assert (svc.prompts.n_total, svc.prompts.n_dropped, svc.prompts.longest_dropped) == (2, 1, longest)
     assert any("2 prompts, 1 longer than max_prompt_len" in r.getMessage() for r in caplog.records)
     task = asyncio.create_task(svc.run())
     ctx = zmq.asyncio.Context()
