@@ -47,6 +47,15 @@ print(*totals, flush=True)
 sys.stdin.read()
 """
 
+# Idles as "-c ..." until told, then execs itself into a process named by --worker-id (what a worker
+# does right after the supervisor forks it, when a sampler may already have seen it).
+EXECS_LATER = """
+import os, sys
+print("ready", flush=True)
+sys.stdin.readline()
+os.execv(sys.executable, [sys.executable, "-c", "import sys; sys.stdin.read()", "--worker-id", "late"])
+"""
+
 TICK = 1 / cpu.CLK_TCK
 
 
@@ -106,6 +115,23 @@ def test_a_role_keeps_the_cpu_of_its_exited_processes():
     assert pool[-1] == pytest.approx(first + second, abs=6 * TICK + 0.04)
 
 
+def test_a_process_is_named_by_its_current_command_line():
+    proc = _start(EXECS_LATER)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        sampler = cpu.TreeCPU(proc.pid, progress=lambda: 0)
+        assert set(sampler.sample()) == {"other"}
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 20
+        while cpu.fleet_role(proc.pid) != "late" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(sampler.sample()) == {"late"}  # not counted under the name it had before exec
+    finally:
+        _finish(proc)
+    assert cpu.fleet_role(proc.pid) is None
+
+
 def test_machine_busy_time_covers_a_busy_child():
     b0 = cpu.cpu_busy_s()
     proc = _start(BURNER, "0.3")
@@ -125,5 +151,7 @@ def test_cpu_per_step_over_the_steady_window():
                (13, {"trainer": 13.7})]  # the rollout worker exited: its last reading is lost
     got = cpu.cpu_per_step(samples, skip=2)
     assert got == pytest.approx({"trainer": 0.36, "rollout-0": 0.1})
+    shutdown = samples[:4] + [(13, {"trainer": 15.0, "rollout-0": 2.5})]  # CPU after the last step
+    assert cpu.cpu_per_step(shutdown, skip=2) == pytest.approx({"trainer": 0.36, "rollout-0": 0.1})
     assert cpu.cpu_per_step(samples[:1], skip=2) == {}  # never reached the window
     assert cpu.cpu_per_step([(3, {"trainer": 1.0})], skip=2) == {}  # one sample: no interval

@@ -50,14 +50,16 @@ def tree_cpu(root: int) -> dict[int, float]:
     return out
 
 
-def fleet_role(pid: int) -> str:
+def fleet_role(pid: int) -> Optional[str]:
     """An areal-async process's role from its command line: its --worker-id, reward-pool, supervisor
-    (or "other", "unknown" when it is gone)."""
+    or "other"; None when there is no command line to read (gone, or a zombie)."""
     try:
         with open(f"/proc/{pid}/cmdline") as f:
             argv = f.read().split("\0")
     except OSError:
-        return "unknown"
+        return None
+    if argv == [""]:
+        return None
     if "--worker-id" in argv[:-1]:
         return argv[argv.index("--worker-id") + 1]
     if "areal_async.reward._child" in argv:
@@ -80,11 +82,11 @@ class TreeCPU(threading.Thread):
     exited keeps its last reading (up to period_s of its final CPU is missed)."""
 
     def __init__(self, root_pid: int, progress: Callable[[], int], period_s: float = 0.5,
-                 role: Callable[[int], str] = fleet_role):
+                 role: Callable[[int], Optional[str]] = fleet_role):
         super().__init__(name="tree-cpu", daemon=True)
         self.root, self.progress, self.period_s, self.role_of = root_pid, progress, period_s, role
         self.samples: list[tuple[int, dict[str, float]]] = []
-        self.roles: dict[int, str] = {}  # pid -> role, named at first sight (a zombie has no cmdline)
+        self.roles: dict[int, str] = {}  # pid -> role at its last readable command line
         self.last: dict[int, float] = {}  # pid -> CPU seconds at its last reading
         self.done = threading.Event()
 
@@ -97,7 +99,9 @@ class TreeCPU(threading.Thread):
         last reading, so a role's sum never drops when one of its processes is replaced."""
         for pid, cpu in tree_cpu(self.root).items():
             self.last[pid] = cpu
-            self.roles.setdefault(pid, self.role_of(pid))
+            # read again each time: a child caught between fork and exec still shows its parent's command line
+            role = self.role_of(pid)
+            self.roles[pid] = role or self.roles.get(pid, "unknown")
         per_role: dict[str, float] = {}
         for pid, cpu in self.last.items():
             per_role[self.roles[pid]] = per_role.get(self.roles[pid], 0.0) + cpu
@@ -111,13 +115,15 @@ class TreeCPU(threading.Thread):
 def cpu_per_step(samples: list[tuple[int, dict[str, float]]], skip: int) -> dict[str, float]:
     """CPU seconds per step by role over the steady window, from (steps done, {role: cpu s}) samples.
 
-    From the first sample past step `skip` to the last one in which every role of that first
-    sample is still present (a worker that exited loses its final reading)."""
+    From the first sample past step `skip` to the first one that reached the last step count, among
+    those in which every role of that first sample is present: CPU spent after the last step (shutdown)
+    is not a step's, and a role that vanished from the samples cannot be compared."""
     start = next((i for i, (n, _) in enumerate(samples) if n >= skip + 1), None)
     if start is None:
         return {}
     n0, c0 = samples[start]
-    end = max((i for i in range(start, len(samples)) if set(c0) <= set(samples[i][1])), default=start)
+    whole = [i for i in range(start, len(samples)) if set(c0) <= set(samples[i][1])]
+    end = next(i for i in whole if samples[i][0] >= samples[whole[-1]][0])
     n1, c1 = samples[end]
     if n1 <= n0:
         return {}
