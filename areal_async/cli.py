@@ -4,6 +4,7 @@
     areal-async sft CONFIG [--run-dir DIR] [key=value ...]
     areal-async knobs                      # every config key with its help text
     areal-async data prepare INPUT -o OUTPUT [--format auto|boba|gsm8k|math] [--skip-bad]
+    areal-async check-plugin module:obj [--kind auto|reward|workflow] [--timeout-s S]
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. Nothing here imports torch except
@@ -14,6 +15,7 @@ supervisor of ``run`` stay fast.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--no-progress", action="store_true", help="no live progress line")
     sub.add_parser("knobs", help="list every config key with its help")
     _data_parser(sub)
+    _add_check_plugin(sub)
     return p
 
 
@@ -61,13 +64,32 @@ def _data_prepare(args) -> int:
     return 0
 
 
-NO_CONFIG = {"knobs": lambda args: _knobs(), "data": lambda args: _data_prepare(args)}
+NO_CONFIG = {"knobs": lambda args: _knobs(), "data": lambda args: _data_prepare(args),
+             "check-plugin": lambda args: _check_plugin(args)}
 
 
 def _knobs() -> int:
     for key, text in describe():
         print(f"{key:45s} {text}")
     return 0
+
+
+def _add_check_plugin(sub) -> None:
+    s = sub.add_parser("check-plugin", help="contract-test a plug-in (reward fn or rollout workflow) by dotted path")
+    s.add_argument("plugin", help="dotted path, e.g. my_pkg.rewards:score or my_pkg.flows:MyWorkflow")
+    s.add_argument("--kind", default="auto", choices=("auto", "reward", "workflow"),
+                   help="what the plug-in is (auto: a class is a workflow, anything else a reward fn)")
+    s.add_argument("--timeout-s", type=float, default=5.0, help="a sample run longer than this is killed")
+
+
+def _check_plugin(args) -> int:
+    """Exit 0 and an 'ok' line for a plug-in that keeps its contract; else exit 1 and what is wrong."""
+    from areal_async.app.check_plugin import check_plugin
+
+    logging.disable(logging.WARNING)  # the pool's own log lines would repeat the verdict
+    verdict = check_plugin(args.plugin, args.kind, args.timeout_s)
+    print(f"areal-async check-plugin: {verdict.message}", file=sys.stdout if verdict.ok else sys.stderr)
+    return 0 if verdict.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

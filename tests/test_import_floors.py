@@ -18,18 +18,26 @@ FLOORS: dict[int, tuple[str, ...]] = {
     0: ("protocols",),  # wire messages, tensor frames, socket patterns
     1: ("areal_async.base",),  # control client, endpoints, cpu lists, worker process settings, plug-ins
     2: ("areal_async.config",),  # the dataclass configs, loading, overrides
-    3: ("areal_async.data", "areal_async.models", "areal_async.transport"),  # libraries the roles share
+    3: ("areal_async.data", "areal_async.models", "areal_async.transport", "areal_async.workflows"),  # shared by roles
     4: ("areal_async.scheduler", "areal_async.rollout", "areal_async.reward", "areal_async.trainer"),  # roles
     5: ("areal_async.supervisor", "areal_async.app"),  # launchers; the wiring of each process, sft
-    6: ("areal_async.cli", "workers"),  # the command line; process entry points
+    6: ("areal_async.cli", "areal_async.api", "workers"),  # the command line, the Python API; process entry points
     7: ("benchmarks",),
 }
+
+# Package roots that re-export from upstairs (their __init__ imports lazily, on attribute access).
+FACADES: dict[str, int] = {"areal_async": 7}  # ``areal_async.Fleet`` / ``load_config``: the Python API
 
 # (importer, imported) -> why the import must stay inside a function.
 LAZY: dict[tuple[str, str], str] = {
     ("areal_async.cli", "areal_async.app.sft"):
         "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
     ("areal_async.cli", "areal_async.app.data_prepare"): "math-verify: `run`, `knobs` and `--help` never need it",
+    ("areal_async.cli", "areal_async.app.check_plugin"): "its reward pool and workflow checks load only for "
+                                                         "check-plugin",
+    ("areal_async", "areal_async.api"): "the package root re-exports Fleet on first use: a submodule import "
+                                        "(a reward child) must not load the API",
+    ("areal_async", "areal_async.config"): "the package root re-exports load_config on first use (as above)",
     **{(f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
        for r in ("scheduler", "reward", "rollout", "trainer")},
 }
@@ -42,6 +50,8 @@ def room_of(module: str) -> tuple[int, str]:
         for room in rooms:
             if (module == room or module.startswith(room + ".")) and (best is None or len(room) > len(best[1])):
                 best = (floor, room)
+    if best is None and module in FACADES:
+        return FACADES[module], module
     if best is None and module in PACKAGES:
         return 0, module  # a package root (its __init__ is empty)
     if best is None:
