@@ -33,8 +33,8 @@ def test_fleet_runs_streams_and_writes_the_cli_summary(tmp_path):
     assert summary == on_disk and summary["steps"] == 4 and summary["samples_lost"] == 0
     assert summary["samples_trained"] == 4 * 4 * 4
     # the CLI inside the fleet printed the same summary when it finished
-    done = [ln for ln in (tmp_path / "run" / "fleet.log").read_text().splitlines() if "] done: " in ln]
-    assert json.loads(done[-1].split("] done: ", 1)[1]) == summary
+    printed = (tmp_path / "run" / "fleet.log").read_text().rsplit("] done: ", 1)[1]
+    assert json.loads(printed) == summary
 
 
 @pytest.mark.slow
