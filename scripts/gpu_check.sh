@@ -6,6 +6,8 @@
 #   2. pytest -m gpu tests/gpu           (D2D bound, NCCL loopback, NCCL 2 ranks if 2 GPUs, CUDA IPC)
 #   3. transfer_latency --device cuda    (cuda_ipc rows; nccl rows need 2 GPUs; D2D copy bound)
 #   4. scale_model --from that JSON      (alpha/beta fitted from the GPU rows)
+#   (tests/gpu also holds the SGLang client against a real sglang.launch_server: a tiny Qwen2 built
+#    locally, weights over a group and from disk with their weight_version, an interrupted sample)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench_out}
@@ -28,7 +30,7 @@ except ImportError as e:
     print("cupy not importable:", e, "(NCCL checks will be skipped)")
 PYEOF
 
-timeout 180 $PY -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+timeout 300 $PY -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 
 timeout 150 $PY -m benchmarks.transfer_latency --device cuda --quick --json "$OUT/transfer_gpu.json" \
     --plot "$OUT/transfer_gpu.png" 2>&1 | tr '\r' '\n' | grep -v "case/s\|s/case" | tee "$OUT/transfer_gpu.log" || status=1
