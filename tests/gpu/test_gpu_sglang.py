@@ -44,8 +44,8 @@ def served(tmp_path_factory):
     save_policy(build_model(MODEL, len(tok), 0), tok, path)
     port = free_tcp_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(path),
-                             "--port", str(port), "--dtype", "float32", "--mem-fraction-static", "0.2", "--disable-cuda-graph",
-                             "--random-seed", "0"], env=dict(os.environ))
+                             "--port", str(port), "--dtype", "float32", "--mem-fraction-static", "0.2",
+                             "--disable-cuda-graph", "--random-seed", "0"], env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     try:
         SGLangClient(url, name="gpu-probe").wait_ready(600)
