@@ -110,6 +110,28 @@ def test_interrupted_samples_carry_two_versions_and_new_tokens_match_the_new_wei
         assert engine.resubmitted >= len(mixed)
 
 
+def test_in_place_pause_keeps_the_old_kv_cache_as_sglang_does(server):
+    """in_place (selectable, not the default): running requests resume on KV computed by the old
+    weights, so their new-version tokens do NOT match a recomputation under the new weights."""
+    a, b = policy(41), policy(42)
+    engine = RemoteEngine([SGLangClient(server, name="t-inplace", pause_mode="in_place")])
+    prompt = TOK.encode("7+8=")
+    for attempt in range(4):
+        engine.update_weights(2 * attempt, a.state_dict())
+        engine.add_request(GenRequest(f"p{attempt}", prompt, 16, 48))
+        engine.step()
+        time.sleep(0.05 * (attempt + 1))
+        engine.update_weights(2 * attempt + 1, b.state_dict())
+        mixed = [s for s in run_all(engine)[f"p{attempt}"].samples if len(set(s.versions)) == 2]
+        if mixed:
+            break
+    assert mixed, "no sample was interrupted mid-generation in 4 tries"
+    for s in mixed:
+        k = s.versions.index(2 * attempt + 1)
+        stale = torch.tensor(s.logprobs[k:]) - torch.tensor(logprobs_under(b, prompt, s.output_ids)[k:])
+        assert stale.abs().max() > 1e-2
+
+
 def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights(tmp_path):
     """SIGKILL one of two servers mid-generation: its samples finish on the other; the server,
     started again on the same port, is revived with the newest weights over a new group."""
