@@ -44,7 +44,7 @@ CONFIG = ROOT / "configs" / "tiny_arith.yaml"
 
 
 def requests(cfg, tok, groups: int, tag: str) -> list[GenRequest]:
-    enc = prompt_encoder(tok)
+    enc = prompt_encoder(tok, cfg.train_dataset.template)
     problems = load_problems(cfg.train_dataset, cfg.seed)
     g = cfg.gconfig
     return [GenRequest(f"{tag}-{i}", enc(problems[i % len(problems)].prompt), g.n_samples, g.max_new_tokens,
