@@ -12,7 +12,7 @@ here against the pinned release's own schema::
 
 Weights (``weight_sync="distributed"``): this process is rank 0 of a group with the server
 (``weight_group.init_custom_group``; the server joins through ``POST /init_weights_update_group``
-with ``rank_offset`` 1, world size 2, a group name unique per worker, server and epoch). Per
+with ``rank_offset`` 1, world size 2, a group name unique per worker, process, server and epoch). Per
 bucket, ``POST /update_weights_from_distributed`` (names, dtypes, shapes, ``load_format:
 "flattened_bucket"``, ``flush_cache``; ``weight_version`` on the last bucket only, so the server's
 version moves once the whole set is in) runs on a helper thread while this thread broadcasts
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -174,7 +175,7 @@ class SGLangClient(ServerClient):
 
     def _init_group(self) -> None:
         port = free_tcp_port(self.group_host)
-        self.group_name = f"areal-{self.name}-{next(_EPOCHS)}"
+        self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}"  # a restarted worker's are new names
         with _Background(self._call, "POST", "/init_weights_update_group", self.init_body(port),
                          self.update_timeout_s) as req:
             try:
