@@ -13,7 +13,7 @@ def main(argv=None) -> int:
     a = worker_args("trainer", argv)
     from areal_async.app.trainer_worker import build_trainer  # after pinning: see workers/_main.py
 
-    return run_worker(a.worker_id, lambda: build_trainer(a.run_dir, a.worker_id))
+    return run_worker(a.worker_id, lambda: build_trainer(a.run_dir, a.worker_id, a.index))
 
 
 if __name__ == "__main__":

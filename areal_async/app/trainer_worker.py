@@ -1,10 +1,17 @@
 """The trainer worker, built from the run directory: policy (resumed, or built + SFT warm-up), PPO
-actor, tensor channels, checkpointer."""
+actor, tensor channels, checkpointer.
+
+With ``cluster.n_trainer_ranks`` = K > 1 (or a model dtype other than float32: mixed precision
+needs FSDP2 even on one rank) every rank joins the trainer group, rank 0 alone runs the SFT
+warm-up and broadcasts the weights, and each rank shards the policy (float32 master weights,
+compute in ``model.dtype``). Rank 0 is the ``TrainerService``; ranks 1..K-1 are ``FollowerRank``.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import zmq.asyncio
 
 from areal_async.app.channels import trajectory_channel, weight_channel
@@ -12,53 +19,103 @@ from areal_async.app.wiring import control_client, load_run
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import keep_short, load_problems, prompt_encoder, sft_examples
-from areal_async.models.tiny import load_model, load_policy
+from areal_async.models.tiny import load_model, load_policy, to_dtype
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import prune
+from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, init_data_parallel
 from areal_async.trainer.packing import select_attn_implementation
-from areal_async.trainer.service import TrainerService
+from areal_async.trainer.service import FollowerRank, TrainerService
+from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
 from areal_async.trainer.sft import SFTTrainer
 
 
-def build_trainer(run_dir: str | Path, worker_id: str) -> TrainerService:
+def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
     cfg, ep = load_run(run_dir)
     set_torch_threads(cfg.cluster.torch_threads)
     resume = ep.extra.get("resume_from")
-    model, tok, ckpt = _trainer_policy(cfg, resume)
+    dtype = to_dtype(cfg.model.dtype)
+    dp = _join_ranks(cfg, ep.extra.get("trainer_store", ""), rank, dtype)
+    sharded = dp.active or dtype != torch.float32
+    model, tok, ckpt = _trainer_policy(cfg, resume, rank, sharded)
+    if dp.active and ckpt is None:
+        broadcast_module(model)  # the warm-up ran on rank 0 only
     # packed training: per-sequence attention (flash-attn varlen on CUDA) instead of a dense mask
     model.set_attn_implementation(select_attn_implementation(cfg.cluster.device))
     actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
-                     total_steps=cfg.total_train_steps, device=cfg.cluster.device)
+                     total_steps=cfg.total_train_steps, device=cfg.cluster.device, dp=dp,
+                     compute_dtype=dtype if sharded else None, ref_model=lambda: _reference(cfg))
     start_step = start_version = 0
     if ckpt is not None:
+        if has_shards(ckpt["path"]):
+            load_shards(ckpt["path"], actor.model, actor.optimizer)
         actor.load_state_dict(ckpt["actor_state"])
         start_step, start_version = ckpt["step"] + 1, ckpt["version"]
+    bucket_bytes = int(cfg.tensor_channel.bucket_mb * (1 << 20))
+    write_shards = _shard_writer(actor, dtype)
+    if rank > 0:
+        return FollowerRank(actor, write_shards, dtype, bucket_bytes)
     ctx = zmq.asyncio.Context()
     traj = trajectory_channel(cfg, ep, "receiver", rank=0)
     weights = weight_channel(cfg, ep, "publisher", rank=0)
     return TrainerService(control_client(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights,
-                          checkpointer=_checkpointer(cfg, run_dir, actor, tok), start_step=start_step,
-                          start_version=start_version)
+                          checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards), start_step=start_step,
+                          start_version=start_version, publish_dtype=dtype, bucket_bytes=bucket_bytes)
 
 
-def _trainer_policy(cfg: ExperimentConfig, resume: str | None):
-    """(model, tokenizer, checkpoint or None): from the checkpoint when resuming, else built +
-    SFT warm-up (the warm-up makes version 0 and is not repeated on resume)."""
+def _join_ranks(cfg: ExperimentConfig, store: str, rank: int, dtype: torch.dtype) -> DataParallel:
+    """This process's trainer rank; a process group only where FSDP2 runs (K > 1 or mixed precision)."""
+    world = cfg.cluster.n_trainer_ranks
+    if world == 1 and dtype == torch.float32:
+        return DataParallel.single()
+    if not store:
+        raise ValueError("endpoints.json has no 'trainer_store'; expected the supervisor to plan one for "
+                         f"cluster.n_trainer_ranks={world}")
+    return init_data_parallel(rank, world, store, "nccl" if cfg.cluster.device == "cuda" else "gloo")
+
+
+def _trainer_policy(cfg: ExperimentConfig, resume: str | None, rank: int, sharded: bool):
+    """(model, tokenizer, checkpoint or None): from the checkpoint when resuming (its DCP shards,
+    when present, replace these weights later), else built + SFT warm-up on rank 0 (the warm-up
+    makes version 0 and is not repeated on resume). Sharded: float32, the master weights' dtype."""
     if not resume:
         model, tok = load_policy(cfg.model, cfg.seed)
-        warmup(cfg, model, tok)
+        if rank == 0:
+            warmup(cfg, model, tok)
         return model, tok, None
     ckpt = load_checkpoint(resume, restore_rng=True)
-    return load_model(resume, cfg.model.dtype), load_tokenizer(resume), ckpt
+    return load_model(resume, "float32" if sharded else cfg.model.dtype), load_tokenizer(resume), ckpt
 
 
-def _checkpointer(cfg: ExperimentConfig, run_dir: str | Path, actor, tok):
+def _reference(cfg: ExperimentConfig) -> torch.nn.Module:
+    """The frozen reference policy of the KL penalty (``ref.path``, else the initial policy)."""
+    if cfg.ref.path:
+        return load_model(cfg.ref.path, cfg.ref.dtype)
+    return load_policy(cfg.model, cfg.seed)[0].to(to_dtype(cfg.ref.dtype))
+
+
+def _shard_writer(actor: PPOActor, dtype: torch.dtype):
+    """What every rank writes into a checkpoint directory: its DCP shards, then the HF export
+    (gathered; rank 0 writes it in the publish dtype)."""
+
+    def write(path: str | Path) -> None:
+        save_shards(path, actor.model, actor.optimizer)
+        export_full(path, actor.model, dtype, actor.dp.rank)
+
+    return write
+
+
+def _checkpointer(cfg: ExperimentConfig, run_dir: str | Path, actor: PPOActor, tok, write_shards):
     root = Path(run_dir) / "checkpoints"
 
     def save(step: int, version: int, state: dict) -> Path:
-        path = save_checkpoint(root, step, version, actor.model, tok, actor.state_dict(), extra=state)
+        def write_model(tmp: Path) -> None:
+            actor.dp.command(CMD_SAVE, step, str(tmp))  # the other ranks write their shards there too
+            write_shards(tmp)
+
+        path = save_checkpoint(root, step, version, actor.model, tok, actor.state_dict(with_optimizer=False),
+                               extra=state, write_model=write_model)
         prune(root, cfg.saver.keep_last)
         return path
 

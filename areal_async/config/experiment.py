@@ -34,9 +34,9 @@ class SFTWarmupConfig(Section):
 class RefConfig(Section):
     """The frozen reference policy of the KL penalty (the seed's ``ref``); loaded only when actor.kl_ctl > 0."""
 
-    path: Optional[str] = _unread(None, "Local HF directory of the reference model; None = the initial policy "
-                                        "(model.path or the built tiny model).", UNREAD_BY_REF)
-    dtype: str = _unread("float32", "Reference model dtype: float32 | bfloat16 | float16.", UNREAD_BY_REF)
+    path: Optional[str] = _f(None, "Local HF directory of the reference model; None = the initial policy "
+                                   "(model.path or the built tiny model, before any SFT warm-up).")
+    dtype: str = _f("float32", "Reference model dtype: float32 | bfloat16 | float16.")
     mb_spec: MicroBatchSpec = _sub(MicroBatchSpec, "Micro-batch packing of the reference forward passes.",
                                    unread_by=UNREAD_BY_REF)
 

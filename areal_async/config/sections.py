@@ -288,10 +288,12 @@ class ClusterConfig(Section):
     torch_threads: int = _f(1, "torch intra-op threads per worker process.")
     cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
     device: str = _f("cpu", "cpu | cuda.")
-    n_nodes: int = _unread(1, "Machines in the fleet (the seed: one node); checked against rollout.backend's dN.",
-                           UNREAD_BY_TRAINER)
-    n_gpus_per_node: int = _unread(8, "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel "
-                                      "degree dN.", UNREAD_BY_TRAINER)
+    n_nodes: int = _f(1, "Machines in the fleet (the seed: one node); placement hands out their GPUs node by node.")
+    n_gpus_per_node: int = _f(8, "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel degree "
+                                 "dN and the placement (supervisor/placement.py).")
+    n_trainer_ranks: int = _f(1, "Data-parallel trainer processes: FSDP2 over gloo (cpu) / NCCL (cuda, one GPU each), "
+                                 "the batch split by tokens, one global loss normalisation; rank 0 talks to the "
+                                 "scheduler and publishes the weights.")
 
     def check(self) -> None:
         at_least(self, "n_rollout_workers", 1)
@@ -306,6 +308,7 @@ class ClusterConfig(Section):
         one_of(self, "device", ("cpu", "cuda"))
         at_least(self, "n_nodes", 1)
         at_least(self, "n_gpus_per_node", 1)
+        at_least(self, "n_trainer_ranks", 1)
 
 
 @dataclass

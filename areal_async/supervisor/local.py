@@ -35,6 +35,9 @@ from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import plan_endpoints
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.supervisor.servers import SERVER_ROLE, launch_blocker, plan_server_addresses, server_commands
+from areal_async.supervisor.placement import (PlacementError, Slot, check_gpus_present, local_gpu_count, place,
+                                              shape_of, trainer_names)
+from protocols.sockets import free_tcp_port
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 GRACE_S = 5.0
@@ -51,6 +54,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     cmd: list = field(default_factory=list)
+    env: Optional[dict] = None  # its environment (devices included), reused by a restart
     restarts: int = 0
 
     @property
@@ -81,11 +85,28 @@ def check_placement(cfg: ExperimentConfig) -> None:
                 raise LaunchError(str(e)) from None
 
 
+def device_placement(cfg: ExperimentConfig, gpus_here: Optional[int] = None) -> dict[str, Slot]:
+    """Every process's devices (supervisor/placement.py); LaunchError before anything starts when
+    the cluster or this machine (node 0, the local launcher's) has fewer GPUs than asked."""
+    try:
+        placement = place(shape_of(cfg))
+        if cfg.cluster.device == "cuda":
+            check_gpus_present(placement, 0, local_gpu_count() if gpus_here is None else gpus_here)
+    except PlacementError as e:
+        raise LaunchError(str(e)) from None
+    return placement
+
+
+def device_env(cfg: ExperimentConfig, slot: Optional[Slot]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES / LOCAL_RANK of a process on GPU runs; nothing on CPU runs."""
+    return slot.env() if slot is not None and cfg.cluster.device == "cuda" else {}
+
+
 def worker_specs(cfg: ExperimentConfig) -> list[tuple[str, str, int]]:
     """(worker id, module, index) in start order."""
     specs = [("scheduler", "workers.scheduler", 0)]
     specs += [(f"reward-{i}", "workers.reward", i) for i in range(cfg.cluster.n_reward_workers)]
-    specs += [("trainer", "workers.trainer", 0)]
+    specs += [(w, "workers.trainer", r) for r, w in enumerate(trainer_names(cfg.cluster.n_trainer_ranks))]
     specs += [(f"rollout-{i}", "workers.rollout", i) for i in range(cfg.cluster.n_rollout_workers)]
     return specs
 
@@ -95,6 +116,7 @@ class LocalSupervisor:
         self.cfg, self.run_dir = cfg, Path(run_dir).resolve()
         self.progress = cfg.stats_logger.progress if progress is None else progress
         self.children: list[Child] = []
+        self.placement: dict[str, Slot] = {}  # worker id -> devices, set by prepare()
         self.t0 = time.time()
         self._signal: Optional[int] = None
         self._run_end_seen: Optional[float] = None  # when the scheduler was first seen exited 0
@@ -104,6 +126,7 @@ class LocalSupervisor:
         check_placement(self.cfg)
         if why := launch_blocker(self.cfg):
             raise LaunchError(why)
+        self.placement = device_placement(self.cfg)
         resume = self.resume_point()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
@@ -111,6 +134,8 @@ class LocalSupervisor:
                                         self.cfg.cluster.control)
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)
+        host = self.cfg.cluster.host
+        self.endpoints.extra["trainer_store"] = f"{host}:{free_tcp_port(host)}"  # the trainer ranks' group
         self.endpoints.save(self.run_dir)
         if resume:
             print(f"[areal-async] resuming from {resume}")
@@ -136,7 +161,8 @@ class LocalSupervisor:
                    "--index", str(idx)]
             if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
-            self.children.append(Child(wid, self._spawn(cmd, log_path, env), log_path, cmd))
+            child_env = env | device_env(self.cfg, self.placement.get(wid))
+            self.children.append(Child(wid, self._spawn(cmd, log_path, child_env), log_path, cmd, env=child_env))
         self._env = env
         self._write_pids()
 
@@ -167,6 +193,7 @@ class LocalSupervisor:
 
     def _write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children} | {"supervisor": os.getpid()}
+        pids["placement"] = {name: slot.as_dict() for name, slot in self.placement.items()}
         tmp = self.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(pids, indent=2))
         tmp.replace(self.run_dir / "pids.json")
@@ -237,7 +264,7 @@ class LocalSupervisor:
             print("  | " + line, file=sys.stderr)
         with open(dead.log_path, "a") as log:
             log.write(f"\n----- restarted by the supervisor ({dead.restarts}/{self.cfg.cluster.max_restarts}) -----\n")
-        dead.proc = self._spawn(dead.cmd, dead.log_path, self._env)
+        dead.proc = self._spawn(dead.cmd, dead.log_path, dead.env or self._env)
         self._write_pids()
 
     def _fail(self, dead: Child) -> int:

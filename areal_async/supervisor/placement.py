@@ -23,8 +23,13 @@ a machine that has fewer GPUs than the node asks of it (``check_gpus_present``).
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
+
+from areal_async.config import ExperimentConfig, rollout_dp_degree
 
 
 class PlacementError(ValueError):
@@ -137,3 +142,23 @@ def check_gpus_present(placement: dict[str, Slot], node: int, available: int) ->
     if need > available:
         raise PlacementError(f"node {node} needs {need} GPUs for this placement but this machine has {available}; "
                              "lower cluster.n_trainer_ranks / the rollout backend's dN, or run on a bigger machine")
+
+
+def shape_of(cfg: ExperimentConfig) -> ClusterShape:
+    """The placement's view of a run's config."""
+    cl = cfg.cluster
+    extra = ("scheduler",) + tuple(f"reward-{i}" for i in range(cl.n_reward_workers))
+    gpus = rollout_gpu_count(cfg.rollout.backend, cl.device, cl.n_rollout_workers, rollout_dp_degree(cfg.rollout.backend))
+    return ClusterShape(n_nodes=cl.n_nodes, n_gpus_per_node=cl.n_gpus_per_node, device=cl.device,
+                        n_trainer_ranks=cl.n_trainer_ranks, n_rollout_workers=cl.n_rollout_workers,
+                        rollout_gpus=gpus, extra_workers=extra)
+
+
+def local_gpu_count(environ: Optional[dict] = None, dev: Path = Path("/dev")) -> int:
+    """GPUs this machine offers without importing torch: the entries of CUDA_VISIBLE_DEVICES when
+    set, else the NVIDIA device nodes /dev/nvidia<N>."""
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip()])
+    return len([p for p in dev.glob("nvidia*") if re.fullmatch(r"nvidia\d+", p.name)])

@@ -27,8 +27,8 @@ import torch
 
 from areal_async.config import ActorConfig
 from areal_async.trainer.advantages import compute_advantages, scaled_rewards
-from areal_async.trainer.dp import (DataParallel, minibatches_by_tokens, rank_micro_batches, shard_model,
-                                   split_over_ranks)
+from areal_async.trainer.dp import (DataParallel, ShardedWeights, minibatches_by_tokens, rank_micro_batches,
+                                    shard_model, split_over_ranks)
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -108,17 +108,28 @@ class PPOActor:
         m["skipped_steps"] = float(skipped)
         return m
 
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "lr_scheduler": self.lr_scheduler.state_dict(),
-                "step": self.step}
+    def state_dict(self, with_optimizer: bool = True) -> dict:
+        """Optimizer (unless saved apart, as DCP shards: ``sharded_ckpt.py``), lr schedule, step."""
+        out = {"lr_scheduler": self.lr_scheduler.state_dict(), "step": self.step}
+        return out | {"optimizer": self.optimizer.state_dict()} if with_optimizer else out
 
     def load_state_dict(self, state: dict) -> None:
-        missing = {"optimizer", "lr_scheduler", "step"} - set(state)
+        missing = {"lr_scheduler", "step"} - set(state)
         if missing:
-            raise ValueError(f"actor state lacks {sorted(missing)}; expected keys optimizer, lr_scheduler, step")
-        self.optimizer.load_state_dict(state["optimizer"])
+            raise ValueError(f"actor state lacks {sorted(missing)}; expected keys lr_scheduler, step (and optimizer "
+                             "unless the checkpoint holds DCP shards)")
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.step = int(state["step"])
+
+    def publish_state(self, dtype: torch.dtype, bucket_bytes: int):
+        """What the weight channel publishes: the state dict in ``dtype``, gathered from the shards
+        a bucket at a time when sharded (every rank must then gather too: ``ShardedWeights``)."""
+        if self.sharded:
+            return ShardedWeights(self.model, dtype, bucket_bytes)
+        return {k: v.detach() if not v.is_floating_point() or v.dtype == dtype else v.detach().to(dtype)
+                for k, v in self.model.state_dict().items()}
 
     @property
     def ref_model(self) -> Optional[torch.nn.Module]:

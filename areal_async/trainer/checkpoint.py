@@ -3,7 +3,8 @@
 Layout of one checkpoint (the directory itself loads with ``AutoModelForCausalLM.from_pretrained``):
     config.json, model.safetensors, generation_config.json   model (HF safetensors)
     tokenizer files                                          when a tokenizer is given
-    actor_state.pt     optimizer + lr scheduler + step       (torch.save; loads weights_only)
+    dcp/               RL trainer: model (fp32 master) + optimizer as DCP shards (sharded_ckpt.py)
+    actor_state.pt     lr scheduler + step (+ optimizer when there is no dcp/) (torch.save; weights_only)
     rng.pt             python / numpy / torch (/ cuda) RNG   (torch.save; loads weights_only)
     extra.json         caller's state: scheduler ledger, dataset cursor ...
     meta.json          step, policy version, wall time
@@ -14,8 +15,8 @@ added, then the directory is renamed to ``step_<k>`` (rename is atomic on one fi
 ``root`` is fsynced. ``checkpoint_dirs.latest_complete_checkpoint`` only considers ``step_<k>`` directories that
 hold ``COMPLETE``, so a crash at any point leaves the previous checkpoint as the latest.
 
-Assumes one writer per root (the trainer's rank 0). Not covered: sharded (FSDP) state; the
-caller gathers full state dicts first.
+Assumes one writer per root (the trainer's rank 0; the other ranks write only their DCP shards
+into the temp directory rank 0 names, inside ``write_model``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -92,8 +93,12 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
 
 
-def _write_payload(tmp: Path, step: int, version: int, model, tokenizer, actor_state: dict, extra: dict) -> None:
-    model.save_pretrained(tmp, safe_serialization=True)
+def _write_payload(tmp: Path, step: int, version: int, model, tokenizer, actor_state: dict, extra: dict,
+                   write_model: Optional[Callable[[Path], None]]) -> None:
+    if write_model is not None:
+        write_model(tmp)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     torch.save(actor_state, tmp / "actor_state.pt")
@@ -112,8 +117,11 @@ def _mark_complete(tmp: Path) -> None:
 
 
 def save_checkpoint(root: str | Path, step: int, version: int, model, tokenizer, actor_state: dict,
-                    extra: dict) -> Path:
-    """Write ``root/step_<step>`` atomically and return its path (replaces an existing one)."""
+                    extra: dict, write_model: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write ``root/step_<step>`` atomically and return its path (replaces an existing one).
+
+    ``write_model(tmp_dir)`` replaces ``model.save_pretrained`` (the trainer's ranks write DCP
+    shards and the gathered HF export there: ``sharded_ckpt.py``)."""
     if step < 0:
         raise ValueError(f"step={step}: expected an integer >= 0")
     try:
@@ -125,7 +133,7 @@ def save_checkpoint(root: str | Path, step: int, version: int, model, tokenizer,
     final, tmp = root / f"step_{step}", root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save by a previous process
     tmp.mkdir()
-    _write_payload(tmp, step, version, model, tokenizer, actor_state, extra)
+    _write_payload(tmp, step, version, model, tokenizer, actor_state, extra, write_model)
     _mark_complete(tmp)
     _replace_dir(tmp, final)
     _fsync_path(root)

@@ -30,6 +30,7 @@ holds), HSDP.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
@@ -38,6 +39,7 @@ import torch
 from areal_async.trainer.loss import LossStats
 from areal_async.trainer.packing import allocate_micro_batches, karmarkar_karp
 from areal_async.trainer.types import Trajectory
+from areal_async.transport.buckets import plan
 
 # commands rank 0 broadcasts to the other ranks before each collective phase
 CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP = 1, 2, 3, 4
@@ -188,13 +190,14 @@ class DataParallel:
 
 
 def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_s: float = 3600.0) -> DataParallel:
-    """Join the trainer ranks' default process group (``store`` = 'host:port', hosted by rank 0)."""
+    """Join the trainer ranks' default process group (``store`` = 'host:port', hosted by rank 0).
+
+    Also for one rank: FSDP2 (the mixed-precision path) needs a group. The long timeout is for
+    ranks 1..K-1 waiting for rank 0's next command while it waits for a batch."""
     if not 0 <= rank < world:
         raise ValueError(f"trainer rank {rank}: expected an integer in [0, {world})")
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
-    if world == 1:
-        return DataParallel.single()
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=f"tcp://{store}", rank=rank, world_size=world,
@@ -243,17 +246,88 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly) sharded parameter: an all-gather for a DTensor."""
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def broadcast_module(model: torch.nn.Module, src: int = 0) -> None:
+    """Every parameter and buffer of ``src``'s model on every rank (before sharding: e.g. after
+    rank 0 alone ran the SFT warm-up)."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t.data, src)
+
+
+# --------------------------------------------------------------------------------------------
+# weights published from shards, a bucket at a time
+# --------------------------------------------------------------------------------------------
+
+
+class ShardedWeights(Mapping):
+    """A sharded model's state dict as a weight channel reads it, gathered a bucket at a time.
+
+    ``items()`` gives meta tensors (name, publish dtype, global shape: all a channel needs to plan
+    its buckets); ``self[name]`` gives the full tensor, gathering (an all-gather per tensor, a
+    collective) every tensor of that name's bucket on first access and dropping the previous
+    bucket, so no rank ever holds more than one bucket of the full model. Channels pack buckets
+    in order (``buckets.pack`` for k = 0, 1, ...); buckets they skip are still gathered, and
+    ``finish()`` gathers the rest, so every rank runs the same collectives: the other ranks call
+    ``gather_all`` on a view built with the same ``bucket_bytes``.
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int):
+        self._params = dict(model.state_dict())
+        self._dtype = dtype
+        self._meta = {k: torch.empty(tuple(v.shape), dtype=self._out_dtype(v), device="meta")
+                      for k, v in self._params.items()}
+        self.layout = plan(self._meta, bucket_bytes)
+        self._bucket_of = {s.name: s.bucket for s in self.layout.slots}
+        self._k = -1
+        self._cache: dict[str, torch.Tensor] = {}
+        self.peak_bytes = 0  # the most bytes of full tensors held at once (for tests and benchmarks)
+
+    def _out_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self._dtype if t.is_floating_point() else t.dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        k = self._bucket_of[name]
+        if k < self._k:
+            raise RuntimeError(f"weight {name!r} of bucket {k} asked after bucket {self._k}: buckets are gathered "
+                               "once, in order")
+        while self._k < k:
+            self._next()
+        return self._cache[name]
+
+    def __iter__(self):
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+    def items(self):  # type: ignore[override]
+        return self._meta.items()
+
+    def _next(self) -> None:
+        self._cache = {}  # the previous bucket goes first
+        self._k += 1
+        for s in self.layout.slots_in(self._k):
+            self._cache[s.name] = full_tensor(self._params[s.name]).detach().to(self._out_dtype(self._params[s.name]))
+        self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in self._cache.values()))
+
+    def finish(self) -> None:
+        """Gather whatever buckets the channel did not read (every rank gathers every bucket)."""
+        while self._k < len(self.layout.bucket_sizes) - 1:
+            self._next()
+        self._cache = {}
+
+    def gather_all(self) -> None:
+        """What the ranks other than the publisher do: the same gathers, results dropped."""
+        self.finish()
 
 
 # --------------------------------------------------------------------------------------------

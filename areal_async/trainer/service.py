@@ -11,7 +11,14 @@
       CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py)
       Shutdown              ─> exit
 
-Covered: one trainer process (rank 0). Not covered: data-parallel trainer ranks.
+With K data-parallel ranks (``dp.py``), rank 0 is this service; before each collective phase it
+broadcasts a command to ranks 1..K-1 (``FollowerRank``), which have no control plane:
+
+    rank 0                                   ranks 1..K-1 (FollowerRank.loop)
+    train:   CMD_TRAIN, batch broadcast  ──> train_step on the same batch (their shares)
+    publish: CMD_PUBLISH, gathers bucket by bucket while the channel packs ──> the same gathers
+    save:    CMD_SAVE + checkpoint path  ──> DCP save of their shards, export gather
+    shutdown: CMD_STOP                   ──> exit 0
 """
 
 from __future__ import annotations
@@ -21,12 +28,14 @@ import logging
 import threading
 import time
 
+import torch
 
 from protocols.messages import (BatchPlan, CheckpointRequest, Shutdown, TrainerReady, TrainStepDone,
                                 WeightsPublished)
 
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.types import Trajectory
 
 log = logging.getLogger("areal_async.trainer")
@@ -81,13 +90,15 @@ class TrajectoryBuffer:
 
 class TrainerService:
     def __init__(self, control: ControlClient, actor: PPOActor, traj_channel, weight_channel,
-                 checkpointer=None, start_step: int = 0, start_version: int = 0, plan_timeout_s: float = 300.0):
+                 checkpointer=None, start_step: int = 0, start_version: int = 0, plan_timeout_s: float = 300.0,
+                 publish_dtype: torch.dtype = torch.float32, bucket_bytes: int = 64 << 20):
         self.control, self.actor = control, actor
         self.buffer = TrajectoryBuffer(traj_channel)
         self.weights = weight_channel
         self.checkpointer = checkpointer
         self.next_step, self.version = start_step, start_version
         self.plan_timeout_s = plan_timeout_s
+        self.publish_dtype, self.bucket_bytes = publish_dtype, bucket_bytes
 
     async def run(self) -> int:
         await self.control.register(info={"next_step": self.next_step})
@@ -117,6 +128,7 @@ class TrainerService:
                 await self.checkpoint(msg)
             elif isinstance(msg, Shutdown):
                 log.info("trainer: shutdown (%s)", msg.reason)
+                self.actor.dp.command(CMD_STOP)
                 return 0
             else:
                 log.debug("trainer: ignoring %s", msg.TYPE)
@@ -124,11 +136,14 @@ class TrainerService:
     async def publish(self, version: int) -> None:
         """Send weights of `version` to every rollout worker over the weight channel."""
         loop = asyncio.get_running_loop()
-        sd = {k: v.detach() for k, v in self.actor.model.state_dict().items()}
         t = time.perf_counter()
+        await loop.run_in_executor(None, self.actor.dp.command, CMD_PUBLISH, version)
+        sd = self.actor.publish_state(self.publish_dtype, self.bucket_bytes)
         manifest = await loop.run_in_executor(None, self.weights.publish_begin, version, sd)
         await self.control.send(WeightsPublished(version=version, manifest=manifest))
         await loop.run_in_executor(None, self.weights.publish_end)
+        if isinstance(sd, ShardedWeights):
+            await loop.run_in_executor(None, sd.finish)  # the buckets the channel skipped: every rank gathers all
         self.publish_s = time.perf_counter() - t
         if version >= 2:
             self.weights.release(version - 2)  # keep two: a slow reader may still be on the previous one
@@ -142,13 +157,18 @@ class TrainerService:
         got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
         trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
         t1 = time.perf_counter()
-        metrics = await loop.run_in_executor(None, self.actor.train_step, trajs)
+        metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs)
         t2 = time.perf_counter()
         self.next_step, self.version = plan.step + 1, plan.step + 1
         await self.publish(self.version)
         metrics.update(wait_data_s=t1 - t0, train_s=t2 - t1, publish_s=self.publish_s)
         await self.control.send(TrainStepDone(step=plan.step, version=self.version,
                                               metrics={k: float(v) for k, v in metrics.items()}))
+
+    def _train_ranks(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
+        """Every rank trains on this batch: the others get the command and the batch first."""
+        self.actor.dp.command(CMD_TRAIN, step)
+        return self.actor.train_step(self.actor.dp.broadcast_batch(trajs))
 
     async def checkpoint(self, req: CheckpointRequest) -> None:
         if self.checkpointer is None:
@@ -164,3 +184,44 @@ def _trajectory(sid: str, item: tuple[dict, dict], score: float) -> Trajectory:
     return Trajectory(sample_id=sid, group_id=meta["group_id"], prompt_ids=t["prompt_ids"].tolist(),
                       output_ids=t["output_ids"].tolist(), behav_logp=t["logprobs"].tolist(),
                       versions=t["versions"].tolist(), score=float(score))
+
+
+class FollowerRank:
+    """Trainer ranks 1..K-1: no sockets; each runs the collective phases rank 0 commands."""
+
+    def __init__(self, actor: PPOActor, save_shards, publish_dtype: torch.dtype, bucket_bytes: int):
+        self.actor, self.save_shards = actor, save_shards
+        self.publish_dtype, self.bucket_bytes = publish_dtype, bucket_bytes
+
+    async def run(self) -> int:
+        """``loop`` in a daemon thread: a SIGTERM (task cancelled) must not wait for a collective."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def body() -> None:
+            try:
+                code = self.loop()
+                loop.call_soon_threadsafe(done.set_result, code)
+            except BaseException as e:  # noqa: BLE001 - handed to the event loop, which re-raises it
+                loop.call_soon_threadsafe(done.set_exception, e)
+
+        threading.Thread(target=body, name=f"rank-{self.actor.dp.rank}", daemon=True).start()
+        return await done
+
+    def loop(self) -> int:
+        dp = self.actor.dp
+        while True:
+            op, arg, text = dp.command()
+            log.debug("rank %d: %s %d", dp.rank, CMD_NAMES.get(op, op), arg)
+            if op == CMD_TRAIN:
+                self.actor.train_step(dp.broadcast_batch(None))
+            elif op == CMD_PUBLISH:
+                ShardedWeights(self.actor.model, self.publish_dtype, self.bucket_bytes).gather_all()
+            elif op == CMD_SAVE:
+                self.save_shards(text)
+            elif op == CMD_STOP:
+                log.info("rank %d: stop", dp.rank)
+                return 0
+            else:
+                raise RuntimeError(f"rank {dp.rank}: unknown command {op} from trainer rank 0; expected one of "
+                                   f"{sorted(CMD_NAMES)}")

@@ -1,0 +1,67 @@
+"""Weights and optimizer of a (possibly sharded) trainer in torch Distributed Checkpoint format.
+
+Inside a checkpoint directory (``checkpoint.py`` makes it atomic):
+
+    dcp/                 model + optimizer, one file per rank plus .metadata (DCP); tensors are
+                         stored with their global shapes, so a run with any other number of ranks
+                         (1 included: no process group) reads them back resharded
+    model.safetensors    the full model in the publish dtype (HF ``save_pretrained``), gathered
+                         from the shards; what rollouts, evaluation and ``from_pretrained`` read
+
+Every trainer rank calls ``save_shards`` and ``load_shards`` (DCP's are collective); only rank 0
+writes the HF export. The full state dict for the export is gathered onto rank 0's CPU (the
+whole model at once: an export is not on the weight-sync path).
+
+Not covered: async DCP saves, exporting a model too big for rank 0's host memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DCP_DIR = "dcp"
+
+
+def has_shards(checkpoint: str | Path) -> bool:
+    return (Path(checkpoint) / DCP_DIR / ".metadata").is_file()
+
+
+def save_shards(checkpoint: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model (float32 master weights) and optimizer state into ``checkpoint/dcp`` (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(Path(checkpoint) / DCP_DIR))
+
+
+def load_shards(checkpoint: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read ``checkpoint/dcp`` into this rank's shards of model and optimizer, whatever the rank
+    count that wrote it (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if not has_shards(checkpoint):
+        raise ValueError(f"checkpoint {str(checkpoint)!r} has no {DCP_DIR}/.metadata; expected a trainer checkpoint "
+                         "written with distributed checkpoint shards")
+    msd, osd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to load into
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / DCP_DIR))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def export_full(checkpoint: str | Path, model: torch.nn.Module, dtype: torch.dtype, rank: int) -> None:
+    """The full model as HF safetensors in ``dtype`` (collective gather; rank 0 writes)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+    if sharded:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        full = model.state_dict()
+    if rank != 0:
+        return
+    full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+    model.save_pretrained(str(checkpoint), state_dict=full, safe_serialization=True)
