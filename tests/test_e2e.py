@@ -168,12 +168,15 @@ def test_bad_override_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
+@pytest.mark.parametrize("ranks_before, ranks_after", [(1, 1), (2, 1), (1, 2)])
+def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ranks_before, ranks_after):
     """Kill the trainer mid-run, rerun with recover.mode=auto: the run continues from the newest
-    complete checkpoint and, across both parts, every sample is trained once or aborted."""
+    complete checkpoint and, across both parts, every sample is trained once or aborted. The
+    checkpoint's DCP shards are read back by another number of trainer ranks too."""
     run_dir = tmp_path / "run"
     args = ["total_train_steps=12", "saver.freq_steps=3", "saver.keep_last=2", "rollout.max_head_offpolicyness=1"]
-    proc = subprocess.Popen(cli(run_dir, *args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cli(run_dir, *args, f"cluster.n_trainer_ranks={ranks_before}"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while len(read_jsonl(run_dir / "metrics.jsonl")) < 8 if (run_dir / "metrics.jsonl").exists() else True:
         assert proc.poll() is None and time.monotonic() < deadline
@@ -186,8 +189,11 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path):
     resumed_step = max(int(n.split("_")[1]) for n in ckpts)
     assert resumed_step in (5, 8, 11) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
     last_trained = max(t["train_step"] for t in before if t["status"] == "trained")  # the kill races the trainer
+    assert (run_dir / "checkpoints" / f"step_{resumed_step}" / "dcp" / ".metadata").exists()
 
-    run_ok(run_dir, *args, "recover.mode=auto")
+    run_ok(run_dir, *args, "recover.mode=auto", f"cluster.n_trainer_ranks={ranks_after}")
+    pids = json.loads((run_dir / "pids.json").read_text())
+    assert sorted(k for k in pids if k.startswith("trainer")) == ["trainer"] + [f"trainer-{r}" for r in range(1, ranks_after)]
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(12))  # steps after the checkpoint were redone once
     final = read_jsonl(run_dir / "trajectories.jsonl")

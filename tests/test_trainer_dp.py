@@ -53,16 +53,41 @@ def _init(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def _rank_step(rank, world, port, out_path):
-    """One train_step on an FSDP2 rank (float32 compute); rank 0 saves the full weights."""
-    from areal_async.trainer.dp import DataParallel, full_tensor
+def _rank_step(rank, world, port, out_dir):
+    """On each of 2 FSDP2 ranks (float32 compute): load the 1-rank checkpoint (shards written by
+    one process) and compare; one train_step; publish through a real shm weight channel from the
+    shards, a bucket at a time; save a 2-rank checkpoint. Rank 0 saves what the test checks."""
+    from areal_async.trainer.dp import DataParallel, ShardedWeights, full_tensor
+    from areal_async.trainer.sharded_ckpt import load_shards, save_shards
+    from areal_async.transport import make_weight_channel
 
     _init(rank, world, port)
-    actor = PPOActor(tiny_model(), cfg(), 1.0, 10, dp=DataParallel(rank, world), compute_dtype=torch.float32)
-    metrics = actor.train_step(make_trajs())
-    full = {k: full_tensor(v).detach().clone() for k, v in actor.model.state_dict().items()}
+    out = {}
+    dp = DataParallel(rank, world)
+    resumed = PPOActor(tiny_model(seed=5), cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32)
+    load_shards(f"{out_dir}/one_ckpt", resumed.model, resumed.optimizer)
+    out["resumed"] = {k: full_tensor(v).detach().clone() for k, v in resumed.model.state_dict().items()}
+    out["resumed_avg"] = [full_tensor(s["exp_avg"]).clone() for s in resumed.optimizer.state.values()]
+    actor = PPOActor(tiny_model(), cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32)
+    out["metrics"] = actor.train_step(make_trajs())
+    out["weights"] = {k: full_tensor(v).detach().clone() for k, v in actor.model.state_dict().items()}
+    out["exp_avg"] = [full_tensor(s["exp_avg"]).clone() for s in actor.optimizer.state.values()]
+    view = ShardedWeights(actor.model, torch.float32, bucket_bytes=8192)  # several buckets
     if rank == 0:
-        torch.save({"weights": full, "metrics": metrics}, out_path)
+        pub = make_weight_channel("shm", role="publisher", run_id=f"dp{port}", bucket_mb=8192 / 2**20)
+        sub = make_weight_channel("shm", role="receiver", run_id=f"dp{port}")
+        got = sub.receive(pub.publish_begin(1, view))
+        pub.publish_end()
+        view.finish()
+        out["published"] = {k: v.clone() for k, v in got.items()}
+        out["n_buckets"], out["peak"] = len(view.layout.bucket_sizes), view.peak_bytes
+        sub.close()
+        pub.close()
+    else:
+        view.gather_all()
+    save_shards(f"{out_dir}/two_ckpt", actor.model, actor.optimizer)
+    if rank == 0:
+        torch.save(out, f"{out_dir}/two.pt")
 
 
 def _spawn(target, world, *args):
@@ -78,12 +103,16 @@ def _spawn(target, world, *args):
 
 
 def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
+    """Equivalence, weights published from shards, and DCP checkpoints read back 1 -> 2 and 2 -> 1 ranks."""
+    from areal_async.trainer.sharded_ckpt import load_shards, save_shards
+
     base = tiny_model()
     w0 = {k: v.clone() for k, v in base.state_dict().items()}
     one = PPOActor(base, cfg(), 1.0, 10)
     m1 = one.train_step(make_trajs())
     w1 = base.state_dict()
-    _spawn(_rank_step, 2, str(tmp_path / "two.pt"))
+    save_shards(tmp_path / "one_ckpt", base, one.optimizer)  # one process, no process group
+    _spawn(_rank_step, 2, str(tmp_path))
     got = torch.load(tmp_path / "two.pt", weights_only=True)
     w2, m2 = got["weights"], got["metrics"]
     assert m1["rejected_frac"] > 0 and m1["skipped_steps"] == 0  # rejection is exercised
@@ -95,6 +124,19 @@ def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
             assert float((d2 - d1).norm() / d1.norm()) < 1e-3, k
     for key in ("loss", "grad_norm", "rejected_frac", "clip_frac", "imp_weight_mean", "approx_kl", "n_loss_tokens"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+    # published from shards: the bytes of the full weights, bucket by bucket, never the whole model at once
+    assert list(got["published"]) == list(w2) and all(torch.equal(got["published"][k], w2[k]) for k in w2)
+    total = sum(v.numel() * 4 for v in w2.values())
+    assert got["n_buckets"] >= 4 and got["peak"] < total / 3
+    # 1 -> 2 ranks: the 1-process checkpoint read into 2 ranks' shards
+    assert all(torch.equal(got["resumed"][k], w1[k]) for k in w1)
+    avg1 = [s["exp_avg"] for s in one.optimizer.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(got["resumed_avg"], avg1))
+    # 2 -> 1 rank: the 2-rank shards read by one process without a process group
+    fresh = PPOActor(tiny_model(seed=7), cfg(), 1.0, 10)
+    load_shards(tmp_path / "two_ckpt", fresh.model, fresh.optimizer)
+    assert all(torch.equal(fresh.model.state_dict()[k], w2[k]) for k in w2)
+    assert all(torch.equal(s["exp_avg"], a) for s, a in zip(fresh.optimizer.state.values(), got["exp_avg"]))
 
 
 def _mixed_precision_step(rank, world, port, out_path):
@@ -114,7 +156,7 @@ def _mixed_precision_step(rank, world, port, out_path):
 
 def test_bf16_compute_moves_fp32_master_weights_where_a_bf16_optimizer_would_not(tmp_path):
     w0 = tiny_model().state_dict()
-    _spawn(_mixed_precision_step, 1, str(tmp_path / "mp.pt"))
+    _spawn(_mixed_precision_step, 1, str(tmp_path / "mp.pt"))  # FSDP2 on a group of one rank
     got = torch.load(tmp_path / "mp.pt", weights_only=True)
     assert set(got["compute"]) == {"torch.bfloat16"}  # forward ran on bf16 weights
     assert got["opt"] == ["torch.float32"]
