@@ -71,3 +71,30 @@ def test_cpu_runs_get_no_gpus():
     check_gpus_present(p, 0, 0)
     with pytest.raises(PlacementError, match="n_trainer_ranks=0"):
         place(shape(1, 0, 0, device="cpu"))
+
+
+@pytest.mark.parametrize("nodes, dp, ranks", [(1, 4, 4), (2, 8, 8), (16, 64, 64)])
+def test_boba_preset_layouts(nodes, dp, ranks):
+    """configs/boba_grpo.yaml as shipped (1x8: sglang:d4 + 4 ranks) and scaled to 2x8 and 16x8;
+    the supervisor refuses each before starting anything on a machine with 2 GPUs."""
+    from areal_async.config import load_config
+    from areal_async.supervisor.local import LaunchError, device_placement
+
+    cfg = load_config("configs/boba_grpo.yaml", [f"cluster.n_nodes={nodes}", f"rollout.backend=sglang:d{dp}",
+                                                 f"cluster.n_rollout_workers={dp}", f"cluster.n_trainer_ranks={ranks}"])
+    p = device_placement(cfg, gpus_here=8)
+    trainers = [s for w, s in p.items() if w.startswith("trainer")]
+    assert len(trainers) == ranks and all(len(s.gpus) == 1 for s in trainers)
+    assert sorted((s.node, g) for s in p.values() for g in s.gpus) == [(n, g) for n in range(nodes) for g in range(8)]
+    with pytest.raises(LaunchError, match="needs 8 GPUs for this placement but this machine has 2"):
+        device_placement(cfg, gpus_here=2)
+
+
+def test_local_gpu_count_reads_visible_devices_or_device_nodes(tmp_path):
+    from areal_async.supervisor.placement import local_gpu_count
+
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert local_gpu_count({}, tmp_path) == 3
+    assert local_gpu_count({"CUDA_VISIBLE_DEVICES": "4,5"}, tmp_path) == 2
+    assert local_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == 0
