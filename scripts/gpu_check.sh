@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GPU checks of the tensor transport (issue 4). Installs nothing: run it in an environment that
-# already has a CUDA torch (and, for the NCCL checks, cupy-cuda12x + nvidia-nccl-cu12).
+# GPU checks of the tensor transport (issue 4) and the FSDP2 trainer (issue 10). Installs nothing: run it
+# in an environment that already has a CUDA torch (and, for the NCCL checks, cupy-cuda12x + nvidia-nccl-cu12).
 # Budget: under 6 minutes on one H200. Outputs go to ${OUT:-bench_out}.
 #   1. environment report (torch/CUDA/cupy/NCCL versions, devices)
-#   2. pytest -m gpu tests/gpu           (D2D bound, NCCL loopback, NCCL 2 ranks if 2 GPUs, CUDA IPC)
+#   2. pytest -m gpu tests/gpu           (D2D bound, NCCL loopback, NCCL 2 ranks if 2 GPUs, CUDA IPC;
+#                                         a 1-GPU FSDP2 PPO step in bf16 with fp32 master weights)
 #   3. transfer_latency --device cuda    (cuda_ipc rows; nccl rows need 2 GPUs; D2D copy bound)
 #   4. scale_model --from that JSON      (alpha/beta fitted from the GPU rows)
 #   (tests/gpu also holds the SGLang client against a real sglang.launch_server: a tiny Qwen2 built

@@ -42,7 +42,7 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
     if dp.active and ckpt is None:
         broadcast_module(model)  # the warm-up ran on rank 0 only
     # packed training: per-sequence attention (flash-attn varlen on CUDA) instead of a dense mask
-    model.set_attn_implementation(select_attn_implementation(cfg.cluster.device))
+    model.set_attn_implementation(select_attn_implementation(cfg.cluster.device, dtype))
     actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
                      total_steps=cfg.total_train_steps, device=cfg.cluster.device, dp=dp,
                      compute_dtype=dtype if sharded else None, ref_model=lambda: _reference(cfg))

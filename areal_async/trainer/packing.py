@@ -154,10 +154,11 @@ def use_varlen_attention(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def select_attn_implementation(device: str | torch.device) -> str:
+def select_attn_implementation(device: str | torch.device, dtype: torch.dtype = torch.float32) -> str:
     """What to pass as ``attn_implementation`` when loading a model for packed training:
-    flash-attn varlen on CUDA when installed, else our per-sequence sdpa (registered here)."""
-    if torch.device(device).type == "cuda" and flash_attn_available():
+    flash-attn varlen on CUDA when installed and the compute dtype is bf16/fp16 (flash-attn
+    refuses float32), else our per-sequence sdpa (registered here)."""
+    if torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and flash_attn_available():
         return "flash_attention_2"
     return register_varlen_attention()
 

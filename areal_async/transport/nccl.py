@@ -69,8 +69,9 @@ def require_nccl() -> Any:
     return nccl
 
 
-def uid_to_bytes(uid: tuple) -> bytes:
-    return bytes(x & 0xFF for x in uid)
+def uid_to_bytes(uid: tuple | bytes) -> bytes:
+    """The 128 id bytes, from CuPy's tuple of signed/unsigned chars (<= 13) or its bytes (>= 14)."""
+    return bytes(uid) if isinstance(uid, (bytes, bytearray)) else bytes(x & 0xFF for x in uid)
 
 
 def uid_from_bytes(b: bytes) -> tuple:
@@ -81,6 +82,20 @@ def uid_from_bytes(b: bytes) -> tuple:
     if platform.machine() in ("aarch64", "arm64"):
         return tuple(b)
     return tuple(x - 256 if x > 127 else x for x in b)
+
+
+def communicator(nccl, world_size: int, uid: bytes, rank: int):
+    """``NcclCommunicator`` with the unique id in the form this CuPy takes: a tuple of C ``char``
+    values (CuPy <= 13, whose ``get_unique_id`` returns a tuple) or ``bytes`` (CuPy >= 14, whose
+    ``get_unique_id`` returns bytes). Cython refuses the other form with TypeError before NCCL
+    is touched, so trying the tuple first and then the bytes costs nothing."""
+    try:
+        return nccl.NcclCommunicator(world_size, uid_from_bytes(uid), rank)
+    except TypeError as first:
+        try:
+            return nccl.NcclCommunicator(world_size, bytes(uid), rank)
+        except TypeError:
+            raise TypeError(f"NcclCommunicator took the unique id neither as a tuple ({first}) nor as bytes") from None
 
 
 class NcclGroup(Group):
@@ -98,7 +113,7 @@ class NcclGroup(Group):
         import cupy
 
         with cupy.cuda.Device(self.device.index):
-            self.comm = self.nccl.NcclCommunicator(world_size, uid_from_bytes(uid), rank)
+            self.comm = communicator(self.nccl, world_size, uid, rank)
         self.stream = torch.cuda.Stream(self.device)
 
     def _unique_id(self, store: Optional[str], rendezvous: Optional[Rendezvous], name: str, timeout_s: float) -> bytes:
