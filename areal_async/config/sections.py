@@ -276,7 +276,12 @@ class ClusterConfig(Section):
     """Fleet shape and the control plane."""
 
     n_rollout_workers: int = _f(2, "Rollout worker processes.")
-    n_reward_workers: int = _f(1, "Reward worker processes.")
+    n_reward_workers: int = _f(1, "Reward worker processes (0 with n_external_reward_workers >= 1: all scoring is "
+                                  "done by bring-your-own workers).")
+    n_external_reward_workers: int = _f(0, "Reward endpoints kept for bring-your-own reward workers "
+                                           "(areal_async.client.RewardWorker, slot 0..N-1): the supervisor starts none "
+                                           "for them; rollout workers send them their share of reward requests, "
+                                           "which wait until a worker serves the slot.")
     launcher: str = _f("local", "local | ray | slurm.")
     control: str = _f("ipc", "ZeroMQ endpoints: 'ipc' (one host) or 'tcp'.")
     host: str = _f("127.0.0.1", "Address the scheduler and trainer bind for 'tcp'.")
@@ -297,7 +302,10 @@ class ClusterConfig(Section):
 
     def check(self) -> None:
         at_least(self, "n_rollout_workers", 1)
-        at_least(self, "n_reward_workers", 1)
+        at_least(self, "n_reward_workers", 0)
+        at_least(self, "n_external_reward_workers", 0)
+        require(self.n_reward_workers + self.n_external_reward_workers >= 1, "n_reward_workers", self.n_reward_workers,
+                ">= 1, or n_external_reward_workers >= 1 (someone must score)")
         one_of(self, "launcher", ("local", "ray", "slurm"))
         one_of(self, "control", ("ipc", "tcp"))
         above(self, "heartbeat_s", 0)

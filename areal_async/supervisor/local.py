@@ -130,7 +130,8 @@ class LocalSupervisor:
         resume = self.resume_point()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        self.endpoints = plan_endpoints(self.cfg.cluster.n_reward_workers, self.cfg.cluster.host,
+        cl = self.cfg.cluster  # built-in reward workers bind the first endpoints, bring-your-own ones the rest
+        self.endpoints = plan_endpoints(cl.n_reward_workers + cl.n_external_reward_workers, self.cfg.cluster.host,
                                         self.cfg.cluster.control)
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)

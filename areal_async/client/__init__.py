@@ -1,0 +1,49 @@
+"""Bring-your-own workers: join a running fleet over its wire protocol from your own process.
+
+(``reward``: a reward worker, no torch. A rollout-side client is not built yet.)
+
+A worker finds the fleet the way the built-in ones do: from the run directory
+(``RUN_DIR/config.yaml`` and ``RUN_DIR/endpoints.json``, written by the supervisor before anyone
+starts; being able to read them is the fleet's only admission, for built-in workers too). It
+registers on the scheduler's control socket with a worker id of its own, heart-beats, and
+speaks the same typed msgpack messages (``protocols.messages``), validated the same way: a bad
+frame is logged and dropped, and the scheduler refuses what a worker of that role may not send.
+
+- ``areal_async.client.reward.RewardWorker(run_dir, score, slot=0)``: serves reward slot ``slot`` (one of the
+  ``cluster.n_external_reward_workers`` endpoints the supervisor keeps free): every
+  ``RewardRequest`` a rollout worker sends it is scored with ``score(completion, solutions)``
+  (a plain or async function returning a float in [0, 1]) and one ``RewardResult`` per group
+  goes to the scheduler. A score that raises, or is not a finite number in [0, 1], counts as 0
+  with status ``error`` and the reason in ``details``. ``run()`` blocks until the run's
+  ``Shutdown``; ``arun()`` is the coroutine.
+
+If a bring-your-own worker dies, the scheduler declares it lost (no heartbeat for
+``cluster.worker_timeout_s``, or at once when a worker registers again under the same id) and
+re-issues what it held, as for a built-in worker; the supervisor does not restart it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import zmq.asyncio
+
+from areal_async.base.control import ControlClient
+from areal_async.base.endpoints import Endpoints
+from areal_async.config import ExperimentConfig, load_config
+
+
+def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
+    """The fleet's config and endpoints, as every worker reads them (``FileNotFoundError`` names the file)."""
+    run_dir = Path(run_dir)
+    for name in ("config.yaml", "endpoints.json"):
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(f"{run_dir / name} does not exist: is a fleet running in {run_dir}?")
+    return load_config(run_dir / "config.yaml"), Endpoints.load(run_dir)
+
+
+def connect(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,
+            worker_id: str) -> ControlClient:
+    """A control link to the fleet's scheduler (``register()`` it, then ``recv()`` / ``send()``)."""
+    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s)
+

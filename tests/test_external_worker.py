@@ -1,0 +1,91 @@
+"""Bring-your-own workers: the example external reward worker (workers/external_reward.py) scores every
+group of a real fleet that has no built-in reward worker; killed midway, its groups are re-issued and
+a second external worker finishes the run with exact books."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_async import Fleet, load_config
+from areal_async.client.reward import RewardWorker
+from workers.external_reward import score
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["total_train_steps=6", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
+        "rollout.dump_to_file=true", "cluster.heartbeat_s=0.5", "cluster.worker_timeout_s=3",
+        "cluster.n_reward_workers=0", "cluster.n_external_reward_workers=1"]
+
+
+def external(run_dir: Path, worker_id: str) -> subprocess.Popen:
+    log = open(run_dir / f"{worker_id}.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "workers.external_reward", str(run_dir), "--worker-id", worker_id],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_example_score_by_hand():
+    assert score("3+4=\\boxed{07}", ["7"]) == 1.0  # zero-padded, as the tiny task writes it
+    assert score("\\boxed{1} then \\boxed{8}", ["8"]) == 1.0 and score("\\boxed{8} \\boxed{1}", ["8"]) == 0.0
+    assert score("\\boxed{x}", ["7"]) == 0.0 and score("7", ["7"]) == 0.0
+
+
+@pytest.mark.slow
+def test_external_reward_worker_scores_a_fleet_and_its_loss_is_reissued(tmp_path):
+    run_dir = tmp_path / "run"
+    with Fleet(load_config(ROOT / "configs/tiny_arith.yaml", FAST), run_dir=run_dir) as fleet:
+        wait_for(lambda: (run_dir / "endpoints.json").exists(), 60, "endpoints.json")
+        a = external(run_dir, "ext-a")
+        wait_for(lambda: steps(run_dir) >= 2, 180, "two steps scored by ext-a")
+        a.send_signal(signal.SIGSTOP)  # groups sent to it now wait in its socket for a score nobody gives
+        time.sleep(2.0)
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        b = external(run_dir, "ext-b")
+        assert fleet.wait(timeout=240) == 0, (run_dir / "fleet.log").read_text()[-3000:]
+    assert b.wait(timeout=30) == 0  # told to shut down by the scheduler like a built-in worker
+    summary = fleet.summary()
+    assert summary["steps"] == 6 and summary["samples_lost"] == 0
+    assert summary["samples_trained"] == 6 * 4 * 4
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len({t["id"] for t in trajs}) == len(trajs) == summary["samples_issued"]
+    lost = [t for t in trajs if t["status"] == "aborted" and "reward_worker_lost: ext-a" in t["reason"]]
+    assert lost, "no group of the killed worker was re-issued"
+    assert not list((run_dir / "logs").glob("reward-*.log"))  # no built-in reward worker ran
+    sched = (run_dir / "logs" / "scheduler.log").read_text()
+    assert "registered reward ext-a" in sched and "registered reward ext-b" in sched
+
+
+def test_reward_worker_refuses_a_slot_the_fleet_lacks(tmp_path):
+    cfg = load_config(ROOT / "configs/tiny_arith.yaml", ["cluster.n_external_reward_workers=1"])
+    (tmp_path / "config.yaml").write_text(__import__("areal_async.config", fromlist=["to_yaml"]).to_yaml(cfg))
+    (tmp_path / "endpoints.json").write_text(json.dumps({"control": "ipc:///x", "trajectories": "ipc:///y",
+                                                         "rewards": ["ipc:///r0", "ipc:///r1"]}))
+    with pytest.raises(ValueError, match="slot=1: .* keeps 1 bring-your-own reward slot"):
+        RewardWorker(tmp_path, score, slot=1)
+    with pytest.raises(FileNotFoundError, match="is a fleet running"):
+        RewardWorker(tmp_path / "nowhere", score)
+
+
+def test_a_fleet_with_nobody_to_score_is_refused():
+    from areal_async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="n_reward_workers=0: expected >= 1, or n_external_reward_workers >= 1"):
+        load_config(ROOT / "configs/tiny_arith.yaml", ["cluster.n_reward_workers=0"])
