@@ -97,6 +97,7 @@ class Register(Message):
     pid: int
     host: str = ""
     info: dict = field(default_factory=dict)
+    token: str = ""  # the launch token the supervisor gave this worker (base/runkeys.py)
 
 
 @message

@@ -13,6 +13,13 @@ A restarted worker reconnects with its old identity; ROUTER_HANDOVER lets the ne
 take the identity over at once (without it the ROUTER would ignore the newcomer until it noticed
 the old connection was gone).
 
+Size limits at the socket: every socket gets ``ZMQ_MAXMSGSIZE`` (control messages:
+``MAX_MESSAGE_BYTES``; tensor sockets pass their own bound), so a peer that sends a bigger frame
+is disconnected by libzmq before the frame is allocated, and the receiver keeps serving.
+
+Authentication: with the run's CURVE keys set (``protocols.curve.use_curve``), every ``tcp://``
+socket is a CURVE server (bind) or client (connect), and servers admit only the run's client keys.
+
 Receivers never die on a bad frame: ``recv_message`` turns any undecodable frame into a logged
 ``ProtocolError`` and returns None, and the caller goes on serving.
 """
@@ -27,7 +34,8 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from protocols.messages import Message, ProtocolError, decode, encode
+from protocols.curve import CURVE_FRAME_OVERHEAD, secure
+from protocols.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
 
 log = logging.getLogger("areal_async.protocols")
 
@@ -51,9 +59,14 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 
 def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | list[str] | None = None,
-                identity: str | None = None) -> zmq.Socket:
+                identity: str | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """A socket with the project's options: no linger, high-water marks, ``ZMQ_MAXMSGSIZE = max_bytes``
+    (a larger inbound frame drops the sender's connection), ROUTER options, and CURVE on ``tcp://``."""
+    if not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ValueError(f"max_bytes={max_bytes!r}: expected a positive int (bytes per inbound frame)")
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     if kind == zmq.ROUTER:
@@ -61,9 +74,16 @@ def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+    connects = [connect] if isinstance(connect, str) else list(connect or [])
+    if bind and connects:
+        raise ValueError(f"a socket either binds or connects; got bind={bind!r} and connect={connects!r}")
+    secured = [secure(sock, ctx, bind, server=True)] if bind else []
+    secured += [secure(sock, ctx, ep, server=False) for ep in connects]
+    if any(secured):
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + CURVE_FRAME_OVERHEAD)  # the bound is on the wire frame
     if bind:
         sock.bind(bind)
-    for ep in ([connect] if isinstance(connect, str) else connect or []):
+    for ep in connects:
         sock.connect(ep)
     return sock
 

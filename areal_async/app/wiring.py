@@ -15,16 +15,19 @@ import zmq.asyncio
 
 from areal_async.base.control import ControlClient
 from areal_async.base.endpoints import Endpoints
+from areal_async.base.runkeys import install_run_keys, launch_token
 from areal_async.config import ExperimentConfig, load_config
 
 
 def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
+    """The run's config and endpoints; from here on this process's ``tcp://`` sockets use the run's keys."""
+    install_run_keys(run_dir)
     return load_config(Path(run_dir) / "config.yaml"), Endpoints.load(run_dir)
 
 
 def control_client(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,
                    worker_id: str) -> ControlClient:
-    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s)
+    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s, token=launch_token())
 
 
 def supervisor_t0() -> float:

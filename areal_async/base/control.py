@@ -1,5 +1,9 @@
 """A worker's link to the scheduler: one DEALER socket, registration, heartbeats.
 
+The socket's routing identity is ``<worker id>/<random>``, new for every process: a peer cannot
+take a live worker's identity over by guessing it (the scheduler maps it to the worker id after a
+registration whose launch token matches the roster, see ``base/runkeys.py``).
+
 Bad frames from the scheduler are logged and skipped (``protocols.sockets.recv_message``);
 the worker keeps serving.
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 from typing import Optional
@@ -23,16 +28,17 @@ log = logging.getLogger("areal_async.control")
 
 
 class ControlClient:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, role: str, worker_id: str, heartbeat_s: float):
-        self.role, self.worker_id, self.heartbeat_s = role, worker_id, heartbeat_s
-        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=worker_id)
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, role: str, worker_id: str, heartbeat_s: float,
+                 token: str = ""):
+        self.role, self.worker_id, self.heartbeat_s, self.token = role, worker_id, heartbeat_s, token
+        self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=routing_identity(worker_id))
         self.stats: dict = {}
         self._hb: Optional[asyncio.Task] = None
         self._lock = asyncio.Lock()
 
     async def register(self, info: dict | None = None, timeout_s: float = 120.0) -> RegisterAck:
         await self.send(Register(role=self.role, worker_id=self.worker_id, pid=os.getpid(),
-                                 host=socket.gethostname(), info=info or {}))
+                                 host=socket.gethostname(), info=info or {}, token=self.token))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = await asyncio.wait_for(self.recv(), timeout=max(0.1, deadline - time.monotonic()))
@@ -61,3 +67,13 @@ class ControlClient:
         if self._hb:
             self._hb.cancel()
         self.sock.close(0)
+
+
+def routing_identity(worker_id: str) -> str:
+    """``<worker id>/<random>``: unique per process (see the module docstring)."""
+    return f"{worker_id}/{secrets.token_hex(8)}"
+
+
+def worker_of(ident: bytes) -> str:
+    """The worker id in a routing identity (``routing_identity``); a bare id is its own."""
+    return ident.decode(errors="replace").split("/", 1)[0]

@@ -4,8 +4,11 @@
 
 A worker finds the fleet the way the built-in ones do: from the run directory
 (``RUN_DIR/config.yaml`` and ``RUN_DIR/endpoints.json``, written by the supervisor before anyone
-starts; being able to read them is the fleet's only admission, for built-in workers too). It
-registers on the scheduler's control socket with a worker id of its own, heart-beats, and
+starts; being able to read them, and the 0600 keys in ``RUN_DIR/keys``, is the fleet's only
+admission, for built-in workers too). It takes the run's CURVE keys (its ``tcp://`` sockets are
+authenticated like the built-in ones), puts its worker id on the run's roster (``join``: an id the
+supervisor launched cannot be taken), and registers on the scheduler's control socket with that
+id and the token ``join`` returned, heart-beats, and
 speaks the same typed msgpack messages (``protocols.messages``), validated the same way: a bad
 frame is logged and dropped, and the scheduler refuses what a worker of that role may not send.
 
@@ -30,6 +33,7 @@ import zmq.asyncio
 
 from areal_async.base.control import ControlClient
 from areal_async.base.endpoints import Endpoints
+from areal_async.base.runkeys import add_external_worker, install_run_keys
 from areal_async.config import ExperimentConfig, load_config
 
 
@@ -39,11 +43,19 @@ def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
     for name in ("config.yaml", "endpoints.json"):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir / name} does not exist: is a fleet running in {run_dir}?")
+    install_run_keys(run_dir)
     return load_config(run_dir / "config.yaml"), Endpoints.load(run_dir)
 
 
+def join(run_dir: str | Path, role: str, worker_id: str) -> str:
+    """Put ``worker_id`` (as a ``role`` worker) on the fleet's roster; returns the token to register with.
+    ``ValueError`` when the id belongs to a worker the supervisor launched, or to another role."""
+    return add_external_worker(run_dir, worker_id, role)
+
+
 def connect(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,
-            worker_id: str) -> ControlClient:
-    """A control link to the fleet's scheduler (``register()`` it, then ``recv()`` / ``send()``)."""
-    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s)
+            worker_id: str, token: str = "") -> ControlClient:
+    """A control link to the fleet's scheduler (``register()`` it, then ``recv()`` / ``send()``);
+    ``token`` from ``join``."""
+    return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s, token=token)
 

@@ -18,7 +18,7 @@ from protocols.messages import RewardRequest, RewardResult, Shutdown
 from protocols.sockets import make_socket, recv_message, run_async
 
 from areal_async.base.control import ControlClient
-from areal_async.client import connect, load_run
+from areal_async.client import connect, join, load_run
 
 __all__ = ["RewardWorker", "ScoreFn"]
 
@@ -42,6 +42,7 @@ class RewardWorker:
         self.score, self.slot, self.concurrency = score, slot, concurrency
         self.endpoint = self.ep.rewards[n_builtin + slot]
         self.worker_id = worker_id or f"external-reward-{slot}-{socket.gethostname()}"
+        self.token = join(run_dir, "reward", self.worker_id)
         self.counts = {"ok": 0, "error": 0}
 
     def run(self) -> int:
@@ -50,7 +51,7 @@ class RewardWorker:
 
     async def arun(self) -> int:
         ctx = zmq.asyncio.Context()
-        control = connect(ctx, self.cfg, self.ep, "reward", self.worker_id)
+        control = connect(ctx, self.cfg, self.ep, "reward", self.worker_id, token=self.token)
         pull = make_socket(ctx, zmq.PULL, bind=self.endpoint)
         try:
             await control.register(info={"external": True, "slot": self.slot})

@@ -7,6 +7,11 @@ the core's actions, writes the run's books (``RunLog``) and ends the run: after
 registers again (restarted by the supervisor), is declared lost: a lost rollout worker's open
 groups, and after a lost reward worker every open group waiting for a score, are aborted and
 their prompts re-issued.
+
+Registration is checked against the supervisor's roster (``base/runkeys.Roster``): the worker id
+must be one the supervisor launched, with that role and its launch token; anything else is
+refused with an ``Error`` and changes nothing (a live worker of that id keeps its work). After
+registration every message must come from the routing identity that registered.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from protocols.sockets import make_socket, recv_message, send_message
 
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
+from areal_async.base.control import worker_of
 from areal_async.base.endpoints import Endpoints
+from areal_async.base.runkeys import Roster
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.runlog import RunLog
 
@@ -71,8 +78,10 @@ def _checkpoint_state(path: str) -> dict:
 
 
 class SchedulerService:
-    def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str | Path, t0: float, tokenize):
-        self.cfg, self.run_dir, self.t0 = cfg, Path(run_dir), t0
+    def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str | Path, t0: float, tokenize,
+                 roster: Optional[Roster] = None):
+        """``roster``: what the supervisor launched; None (tests of the protocol only) checks no token."""
+        self.cfg, self.run_dir, self.t0, self.roster = cfg, Path(run_dir), t0, roster
         resume = endpoints.extra.get("resume_from")
         ckpt_state = _checkpoint_state(resume) if resume else None
         if ckpt_state is not None or cfg.recover.mode != "disabled":
@@ -145,7 +154,9 @@ class SchedulerService:
     async def handle(self, ident: bytes, msg: Message) -> None:
         if isinstance(msg, Register):
             return await self._register(ident, msg)
-        wid = ident.decode(errors="replace")
+        wid = worker_of(ident)
+        if wid in self.workers and self.workers[wid]["ident"] != ident:
+            raise ValueError(f"{msg.TYPE} from {ident!r}, which is not the connection that registered as {wid!r}")
         if wid not in self.workers and not isinstance(msg, Ping):
             raise ValueError(f"{msg.TYPE} from unregistered peer {wid!r}")
         if wid in self.workers:
@@ -175,8 +186,11 @@ class SchedulerService:
     async def _register(self, ident: bytes, m: Register) -> None:
         if m.role not in ("rollout", "reward", "trainer"):
             raise ValueError(f"register: role {m.role!r} is not rollout | reward | trainer")
-        if ident.decode(errors="replace") != m.worker_id:
+        if worker_of(ident) != m.worker_id:
             raise ValueError(f"register: socket identity {ident!r} differs from worker_id {m.worker_id!r}")
+        if self.roster is not None and (why := self.roster.check(m.role, m.worker_id, m.token)):
+            log.error("refused a registration as %s %s (pid %d, host %r): %s", m.role, m.worker_id, m.pid, m.host, why)
+            raise ValueError(f"register: {why}")
         old = self.workers.get(m.worker_id)
         if old is not None:
             if old["role"] != m.role:

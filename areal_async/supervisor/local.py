@@ -33,6 +33,7 @@ from typing import Optional
 
 from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import plan_endpoints
+from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.supervisor.servers import SERVER_ROLE, launch_blocker, plan_server_addresses, server_commands
 from areal_async.supervisor.placement import (PlacementError, Slot, check_gpus_present, local_gpu_count, place,
@@ -120,6 +121,7 @@ class LocalSupervisor:
         self.t0 = time.time()
         self._signal: Optional[int] = None
         self._run_end_seen: Optional[float] = None  # when the scheduler was first seen exited 0
+        self.tokens: dict[str, str] = {}  # worker id -> launch token (written by prepare)
 
     # ---- set-up --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -137,6 +139,9 @@ class LocalSupervisor:
         self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)
         host = self.cfg.cluster.host
         self.endpoints.extra["trainer_store"] = f"{host}:{free_tcp_port(host)}"  # the trainer ranks' group
+        # keys before endpoints.json: whoever finds the endpoints finds the keys (bring-your-own workers)
+        self.tokens = write_run_keys(self.run_dir, {wid: module.rsplit(".", 1)[-1]
+                                                    for wid, module, _ in worker_specs(self.cfg)})
         self.endpoints.save(self.run_dir)
         if resume:
             print(f"[areal-async] resuming from {resume}")
@@ -162,7 +167,7 @@ class LocalSupervisor:
                    "--index", str(idx)]
             if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
-            child_env = env | device_env(self.cfg, self.placement.get(wid))
+            child_env = env | device_env(self.cfg, self.placement.get(wid)) | self._token_env(wid)
             self.children.append(Child(wid, self._spawn(cmd, log_path, child_env), log_path, cmd, env=child_env))
         self._env = env
         self._write_pids()
@@ -185,6 +190,10 @@ class LocalSupervisor:
                 except subprocess.TimeoutExpired:
                     _signal_group(c.proc, signal.SIGKILL)
                     c.proc.wait(timeout=GRACE_S)
+
+    def _token_env(self, wid: str) -> dict:
+        """The launch token of worker ``wid`` (the same for its restarts), for its Register."""
+        return {TOKEN_ENV: self.tokens[wid]} if wid in self.tokens else {}
 
     @staticmethod
     def _spawn(cmd: list, log_path: Path, env: dict) -> subprocess.Popen:

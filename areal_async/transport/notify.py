@@ -4,7 +4,8 @@ The receiver (trainer) binds a PULL socket; each sender (rollout worker) connect
 zmq channel the whole message travels here; for shm/gloo/nccl/cuda_ipc only a note (a
 ``protocols.side`` message: tensor header + where the payload is) does, and the bytes move out of
 band. PUSH blocks at the high-water mark instead of dropping (see ``protocols.sockets``), so a note
-is never lost.
+is never lost. The receiver's PULL refuses frames over ``max_bytes`` (``ZMQ_MAXMSGSIZE``): a note
+is small (the control bound); the zmq channel, whose tensors travel here, passes its frame bound.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Optional
 
 import zmq
 
-from protocols.messages import SideMessage, decode, encode
+from protocols.messages import MAX_MESSAGE_BYTES, SideMessage, decode, encode
 from protocols.sockets import make_socket
 
 SEND_LINGER_MS = 5000  # a closing sender still flushes what it queued; LINGER 0 would drop it
@@ -23,7 +24,7 @@ SEND_LINGER_MS = 5000  # a closing sender still flushes what it queued; LINGER 0
 class Pipe:
     """One end of the PUSH/PULL pipe; ``role`` is 'sender' or 'receiver'."""
 
-    def __init__(self, role: str, endpoint: str):
+    def __init__(self, role: str, endpoint: str, max_bytes: int = MAX_MESSAGE_BYTES):
         if role not in ("sender", "receiver"):
             raise ValueError(f"role={role!r}: expected 'sender' or 'receiver'")
         if not isinstance(endpoint, str) or "://" not in endpoint:
@@ -34,7 +35,7 @@ class Pipe:
             self.sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint)
             self.sock.setsockopt(zmq.LINGER, SEND_LINGER_MS)
         else:
-            self.sock = make_socket(self.ctx, zmq.PULL, bind=endpoint)
+            self.sock = make_socket(self.ctx, zmq.PULL, bind=endpoint, max_bytes=max_bytes)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if role == "receiver" else endpoint
 
     def wait(self, deadline: Optional[float]) -> None:

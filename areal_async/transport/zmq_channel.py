@@ -11,7 +11,9 @@ number of receivers may fetch, at any time until ``release(version)``; ``publish
 ``expect_receivers`` complete fetches (0: returns at once). Buckets are packed up front rather
 than pipelined with the wire because receivers fetch at their own pace, long after packing.
 
-Not covered: encryption/authentication (use it on a trusted network, like the control plane).
+Authentication and encryption: CURVE with the run's keys on ``tcp://`` (``protocols.curve``), as
+on the control plane. Size limits: a fetch accepts no frame larger than the manifest's biggest
+bucket; the trajectory receiver none larger than ``max_frame_bytes``.
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ _CANCEL_POLL_S = 0.1  # how often a waiting fetch checks whether its channel was
 WINDOW = 4  # buckets requested ahead: keeps the pipe full without buffering the whole model
 
 
+TENSOR_FRAME_MAX_BYTES = 1 << 30  # default bound of one inbound tensor frame (ZMQ_MAXMSGSIZE)
+_HEADER_ROOM = 1 << 20  # a bucket reply's header frame, beside the bucket itself
+
+
 class ZmqTensorChannel(TensorChannel):
-    def __init__(self, *, role: str, endpoint: str):
-        self._pipe = Pipe(role, endpoint)
+    """``max_frame_bytes``: the receiver drops (at the socket) a sender that sends a larger frame."""
+
+    def __init__(self, *, role: str, endpoint: str, max_frame_bytes: int = TENSOR_FRAME_MAX_BYTES):
+        self._pipe = Pipe(role, endpoint, max_bytes=max_frame_bytes)
         self.endpoint = self._pipe.endpoint
 
     def send(self, key: str, tensors: Tensors, meta: Optional[dict] = None) -> None:
@@ -111,7 +119,9 @@ class ZmqWeightChannel(WeightChannel):
 def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float,
            cancel: Optional[threading.Event] = None) -> list[torch.Tensor]:
     """Request buckets 0..n-1 (``WINDOW`` ahead) and return them in order, checked against ``sizes``."""
-    sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=endpoint)
+    # no reply may be larger than the biggest bucket the manifest declared
+    bound = max(sizes, default=0) + _HEADER_ROOM
+    sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=endpoint, max_bytes=bound)
     try:
         out: list[torch.Tensor] = []
         asked = 0
