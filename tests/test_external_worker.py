@@ -17,6 +17,8 @@ from areal_async import Fleet, load_config
 from areal_async.client.reward import RewardWorker
 from workers.external_reward import score
 
+from areal_async.base.runkeys import write_run_keys
+
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["total_train_steps=6", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
         "rollout.dump_to_file=true", "cluster.heartbeat_s=0.5", "cluster.worker_timeout_s=3",
@@ -78,6 +80,7 @@ def test_reward_worker_refuses_a_slot_the_fleet_lacks(tmp_path):
     (tmp_path / "config.yaml").write_text(__import__("areal_async.config", fromlist=["to_yaml"]).to_yaml(cfg))
     (tmp_path / "endpoints.json").write_text(json.dumps({"control": "ipc:///x", "trajectories": "ipc:///y",
                                                          "rewards": ["ipc:///r0", "ipc:///r1"]}))
+    write_run_keys(tmp_path, {})  # a run directory holds its keys (the supervisor writes them)
     with pytest.raises(ValueError, match="slot=1: .* keeps 1 bring-your-own reward slot"):
         RewardWorker(tmp_path, score, slot=1)
     with pytest.raises(FileNotFoundError, match="is a fleet running"):

@@ -100,8 +100,8 @@ def launch_token() -> str:
 
 
 class Roster:
-    """What the supervisor launched: worker id -> (role, token hash); re-read when an id is unknown
-    (``add_external_worker`` may have added one)."""
+    """What the supervisor launched: worker id -> (role, token hash); re-read whenever the file changed
+    (``add_external_worker`` may have added or renewed an id since)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -112,15 +112,23 @@ class Roster:
     def of_run(cls, run_dir: str | Path) -> "Roster":
         return cls(Path(run_dir) / KEYS_DIR / "roster.json")
 
+    def _stamp(self) -> tuple:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return ()
+        return st.st_mtime_ns, st.st_size
+
     def reload(self) -> None:
         try:
+            self.stamp = self._stamp()
             self.entries = json.loads(self.path.read_text())
         except (OSError, ValueError) as e:
             raise RuntimeError(f"{self.path}: the run's roster is missing or unreadable ({e})") from e
 
     def check(self, role: str, worker_id: str, token: str) -> Optional[str]:
         """Why this registration does not match what the supervisor launched, or None."""
-        if worker_id not in self.entries:
+        if self._stamp() != self.stamp:  # changed since (a bring-your-own worker joined or joined again)
             self.reload()
         entry = self.entries.get(worker_id)
         if entry is None:
