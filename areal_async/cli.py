@@ -5,6 +5,8 @@
     areal-async knobs                      # every config key with its help text
     areal-async data prepare INPUT -o OUTPUT [--format auto|boba|gsm8k|math] [--skip-bad]
     areal-async check-plugin module:obj [--kind auto|reward|workflow] [--timeout-s S]
+    areal-async eval CONFIG [--model DIR] [--data FILE] [--out DIR] [-k K | --greedy] [key=value ...]
+    areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. Nothing here imports torch except
@@ -37,7 +39,33 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("knobs", help="list every config key with its help")
     _data_parser(sub)
     _add_check_plugin(sub)
+    _eval_parser(sub)
+    pl = sub.add_parser("plot", help="PNG curves of a run (reward, staleness, throughput, loss, KL, eval)")
+    pl.add_argument("run_dir", help="a run directory (with metrics.jsonl)")
+    pl.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")
     return p
+
+
+def _eval_parser(sub) -> None:
+    e = sub.add_parser("eval", help="pass@1 over k samples per problem, with a 95%% confidence interval")
+    e.add_argument("config", help="YAML preset (model shape, template, evaluator.*, reward.*)")
+    e.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    e.add_argument("--model", default=None, help="HF model directory (a checkpoint, RUN_DIR/model); default: the "
+                                                 "policy an RL run of CONFIG starts from (after its SFT warm-up)")
+    e.add_argument("--data", default=None, help="jsonl of problems (training format); default evaluator.path, "
+                                                "else the training prompts")
+    e.add_argument("--out", default=None, help="output directory (default runs/eval-<name>-<time>)")
+    e.add_argument("-k", type=int, default=None, help="samples per problem (evaluator.n_samples)")
+    e.add_argument("--greedy", action="store_true", help="greedy decoding, one sample per problem")
+
+
+def _eval_overrides(args) -> list[str]:
+    """-k / --greedy as the evaluator.* overrides they stand for (given last: they win)."""
+    if args.greedy and args.k not in (None, 1):
+        raise ConfigError(f"-k {args.k} with --greedy: greedy samples are identical, expected -k 1 or no -k")
+    if args.greedy:
+        return ["evaluator.greedy=true", "evaluator.n_samples=1"]
+    return ["evaluator.greedy=false", f"evaluator.n_samples={args.k}"] if args.k is not None else []
 
 
 def _data_parser(sub) -> None:
@@ -64,8 +92,21 @@ def _data_prepare(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from areal_async.app.plot import PlotError, plot_run
+
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except PlotError as e:
+        print(f"areal-async plot: error: {e}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"{p}  ({p.stat().st_size / 1024:.0f} KiB)")
+    return 0
+
+
 NO_CONFIG = {"knobs": lambda args: _knobs(), "data": lambda args: _data_prepare(args),
-             "check-plugin": lambda args: _check_plugin(args)}
+             "check-plugin": lambda args: _check_plugin(args), "plot": _plot}
 
 
 def _knobs() -> int:
@@ -105,13 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in NO_CONFIG:
         return NO_CONFIG[args.cmd](args)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides + (_eval_overrides(args) if args.cmd == "eval" else []))
     except ConfigError as e:
         print(f"areal-async: config error: {e}", file=sys.stderr)
         return 2
-    if args.dry_run:
+    if getattr(args, "dry_run", False):
         print(to_yaml(cfg), end="")
         return 0
+    if args.cmd == "eval":
+        from areal_async.app.evaluate import run_eval
+
+        out = Path(args.out or f"runs/eval-{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return run_eval(cfg, args.model, args.data, out)
     run_dir = Path(args.run_dir or f"runs/{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if args.cmd == "sft":
         from areal_async.app.sft import run_sft

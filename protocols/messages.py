@@ -215,6 +215,14 @@ class TrainStepDone(Message):
 
 
 @message
+class EvalDone(Message):
+    """trainer -> scheduler: the periodic evaluator's result for the weights of `version` (a metrics row)."""
+    TYPE: ClassVar[str] = "eval_done"
+    version: int
+    metrics: dict = field(default_factory=dict)  # eval_pass1, eval_pass1_ci_low / _high, eval_k, ...
+
+
+@message
 class WeightsPublished(Message):
     """trainer -> rollout workers (via the scheduler): new weights are on the weight channel."""
     TYPE: ClassVar[str] = "weights_published"

@@ -39,12 +39,13 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
 
 def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:
     """The embedded engine; it starts without weights (version -1): version 0 comes from the trainer."""
-    if cfg.model.path:
-        model = load_model(cfg.model.path, cfg.model.dtype)
-    else:
-        model = build_model(cfg.model, len(tok), cfg.seed)
-    return TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
+    return TorchEngine(torch_engine_model(cfg, tok), tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
                        max_batch_groups=cfg.rollout.max_batch_groups)
+
+
+def torch_engine_model(cfg: ExperimentConfig, tok):
+    """A model of the policy's shape for an engine that receives its weights later (loaded or built)."""
+    return load_model(cfg.model.path, cfg.model.dtype) if cfg.model.path else build_model(cfg.model, len(tok), cfg.seed)
 
 
 def sglang_engine(cfg: ExperimentConfig, ep: Endpoints, run_dir: str | Path, worker_id: str, index: int,

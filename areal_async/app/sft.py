@@ -45,13 +45,12 @@ from typing import Iterator, Sequence
 
 import torch
 
+from areal_async.app.evaluate import Sampling, sample_completions, torch_eval_engine
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.data.prompts import Problem, load_problems, prompt_encoder, sft_examples
 from areal_async.models.tiny import load_model, load_policy, save_policy
 from areal_async.reward.pool import RewardPool
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.trainer.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, prune
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer
@@ -331,24 +330,11 @@ def evaluate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem], poo
 
 
 def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> list[list[str]]:
-    """Decoded completions, ``evaluator.n_samples`` per problem, in problem order."""
-    engine = TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed,
-                         max_batch_groups=cfg.rollout.max_batch_groups)
+    """Decoded completions, ``evaluator.n_samples`` per problem, in problem order (as ``areal-async eval``)."""
     enc = prompt_encoder(tok, cfg.train_dataset.template)
-    for i, p in enumerate(problems):
-        engine.add_request(_eval_request(cfg, f"eval-{i}", enc(p.prompt)))
-    done = {}
-    while engine.has_work():
-        done.update({g.group_id: g for g in engine.step()})
-    return [[tok.decode(s.output_ids, skip_special_tokens=True) for s in done[f"eval-{i}"].samples]
-            for i in range(len(problems))]
-
-
-def _eval_request(cfg: ExperimentConfig, group_id: str, prompt_ids: list[int]):
-    e = cfg.evaluator
-    return GenRequest(group_id, prompt_ids, n=e.n_samples, max_new_tokens=_eval_max_new_tokens(cfg),
-                      temperature=e.temperature, top_p=e.top_p, greedy=e.greedy,
-                      stop_token_ids=tuple(cfg.gconfig.stop_token_ids))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return sample_completions(torch_eval_engine(cfg, model, tok), decode, [enc(p.prompt) for p in problems],
+                              Sampling.from_config(cfg))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,12 +15,15 @@ import torch
 import zmq.asyncio
 
 from areal_async.app.channels import trajectory_channel, weight_channel
+from areal_async.app.evaluate import PeriodicEvaluator
+from areal_async.app.policy import warmup
+from areal_async.app.rollout_worker import torch_engine_model
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig
-from areal_async.data.prompts import keep_short, load_problems, prompt_encoder, sft_examples
 from areal_async.models.tiny import load_model, load_policy, to_dtype
 from areal_async.models.tokenizer import load_tokenizer
+from areal_async.reward.pool import RewardPool
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import prune
@@ -28,7 +31,6 @@ from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, ini
 from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
-from areal_async.trainer.sft import SFTTrainer
 
 
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
@@ -61,7 +63,16 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
     weights = weight_channel(cfg, ep, "publisher", rank=0)
     return TrainerService(control_client(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights,
                           checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards), start_step=start_step,
-                          start_version=start_version, publish_dtype=dtype, bucket_bytes=bucket_bytes)
+                          start_version=start_version, publish_dtype=dtype, bucket_bytes=bucket_bytes,
+                          evaluator=_evaluator(cfg, tok))
+
+
+def _evaluator(cfg: ExperimentConfig, tok) -> PeriodicEvaluator | None:
+    """The periodic evaluator (evaluator.freq_steps > 0): a model of its own, as a rollout worker has,
+    and a reward pool of its own."""
+    if cfg.evaluator.freq_steps == 0:
+        return None
+    return PeriodicEvaluator(cfg, torch_engine_model(cfg, tok), tok, RewardPool.from_config(cfg.reward))
 
 
 def _join_ranks(cfg: ExperimentConfig, store: str, rank: int, dtype: torch.dtype) -> DataParallel:
@@ -120,16 +131,3 @@ def _checkpointer(cfg: ExperimentConfig, run_dir: str | Path, actor: PPOActor, t
         return path
 
     return save
-
-
-def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
-    """The optional SFT warm-up that makes the initial weights (version 0)."""
-    if cfg.sft_warmup.steps == 0:
-        return []
-    d = cfg.train_dataset
-    problems = load_problems(d, cfg.seed)
-    kept = keep_short(problems, prompt_encoder(tok, d.template), d.max_prompt_len).kept
-    examples = sft_examples([problems[i] for i in kept], tok, d.template)
-    if not examples:
-        raise ValueError("sft_warmup.steps > 0 but the training dataset has no 'answer' fields to imitate")
-    return SFTTrainer(model, cfg.sft_warmup, cfg.actor.mb_spec.max_tokens_per_mb, seed=cfg.seed).run(examples)

@@ -98,7 +98,8 @@ class VLLMConfig(Section):
 
 @dataclass
 class EvaluatorConfig(Section):
-    """Evaluation sampling: used by ``areal-async sft`` before and after training (RL runs don't evaluate yet).
+    """Evaluation sampling: ``areal-async eval``, ``areal-async sft`` before and after training, ``data filter``,
+    and the periodic evaluator of RL runs (``freq_steps``).
 
     Accuracy is the mean reward (reward.fn) over all samples = pass@1 averaged over n_samples
     (seed: 32 samples; SFT models at temperature 0.6, top_p 0.95; RL models at 1.0)."""
@@ -112,6 +113,10 @@ class EvaluatorConfig(Section):
     max_new_tokens: int = _f(0, "Generated tokens per sample; 0 = gconfig.max_new_tokens.")
     max_problems: int = _f(0, "Evaluate at most this many problems per split (its first ones: seeded order for "
                               "tiny_arith, file order for jsonl); 0 = all.")
+    path: Optional[str] = _f(None, "jsonl of evaluation problems (the training format); None = the training "
+                                   "prompts. `areal-async eval --data FILE` overrides it.")
+    freq_steps: int = _f(0, "RL: evaluate the policy at version 0, every N versions and the last one, in the "
+                            "trainer (it waits), a row per evaluation in metrics.jsonl (kind 'eval'); 0 = off.")
 
     def check(self) -> None:
         at_least(self, "n_samples", 1)
@@ -121,6 +126,7 @@ class EvaluatorConfig(Section):
         within(self, "top_p", "(0, 1]")
         at_least(self, "max_new_tokens", 0, " (0 = gconfig.max_new_tokens)")
         at_least(self, "max_problems", 0, " (0 = all)")
+        at_least(self, "freq_steps", 0, " (0 = off)")
 
 
 @dataclass
@@ -172,9 +178,19 @@ class RecoverConfig(Section):
 
 @dataclass
 class StatsLoggerConfig(Section):
-    """Progress output."""
+    """Progress output and where metrics rows go besides RUN_DIR/metrics.jsonl."""
 
     progress: bool = _f(True, "Live progress line on the supervisor's terminal.")
+    tensorboard: bool = _f(False, "Also write every metrics.jsonl key as a TensorBoard scalar to RUN_DIR/tensorboard "
+                                  "(needs the 'tensorboard' package: the 'tb' extra).")
+    wandb_project: Optional[str] = _f(None, "Also log every row to this Weights & Biases project (needs 'wandb' "
+                                            "installed); None = off.")
+    wandb_mode: str = _f("online", "wandb mode: online | offline (files under RUN_DIR/wandb, `wandb sync` later).")
+
+    def check(self) -> None:
+        one_of(self, "wandb_mode", ("online", "offline"))
+        require(self.wandb_project is None or bool(self.wandb_project.strip()), "wandb_project", self.wandb_project,
+                "a project name or null")
 
 
 @dataclass
@@ -200,7 +216,7 @@ class ExperimentConfig(Section):
     sft: SFTConfig = _sub(SFTConfig, "Standalone SFT.")
     saver: SaverConfig = _sub(SaverConfig, "Checkpointing.")
     recover: RecoverConfig = _sub(RecoverConfig, "Resuming.")
-    stats_logger: StatsLoggerConfig = _sub(StatsLoggerConfig, "Progress output.")
+    stats_logger: StatsLoggerConfig = _sub(StatsLoggerConfig, "Progress output, TensorBoard, wandb.")
 
     def check(self) -> None:
         """Rules joining sections (each section checked its own fields when it was built)."""
@@ -209,6 +225,10 @@ class ExperimentConfig(Section):
         require(self.actor.ppo_n_minibatches <= per_step, "actor.ppo_n_minibatches", self.actor.ppo_n_minibatches,
                 f"<= samples per step ({per_step})")
         self._check_sglang_fleet()
+        sharded = self.cluster.n_trainer_ranks > 1 or self.model.dtype != "float32"
+        require(self.evaluator.freq_steps == 0 or not sharded, "evaluator.freq_steps", self.evaluator.freq_steps,
+                "0 with a sharded trainer (cluster.n_trainer_ranks > 1 or model.dtype != float32): the periodic "
+                "evaluator copies unsharded weights; evaluate its checkpoints with `areal-async eval`", )
 
     def _check_sglang_fleet(self) -> None:
         b, cl = self.rollout.backend, self.cluster

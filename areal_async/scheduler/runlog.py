@@ -6,6 +6,9 @@
   trained or aborted (id, prompt_id, status, train_step, version_min, version_max, reward...).
 - ``summary.json``: written once at the end.
 
+Metrics rows also go to the ``StatsSink``s given (TensorBoard, wandb: ``sinks.py``); a sink that
+fails is logged and dropped, and metrics.jsonl stays the record.
+
 Lines are flushed as they are written so a crash loses nothing already logged. A resumed run
 truncates both jsonl files back to the byte offsets stored in its checkpoint and keeps what it
 cut in ``*.rolled_back.jsonl``: the books then continue from the checkpoint's accounting.
@@ -14,10 +17,14 @@ cut in ``*.rolled_back.jsonl``: the books then continue from the checkpoint's ac
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from areal_async.scheduler.ledger import SampleRecord, SampleState
+from areal_async.scheduler.sinks import StatsSink
+
+log = logging.getLogger("areal_async.scheduler")
 
 
 def sample_line(rec: SampleRecord) -> dict:
@@ -29,8 +36,9 @@ def sample_line(rec: SampleRecord) -> dict:
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, dump_trajectories: bool):
+    def __init__(self, run_dir: str | Path, dump_trajectories: bool, sinks: list[StatsSink] | None = None):
         self.dir = Path(run_dir)
+        self.sinks = list(sinks or [])
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.dir / "metrics.jsonl"
         self.traj_path = self.dir / "trajectories.jsonl" if dump_trajectories else None
@@ -47,6 +55,12 @@ class RunLog:
     def metrics(self, row: dict) -> None:
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        for sink in list(self.sinks):
+            try:
+                sink.log(row)
+            except Exception:  # any failure of a sink's library: the jsonl row is written, drop the sink
+                log.exception("metrics sink %s failed; it gets no more rows", type(sink).__name__)
+                self.sinks.remove(sink)
 
     def offsets(self) -> dict:
         return {"metrics": self._metrics.tell(), "trajectories": self._traj.tell() if self._traj else 0}
@@ -60,6 +74,8 @@ class RunLog:
         for f in (self._metrics, self._traj):
             if f:
                 f.close()
+        for sink in self.sinks:
+            sink.close()
 
     @staticmethod
     def rollback(run_dir: str | Path, offsets: dict) -> dict:

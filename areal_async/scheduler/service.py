@@ -26,7 +26,7 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from protocols.messages import (BatchPlan, CheckpointRequest, Error, Heartbeat, Message, Ping, Pong,
+from protocols.messages import (BatchPlan, CheckpointRequest, Error, EvalDone, Heartbeat, Message, Ping, Pong,
                                 Register, RegisterAck, RewardResult, Shutdown, TrainerReady, TrainStepDone,
                                 TrajectoryReady, WeightsLoaded, WeightsPublished)
 from protocols.sockets import make_socket, recv_message, send_message
@@ -38,6 +38,7 @@ from areal_async.base.endpoints import Endpoints
 from areal_async.base.runkeys import Roster
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.runlog import RunLog
+from areal_async.scheduler.sinks import sinks_from_config
 
 log = logging.getLogger("areal_async.scheduler")
 
@@ -66,7 +67,8 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
 
 
 _SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward",),
-            WeightsPublished: ("trainer",), TrainerReady: ("trainer",), TrainStepDone: ("trainer",)}
+            WeightsPublished: ("trainer",), TrainerReady: ("trainer",), TrainStepDone: ("trainer",),
+            EvalDone: ("trainer",)}
 
 
 def _checkpoint_state(path: str) -> dict:
@@ -88,7 +90,7 @@ class SchedulerService:
             # a resumed run continues the books from the checkpoint (nothing, if there is none)
             cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
             log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
-        self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file)
+        self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file, sinks_from_config(cfg, run_dir))
         self.core, self.prompts = build_core(cfg, tokenize, self.runlog)
         if ckpt_state is not None:
             self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
@@ -98,7 +100,9 @@ class SchedulerService:
         self._last_save = time.monotonic()
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
-        self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen}
+        self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen, pid, host, samples, ...}
+        self.counts = {"generated": 0, "rewarded": 0}  # samples accepted from rollout / reward workers
+        self.registrations: dict[str, int] = {}  # worker_id -> times registered (a lost worker's entry stays)
         self.latest_weights: Optional[WeightsPublished] = None
         self.done = asyncio.Event()
         self.exit_code = 0
@@ -174,7 +178,7 @@ class SchedulerService:
         return {Heartbeat: self._heartbeat, Ping: self._ping, TrajectoryReady: self._trajectory,
                 RewardResult: self._reward, WeightsPublished: self._weights_published,
                 WeightsLoaded: self._weights_loaded, TrainerReady: self._trainer_ready, TrainStepDone: self._step_done,
-                Error: self._worker_error}
+                Error: self._worker_error, EvalDone: self._eval_done}
 
     async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
         self.workers[wid]["stats"] = msg.stats
@@ -197,7 +201,9 @@ class SchedulerService:
                 raise ValueError(f"register: {m.worker_id!r} is registered as a {old['role']} worker, not {m.role}")
             # a restarted worker (new pid, same id): what its old incarnation held is gone
             await self._lose(m.worker_id, f"restarted (pid {old.get('pid')} -> {m.pid})")
-        self.workers[m.worker_id] = {"role": m.role, "ident": ident, "last_seen": time.monotonic(), "pid": m.pid}
+        self.workers[m.worker_id] = {"role": m.role, "ident": ident, "last_seen": time.monotonic(), "pid": m.pid,
+                                     "host": m.host, "since": time.monotonic()}
+        self.registrations[m.worker_id] = self.registrations.get(m.worker_id, 0) + 1  # restarts = this - 1
         log.info("registered %s %s (pid %d)", m.role, m.worker_id, m.pid)
         await self.send(m.worker_id, RegisterAck(worker_id=m.worker_id, version=self.core.version))
         if self.done.is_set():  # a worker restarted just as the run ended: nothing left for it
@@ -212,11 +218,20 @@ class SchedulerService:
         why = self.core.on_trajectory(m)
         if why:
             log.warning("ignored trajectory from %s: %s", wid, why)
+        else:
+            self._count(wid, "generated", len(m.sample_ids))
 
     async def _reward(self, wid: str, m: RewardResult) -> None:
         why = self.core.on_reward(m)
         if why:
             log.warning("ignored reward from %s: %s", wid, why)
+        else:
+            self._count(wid, "rewarded", len(m.sample_ids))
+
+    def _count(self, wid: str, what: str, n: int) -> None:
+        """Samples a worker delivered (per worker: status throughput; in total: the metrics rows)."""
+        self.counts[what] += n
+        self.workers[wid]["samples"] = self.workers[wid].get("samples", 0) + n
 
     async def _weights_published(self, wid: str, m: WeightsPublished) -> None:
         self.latest_weights = m
@@ -243,9 +258,16 @@ class SchedulerService:
         self.runlog.metrics(self._metrics_row(m, trained))
         self.core.ledger.forget_final()
         if self.core.finished:
+            if self.cfg.saver.freq_steps or self.cfg.saver.freq_secs:
+                await self._request_checkpoint(m.step)  # the final weights too (saved before the trainer's Shutdown)
             await self._finish()
         elif self._save_due(m.step):
             await self._request_checkpoint(m.step)
+
+    async def _eval_done(self, wid: str, m: EvalDone) -> None:
+        """The periodic evaluator's row: kind 'eval', step = trainer steps behind this version."""
+        self.runlog.metrics({"kind": "eval", "step": m.version, "version": m.version, **m.metrics,
+                             "wall_s": time.time() - self.t0})
 
     def _save_due(self, step: int) -> bool:
         sv = self.cfg.saver
@@ -268,6 +290,7 @@ class SchedulerService:
                "staleness_max": max((m.step - r.version_min for r in trained), default=0),
                "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
                "samples_trained": len(trained), "samples_trained_total": self.core.ledger.n_trained,
+               "samples_generated_total": self.counts["generated"], "samples_rewarded_total": self.counts["rewarded"],
                "samples_aborted_total": self.core.ledger.n_aborted,
                "step_s": now - self._step_t, "wall_s": now - self.t0,
                # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)

@@ -371,9 +371,11 @@ def last_metrics(path: Path) -> Optional[dict]:
         return None
     for line in reversed(lines):
         try:
-            return json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if "kind" not in row:  # a trainer step's row (evaluation rows have kind 'eval')
+            return row
     return None
 
 

@@ -10,6 +10,8 @@
                            ─> publish weights of version step+1; TrainStepDone(step, version)
       CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py)
       Shutdown              ─> exit
+    periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
+      weights are published and before TrainStepDone: evaluate (executor) ─> EvalDone(version, metrics)
 
 With K data-parallel ranks (``dp.py``), rank 0 is this service; before each collective phase it
 broadcasts a command to ranks 1..K-1 (``FollowerRank``), which have no control plane:
@@ -30,7 +32,7 @@ import time
 
 import torch
 
-from protocols.messages import (BatchPlan, CheckpointRequest, Shutdown, TrainerReady, TrainStepDone,
+from protocols.messages import (BatchPlan, CheckpointRequest, EvalDone, Shutdown, TrainerReady, TrainStepDone,
                                 WeightsPublished)
 
 from areal_async.base.control import ControlClient
@@ -91,8 +93,9 @@ class TrajectoryBuffer:
 class TrainerService:
     def __init__(self, control: ControlClient, actor: PPOActor, traj_channel, weight_channel,
                  checkpointer=None, start_step: int = 0, start_version: int = 0, plan_timeout_s: float = 300.0,
-                 publish_dtype: torch.dtype = torch.float32, bucket_bytes: int = 64 << 20):
+                 publish_dtype: torch.dtype = torch.float32, bucket_bytes: int = 64 << 20, evaluator=None):
         self.control, self.actor = control, actor
+        self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
         self.buffer = TrajectoryBuffer(traj_channel)
         self.weights = weight_channel
         self.checkpointer = checkpointer
@@ -106,6 +109,7 @@ class TrainerService:
         await self.publish(self.version)
         await self.control.send(TrainerReady(version=self.version, next_step=self.next_step))
         try:
+            await self.evaluate()
             return await self._loop()
         finally:
             self.close()
@@ -118,6 +122,8 @@ class TrainerService:
             self.buffer.thread.join(timeout=5)
         for ch in (self.buffer.channel, self.weights):
             ch.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
 
     async def _loop(self) -> int:
         while True:
@@ -162,6 +168,7 @@ class TrainerService:
         self.next_step, self.version = plan.step + 1, plan.step + 1
         await self.publish(self.version)
         metrics.update(wait_data_s=t1 - t0, train_s=t2 - t1, publish_s=self.publish_s)
+        await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
         await self.control.send(TrainStepDone(step=plan.step, version=self.version,
                                               metrics={k: float(v) for k, v in metrics.items()}))
 
@@ -169,6 +176,15 @@ class TrainerService:
         """Every rank trains on this batch: the others get the command and the batch first."""
         self.actor.dp.command(CMD_TRAIN, step)
         return self.actor.train_step(self.actor.dp.broadcast_batch(trajs))
+
+    async def evaluate(self) -> None:
+        """Run the periodic evaluator on the current weights when it is due; its row goes to the scheduler."""
+        if self.evaluator is None or not self.evaluator.due(self.version):
+            return
+        sd = {k: v.detach() for k, v in self.actor.model.state_dict().items()}
+        metrics = await asyncio.get_running_loop().run_in_executor(None, self.evaluator, self.version, sd)
+        log.info("evaluation of version %d: %s", self.version, metrics)
+        await self.control.send(EvalDone(version=self.version, metrics=metrics))
 
     async def checkpoint(self, req: CheckpointRequest) -> None:
         if self.checkpointer is None:

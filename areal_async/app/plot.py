@@ -1,0 +1,240 @@
+"""``areal-async plot RUN_DIR``: PNG curves of a run, for a report.
+
+Reads ``metrics.jsonl`` (trainer-step rows and, with ``evaluator.freq_steps``, evaluation rows)
+and ``trajectories.jsonl`` when the run dumped it; writes into ``RUN_DIR/plots`` (or ``--out``):
+
+    reward.png       reward per step (task score in [0, 1]) and its moving average
+    staleness.png    trained samples by staleness (train step - oldest token version), and the
+                     per-step mean / max over the run
+    throughput.png   samples/s per role against wall time: rollout (generated), reward (scored),
+                     trainer (trained), each a rate over a moving window of rows
+    loss.png         loss statistics: loss, clip fraction, importance weights, rejected fraction,
+                     entropy, grad norm (raw and moving average)
+    kl.png           behaviour KL (how far off-policy the trained tokens were) and the
+                     proximal-current approx KL, per step
+    eval.png         periodic evaluation: pass@1 with its 95 % interval per policy version
+                     (only when the run has evaluation rows)
+
+Each figure has labelled axes with units; raw series are drawn thin, moving averages bold
+(window: about a twentieth of the run, at least 1). A run directory without any step row is an
+error naming what is missing. Needs matplotlib (the 'bench' extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+
+class PlotError(ValueError):
+    """Nothing to plot (no metrics rows), or matplotlib is missing; the message says which."""
+
+
+def read_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise PlotError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    return rows
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def window_for(n: int) -> int:
+    return max(1, n // 20)
+
+
+def rates(rows: list[dict], key: str, window: int) -> tuple[list[float], list[float]]:
+    """(wall time, d key / d wall) over a window of rows: a cumulative counter -> per-second rate."""
+    pts = [(r["wall_s"], r[key]) for r in rows if key in r and "wall_s" in r]
+    xs, ys = [], []
+    for i in range(1, len(pts)):
+        j = max(0, i - window)
+        dt = pts[i][0] - pts[j][0]
+        if dt > 0:
+            xs.append(pts[i][0])
+            ys.append((pts[i][1] - pts[j][1]) / dt)
+    return xs, ys
+
+
+def plot_run(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[Path]:
+    """Write the PNGs; returns their paths. ``PlotError`` when the run has no step rows."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PlotError(f"{run_dir}: not a directory")
+    rows = read_rows(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "kind" not in r and "step" in r]
+    if not steps:
+        raise PlotError(f"{run_dir}: no trainer-step rows in metrics.jsonl "
+                        f"({'file missing' if not (run_dir / 'metrics.jsonl').exists() else 'empty'}): nothing to plot")
+    plt = _pyplot()
+    out = Path(out_dir) if out_dir else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    trajs = read_rows(run_dir / "trajectories.jsonl")
+    figures: list[tuple[str, Callable]] = [
+        ("reward.png", lambda ax: _reward(ax, steps)),
+        ("staleness.png", lambda ax: _staleness(ax, steps, trajs)),
+        ("throughput.png", lambda ax: _throughput(ax, steps)),
+        ("loss.png", lambda ax: _loss(ax, steps)),
+        ("kl.png", lambda ax: _kl(ax, steps)),
+    ] + ([("eval.png", lambda ax: _eval(ax, evals))] if evals else [])
+    paths = []
+    for name, draw in figures:
+        paths.append(_save(plt, out / name, draw, _layout(name), _title(run_dir, name)))
+    return paths
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise PlotError(f"areal-async plot needs matplotlib (pip install -e '.[bench]'): {e}") from None
+    return plt
+
+
+def _layout(name: str) -> tuple[int, int]:
+    return {"staleness.png": (1, 2), "loss.png": (2, 3)}.get(name, (1, 1))
+
+
+def _title(run_dir: Path, name: str) -> str:
+    what = {"reward.png": "Reward", "staleness.png": "Staleness", "throughput.png": "Throughput per role",
+            "loss.png": "Loss statistics", "kl.png": "KL", "eval.png": "Evaluation"}[name]
+    return f"{what} - {run_dir.name}"
+
+
+def _save(plt, path: Path, draw: Callable, layout: tuple[int, int], title: str) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    rows, cols = layout
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows + 0.4), squeeze=False)
+    draw(axes.ravel() if rows * cols > 1 else axes[0][0])
+    for ax in axes.ravel():
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and versions are whole numbers
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _series(ax, xs: list, ys: list, label: str, color: str, window: int) -> None:
+    """Raw values thin, their moving average bold."""
+    ax.plot(xs, ys, color=color, alpha=0.3, linewidth=0.8)
+    ax.plot(xs, moving_average(ys, window), color=color, linewidth=1.8, label=f"{label} (avg of {window})")
+
+
+def _xy(rows: list[dict], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _reward(ax, steps: list[dict]) -> None:
+    xs, ys = _xy(steps, "reward_mean")
+    _series(ax, xs, ys, "reward_mean", "tab:blue", window_for(len(ys)))
+    ax.set(xlabel="trainer step", ylabel="reward (task score, 0 to 1)", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+
+
+def _staleness(axes, steps: list[dict], trajs: list[dict]) -> None:
+    hist, per_step = axes
+    trained = [t["train_step"] - t["version_min"] for t in trajs
+               if t.get("status") == "trained" and t.get("train_step") is not None]
+    if trained:
+        values = sorted(set(trained))
+        hist.bar(values, [trained.count(v) for v in values], color="tab:purple")
+        hist.set(xlabel="staleness (train step - oldest token version)", ylabel="trained samples",
+                 xticks=values)
+    else:
+        xs, ys = _xy(steps, "staleness_max")
+        values = sorted(set(ys))
+        hist.bar(values, [ys.count(v) for v in values], color="tab:purple")
+        hist.set(xlabel="max staleness in the step (versions)", ylabel="trainer steps", xticks=values)
+    hist.set_title("distribution")
+    w = window_for(len(steps))
+    for key, color in (("staleness_mean", "tab:purple"), ("staleness_max", "tab:gray")):
+        xs, ys = _xy(steps, key)
+        if ys:
+            _series(per_step, xs, ys, key, color, w)
+    per_step.set(xlabel="trainer step", ylabel="staleness (versions)", title="per step")
+    per_step.grid(alpha=0.3)
+    per_step.legend(loc="upper right")
+
+
+def _throughput(ax, steps: list[dict]) -> None:
+    w = max(2, window_for(len(steps)))
+    for key, label, color in (("samples_generated_total", "rollout: generated", "tab:green"),
+                              ("samples_rewarded_total", "reward: scored", "tab:orange"),
+                              ("samples_trained_total", "trainer: trained", "tab:blue")):
+        xs, ys = rates(steps, key, w)
+        if ys:
+            ax.plot(xs, ys, color=color, linewidth=1.6, label=label)
+    ax.set(xlabel="wall time since start (s)", ylabel=f"samples / s (over {w} steps)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+
+
+LOSS_PANELS = (("loss", "PPO loss", "loss (per token)"), ("clip_frac", "clipped tokens", "fraction of tokens"),
+               ("imp_weight_mean", "importance weight", "exp(prox - behav), mean"),
+               ("rejected_frac", "rejected tokens", "fraction of tokens"),
+               ("entropy", "entropy", "nats / token"), ("grad_norm", "gradient norm", "global L2 norm"))
+
+
+def _loss(axes, steps: list[dict]) -> None:
+    w = window_for(len(steps))
+    for ax, (key, title, unit) in zip(axes, LOSS_PANELS):
+        xs, ys = _xy(steps, key)
+        if ys:
+            _series(ax, xs, ys, key, "tab:red", w)
+            ax.legend(loc="best", fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"no '{key}' in metrics", ha="center", va="center", transform=ax.transAxes)
+        ax.set(xlabel="trainer step", ylabel=unit, title=title)
+        ax.grid(alpha=0.3)
+
+
+def _kl(ax, steps: list[dict]) -> None:
+    w = window_for(len(steps))
+    for key, label, color in (("behav_approx_kl", "behaviour vs proximal (off-policy)", "tab:brown"),
+                              ("approx_kl", "proximal vs current (update size)", "tab:cyan")):
+        xs, ys = _xy(steps, key)
+        if ys:
+            _series(ax, xs, ys, label, color, w)
+    ax.set(xlabel="trainer step", ylabel="approx. KL (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _eval(ax, evals: list[dict]) -> None:
+    xs = [r["version"] for r in evals]
+    ys = [r["eval_pass1"] for r in evals]
+    lo = [y - (r["eval_pass1_ci_low"] if r.get("eval_pass1_ci_low") is not None else y) for r, y in zip(evals, ys)]
+    hi = [(r["eval_pass1_ci_high"] if r.get("eval_pass1_ci_high") is not None else y) - y for r, y in zip(evals, ys)]
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", color="tab:green", capsize=4, label="pass@1, 95% CI")
+    k = evals[-1].get("eval_k")
+    n = evals[-1].get("eval_n_problems")
+    ax.set(xlabel="policy version (trainer steps)", ylabel=f"pass@1 (mean of {k} samples, {n} problems)",
+           ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
