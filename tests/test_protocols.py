@@ -31,6 +31,7 @@ SAMPLES = {
                                     statuses=["ok", "timeout"], details=["", "killed after 5.0 s"]),
     "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"]),
     "train_step_done": M.TrainStepDone(step=0, version=1, metrics={"loss": 0.1}, checkpoint=""),
+    "eval_done": M.EvalDone(version=4, metrics={"eval_pass1": 0.375, "eval_pass1_ci_low": None, "eval_k": 8}),
     "weights_published": M.WeightsPublished(version=1, manifest={"kind": "shm", "names": ["w"]}),
     "weights_loaded": M.WeightsLoaded(worker_id="r0", version=1),
     "trainer_ready": M.TrainerReady(version=0, next_step=0),
