@@ -193,7 +193,8 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
 
     run_ok(run_dir, *args, "recover.mode=auto", f"cluster.n_trainer_ranks={ranks_after}")
     pids = json.loads((run_dir / "pids.json").read_text())
-    assert sorted(k for k in pids if k.startswith("trainer")) == ["trainer"] + [f"trainer-{r}" for r in range(1, ranks_after)]
+    ranks = ["trainer"] + [f"trainer-{r}" for r in range(1, ranks_after)]
+    assert sorted(k for k in pids if k.startswith("trainer")) == ranks
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(12))  # steps after the checkpoint were redone once
     final = read_jsonl(run_dir / "trajectories.jsonl")

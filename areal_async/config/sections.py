@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areal_async.base.affinity import parse_cpu_list
-from areal_async.config.base import (CpuList, Section, _f, _sub, _unread, above, at_least, one_of, require,
+from areal_async.config.base import (CpuList, Section, _f, _sub, above, at_least, one_of, require,
                                      within)
 from protocols.channels import CHANNEL_KINDS
 
@@ -21,7 +21,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 NORM_LEVELS = ("group", "batch", "none")
 _BACKEND_RE = re.compile(r"^(torch|sglang)(:d([1-9][0-9]*))?$")
-UNREAD_BY_TRAINER = "the trainer-at-scale and launcher issues (10, 13)"
 
 
 def rollout_dp_degree(backend: str) -> int:

@@ -148,7 +148,8 @@ def shape_of(cfg: ExperimentConfig) -> ClusterShape:
     """The placement's view of a run's config."""
     cl = cfg.cluster
     extra = ("scheduler",) + tuple(f"reward-{i}" for i in range(cl.n_reward_workers))
-    gpus = rollout_gpu_count(cfg.rollout.backend, cl.device, cl.n_rollout_workers, rollout_dp_degree(cfg.rollout.backend))
+    backend = cfg.rollout.backend
+    gpus = rollout_gpu_count(backend, cl.device, cl.n_rollout_workers, rollout_dp_degree(backend))
     return ClusterShape(n_nodes=cl.n_nodes, n_gpus_per_node=cl.n_gpus_per_node, device=cl.device,
                         n_trainer_ranks=cl.n_trainer_ranks, n_rollout_workers=cl.n_rollout_workers,
                         rollout_gpus=gpus, extra_workers=extra)

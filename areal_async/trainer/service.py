@@ -218,7 +218,7 @@ class FollowerRank:
             try:
                 code = self.loop()
                 loop.call_soon_threadsafe(done.set_result, code)
-            except BaseException as e:  # noqa: BLE001 - handed to the event loop, which re-raises it
+            except BaseException as e:  # handed to the event loop, which re-raises it in run()
                 loop.call_soon_threadsafe(done.set_exception, e)
 
         threading.Thread(target=body, name=f"rank-{self.actor.dp.rank}", daemon=True).start()
