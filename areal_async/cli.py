@@ -7,6 +7,7 @@
     areal-async check-plugin module:obj [--kind auto|reward|workflow] [--timeout-s S]
     areal-async eval CONFIG [--model DIR] [--data FILE] [--out DIR] [-k K | --greedy] [key=value ...]
     areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
+    areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. Nothing here imports torch except
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="PNG curves of a run (reward, staleness, throughput, loss, KL, eval)")
     pl.add_argument("run_dir", help="a run directory (with metrics.jsonl)")
     pl.add_argument("--out", default=None, help="where the PNGs go (default RUN_DIR/plots)")
+    st = sub.add_parser("status", help="a live fleet: workers, versions, throughput, the scheduler's counts")
+    st.add_argument("run_dir", help="the run directory of a running fleet")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the scheduler's answer")
     return p
 
 
@@ -92,6 +96,17 @@ def _data_prepare(args) -> int:
     return 0
 
 
+def _status(args) -> int:
+    from areal_async.app.status import StatusError, query_status, render
+
+    try:
+        print(render(query_status(args.run_dir, args.timeout)))
+    except StatusError as e:
+        print(f"areal-async status: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _plot(args) -> int:
     from areal_async.app.plot import PlotError, plot_run
 
@@ -106,7 +121,7 @@ def _plot(args) -> int:
 
 
 NO_CONFIG = {"knobs": lambda args: _knobs(), "data": lambda args: _data_prepare(args),
-             "check-plugin": lambda args: _check_plugin(args), "plot": _plot}
+             "check-plugin": lambda args: _check_plugin(args), "plot": _plot, "status": _status}
 
 
 def _knobs() -> int:

@@ -271,6 +271,47 @@ class Error(Message):
 
 
 @message
+class StatusRequest(Message):
+    """anyone holding the run's keys -> scheduler (no registration needed): describe the fleet now."""
+    TYPE: ClassVar[str] = "status_request"
+    nonce: int
+
+
+STATUS_WORKER_KEYS = ("worker_id", "role", "pid", "host", "state", "version", "samples", "samples_per_s", "restarts",
+                      "silent_s")
+
+
+@message
+class StatusReport(Message):
+    """scheduler -> the requester: the books' counts and one entry per registered worker.
+
+    ``workers``: maps with exactly ``STATUS_WORKER_KEYS``: state is 'alive' or 'silent' (no message
+    for more than two heartbeat periods); version is the weights a rollout worker loaded (the
+    trainer: the version it published; reward workers: -1); samples / samples_per_s: samples it
+    delivered (generated, scored, trained) since it registered; restarts: registrations - 1."""
+    TYPE: ClassVar[str] = "status_report"
+    nonce: int
+    version: int
+    next_step: int
+    total_steps: int
+    finished: bool
+    wall_s: float
+    admitted: int  # groups issued since the start (re-issues included)
+    running: int  # groups generating now
+    ready: int  # groups generated and scored, waiting for a batch
+    stale: int  # samples aborted as too stale for the next step, since the start
+    samples_trained: int
+    samples_aborted: int
+    workers: list[dict] = field(default_factory=list)
+
+    def validate(self) -> Optional[str]:
+        for w in self.workers:
+            if set(w) != set(STATUS_WORKER_KEYS):
+                return f"worker entry keys {sorted(w)} != {sorted(STATUS_WORKER_KEYS)}"
+        return None
+
+
+@message
 class Ping(Message):
     """Liveness probe; answered with Pong carrying the same nonce."""
     TYPE: ClassVar[str] = "ping"

@@ -27,8 +27,8 @@ import zmq
 import zmq.asyncio
 
 from protocols.messages import (BatchPlan, CheckpointRequest, Error, EvalDone, Heartbeat, Message, Ping, Pong,
-                                Register, RegisterAck, RewardResult, Shutdown, TrainerReady, TrainStepDone,
-                                TrajectoryReady, WeightsLoaded, WeightsPublished)
+                                Register, RegisterAck, RewardResult, Shutdown, StatusReport, StatusRequest,
+                                TrainerReady, TrainStepDone, TrajectoryReady, WeightsLoaded, WeightsPublished)
 from protocols.sockets import make_socket, recv_message, send_message
 
 from areal_async.config import ExperimentConfig
@@ -101,7 +101,8 @@ class SchedulerService:
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
         self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen, pid, host, samples, ...}
-        self.counts = {"generated": 0, "rewarded": 0}  # samples accepted from rollout / reward workers
+        # samples accepted from rollout / reward workers, aborted as stale; groups admitted
+        self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0}
         self.registrations: dict[str, int] = {}  # worker_id -> times registered (a lost worker's entry stays)
         self.latest_weights: Optional[WeightsPublished] = None
         self.done = asyncio.Event()
@@ -158,6 +159,8 @@ class SchedulerService:
     async def handle(self, ident: bytes, msg: Message) -> None:
         if isinstance(msg, Register):
             return await self._register(ident, msg)
+        if isinstance(msg, StatusRequest):  # read-only: any peer that reached the socket (CURVE on tcp) may ask
+            return await self._status(ident, msg)
         wid = worker_of(ident)
         if wid in self.workers and self.workers[wid]["ident"] != ident:
             raise ValueError(f"{msg.TYPE} from {ident!r}, which is not the connection that registered as {wid!r}")
@@ -186,6 +189,29 @@ class SchedulerService:
     async def _ping(self, wid: str, msg: Ping) -> None:
         if wid in self.workers:
             await self.send(wid, Pong(nonce=msg.nonce))
+
+    async def _status(self, ident: bytes, m: StatusRequest) -> None:
+        c, now = self.core, time.monotonic()
+        report = StatusReport(
+            nonce=m.nonce, version=c.version, next_step=c.next_step, total_steps=self.cfg.total_train_steps,
+            finished=self.done.is_set(), wall_s=time.time() - self.t0, admitted=self.counts["admitted"],
+            running=c.running, ready=len(c.ready), stale=self.counts["stale"], samples_trained=c.ledger.n_trained,
+            samples_aborted=c.ledger.n_aborted, workers=[self._worker_status(w, now) for w in sorted(self.workers)])
+        try:
+            await send_message(self.sock, report, to=ident)
+        except zmq.ZMQError as e:
+            log.warning("status reply to %r failed: %s", ident, e)
+
+    def _worker_status(self, wid: str, now: float) -> dict:
+        w = self.workers[wid]
+        samples = self.core.ledger.n_trained if w["role"] == "trainer" else w.get("samples", 0)
+        silent = now - w["last_seen"]
+        versions = {"rollout": getattr(self.core.rollouts.get(wid), "loaded_version", -1), "trainer": self.core.version}
+        return {"worker_id": wid, "role": w["role"], "pid": w["pid"], "host": w.get("host", ""),
+                "state": "alive" if silent <= 2 * self.cfg.cluster.heartbeat_s else "silent",
+                "version": versions.get(w["role"], -1), "samples": samples,
+                "samples_per_s": samples / max(1e-9, now - w.get("since", now)),
+                "restarts": self.registrations.get(wid, 1) - 1, "silent_s": silent}
 
     async def _register(self, ident: bytes, m: Register) -> None:
         if m.role not in ("rollout", "reward", "trainer"):
@@ -307,9 +333,11 @@ class SchedulerService:
         plan, stale = self.core.plan()
         if stale:
             log.info("aborted %d stale samples (re-issued)", len(stale))
+            self.counts["stale"] += len(stale)
         if plan is not None:
             await self._send_plan(plan)
         for worker, req in self.core.admit():
+            self.counts["admitted"] += 1
             await self.send(worker, req)
 
     async def _send_plan(self, plan: BatchPlan) -> None:
