@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import zmq
 import zmq.asyncio
@@ -34,6 +35,7 @@ class RewardService:
         self.slots = asyncio.Semaphore(n_procs)
         self.stop = asyncio.Event()
         self.counts = {"ok": 0, "timeout": 0, "error": 0}
+        self._scoring, self._busy_since, self.busy_s = 0, 0.0, 0.0  # wall time with >= 1 group in the pool
 
     async def run(self) -> int:
         await self.control.register(info={"n_procs": self.n_procs})
@@ -60,16 +62,27 @@ class RewardService:
             asyncio.create_task(self._score(req))
 
     async def _score(self, req: RewardRequest) -> None:
+        self._busy(+1)
         try:
             outs = await self.pool.score_many([(c, req.solutions) for c in req.completions])
         finally:
             self.slots.release()
+            self._busy(-1)
         for sid, out in zip(req.sample_ids, outs):
             self.counts[out.status] = self.counts.get(out.status, 0) + 1
             if out.status != "ok":
                 log.warning("sample %s scored 0: %s %s", sid, out.status, out.detail)
-        self.control.stats.update(self.counts)
+        self.control.stats.update(self.counts, busy_s=round(self.busy_s, 4))
         await self.control.send(RewardResult(
             group_id=req.group_id, worker_id=self.worker_id, sample_ids=list(req.sample_ids),
             scores=[float(o.score) for o in outs], statuses=[o.status for o in outs],
             details=[o.detail[:500] for o in outs]))
+
+    def _busy(self, delta: int) -> None:
+        """Count the wall time during which at least one group is being scored."""
+        now = time.perf_counter()
+        if self._scoring == 0:
+            self._busy_since = now
+        self._scoring += delta
+        if self._scoring == 0:
+            self.busy_s += now - self._busy_since

@@ -322,11 +322,15 @@ class SchedulerService:
                # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
                "plan_wait_s": self._plan_t - self._step_t,
                # rollout engines' cumulative busy seconds, from their last heartbeats
-               "gen_busy_s_total": sum(float(w.get("stats", {}).get("busy_s", 0.0)) for w in self.workers.values()
-                                       if w["role"] == "rollout")}
+               "gen_busy_s_total": self._busy_s_total("rollout"),
+               # reward workers' cumulative seconds with a group being scored, likewise
+               "reward_busy_s_total": self._busy_s_total("reward")}
         self._step_t = now
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row
+
+    def _busy_s_total(self, role: str) -> float:
+        return sum(float(w.get("stats", {}).get("busy_s", 0.0)) for w in self.workers.values() if w["role"] == role)
 
     # ---- driving the core ----------------------------------------------------------------
     async def _drive(self) -> None:
