@@ -183,3 +183,14 @@ def test_packed_logprobs_oversize_error_names_length():
     model = tiny_model("sdpa")
     with pytest.raises(ValueError, match="30 tokens"):
         packed_logprobs(model, random_seqs([30, 3]), 1.0, max_tokens_per_mb=16)
+
+
+def test_varlen_plan_buckets_by_hand():
+    """Lengths 1, 4, 3 (packed at 0, 1, 5): 4 and 3 share a bucket padded to 4 (3 >= 0.75 * 4), 1 is alone."""
+    from areal_async.trainer.packing import varlen_plan
+
+    plan = varlen_plan(torch.tensor([0, 1, 5, 8], dtype=torch.int32))
+    assert [b.gather_NL.tolist() for b in plan.buckets] == [[[1, 2, 3, 4], [5, 6, 7, 7]], [[0]]]
+    assert [b.real.tolist() for b in plan.buckets] == [[0, 1, 2, 3, 4, 5, 6], [0]]
+    # bucket order of tokens: 1..7 then 0, so packed token 0 sits last
+    assert plan.inverse_T.tolist() == [7, 0, 1, 2, 3, 4, 5, 6]

@@ -6,7 +6,8 @@ Covered:
 - attention confined to each sequence, chosen by the model's ``attn_implementation``:
   'eager'/'sdpa': a block-diagonal causal additive 4D mask of shape (1, 1, T, T);
   'packed_sdpa' (registered here, see ``select_attn_implementation``/``use_varlen_attention``):
-  causal sdpa per sequence slice, no mask, O(sum L_i^2) - the fast CPU path;
+  sequences grouped into buckets of similar length, right-padded, one causal sdpa call per
+  bucket, no mask, O(sum L_i^2) up to the bucket padding - the fast CPU path;
   'flash_attention_2'/'_3' (GPU, optional, never imported here): the varlen kernel.
   The last two get ``cu_seq_lens_q/k`` through transformers' attention kwargs.
   transformers 5.24 infers packing from restarting position ids only when no mask and no
@@ -117,12 +118,78 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+BUCKET_RATIO = 0.75  # a length bucket holds sequences of >= 0.75 x its longest: <= 1.8x attention work
+
+
+@dataclass
+class _Bucket:
+    """Sequences padded to one length L: ``gather_NL`` indexes the packed tokens (padding repeats
+    a real token), ``real`` selects the real (sequence, position) cells of the flattened N x L."""
+
+    gather_NL: torch.Tensor
+    real: torch.Tensor
+
+
+@dataclass
+class _VarlenPlan:
+    buckets: list[_Bucket]
+    inverse_T: torch.Tensor  # packed position of each token in the buckets' concatenated order
+
+
+_plan_cache: dict = {}
+
+
+def varlen_plan(cu: torch.Tensor, ratio: float = BUCKET_RATIO) -> _VarlenPlan:
+    """Group packed sequences into buckets of similar length (one sdpa call each).
+
+    Sequences are sorted by length, longest first; a bucket takes sequences while they are at
+    least ``ratio`` x its first (longest) one. Right padding needs no mask under causal
+    attention: a real query only sees keys at or before it, all real; padded rows are dropped.
+    """
+    lengths = cu.diff().long()
+    order = torch.argsort(lengths, descending=True, stable=True)
+    sorted_len = lengths[order].tolist()
+    starts, device = cu[:-1].long(), cu.device
+    buckets, firsts, i = [], [], 0
+    while i < len(sorted_len):
+        j = i
+        while j < len(sorted_len) and sorted_len[j] >= ratio * sorted_len[i]:
+            j += 1
+        seqs, L = order[i:j], sorted_len[i]
+        pos_L = torch.arange(L, device=device)
+        valid_NL = pos_L[None, :] < lengths[seqs][:, None]
+        gather_NL = starts[seqs][:, None] + torch.minimum(pos_L[None, :], lengths[seqs][:, None] - 1)
+        buckets.append(_Bucket(gather_NL, valid_NL.reshape(-1).nonzero().squeeze(1)))
+        firsts.append(gather_NL.reshape(-1)[buckets[-1].real])
+        i = j
+    order_T = torch.cat(firsts)
+    inverse_T = torch.empty_like(order_T)
+    inverse_T[order_T] = torch.arange(order_T.numel(), device=device)
+    return _VarlenPlan(buckets, inverse_T)
+
+
+def _cached_plan(cu: torch.Tensor) -> _VarlenPlan:
+    """One plan per forward: every layer gets the same ``cu`` tensor object."""
+    key = id(cu)
+    hit = _plan_cache.get("plan")
+    if hit is not None and hit[0] == key and hit[1] is cu:
+        return hit[2]
+    plan = varlen_plan(cu)
+    _plan_cache["plan"] = (key, cu, plan)
+    return plan
+
+
 def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                          scaling: Optional[float] = None, **kwargs):
-    """Attention per packed sequence: causal sdpa on each [cu[i], cu[i+1]) slice.
+    """Attention within each packed sequence, a few batched causal sdpa calls (one per length bucket).
 
     query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), as transformers expects.
-    O(sum L_i^2) instead of the dense mask's O(T^2), and no (T, T) mask to build.
+    Work O(sum L_i^2) up to the bucket padding (``BUCKET_RATIO``), no (T, T) mask, and the number
+    of kernel calls grows with the spread of lengths (log), not with the number of sequences.
+    Measured on this 2-core machine (hidden 64, 1 thread, forward + backward, busy machine so
+    ratios only): 256 sequences of 6-8 tokens: a loop of one sdpa per sequence 2282 ms, one sdpa
+    with the dense block mask 2466 ms, buckets 504 ms; 64 of 20-200 tokens: 3635 / 15550 / 1789 ms;
+    16 of 6-8 tokens (T = 110, where a dense mask is cheapest): 64 / 52 / 40 ms.
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
@@ -132,11 +199,15 @@ def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
 
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    bounds = cu.tolist()
+    plan = _cached_plan(cu)
     p = dropout if module.training else 0.0
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=p,
-                                           is_causal=True, scale=scaling) for a, b in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    q_THD, k_THD, v_THD = (x[0].transpose(0, 1) for x in (query, key, value))
+    outs = []
+    for b in plan.buckets:
+        q, k, v = (x[b.gather_NL].transpose(1, 2) for x in (q_THD, k_THD, v_THD))  # (N, H, L, D)
+        o_NLHD = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scaling).transpose(1, 2)
+        outs.append(o_NLHD.reshape(-1, *o_NLHD.shape[2:])[b.real])
+    return torch.cat(outs)[plan.inverse_T][None].contiguous(), None
 
 
 def register_varlen_attention() -> str:
