@@ -37,16 +37,16 @@ def _run(engine) -> dict[str, GroupOutput]:
 def _ref_logprobs(model, prompt_ids, out_ids, temperature=1.0) -> torch.Tensor:
     """log_softmax(logits / T) of each generated token from one full forward, no cache, no padding."""
     with torch.no_grad():
-        logits_TV = model(torch.tensor([prompt_ids + out_ids])).logits[0].float()
+        logits_TV = model(torch.tensor([list(prompt_ids) + list(map(int, out_ids))])).logits[0].float()
     logp_TV = torch.log_softmax(logits_TV / temperature, -1)[len(prompt_ids) - 1:-1]
-    return logp_TV.gather(1, torch.tensor(out_ids)[:, None]).squeeze(1)
+    return logp_TV.gather(1, torch.as_tensor(out_ids)[:, None]).squeeze(1)
 
 
 def _assert_logprobs_match(model, reqs, outs, temperature):
     for r in reqs:
         for s in outs[r.group_id].samples:
             ref = _ref_logprobs(model, r.prompt_ids, s.output_ids, temperature)
-            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(s.logprobs, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -58,7 +58,7 @@ def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_
         engine.add_request(r)
     outs = _run(engine)
     assert sorted(outs) == sorted(r.group_id for r in reqs)
-    assert all(len(o.samples) == 3 and all(s.versions == [0] * len(s.output_ids) for s in o.samples)
+    assert all(len(o.samples) == 3 and all(s.versions.tolist() == [0] * len(s.output_ids) for s in o.samples)
                for o in outs.values())
     _assert_logprobs_match(model, reqs, outs, temperature)
 
@@ -77,7 +77,7 @@ def test_group_prompt_is_prefilled_once_and_samples_differ():
     assert prefills == [(3, longest - 1)]  # one forward, one row per group (not per sample)
     assert shapes[len(prefills)][0] == 12  # then decoding runs over all 3 x 4 samples
     for o in outs.values():
-        assert len({tuple(s.output_ids) for s in o.samples}) > 1
+        assert len({tuple(s.output_ids.tolist()) for s in o.samples}) > 1
 
 
 def test_greedy_and_tiny_top_p_give_identical_samples():
@@ -86,9 +86,9 @@ def test_greedy_and_tiny_top_p_give_identical_samples():
     engine.add_request(_req("greedy", PROMPTS[0], n=4, greedy=True, temperature=0.5))
     engine.add_request(_req("nucleus", PROMPTS[0], n=4, temperature=0.5, top_p=1e-6))
     outs = _run(engine)
-    greedy = [s.output_ids for s in outs["greedy"].samples]
+    greedy = [s.output_ids.tolist() for s in outs["greedy"].samples]
     assert all(g == greedy[0] for g in greedy)
-    assert all(s.output_ids == greedy[0] for s in outs["nucleus"].samples)  # nucleus of one token == argmax
+    assert all(s.output_ids.tolist() == greedy[0] for s in outs["nucleus"].samples)  # nucleus of one token == argmax
     req = _req("x", PROMPTS[0])
     _assert_logprobs_match(model, [req], {"x": outs["greedy"]}, 1.0)  # greedy: temperature 1
     _assert_logprobs_match(model, [req], {"x": outs["nucleus"]}, 0.5)  # before top-p truncation
@@ -111,7 +111,7 @@ def test_same_seed_reproduces_samples():
     def sample(seed):
         engine = TorchEngine(model, TOK, seed=seed)
         engine.add_request(_req("g", PROMPTS[2], n=4))
-        return [s.output_ids for s in _run(engine)["g"].samples]
+        return [s.output_ids.tolist() for s in _run(engine)["g"].samples]
 
     assert sample(5) == sample(5)
     assert sample(5) != sample(6)
@@ -161,10 +161,10 @@ def test_update_weights_mid_generation_recomputes_the_kv_cache():
     for r in reqs:
         for s in outs[r.group_id].samples:
             k = min(4, len(s.output_ids))
-            assert s.versions == [4] * k + [5] * (len(s.output_ids) - k)
+            assert s.versions.tolist() == [4] * k + [5] * (len(s.output_ids) - k)
             ref_old = _ref_logprobs(old, r.prompt_ids, s.output_ids)[:k]
             ref_new = _ref_logprobs(new, r.prompt_ids, s.output_ids)[k:]  # prompt + ALL tokens, new weights
-            torch.testing.assert_close(torch.tensor(s.logprobs), torch.cat([ref_old, ref_new]), atol=1e-4, rtol=0)
+            torch.testing.assert_close(s.logprobs, torch.cat([ref_old, ref_new]), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -184,7 +184,7 @@ def test_mismatched_state_dict_is_refused_and_old_weights_keep_working(mutate, m
         engine.update_weights(1, bad)
     assert engine.version == 0
     outs = _run(engine)
-    assert all(s.versions == [0] * len(s.output_ids) for s in outs["g"].samples)
+    assert all(s.versions.tolist() == [0] * len(s.output_ids) for s in outs["g"].samples)
     _assert_logprobs_match(model, [req], outs, 1.0)
 
 
@@ -203,12 +203,12 @@ def test_length_stop_tokens_and_eos():
     engine.add_request(_req("len", PROMPTS[0], n=2, max_new_tokens=5, greedy=True))
     greedy = _run(engine)["len"].samples
     assert [(len(s.output_ids), s.finish_reason) for s in greedy] == [(5, "length")] * 2
-    first, second = greedy[0].output_ids[:2]
+    first, second = greedy[0].output_ids[:2].tolist()
     engine.add_request(_req("stop", PROMPTS[0], n=2, max_new_tokens=5, greedy=True, stop_token_ids=(second,)))
-    assert [(s.output_ids, s.finish_reason) for s in _run(engine)["stop"].samples] == [([first, second], "stop")] * 2
+    assert [(s.output_ids.tolist(), s.finish_reason) for s in _run(engine)["stop"].samples] == [([first, second], "stop")] * 2
     eos_engine = TorchEngine(model, first, seed=0)  # eos given as an id
     eos_engine.add_request(_req("eos", PROMPTS[0], n=1, max_new_tokens=5, greedy=True))
-    assert [(s.output_ids, s.finish_reason) for s in _run(eos_engine)["eos"].samples] == [([first], "stop")]
+    assert [(s.output_ids.tolist(), s.finish_reason) for s in _run(eos_engine)["eos"].samples] == [([first], "stop")]
 
 
 def test_abort_all_returns_unfinished_work_as_abort():
@@ -220,7 +220,7 @@ def test_abort_all_returns_unfinished_work_as_abort():
     aborted = {o.group_id: o for o in engine.abort_all()}
     assert [o.group_id for o in stepped] == ["short"] and sorted(aborted) == ["queued", "running"]
     assert [(len(s.output_ids), s.finish_reason) for s in aborted["running"].samples] == [(2, "abort")] * 2
-    assert [(s.output_ids, s.finish_reason) for s in aborted["queued"].samples] == [([], "abort")] * 3
+    assert [(s.output_ids.tolist(), s.finish_reason) for s in aborted["queued"].samples] == [([], "abort")] * 3
     assert not engine.has_work() and engine.step() == []
 
 

@@ -133,7 +133,7 @@ def test_rejection_counts_stale_tokens():
     model = tiny_model()
     trajs = make_trajs(model)
     for t in trajs[:2]:  # behaviour far less likely than proximal: weight e^3 > upper 5
-        t.behav_logp = [x - 3.0 for x in t.behav_logp]
+        t.behav_logp = t.behav_logp - 3.0
     m = PPOActor(model, boba_cfg(), 1.0, 10).train_step(trajs)
     assert m["rejected_frac"] == pytest.approx(6 / 12, abs=1e-6)
     assert m["imp_weight_max"] == pytest.approx(float(torch.exp(torch.tensor(3.0))), rel=1e-4)
@@ -143,7 +143,7 @@ def test_all_rejected_minibatch_takes_no_step():
     model = tiny_model()
     trajs = make_trajs(model)
     for t in trajs:
-        t.behav_logp = [x - 3.0 for x in t.behav_logp]
+        t.behav_logp = t.behav_logp - 3.0
     before = [p.detach().clone() for p in model.parameters()]
     m = PPOActor(model, boba_cfg(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1)), 1.0, 10).train_step(trajs)
     assert m["rejected_frac"] == 1.0 and m["skipped_steps"] == 1.0

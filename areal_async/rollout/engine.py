@@ -52,14 +52,29 @@ class GenRequest:
 
 @dataclass
 class SampleOutput:
-    """One finished sample. ``logprobs``/``versions`` align with ``output_ids``."""
+    """One finished sample. ``logprobs``/``versions`` align with ``output_ids``.
 
-    output_ids: list[int]
+    1D tensors (int64 ids, float32 logprobs, int64 versions), so a sample goes from the engine to
+    the trainer's packed batch without a per-token Python list; lists given by an engine that
+    produces them (e.g. from an HTTP reply) are converted here, once.
+    """
+
+    output_ids: torch.Tensor
     # behaviour logprob of each generated token: log_softmax(logits / temperature)[token], before
     # top-p truncation; greedy uses temperature 1.
-    logprobs: list[float]
-    versions: list[int]  # policy version of the weights that produced each token
+    logprobs: torch.Tensor
+    versions: torch.Tensor  # policy version of the weights that produced each token
     finish_reason: str  # "stop" | "length" | "abort"
+
+    def __post_init__(self) -> None:
+        self.output_ids = torch.as_tensor(self.output_ids, dtype=torch.long)
+        self.logprobs = torch.as_tensor(self.logprobs, dtype=torch.float32)
+        self.versions = torch.as_tensor(self.versions, dtype=torch.long)
+        n = self.output_ids.numel()
+        if self.output_ids.dim() != 1 or self.logprobs.shape != (n,) or self.versions.shape != (n,):
+            raise ValueError(f"SampleOutput: output_ids {tuple(self.output_ids.shape)}, logprobs "
+                             f"{tuple(self.logprobs.shape)}, versions {tuple(self.versions.shape)}; expected "
+                             "three 1D tensors of one length")
 
 
 @dataclass

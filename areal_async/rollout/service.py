@@ -9,7 +9,7 @@ Two threads of control::
                       ─> pending weights (newest) >  between two steps: update_weights
                                                      (interrupt; KV recomputed; resume)
     <── finished groups ────────────────────────── step() ... group done
-    per sample: tensors -> trainer (tensor channel); per group: TrajectoryReady -> scheduler,
+    per group: tensors -> trainer (tensor channel, one message), TrajectoryReady -> scheduler,
                 RewardRequest -> reward workers (PUSH)
     <── WeightsLoaded(version) ─────────────────── after each weight switch
 
@@ -196,22 +196,32 @@ class RolloutService:
                     await self._publish_group(group, req)
 
     async def _publish_group(self, group: GroupOutput, req: GenerateRequest) -> None:
-        for sid, s in zip(req.sample_ids, group.samples):
-            tensors = {"prompt_ids": torch.tensor(req.prompt_ids, dtype=torch.int32),
-                       "output_ids": torch.tensor(s.output_ids, dtype=torch.int32),
-                       "logprobs": torch.tensor(s.logprobs, dtype=torch.float32),
-                       "versions": torch.tensor(s.versions, dtype=torch.int32)}
-            # before TrajectoryReady: the trainer may be asked for it next
-            self.traj.send(sid, tensors, {"group_id": req.group_id})
-        sids = list(req.sample_ids[:len(group.samples)])
-        vmin = [min(s.versions) if s.versions else -1 for s in group.samples]
-        vmax = [max(s.versions) if s.versions else -1 for s in group.samples]
+        samples = group.samples
+        sids = list(req.sample_ids[:len(samples)])
+        # before TrajectoryReady: the trainer may be asked for the group next
+        self.traj.send(req.group_id, group_tensors(req.prompt_ids, samples), {"group_id": req.group_id,
+                                                                              "sample_ids": sids})
+        vmin = [int(s.versions.min()) if s.versions.numel() else -1 for s in samples]
+        vmax = [int(s.versions.max()) if s.versions.numel() else -1 for s in samples]
         await self.control.send(TrajectoryReady(
             group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids), sample_ids=sids,
-            n_output_tokens=[len(s.output_ids) for s in group.samples], version_min=vmin, version_max=vmax,
-            finish_reasons=[s.finish_reason for s in group.samples]))
+            n_output_tokens=[s.output_ids.numel() for s in samples], version_min=vmin, version_max=vmax,
+            finish_reasons=[s.finish_reason for s in samples]))
         await send_message(self.reward_sock, RewardRequest(
-            group_id=req.group_id, sample_ids=sids, completions=[self.decode(s.output_ids) for s in group.samples],
+            group_id=req.group_id, sample_ids=sids, completions=[self.decode(s.output_ids) for s in samples],
             solutions=req.solutions))
         self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
+
+
+def group_tensors(prompt_ids, samples) -> dict[str, torch.Tensor]:
+    """One group's samples as one tensor message: the prompt once, outputs laid end to end.
+
+    ``lengths[i]`` output tokens of sample i; its ids, logprobs and versions are the i-th slices
+    of ``output_ids``, ``logprobs``, ``versions`` (see ``areal_async.trainer.service.split_group``).
+    """
+    return {"prompt_ids": torch.as_tensor(prompt_ids, dtype=torch.int32),
+            "lengths": torch.tensor([s.output_ids.numel() for s in samples], dtype=torch.int32),
+            "output_ids": torch.cat([s.output_ids for s in samples]).to(torch.int32),
+            "logprobs": torch.cat([s.logprobs for s in samples]).to(torch.float32),
+            "versions": torch.cat([s.versions for s in samples]).to(torch.int32)}

@@ -201,7 +201,8 @@ class TorchEngine(RolloutEngine):
             self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
         for g in self.pending:
             groups[id(g)] = g
-            g.samples = [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]
+            g.samples = [SampleOutput(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0, dtype=torch.long),
+                                      "abort") for _ in range(g.req.n)]
         self.pending, self.cohorts = [], []
         return [g.output() for g in groups.values()]
 
@@ -319,14 +320,16 @@ class TorchEngine(RolloutEngine):
         return [g.output() for g in groups if g.left == 0]
 
     def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
-        """Turn rows ``idx`` of ``c`` into SampleOutputs; return their groups (each once)."""
+        """Turn rows ``idx`` of ``c`` into SampleOutputs (tensor slices, no per-token lists);
+        return their groups (each once)."""
         n_gen = c.t["n_gen_B"][idx].tolist()
-        out, logp, ver = (c.t[k][idx].tolist() for k in ("out_BW", "logp_BW", "ver_BW"))
+        rows = torch.tensor(idx, dtype=torch.long, device=self.device)
+        out, logp, ver = (c.t[k][rows].cpu() for k in ("out_BW", "logp_BW", "ver_BW"))
         touched = {}
         for j, i in enumerate(idx):
             g, s = c.rows[i]
             n = n_gen[j]
-            g.samples[s] = SampleOutput(out[j][:n], logp[j][:n], ver[j][:n], reasons[j])
+            g.samples[s] = SampleOutput(out[j, :n], logp[j, :n], ver[j, :n], reasons[j])
             g.left -= 1
             touched[id(g)] = g
         return list(touched.values())

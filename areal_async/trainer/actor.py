@@ -42,10 +42,10 @@ class _Batch:
     """Per-trajectory tensors of one trainer step (all on the actor's device)."""
 
     def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
-        self.seqs = [t.seq_ids for t in trajs]
-        self.lengths = [len(s) for s in self.seqs]
-        self.n_prompt = [len(t.prompt_ids) for t in trajs]
-        self.behav = [torch.tensor(t.behav_logp, dtype=torch.float32, device=device) for t in trajs]
+        self.seqs = [t.seq_ids for t in trajs]  # 1D tensors: packed without per-token Python work
+        self.lengths = [s.numel() for s in self.seqs]
+        self.n_prompt = [t.prompt_ids.numel() for t in trajs]
+        self.behav = [t.behav_logp.to(device=device, dtype=torch.float32) for t in trajs]
         self.prox: Optional[list[torch.Tensor]] = None
         self.adv: list[torch.Tensor] = []
 

@@ -64,17 +64,19 @@ class PackedBatch:
                            self.cu_seqlens.to(device), self.max_seqlen)
 
 
-def pack(seqs: Sequence[Sequence[int]]) -> PackedBatch:
-    """Concatenate token-id sequences with no padding."""
+def pack(seqs: Sequence[Sequence[int] | torch.Tensor]) -> PackedBatch:
+    """Concatenate token-id sequences (1D tensors or lists) with no padding."""
     if not seqs:
         raise ValueError("pack() got no sequences; expected at least one")
-    lengths = [len(s) for s in seqs]
-    if min(lengths) == 0:
-        raise ValueError(f"sequence {lengths.index(0)} is empty; expected >= 1 token each")
-    ids_T = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
-    position_ids_T = torch.cat([torch.arange(n) for n in lengths])
-    cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return PackedBatch(ids_T, position_ids_T, cu_seqlens, max(lengths))
+    parts = [torch.as_tensor(s, dtype=torch.long) for s in seqs]
+    lengths_N = torch.tensor([p.numel() for p in parts], dtype=torch.long)
+    if int(lengths_N.min()) == 0:
+        raise ValueError(f"sequence {int(lengths_N.argmin())} is empty; expected >= 1 token each")
+    ids_T = torch.cat(parts)
+    cu_seqlens = torch.cat([lengths_N.new_zeros(1), lengths_N.cumsum(0)]).to(torch.int32)
+    # position = index in the packed batch - start of its sequence
+    position_ids_T = torch.arange(ids_T.numel()) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths_N)
+    return PackedBatch(ids_T, position_ids_T, cu_seqlens, int(lengths_N.max()))
 
 
 def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ log = logging.getLogger("areal_async.trainer")
 
 
 class TrajectoryBuffer:
-    """Trajectory tensors received from rollouts, by sample id (filled by a thread)."""
+    """Trajectory tensors received from rollouts (one message per group), by sample id (filled by a thread)."""
 
     def __init__(self, channel):
         self.channel = channel
@@ -66,9 +66,15 @@ class TrajectoryBuffer:
             if got is None:
                 continue
             key, meta, tensors = got
+            try:
+                samples = split_group(key, meta, tensors)
+            except (KeyError, TypeError, ValueError) as e:
+                log.error("trajectory group %r refused: %s", key, e)
+                continue
             with self.cond:
-                if key not in self.dropped:
-                    self.items[key] = (meta, tensors)
+                for sid, item in samples.items():
+                    if sid not in self.dropped:
+                        self.items[sid] = item
                 self.cond.notify_all()
 
     def drop(self, ids: list[str]) -> None:
@@ -195,11 +201,26 @@ class TrainerService:
         log.info("checkpoint after step %d saved to %s", req.step, path)
 
 
+def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
+    """A group message (``areal_async.rollout.service.group_tensors``) -> per sample (meta, tensors),
+    the tensors being views of the group's (no copy, no per-token list)."""
+    sids, lengths = meta["sample_ids"], t["lengths"].tolist()
+    n = t["output_ids"].numel()
+    if len(sids) != len(lengths) or sum(lengths) != n or t["logprobs"].numel() != n or t["versions"].numel() != n:
+        raise ValueError(f"group {key!r}: {len(sids)} sample ids, lengths {lengths[:8]} (sum {sum(lengths)}), "
+                         f"{n} output ids, {t['logprobs'].numel()} logprobs, {t['versions'].numel()} versions; "
+                         "expected one length per sample id and every per-token tensor as long as their sum")
+    parts = zip(*(t[k].split(lengths) for k in ("output_ids", "logprobs", "versions")))
+    return {sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], "output_ids": o, "logprobs": lp,
+                                                   "versions": v})
+            for sid, (o, lp, v) in zip(sids, parts)}
+
+
 def _trajectory(sid: str, item: tuple[dict, dict], score: float) -> Trajectory:
     meta, t = item
-    return Trajectory(sample_id=sid, group_id=meta["group_id"], prompt_ids=t["prompt_ids"].tolist(),
-                      output_ids=t["output_ids"].tolist(), behav_logp=t["logprobs"].tolist(),
-                      versions=t["versions"].tolist(), score=float(score))
+    return Trajectory(sample_id=sid, group_id=meta["group_id"], prompt_ids=t["prompt_ids"], output_ids=t["output_ids"],
+                      behav_logp=t["logprobs"], versions=t["versions"], score=float(score))
+
 
 
 class FollowerRank:

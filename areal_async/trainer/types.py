@@ -8,36 +8,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class Trajectory:
-    """One sample: prompt + generated output, as produced by a rollout worker."""
+    """One sample: prompt + generated output, as produced by a rollout worker.
+
+    Per-token fields are 1D tensors (ids and versions int64, logprobs float32) so a batch packs
+    without per-token Python work; lists are accepted and converted once.
+    """
 
     sample_id: str
     group_id: str  # the n samples of one prompt share it
-    prompt_ids: list[int]
-    output_ids: list[int]
-    behav_logp: list[float]  # behaviour logprobs from the rollout, one per output token
-    versions: list[int]  # policy version per output token
+    prompt_ids: torch.Tensor
+    output_ids: torch.Tensor
+    behav_logp: torch.Tensor  # behaviour logprobs from the rollout, one per output token
+    versions: torch.Tensor  # policy version per output token
     score: float  # task score in [0,1] before reward scaling/bias
 
     def __post_init__(self) -> None:
-        n = len(self.output_ids)
-        if not self.prompt_ids:
+        self.prompt_ids = torch.as_tensor(self.prompt_ids, dtype=torch.long)
+        self.output_ids = torch.as_tensor(self.output_ids, dtype=torch.long)
+        self.behav_logp = torch.as_tensor(self.behav_logp, dtype=torch.float32)
+        self.versions = torch.as_tensor(self.versions, dtype=torch.long)
+        n = self.output_ids.numel()
+        if self.prompt_ids.numel() == 0:
             raise ValueError(f"trajectory {self.sample_id!r}: empty prompt_ids; expected >= 1 prompt token")
         if n == 0:
             raise ValueError(f"trajectory {self.sample_id!r}: empty output_ids; expected >= 1 generated token")
         for name in ("behav_logp", "versions"):
-            got = len(getattr(self, name))
+            got = getattr(self, name).numel()
             if got != n:
                 raise ValueError(f"trajectory {self.sample_id!r}: len({name})={got}, expected len(output_ids)={n}")
 
     @property
-    def seq_ids(self) -> list[int]:
+    def seq_ids(self) -> torch.Tensor:
         """Prompt followed by output: what the trainer feeds the model."""
-        return list(self.prompt_ids) + list(self.output_ids)
+        return torch.cat([self.prompt_ids, self.output_ids])
 
     @property
     def min_version(self) -> int:
         """Oldest policy version that produced any token (staleness is judged by it)."""
-        return min(self.versions)
+        return int(self.versions.min())
