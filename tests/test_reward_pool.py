@@ -305,3 +305,15 @@ def test_math_verify_runs_under_the_default_memory_cap():
 def test_bad_memory_limit_is_refused(bad):
     with pytest.raises(ValueError, match="memory_limit_mb must be an int >= 0"):
         RewardPool("reward_fixtures:exact_match", memory_limit_mb=bad)
+
+
+def test_a_hung_check_in_a_shared_frame_times_out_alone_and_the_rest_are_scored():
+    """One child gets the whole group in one frame; the hung check is killed at its own timeout and
+    the checks after it run in the replacement child, in order."""
+    items = [("a", ["a"]), ("hang_forever", ["x"]), ("b", ["b"]), ("c", ["c"])]
+    with RewardPool("reward_fixtures:dispatch", n_procs=1, timeout_s=0.5) as pool:
+        assert pool.score_sync("warm", ["warm"]).score == 1.0
+        (old_pid,) = pool.pids()
+        outcomes = pool_run(pool.score_many(items))
+        assert [(o.score, o.status) for o in outcomes] == [(1.0, "ok"), (0.0, "timeout"), (1.0, "ok"), (1.0, "ok")]
+        assert str(old_pid) in outcomes[1].detail and old_pid not in pool.pids() and len(pool.pids()) == 1

@@ -19,7 +19,9 @@ Covered:
 - Children are fresh interpreters (``subprocess``, not fork: the parent may hold torch / ZeroMQ
   threads), import only ``msgpack``, ``protocols.side`` and the reward function's module (never
   torch), and talk typed msgpack frames over stdin/stdout (see ``_child.py``), never pickle. One
-  task per child at a time.
+  task per child at a time; ``score_many`` deals a group round-robin into one share per child and
+  writes a share's task frames in one go (a round trip per child, not per sample), reading the
+  replies check by check so each keeps its own deadline.
 - No zombies or orphans: ``close()`` (also at interpreter exit, via atexit) kills and reaps every
   child; a child exits by itself when its stdin closes or its parent dies.
 
@@ -113,18 +115,24 @@ class _Slot:
         proc = self.proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    def run(self, completion: str, solutions: list[str]) -> RewardOutcome:
-        with self.lock:
-            if self.closed:
-                return RewardOutcome(0.0, "error", "reward pool is closed")
-            proc, self.busy = self.proc, True
-        try:
-            return self._ready_or_error(proc) or self._check(proc, completion, solutions)
-        finally:
+    def run(self, items: list[tuple[str, list[str]]]) -> list[RewardOutcome]:
+        """Score ``items`` in this child (one frame out, one reply per item); a check that times
+        out or kills the child scores alone, and the rest go on in its replacement."""
+        outs: list[RewardOutcome] = []
+        while len(outs) < len(items):
             with self.lock:
-                self.busy = False
                 if self.closed:
-                    _close_pipes(proc)
+                    return outs + [RewardOutcome(0.0, "error", "reward pool is closed")] * (len(items) - len(outs))
+                proc, self.busy = self.proc, True
+            try:
+                failed = self._ready_or_error(proc)
+                outs += [failed] if failed else self._check(proc, items[len(outs):])
+            finally:
+                with self.lock:
+                    self.busy = False
+                    if self.closed:
+                        _close_pipes(proc)
+        return outs
 
     def shutdown(self) -> None:
         with self.lock:
@@ -155,22 +163,30 @@ class _Slot:
         detail = f"reward process pid {proc.pid} failed to start: {msg.error}"
         return RewardOutcome(0.0, "error", detail, time.monotonic() - t0)
 
-    def _check(self, proc, completion: str, solutions: list[str]) -> RewardOutcome:
+    def _check(self, proc, items: list[tuple[str, list[str]]]) -> list[RewardOutcome]:
+        """Outcomes of ``items`` in order, up to and including the first one that timed out or
+        lost the child (which is then replaced). Each check has its own ``timeout_s``, counted
+        from the previous reply."""
+        outs = []
         t0 = time.monotonic()
-        deadline = t0 + self.timeout_s
         try:
-            _write_frame(proc, encode_frame(RewardTask(completion=completion, solutions=list(solutions))), deadline)
-            reply = _read_frame(proc, deadline, RewardReply)
+            tasks = b"".join(encode_frame(RewardTask(completion=c, solutions=list(sols))) for c, sols in items)
+            _write_frame(proc, tasks, t0 + self.timeout_s)
+            for _ in items:
+                reply = _read_frame(proc, t0 + self.timeout_s, RewardReply)
+                now = time.monotonic()
+                outs.append(_outcome(reply, now - t0))
+                t0 = now
         except _Timeout:
             self._replace(proc)
             logger.warning("reward check killed at its %.3g s timeout (pid %d)", self.timeout_s, proc.pid)
             detail = f"killed pid {proc.pid} after {self.timeout_s:g} s"
-            return RewardOutcome(0.0, "timeout", detail, time.monotonic() - t0)
+            outs.append(RewardOutcome(0.0, "timeout", detail, time.monotonic() - t0))
         except (EOFError, OSError, ValueError) as e:
             code = self._replace(proc)
             detail = f"reward process pid {proc.pid} died (exit code {code}): {type(e).__name__} {e}".rstrip()
-            return RewardOutcome(0.0, "error", detail, time.monotonic() - t0)
-        return _outcome(reply, time.monotonic() - t0)
+            outs.append(RewardOutcome(0.0, "error", detail, time.monotonic() - t0))
+        return outs
 
     def _replace(self, proc) -> int | None:
         """Kill and reap ``proc``; start a replacement unless the pool is closing."""
@@ -285,23 +301,36 @@ class RewardPool:
         """Score one completion, blocking the calling thread (at most ~timeout_s once a child is free)."""
         self._check_open()
         _check_item(completion, solutions)
-        return self._score_blocking(completion, solutions)
+        return self._score_blocking([(completion, solutions)])[0]
 
     async def score(self, completion: str, solutions: list[str]) -> RewardOutcome:
         """Score one completion without blocking the event loop."""
         self._check_open()
         _check_item(completion, solutions)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._score_blocking, completion, solutions)
+        return (await loop.run_in_executor(self._executor, self._score_blocking, [(completion, solutions)]))[0]
 
     async def score_many(self, items: list[tuple[str, list[str]]]) -> list[RewardOutcome]:
-        """Score ``(completion, solutions)`` pairs over all children; results in input order."""
+        """Score ``(completion, solutions)`` pairs over all children; results in input order.
+
+        The items are dealt round-robin into one share per child (at most ``n_procs``), and each
+        share goes to its child as one frame: a group costs a round trip per child, not per
+        sample. Timeouts stay per check (see ``_Slot.run``)."""
         if not isinstance(items, (list, tuple)):
             raise TypeError(f"items must be a list of (completion, solutions) pairs, got {type(items).__name__}")
         for item in items:
             if not (isinstance(item, (list, tuple)) and len(item) == 2):
                 raise TypeError(f"each item must be a (completion, solutions) pair, got {item!r:.80}")
-        return list(await asyncio.gather(*(self.score(c, s) for c, s in items)))
+            _check_item(*item)
+        self._check_open()
+        k = min(self.n_procs, len(items))
+        loop = asyncio.get_running_loop()
+        shares = await asyncio.gather(*(loop.run_in_executor(self._executor, self._score_blocking, list(items[i::k]))
+                                        for i in range(k)))
+        out: list[RewardOutcome] = [None] * len(items)  # type: ignore[list-item]
+        for i, share in enumerate(shares):
+            out[i::k] = share
+        return out
 
     def close(self) -> None:
         """Kill and reap every child. Idempotent; checks in flight end with status "error"."""
@@ -313,10 +342,10 @@ class RewardPool:
         self._executor.shutdown(wait=False)
         _LIVE_POOLS.discard(self)
 
-    def _score_blocking(self, completion: str, solutions: list[str]) -> RewardOutcome:
+    def _score_blocking(self, items: list[tuple[str, list[str]]]) -> list[RewardOutcome]:
         slot = self._idle.get()  # waits while every child is busy: one task per child
         try:
-            return slot.run(completion, solutions)
+            return slot.run(items)
         finally:
             self._idle.put(slot)
 

@@ -207,7 +207,7 @@ class PPOActor:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         n_tokens = sum(batch.behav[i].numel() for i in idx)  # the loss denominator: rejected tokens stay in it
-        n_kept = sum(count_kept_tokens(self._prox(batch, i), batch.behav[i], self.cfg) for i in idx)
+        n_kept = count_kept_tokens(batch.cat("prox", idx), batch.cat("behav", idx), self.cfg)
         stats, n_mb = LossStats(), 0
         shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
         for mb in self._rank_micro_batches(self.model, batch, shares, grad=True):
@@ -228,10 +228,6 @@ class PPOActor:
         entropy = torch.cat([e[c:] for e, c in zip(mb.entropy, cuts)]) if mb.entropy is not None else None
         return policy_loss(logp, batch.cat("prox", traj_idx), batch.cat("behav", traj_idx),
                            batch.cat("adv", traj_idx), self.cfg, n_tokens=n_tokens, entropy=entropy)
-
-    @staticmethod
-    def _prox(batch: _Batch, i: int) -> Optional[torch.Tensor]:
-        return batch.prox[i] if batch.prox is not None else None
 
     def _metrics(self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float],
                  n_mb: int, lr: float) -> dict[str, float]:

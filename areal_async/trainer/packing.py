@@ -386,6 +386,8 @@ def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int,
         i = big[0]
         raise ValueError(f"sequence {i} has {lengths[i]} tokens, over the micro-batch budget "
                          f"max_tokens_per_mb={max_tokens_per_mb}; raise the budget or set oversize='own_mb'")
+    if not big and sum(lengths) <= max_tokens_per_mb:  # everything fits one micro-batch
+        return [list(range(len(lengths)))]
     small = [i for i, n in enumerate(lengths) if n <= max_tokens_per_mb]
     bins = _balanced([lengths[i] for i in small], max_tokens_per_mb) if small else []
     return [[small[j] for j in b] for b in bins] + [[i] for i in big]
