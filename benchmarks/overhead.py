@@ -106,10 +106,10 @@ class InProcessLoop:
         from areal_async.data.prompts import PromptCursor, load_problems, prompt_encoder
         from areal_async.models.tiny import load_policy
         from areal_async.rollout.torch_engine import TorchEngine
-        from areal_async.runtime.fleet import set_torch_threads
+        from areal_async.base.process import set_torch_threads
         from areal_async.trainer.actor import PPOActor
         from areal_async.trainer.packing import select_attn_implementation
-        from areal_async.utils.plugins import load_callable
+        from areal_async.base.plugins import load_callable
 
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
@@ -219,7 +219,7 @@ def engine_vs_hf(cfg, repeats: int) -> dict:
     from areal_async.models.tiny import load_policy
     from areal_async.rollout.engine import GenRequest
     from areal_async.rollout.torch_engine import TorchEngine
-    from areal_async.runtime.fleet import set_torch_threads
+    from areal_async.base.process import set_torch_threads
 
     set_torch_threads(cfg.cluster.torch_threads)
     model, tok = load_policy(cfg.model, cfg.seed)

@@ -192,9 +192,10 @@ def test_split_over_ranks_balances_tokens_and_keeps_every_index():
 def test_batch_crosses_ranks_as_three_tensors_and_back():
     trajs = make_trajs()
     back = decode_batch(*encode_batch(trajs))
-    assert [(t.prompt_ids, t.output_ids, t.versions, t.score) for t in back] == \
-        [(t.prompt_ids, t.output_ids, t.versions, t.score) for t in trajs]
-    assert all(torch.equal(torch.tensor(a.behav_logp), torch.tensor(b.behav_logp, dtype=torch.float32))
+    as_lists = lambda ts: [(t.prompt_ids.tolist(), t.output_ids.tolist(), t.versions.tolist(), t.score)  # noqa: E731
+                           for t in ts]
+    assert as_lists(back) == as_lists(trajs)
+    assert all(torch.equal(torch.as_tensor(a.behav_logp), torch.as_tensor(b.behav_logp, dtype=torch.float32))
                for a, b in zip(back, trajs))
     # group structure kept (names are not)
     same = lambda ts: [[a.group_id == b.group_id for b in ts] for a in ts]  # noqa: E731

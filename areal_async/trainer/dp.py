@@ -340,28 +340,22 @@ _PART_DTYPES = (torch.int64, torch.float32, torch.float64)
 def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
     """(ints, behaviour logprobs, scores). ints = [n, (n_prompt, n_out, group#) * n, prompt ids,
     output ids, versions]; group ids become their first-appearance index (normalisation only
-    compares them)."""
+    compares them). Built by concatenating the trajectories' tensors: no per-token Python."""
     groups: dict[str, int] = {}
-    head, body = [len(trajs)], []
+    head = [len(trajs)]
     for t in trajs:
-        head += [len(t.prompt_ids), len(t.output_ids), groups.setdefault(t.group_id, len(groups))]
-        body += list(t.prompt_ids) + list(t.output_ids) + list(t.versions)
-    logp = [x for t in trajs for x in t.behav_logp]
-    return [torch.tensor(head + body, dtype=torch.int64), torch.tensor(logp, dtype=torch.float32),
+        head += [t.prompt_ids.numel(), t.output_ids.numel(), groups.setdefault(t.group_id, len(groups))]
+    body = [x.to(torch.int64) for t in trajs for x in (t.prompt_ids, t.output_ids, t.versions)]
+    return [torch.cat([torch.tensor(head, dtype=torch.int64), *body]),
+            torch.cat([t.behav_logp.to(torch.float32) for t in trajs]),
             torch.tensor([t.score for t in trajs], dtype=torch.float64)]
 
 
 def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -> list[Trajectory]:
-    v = ints.tolist()
-    n = v[0]
-    pos, lp_pos, out = 1 + 3 * n, 0, []
-    lp = logp.tolist()
-    for i in range(n):
-        n_p, n_o, g = v[1 + 3 * i:4 + 3 * i]
-        prompt, output = v[pos:pos + n_p], v[pos + n_p:pos + n_p + n_o]
-        versions = v[pos + n_p + n_o:pos + n_p + 2 * n_o]
-        pos += n_p + 2 * n_o
-        out.append(Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=prompt, output_ids=output,
-                              behav_logp=lp[lp_pos:lp_pos + n_o], versions=versions, score=float(scores[i])))
-        lp_pos += n_o
-    return out
+    n = int(ints[0])
+    head = ints[1:1 + 3 * n].view(n, 3).tolist()  # per sequence, not per token
+    parts = ints[1 + 3 * n:].split([k for n_p, n_o, _ in head for k in (n_p, n_o, n_o)])
+    lps = logp.split([n_o for _, n_o, _ in head])
+    return [Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=parts[3 * i], output_ids=parts[3 * i + 1],
+                       behav_logp=lps[i], versions=parts[3 * i + 2], score=float(scores[i]))
+            for i, (_, _, g) in enumerate(head)]
