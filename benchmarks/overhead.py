@@ -91,7 +91,8 @@ def overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
             "train_dataset.batch_size=32", "gconfig.n_samples=8", "gconfig.max_new_tokens=3",
             "actor.optimizer.lr=1e-3", "sft_warmup.steps=0", "cluster.n_rollout_workers=1",
             "cluster.n_reward_workers=1", "cluster.heartbeat_s=0.2", "rollout.dump_to_file=false",
-            "reward.fn=areal_async.reward.exact:exact_match_reward", f"total_train_steps={steps}"]
+            "reward.fn=areal_async.reward.exact:exact_match_reward", f"total_train_steps={steps}",
+            "rollout.max_batch_groups=32"]  # one decode batch holds the step's 32 groups
 
 
 # --------------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def test_group_prompt_is_prefilled_once_and_samples_differ():
     outs = _run(engine)
     prefills = [s for s in shapes if s[1] > 1]
     longest = max(len(p) for p in PROMPTS[:3])
-    assert prefills == [(3, longest - 1)]  # one forward, one row per group (not per sample)
+    assert prefills == [(3, longest)]  # one forward of the whole prompt, one row per group (not per sample)
     assert shapes[len(prefills)][0] == 12  # then decoding runs over all 3 x 4 samples
     for o in outs.values():
         assert len({tuple(s.output_ids.tolist()) for s in o.samples}) > 1

@@ -2,17 +2,18 @@
 
 How it works::
 
-    add_request ──> pending ──(next step: prefill prompt[:-1] once per group,
-                                 expand the cache to the group's n rows)──> new cohort
-    cohorts ── merged while they hold <= max_batch_groups groups ──┐
-    step(): for each cohort one forward of one token per row ──> sample ──> finished rows leave,
-            a group is returned once its n samples have all finished
+    step(): for each running cohort one forward of one token per row ──> sample ──> finished rows
+            leave; then the pending groups: prefill each prompt once, sample the first token of
+            the group's n rows from its last logits ──> new cohort, merged into a running one
+            while they hold <= max_batch_groups groups; a group is returned once its n samples
+            have all finished
 
 A *cohort* is a batch of rows (samples) that share one left-padded KV cache. Each row keeps the
-token it will feed next (the last prompt token right after prefill, then the last sampled one),
-so every step is exactly one single-token forward per cohort, new and old rows alike. Cohorts are
-merged by left-padding the shorter cache (padding is masked), so requests arriving between steps
-join the running batch instead of waiting for it.
+token it will feed next (the last sampled one), so every step advances every row by exactly one
+token: running rows by one single-token forward per cohort, new rows by their prefill (no extra
+forward for the last prompt token). Cohorts are merged by left-padding the shorter cache
+(padding is masked), so requests arriving between steps join the running batch instead of
+waiting for it.
 
 Weight updates (AReaL's interrupt-and-resume): ``update_weights`` loads the new tensors, then
 throws away every cohort's KV cache and recomputes it by prefilling prompt + tokens generated so
@@ -172,12 +173,11 @@ class TorchEngine(RolloutEngine):
 
     @torch.inference_mode()
     def step(self) -> list[GroupOutput]:
-        self._admit_pending()
         finished: list[GroupOutput] = []
         for cohort in self.cohorts:
             finished += self._decode(cohort)
         self.cohorts = [c for c in self.cohorts if c.rows]
-        return finished
+        return finished + self._admit_pending()  # new rows get their first token from the prefill
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Load ``state_dict`` as ``version``; recompute every running KV cache under it.
@@ -221,27 +221,34 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
                              f"({req.max_new_tokens}) > the model's max_position_embeddings={limit}")
 
-    def _admit_pending(self) -> None:
-        """Prefill queued groups in chunks of max_batch_groups, then merge into running cohorts."""
+    def _admit_pending(self) -> list[GroupOutput]:
+        """Prefill queued groups in chunks of max_batch_groups (each row's first token is sampled
+        from the prefill), then merge what still runs into running cohorts."""
         cap, pending, self.pending = self.max_batch_groups, self.pending, []
+        finished: list[GroupOutput] = []
         for i in range(0, len(pending), cap):
-            new = self._new_cohort(pending[i:i + cap])
+            new, done = self._new_cohort(pending[i:i + cap])
+            finished += done
+            if not new.rows:
+                continue
             host = next((c for c in self.cohorts if c.n_groups + new.n_groups <= cap), None)
             if host is None:
                 self.cohorts.append(new)
             else:
                 host.merge(new)
+        return finished
 
-    def _new_cohort(self, groups: list[_Group]) -> _Cohort:
-        """Prefill each group's prompt[:-1] once, then repeat that cache row for its n samples."""
-        cache, mask_GT = self._prefill([g.req.prompt_ids[:-1] for g in groups])
+    def _new_cohort(self, groups: list[_Group]) -> tuple[_Cohort, list[GroupOutput]]:
+        """Prefill each group's prompt once, repeat that cache row for its n samples and sample
+        every row's first token from the prompt's last logits."""
+        cache, mask_GT, logits_GV = self._prefill([g.req.prompt_ids for g in groups], with_logits=True)
         n_G = torch.tensor([g.req.n for g in groups], device=self.device)
         rows_G = torch.repeat_interleave(torch.arange(len(groups), device=self.device), n_G)
         cache = _cache_from([(k[rows_G], v[rows_G]) for k, v in _kvs(cache)])
         t = self._row_tensors(groups, rows_G)
         t["mask_BT"] = mask_GT[rows_G]
-        rows = [(g, i) for g in groups for i in range(g.req.n)]
-        return _Cohort(rows, t, cache)
+        cohort = _Cohort([(g, i) for g in groups for i in range(g.req.n)], t, cache)
+        return cohort, self._emit(cohort, logits_GV[rows_G])
 
     def _row_tensors(self, groups: list[_Group], rows_G: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row state: the token to feed next, its position, sampling params, output buffers."""
@@ -249,8 +256,8 @@ class TorchEngine(RolloutEngine):
         stops = [(self.eos_id, *r.stop_token_ids) for r in reqs]
         S, W = max(map(len, stops)), max(r.max_new_tokens for r in reqs)
         t = {
-            "next_B": torch.tensor([r.prompt_ids[-1] for r in reqs], device=dev),
-            "pos_B": torch.tensor([len(r.prompt_ids) - 1 for r in reqs], device=dev),
+            "next_B": torch.tensor([r.prompt_ids[-1] for r in reqs], device=dev),  # replaced by the first token
+            "pos_B": torch.tensor([len(r.prompt_ids) for r in reqs], device=dev),  # where that token goes
             "max_new_B": torch.tensor([r.max_new_tokens for r in reqs], device=dev),
             "temp_B": torch.tensor([float(r.temperature) for r in reqs], device=dev),
             "top_p_B": torch.tensor([float(r.top_p) for r in reqs], device=dev),
@@ -265,20 +272,24 @@ class TorchEngine(RolloutEngine):
         t["ver_BW"] = torch.full((B, W), -1, dtype=torch.long, device=dev)
         return t
 
-    def _prefill(self, contexts: list[list[int]]) -> tuple[DynamicCache, torch.Tensor]:
-        """Left-padded forward of ``contexts`` (may be empty lists) -> (KV cache, mask_BT)."""
+    def _prefill(self, contexts: list[list[int]], with_logits: bool = False):
+        """Left-padded forward of ``contexts`` (may be empty lists) -> (KV cache, mask_BT), and with
+        ``with_logits`` the logits at the last position (B, V) (every context non-empty then)."""
         B, T = len(contexts), max(map(len, contexts))
-        ids_BT = torch.tensor([[self.pad_id] * (T - len(c)) + c for c in contexts], dtype=torch.long,
+        ids_BT = torch.tensor([[self.pad_id] * (T - len(c)) + list(c) for c in contexts], dtype=torch.long,
                               device=self.device).view(B, T)
         mask_BT = torch.tensor([[0] * (T - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long,
                                device=self.device).view(B, T)
-        if T == 0:  # all prompts are one token long: nothing to cache yet
+        if T == 0:  # all contexts empty (one-token prompts being recomputed): nothing to cache yet
             return self._empty_cache(B), mask_BT
         pos_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        # base_model: the decoder stack without lm_head; the logits of a prefill are never used.
-        self.model.base_model(input_ids=ids_BT, attention_mask=mask_BT, position_ids=pos_BT,
-                              use_cache=True, **{self._cache_kw: cache})
+        kw = dict(input_ids=ids_BT, attention_mask=_unless_full(mask_BT), position_ids=pos_BT, use_cache=True,
+                  **{self._cache_kw: cache})
+        if with_logits:
+            return cache, mask_BT, self.model(**kw, logits_to_keep=1).logits[:, -1]
+        # base_model: the decoder stack without lm_head; the logits of a recompute are never used.
+        self.model.base_model(**kw)
         return cache, mask_BT
 
     def _empty_cache(self, B: int) -> DynamicCache:
@@ -297,15 +308,21 @@ class TorchEngine(RolloutEngine):
         # HF silently right-pads a short 2D mask, so a mask/cache mismatch would not fail loudly.
         assert t["mask_BT"].shape[1] == c.cache.get_seq_length(), "cohort mask and KV cache disagree"
         mask_BT = torch.cat([t["mask_BT"], torch.ones(B, 1, dtype=t["mask_BT"].dtype, device=self.device)], 1)
-        out = self.model(input_ids=t["next_B"][:, None], attention_mask=mask_BT, position_ids=t["pos_B"][:, None],
-                         use_cache=True, **{self._cache_kw: c.cache})
-        tok_B, logp_B = sample_tokens(out.logits[:, -1], t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen)
-        rows_B = torch.arange(B, device=self.device)
+        out = self.model(input_ids=t["next_B"][:, None], attention_mask=_unless_full(mask_BT),
+                         position_ids=t["pos_B"][:, None], use_cache=True, **{self._cache_kw: c.cache})
+        t["pos_B"], t["mask_BT"] = t["pos_B"] + 1, mask_BT
+        return self._emit(c, out.logits[:, -1])
+
+    def _emit(self, c: _Cohort, logits_BV: torch.Tensor) -> list[GroupOutput]:
+        """Sample every row's next token from ``logits_BV``, record it, retire finished rows."""
+        t = c.t
+        tok_B, logp_B = sample_tokens(logits_BV, t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen)
+        rows_B = torch.arange(len(c.rows), device=self.device)
         t["out_BW"][rows_B, t["n_gen_B"]] = tok_B
         t["logp_BW"][rows_B, t["n_gen_B"]] = logp_B
         t["ver_BW"][rows_B, t["n_gen_B"]] = self.version
         t["n_gen_B"] += 1
-        t["next_B"], t["pos_B"], t["mask_BT"] = tok_B, t["pos_B"] + 1, mask_BT
+        t["next_B"] = tok_B
         return self._retire(c, tok_B)
 
     def _retire(self, c: _Cohort, tok_B: torch.Tensor) -> list[GroupOutput]:
@@ -316,7 +333,10 @@ class TorchEngine(RolloutEngine):
         done = done_B.nonzero().squeeze(1).tolist()
         stopped = stop_B.tolist()
         groups = self._finish_rows(c, done, ["stop" if stopped[i] else "length" for i in done])
-        c.select((~done_B).nonzero().squeeze(1))
+        if len(done) == len(c.rows):  # the whole cohort ended: nothing to keep, no cache to re-index
+            c.rows = []
+        else:
+            c.select((~done_B).nonzero().squeeze(1))
         return [g.output() for g in groups if g.left == 0]
 
     def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
@@ -342,6 +362,11 @@ class TorchEngine(RolloutEngine):
         n_gen, out = c.t["n_gen_B"].tolist(), c.t["out_BW"].tolist()
         seqs = [g.req.prompt_ids + out[i][:n_gen[i]] for i, (g, _) in enumerate(c.rows)]
         c.cache, c.t["mask_BT"] = self._prefill([s[:-1] for s in seqs])
+
+
+def _unless_full(mask_BT: torch.Tensor):
+    """None when no position is padding: HF then builds no mask at all (plain causal attention)."""
+    return None if bool(mask_BT.all()) else mask_BT
 
 
 def _eos_id(tokenizer_or_eos_id) -> int:
