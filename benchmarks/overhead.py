@@ -51,7 +51,21 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
+from areal_async.base.plugins import load_callable
+from areal_async.base.process import set_torch_threads
+from areal_async.config import ModelConfig, load_config
+from areal_async.data.prompts import PromptCursor, load_problems, prompt_encoder
+from areal_async.models.tiny import build_model, load_policy, save_policy
+from areal_async.models.tokenizer import build_char_tokenizer
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.packing import select_attn_implementation
+from areal_async.trainer.types import Trajectory
 from benchmarks.common import write_rows
+from benchmarks.common.fleet import run_fleet
 
 ALPHABET = "0123456789+="
 WARMUP_STEPS = 5
@@ -69,9 +83,6 @@ PHASES = ("gen", "reward", "train", "publish", "wait")
 
 def build_setup(out: Path, seed: int = 1) -> tuple[Path, Path]:
     """Write the tiny model (+ its 16-token tokenizer) and the a+b jsonl under ``out``."""
-    from areal_async.config import ModelConfig
-    from areal_async.models.tiny import build_model, save_policy
-    from areal_async.models.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer(ALPHABET)
     mcfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -104,13 +115,6 @@ class InProcessLoop:
     """Engine, reward function and PPO actor of the project in one loop (see the module docstring)."""
 
     def __init__(self, cfg):
-        from areal_async.data.prompts import PromptCursor, load_problems, prompt_encoder
-        from areal_async.models.tiny import load_policy
-        from areal_async.rollout.torch_engine import TorchEngine
-        from areal_async.base.process import set_torch_threads
-        from areal_async.trainer.actor import PPOActor
-        from areal_async.trainer.packing import select_attn_implementation
-        from areal_async.base.plugins import load_callable
 
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
@@ -141,7 +145,6 @@ class InProcessLoop:
         return {"publish": t1 - t0, "gen": t2 - t1, "reward": t3 - t2, "train": t4 - t3, "wait": 0.0, "step": t4 - t0}
 
     def _generate(self) -> list[tuple]:
-        from areal_async.rollout.engine import GenRequest
 
         g = self.cfg.gconfig
         reqs = {}
@@ -156,7 +159,6 @@ class InProcessLoop:
         return [(out, reqs[out.group_id]) for out in done]
 
     def _score(self, groups: list[tuple]) -> list:
-        from areal_async.trainer.types import Trajectory
 
         trajs = []
         for out, problem in groups:
@@ -197,7 +199,6 @@ def fleet_phases(rows: list[dict], warmup: int) -> dict:
 
 
 def run_fleet_eta(config: str, ovr: list[str], eta: int, run_dir: Path, warmup: int) -> dict:
-    from benchmarks.async_speedup import run_fleet
 
     res = run_fleet(config, ovr + [f"rollout.max_head_offpolicyness={eta}"], run_dir)
     rows = res["rows"]
@@ -214,13 +215,7 @@ def run_fleet_eta(config: str, ovr: list[str], eta: int, run_dir: Path, warmup: 
 
 def engine_vs_hf(cfg, repeats: int) -> dict:
     """Tokens/s of TorchEngine and of HF ``generate`` on one batch of the benchmark's prompts."""
-    import torch
 
-    from areal_async.data.prompts import load_problems, prompt_encoder
-    from areal_async.models.tiny import load_policy
-    from areal_async.rollout.engine import GenRequest
-    from areal_async.rollout.torch_engine import TorchEngine
-    from areal_async.base.process import set_torch_threads
 
     set_torch_threads(cfg.cluster.torch_threads)
     model, tok = load_policy(cfg.model, cfg.seed)
@@ -326,7 +321,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from areal_async.config import load_config
 
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = [a for a in argv if "=" in a and not a.startswith("-")]

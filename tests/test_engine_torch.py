@@ -205,7 +205,8 @@ def test_length_stop_tokens_and_eos():
     assert [(len(s.output_ids), s.finish_reason) for s in greedy] == [(5, "length")] * 2
     first, second = greedy[0].output_ids[:2].tolist()
     engine.add_request(_req("stop", PROMPTS[0], n=2, max_new_tokens=5, greedy=True, stop_token_ids=(second,)))
-    assert [(s.output_ids.tolist(), s.finish_reason) for s in _run(engine)["stop"].samples] == [([first, second], "stop")] * 2
+    stopped = [(s.output_ids.tolist(), s.finish_reason) for s in _run(engine)["stop"].samples]
+    assert stopped == [([first, second], "stop")] * 2
     eos_engine = TorchEngine(model, first, seed=0)  # eos given as an id
     eos_engine.add_request(_req("eos", PROMPTS[0], n=1, max_new_tokens=5, greedy=True))
     assert [(s.output_ids.tolist(), s.finish_reason) for s in _run(eos_engine)["eos"].samples] == [([first], "stop")]

@@ -201,8 +201,7 @@ class TorchEngine(RolloutEngine):
             self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
         for g in self.pending:
             groups[id(g)] = g
-            g.samples = [SampleOutput(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0, dtype=torch.long),
-                                      "abort") for _ in range(g.req.n)]
+            g.samples = [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]
         self.pending, self.cohorts = [], []
         return [g.output() for g in groups.values()]
 
