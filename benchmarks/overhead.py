@@ -127,7 +127,7 @@ class InProcessLoop:
         self.reward_fn = load_callable(cfg.reward.fn)
         self.problems = load_problems(cfg.train_dataset, cfg.seed)
         self.cursor = PromptCursor(len(self.problems), cfg.seed, cfg.train_dataset.shuffle)
-        self.encode = prompt_encoder(self.tok)
+        self.encode = prompt_encoder(self.tok, cfg.train_dataset.template)
         self.version = 0
 
     def step(self) -> dict[str, float]:
@@ -219,7 +219,7 @@ def engine_vs_hf(cfg, repeats: int) -> dict:
 
     set_torch_threads(cfg.cluster.torch_threads)
     model, tok = load_policy(cfg.model, cfg.seed)
-    enc, g, B = prompt_encoder(tok), cfg.gconfig, cfg.train_dataset.batch_size
+    enc, g, B = prompt_encoder(tok, cfg.train_dataset.template), cfg.gconfig, cfg.train_dataset.batch_size
     prompts = [enc(p.prompt) for p in load_problems(cfg.train_dataset, cfg.seed)[:B]]
     engine = TorchEngine(model, tok, device="cpu", seed=cfg.seed, max_batch_groups=cfg.rollout.max_batch_groups)
     engine.update_weights(0, {k: v.detach() for k, v in model.state_dict().items()})
