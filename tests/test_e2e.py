@@ -219,12 +219,13 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
     assert all(t in final for t in kept)
 
 
-@pytest.mark.parametrize("trajectories, weights", [("shm", "zmq"), ("gloo", "gloo")])
-def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights):
-    """The same fleet with the other CPU channels: trajectories and weights really move over them."""
+@pytest.mark.parametrize("trajectories, weights, ranks", [("shm", "zmq", 1), ("gloo", "gloo", 2)])
+def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights, ranks):
+    """The same fleet with the other CPU channels: trajectories and weights really move over them
+    (with 2 trainer ranks, weights are gathered from the shards in buckets of 64 KiB)."""
     run_dir = tmp_path / "run"
     run_ok(run_dir, f"tensor_channel.trajectories={trajectories}", f"tensor_channel.weights={weights}",
-           "rollout.max_head_offpolicyness=2")
+           "rollout.max_head_offpolicyness=2", f"cluster.n_trainer_ranks={ranks}", "tensor_channel.bucket_mb=0.0625")
     check_books(run_dir, eta=2)
     for r in range(2):  # every rollout worker loaded the last published version over the channel
         log = (run_dir / "logs" / f"rollout-{r}.log").read_text()
