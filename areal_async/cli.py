@@ -4,6 +4,7 @@
     areal-async sft CONFIG [--run-dir DIR] [key=value ...]
     areal-async knobs                      # every config key with its help text
     areal-async data prepare INPUT -o OUTPUT [--format auto|boba|gsm8k|math] [--skip-bad]
+    areal-async data filter CONFIG --data FILE -o OUTPUT [--band '[0,1)'] [--model DIR] [-k K] [key=value ...]
     areal-async check-plugin module:obj [--kind auto|reward|workflow] [--timeout-s S]
     areal-async eval CONFIG [--model DIR] [--data FILE] [--out DIR] [-k K | --greedy] [key=value ...]
     areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
@@ -80,6 +81,15 @@ def _data_parser(sub) -> None:
     prep.add_argument("--format", default="auto", choices=("auto", "boba", "gsm8k", "math"),
                       help="input format (auto: each line by its keys)")
     prep.add_argument("--skip-bad", action="store_true", help="write the good lines and count the bad ones")
+    filt = d.add_parser("filter", help="keep the prompts whose pass rate over k samples lies in a band")
+    filt.add_argument("config", help="YAML preset (model, template, evaluator.* sampling, reward.*)")
+    filt.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    filt.add_argument("--data", required=True, help="training-format jsonl to filter")
+    filt.add_argument("-o", "--output", required=True, help="jsonl of the kept problems (+ OUTPUT.rates.jsonl)")
+    filt.add_argument("--band", default="[0,1)", help="pass rates kept, an interval (default '[0,1)': drop what "
+                                                       "the model always solves, the seed's filter)")
+    filt.add_argument("--model", default=None, help="HF model directory; default: the policy CONFIG starts RL from")
+    filt.add_argument("-k", type=int, default=None, help="samples per problem (evaluator.n_samples; seed: 8)")
 
 
 def _data_prepare(args) -> int:
@@ -120,7 +130,21 @@ def _plot(args) -> int:
     return 0
 
 
-NO_CONFIG = {"knobs": lambda args: _knobs(), "data": lambda args: _data_prepare(args),
+def _data(args) -> int:
+    if args.data_cmd == "prepare":
+        return _data_prepare(args)
+    from areal_async.app.data_filter import run_filter
+
+    overrides = list(args.overrides) + ([f"evaluator.n_samples={args.k}", "evaluator.greedy=false"] if args.k else [])
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"areal-async: config error: {e}", file=sys.stderr)
+        return 2
+    return run_filter(cfg, args.data, args.output, args.band, args.model)
+
+
+NO_CONFIG = {"knobs": lambda args: _knobs(), "data": _data,
              "check-plugin": lambda args: _check_plugin(args), "plot": _plot, "status": _status}
 
 
