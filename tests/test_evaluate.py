@@ -46,8 +46,12 @@ class ScriptedEngine(RolloutEngine):
 
     def step(self):
         done, self.open = self.open, []
-        return [GroupOutput(r.group_id, [SampleOutput(self.tok.encode(t, add_special_tokens=False), [], [], "stop")
-                                         for t in self.answers[tuple(r.prompt_ids)][: r.n]]) for r in done]
+        return [GroupOutput(r.group_id, [self._sample(t) for t in self.answers[tuple(r.prompt_ids)][: r.n]])
+                for r in done]
+
+    def _sample(self, text):
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return SampleOutput(ids, [0.0] * len(ids), [self.version] * len(ids), "stop")
 
     def has_work(self):
         return bool(self.open)
