@@ -28,7 +28,8 @@ def start_cpu_server(config: Path = TINY, port: int | None = None, extra: list[s
     port = port or free_tcp_port("127.0.0.1")
     cmd = [sys.executable, "-m", "areal_async.rollout.sglang_server", "--config", str(config), "--port", str(port),
            *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    out = None if os.environ.get("AREAL_SERVER_LOGS") else subprocess.DEVNULL  # AREAL_SERVER_LOGS=1: show them
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     return proc, f"http://127.0.0.1:{port}"
 

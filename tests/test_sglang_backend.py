@@ -18,7 +18,7 @@ from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import call
-from areal_async.rollout.remote import RemoteEngine
+from areal_async.rollout.remote import RemoteEngine, ServerDown
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.models.tokenizer import load_tokenizer
 from tests.sglang_fixtures import TINY, start_cpu_server, stop
@@ -77,6 +77,27 @@ def test_weights_arrive_over_the_gloo_group_with_each_weight_version(server):
         s = run_all(engine)[f"g{version}"].samples[0]
         assert s.output_ids == greedy_under(model, prompt, len(s.output_ids)) and s.versions == [version] * 8
         assert s.logprobs == pytest.approx(logprobs_under(model, prompt, s.output_ids), abs=1e-4)
+
+
+def test_a_failed_update_fails_loudly_and_the_half_updated_server_serves_nothing(server):
+    """The last bucket has a wrong shape: earlier buckets already loaded, so the server refuses
+    /generate (503) until a complete update succeeds; the client raises ServerDown."""
+    a, b = policy(51), policy(52)
+    client = SGLangClient(server, name="t-fail", bucket_mb=0.05)
+    client.wait_ready(120)
+    client.load_weights(0, a.state_dict())
+    bad = dict(b.state_dict())
+    last = list(bad)[-1]
+    bad[last] = torch.zeros(3, 3)
+    with pytest.raises(ServerDown, match=f"{last}.*shape"):
+        client.load_weights(1, bad)
+    prompt = TOK.encode("1+1=")
+    with pytest.raises(ServerDown, match="503.*weights unusable after a failed update"):
+        client.generate("after-bad", prompt, 4, GenRequest("x", prompt, 1, 4, greedy=True))
+    assert call(server, "GET", "/model_info")["weight_version"] == "0"
+    client.load_weights(2, b.state_dict())
+    c = client.generate("after-good", prompt, 4, GenRequest("x", prompt, 1, 4, greedy=True))
+    assert c.versions == [2] * 4 and c.output_ids == greedy_under(b, prompt, 4)
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])

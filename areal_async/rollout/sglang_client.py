@@ -174,16 +174,17 @@ class SGLangClient(ServerClient):
                 "group_name": self.group_name, "backend": self.group_backend}
 
     def _init_group(self) -> None:
+        """Rank 0 waits in the rendezvous on a helper thread while the server is asked to join: a
+        server that refuses or cannot be reached fails this at once (the helper times out alone)."""
         port = free_tcp_port(self.group_host)
         self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}"  # a restarted worker's are new names
-        with _Background(self._call, "POST", "/init_weights_update_group", self.init_body(port),
-                         self.update_timeout_s) as req:
-            try:
-                self.group = W.init_custom_group(self.group_backend, self.group_host, port, 0, 2, self.group_name,
-                                                 timeout_s=self.update_timeout_s)
-            except Exception as e:  # the server did not join (it refused or died): no group
-                raise ServerDown(f"{self.address}: weight group {self.group_name} not formed: {e}") from None
-        req.result()
+        with _Background(W.init_custom_group, self.group_backend, self.group_host, port, 0, 2, self.group_name,
+                         self.update_timeout_s) as rank0:
+            self._call("POST", "/init_weights_update_group", self.init_body(port), self.update_timeout_s)
+        try:
+            self.group = rank0.result()
+        except Exception as e:  # the rendezvous failed although the server said it joined
+            raise ServerDown(f"{self.address}: weight group {self.group_name} not formed: {e}") from None
 
     def _drop_group(self) -> None:
         if self.group is not None:
@@ -233,8 +234,9 @@ class _Background:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.thread.join()
+    def __exit__(self, exc_type, *exc) -> None:
+        # the collective failed: the peer's call may now wait out its own timeout, so don't wait for it
+        self.thread.join(timeout=5.0 if exc_type is not None else None)
 
     def result(self):
         if self.err is not None:

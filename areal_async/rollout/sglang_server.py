@@ -73,6 +73,10 @@ class BadRequest(ValueError):
     """Answered 400 with the message (SGLang answers a contract violation the same way)."""
 
 
+class Unavailable(RuntimeError):
+    """Answered 503: the server cannot serve now (weights unusable after a failed update)."""
+
+
 @dataclass
 class _Waiter:
     rid: str
@@ -150,7 +154,7 @@ class CpuSGLangServer:
             while self.paused and not self.stopping.is_set():  # SGLang holds new requests while paused
                 self.mu.wait(0.5)
             if self.broken:
-                raise BadRequest(f"weights unusable after a failed update ({self.broken}); update them again")
+                raise Unavailable(f"weights unusable after a failed update ({self.broken}); update them again")
             if req.group_id in self.waiters:
                 raise BadRequest(f"rid {req.group_id!r} is already generating")
             self.engine.add_request(req)
@@ -342,8 +346,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = urlparse(self.path).path
-        if path in ("/health", "/health_generate"):
-            self._send(503 if self.state.broken else 200, None)
+        if path in ("/health", "/health_generate"):  # the process serves; /generate says if the weights do
+            self._send(200, None)
         elif path in ("/model_info", "/get_model_info"):
             self._send(200, self.state.model_info())
         elif path == "/flush_cache":
@@ -372,6 +376,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, {"error": {"message": f"bad request body for {path}: {e!r}", "code": 400}})
         except TimeoutError as e:
             self._send(504, {"error": {"message": str(e), "code": 504}})
+        except Unavailable as e:
+            self._send(503, {"error": {"message": str(e), "code": 503}})
 
     def _body(self) -> dict:
         n = int(self.headers.get("Content-Length") or 0)
