@@ -117,6 +117,22 @@ def test_sglang_backend_on_cpu_runs_the_cpu_servers_one_per_worker_or_a_multiple
         load_config(TINY, ["sglang.pause_mode=later"])
 
 
+def test_vllm_backend_servers_addresses_and_context_length():
+    from areal_async.config import n_servers, server_addresses
+
+    c = load_config(TINY, ["rollout.backend=vllm"])
+    assert n_servers(c) == 2 and server_addresses(c) == []  # one per rollout worker, started by the supervisor
+    assert n_servers(load_config(TINY, ["rollout.backend=vllm:d4"])) == 4
+    c = load_config(TINY, ["rollout.backend=vllm", "vllm.addresses=[http://h:1, http://h:2, http://h:3, http://h:4]",
+                           "sglang.addresses=[http://s:1, http://s:2]"])
+    assert n_servers(c) == 4 and server_addresses(c)[0] == "http://h:1"  # vllm's, not sglang's
+    with pytest.raises(ConfigError, match=r"rollout\.backend='vllm:d3'.*multiple of cluster\.n_rollout_workers=2"):
+        load_config(TINY, ["rollout.backend=vllm:d3"])
+    need = c.train_dataset.max_prompt_len + c.gconfig.max_new_tokens
+    with pytest.raises(ConfigError, match=rf"vllm\.max_model_len=8: expected >= .* = {need}"):
+        load_config(TINY, ["rollout.backend=vllm", "vllm.max_model_len=8"])
+
+
 @pytest.mark.parametrize("override,key", [("rollout.max_head_offpolicy=1", "rollout.max_head_offpolicy"),
                                           ("sft.optimizer.lr=-1", "sft.optimizer.lr"),
                                           ("evaluator.greedy=true", "evaluator.n_samples")])

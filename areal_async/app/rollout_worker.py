@@ -1,10 +1,12 @@
-"""A rollout worker, built from the run directory: an engine (the embedded torch engine, or the SGLang
-servers this worker owns behind a ``RemoteEngine``) behind the rollout service."""
+"""A rollout worker, built from the run directory: an engine (the embedded torch engine, or the SGLang or
+vLLM servers this worker owns behind a ``RemoteEngine``) behind the rollout service."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import torch
 import zmq.asyncio
 
 from areal_async.app.channels import trajectory_channel, weight_channel
@@ -18,6 +20,10 @@ from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.rollout.service import RolloutService
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.vllm_client import VLLMClient
+from areal_async.rollout.vllm_server import SERVED_NAME
+
+PROBE_TEXT = "7+8=\\boxed{15}"  # the fixed sequence whose logprobs check a vLLM server's weights
 
 
 def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutService:
@@ -27,6 +33,8 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
     max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
     if cfg.rollout.backend.startswith("sglang"):
         engine = sglang_engine(cfg, ep, run_dir, worker_id, index, max_in_flight=max_active * cfg.gconfig.n_samples)
+    elif cfg.rollout.backend.startswith("vllm"):
+        engine = vllm_engine(cfg, ep, tok, run_dir, worker_id, index, max_in_flight=max_active * cfg.gconfig.n_samples)
     else:
         engine = torch_engine(cfg, tok, index)
     ctx = zmq.asyncio.Context()
@@ -62,3 +70,46 @@ def sglang_engine(cfg: ExperimentConfig, ep: Endpoints, run_dir: str | Path, wor
                for j, a in enumerate(mine)]
     return RemoteEngine(clients, max_in_flight=max_in_flight, down_timeout_s=s.server_down_timeout_s,
                         ready_timeout_s=s.update_timeout_s)
+
+
+def vllm_engine(cfg: ExperimentConfig, ep: Endpoints, tok, run_dir: str | Path, worker_id: str, index: int,
+                max_in_flight: int) -> RemoteEngine:
+    """A RemoteEngine over the vLLM servers this worker owns (started by the supervisor, or vllm.addresses)."""
+    v = cfg.vllm
+    mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
+    probe = ProbeReference(cfg, tok) if v.probe else None
+    clients = [VLLMClient(a, weights_dir=str(Path(run_dir) / "weights" / "vllm"), model=SERVED_NAME,
+                          keep_versions=v.keep_versions, probe_ids=probe.ids if probe else None,
+                          probe_expected=probe, probe_atol=v.probe_atol, request_timeout_s=v.request_timeout_s,
+                          update_timeout_s=v.update_timeout_s)
+               for a in mine]
+    return RemoteEngine(clients, max_in_flight=max_in_flight, down_timeout_s=v.server_down_timeout_s,
+                        ready_timeout_s=v.startup_timeout_s)
+
+
+class ProbeReference:
+    """The trainer's logprobs of the probe sequence under a version's weights (one HF forward, cached per
+    version): what a vLLM server must answer after loading that version."""
+
+    def __init__(self, cfg: ExperimentConfig, tok):
+        self.ids = [tok.bos_token_id, *tok.encode(PROBE_TEXT, add_special_tokens=False)]
+        self.model = load_model(cfg.model.path, "float32") if cfg.model.path else build_model(cfg.model, len(tok),
+                                                                                               cfg.seed)
+        self.model.eval()
+        self.lock = threading.Lock()
+        self.cache: dict[int, list[float]] = {}
+
+    def __call__(self, version: int, state_dict: dict) -> list[float]:
+        with self.lock:
+            if version not in self.cache:
+                self.model.load_state_dict(state_dict)
+                self.cache = {version: logprobs_of(self.model, self.ids)}
+            return self.cache[version]
+
+
+@torch.no_grad()
+def logprobs_of(model, ids: list[int]) -> list[float]:
+    """log p(ids[i] | ids[:i]) for i >= 1: one full forward in float32."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [float(logp[i - 1, t]) for i, t in enumerate(ids) if i > 0]

@@ -26,7 +26,8 @@ checked but read by no code yet say so in their help (``[not read yet: wired by 
 from areal_async.config.base import ConfigError, CpuList, Section
 from areal_async.config.experiment import (EvaluatorConfig, ExperimentConfig, RecoverConfig, RefConfig,
                                            SaverConfig, SFTConfig, SFTWarmupConfig, SGLangConfig,
-                                           StatsLoggerConfig, VLLMConfig, n_servers)
+                                           StatsLoggerConfig, VLLMConfig, n_servers,
+                                           server_addresses)
 from areal_async.config.loading import describe, from_dict, load_config, parse_override, to_dict, to_yaml
 from areal_async.config.sections import (DTYPES, LR_SCHEDULES, NORM_LEVELS, ActorConfig, ClusterConfig,
                                          CpuAffinityConfig, DatasetConfig, GenerationConfig, MicroBatchSpec,
@@ -38,4 +39,4 @@ __all__ = ["DTYPES", "LR_SCHEDULES", "NORM_LEVELS", "ActorConfig", "ClusterConfi
            "ModelConfig", "NormConfig", "OptimizerConfig", "RecoverConfig", "RefConfig", "RejectionSamplingConfig",
            "RewardConfig", "RolloutConfig", "SFTConfig", "SFTWarmupConfig", "SGLangConfig", "SaverConfig", "Section",
            "StatsLoggerConfig", "TensorChannelConfig", "VLLMConfig", "describe", "from_dict", "load_config",
-           "n_servers", "parse_override", "rollout_dp_degree", "to_dict", "to_yaml"]
+           "n_servers", "parse_override", "rollout_dp_degree", "server_addresses", "to_dict", "to_yaml"]

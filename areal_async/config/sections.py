@@ -20,7 +20,7 @@ TEMPLATES = ("none", "chat", "r1")  # train_dataset.template; data/templates.py 
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 NORM_LEVELS = ("group", "batch", "none")
-_BACKEND_RE = re.compile(r"^(torch|sglang)(:d([1-9][0-9]*))?$")
+_BACKEND_RE = re.compile(r"^(torch|sglang|vllm)(:d([1-9][0-9]*))?$")
 
 
 def rollout_dp_degree(backend: str) -> int:
@@ -107,8 +107,9 @@ class GenerationConfig(Section):
 class RolloutConfig(Section):
     """Rollout workers and the asynchrony budget."""
 
-    backend: str = _f("torch", "Engine: 'torch' (embedded, CPU or GPU) or 'sglang[:dN]' (N SGLang servers over "
-                               "HTTP, default one per rollout worker; on cluster.device=cpu the project's CPU twin).")
+    backend: str = _f("torch", "Engine: 'torch' (embedded, CPU or GPU), 'sglang[:dN]' (N SGLang servers over "
+                               "HTTP, default one per rollout worker; on cluster.device=cpu the project's CPU twin) "
+                               "or 'vllm[:dN]' (N vLLM OpenAI servers from vllm.python's environment, CPU or GPU).")
     max_head_offpolicyness: int = _f(2, "η: trainer step v consumes only samples whose oldest token version "
                                         ">= v - η; 0 = synchronous on-policy.")
     max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout "
@@ -118,7 +119,7 @@ class RolloutConfig(Section):
 
     def check(self) -> None:
         require(_BACKEND_RE.match(self.backend) is not None, "backend", self.backend,
-                "'torch', 'sglang' or 'sglang:dN' with N >= 1")
+                "'torch', 'vllm', 'vllm:dN', 'sglang' or 'sglang:dN' with N >= 1")
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)

@@ -35,7 +35,7 @@ from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import plan_endpoints
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.supervisor.servers import SERVER_ROLE, launch_blocker, plan_server_addresses, server_commands
+from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, plan_server_addresses, server_commands
 from areal_async.supervisor.placement import (PlacementError, Slot, check_gpus_present, local_gpu_count, place,
                                               shape_of, trainer_names)
 from protocols.sockets import free_tcp_port
@@ -63,7 +63,7 @@ class Child:
         return self.name.split("-")[0]
 
 
-RESTARTABLE = ("rollout", "reward", "sglang")  # the trainer resumes from a checkpoint instead (recover.mode)
+RESTARTABLE = ("rollout", "reward", *SERVER_ROLES)  # the trainer resumes from a checkpoint instead (recover.mode)
 
 
 def restart_blocker(cfg: ExperimentConfig) -> Optional[str]:
@@ -173,7 +173,7 @@ class LocalSupervisor:
         self._write_pids()
 
     def _start_servers(self, env: dict) -> None:
-        """The rollout backend's inference servers (sglang), before the workers that use them."""
+        """The rollout backend's inference servers (sglang, vllm), before the workers that use them."""
         for name, cmd in server_commands(self.cfg, self.run_dir, self.endpoints.extra["servers"]):
             log_path = self.run_dir / "logs" / f"{name}.log"
             self.children.append(Child(name, self._spawn(cmd, log_path, env), log_path, cmd))
@@ -181,10 +181,10 @@ class LocalSupervisor:
     def _stop_servers(self) -> None:
         """Servers never exit by themselves: stop them once every worker has finished."""
         for c in self.children:
-            if c.role == SERVER_ROLE:
+            if c.role in SERVER_ROLES:
                 _signal_group(c.proc, signal.SIGTERM)
         for c in self.children:
-            if c.role == SERVER_ROLE:
+            if c.role in SERVER_ROLES:
                 try:
                     c.proc.wait(timeout=GRACE_S)
                 except subprocess.TimeoutExpired:
@@ -221,7 +221,7 @@ class LocalSupervisor:
                 continue
             if failed:
                 return self._fail(failed[0])
-            if all(c.proc.poll() == 0 for c in self.children if c.role != SERVER_ROLE):
+            if all(c.proc.poll() == 0 for c in self.children if c.role not in SERVER_ROLES):
                 self._stop_servers()
                 self._progress_done(last_line)
                 return 0
@@ -240,7 +240,7 @@ class LocalSupervisor:
             return f"a {dead.role} worker is never restarted"
         if self._scheduler_done():
             return "the run had ended"
-        if dead.role != SERVER_ROLE and (blocker := restart_blocker(self.cfg)):
+        if dead.role not in SERVER_ROLES and (blocker := restart_blocker(self.cfg)):
             return blocker
         if dead.restarts >= self.cfg.cluster.max_restarts:
             return f"{dead.restarts} restart(s) used"

