@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from areal_async.config.base import Section, _f, _sub, _unread, above, at_least, one_of, require, within
+from areal_async.config.base import Section, _f, _sub, above, at_least, one_of, require, within
 from areal_async.config.sections import (DTYPES, ActorConfig, ClusterConfig, DatasetConfig, GenerationConfig,
                                          MicroBatchSpec, ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig,
                                          TensorChannelConfig, rollout_dp_degree)

@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--index", type=int, default=0, help="server index (its sampling seed)")
     p.add_argument("--vllm-python", required=True, help="interpreter of the vLLM environment")
     p.add_argument("--cpus", default="", help="pin this process (and vLLM after exec) to these CPUs")
+    p.add_argument("--gpu", default="", help="CUDA_VISIBLE_DEVICES of the server (cuda runs)")
     args = p.parse_args(argv)
     if args.cpus:
         pin_self(args.cpus)
@@ -106,7 +107,10 @@ def main(argv=None) -> int:
     argv = [args.vllm_python, *vllm_argv(cfg, model, args.host, args.port, args.index)]
     print("[vllm_server] exec", " ".join(argv), flush=True)
     sys.stdout.flush()
-    os.execve(args.vllm_python, argv, vllm_env(cfg, dict(os.environ)))
+    env = vllm_env(cfg, dict(os.environ))
+    if args.gpu:
+        env["CUDA_VISIBLE_DEVICES"] = args.gpu
+    os.execve(args.vllm_python, argv, env)
     return 1  # not reached
 
 

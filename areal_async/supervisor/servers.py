@@ -99,6 +99,8 @@ def _vllm_command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) ->
     cmd = [sys.executable, "-m", "areal_async.rollout.vllm_server", "--config", str(run_dir / "config.yaml"),
            "--model-dir", str(run_dir / "vllm_model"), "--host", host, "--port", port, "--index", str(j),
            "--vllm-python", str(vllm_python(cfg))]
+    if cfg.cluster.device == "cuda":
+        cmd += ["--gpu", str(j)]  # server j on GPU j: the rollout GPUs come first (placement.py)
     return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
 
 
