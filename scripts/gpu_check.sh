@@ -7,6 +7,7 @@
 #                                         a 1-GPU FSDP2 PPO step in bf16 with fp32 master weights)
 #   3. transfer_latency --device cuda    (cuda_ipc rows; nccl rows need 2 GPUs; D2D copy bound)
 #   4. scale_model --from that JSON      (alpha/beta fitted from the GPU rows)
+#   5. vLLM weight reload and NCCL weight transfer (VLLM_PYTHON; tests/gpu/vllm_weight_transfer_check.py)
 #   (tests/gpu also holds the SGLang client against a real sglang.launch_server: a tiny Qwen2 built
 #    locally, weights over a group and from disk with their weight_version, an interrupted sample)
 set -uo pipefail
@@ -39,5 +40,13 @@ timeout 150 $PY -m benchmarks.transfer_latency --device cuda --quick --json "$OU
 if [ -s "$OUT/transfer_gpu.json" ]; then
     $PY -m benchmarks.scale_model --from "$OUT/transfer_gpu.json" --json "$OUT/scale_gpu.json" \
         2>&1 | tee "$OUT/scale_gpu.log" || status=1
+fi
+# 5. vLLM weight paths (rollout.backend=vllm), in a CUDA vLLM environment: VLLM_PYTHON=/path/to/its/python.
+#    disk reload (reload_weights between /pause and /resume) on GPU 0; NCCL weight transfer (vLLM's own
+#    NCCLTrainerWeightTransferEngine, --weight-transfer-config) when 2 GPUs exist. Written against vLLM 0.32.0.
+if [ -n "${VLLM_PYTHON:-}" ] && [ -x "$VLLM_PYTHON" ]; then
+    timeout 300 "$VLLM_PYTHON" tests/gpu/vllm_weight_transfer_check.py 2>&1 | tee "$OUT/vllm_gpu.log" || status=1
+else
+    echo "vllm checks skipped: set VLLM_PYTHON to a CUDA vLLM environment's python" | tee "$OUT/vllm_gpu.log"
 fi
 exit $status
