@@ -82,7 +82,7 @@ def vllm_env(cfg: ExperimentConfig, base: dict) -> dict:
     cache = Path(os.environ.get("AREAL_CACHE", Path.home() / ".cache" / "areal-async")) / "vllm-cache"
     env = dict(base, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=f"{cfg.vllm.cpu_kvcache_gb:g}",
                TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), VLLM_CACHE_ROOT=str(cache / "vllm"),
-               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false")
+               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
     if cfg.cluster.device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the default binds to cores other servers use
