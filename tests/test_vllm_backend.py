@@ -79,6 +79,7 @@ def test_generate_greedy_and_sampled_with_the_trainers_logprobs(server):
     engine = RemoteEngine([c])
     t = time.monotonic()
     engine.update_weights(0, a.state_dict())
+    assert engine.servers[0].up, "the first weight load + probe failed (see the log)"
     print(f"first weight load + probe: {time.monotonic() - t:.2f} s, probe max |diff| {c.last_probe_err:.2e}")
     prompt = [TOK.bos_token_id, *TOK.encode("3+4=", add_special_tokens=False)]
     engine.add_request(GenRequest("greedy", prompt, 1, 10, greedy=True))

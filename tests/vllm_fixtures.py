@@ -40,7 +40,7 @@ def start_vllm(model_dir: Path, log_path: Path, port: int | None = None, config:
     py = vllm_python_or_skip()
     port = port or free_tcp_port("127.0.0.1")
     cmd = [sys.executable, "-m", "areal_async.rollout.vllm_server", "--config", str(config), "--model-dir",
-           str(model_dir), "--port", str(port), "--vllm-python", str(py)]
+           str(model_dir), "--port", str(port), "--vllm-python", str(py), "--index", "9"]  # own cache dir
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))

