@@ -40,10 +40,15 @@ def make_trajs():
 
 def cfg():
     # Adam eps 0.1 makes the update close to lr * grad (not sign(grad)), so a wrong gradient scale shows
+    # kl_ctl > 0: the reference model (sharded too on the ranks) enters the advantages
     return ActorConfig(use_decoupled_loss=True, recompute_logprob=True, reward_scaling=10.0, reward_bias=-0.5,
-                       eps_clip=0.2, ppo_n_minibatches=2, mb_spec=MicroBatchSpec(max_tokens_per_mb=24),
+                       eps_clip=0.2, ppo_n_minibatches=2, kl_ctl=0.05, mb_spec=MicroBatchSpec(max_tokens_per_mb=24),
                        rejection_sampling=RejectionSamplingConfig("ratio", 2.0, "mask"),
                        optimizer=OptimizerConfig(lr=1e-2, eps=0.1, gradient_clipping=0.0))
+
+
+def reference():
+    return tiny_model(seed=9)
 
 
 def _init(rank, world, port):
@@ -64,11 +69,11 @@ def _rank_step(rank, world, port, out_dir):
     _init(rank, world, port)
     out = {}
     dp = DataParallel(rank, world)
-    resumed = PPOActor(tiny_model(seed=5), cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32)
+    resumed = PPOActor(tiny_model(seed=5), cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32, ref_model=reference)
     load_shards(f"{out_dir}/one_ckpt", resumed.model, resumed.optimizer)
     out["resumed"] = {k: full_tensor(v).detach().clone() for k, v in resumed.model.state_dict().items()}
     out["resumed_avg"] = [full_tensor(s["exp_avg"]).clone() for s in resumed.optimizer.state.values()]
-    actor = PPOActor(tiny_model(), cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32)
+    actor = PPOActor(tiny_model(), cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32, ref_model=reference)
     out["metrics"] = actor.train_step(make_trajs())
     out["weights"] = {k: full_tensor(v).detach().clone() for k, v in actor.model.state_dict().items()}
     out["exp_avg"] = [full_tensor(s["exp_avg"]).clone() for s in actor.optimizer.state.values()]
@@ -108,7 +113,7 @@ def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
 
     base = tiny_model()
     w0 = {k: v.clone() for k, v in base.state_dict().items()}
-    one = PPOActor(base, cfg(), 1.0, 10)
+    one = PPOActor(base, cfg(), 1.0, 10, ref_model=reference)
     m1 = one.train_step(make_trajs())
     w1 = base.state_dict()
     save_shards(tmp_path / "one_ckpt", base, one.optimizer)  # one process, no process group
@@ -133,7 +138,7 @@ def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
     avg1 = [s["exp_avg"] for s in one.optimizer.state.values()]
     assert all(torch.equal(a, b) for a, b in zip(got["resumed_avg"], avg1))
     # 2 -> 1 rank: the 2-rank shards read by one process without a process group
-    fresh = PPOActor(tiny_model(seed=7), cfg(), 1.0, 10)
+    fresh = PPOActor(tiny_model(seed=7), cfg(), 1.0, 10, ref_model=reference)
     load_shards(tmp_path / "two_ckpt", fresh.model, fresh.optimizer)
     assert all(torch.equal(fresh.model.state_dict()[k], w2[k]) for k in w2)
     assert all(torch.equal(s["exp_avg"], a) for s, a in zip(fresh.optimizer.state.values(), got["exp_avg"]))

@@ -75,7 +75,7 @@ class PPOActor:
         self.dp = dp or DataParallel.single()
         if self.dp.active and compute_dtype is None:
             raise ValueError(f"{self.dp.world} trainer ranks need compute_dtype (FSDP2 sharding); got None")
-        self.sharded = compute_dtype is not None
+        self.sharded, self.compute_dtype = compute_dtype is not None, compute_dtype
         self.model = shard_model(model, compute_dtype, self.device) if self.sharded else model.to(self.device)
         self.cfg = cfg
         self.temperature = temperature
@@ -136,8 +136,9 @@ class PPOActor:
         """The frozen reference model, loaded on first use and only when kl_ctl > 0."""
         if self._ref is None and self._ref_source is not None:
             src = self._ref_source
-            ref = src if isinstance(src, torch.nn.Module) else src()
-            self._ref = ref.to(self.device).eval().requires_grad_(False)
+            ref = (src if isinstance(src, torch.nn.Module) else src()).eval().requires_grad_(False)
+            # sharded like the policy (every rank loads it here, at the same step): its forwards are collectives
+            self._ref = shard_model(ref, self.compute_dtype, self.device) if self.sharded else ref.to(self.device)
         return self._ref
 
     # ---------------------------------------------------------------------------------------
