@@ -26,6 +26,7 @@ from pathlib import Path
 
 from areal_async.config import ConfigError, describe, load_config, to_yaml
 from areal_async.supervisor.local import run_local
+from areal_async.supervisor.slurm import run_slurm
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -202,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         from areal_async.app.sft import run_sft
 
         return run_sft(cfg, run_dir)
+    progress = False if args.no_progress else None
+    if cfg.cluster.launcher == "slurm":
+        return run_slurm(cfg, args.config, run_dir, list(args.overrides), progress, run_local)
     if cfg.cluster.launcher != "local":
-        print(f"areal-async: cluster.launcher={cfg.cluster.launcher!r} validates, but only the 'local' launcher "
-              "is built so far", file=sys.stderr)
+        print(f"areal-async: cluster.launcher={cfg.cluster.launcher!r} validates, but only the 'local' and 'slurm' "
+              "launchers are built so far", file=sys.stderr)
         return 2
-    return run_local(cfg, run_dir, progress=False if args.no_progress else None)
+    return run_local(cfg, run_dir, progress=progress)
 
 
 if __name__ == "__main__":

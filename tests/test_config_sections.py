@@ -15,7 +15,7 @@ from areal_async.config import (ActorConfig, ClusterConfig, ConfigError, CpuAffi
                                 EvaluatorConfig, ExperimentConfig, GenerationConfig, MicroBatchSpec, ModelConfig,
                                 NormConfig, OptimizerConfig, RecoverConfig, RefConfig, RejectionSamplingConfig,
                                 RewardConfig, RolloutConfig, SaverConfig, Section, SFTConfig, SFTWarmupConfig,
-                                SGLangConfig, StatsLoggerConfig, TensorChannelConfig, VLLMConfig, describe,
+                                SGLangConfig, SlurmConfig, StatsLoggerConfig, TensorChannelConfig, VLLMConfig, describe,
                                 from_dict)
 
 # (section, bad fields, the message's start "key=value", a fragment of what was expected): hand-picked
@@ -58,6 +58,8 @@ BAD = [
     (CpuAffinityConfig, {"reward": [0]}, "reward=[0]", "a cpu list"),
     (ClusterConfig, {"worker_timeout_s": 1.0}, "worker_timeout_s=1.0", "> heartbeat_s=2.0"),
     (ClusterConfig, {"launcher": "k8s"}, "launcher='k8s'", "local | ray | slurm"),
+    (SlurmConfig, {"sbatch_args": ["qos=high"]}, "sbatch_args=['qos=high']", "each starting with '-'"),
+    (SlurmConfig, {"cpus_per_node": -1}, "cpus_per_node=-1", ">= 0"),
     (ClusterConfig, {"n_gpus_per_node": 0}, "n_gpus_per_node=0", ">= 1"),
     (TensorChannelConfig, {"weights": "rdma"}, "weights='rdma'", "shm | zmq | gloo | nccl | cuda_ipc"),
     (TensorChannelConfig, {"bucket_mb": 0.0}, "bucket_mb=0.0", "> 0"),

@@ -21,8 +21,10 @@ from areal_async.config import ExperimentConfig, load_config
 
 def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
     """The run's config and endpoints; from here on this process's ``tcp://`` sockets use the run's keys."""
-    install_run_keys(run_dir)
-    return load_config(Path(run_dir) / "config.yaml"), Endpoints.load(run_dir)
+    cfg = load_config(Path(run_dir) / "config.yaml")
+    if cfg.cluster.curve:
+        install_run_keys(run_dir)
+    return cfg, Endpoints.load(run_dir)
 
 
 def control_client(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,

@@ -43,8 +43,10 @@ def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
     for name in ("config.yaml", "endpoints.json"):
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir / name} does not exist: is a fleet running in {run_dir}?")
-    install_run_keys(run_dir)
-    return load_config(run_dir / "config.yaml"), Endpoints.load(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+    if cfg.cluster.curve:
+        install_run_keys(run_dir)
+    return cfg, Endpoints.load(run_dir)
 
 
 def join(run_dir: str | Path, role: str, worker_id: str) -> str:

@@ -32,10 +32,12 @@ from areal_async.config.loading import describe, from_dict, load_config, parse_o
 from areal_async.config.sections import (DTYPES, LR_SCHEDULES, NORM_LEVELS, ActorConfig, ClusterConfig,
                                          CpuAffinityConfig, DatasetConfig, GenerationConfig, MicroBatchSpec,
                                          ModelConfig, NormConfig, OptimizerConfig, RejectionSamplingConfig,
-                                         RewardConfig, RolloutConfig, TensorChannelConfig, rollout_dp_degree)
+                                         RewardConfig, RolloutConfig, SlurmConfig, TensorChannelConfig,
+                                         rollout_dp_degree)
 
 __all__ = ["DTYPES", "LR_SCHEDULES", "NORM_LEVELS", "ActorConfig", "ClusterConfig", "ConfigError", "CpuAffinityConfig",
-           "CpuList", "DatasetConfig", "EvaluatorConfig", "ExperimentConfig", "GenerationConfig", "MicroBatchSpec",
+           "SlurmConfig", "CpuList", "DatasetConfig", "EvaluatorConfig", "ExperimentConfig", "GenerationConfig",
+           "MicroBatchSpec",
            "ModelConfig", "NormConfig", "OptimizerConfig", "RecoverConfig", "RefConfig", "RejectionSamplingConfig",
            "RewardConfig", "RolloutConfig", "SFTConfig", "SFTWarmupConfig", "SGLangConfig", "SaverConfig", "Section",
            "StatsLoggerConfig", "TensorChannelConfig", "VLLMConfig", "describe", "from_dict", "load_config",

@@ -272,6 +272,27 @@ def _is_cpu_list(spec: str) -> bool:
 
 
 @dataclass
+class SlurmConfig(Section):
+    """How ``cluster.launcher=slurm`` asks Slurm for the run (supervisor/slurm.py)."""
+
+    partition: str = _f("", "sbatch --partition ('' = the cluster's default).")
+    account: str = _f("", "sbatch --account ('' = none).")
+    time_limit: str = _f("", "sbatch --time, e.g. '2-00:00:00' ('' = the partition's limit).")
+    cpus_per_node: int = _f(0, "sbatch --cpus-per-task for the one task per node the supervisor's steps share "
+                               "(0 = Slurm's default).")
+    sbatch_args: list = _f([], "More '#SBATCH' options, each one string such as '--qos=high'.")
+    srun_args: list = _f([], "More options for every worker's srun step, e.g. '--mpi=none'.")
+    submit: bool = _f(True, "Outside an allocation: submit the rendered script with sbatch (false: only write "
+                            "RUN_DIR/sbatch.sh and print how to submit it).")
+
+    def check(self) -> None:
+        at_least(self, "cpus_per_node", 0)
+        for name in ("sbatch_args", "srun_args"):
+            bad = [a for a in getattr(self, name) if not isinstance(a, str) or not a.startswith("-") or "\n" in a]
+            require(not bad, name, getattr(self, name), "a list of option strings, each starting with '-'")
+
+
+@dataclass
 class ClusterConfig(Section):
     """Fleet shape and the control plane."""
 
@@ -282,9 +303,16 @@ class ClusterConfig(Section):
                                            "(areal_async.client.RewardWorker, slot 0..N-1): the supervisor starts none "
                                            "for them; rollout workers send them their share of reward requests, "
                                            "which wait until a worker serves the slot.")
-    launcher: str = _f("local", "local | ray | slurm.")
+    launcher: str = _f("local", "local (child processes) | slurm (srun steps in one allocation; submits an sbatch "
+                                "script when run outside one) | ray.")
+    slurm: SlurmConfig = _f(SlurmConfig(), "Slurm options of cluster.launcher=slurm.")
+    ray_address: str = _f("", "cluster.launcher=ray: the Ray cluster to join ('auto', 'ray://head:10001'); '' starts "
+                              "a local Ray for the run.")
     control: str = _f("ipc", "ZeroMQ endpoints: 'ipc' (one host) or 'tcp'.")
     host: str = _f("127.0.0.1", "Address the scheduler and trainer bind for 'tcp'.")
+    curve: bool = _f(True, "CURVE authentication and encryption on every tcp:// socket, servers admitting only the "
+                           "run's client keys (RUN_DIR/keys, 0600). false: plain TCP, for measuring its cost or on a "
+                           "network that is already private; registration still needs the launch token.")
     heartbeat_s: float = _f(2.0, "Heartbeat period of every worker.")
     worker_timeout_s: float = _f(120.0, "A worker silent this long is declared dead.")
     max_restarts: int = _f(2, "Times the supervisor restarts each dead rollout or reward worker before failing the run "

@@ -35,6 +35,7 @@ from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import plan_endpoints
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
+from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
 from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, plan_server_addresses, server_commands
 from areal_async.supervisor.placement import (PlacementError, Slot, check_gpus_present, local_gpu_count, place,
                                               shape_of, trainer_names)
@@ -52,7 +53,7 @@ class LaunchError(RuntimeError):
 @dataclass
 class Child:
     name: str
-    proc: subprocess.Popen
+    proc: Launched
     log_path: Path
     cmd: list = field(default_factory=list)
     env: Optional[dict] = None  # its environment (devices included), reused by a restart
@@ -113,8 +114,10 @@ def worker_specs(cfg: ExperimentConfig) -> list[tuple[str, str, int]]:
 
 
 class LocalSupervisor:
-    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None):
+    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None,
+                 launcher: Optional[Launcher] = None):
         self.cfg, self.run_dir = cfg, Path(run_dir).resolve()
+        self.launcher = launcher or LocalLauncher()
         self.progress = cfg.stats_logger.progress if progress is None else progress
         self.children: list[Child] = []
         self.placement: dict[str, Slot] = {}  # worker id -> devices, set by prepare()
@@ -195,11 +198,11 @@ class LocalSupervisor:
         """The launch token of worker ``wid`` (the same for its restarts), for its Register."""
         return {TOKEN_ENV: self.tokens[wid]} if wid in self.tokens else {}
 
-    @staticmethod
-    def _spawn(cmd: list, log_path: Path, env: dict) -> subprocess.Popen:
-        with open(log_path, "ab") as log:
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+    def _spawn(self, cmd: list, log_path: Path, env: dict) -> Launched:
+        """Start one process through the launcher (on the node the placement gives that worker)."""
+        name = log_path.stem
+        slot = getattr(self, "placement", {}).get(name)
+        return self.launcher.start(name, cmd, env, log_path, node=slot.node if slot is not None else 0)
 
     def _write_pids(self) -> None:
         pids = {c.name: c.proc.pid for c in self.children} | {"supervisor": os.getpid()}
@@ -346,13 +349,9 @@ def _how(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    if proc.poll() is not None and sig == signal.SIGTERM:
-        return
-    try:
-        os.killpg(proc.pid, sig)  # the child leads its own session/group: start_new_session=True
-    except ProcessLookupError:
-        pass
+def _signal_group(proc: Launched, sig: int) -> None:
+    """``sig`` to the process and everything it started (its launcher knows how)."""
+    proc.signal(sig)
 
 
 def tail(path: Path, n: int) -> list[str]:
@@ -379,8 +378,10 @@ def last_metrics(path: Path) -> Optional[dict]:
     return None
 
 
-def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None) -> int:
-    sup = LocalSupervisor(cfg, run_dir, progress)
+def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None,
+              launcher: Optional[Launcher] = None) -> int:
+    """Run the fleet under this supervisor; ``launcher`` starts its processes (default: local children)."""
+    sup = LocalSupervisor(cfg, run_dir, progress, launcher)
     old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -395,6 +396,7 @@ def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[boo
         raise
     finally:
         sup.cleanup()
+        sup.launcher.close()
         for s, h in old.items():
             signal.signal(s, h)
     summary = sup.run_dir / "summary.json"
