@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,12 +42,18 @@ def server():
 
 
 def run_all(engine: RemoteEngine, deadline_s: float = 120.0) -> dict:
+    """group id -> its samples as plain lists, once every queued group finished."""
     out, t = {}, time.monotonic()
     while engine.has_work():
         assert time.monotonic() - t < deadline_s, "generation did not finish"
         for g in engine.step():
-            out[g.group_id] = g
+            out[g.group_id] = SimpleNamespace(samples=[plain(s) for s in g.samples])
     return out
+
+
+def plain(s) -> SimpleNamespace:
+    ids, logps, versions = (torch.as_tensor(x).tolist() for x in (s.output_ids, s.logprobs, s.versions))
+    return SimpleNamespace(output_ids=ids, logprobs=logps, versions=versions, finish_reason=s.finish_reason)
 
 
 @torch.no_grad()

@@ -122,20 +122,21 @@ class CpuSGLangServer:
                 w.done.set()
 
     def _response(self, w: _Waiter, s) -> dict:
-        n = len(s.output_ids)
+        ids, logps, versions = (_as_list(x) for x in (s.output_ids, s.logprobs, s.versions))
+        n = len(ids)
         reason: dict = {"type": s.finish_reason}
         if s.finish_reason == "stop" and n:
-            reason["matched"] = s.output_ids[-1]
+            reason["matched"] = ids[-1]
         elif s.finish_reason == "length":
             reason["length"] = n
         elif s.finish_reason == "abort":
             reason["message"] = "Abort before or during generation (pause_generation or abort_request)."
         meta = {"id": w.rid, "prompt_tokens": w.prompt_len, "completion_tokens": n, "finish_reason": reason,
                 "cached_tokens": 0, "e2e_latency": time.perf_counter() - w.t0,
-                "weight_version": self.labels[self.engine.version], "weight_versions": self._spans(s.versions)}
+                "weight_version": self.labels[self.engine.version], "weight_versions": self._spans(versions)}
         if w.return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.logprobs, s.output_ids)]
-        return {"text": self.decode(s.output_ids), "output_ids": list(s.output_ids), "meta_info": meta}
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logps, ids)]
+        return {"text": self.decode(ids), "output_ids": ids, "meta_info": meta}
 
     def _spans(self, versions: list[int]) -> list[dict]:
         spans: list[dict] = []
@@ -321,6 +322,11 @@ class _Aborted:
     logprobs: list = []
     versions: list = []
     finish_reason = "abort"
+
+
+def _as_list(x) -> list:
+    """A SampleOutput field (a 1D tensor, or a list) as plain Python numbers for JSON."""
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 def _rest(engine: TorchEngine, sd: dict) -> dict:

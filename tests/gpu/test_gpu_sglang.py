@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,7 +68,9 @@ def run_all(engine):
     while engine.has_work():
         assert time.monotonic() - t < 300
         for g in engine.step():
-            done[g.group_id] = g
+            done[g.group_id] = SimpleNamespace(samples=[SimpleNamespace(
+                output_ids=torch.as_tensor(s.output_ids).tolist(), logprobs=torch.as_tensor(s.logprobs).tolist(),
+                versions=torch.as_tensor(s.versions).tolist(), finish_reason=s.finish_reason) for s in g.samples])
     return done
 
 
