@@ -150,8 +150,11 @@ class TrajectoryReady(Message):
     version_min: list[int]
     version_max: list[int]
     finish_reasons: list[str]
+    turns: list[int] = field(default_factory=list)  # per sample, from a rollout workflow; empty: one turn each
 
     def validate(self) -> Optional[str]:
+        if self.turns and len(self.turns) != len(self.sample_ids):
+            return f"turns has {len(self.turns)} entries for {len(self.sample_ids)} samples (expected none or one each)"
         return _same_lengths(self, "sample_ids", "n_output_tokens", "version_min", "version_max", "finish_reasons")
 
 
@@ -170,7 +173,8 @@ class RewardRequest(Message):
 
 @message
 class RewardResult(Message):
-    """reward worker -> scheduler: scores of one group's samples (parallel lists)."""
+    """reward worker -> scheduler: scores of one group's samples (parallel lists). Also rollout
+    worker -> scheduler for its own groups when a rollout workflow scored the episodes itself."""
     TYPE: ClassVar[str] = "reward_result"
     group_id: str
     worker_id: str

@@ -14,9 +14,11 @@ from areal_async.app.wiring import control_client, load_run
 from areal_async.base.endpoints import Endpoints
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig
+from areal_async.base.plugins import load_callable
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.rollout.remote import RemoteEngine, servers_of
+from areal_async.reward.pool import RewardPool
 from areal_async.rollout.service import RolloutService
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
@@ -42,7 +44,21 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
     weights = weight_channel(cfg, ep, "receiver", rank=index + 1)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     return RolloutService(worker_id, control_client(ctx, cfg, ep, "rollout", worker_id), ctx, engine, decode, traj,
-                          weights, ep.rewards, max_active)
+                          weights, ep.rewards, max_active, **workflow_parts(cfg, tok))
+
+
+def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
+    """The rollout workflow, its tokenizer and its scorer (reward.fn in this worker's own killable
+    processes); nothing for plain sampling."""
+    if not cfg.rollout.workflow:
+        return {}
+    workflow = load_callable(cfg.rollout.workflow)()
+    pool = RewardPool.from_config(cfg.reward)
+
+    async def score(completion: str, solutions: list) -> float:
+        return (await pool.score(completion, solutions)).score
+
+    return {"workflow": workflow, "tokenizer": tok, "score": score}
 
 
 def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:

@@ -116,6 +116,9 @@ class RolloutConfig(Section):
                                           "workers.")
     dump_to_file: bool = _f(False, "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample).")
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
+    workflow: str = _f("", "Dotted path 'module:Class' of a rollout workflow (areal_async.workflows.RolloutWorkflow: "
+                           "multi-turn, tools; it scores its episodes with reward.fn in the rollout worker's own "
+                           "killable processes); '' = plain sampling scored by the reward workers.")
 
     def check(self) -> None:
         require(_BACKEND_RE.match(self.backend) is not None, "backend", self.backend,
@@ -123,6 +126,8 @@ class RolloutConfig(Section):
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)
+        require(self.workflow == "" or ":" in self.workflow, "workflow", self.workflow,
+                "'' (plain sampling) or a dotted path 'module:Class'")
 
 
 @dataclass

@@ -31,11 +31,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocols.messages import (GenerateRequest, RewardRequest, Shutdown, TrajectoryReady, WeightsLoaded,
-                                WeightsPublished)
+from protocols.messages import (GenerateRequest, RewardRequest, RewardResult, Shutdown, TrajectoryReady,
+                                WeightsLoaded, WeightsPublished)
 from protocols.sockets import make_socket, send_message
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
+from areal_async.rollout.episodes import EpisodeError, ScoreFn, SubRequest, WorkerEngine, run_group
+from areal_async.workflows.base import Episode, RolloutWorkflow
 from areal_async.base.control import ControlClient
 
 log = logging.getLogger("areal_async.rollout")
@@ -109,7 +111,7 @@ class EngineThread(threading.Thread):
         for req in self.waiting:
             if req.min_version <= self.engine.version and len(self.requests) < self.max_active:
                 self.requests[req.group_id] = req
-                self.engine.add_request(_gen_request(req))
+                self.engine.add_request(req.gen if isinstance(req, SubRequest) else _gen_request(req))
             else:
                 keep.append(req)
         self.waiting = keep
@@ -124,7 +126,10 @@ def _gen_request(r: GenerateRequest) -> GenRequest:
 class RolloutService:
     def __init__(self, worker_id: str, control: ControlClient, ctx: zmq.asyncio.Context, engine: RolloutEngine,
                  decode: Callable[[list[int]], str], traj_channel, weight_channel, reward_endpoints: list[str],
-                 max_active_groups: int):
+                 max_active_groups: int, workflow: Optional[RolloutWorkflow] = None, tokenizer=None,
+                 score: Optional[ScoreFn] = None):
+        """``workflow`` (with the ``tokenizer`` and the ``score`` coroutine it needs): run its
+        episodes instead of plain sampling; their rewards go to the scheduler from here."""
         self.worker_id, self.control, self.decode = worker_id, control, decode
         self.traj, self.weights = traj_channel, weight_channel
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
@@ -134,6 +139,7 @@ class RolloutService:
         self.stop = asyncio.Event()
         self.error: Optional[str] = None
         self.n_samples = 0
+        self.workflow, self.tokenizer, self.score = workflow, tokenizer, score
 
     # ---- thread -> loop ------------------------------------------------------------------
     def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
@@ -164,7 +170,9 @@ class RolloutService:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.control.recv()
-            if isinstance(msg, GenerateRequest):
+            if isinstance(msg, GenerateRequest) and self.workflow is not None:
+                asyncio.create_task(self._run_workflow(msg))
+            elif isinstance(msg, GenerateRequest):
                 self.engine.submit(msg)
             elif isinstance(msg, WeightsPublished):
                 asyncio.create_task(self._fetch_weights(msg))
@@ -193,7 +201,11 @@ class RolloutService:
                 self.stop.set()
             else:
                 for group, req in payload:
-                    await self._publish_group(group, req)
+                    if isinstance(req, SubRequest):
+                        if not req.future.done():
+                            req.future.set_result(group.samples[0])
+                    else:
+                        await self._publish_group(group, req)
 
     async def _publish_group(self, group: GroupOutput, req: GenerateRequest) -> None:
         samples = group.samples
@@ -213,6 +225,34 @@ class RolloutService:
         self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
+    # ---- workflow episodes ---------------------------------------------------------------
+    async def _run_workflow(self, req: GenerateRequest) -> None:
+        handle = WorkerEngine(self.engine.submit, self.tokenizer, self.score, req.group_id, req.min_version)
+        try:
+            episodes = await run_group(self.workflow, handle, req)
+        except Exception as e:  # a broken workflow must end the worker loudly, not stall its group
+            log.exception("%s: workflow episode of group %s failed", self.worker_id, req.group_id)
+            self.error = f"{type(e).__name__}: {e}" if isinstance(e, EpisodeError) else repr(e)
+            self.stop.set()
+            return
+        await self._publish_episodes(req, episodes)
+
+    async def _publish_episodes(self, req: GenerateRequest, episodes: list[Episode]) -> None:
+        """Tensors (with the loss mask) to the trainer, then TrajectoryReady and the episodes' rewards."""
+        sids = list(req.sample_ids)
+        self.traj.send(req.group_id, episode_tensors(episodes), {"group_id": req.group_id, "sample_ids": sids})
+        trained = [ep.model_versions for ep in episodes]
+        await self.control.send(TrajectoryReady(
+            group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids), sample_ids=sids,
+            n_output_tokens=[len(ep.output_ids) for ep in episodes], version_min=[min(v) for v in trained],
+            version_max=[max(v) for v in trained], finish_reasons=[ep.finish_reason for ep in episodes],
+            turns=[ep.turns for ep in episodes]))
+        await self.control.send(RewardResult(
+            group_id=req.group_id, worker_id=self.worker_id, sample_ids=sids, scores=[ep.reward for ep in episodes],
+            statuses=["ok"] * len(sids), details=[f"workflow: {ep.turns} turn(s)" for ep in episodes]))
+        self.n_samples += len(sids)
+        self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
+
 
 def group_tensors(prompt_ids, samples) -> dict[str, torch.Tensor]:
     """One group's samples as one tensor message: the prompt once, outputs laid end to end.
@@ -225,3 +265,13 @@ def group_tensors(prompt_ids, samples) -> dict[str, torch.Tensor]:
             "output_ids": torch.cat([s.output_ids for s in samples]).to(torch.int32),
             "logprobs": torch.cat([s.logprobs for s in samples]).to(torch.float32),
             "versions": torch.cat([s.versions for s in samples]).to(torch.int32)}
+
+
+def episode_tensors(episodes: list[Episode]) -> dict[str, torch.Tensor]:
+    """A group's episodes as one tensor message, laid out as ``group_tensors`` plus the loss mask
+    (int8 per output token, end to end like the outputs)."""
+    cat = lambda name, dtype: torch.tensor([x for ep in episodes for x in getattr(ep, name)], dtype=dtype)  # noqa: E731
+    return {"prompt_ids": torch.as_tensor(episodes[0].prompt_ids, dtype=torch.int32),
+            "lengths": torch.tensor([len(ep.output_ids) for ep in episodes], dtype=torch.int32),
+            "output_ids": cat("output_ids", torch.int32), "logprobs": cat("logprobs", torch.float32),
+            "versions": cat("versions", torch.int32), "loss_mask": cat("loss_mask", torch.int8)}

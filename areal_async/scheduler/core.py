@@ -151,6 +151,8 @@ class SchedulerCore:
             if why := self.ledger.refuse(sid, m.group_id, SampleState.GENERATED):
                 whys.append(why)
                 continue
+            if m.turns:
+                self.ledger.samples[sid].turns = m.turns[i]
             ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
                                                m.finish_reasons[i])
             self._on_maybe_ready(m.group_id, ready)

@@ -63,6 +63,7 @@ class SampleRecord:
     reward_status: str = ""
     train_step: int = -1
     reason: str = ""
+    turns: int = 1  # turns of a rollout workflow's episode (plain sampling: 1)
 
     def __post_init__(self):
         self.status = _state(SampleState, self.status, f"sample {self.sample_id!r}")
@@ -225,7 +226,7 @@ class Ledger:
                 "n_samples_issued": self.n_samples_issued,
                 "n_trained": self.n_trained, "n_aborted": self.n_aborted,
                 "groups": [asdict(g) for g in self.groups.values()],
-                "samples": [asdict(s) for s in self.samples.values()]}
+                "samples": [_sample_state(s) for s in self.samples.values()]}
 
     @classmethod
     def from_state(cls, state: dict) -> "Ledger":
@@ -237,3 +238,11 @@ class Ledger:
         for s in state["samples"]:
             led.samples[s["sample_id"]] = SampleRecord(**s)
         return led
+
+
+def _sample_state(rec: SampleRecord) -> dict:
+    """A sample's checkpoint entry; ``turns`` only for a multi-turn episode (plain runs keep the old format)."""
+    d = asdict(rec)
+    if d["turns"] == 1:
+        del d["turns"]
+    return d

@@ -32,7 +32,8 @@ def sample_line(rec: SampleRecord) -> dict:
             "train_step": rec.train_step if rec.status == SampleState.TRAINED else None,
             "version_min": rec.version_min, "version_max": rec.version_max, "reward": rec.score,
             "reward_status": rec.reward_status, "n_output_tokens": rec.n_output_tokens,
-            "finish_reason": rec.finish_reason, "worker": rec.worker, "reason": rec.reason or None}
+            "finish_reason": rec.finish_reason, "turns": rec.turns, "worker": rec.worker,
+            "reason": rec.reason or None}
 
 
 class RunLog:

@@ -66,7 +66,7 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
 
 
-_SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward",),
+_SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward", "rollout"),
             WeightsPublished: ("trainer",), TrainerReady: ("trainer",), TrainStepDone: ("trainer",),
             EvalDone: ("trainer",)}
 
@@ -248,6 +248,11 @@ class SchedulerService:
             self._count(wid, "generated", len(m.sample_ids))
 
     async def _reward(self, wid: str, m: RewardResult) -> None:
+        if self.workers[wid]["role"] == "rollout":  # a workflow's own rewards: only for the groups it holds
+            g = self.core.ledger.groups.get(m.group_id)
+            if g is None or g.worker != wid:
+                raise ValueError(f"rollout worker {wid!r} sent rewards for group {m.group_id!r}, which it does not "
+                                 f"hold ({'unknown group' if g is None else 'held by ' + repr(g.worker)})")
         why = self.core.on_reward(m)
         if why:
             log.warning("ignored reward from %s: %s", wid, why)

@@ -46,6 +46,9 @@ class _Batch:
         self.lengths = [s.numel() for s in self.seqs]
         self.n_prompt = [t.prompt_ids.numel() for t in trajs]
         self.behav = [t.behav_logp.to(device=device, dtype=torch.float32) for t in trajs]
+        # trained output tokens (a workflow's environment tokens are not): bool per output token
+        self.mask = [torch.ones(t.output_ids.numel(), dtype=torch.bool, device=device) if t.loss_mask is None
+                     else t.loss_mask.to(device) for t in trajs]
         self.prox: Optional[list[torch.Tensor]] = None
         self.adv: list[torch.Tensor] = []
 
@@ -106,6 +109,7 @@ class PPOActor:
         self.step += 1
         m = self._metrics(trajs, batch, stats, grad_norms, n_mb, lr)
         m["skipped_steps"] = float(skipped)
+        m["masked_tokens"] = float(sum(int((~mk).sum()) for mk in batch.mask))  # workflow env tokens, not trained
         return m
 
     def state_dict(self, with_optimizer: bool = True) -> dict:
@@ -207,8 +211,8 @@ class PPOActor:
         would still move the weights by momentum and weight decay)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = sum(batch.behav[i].numel() for i in idx)  # the loss denominator: rejected tokens stay in it
-        n_kept = count_kept_tokens(batch.cat("prox", idx), batch.cat("behav", idx), self.cfg)
+        n_tokens = sum(int(batch.mask[i].sum()) for i in idx)  # the loss denominator: rejected tokens stay in it
+        n_kept = count_kept_tokens(batch.cat("prox", idx), batch.cat("behav", idx), self.cfg, batch.cat("mask", idx))
         stats, n_mb = LossStats(), 0
         shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
         for mb in self._rank_micro_batches(self.model, batch, shares, grad=True):
@@ -228,7 +232,8 @@ class PPOActor:
         logp = torch.cat([lp[c:] for lp, c in zip(mb.logp, cuts)])
         entropy = torch.cat([e[c:] for e, c in zip(mb.entropy, cuts)]) if mb.entropy is not None else None
         return policy_loss(logp, batch.cat("prox", traj_idx), batch.cat("behav", traj_idx),
-                           batch.cat("adv", traj_idx), self.cfg, n_tokens=n_tokens, entropy=entropy)
+                           batch.cat("adv", traj_idx), self.cfg, n_tokens=n_tokens, entropy=entropy,
+                           loss_mask=batch.cat("mask", traj_idx))
 
     def _metrics(self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float],
                  n_mb: int, lr: float) -> dict[str, float]:

@@ -115,4 +115,15 @@ def compute_advantages(trajs: Sequence[Trajectory], cfg: ActorConfig,
         ref = ref_logp[i] if ref_logp is not None else None
         r_T = token_rewards(float(seq_r[i]), len(t.output_ids), cfg.kl_ctl, lp, ref)
         advs.append(gae(r_T, cfg.discount, cfg.gae_lambda))
-    return [a.float() for a in normalize(advs, group_ids, cfg.adv_norm)]
+    if all(t.loss_mask is None for t in trajs):
+        return [a.float() for a in normalize(advs, group_ids, cfg.adv_norm)]
+    # a workflow's environment tokens are not trained: the statistics pool only the trained ones
+    masks = [torch.ones(len(a), dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu()
+             for a, t in zip(advs, trajs)]
+    normed = normalize([a[m] for a, m in zip(advs, masks)], group_ids, cfg.adv_norm)
+    out = []
+    for a, m, n in zip(advs, masks, normed):
+        full = torch.zeros(len(a), dtype=torch.float32)
+        full[m] = n.float()
+        out.append(full)
+    return out

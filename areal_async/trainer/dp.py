@@ -339,13 +339,15 @@ _PART_DTYPES = (torch.int64, torch.float32, torch.float64)
 
 def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
     """(ints, behaviour logprobs, scores). ints = [n, (n_prompt, n_out, group#) * n, prompt ids,
-    output ids, versions]; group ids become their first-appearance index (normalisation only
+    output ids, versions, loss mask (1 = trained)]; group ids become their first-appearance index (normalisation only
     compares them). Built by concatenating the trajectories' tensors: no per-token Python."""
     groups: dict[str, int] = {}
     head = [len(trajs)]
     for t in trajs:
         head += [t.prompt_ids.numel(), t.output_ids.numel(), groups.setdefault(t.group_id, len(groups))]
-    body = [x.to(torch.int64) for t in trajs for x in (t.prompt_ids, t.output_ids, t.versions)]
+    masks = [t.loss_mask if t.loss_mask is not None else torch.ones(t.output_ids.numel(), dtype=torch.bool)
+             for t in trajs]
+    body = [x.to(torch.int64) for t, m in zip(trajs, masks) for x in (t.prompt_ids, t.output_ids, t.versions, m)]
     return [torch.cat([torch.tensor(head, dtype=torch.int64), *body]),
             torch.cat([t.behav_logp.to(torch.float32) for t in trajs]),
             torch.tensor([t.score for t in trajs], dtype=torch.float64)]
@@ -354,8 +356,10 @@ def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
 def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -> list[Trajectory]:
     n = int(ints[0])
     head = ints[1:1 + 3 * n].view(n, 3).tolist()  # per sequence, not per token
-    parts = ints[1 + 3 * n:].split([k for n_p, n_o, _ in head for k in (n_p, n_o, n_o)])
+    parts = ints[1 + 3 * n:].split([k for n_p, n_o, _ in head for k in (n_p, n_o, n_o, n_o)])
     lps = logp.split([n_o for _, n_o, _ in head])
-    return [Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=parts[3 * i], output_ids=parts[3 * i + 1],
-                       behav_logp=lps[i], versions=parts[3 * i + 2], score=float(scores[i]))
+    masks = [parts[4 * i + 3].to(torch.bool) for i in range(n)]
+    return [Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=parts[4 * i], output_ids=parts[4 * i + 1],
+                       behav_logp=lps[i], versions=parts[4 * i + 2], score=float(scores[i]),
+                       loss_mask=None if bool(masks[i].all()) else masks[i])
             for i, (_, _, g) in enumerate(head)]

@@ -90,13 +90,15 @@ def loss_weights(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
     return ones, torch.ones_like(ones, dtype=torch.bool)
 
 
-def count_kept_tokens(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor, cfg: ActorConfig) -> int:
-    """Tokens whose loss is not zeroed by rejection (the actor skips a step that keeps none).
+def count_kept_tokens(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor, cfg: ActorConfig,
+                      loss_mask: Optional[torch.Tensor] = None) -> int:
+    """Tokens whose loss is not zeroed by rejection or the loss mask (the actor skips a step that keeps none).
 
     Known before the update because rejection depends only on prox and behaviour logprobs.
-    The loss denominator is NOT this count: it is every output token (rejected ones included).
+    The loss denominator is NOT this count: it is every trained output token (rejected ones included).
     """
-    return int(loss_weights(prox_logp, behav_logp, cfg)[1].sum())
+    keep = loss_weights(prox_logp, behav_logp, cfg)[1]
+    return int((keep & loss_mask).sum() if loss_mask is not None else keep.sum())
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
@@ -110,34 +112,40 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
 
 def policy_loss(logp: torch.Tensor, prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
                 adv: torch.Tensor, cfg: ActorConfig, n_tokens: Optional[int] = None,
-                entropy: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
-    """Scalar loss = sum over kept tokens / n_tokens (default: this call's tokens, rejected ones included).
+                entropy: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
+    """Scalar loss = sum over kept tokens / n_tokens (default: this call's trained tokens, rejected ones included).
 
-    Under gradient accumulation or data parallelism ``n_tokens`` is the global count of output
-    tokens of the minibatch (over every micro-batch and rank)."""
+    Under gradient accumulation or data parallelism ``n_tokens`` is the global count of trained
+    output tokens of the minibatch (over every micro-batch and rank). ``loss_mask`` (bool, per
+    token; None = all): tokens outside it (a workflow's environment tokens) are in no sum, no
+    count and no statistic."""
     old = prox_logp if (cfg.use_decoupled_loss or cfg.recompute_logprob) else behav_logp
     if old is None:
         raise ValueError("recompute_logprob / use_decoupled_loss need prox_logp; got None")
     weight, keep = loss_weights(prox_logp, behav_logp, cfg)
+    mask = loss_mask.to(torch.bool) if loss_mask is not None else torch.ones_like(keep)
+    keep = keep & mask
     tok_loss, clipped = clipped_surrogate(logp, old, adv, cfg.eps_clip)
     keep_f = keep.to(tok_loss.dtype)
     # rejected tokens stay in the denominator (AReaL: pg_loss.sum() / loss_mask_count)
-    denom = max(float(n_tokens if n_tokens is not None else keep_f.numel()), 1.0)
+    denom = max(float(n_tokens if n_tokens is not None else mask.sum()), 1.0)
     loss = (tok_loss * weight * keep_f).sum() / denom
     if entropy is not None and cfg.entropy_coef != 0:
         loss = loss - cfg.entropy_coef * (entropy * keep_f).sum() / denom
-    return loss, _stats(loss, logp, old, behav_logp, prox_logp, keep, clipped, entropy)
+    return loss, _stats(loss, logp, old, behav_logp, prox_logp, keep, clipped, entropy, mask)
 
 
-def _stats(loss, logp, old, behav_logp, prox_logp, keep, clipped, entropy) -> LossStats:
+def _stats(loss, logp, old, behav_logp, prox_logp, keep, clipped, entropy, mask) -> LossStats:
     with torch.no_grad():
         iw = torch.exp(prox_logp.float() - behav_logp.float()) if prox_logp is not None else torch.ones_like(logp)
         kl = 0.5 * (logp.detach().float() - old.float()) ** 2
         log_iw = (prox_logp.float() - behav_logp.float()) if prox_logp is not None else torch.zeros_like(kl)
+        iw = iw[mask]
         return LossStats(
-            loss=float(loss.detach()), n_loss_tokens=float(keep.sum()), n_tokens=float(keep.numel()),
-            n_rejected=float((~keep).sum()), n_clipped=float((clipped & keep).sum()),
+            loss=float(loss.detach()), n_loss_tokens=float(keep.sum()), n_tokens=float(mask.sum()),
+            n_rejected=float((mask & ~keep).sum()), n_clipped=float((clipped & keep).sum()),
             iw_sum=float(iw.sum()), iw_max=float(iw.max()) if iw.numel() else 0.0,
-            kl_sum=float(kl[keep].sum()), behav_kl_sum=float((0.5 * log_iw ** 2).sum()),
+            kl_sum=float(kl[keep].sum()), behav_kl_sum=float((0.5 * log_iw[mask] ** 2).sum()),
             entropy_sum=float(entropy.detach()[keep].sum()) if entropy is not None else 0.0,
         )

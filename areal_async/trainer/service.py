@@ -210,17 +210,19 @@ def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
         raise ValueError(f"group {key!r}: {len(sids)} sample ids, lengths {lengths[:8]} (sum {sum(lengths)}), "
                          f"{n} output ids, {t['logprobs'].numel()} logprobs, {t['versions'].numel()} versions; "
                          "expected one length per sample id and every per-token tensor as long as their sum")
-    parts = zip(*(t[k].split(lengths) for k in ("output_ids", "logprobs", "versions")))
-    return {sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], "output_ids": o, "logprobs": lp,
-                                                   "versions": v})
-            for sid, (o, lp, v) in zip(sids, parts)}
+    keys = ("output_ids", "logprobs", "versions") + (("loss_mask",) if "loss_mask" in t else ())
+    if "loss_mask" in t and t["loss_mask"].numel() != n:
+        raise ValueError(f"group {key!r}: {t['loss_mask'].numel()} loss-mask entries for {n} output ids")
+    parts = zip(*(t[k].split(lengths) for k in keys))
+    return {sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], **dict(zip(keys, p))})
+            for sid, p in zip(sids, parts)}
 
 
 def _trajectory(sid: str, item: tuple[dict, dict], score: float) -> Trajectory:
     meta, t = item
     return Trajectory(sample_id=sid, group_id=meta["group_id"], prompt_ids=t["prompt_ids"], output_ids=t["output_ids"],
-                      behav_logp=t["logprobs"], versions=t["versions"], score=float(score))
-
+                      behav_logp=t["logprobs"], versions=t["versions"], score=float(score),
+                      loss_mask=t.get("loss_mask"))
 
 
 class FollowerRank:

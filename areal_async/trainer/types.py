@@ -7,6 +7,7 @@ transport layers build these from their own wire messages).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -26,6 +27,8 @@ class Trajectory:
     behav_logp: torch.Tensor  # behaviour logprobs from the rollout, one per output token
     versions: torch.Tensor  # policy version per output token
     score: float  # task score in [0,1] before reward scaling/bias
+    # per output token: 1 = trained, 0 = not (environment or tool tokens of a rollout workflow); None = all trained
+    loss_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = torch.as_tensor(self.prompt_ids, dtype=torch.long)
@@ -41,6 +44,13 @@ class Trajectory:
             got = getattr(self, name).numel()
             if got != n:
                 raise ValueError(f"trajectory {self.sample_id!r}: len({name})={got}, expected len(output_ids)={n}")
+        if self.loss_mask is not None:
+            self.loss_mask = torch.as_tensor(self.loss_mask).to(torch.bool)
+            if self.loss_mask.numel() != n:
+                raise ValueError(f"trajectory {self.sample_id!r}: len(loss_mask)={self.loss_mask.numel()}, expected "
+                                 f"len(output_ids)={n}")
+            if not bool(self.loss_mask.any()):
+                raise ValueError(f"trajectory {self.sample_id!r}: loss_mask trains no token; expected at least one 1")
 
     @property
     def seq_ids(self) -> torch.Tensor:
@@ -49,5 +59,10 @@ class Trajectory:
 
     @property
     def min_version(self) -> int:
-        """Oldest policy version that produced any token (staleness is judged by it)."""
-        return int(self.versions.min())
+        """Oldest policy version that produced any trained token (staleness is judged by it)."""
+        return int(self.model_versions.min())
+
+    @property
+    def model_versions(self) -> torch.Tensor:
+        """Versions of the trained tokens (a workflow's environment tokens carry -1)."""
+        return self.versions if self.loss_mask is None else self.versions[self.loss_mask]
