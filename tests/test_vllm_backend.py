@@ -9,6 +9,7 @@ and starts it again on the same port.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -51,12 +52,25 @@ def client(server, **kw) -> VLLMClient:
                       probe_expected=probe, **kw)
 
 
+class S:
+    """A finished sample as lists (SampleOutput holds tensors)."""
+
+    def __init__(self, s):
+        self.output_ids, self.logprobs = s.output_ids.tolist(), s.logprobs.tolist()
+        self.versions, self.finish_reason = s.versions.tolist(), s.finish_reason
+
+
+class G:
+    def __init__(self, g):
+        self.samples = [S(s) for s in g.samples]
+
+
 def run_all(engine: RemoteEngine, deadline_s: float = 600.0) -> dict:
     out, t = {}, time.monotonic()
     while engine.has_work():
         assert time.monotonic() - t < deadline_s, "generation did not finish"
         for g in engine.step():
-            out[g.group_id] = g
+            out[g.group_id] = G(g)
     return out
 
 
@@ -111,8 +125,8 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
         s = run_all(engine)[f"g{version}"].samples[0]
         assert s.output_ids == greedy_under(model, prompt, len(s.output_ids)) and s.versions == [version] * 8
         assert s.logprobs == pytest.approx(under(model, prompt, s.output_ids), abs=ATOL)
-    vers = sorted(p.name for p in (server["dir"] / "weights").glob("v*"))
-    assert vers == ["v1", "v2"], vers  # keep_versions=2: v0 pruned
+    vers = sorted(p.name.split("-")[0] for p in (server["dir"] / "weights").glob("v*"))
+    assert vers == ["v1", "v2"], vers  # keep_versions=2: v0 (and the earlier test's) pruned
     # a client whose reference is another model's: the server's answer differs, the update fails
     liar = VLLMClient(server["url"], weights_dir=str(server["dir"] / "weights"), probe_ids=c.probe_ids,
                       probe_expected=lambda v, sd: logprobs_of(b, c.probe_ids))
@@ -125,16 +139,18 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
 def test_write_version_is_atomic_shared_and_pruned(tmp_path):
     sd = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}
     sd["tied"] = sd["w"]  # shares storage: written once
+    (tmp_path / "v1-99999999").mkdir()  # another process's (an earlier run's) v1: pruned too
     for v in range(4):
         write_version(tmp_path, v, sd, keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
+    d3 = write_version(tmp_path, 3, sd, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"v2-{os.getpid()}", f"v3-{os.getpid()}"]
     from safetensors.torch import load_file
 
-    got = load_file(str(tmp_path / "v3" / "model.safetensors"))
+    got = load_file(str(d3 / "model.safetensors"))
     assert sorted(got) == ["b", "w"] and torch.equal(got["w"], sd["w"])
-    mtime = (tmp_path / "v3" / "model.safetensors").stat().st_mtime_ns
-    write_version(tmp_path, 3, {"w": torch.zeros(1)}, keep=2)  # an existing version is never rewritten
-    assert (tmp_path / "v3" / "model.safetensors").stat().st_mtime_ns == mtime
+    mtime = (d3 / "model.safetensors").stat().st_mtime_ns
+    write_version(tmp_path, 3, {"w": torch.zeros(1)}, keep=2)  # this process's version is written once
+    assert (d3 / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_interrupted_samples_resume_on_new_weights_with_two_versions(server):

@@ -101,7 +101,7 @@ class VLLMConfig(Section):
     gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory vLLM may use, in (0, 1] (cuda only).")
     cpu_kvcache_gb: float = _f(1.0, "KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: bool = _f(True, "--enforce-eager: no CUDA graphs / torch.compile of the model (starts faster).")
-    keep_versions: int = _f(2, "Weight versions kept on disk (RUN_DIR/weights/vllm/v<N>/model.safetensors, "
+    keep_versions: int = _f(2, "Weight versions kept on disk (RUN_DIR/weights/vllm/v<N>-<pid>/model.safetensors, "
                                  "written once per version by the rollout workers, loaded by the servers with "
                                  "reload_weights); older ones are pruned.")
     probe: bool = _f(True, "After each weight load, the server's logprobs of a fixed sequence must equal the "

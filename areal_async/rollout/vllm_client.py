@@ -21,9 +21,9 @@ An answer that is not "abort" but arrives after a weight change began may have r
 (old version) or after the resume (new): it is dropped and resubmitted whole, so no token is mislabelled.
 
 Weights (``weight_sync="disk"``): the state dict is written once per version as
-``WEIGHTS_DIR/v{version}/model.safetensors`` (a temporary directory renamed into place, so a reader never
-sees half a file; several clients and workers share the directory, the first writer wins), versions older
-than the newest ``keep_versions`` are pruned, and the server is told to ``reload_weights`` from it. The
+``WEIGHTS_DIR/v{version}-{pid}/model.safetensors`` (a temporary directory renamed into place, so a reader
+never sees half a file; once per rollout worker process, shared by its servers), versions older than the
+newest ``keep_versions`` are pruned, and the server is told to ``reload_weights`` from it. The
 loaded version is then checked with a probe: the server's prompt logprobs of a fixed token sequence must
 equal ``probe_expected(version, state_dict)`` (the trainer's weights' own logprobs, computed in the worker)
 within ``probe_atol``; otherwise the update counts as failed (``ServerDown``: the server is re-pushed later).
@@ -32,6 +32,7 @@ within ``probe_atol``; otherwise the update counts as failed (``ServerDown``: th
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import threading
@@ -180,22 +181,22 @@ class VLLMClient(ServerClient):
 
 
 def write_version(root: Path, version: int, sd: dict[str, torch.Tensor], keep: int) -> Path:
-    """``root/v{version}`` holding model.safetensors, written once (atomic rename); older versions beyond the
-    newest ``keep`` removed. Returns the directory."""
+    """``root/v{version}-{pid}`` holding model.safetensors, written once per process (atomic rename: a server
+    never reads half a file); every directory of a version older than the newest ``keep`` removed, whoever
+    wrote it. Per process, not per version: a recovered run publishes new weights under a version number
+    its crashed predecessor already used. Returns the directory."""
     from safetensors.torch import save_file
 
-    final = root / f"v{version}"
+    final = root / f"v{version}-{os.getpid()}"
     if not (final / "model.safetensors").exists():
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.", dir=root))
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in _untied(sd).items()}
         save_file(tensors, str(tmp / "model.safetensors"))
-        try:
-            tmp.rename(final)
-        except OSError:  # another writer won: same version, same tensors
-            shutil.rmtree(tmp, ignore_errors=True)
-    for old in sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])):
-        if int(old.name[1:]) <= version - keep:
+        tmp.rename(final)
+    for old in root.glob("v*-*"):
+        v = old.name[1:].split("-")[0]
+        if v.isdigit() and int(v) <= version - keep:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
