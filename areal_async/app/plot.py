@@ -162,7 +162,8 @@ def _staleness(axes, steps: list[dict], trajs: list[dict]) -> None:
                if t.get("status") == "trained" and t.get("train_step") is not None]
     if trained:
         values = sorted(set(trained))
-        hist.bar(values, [trained.count(v) for v in values], color="tab:purple")
+        bars = hist.bar(values, [trained.count(v) for v in values], color="tab:purple")
+        hist.bar_label(bars, labels=[f"{trained.count(v)} ({trained.count(v) / len(trained):.1%})" for v in values])
         hist.set(xlabel="staleness (train step - oldest token version)", ylabel="trained samples",
                  xticks=values)
     else:
@@ -172,23 +173,25 @@ def _staleness(axes, steps: list[dict], trajs: list[dict]) -> None:
         hist.set(xlabel="max staleness in the step (versions)", ylabel="trainer steps", xticks=values)
     hist.set_title("distribution")
     w = window_for(len(steps))
-    for key, color in (("staleness_mean", "tab:purple"), ("staleness_max", "tab:gray")):
+    for key, color in (("staleness_max", "tab:gray"), ("staleness_mean", "tab:purple")):
         xs, ys = _xy(steps, key)
         if ys:
             _series(per_step, xs, ys, key, color, w)
     per_step.set(xlabel="trainer step", ylabel="staleness (versions)", title="per step")
     per_step.grid(alpha=0.3)
-    per_step.legend(loc="upper right")
+    per_step.legend(loc="lower right")
 
 
 def _throughput(ax, steps: list[dict]) -> None:
     w = max(2, window_for(len(steps)))
-    for key, label, color in (("samples_generated_total", "rollout: generated", "tab:green"),
-                              ("samples_rewarded_total", "reward: scored", "tab:orange"),
-                              ("samples_trained_total", "trainer: trained", "tab:blue")):
+    # in steady state the three rates are equal: wide, dashed and thin lines keep each one visible
+    for key, label, style in (
+            ("samples_generated_total", "rollout: generated", dict(color="tab:green", lw=4, alpha=.4)),
+            ("samples_rewarded_total", "reward: scored", dict(color="tab:orange", lw=2, ls="--")),
+            ("samples_trained_total", "trainer: trained", dict(color="tab:blue", lw=1))):
         xs, ys = rates(steps, key, w)
         if ys:
-            ax.plot(xs, ys, color=color, linewidth=1.6, label=label)
+            ax.plot(xs, ys, label=label, **style)
     ax.set(xlabel="wall time since start (s)", ylabel=f"samples / s (over {w} steps)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
