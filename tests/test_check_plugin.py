@@ -78,9 +78,10 @@ def test_broken_workflows(name, start):
 def test_good_workflows_pass():
     v = check_plugin("workflow_fixtures:GoodWorkflow")
     assert v.ok and "2 turn(s)" in v.message, v.message
-    for shipped in ("areal_async.workflows.base:SingleTurn",):
+    for shipped in ("areal_async.workflows.base:SingleTurn", "areal_async.workflows.multi_turn_math:MultiTurnMath",
+                    "areal_async.workflows.calculator:CalculatorTool"):
         v = check_plugin(shipped)
-        assert v.ok and "1 turn(s)" in v.message, v.message
+        assert v.ok and "turn(s)" in v.message, v.message
 
 
 def test_unknown_kind_refused():

@@ -61,3 +61,12 @@ def test_multi_turn_math_preset(tmp_path):
     for m in metrics:
         expected = sum(t["turns"] - 1 for t in trained if t["train_step"] == m["step"]) * retry
         assert m["masked_tokens"] == expected, (m["step"], m["masked_tokens"], expected)
+
+
+def test_calculator_tool_preset(tmp_path):
+    metrics, trajs, summary = run("configs/calculator_tool.yaml", tmp_path / "run")
+    trained = check_books(metrics, trajs, summary)
+    assert all(1 <= t["turns"] <= 3 for t in trained)
+    for m in metrics:  # tool tokens are trained nowhere: a step with a tool call has masked tokens, others none
+        calls = sum(t["turns"] - 1 for t in trained if t["train_step"] == m["step"])
+        assert (m["masked_tokens"] > 0) == (calls > 0), (m["step"], m["masked_tokens"], calls)

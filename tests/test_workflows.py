@@ -123,3 +123,22 @@ def test_advantage_norm_pools_only_trained_tokens_by_hand():
     adv = compute_advantages([a, b], cfg)
     # trained tokens: 1, 1 (a) and 0 (b): batch mean 2/3. a -> 1/3 on trained tokens, 0 on the masked one
     assert adv[0].tolist() == pytest.approx([1 / 3, 0.0, 1 / 3]) and adv[1].tolist() == pytest.approx([-2 / 3])
+
+
+def test_calculator_tool_call_result_is_masked_and_the_answer_after_it_scores():
+    from areal_async.workflows.calculator import CalculatorTool, calculate
+
+    eng = Scripted(["<<3+4=", "\\boxed{7}"])
+    eng.reward = lambda completion, solutions: _async(float("\\boxed{7}" in completion))
+    ep = asyncio.run(CalculatorTool().arun_episode(eng, PROMPT))
+    tool = [ord(c) for c in "7>>"]
+    assert ep.turns == 2 and ep.reward == 1.0
+    assert ep.output_ids == [ord(c) for c in "<<3+4="] + tool + [ord(c) for c in "\\boxed{7}"]
+    assert ep.loss_mask == [1] * 6 + [0] * 3 + [1] * 9
+    no_call = asyncio.run(CalculatorTool().arun_episode(Scripted(["7"]), PROMPT))
+    assert (no_call.turns, no_call.reward, no_call.loss_mask) == (1, 1.0, [1])
+    assert [calculate(e) for e in ("12*(3-5)", "2**8", "__import__('os')", "1+")] == ["-24", "?", "?", "?"]
+
+
+async def _async(value):
+    return value
