@@ -16,7 +16,7 @@ from areal_async.trainer.dp import decode_batch, encode_batch
 from areal_async.trainer.loss import count_kept_tokens, policy_loss
 from areal_async.trainer.service import _trajectory, split_group
 from areal_async.trainer.types import Trajectory
-from areal_async.workflows.base import EngineHandle, Episode, EpisodeBuilder, Generation, Prompt, Sampling
+from areal_async.workflows.base import EngineHandle, EpisodeBuilder, Generation, Prompt, Sampling
 from areal_async.workflows.multi_turn_math import MultiTurnMath
 
 
