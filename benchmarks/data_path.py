@@ -1,0 +1,255 @@
+"""The data path at boba scale, no model compute: rollout buffers -> tensor channel -> packed micro-batches.
+
+    python -m benchmarks.data_path [--json PATH] [--prompts 512] [--samples 16] [--max-len 27000]
+                                   [--transports shm zmq] [--mb-tokens 32768] [--workers 64] [--seconds 5]
+
+(1) One synthetic boba batch (512 prompts x 16 samples; output lengths lognormal, median 4K,
+    capped at 27K; prompts 256 tokens; token ids int32, logprobs float32, versions int32) goes the
+    way the fleet moves it: per group, the rollout side's one tensor message
+    (``rollout.service.group_tensors``) plus its ``TrajectoryReady`` control message (encoded), sent
+    from a thread over the real channel; on the trainer side each group is received, split into
+    per-sample views (``trainer.service.split_group``), the control message decoded, and the
+    batch becomes ``Trajectory`` objects and packed micro-batches (``allocate_micro_batches`` +
+    ``pack``, ``--mb-tokens`` each). Timed from the first send to the last micro-batch packed.
+    The bound, measured in the same run just before: one single-threaded copy of the same
+    bytes between two warm buffers (``dst.copy_(src)``). ``boba_batch_fraction_of_memcpy`` =
+    memcpy seconds / path seconds, per transport.
+(2) The scheduler's control plane on one core: a ROUTER socket in this process (pinned to one
+    CPU) receiving from ``--workers`` simulated DEALER workers in a child process (the other
+    CPUs), each message decoded (``protocols``) and applied to a real ``SchedulerCore``
+    (``TrajectoryReady`` and ``RewardResult`` of issued groups of 16, plus ``Heartbeat``s).
+    ``scheduler_messages_per_s`` counts messages handled per second over ``--seconds``.
+
+JSON rows: ``boba_batch_fraction_of_memcpy`` (``transport``, seconds, GB/s, bound GB/s, bytes),
+``scheduler_messages_per_s``. Everything runs on this machine's CPUs; on a busy machine the
+figures move with the load (the row records the 1-minute load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from areal_async.rollout.engine import SampleOutput
+from areal_async.rollout.service import group_tensors
+from areal_async.scheduler.core import SchedulerCore, SchedulerParams
+from areal_async.trainer.packing import allocate_micro_batches, pack
+from areal_async.trainer.service import split_group
+from areal_async.trainer.types import Trajectory
+from areal_async.transport import make_tensor_channel
+from benchmarks.common import write_rows
+from benchmarks.common.timing import Copier
+from protocols.messages import Heartbeat, RewardResult, TrajectoryReady, decode, encode
+from protocols.sockets import free_tcp_port
+
+PROMPT_LEN = 256
+MESSAGES_TARGET = 50_000
+
+
+# --------------------------------------------------------------------------------------------
+# (1) the boba batch
+# --------------------------------------------------------------------------------------------
+
+
+def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> list[tuple[str, dict, dict, bytes]]:
+    """Per group: (key, tensors, meta, encoded TrajectoryReady), as a rollout worker sends them."""
+    rng = np.random.default_rng(seed)
+    lens = np.minimum(rng.lognormal(np.log(4000), 1.0, size=(n_prompts, n_samples)), max_len).astype(int).clip(1)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for p in range(n_prompts):
+        prompt = torch.randint(0, 151936, (PROMPT_LEN,), dtype=torch.int32, generator=g)
+        samples = [SampleOutput(torch.randint(0, 151936, (int(n),), generator=g), -torch.rand(int(n), generator=g),
+                                torch.full((int(n),), 7), "stop") for n in lens[p]]
+        gid, sids = f"g{p}", [f"g{p}.{i}" for i in range(n_samples)]
+        ready = encode(TrajectoryReady(group_id=gid, worker_id="rollout-0", n_prompt_tokens=PROMPT_LEN, sample_ids=sids,
+                                       n_output_tokens=[int(n) for n in lens[p]], version_min=[7] * n_samples,
+                                       version_max=[7] * n_samples, finish_reasons=["stop"] * n_samples))
+        out.append((gid, group_tensors(prompt, samples), {"group_id": gid, "sample_ids": sids}, ready))
+    return out
+
+
+def payload_bytes(groups) -> int:
+    return sum(t.numel() * t.element_size() for _, tensors, _, _ in groups for t in tensors.values())
+
+
+def move_batch(kind: str, groups, mb_tokens: int) -> tuple[float, int]:
+    """(seconds, micro-batches): send every group from a thread, receive, split, pack."""
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    kw = {"run_id": f"dp{os.getpid()}"} if kind == "shm" else {}
+    rx = make_tensor_channel(kind, role="receiver", endpoint=ep, **kw)
+    tx = make_tensor_channel(kind, role="sender", endpoint=ep, **kw)
+    try:
+        ctl: list[bytes] = []
+
+        def send() -> None:
+            for key, tensors, meta, ready in groups:
+                tx.send(key, tensors, meta)
+                ctl.append(ready)  # the control message travels beside (its cost is the decode below)
+
+        t0 = time.perf_counter()
+        threading.Thread(target=send, daemon=True).start()
+        trajs = []
+        for i in range(len(groups)):
+            key, meta, tensors = rx.recv(timeout_s=120)
+            while len(ctl) <= i:
+                time.sleep(0)
+            decode(ctl[i], (TrajectoryReady,))
+            for sid, (m, t) in split_group(key, meta, tensors).items():
+                trajs.append(Trajectory(sid, m["group_id"], t["prompt_ids"], t["output_ids"], t["logprobs"],
+                                        t["versions"], 1.0))
+        mbs = allocate_micro_batches([t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens,
+                                     oversize="own_mb")
+        packed = [pack([trajs[i].seq_ids for i in mb]) for mb in mbs]
+        return time.perf_counter() - t0, len(packed)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def transfer_rows(transports: list[str], groups, mb_tokens: int) -> list[dict]:
+    size = payload_bytes(groups)
+    copier = Copier(size, "cpu")
+    rows = []
+    for kind in transports:
+        bound = min(copier.sample() for _ in range(3))
+        secs, n_mb = move_batch(kind, groups, mb_tokens)
+        rows.append({"metric": "boba_batch_fraction_of_memcpy", "value": bound / secs, "unit": "fraction",
+                     "transport": kind, "seconds": secs, "gbps": size / secs / 1e9, "bound_gbps": size / bound / 1e9,
+                     "bytes": size, "n_groups": len(groups), "n_micro_batches": n_mb, "target": 0.5,
+                     "meets_target": bound / secs >= 0.5 if kind == "shm" else None})
+        del copier.dst
+        copier.dst = torch.zeros_like(copier.src)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# (2) the scheduler's control plane
+# --------------------------------------------------------------------------------------------
+
+
+def _simulated_workers(endpoint: str, groups: list[tuple[str, list[str]]], n_workers: int, cpus: list[int]) -> None:
+    """Child process: DEALERs that send each issued group's TrajectoryReady and RewardResult, and heartbeats."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(n_workers)]
+    for i, s in enumerate(socks):
+        s.setsockopt(zmq.IDENTITY, f"w{i}".encode())
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(endpoint)
+    for k, (gid, sids) in enumerate(groups):
+        n = len(sids)
+        s = socks[k % n_workers]
+        s.send(encode(TrajectoryReady(group_id=gid, worker_id="r", n_prompt_tokens=8, sample_ids=sids,
+                                      n_output_tokens=[4] * n, version_min=[0] * n, version_max=[0] * n,
+                                      finish_reasons=["stop"] * n)))
+        s.send(encode(RewardResult(group_id=gid, worker_id="w", sample_ids=sids, scores=[1.0] * n,
+                                   statuses=["ok"] * n, details=[""] * n)))
+        s.send(encode(Heartbeat(worker_id=f"w{k % n_workers}", ts=time.time(), stats={"busy_s": 1.0})))
+    time.sleep(2)
+    for s in socks:
+        s.close(0)
+    ctx.term()
+
+
+def scheduler_rows(n_workers: int, seconds: float) -> list[dict]:
+    cpus = sorted(os.sched_getaffinity(0))
+    params = SchedulerParams(batch_size=10**9, n_samples=16, eta=10**6, total_steps=10**9, max_concurrent=10**9,
+                             gen=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[]))
+    n_groups = min(int(seconds * MESSAGES_TARGET / 3), 20_000)  # 3 messages per group; the ledger stays small
+    params.max_concurrent = n_groups
+    core = SchedulerCore(params, _Prompts(), lambda idx: ([1, 2, 3], ["7"]))
+    core.add_rollout("r")
+    core.on_trainer_ready(0, 0)
+    issued = [(req.group_id, list(req.sample_ids)) for _, req in core.admit()]
+    ep = f"tcp://127.0.0.1:{free_tcp_port()}"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVHWM, 0)
+    router.bind(ep)
+    child = mp.get_context("spawn").Process(target=_simulated_workers, args=(ep, issued, n_workers, cpus[1:]))
+    if cpus:
+        os.sched_setaffinity(0, cpus[:1])  # the scheduler side: one core
+    child.start()
+    handlers = {TrajectoryReady: core.on_trajectory, RewardResult: core.on_reward, Heartbeat: lambda m: None}
+    n, t0, first = 0, None, True
+    try:
+        while True:
+            if not router.poll(5000):
+                break
+            _, data = router.recv_multipart()
+            if first:
+                t0, first = time.perf_counter(), False
+            msg = decode(data)
+            handlers[type(msg)](msg)
+            n += 1
+            if n == 3 * len(issued) or time.perf_counter() - t0 >= seconds:
+                break
+        secs = time.perf_counter() - t0
+    finally:
+        os.sched_setaffinity(0, cpus)
+        child.terminate()
+        child.join()
+        router.close(0)
+        ctx.term()
+    rate = (n - 1) / secs
+    return [{"metric": "scheduler_messages_per_s", "value": rate, "unit": "messages/s", "workers": n_workers,
+             "messages": n, "seconds": secs, "mix": "TrajectoryReady + RewardResult (16 samples each) + Heartbeat",
+             "target": MESSAGES_TARGET, "meets_target": rate >= MESSAGES_TARGET}]
+
+
+class _Prompts:
+    """A prompt cursor for the simulation: always problem 0, fresh prompt ids."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next(self) -> tuple[int, str]:
+        self.n += 1
+        return 0, f"p{self.n}"
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=27000)
+    ap.add_argument("--transports", nargs="+", default=["shm", "zmq"])
+    ap.add_argument("--mb-tokens", type=int, default=32768)
+    ap.add_argument("--workers", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    load0 = os.getloadavg()[0]
+    groups = boba_groups(args.prompts, args.samples, args.max_len)
+    rows = transfer_rows(args.transports, groups, args.mb_tokens)
+    del groups
+    rows += scheduler_rows(args.workers, args.seconds)
+    for r in rows:
+        r.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())
+    for r in rows:
+        extra = f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s" \
+            if "transport" in r else f"{r['workers']} simulated workers, {r['messages']} messages"
+        print(f"{r['metric']:<32} {r['value']:>12.3f} {r['unit']:<11} {extra}  (target {r['target']}, "
+              f"{'met' if r['meets_target'] else 'NOT met' if r['meets_target'] is False else '-'})")
+    print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
+    if args.json:
+        write_rows(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
