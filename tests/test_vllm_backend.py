@@ -118,7 +118,7 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
     c = client(server)
     engine = RemoteEngine([c])
     prompt = [TOK.bos_token_id, *TOK.encode("5+2=", add_special_tokens=False)]
-    for version, model in ((0, a), (1, b), (2, a)):
+    for version, model in ((10, a), (11, b), (12, a)):  # one process never reuses a version number
         engine.update_weights(version, model.state_dict())
         assert c.last_probe_err is not None and c.last_probe_err <= ATOL
         engine.add_request(GenRequest(f"g{version}", prompt, 1, 8, greedy=True))
@@ -126,13 +126,13 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
         assert s.output_ids == greedy_under(model, prompt, len(s.output_ids)) and s.versions == [version] * 8
         assert s.logprobs == pytest.approx(under(model, prompt, s.output_ids), abs=ATOL)
     vers = sorted(p.name.split("-")[0] for p in (server["dir"] / "weights").glob("v*"))
-    assert vers == ["v1", "v2"], vers  # keep_versions=2: v0 (and the earlier test's) pruned
+    assert vers == ["v11", "v12"], vers  # keep_versions=2: v10 (and the earlier test's v0) pruned
     # a client whose reference is another model's: the server's answer differs, the update fails
     liar = VLLMClient(server["url"], weights_dir=str(server["dir"] / "weights"), probe_ids=c.probe_ids,
                       probe_expected=lambda v, sd: logprobs_of(b, c.probe_ids))
     liar.pause()
-    with pytest.raises(ServerDown, match="probe after loading v3"):
-        liar.load_weights(3, a.state_dict())
+    with pytest.raises(ServerDown, match="probe after loading v13"):
+        liar.load_weights(13, a.state_dict())
     liar.resume()
 
 
@@ -162,17 +162,17 @@ def test_interrupted_samples_resume_on_new_weights_with_two_versions(server):
     prompt = [TOK.bos_token_id, *TOK.encode("12+30=", add_special_tokens=False)]
     mixed, attempt = [], 0
     for attempt in range(5):  # timing: the update must land while tokens are being generated
-        engine.update_weights(2 * attempt, a.state_dict())
+        engine.update_weights(20 + 2 * attempt, a.state_dict())
         engine.add_request(GenRequest(f"g{attempt}", prompt, 32, 50))
         engine.step()  # dispatches every sample
         time.sleep(0.1 * (attempt + 1))
-        engine.update_weights(2 * attempt + 1, b.state_dict())
+        engine.update_weights(21 + 2 * attempt, b.state_dict())
         groups = run_all(engine)
         mixed = [s for s in groups[f"g{attempt}"].samples if len(set(s.versions)) == 2]
         if mixed:
             break
     assert mixed, "no sample was interrupted mid-generation in 5 tries"
-    old, new = 2 * attempt, 2 * attempt + 1
+    old, new = 20 + 2 * attempt, 21 + 2 * attempt
     for s in groups[f"g{attempt}"].samples:
         assert len(s.output_ids) == 50 or s.finish_reason == "stop"
     for s in mixed:
@@ -189,7 +189,7 @@ def test_a_killed_server_is_revived_with_the_current_weights_and_loses_no_sample
     a = policy(41)
     c = client(server)
     engine = RemoteEngine([c], revive_every_s=1.0, down_timeout_s=1500.0)
-    engine.update_weights(0, a.state_dict())
+    engine.update_weights(40, a.state_dict())
     prompt = [TOK.bos_token_id, *TOK.encode("5+5=", add_special_tokens=False)]
     for g in range(4):
         engine.add_request(GenRequest(f"g{g}", prompt, 8, 40))
@@ -204,7 +204,7 @@ def test_a_killed_server_is_revived_with_the_current_weights_and_loses_no_sample
     assert sorted(groups) == [f"g{g}" for g in range(4)] and engine.servers[0].up
     for grp in groups.values():
         for s in grp.samples:
-            assert s.finish_reason in ("stop", "length") and s.versions == [0] * len(s.output_ids)
+            assert s.finish_reason in ("stop", "length") and s.versions == [40] * len(s.output_ids)
             assert len(s.output_ids) == 40 or s.finish_reason == "stop"
             assert s.logprobs == pytest.approx(under(a, prompt, s.output_ids), abs=ATOL)
     assert c.last_probe_err is not None and c.last_probe_err <= ATOL
