@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from areal_async.config import ConfigError, describe, load_config, to_yaml
-from areal_async.supervisor.local import run_local
+from areal_async.supervisor.local import LaunchError, run_local
+from areal_async.supervisor.ray_launcher import RayLaunchError, ray_launcher
 from areal_async.supervisor.slurm import run_slurm
 
 
@@ -206,10 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     progress = False if args.no_progress else None
     if cfg.cluster.launcher == "slurm":
         return run_slurm(cfg, args.config, run_dir, list(args.overrides), progress, run_local)
-    if cfg.cluster.launcher != "local":
-        print(f"areal-async: cluster.launcher={cfg.cluster.launcher!r} validates, but only the 'local' and 'slurm' "
-              "launchers are built so far", file=sys.stderr)
-        return 2
+    if cfg.cluster.launcher == "ray":
+        try:
+            launcher = ray_launcher(cfg)
+        except (RayLaunchError, LaunchError) as e:
+            print(f"areal-async: {e}", file=sys.stderr)
+            return 2
+        return run_local(cfg, run_dir, progress=progress, launcher=launcher)
     return run_local(cfg, run_dir, progress=progress)
 
 

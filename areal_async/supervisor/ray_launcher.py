@@ -1,0 +1,182 @@
+"""``cluster.launcher=ray``: every worker process held by a Ray actor, placed with a placement group.
+
+``RayLauncher(cfg)`` connects to an existing cluster (``cluster.ray_address``, e.g. ``auto`` or
+``ray://head:10001``) or starts a local one, and reserves one placement group for the run: one
+bundle per worker process (``{"CPU": 1}``; rollout workers and trainer ranks on a GPU run add
+their GPUs), packed onto as few nodes as fit (``PACK``) or one bundle set per node
+(``cluster.n_nodes`` > 1: ``SPREAD`` across them). ``start`` creates a ``_Holder`` actor in the
+worker's bundle, which runs the worker's command as a child process (its own session, log
+appended to the run directory, which every node must mount) and reports it back: ``poll`` /
+``wait`` / ``signal`` are actor calls. A holder whose actor dies (its node lost) reports the
+worker as killed (-9), so the supervisor's rules (restart, fail, stop) apply unchanged. The
+launch token travels in the actor call's environment, never on a command line.
+
+``ray`` is an optional dependency (``pip install -e '.[ray]'``); it is imported here only when a
+Ray launcher is built, so the local and Slurm launchers never load it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from areal_async.config import ExperimentConfig, n_servers, server_addresses
+from areal_async.supervisor.launchers import Launched, Launcher, popen_logged
+from areal_async.supervisor.local import device_placement, worker_specs
+from areal_async.supervisor.servers import server_role, uses_servers
+
+CALL_TIMEOUT_S = 30.0  # an actor call that takes longer means its node is gone
+START_TIMEOUT_S = 300.0  # a new holder actor: Ray starts a Python worker process for it (slow on a loaded node)
+
+
+class RayLaunchError(RuntimeError):
+    """Ray is missing or refused; the message says what to do."""
+
+
+class _Holder:
+    """The Ray actor that holds one worker process (defined plain; ``ray.remote`` wraps it lazily)."""
+
+    def ready(self) -> bool:
+        return True
+
+    def start(self, cmd: list[str], env: dict, log_path: str) -> int:
+        import ray
+
+        gpu_ids = ray.get_gpu_ids()  # on a GPU run: the devices Ray gave this bundle, not the planner's numbers
+        if gpu_ids:
+            env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(int(g)) for g in gpu_ids))
+        self.proc = popen_logged(cmd, env, Path(log_path))
+        return self.proc.pid
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def wait(self, timeout: Optional[float]) -> Optional[int]:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is not None and sig == 15:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class RayProcess(Launched):
+    """A worker process held by a ``_Holder`` actor."""
+
+    def __init__(self, ray, actor, pid: int, name: str):
+        self._ray, self.actor, self.pid, self.name = ray, actor, pid, name
+        self.returncode: Optional[int] = None
+
+    def _call(self, method: str, *args, timeout: float = CALL_TIMEOUT_S):
+        try:
+            return self._ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
+        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+            self.returncode = -9  # the holder (or its node) is gone: the worker with it
+            return self.returncode
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            self.returncode = self._call("poll")
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is not None:
+            return self.returncode
+        code = self._call("wait", timeout, timeout=CALL_TIMEOUT_S + (timeout or 0))
+        if code is None:
+            raise subprocess.TimeoutExpired(self.name, timeout)
+        self.returncode = code
+        return code
+
+    def signal(self, sig: int) -> None:
+        if self.returncode is None or sig != 15:
+            self._call("signal", sig)
+
+
+def bundles_of(names: list[str], gpus: dict[str, int]) -> list[dict]:
+    """One bundle per worker: a CPU, and the worker's GPUs (``gpus``: name -> count)."""
+    return [{"CPU": 1.0} | ({"GPU": float(gpus[n])} if gpus.get(n) else {}) for n in names]
+
+
+class RayLauncher(Launcher):
+    """Workers as processes held by Ray actors, in one placement group of the run."""
+
+    name = "ray"
+
+    def __init__(self, names: list[str], gpus: dict[str, int], address: str = "", n_nodes: int = 1,
+                 ready_timeout_s: float = 120.0):
+        try:
+            import ray
+        except ImportError:
+            raise RayLaunchError("cluster.launcher=ray needs the ray package: pip install -e '.[ray]'") from None
+        self.ray = ray
+        self._own = not ray.is_initialized()
+        if self._own:
+            if address:
+                ray.init(address=address, log_to_driver=False)
+            else:  # a local Ray with room for every bundle (logical CPUs: workers share the real ones)
+                ray.init(num_cpus=len(names), num_gpus=sum(gpus.values()), include_dashboard=False,
+                         log_to_driver=False)
+        from ray.util.placement_group import placement_group
+
+        self.names = list(names)
+        self.pg = placement_group(bundles_of(self.names, gpus), strategy="SPREAD" if n_nodes > 1 else "PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RayLaunchError(f"the Ray cluster could not place {len(self.names)} bundles "
+                                 f"{bundles_of(self.names, gpus)} within {ready_timeout_s:.0f}s: "
+                                 f"available {ray.available_resources()}") from None
+        self._holder = ray.remote(num_cpus=1)(_Holder)
+        self.actors: dict[str, object] = {}  # worker name -> its holder (a restart reuses it: same bundle)
+        # every holder up front, started in parallel: Ray starts a Python process for each
+        holders = [self._new_holder(n) for n in self.names]
+        ray.get([h.ready.remote() for h in holders], timeout=START_TIMEOUT_S)
+
+    def _new_holder(self, name: str):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        k = self.names.index(name)
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=k)
+        actor = self._holder.options(scheduling_strategy=strategy, num_gpus=self.pg.bundle_specs[k].get("GPU", 0),
+                                     name=f"areal-{name}-{time.monotonic_ns()}").remote()
+        self.actors[name] = actor
+        return actor
+
+    def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
+        if name not in self.names:
+            raise RayLaunchError(f"worker {name!r} has no bundle in this run's placement group ({self.names})")
+        try:
+            actor = self.actors[name]
+            pid = self.ray.get(actor.start.remote(list(cmd), dict(env), str(log_path)), timeout=START_TIMEOUT_S)
+        except self.ray.exceptions.RayActorError:  # the holder died with its node: a new one in the same bundle
+            actor = self._new_holder(name)
+            pid = self.ray.get(actor.start.remote(list(cmd), dict(env), str(log_path)), timeout=START_TIMEOUT_S)
+        return RayProcess(self.ray, actor, pid, name)
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(self.pg)
+        finally:
+            if self._own:
+                self.ray.shutdown()
+
+
+def ray_launcher(cfg: ExperimentConfig) -> RayLauncher:
+    """The run's Ray launcher: a bundle for every process the supervisor will start (servers included)."""
+    ours = uses_servers(cfg) and not server_addresses(cfg)  # servers the supervisor starts itself
+    names = [f"{server_role(cfg)}-{j}" for j in range(n_servers(cfg) if ours else 0)]
+    names += [wid for wid, _, _ in worker_specs(cfg)]
+    gpus = {w: len(slot.gpus) for w, slot in device_placement(cfg, gpus_here=10**6).items()}
+    return RayLauncher(names, gpus, address=cfg.cluster.ray_address, n_nodes=cfg.cluster.n_nodes)
