@@ -50,7 +50,8 @@ def test_five_broken_reward_plugins_five_messages():
         assert "\n" not in line, line  # one message, no traceback
         seen.append(line.split(":")[1].strip())
         if path.endswith("too_slow"):
-            assert time.monotonic() - t < 30, "the hung check was not killed at its timeout"
+            # the check sleeps 3600 s; the rest is two interpreter starts (CLI, pool child), slow on a busy machine
+            assert time.monotonic() - t < 120, "the hung check was not killed at its timeout"
     assert len(set(seen)) == 5, seen  # five different kinds of failure
 
 

@@ -92,3 +92,22 @@ def test_a_fleet_with_nobody_to_score_is_refused():
 
     with pytest.raises(ConfigError, match="n_reward_workers=0: expected >= 1, or n_external_reward_workers >= 1"):
         load_config(ROOT / "configs/tiny_arith.yaml", ["cluster.n_reward_workers=0"])
+
+
+@pytest.mark.slow
+def test_external_rollout_worker_generates_for_a_fleet(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config(ROOT / "configs/tiny_arith.yaml", FAST[:6] + ["cluster.n_rollout_workers=1"])
+    log = open(tmp_path / "byo-rollout.log", "wb")
+    # started first: it imports torch, then waits for the fleet's endpoints.json
+    ext = subprocess.Popen([sys.executable, str(ROOT / "tests" / "byo_rollout.py"), str(run_dir), "byo-rollout"],
+                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wait_for(lambda: (tmp_path / "byo-imported").exists(), 240, "the external rollout worker's imports")
+    with Fleet(cfg, run_dir=run_dir) as fleet:
+        assert fleet.wait(timeout=300) == 0, (run_dir / "fleet.log").read_text()[-3000:]
+    assert ext.wait(timeout=120) == 0, (tmp_path / "byo-rollout.log").read_text()[-3000:]
+    summary = fleet.summary()
+    assert summary["samples_lost"] == 0 and summary["samples_trained"] == 6 * 4 * 4
+    trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    by_worker = {t["worker"] for t in trajs if t["status"] == "trained"}
+    assert "byo-rollout" in by_worker, by_worker  # its groups were trained like the built-in worker's

@@ -1,6 +1,6 @@
 """Bring-your-own workers: join a running fleet over its wire protocol from your own process.
 
-(``reward``: a reward worker, no torch. A rollout-side client is not built yet.)
+(``reward`` imports no torch; ``rollout`` does: import the one you need.)
 
 A worker finds the fleet the way the built-in ones do: from the run directory
 (``RUN_DIR/config.yaml`` and ``RUN_DIR/endpoints.json``, written by the supervisor before anyone
@@ -19,6 +19,11 @@ frame is logged and dropped, and the scheduler refuses what a worker of that rol
   goes to the scheduler. A score that raises, or is not a finite number in [0, 1], counts as 0
   with status ``error`` and the reason in ``details``. ``run()`` blocks until the run's
   ``Shutdown``; ``arun()`` is the coroutine.
+- ``areal_async.client.rollout.RolloutWorker(run_dir, engine, decode, worker_id)``: a rollout worker
+  around your own ``RolloutEngine`` (the seam of ``areal_async.rollout.engine``, e.g. a wrapper of an
+  existing generator) behind the built-in rollout service: it gets generate requests and weights
+  like the built-in workers. Its tensor channels are the run's (``tensor_channel.*``: zmq or shm;
+  a gloo/NCCL group has no seat for it).
 
 If a bring-your-own worker dies, the scheduler declares it lost (no heartbeat for
 ``cluster.worker_timeout_s``, or at once when a worker registers again under the same id) and
