@@ -259,10 +259,21 @@ class CheckpointRequest(Message):
 
 
 @message
+class CheckpointSaved(Message):
+    """trainer -> scheduler: the checkpoint asked for after `step` is complete at `path`."""
+    TYPE: ClassVar[str] = "checkpoint_saved"
+    step: int
+    path: str
+
+
+@message
 class Shutdown(Message):
-    """scheduler -> every worker: finish and exit."""
+    """scheduler -> every worker: finish and exit. ``lost``: the scheduler declared this worker
+    lost (no heartbeat) and has already re-issued its work: exit non-zero at once, so the
+    supervisor restarts it (or fails the run) and nothing it still sends can count."""
     TYPE: ClassVar[str] = "shutdown"
     reason: str = ""
+    lost: bool = False
 
 
 @message

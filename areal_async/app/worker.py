@@ -1,13 +1,24 @@
-"""Shared life of a worker process: logging, signals, build, run on uvloop, exit code."""
+"""Shared life of a worker process: logging, signals, build, run on uvloop, exit code.
+
+Fail loudly, never hang: an unexpected exception anywhere in a role's loop (see ``TaskSet``)
+reaches here; its traceback goes to the worker's log and the process exits with
+``FAILED_EXIT_CODE`` at once (``os._exit``: an executor thread blocked on a dead peer must not
+keep a failed process alive), so the supervisor restarts the worker or fails the run.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import signal
+import sys
 from typing import Callable
 
 from areal_async.base.process import setup_worker_logging
 from protocols.sockets import run_async
+
+FAILED_EXIT_CODE = 70  # EX_SOFTWARE: the worker's own loop failed (traceback in its log)
 
 
 def run_worker(worker_id: str, build: Callable[[], object]) -> int:
@@ -29,5 +40,10 @@ def run_worker(worker_id: str, build: Callable[[], object]) -> int:
     except asyncio.CancelledError:
         log.info("%s stopped by signal", worker_id)
         return 143
+    except BaseException:
+        log.exception("%s failed; exiting with code %d", worker_id, FAILED_EXIT_CODE)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(FAILED_EXIT_CODE)
     log.info("%s exiting with code %s", worker_id, code)
     return int(code or 0)

@@ -48,6 +48,13 @@ class ControlClient:
             log.warning("%s: ignoring %s before registration was acknowledged", self.worker_id, type(msg).__name__)
         raise TimeoutError(f"{self.worker_id}: scheduler did not acknowledge registration within {timeout_s}s")
 
+    @property
+    def heartbeat_task(self) -> asyncio.Task:
+        """The heartbeat loop (started by ``register``): services watch it with their own tasks."""
+        if self._hb is None:
+            raise RuntimeError(f"{self.worker_id}: no heartbeat before registration")
+        return self._hb
+
     async def send(self, msg: Message) -> None:
         async with self._lock:  # one multipart send at a time per socket
             await send_message(self.sock, msg)

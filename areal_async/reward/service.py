@@ -5,7 +5,11 @@ spreads them round-robin). A request carries one group's completions; they are s
 ``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once) and one
 ``RewardResult`` with the group's scores goes to the scheduler. At most ``n_procs`` groups are
 taken off the queue at a time, so an idle reward worker is not starved by a busy one. A
-malformed frame is logged and dropped; the worker keeps serving.
+malformed frame is logged and dropped; the worker keeps serving. Anything else that raises (a
+``score_many`` that fails instead of scoring 0) ends the process non-zero with its traceback
+(``TaskSet``): the supervisor restarts it and the scheduler re-issues what it held; the group
+deadline (``reward.deadline_s``) covers a request lost with it. ``Shutdown(lost=True)`` from the
+scheduler ends it non-zero too.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from protocols.sockets import make_socket, recv_message
 
 from areal_async.reward.pool import RewardPool
 from areal_async.base.control import ControlClient
+from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.reward")
 
@@ -36,21 +41,37 @@ class RewardService:
         self.stop = asyncio.Event()
         self.counts = {"ok": 0, "timeout": 0, "error": 0}
         self._scoring, self._busy_since, self.busy_s = 0, 0.0, 0.0  # wall time with >= 1 group in the pool
+        self.tasks: TaskSet | None = None
+        self.exit_code = 0
+        self.scoring = 0  # groups being scored now
 
     async def run(self) -> int:
         await self.control.register(info={"n_procs": self.n_procs})
-        tasks = [asyncio.create_task(self._work()), asyncio.create_task(self._control())]
-        await self.stop.wait()
-        for t in tasks:
-            t.cancel()
-        self.pool.close()  # kill and reap the checking processes before the worker exits
-        self.pull.close(0)
-        return 0
+        self.tasks = TaskSet()
+        self.tasks.adopt(self.control.heartbeat_task, forever=True)
+        self.tasks.spawn(self._work(), "reward.work", forever=True)
+        self.tasks.spawn(self._control(), "reward.control", forever=True)
+        self._note_waiting()
+        try:
+            await self.tasks.wait(self.stop)  # raises if a loop or a scoring task failed
+        finally:
+            self.tasks.cancel()
+            self.pool.close()  # kill and reap the checking processes before the worker exits
+            self.pull.close(0)
+        return self.exit_code
+
+    def _note_waiting(self) -> None:
+        """What this worker waits for (heartbeat stats, read by the step watchdog)."""
+        self.control.stats["waiting_for"] = f"scoring {self.scoring} group(s)" if self.scoring else "reward requests"
 
     async def _control(self) -> None:
         while True:
             msg = await self.control.recv()
-            if isinstance(msg, Shutdown):
+            if isinstance(msg, Shutdown) and msg.lost:
+                log.error("%s: the scheduler declared this worker lost (%s); exiting", self.worker_id, msg.reason)
+                self.exit_code = 1
+                self.stop.set()
+            elif isinstance(msg, Shutdown):
                 self.stop.set()
 
     async def _work(self) -> None:
@@ -59,15 +80,19 @@ class RewardService:
             if req is None:
                 continue
             await self.slots.acquire()
-            asyncio.create_task(self._score(req))
+            self.tasks.spawn(self._score(req), f"reward.score.{req.group_id}")
 
     async def _score(self, req: RewardRequest) -> None:
         self._busy(+1)
+        self.scoring += 1
+        self._note_waiting()
         try:
             outs = await self.pool.score_many([(c, req.solutions) for c in req.completions])
         finally:
             self.slots.release()
             self._busy(-1)
+            self.scoring -= 1
+            self._note_waiting()
         for sid, out in zip(req.sample_ids, outs):
             self.counts[out.status] = self.counts.get(out.status, 0) + 1
             if out.status != "ok":

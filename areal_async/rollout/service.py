@@ -14,7 +14,10 @@ Two threads of control::
     <── WeightsLoaded(version) ─────────────────── after each weight switch
 
 The engine thread is the only one that touches the engine, so generation and weight loads
-never race; the event loop stays free to receive while a step runs.
+never race; the event loop stays free to receive while a step runs. Trajectory tensors are sent
+from one sender thread (a gloo/NCCL send blocks until the trainer receives it): the loop, and
+with it the heartbeat, never waits on a peer. An exception in any loop ends the process
+non-zero (``TaskSet``); ``Shutdown(lost=True)`` from the scheduler does too.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -39,6 +43,7 @@ from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
 from areal_async.rollout.episodes import EpisodeError, ScoreFn, SubRequest, WorkerEngine, run_group
 from areal_async.workflows.base import Episode, RolloutWorkflow
 from areal_async.base.control import ControlClient
+from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.rollout")
 
@@ -140,6 +145,8 @@ class RolloutService:
         self.error: Optional[str] = None
         self.n_samples = 0
         self.workflow, self.tokenizer, self.score = workflow, tokenizer, score
+        self.tasks: Optional[TaskSet] = None
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="traj-send")  # one thread: sends in order
 
     # ---- thread -> loop ------------------------------------------------------------------
     def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
@@ -154,18 +161,31 @@ class RolloutService:
         self.loop = asyncio.get_running_loop()
         await self.control.register(info={"max_active_groups": self.engine.max_active})
         self.engine.start()
-        tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._out_loop())]
-        await self.stop.wait()
-        self.engine.stopping.set()
-        for t in tasks:
-            t.cancel()
-        self.engine.join(timeout=10)
-        if hasattr(self.engine.engine, "close"):  # a remote engine: stop its request threads
-            self.engine.engine.close()
-        for ch in (self.traj, self.weights):
-            ch.close()
-        self.reward_sock.close(0)
+        self.tasks = TaskSet()
+        self.tasks.adopt(self.control.heartbeat_task, forever=True)
+        self.tasks.spawn(self._recv_loop(), "rollout.recv", forever=True)
+        self.tasks.spawn(self._out_loop(), "rollout.out", forever=True)
+        try:
+            await self.tasks.wait(self.stop)  # raises if a loop failed
+        finally:
+            self.tasks.cancel()
+            self.engine.stopping.set()
+            self.engine.join(timeout=10)
+            if hasattr(self.engine.engine, "close"):  # a remote engine: stop its request threads
+                self.engine.engine.close()
+            self._sender.shutdown(wait=False, cancel_futures=True)
+            for ch in (self.traj, self.weights):
+                ch.close()
+            self.reward_sock.close(0)
+        if self.error:
+            log.error("%s: exiting non-zero: %s", self.worker_id, self.error)
         return 1 if self.error else 0
+
+    def _note_waiting(self) -> None:
+        """What this worker waits for (heartbeat stats, read by the step watchdog)."""
+        e = self.engine
+        self.control.stats["waiting_for"] = (f"generating {len(e.requests)} group(s), {len(e.waiting) + e.inbox.qsize()} "
+                                             f"queued (weights v{self.control.stats.get('version', -1)} loaded)")
 
     async def _recv_loop(self) -> None:
         while True:
@@ -175,12 +195,16 @@ class RolloutService:
             elif isinstance(msg, GenerateRequest):
                 self.engine.submit(msg)
             elif isinstance(msg, WeightsPublished):
-                asyncio.create_task(self._fetch_weights(msg))
+                self.tasks.spawn(self._fetch_weights(msg), f"rollout.fetch_weights.v{msg.version}")
+            elif isinstance(msg, Shutdown) and msg.lost:
+                self.error = f"the scheduler declared this worker lost ({msg.reason})"
+                self.stop.set()
             elif isinstance(msg, Shutdown):
                 log.info("%s: shutdown (%s)", self.worker_id, msg.reason)
                 self.stop.set()
             else:
                 log.debug("%s: ignoring %s", self.worker_id, msg.TYPE)
+            self._note_waiting()
 
     async def _fetch_weights(self, m: WeightsPublished) -> None:
         try:
@@ -206,13 +230,16 @@ class RolloutService:
                             req.future.set_result(group.samples[0])
                     else:
                         await self._publish_group(group, req)
+            self._note_waiting()
 
     async def _publish_group(self, group: GroupOutput, req: GenerateRequest) -> None:
         samples = group.samples
         sids = list(req.sample_ids[:len(samples)])
-        # before TrajectoryReady: the trainer may be asked for the group next
-        self.traj.send(req.group_id, group_tensors(req.prompt_ids, samples), {"group_id": req.group_id,
-                                                                              "sample_ids": sids})
+        # before TrajectoryReady: the trainer may be asked for the group next. Sent from the sender
+        # thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
+        await asyncio.get_running_loop().run_in_executor(
+            self._sender, self.traj.send, req.group_id, group_tensors(req.prompt_ids, samples),
+            {"group_id": req.group_id, "sample_ids": sids})
         vmin = [int(s.versions.min()) if s.versions.numel() else -1 for s in samples]
         vmax = [int(s.versions.max()) if s.versions.numel() else -1 for s in samples]
         await self.control.send(TrajectoryReady(

@@ -8,10 +8,13 @@
       BatchPlan(step, ids) ─> wait until every planned id is in the buffer
                            ─> PPOActor.train_step (executor thread: the loop keeps receiving)
                            ─> publish weights of version step+1; TrainStepDone(step, version)
-      CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py)
-      Shutdown              ─> exit
+      CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py); CheckpointSaved
+      Shutdown              ─> exit (non-zero when the scheduler declared this trainer lost)
     periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
       weights are published and before TrainStepDone: evaluate (executor) ─> EvalDone(version, metrics)
+
+What the trainer waits for is in its heartbeat stats (``waiting_for``) for the step watchdog. An
+exception in the loop or the heartbeat ends the process non-zero (``TaskSet``).
 
 With K data-parallel ranks (``dp.py``), rank 0 is this service; before each collective phase it
 broadcasts a command to ranks 1..K-1 (``FollowerRank``), which have no control plane:
@@ -29,27 +32,37 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 
 import torch
 
-from protocols.messages import (BatchPlan, CheckpointRequest, EvalDone, Shutdown, TrainerReady, TrainStepDone,
-                                WeightsPublished)
+from protocols.messages import (BatchPlan, CheckpointRequest, CheckpointSaved, EvalDone, Shutdown, TrainerReady,
+                                TrainStepDone, WeightsPublished)
 
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.types import Trajectory
+from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.trainer")
 
 
-class TrajectoryBuffer:
-    """Trajectory tensors received from rollouts (one message per group), by sample id (filled by a thread)."""
+MAX_DROPPED = 100_000  # aborted ids whose tensors have not come (yet): oldest forgotten past this
 
-    def __init__(self, channel):
+
+class TrajectoryBuffer:
+    """Trajectory tensors received from rollouts (one message per group), by sample id (filled by a thread).
+
+    Bounded: an aborted sample's tensors are freed when it is dropped, or refused once when they
+    arrive later (the id is then forgotten); ids whose tensors never come (their worker died)
+    are kept at most ``max_dropped``, oldest first out."""
+
+    def __init__(self, channel, max_dropped: int = MAX_DROPPED):
         self.channel = channel
         self.items: dict[str, tuple[dict, dict]] = {}
-        self.dropped: set[str] = set()
+        self.dropped: OrderedDict[str, None] = OrderedDict()
+        self.max_dropped = max_dropped
         self.cond = threading.Condition()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="traj-recv", daemon=True)
@@ -73,15 +86,19 @@ class TrajectoryBuffer:
                 continue
             with self.cond:
                 for sid, item in samples.items():
-                    if sid not in self.dropped:
+                    if sid in self.dropped:  # an aborted sample's late tensors: refused, and the id forgotten
+                        del self.dropped[sid]
+                    else:
                         self.items[sid] = item
                 self.cond.notify_all()
 
     def drop(self, ids: list[str]) -> None:
         with self.cond:
             for sid in ids:
-                self.items.pop(sid, None)
-                self.dropped.add(sid)
+                if self.items.pop(sid, None) is None:  # its tensors may still come: refuse them then
+                    self.dropped[sid] = None
+            while len(self.dropped) > self.max_dropped:
+                self.dropped.popitem(last=False)
 
     def take(self, ids: list[str], timeout_s: float) -> dict[str, tuple[dict, dict]]:
         """Block until every id arrived; raise naming the missing ones after timeout_s."""
@@ -110,15 +127,26 @@ class TrainerService:
         self.publish_dtype, self.bucket_bytes = publish_dtype, bucket_bytes
 
     async def run(self) -> int:
+        self.waiting("registration")
         await self.control.register(info={"next_step": self.next_step})
         self.buffer.thread.start()
-        await self.publish(self.version)
-        await self.control.send(TrainerReady(version=self.version, next_step=self.next_step))
         try:
+            await self.publish(self.version)
+            await self.control.send(TrainerReady(version=self.version, next_step=self.next_step))
             await self.evaluate()
-            return await self._loop()
+            tasks, stop = TaskSet(), asyncio.Event()
+            tasks.adopt(self.control.heartbeat_task, forever=True)
+            loop = tasks.spawn(self._loop(), "trainer.loop")
+            loop.add_done_callback(lambda _: stop.set())
+            await tasks.wait(stop)  # raises if the loop or the heartbeat failed
+            tasks.cancel()
+            return loop.result()
         finally:
             self.close()
+
+    def waiting(self, what: str) -> None:
+        """What the trainer waits for now (heartbeat stats, read by the step watchdog)."""
+        self.control.stats["waiting_for"] = what
 
     def close(self) -> None:
         """Stop the receiver thread before the channels: a collective torn down under a live
@@ -133,11 +161,15 @@ class TrainerService:
 
     async def _loop(self) -> int:
         while True:
+            self.waiting(f"a BatchPlan for step {self.next_step}")
             msg = await self.control.recv()
             if isinstance(msg, BatchPlan):
                 await self.train(msg)
             elif isinstance(msg, CheckpointRequest):
                 await self.checkpoint(msg)
+            elif isinstance(msg, Shutdown) and msg.lost:
+                log.error("trainer: the scheduler declared this trainer lost (%s); exiting", msg.reason)
+                return 1
             elif isinstance(msg, Shutdown):
                 log.info("trainer: shutdown (%s)", msg.reason)
                 self.actor.dp.command(CMD_STOP)
@@ -148,6 +180,7 @@ class TrainerService:
     async def publish(self, version: int) -> None:
         """Send weights of `version` to every rollout worker over the weight channel."""
         loop = asyncio.get_running_loop()
+        self.waiting(f"publishing weights v{version}")
         t = time.perf_counter()
         await loop.run_in_executor(None, self.actor.dp.command, CMD_PUBLISH, version)
         sd = self.actor.publish_state(self.publish_dtype, self.bucket_bytes)
@@ -166,9 +199,11 @@ class TrainerService:
         loop = asyncio.get_running_loop()
         self.buffer.drop(plan.aborted_ids)
         t0 = time.perf_counter()
+        self.waiting(f"trajectory tensors of the {len(plan.sample_ids)} samples planned for step {plan.step}")
         got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
         trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
         t1 = time.perf_counter()
+        self.waiting(f"its own train_step (step {plan.step})")
         metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs)
         t2 = time.perf_counter()
         self.next_step, self.version = plan.step + 1, plan.step + 1
@@ -196,9 +231,11 @@ class TrainerService:
         if self.checkpointer is None:
             log.warning("checkpoint requested but saving is not configured")
             return
+        self.waiting(f"saving the checkpoint after step {req.step}")
         loop = asyncio.get_running_loop()
         path = await loop.run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
         log.info("checkpoint after step %d saved to %s", req.step, path)
+        await self.control.send(CheckpointSaved(step=req.step, path=str(path)))
 
 
 def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
