@@ -189,11 +189,15 @@ class SaverConfig(Section):
     freq_steps: int = _f(0, "Save every N trainer steps (0 disables).")
     freq_secs: float = _f(0.0, "Save when this many seconds passed since the last save (0 disables).")
     keep_last: int = _f(2, "Complete checkpoints kept.")
+    final_grace_s: float = _f(60.0, "On SIGTERM/SIGINT the fleet first saves a final checkpoint after the step in "
+                                    "progress, waiting at most this many seconds, then stops (exit 143/130); 0 = stop "
+                                    "at once.")
 
     def check(self) -> None:
         at_least(self, "freq_steps", 0)
         at_least(self, "freq_secs", 0)
         at_least(self, "keep_last", 1)
+        at_least(self, "final_grace_s", 0)
 
 
 @dataclass
@@ -202,9 +206,14 @@ class RecoverConfig(Section):
 
     mode: str = _f("disabled", "disabled | auto (resume from the newest complete checkpoint if any) | resume "
                                "(must exist).")
+    retries: int = _f(0, "In-run recovery: when the trainer or scheduler dies (or is lost, or the step watchdog "
+                         "fires), the supervisor stops the fleet and relaunches it from the newest complete "
+                         "checkpoint, up to this many times; 0 = the run fails (a rerun with recover.mode=auto "
+                         "continues it).")
 
     def check(self) -> None:
         one_of(self, "mode", ("disabled", "auto", "resume"))
+        at_least(self, "retries", 0)
 
 
 @dataclass

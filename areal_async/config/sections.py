@@ -119,6 +119,10 @@ class RolloutConfig(Section):
     workflow: str = _f("", "Dotted path 'module:Class' of a rollout workflow (areal_async.workflows.RolloutWorkflow: "
                            "multi-turn, tools; it scores its episodes with reward.fn in the rollout worker's own "
                            "killable processes); '' = plain sampling scored by the reward workers.")
+    gen_deadline_s: float = _f(600.0, "A group not generated this many seconds after it was issued is aborted "
+                                      "(reason 'deadline') and its prompt re-issued; 0 = no deadline.")
+    max_reissues: int = _f(8, "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
+                              "trained is dropped on its next abort, with the reason in the books; -1 = never dropped.")
 
     def check(self) -> None:
         require(_BACKEND_RE.match(self.backend) is not None, "backend", self.backend,
@@ -128,6 +132,8 @@ class RolloutConfig(Section):
         at_least(self, "max_batch_groups", 1)
         require(self.workflow == "" or ":" in self.workflow, "workflow", self.workflow,
                 "'' (plain sampling) or a dotted path 'module:Class'")
+        require(self.gen_deadline_s >= 0, "gen_deadline_s", self.gen_deadline_s, ">= 0 (0 = no deadline)")
+        require(self.max_reissues >= -1, "max_reissues", self.max_reissues, "an integer >= -1 (-1 = never dropped)")
 
 
 @dataclass
@@ -238,6 +244,9 @@ class RewardConfig(Section):
     precision: int = _f(6, "Significant digits for numeric comparison (math-verify float_rounding).")
     memory_limit_mb: int = _f(4096, "Address-space cap of each checking process (a check past it scores 0, status "
                                     "'error'); 0 = none.")
+    deadline_s: float = _f(300.0, "A generated group not scored this many seconds later (its reward worker died with "
+                                  "the request) is aborted (reason 'deadline') and its prompt re-issued; 0 = no "
+                                  "deadline.")
 
     def check(self) -> None:
         require(":" in self.fn, "fn", self.fn, "a dotted path 'module:function'")
@@ -245,6 +254,7 @@ class RewardConfig(Section):
         at_least(self, "n_procs", 1)
         require(self.memory_limit_mb == 0 or self.memory_limit_mb >= 256, "memory_limit_mb", self.memory_limit_mb,
                 "0 (no limit) or >= 256")
+        require(self.deadline_s >= 0, "deadline_s", self.deadline_s, ">= 0 (0 = no deadline)")
 
 
 @dataclass
@@ -322,7 +332,10 @@ class ClusterConfig(Section):
     worker_timeout_s: float = _f(120.0, "A worker silent this long is declared dead.")
     max_restarts: int = _f(2, "Times the supervisor restarts each dead rollout or reward worker before failing the run "
                               "(zmq/shm channels only); the trainer and scheduler are never restarted: rerun with "
-                              "recover.mode=auto.")
+                              "recover.mode=auto (or set recover.retries).")
+    step_timeout_s: float = _f(600.0, "Supervisor watchdog: no trainer step for this many seconds (after the trainer "
+                                      "is ready) fails the run (or recovers it, recover.retries), naming the silent "
+                                      "role and what it waited for; 0 = no watchdog.")
     torch_threads: int = _f(1, "torch intra-op threads per worker process.")
     cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
     device: str = _f("cpu", "cpu | cuda.")
@@ -345,6 +358,8 @@ class ClusterConfig(Section):
         require(self.worker_timeout_s > self.heartbeat_s, "worker_timeout_s", self.worker_timeout_s,
                 f"> heartbeat_s={self.heartbeat_s}")
         at_least(self, "max_restarts", 0)
+        require(self.step_timeout_s == 0 or self.step_timeout_s > self.heartbeat_s, "step_timeout_s",
+                self.step_timeout_s, f"0 (no watchdog) or > heartbeat_s={self.heartbeat_s}")
         at_least(self, "torch_threads", 1)
         one_of(self, "device", ("cpu", "cuda"))
         at_least(self, "n_nodes", 1)

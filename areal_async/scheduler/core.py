@@ -52,6 +52,9 @@ class SchedulerParams:
     total_steps: int
     max_concurrent: int
     gen: dict  # max_new_tokens, temperature, top_p, greedy, stop_token_ids
+    gen_deadline_s: float = 0.0  # a group not generated this long after issue is aborted (0: no deadline)
+    reward_deadline_s: float = 0.0  # a generated group not scored this long after is aborted (0: no deadline)
+    max_reissues: int = -1  # a prompt re-issued this many times is dropped on its next abort (-1: never)
 
 
 class SchedulerCore:
@@ -77,6 +80,10 @@ class SchedulerCore:
         self.finished = False
         self.aborted_since_plan: list[str] = []
         self.resumes = 0
+        self.issued_at: dict[str, float] = {}  # running group -> clock() at issue (deadlines)
+        self.generated_at: dict[str, float] = {}  # running group -> clock() when its trajectory was reported
+        self.reissues: dict[str, int] = {}  # prompt id -> times re-issued since it was last trained
+        self.n_reissued = {"prompts": 0, "samples": 0, "dropped": 0}
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -134,6 +141,7 @@ class SchedulerCore:
         idx, prompt_id = self.reissue.popleft() if self.reissue else self.cursor.next()
         g = self.ledger.issue_group(prompt_id, idx, self.p.n_samples, worker.worker_id, self.version)
         worker.groups.add(g.group_id)
+        self.issued_at[g.group_id] = self.clock()
         prompt_ids, solutions = self.problem(idx)
         req = GenerateRequest(group_id=g.group_id, prompt_id=prompt_id, sample_ids=list(g.sample_ids),
                               prompt_ids=list(prompt_ids), solutions=list(solutions), min_version=self.version,
@@ -156,6 +164,10 @@ class SchedulerCore:
             ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
                                                m.finish_reasons[i])
             self._on_maybe_ready(m.group_id, ready)
+        g = self.ledger.groups.get(m.group_id)
+        if g is not None and g.status == "running" and all(self.ledger.samples[s].status != "issued"
+                                                           for s in g.sample_ids):
+            self.generated_at.setdefault(m.group_id, self.clock())  # now only the scores are missing
         return "; ".join(whys) or None
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
@@ -172,6 +184,7 @@ class SchedulerCore:
         if ready:
             g = self.ledger.groups[gid]
             self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
+            self._forget_times(gid)
             self.accepted += 1
             self.ready.append(gid)
 
@@ -214,22 +227,64 @@ class SchedulerCore:
         trained = self.ledger.mark_trained(self.batch_groups)
         for rec in trained:
             self.log_sample(rec)
+            self.reissues.pop(rec.prompt_id, None)  # a trained prompt starts a fresh re-issue count
         self.trainer_busy, self.batch_groups = False, []
         self.version, self.next_step = version, step + 1
         self.finished = self.next_step >= self.p.total_steps
         return trained
 
+    # ---- deadlines -----------------------------------------------------------------------
+    def expire(self) -> list[SampleRecord]:
+        """Abort (and re-issue) every running group past its deadline: not generated within
+        ``gen_deadline_s`` of its issue, or not scored within ``reward_deadline_s`` of its
+        generation (a reward worker died with its request, or the request was lost)."""
+        now, out = self.clock(), []
+        for gid, t_issue in list(self.issued_at.items()):
+            g = self.ledger.groups.get(gid)
+            if g is None or g.status != "running":
+                self._forget_times(gid)
+                continue
+            t_gen = self.generated_at.get(gid)
+            if t_gen is not None and self.p.reward_deadline_s > 0 and now - t_gen > self.p.reward_deadline_s:
+                out += self._abort(gid, f"deadline: no score {now - t_gen:.1f}s after generation "
+                                        f"(reward.deadline_s={self.p.reward_deadline_s:g})", reissue=True)
+            elif t_gen is None and self.p.gen_deadline_s > 0 and now - t_issue > self.p.gen_deadline_s:
+                out += self._abort(gid, f"deadline: not generated {now - t_issue:.1f}s after issue to {g.worker} "
+                                        f"(rollout.gen_deadline_s={self.p.gen_deadline_s:g})", reissue=True)
+        return out
+
+    def _forget_times(self, gid: str) -> None:
+        self.issued_at.pop(gid, None)
+        self.generated_at.pop(gid, None)
+
     # ---- ending --------------------------------------------------------------------------
     def _abort(self, gid: str, reason: str, reissue: bool) -> list[SampleRecord]:
         g = self.ledger.groups[gid]
         self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
+        self._forget_times(gid)
+        if reissue and not self.finished:
+            reason = self._reissue(g, reason)
+        else:
+            self.reissues.pop(g.prompt_id, None)
         recs = self.ledger.abort_group(gid, reason)
         for rec in recs:
             self.log_sample(rec)
             self.aborted_since_plan.append(rec.sample_id)
-        if reissue and not self.finished:
-            self.reissue.append((g.problem_index, g.prompt_id))
         return recs
+
+    def _reissue(self, g, reason: str) -> str:
+        """Queue the group's prompt again, unless it was re-issued max_reissues times already:
+        then it is dropped, and the abort reason says so. Returns the reason to book."""
+        n = self.reissues.get(g.prompt_id, 0)
+        if 0 <= self.p.max_reissues <= n:
+            self.reissues.pop(g.prompt_id, None)
+            self.n_reissued["dropped"] += 1
+            return f"{reason}; prompt {g.prompt_id} dropped after {n} re-issues (rollout.max_reissues={self.p.max_reissues})"
+        self.reissues[g.prompt_id] = n + 1
+        self.n_reissued["prompts"] += 1
+        self.n_reissued["samples"] += len(g.sample_ids)
+        self.reissue.append((g.problem_index, g.prompt_id))
+        return reason
 
     def abort_open(self, reason: str) -> list[SampleRecord]:
         """End of run (or resume): every open group is aborted with `reason`."""
@@ -245,7 +300,7 @@ class SchedulerCore:
         """Everything a resumed run needs to continue the same books (JSON-able)."""
         return {"version": self.version, "next_step": self.next_step, "cursor": self.cursor.state(),
                 "reissue": [list(x) for x in self.reissue], "ledger": self.ledger.to_state(),
-                "resumes": self.resumes}
+                "resumes": self.resumes, "reissues": dict(self.reissues), "n_reissued": dict(self.n_reissued)}
 
     def restore(self, state: dict) -> list[SampleRecord]:
         """Continue from a checkpoint's state. Groups that were open at the checkpoint (their
@@ -258,6 +313,8 @@ class SchedulerCore:
         self.ledger = Ledger.from_state(state["ledger"])
         self.ledger.id_prefix = f"r{self.resumes}-"
         self.reissue = deque(tuple(x) for x in state["reissue"])
+        self.reissues = {str(k): int(v) for k, v in state.get("reissues", {}).items()}
+        self.n_reissued.update({k: int(v) for k, v in state.get("n_reissued", {}).items()})
         self.accepted = self.next_step * self.p.batch_size  # every group still open is re-issued below
         self.finished = self.next_step >= self.p.total_steps
         out = []

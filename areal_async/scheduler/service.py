@@ -12,6 +12,21 @@ Registration is checked against the supervisor's roster (``base/runkeys.Roster``
 must be one the supervisor launched, with that role and its launch token; anything else is
 refused with an ``Error`` and changes nothing (a live worker of that id keeps its work). After
 registration every message must come from the routing identity that registered.
+
+Liveness (never hang silently):
+
+- any exception other than a refused message (ValueError / KeyError) ends the process with a
+  traceback and a non-zero exit (``TaskSet``), so the supervisor acts;
+- a worker lost by heartbeat timeout is told (``Shutdown(lost=True)``) and recorded in
+  ``RUN_DIR/lost.jsonl``; the supervisor kills it if it does not exit. A lost trainer stops
+  planning: the supervisor fails (or recovers) the run;
+- every running group has a deadline (``rollout.gen_deadline_s``, ``reward.deadline_s``): past
+  it the group is aborted with a reason and its prompt re-issued, at most
+  ``rollout.max_reissues`` times;
+- ``RUN_DIR/status.json`` (rewritten every heartbeat) says what the scheduler and each worker
+  wait for: the supervisor's step watchdog names the silent role from it;
+- SIGUSR1 (sent by the supervisor on SIGTERM): stop planning, have the trainer checkpoint the
+  last finished step, then shut the fleet down.
 """
 
 from __future__ import annotations
@@ -19,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,9 +43,10 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from protocols.messages import (BatchPlan, CheckpointRequest, Error, EvalDone, Heartbeat, Message, Ping, Pong,
-                                Register, RegisterAck, RewardResult, Shutdown, StatusReport, StatusRequest,
-                                TrainerReady, TrainStepDone, TrajectoryReady, WeightsLoaded, WeightsPublished)
+from protocols.messages import (BatchPlan, CheckpointRequest, CheckpointSaved, Error, EvalDone, Heartbeat, Message,
+                                Ping, Pong, Register, RegisterAck, RewardResult, Shutdown, StatusReport,
+                                StatusRequest, TrainerReady, TrainStepDone, TrajectoryReady, WeightsLoaded,
+                                WeightsPublished)
 from protocols.sockets import make_socket, recv_message, send_message
 
 from areal_async.config import ExperimentConfig
@@ -39,6 +57,7 @@ from areal_async.base.runkeys import Roster
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.runlog import RunLog
 from areal_async.scheduler.sinks import sinks_from_config
+from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.scheduler")
 
@@ -61,14 +80,16 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
         batch_size=cfg.train_dataset.batch_size, n_samples=g.n_samples, eta=cfg.rollout.max_head_offpolicyness,
         total_steps=cfg.total_train_steps, max_concurrent=cfg.rollout.max_concurrent_rollouts,
         gen=dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, greedy=g.greedy,
-                 stop_token_ids=list(g.stop_token_ids)))
+                 stop_token_ids=list(g.stop_token_ids)),
+        gen_deadline_s=cfg.rollout.gen_deadline_s, reward_deadline_s=cfg.reward.deadline_s,
+        max_reissues=cfg.rollout.max_reissues)
     cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
 
 
 _SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward", "rollout"),
             WeightsPublished: ("trainer",), TrainerReady: ("trainer",), TrainStepDone: ("trainer",),
-            EvalDone: ("trainer",)}
+            EvalDone: ("trainer",), CheckpointSaved: ("trainer",)}
 
 
 def _checkpoint_state(path: str) -> dict:
@@ -84,6 +105,7 @@ class SchedulerService:
                  roster: Optional[Roster] = None):
         """``roster``: what the supervisor launched; None (tests of the protocol only) checks no token."""
         self.cfg, self.run_dir, self.t0, self.roster = cfg, Path(run_dir), t0, roster
+        self.recoveries = int(endpoints.extra.get("recoveries", 0))
         resume = endpoints.extra.get("resume_from")
         ckpt_state = _checkpoint_state(resume) if resume else None
         if ckpt_state is not None or cfg.recover.mode != "disabled":
@@ -98,6 +120,11 @@ class SchedulerService:
             log.info("restored step %d, version %d; %d in-flight samples aborted and re-issued",
                      self.core.next_step, self.core.version, len(recovered))
         self._last_save = time.monotonic()
+        # checkpoints: the newest one confirmed saved (the resumed one counts), one asked for and not yet confirmed
+        self._ckpt_saved = self.core.next_step - 1 if ckpt_state is not None else -1
+        self._ckpt_pending: Optional[int] = None
+        self.stopping = False  # SIGUSR1: final checkpoint, then shut down
+        self._status_path = self.run_dir / "status.json"
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
         self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen, pid, host, samples, ...}
@@ -124,15 +151,20 @@ class SchedulerService:
         return [w for w, v in self.workers.items() if v["role"] == role]
 
     async def run(self) -> int:
-        watchdog = asyncio.create_task(self._watchdog())
-        serve = asyncio.create_task(self._serve())
-        await self.done.wait()
-        await asyncio.sleep(0.2)  # let the Shutdown frames leave
-        for t in (watchdog, serve):
-            t.cancel()
-        self.runlog.close()
-        self.sock.close(0)
-        self.ctx.term()
+        self.tasks = tasks = TaskSet()
+        tasks.spawn(self._watchdog(), "scheduler.watchdog", forever=True)
+        tasks.spawn(self._serve(), "scheduler.serve", forever=True)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, self.request_stop)
+        try:
+            await tasks.wait(self.done)  # raises, with the traceback, if a loop failed
+            await asyncio.sleep(0.2)  # let the Shutdown frames leave
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+            tasks.cancel()
+            self.runlog.close()
+            self.sock.close(0)
+            self.ctx.term()
         return self.exit_code
 
     async def _serve(self) -> None:
@@ -181,7 +213,7 @@ class SchedulerService:
         return {Heartbeat: self._heartbeat, Ping: self._ping, TrajectoryReady: self._trajectory,
                 RewardResult: self._reward, WeightsPublished: self._weights_published,
                 WeightsLoaded: self._weights_loaded, TrainerReady: self._trainer_ready, TrainStepDone: self._step_done,
-                Error: self._worker_error, EvalDone: self._eval_done}
+                Error: self._worker_error, EvalDone: self._eval_done, CheckpointSaved: self._checkpoint_saved}
 
     async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
         self.workers[wid]["stats"] = msg.stats
@@ -226,7 +258,7 @@ class SchedulerService:
             if old["role"] != m.role:
                 raise ValueError(f"register: {m.worker_id!r} is registered as a {old['role']} worker, not {m.role}")
             # a restarted worker (new pid, same id): what its old incarnation held is gone
-            await self._lose(m.worker_id, f"restarted (pid {old.get('pid')} -> {m.pid})")
+            await self._lose(m.worker_id, f"restarted (pid {old.get('pid')} -> {m.pid})", tell=False)
         self.workers[m.worker_id] = {"role": m.role, "ident": ident, "last_seen": time.monotonic(), "pid": m.pid,
                                      "host": m.host, "since": time.monotonic()}
         self.registrations[m.worker_id] = self.registrations.get(m.worker_id, 0) + 1  # restarts = this - 1
@@ -292,7 +324,7 @@ class SchedulerService:
             if self.cfg.saver.freq_steps or self.cfg.saver.freq_secs:
                 await self._request_checkpoint(m.step)  # the final weights too (saved before the trainer's Shutdown)
             await self._finish()
-        elif self._save_due(m.step):
+        elif self._save_due(m.step) and not self.stopping:
             await self._request_checkpoint(m.step)
 
     async def _eval_done(self, wid: str, m: EvalDone) -> None:
@@ -310,8 +342,36 @@ class SchedulerService:
         """The trainer saves weights + optimizer with this state before it trains the next step."""
         state = self.core.state() | {"offsets": self.runlog.offsets(), "n_sample_lines": self.runlog.n_sample_lines}
         self._last_save = time.monotonic()
+        self._ckpt_pending = step
         for t in self.role("trainer"):
             await self.send(t, CheckpointRequest(step=step, state=state))
+
+    async def _checkpoint_saved(self, wid: str, m: CheckpointSaved) -> None:
+        log.info("checkpoint after step %d saved at %s", m.step, m.path)
+        self._ckpt_saved = max(self._ckpt_saved, m.step)
+        if self._ckpt_pending == m.step:
+            self._ckpt_pending = None
+
+    # ---- stopping on a signal: final checkpoint first -----------------------------------
+    def request_stop(self) -> None:
+        """SIGUSR1 (the supervisor got SIGTERM/SIGINT): no new plans or groups; the trainer saves
+        the last finished step (unless saved already); then Shutdown to everyone."""
+        if not self.stopping:
+            log.info("stop requested: final checkpoint after step %d, then shutdown", self.core.next_step - 1)
+            self.stopping = True
+            self.tasks.spawn(self._drive(), "scheduler.stop")
+
+    async def _drive_stop(self) -> None:
+        if self.core.trainer_busy or self._ckpt_pending is not None or self.done.is_set():
+            return  # the step in progress ends first; a requested checkpoint is confirmed first
+        last = self.core.next_step - 1
+        if last > self._ckpt_saved and self.role("trainer"):
+            await self._request_checkpoint(last)
+            return
+        log.info("stopping: last finished step %d is checkpointed (or none was trained)", last)
+        for w in list(self.workers):
+            await self.send(w, Shutdown(reason="stopped by signal after the final checkpoint"))
+        self.done.set()
 
     def _metrics_row(self, m: TrainStepDone, trained: list) -> dict:
         now = time.time()
@@ -339,6 +399,8 @@ class SchedulerService:
 
     # ---- driving the core ----------------------------------------------------------------
     async def _drive(self) -> None:
+        if self.stopping:
+            return await self._drive_stop()
         plan, stale = self.core.plan()
         if stale:
             log.info("aborted %d stale samples (re-issued)", len(stale))
@@ -363,6 +425,9 @@ class SchedulerService:
                    "samples_trained": c["trained"], "samples_aborted": c["aborted"],
                    "samples_lost": c["issued"] - self.runlog.n_sample_lines, "aborted_at_end": len(aborted),
                    "prompts_total": self.prompts.n_total, "prompts_filtered_long": self.prompts.n_dropped,
+                   "prompts_reissued": self.core.n_reissued["prompts"],
+                   "samples_reissued": self.core.n_reissued["samples"],
+                   "prompts_dropped": self.core.n_reissued["dropped"], "recoveries": self.recoveries,
                    "wall_s": time.time() - self.t0}
         self.runlog.summary(summary)
         log.info("run finished: %s", summary)
@@ -370,18 +435,75 @@ class SchedulerService:
             await self.send(w, Shutdown(reason="run finished"))
         self.done.set()
 
+    # ---- liveness ------------------------------------------------------------------------
     async def _watchdog(self) -> None:
         while True:
+            self._write_status()
             await asyncio.sleep(self.cfg.cluster.heartbeat_s)
-            now = time.monotonic()
-            for wid, w in list(self.workers.items()):
-                if now - w["last_seen"] > self.cfg.cluster.worker_timeout_s:
-                    await self._lose(wid, f"no heartbeat for {now - w['last_seen']:.0f}s")
+            await self._check_heartbeats()
+            await self._expire_groups()
 
-    async def _lose(self, wid: str, why: str) -> None:
+    async def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        for wid, w in list(self.workers.items()):
+            if now - w["last_seen"] > self.cfg.cluster.worker_timeout_s:
+                await self._lose(wid, f"no heartbeat for {now - w['last_seen']:.0f}s "
+                                      f"(cluster.worker_timeout_s={self.cfg.cluster.worker_timeout_s:g})")
+
+    async def _expire_groups(self) -> None:
+        expired = self.core.expire()
+        if expired:
+            reasons = sorted({r.reason for r in expired})
+            log.warning("%d samples past their deadline aborted: %s", len(expired), "; ".join(reasons)[:500])
+            await self._drive()
+
+    async def _lose(self, wid: str, why: str, tell: bool = True) -> None:
+        """Forget a worker and re-issue its work. ``tell``: it may still be alive (timed out, not
+        restarted): it gets ``Shutdown(lost=True)`` and a line in lost.jsonl, so the supervisor
+        kills it if it does not exit; whatever it sends later is refused as unregistered."""
         log.error("worker %s lost: %s", wid, why)
-        role = self.workers.pop(wid)["role"]
-        lose = {"rollout": self.core.lose_worker, "reward": self.core.lose_reward_worker}.get(role)
+        w = self.workers.pop(wid)
+        if tell:
+            self._record_lost(wid, w, why)
+            try:
+                await send_message(self.sock, Shutdown(reason=f"lost: {why}", lost=True), to=w["ident"])
+            except zmq.ZMQError:
+                pass  # gone already
+        if w["role"] == "trainer":
+            self.core.trainer_ready = False  # no plan can be sent; the supervisor fails or recovers the run
+            log.error("the trainer is lost: no further steps in this fleet")
+        lose = {"rollout": self.core.lose_worker, "reward": self.core.lose_reward_worker}.get(w["role"])
         if lose is not None:
             lose(wid, why)
             await self._drive()
+
+    def _record_lost(self, wid: str, w: dict, why: str) -> None:
+        line = {"worker": wid, "role": w["role"], "pid": w.get("pid"), "why": why, "wall_s": time.time() - self.t0}
+        with open(self.run_dir / "lost.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def _write_status(self) -> None:
+        """What everyone waits for, for the supervisor's step watchdog (atomic rewrite)."""
+        now = time.monotonic()
+        workers = {wid: {"role": w["role"], "silent_s": round(now - w["last_seen"], 1),
+                         "waiting_for": w.get("stats", {}).get("waiting_for", "")} for wid, w in self.workers.items()}
+        status = {"pid": os.getpid(), "wall_s": time.time() - self.t0, "next_step": self.core.next_step,
+                  "trainer_ready": self.core.trainer_ready, "trainer_busy": self.core.trainer_busy,
+                  "waiting_for": self.waiting_for(), "workers": workers}
+        tmp = self._status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(status))
+        os.replace(tmp, self._status_path)
+
+    def waiting_for(self) -> str:
+        """The scheduler's view of what the next trainer step waits for."""
+        c, step = self.core, self.core.next_step
+        if self.stopping:
+            return f"the final checkpoint after step {step - 1}"
+        if not c.trainer_ready:
+            return "the trainer to register and publish its weights" if not self.role("trainer") \
+                else "the trainer to be ready"
+        if c.trainer_busy:
+            return f"the trainer to finish step {step} (planned {time.time() - self._plan_t:.0f}s ago)"
+        scoring = sum(1 for gid in c.generated_at if getattr(c.ledger.groups.get(gid), "status", "") == "running")
+        return (f"{len(c.ready)}/{c.p.batch_size} groups ready for step {step}: {c.running - scoring} generating on "
+                f"{len(c.rollouts)} rollout worker(s), {scoring} waiting for a score")
