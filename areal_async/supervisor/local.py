@@ -10,8 +10,17 @@ its own process group, logging to ``RUN_DIR/logs/<worker>.log``), and then watch
   gloo/NCCL group cannot take in a new process); the scheduler re-issues the work it held;
 - any other child dies, or restarts are used up / impossible  -> the run fails loudly: the dead
   worker's last log lines are printed, every other child is stopped, exit 1;
-- SIGINT / SIGTERM to the supervisor                          -> every child it started is
-  stopped (SIGTERM to its process group, SIGKILL after a grace period), exit 130 / 143.
+- a worker the scheduler declared lost (``RUN_DIR/lost.jsonl``)  -> it was told to exit; if it
+  still runs LOST_KILL_GRACE_S later it is killed, and then handled as dead (above);
+- no trainer step for ``cluster.step_timeout_s`` (the step watchdog) -> a failure that names the
+  silent role and what it waited for (from the scheduler's ``RUN_DIR/status.json``);
+- a failure with ``recover.retries`` left                     -> in-run recovery: every child is
+  stopped and the fleet is relaunched from the newest complete checkpoint (as a rerun with
+  ``recover.mode=auto`` would be: the same exactly-once books); summary.json counts recoveries;
+- SIGINT / SIGTERM to the supervisor                          -> the scheduler is asked (SIGUSR1)
+  for a final checkpoint after the step in progress, for at most ``saver.final_grace_s``; then
+  every child it started is stopped (SIGTERM to its process group, SIGKILL after a grace
+  period), exit 130 / 143. A second signal stops everything at once.
 
 It only ever signals the pids it started (and their process groups), never by name.
 A live progress line (step, reward, staleness, samples/s) is drawn from ``metrics.jsonl``.
@@ -44,6 +53,7 @@ from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 GRACE_S = 5.0
 RUN_END_GRACE_S = 30.0  # how long workers may outlive a scheduler that finished the run
+LOST_KILL_GRACE_S = 3.0  # how long a worker declared lost may take to exit before it is killed
 
 
 class LaunchError(RuntimeError):
@@ -58,6 +68,8 @@ class Child:
     cmd: list = field(default_factory=list)
     env: Optional[dict] = None  # its environment (devices included), reused by a restart
     restarts: int = 0
+    lost: str = ""  # why the scheduler declared this process lost ("" when it was not)
+    kill_at: Optional[float] = None  # monotonic time to kill it if it is still running (lost)
 
     @property
     def role(self) -> str:  # "rollout-1" -> "rollout"
@@ -123,8 +135,13 @@ class LocalSupervisor:
         self.placement: dict[str, Slot] = {}  # worker id -> devices, set by prepare()
         self.t0 = time.time()
         self._signal: Optional[int] = None
+        self._n_signals = 0
         self._run_end_seen: Optional[float] = None  # when the scheduler was first seen exited 0
         self.tokens: dict[str, str] = {}  # worker id -> launch token (written by prepare)
+        self.recoveries = 0
+        self.restarts_total = 0
+        self._lost_offset = 0  # bytes of lost.jsonl already read
+        self._reset_watchdog()
 
     # ---- set-up --------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -145,6 +162,7 @@ class LocalSupervisor:
         # keys before endpoints.json: whoever finds the endpoints finds the keys (bring-your-own workers)
         self.tokens = write_run_keys(self.run_dir, {wid: module.rsplit(".", 1)[-1]
                                                     for wid, module, _ in worker_specs(self.cfg)})
+        self.endpoints.extra["recoveries"] = self.recoveries
         self.endpoints.save(self.run_dir)
         if resume:
             print(f"[areal-async] resuming from {resume}")
@@ -216,14 +234,17 @@ class LocalSupervisor:
         last_line = ""
         while True:
             if self._signal is not None:
-                self.stop_all()
-                return 128 + self._signal
+                return self._stop_on_signal()
+            self._kill_lost()
             failed = [c for c in self.children if c.proc.poll() not in (None, 0)]
             if failed and self._no_restart(failed[0]) is None:
                 self._restart(failed[0])
                 continue
-            if failed:
-                return self._fail(failed[0])
+            silent = None if failed else self._watchdog()
+            if failed or silent:
+                if self._recover_or_fail(failed[0] if failed else None, silent):
+                    continue
+                return 1
             if all(c.proc.poll() == 0 for c in self.children if c.role not in SERVER_ROLES):
                 self._stop_servers()
                 self._progress_done(last_line)
@@ -271,6 +292,8 @@ class LocalSupervisor:
         old_pid = dead.proc.pid
         _signal_group(dead.proc, signal.SIGKILL)  # whatever the dead worker left in its group (reward checks)
         dead.restarts += 1
+        self.restarts_total += 1
+        dead.lost, dead.kill_at = "", None
         print(f"\n[areal-async] worker {dead.name} (pid {old_pid}) {_how(dead.proc.returncode)}; restarting it "
               f"({dead.restarts}/{self.cfg.cluster.max_restarts}). Last lines of {dead.log_path}:", file=sys.stderr)
         for line in tail(dead.log_path, 5):
@@ -280,14 +303,102 @@ class LocalSupervisor:
         dead.proc = self._spawn(dead.cmd, dead.log_path, dead.env or self._env)
         self._write_pids()
 
-    def _fail(self, dead: Child) -> int:
+    def _recover_or_fail(self, dead: Optional[Child], silent: Optional[str]) -> bool:
+        """Report the failure (a dead child, or the watchdog's finding); relaunch the fleet when
+        recover.retries allows (True), else stop everything (False: the run failed)."""
         self.stop_all()
-        why = "" if dead.role not in RESTARTABLE else f" (no restart: {self._no_restart(dead)})"
-        print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {_how(dead.proc.returncode)}; the run "
-              f"failed{why}. Last lines of {dead.log_path}:", file=sys.stderr)
+        recover = self.recoveries < self.cfg.recover.retries
+        outcome = (f"recovering the run ({self.recoveries + 1}/{self.cfg.recover.retries}) from the newest complete "
+                   "checkpoint" if recover else "the run failed")
+        if dead is None:
+            print(f"\n[areal-async] {silent}; {outcome}.", file=sys.stderr)
+        else:
+            self._report_dead(dead, outcome)
+        if recover:
+            self._relaunch()
+        return recover
+
+    def _report_dead(self, dead: Child, outcome: str) -> None:
+        why = [f"declared lost by the scheduler: {dead.lost}"] if dead.lost else []
+        if dead.role in RESTARTABLE:
+            why.append(f"no restart: {self._no_restart(dead)}")
+        why_s = f" ({'; '.join(why)})" if why else ""
+        print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {_how(dead.proc.returncode)}; {outcome}"
+              f"{why_s}. Last lines of {dead.log_path}:", file=sys.stderr)
         for line in tail(dead.log_path, 30):
             print("  | " + line, file=sys.stderr)
-        return 1
+
+    def _relaunch(self) -> None:
+        """In-run recovery: a fresh fleet from the newest complete checkpoint (recover.mode=auto
+        rolls the books back to it), with the same run directory and clock."""
+        self.recoveries += 1
+        self.cleanup()
+        self.children = []
+        if self.cfg.recover.mode == "disabled":
+            self.cfg = dataclasses.replace(self.cfg, recover=dataclasses.replace(self.cfg.recover, mode="auto"))
+        self.prepare()
+        self._reset_watchdog()
+        self.start_all()
+
+    # ---- liveness ------------------------------------------------------------------------
+    def _kill_lost(self) -> None:
+        """Read the scheduler's new lost.jsonl lines; a lost worker still running after
+        LOST_KILL_GRACE_S (it was told to exit) is killed, so it can never send live work again."""
+        for rec in self._new_lost_records():
+            c = next((c for c in self.children if c.name == rec.get("worker")), None)
+            if c is not None and c.proc.pid == rec.get("pid") and c.proc.poll() is None:
+                c.lost, c.kill_at = str(rec.get("why", "")), time.monotonic() + LOST_KILL_GRACE_S
+        for c in self.children:
+            if c.kill_at is not None and time.monotonic() >= c.kill_at and c.proc.poll() is None:
+                print(f"\n[areal-async] worker {c.name} (pid {c.proc.pid}) was declared lost ({c.lost}) and still "
+                      f"runs {LOST_KILL_GRACE_S:.0f}s later; killing it", file=sys.stderr)
+                _signal_group(c.proc, signal.SIGKILL)
+                c.proc.wait(timeout=GRACE_S)
+                c.kill_at = None
+
+    def _new_lost_records(self) -> list[dict]:
+        path = self.run_dir / "lost.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._lost_offset)
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[:data.rfind(b"\n") + 1]
+        self._lost_offset += len(complete)
+        out = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def _reset_watchdog(self) -> None:
+        self._fleet_t = time.monotonic()
+        self._last_step_t: Optional[float] = None  # no step yet in this fleet
+        self._metrics_size = -1
+        (self.run_dir / "status.json").unlink(missing_ok=True)  # a previous fleet's scheduler wrote it
+
+    def _watchdog(self) -> Optional[str]:
+        """The step watchdog: why the run is stuck (no trainer step for cluster.step_timeout_s
+        once the trainer was ready; or no word from the scheduler as long), or None."""
+        limit = self.cfg.cluster.step_timeout_s
+        if limit <= 0 or self._scheduler_done():
+            return None
+        now = time.monotonic()
+        size = _size(self.run_dir / "metrics.jsonl")
+        if size != self._metrics_size:
+            self._metrics_size, self._last_step_t = size, None if self._metrics_size < 0 else now
+        status, age = read_status(self.run_dir / "status.json")
+        if self._last_step_t is None and status is not None and status.get("trainer_ready"):
+            self._last_step_t = now  # the clock starts when the trainer is ready
+        since = self._last_step_t if self._last_step_t is not None else self._fleet_t
+        if now - since < limit:
+            return None
+        if self._last_step_t is None and age is not None and age < limit:
+            return None  # still starting (e.g. an SFT warm-up), and the scheduler reports on time
+        return silence_report(status, age, now - since, self.cfg)
 
     def stop_all(self) -> None:
         """SIGTERM every child's process group, SIGKILL what is left after GRACE_S; reap all."""
@@ -308,6 +419,37 @@ class LocalSupervisor:
 
     def on_signal(self, signum: int, frame) -> None:
         self._signal = signum
+        self._n_signals += 1
+
+    def _stop_on_signal(self) -> int:
+        """SIGINT/SIGTERM: a final checkpoint (at most saver.final_grace_s), then stop everyone."""
+        sig, grace = self._signal, self.cfg.saver.final_grace_s
+        sched = next((c for c in self.children if c.name == "scheduler" and c.proc.poll() is None), None)
+        if grace > 0 and sched is not None:
+            print(f"\n[areal-async] signal {sig}: saving a final checkpoint after the step in progress (at most "
+                  f"{grace:g}s; signal again to stop at once)", file=sys.stderr)
+            sched.proc.signal(signal.SIGUSR1)  # its launcher signals the scheduler process (it starts nothing)
+            deadline = time.monotonic() + grace
+            while (time.monotonic() < deadline and self._n_signals < 2
+                   and any(c.proc.poll() is None for c in self.children)):
+                time.sleep(0.1)
+            done = sched.proc.poll() == 0
+            print(f"[areal-async] {'final checkpoint saved; ' if done else 'no final checkpoint in time; '}"
+                  "stopping every process", file=sys.stderr)
+        self.stop_all()
+        return 128 + sig
+
+    def annotate_summary(self) -> None:
+        """Add the supervisor's counts to summary.json: worker restarts and fleet recoveries."""
+        path = self.run_dir / "summary.json"
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return
+        summary.update(restarts=self.restarts_total, recoveries=self.recoveries)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, path)
 
     def cleanup(self) -> None:
         """Remove the run's sockets and any shared-memory segment a killed worker left behind."""
@@ -343,6 +485,42 @@ class LocalSupervisor:
             self._progress(last)
             if sys.stdout.isatty():
                 sys.stdout.write("\n")
+
+
+def read_status(path: Path) -> tuple[Optional[dict], Optional[float]]:
+    """The scheduler's status.json and its age in seconds (None, None when missing or unreadable)."""
+    try:
+        age = time.time() - path.stat().st_mtime
+        return json.loads(path.read_text()), age
+    except (OSError, json.JSONDecodeError):
+        return None, None
+
+
+def silence_report(status: Optional[dict], age: Optional[float], silent_s: float, cfg: ExperimentConfig) -> str:
+    """Which role is silent and what it was waiting for, from the scheduler's status."""
+    head = (f"no trainer step for {silent_s:.0f}s (cluster.step_timeout_s={cfg.cluster.step_timeout_s:g})")
+    if status is None or age is None or age > max(5.0, 3 * cfg.cluster.heartbeat_s):
+        return f"{head}: silent role: scheduler (its status.json is {'missing' if age is None else f'{age:.0f}s old'})"
+    workers = status.get("workers", {})
+    trainer = next((w for w in workers.values() if w.get("role") == "trainer"), None)
+    if trainer is None:
+        role = "trainer (not registered, or lost)"
+    elif status.get("trainer_busy"):
+        role = f"trainer (waiting for {trainer.get('waiting_for') or '?'}; last heartbeat {trainer.get('silent_s')}s ago)"
+    else:
+        wid, w = max(workers.items(), key=lambda kv: kv[1].get("silent_s", 0), default=("?", {}))
+        role = (f"{w.get('role', '?')} ({wid}: last heartbeat {w.get('silent_s')}s ago, waiting for "
+                f"{w.get('waiting_for') or '?'})")
+    others = "; ".join(f"{wid} waits for {w.get('waiting_for') or '?'} (heartbeat {w.get('silent_s')}s ago)"
+                       for wid, w in sorted(workers.items()))
+    return f"{head}: silent role: {role}. The scheduler waits for {status.get('waiting_for')}. {others}"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _how(code: int) -> str:
@@ -401,5 +579,6 @@ def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[boo
             signal.signal(s, h)
     summary = sup.run_dir / "summary.json"
     if code == 0 and summary.exists():
+        sup.annotate_summary()
         print(f"[areal-async] done: {summary.read_text().strip()}")
     return code
