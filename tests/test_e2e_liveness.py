@@ -60,8 +60,10 @@ def with_sitecustomize(tmp_path: Path, code: str) -> dict:
 
 
 SCHEDULER_BUG = '''
+import os
 import sys
 if "workers.scheduler" in getattr(sys, "orig_argv", []):
+    sys.path.insert(0, os.getcwd())  # the checkout the fleet runs from (as `python -m` would put first)
     from areal_async.scheduler import core
 
     _orig = core.SchedulerCore.on_step_done
@@ -107,7 +109,7 @@ def test_sigstopped_trainer_is_lost_killed_and_the_run_recovers_with_exact_books
     os.kill(trainer, signal.SIGSTOP)
     err = finish_ok(proc, timeout=240)
     assert "worker trainer" in err and "declared lost by the scheduler: no heartbeat for" in err
-    assert "recovering the run (1/1) from the newest complete checkpoint" in err
+    assert "recovering the run (1/1 in a row, 1 in all) from the newest complete checkpoint" in err
     assert not alive(trainer)
     summary, trajs = check_exact_books(run_dir, steps)
     assert summary["recoveries"] == 1

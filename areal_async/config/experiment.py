@@ -207,9 +207,9 @@ class RecoverConfig(Section):
     mode: str = _f("disabled", "disabled | auto (resume from the newest complete checkpoint if any) | resume "
                                "(must exist).")
     retries: int = _f(0, "In-run recovery: when the trainer or scheduler dies (or is lost, or the step watchdog "
-                         "fires), the supervisor stops the fleet and relaunches it from the newest complete "
-                         "checkpoint, up to this many times; 0 = the run fails (a rerun with recover.mode=auto "
-                         "continues it).")
+                         "fires, or a worker's restarts are used up), the supervisor stops the fleet and relaunches "
+                         "it from the newest complete checkpoint, up to this many times in a row without a newer "
+                         "checkpoint in between; 0 = the run fails (a rerun with recover.mode=auto continues it).")
 
     def check(self) -> None:
         one_of(self, "mode", ("disabled", "auto", "resume"))

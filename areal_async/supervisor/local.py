@@ -16,7 +16,10 @@ its own process group, logging to ``RUN_DIR/logs/<worker>.log``), and then watch
   silent role and what it waited for (from the scheduler's ``RUN_DIR/status.json``);
 - a failure with ``recover.retries`` left                     -> in-run recovery: every child is
   stopped and the fleet is relaunched from the newest complete checkpoint (as a rerun with
-  ``recover.mode=auto`` would be: the same exactly-once books); summary.json counts recoveries;
+  ``recover.mode=auto`` would be: the same exactly-once books); summary.json counts recoveries.
+  The budget counts recoveries in a row without progress: a fleet that saved a newer complete
+  checkpoint before it failed starts the count again (a run of days survives many independent
+  faults; a crash loop does not go on for ever);
 - SIGINT / SIGTERM to the supervisor                          -> the scheduler is asked (SIGUSR1)
   for a final checkpoint after the step in progress, for at most ``saver.final_grace_s``; then
   every child it started is stopped (SIGTERM to its process group, SIGKILL after a grace
@@ -139,6 +142,8 @@ class LocalSupervisor:
         self._run_end_seen: Optional[float] = None  # when the scheduler was first seen exited 0
         self.tokens: dict[str, str] = {}  # worker id -> launch token (written by prepare)
         self.recoveries = 0
+        self.recoveries_in_a_row = 0  # without a newer complete checkpoint in between
+        self._recovered_from: Optional[int] = None  # newest checkpoint step at the last recovery
         self.restarts_total = 0
         self._lost_offset = 0  # bytes of lost.jsonl already read
         self._reset_watchdog()
@@ -307,9 +312,14 @@ class LocalSupervisor:
         """Report the failure (a dead child, or the watchdog's finding); relaunch the fleet when
         recover.retries allows (True), else stop everything (False: the run failed)."""
         self.stop_all()
-        recover = self.recoveries < self.cfg.recover.retries
-        outcome = (f"recovering the run ({self.recoveries + 1}/{self.cfg.recover.retries}) from the newest complete "
-                   "checkpoint" if recover else "the run failed")
+        newest = self._newest_checkpoint_step()
+        if self._recovered_from is not None and newest > self._recovered_from:
+            self.recoveries_in_a_row = 0  # the fleet made progress since the last recovery
+        recover = self.recoveries_in_a_row < self.cfg.recover.retries
+        outcome = (f"recovering the run ({self.recoveries_in_a_row + 1}/{self.cfg.recover.retries} in a row, "
+                   f"{self.recoveries + 1} in all) from the newest complete checkpoint" if recover
+                   else "the run failed" + (f" ({self.recoveries_in_a_row} recoveries in a row without a newer "
+                                            "checkpoint)" if self.cfg.recover.retries else ""))
         if dead is None:
             print(f"\n[areal-async] {silent}; {outcome}.", file=sys.stderr)
         else:
@@ -332,6 +342,8 @@ class LocalSupervisor:
         """In-run recovery: a fresh fleet from the newest complete checkpoint (recover.mode=auto
         rolls the books back to it), with the same run directory and clock."""
         self.recoveries += 1
+        self.recoveries_in_a_row += 1
+        self._recovered_from = self._newest_checkpoint_step()
         self.cleanup()
         self.children = []
         if self.cfg.recover.mode == "disabled":
@@ -339,6 +351,12 @@ class LocalSupervisor:
         self.prepare()
         self._reset_watchdog()
         self.start_all()
+
+    def _newest_checkpoint_step(self) -> int:
+        from areal_async.trainer.checkpoint import latest_complete_checkpoint
+
+        path = latest_complete_checkpoint(self.run_dir / "checkpoints")
+        return -1 if path is None else int(path.name.split("_")[1])
 
     # ---- liveness ------------------------------------------------------------------------
     def _kill_lost(self) -> None:
