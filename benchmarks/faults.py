@@ -1,0 +1,182 @@
+"""Fault injection: a tiny run with K SIGKILLs at seeded random moments across every role.
+
+    python -m benchmarks.faults --kills 10 --json faults.json [--seed 1] [--steps 60] [--retries 3]
+
+Runs the tiny preset (small batches, checkpoints every 2 steps) twice with the same config: once
+fault-free, once with K kills. Kill k waits until the run's books show a seeded random trainer
+step (spaced at least 3 steps apart, so a checkpoint lands between two kills), waits a random
+0-1 s more, then SIGKILLs one process of a seeded random role (rollout, reward, trainer or
+scheduler; a random one when a role has several). Rollout/reward deaths are restarted by the
+supervisor (``cluster.max_restarts``); trainer/scheduler deaths are recovered in-run from the
+newest complete checkpoint (``recover.retries``, counted in a row without progress).
+
+Reported (JSON rows, ``metric``/``value``/``unit``): completed (1/0), kills by role, worker
+restarts, fleet recoveries, samples re-issued, ``samples_lost``, ids trained twice (must be 0),
+steps whose trained sample count is not exactly batch x n (must be 0), and the wall-time
+overhead of the faulty run over the fault-free one (a ratio). On a shared machine the ratio
+moves with other load; ``loadavg_before`` is in every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.common.cpu import count_lines
+from benchmarks.common.fleet import stop
+from benchmarks.common.rows import Col, print_table, write_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+ROLES = ("rollout", "reward", "trainer", "scheduler")
+B, N = 4, 4
+
+
+def overrides(steps: int, kills: int, retries: int) -> list[str]:
+    return [f"total_train_steps={steps}", "sft_warmup.steps=10", f"train_dataset.batch_size={B}",
+            f"gconfig.n_samples={N}", "rollout.dump_to_file=true", "rollout.max_head_offpolicyness=1",
+            "cluster.heartbeat_s=0.5", "cluster.worker_timeout_s=10", "cluster.step_timeout_s=60",
+            f"cluster.max_restarts={kills}", "saver.freq_steps=2", "saver.keep_last=2", f"recover.retries={retries}",
+            "reward.deadline_s=20", "rollout.gen_deadline_s=60"]
+
+
+def kill_plan(seed: int, kills: int, steps: int) -> list[tuple[int, float, str]]:
+    """(trainer step to wait for, extra delay in s, role) per kill, in order."""
+    rng = random.Random(seed)
+    points = list(range(2, steps - 2, 3))
+    if kills > len(points):
+        raise ValueError(f"--kills {kills}: a {steps}-step run has room for at most {len(points)} kills 3 steps apart")
+    return [(t, rng.uniform(0.0, 1.0), rng.choice(ROLES)) for t in sorted(rng.sample(points, kills))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def victim(run_dir: Path, role: str, rng: random.Random, proc: subprocess.Popen, timeout_s: float = 60.0):
+    """(worker id, pid) of a live process of `role`, waiting for one (a fleet may be relaunching)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            pids = json.loads((run_dir / "pids.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            pids = {}
+        live = sorted((w, p) for w, p in pids.items() if w.split("-")[0] == role and alive(p))
+        if live:
+            return rng.choice(live)
+        time.sleep(0.2)
+    return None
+
+
+def start(run_dir: Path, ovr: list[str], log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"), "--run-dir",
+           str(run_dir), "--no-progress", *ovr]
+    with open(log, "wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                start_new_session=True)
+
+
+def inject(proc: subprocess.Popen, run_dir: Path, plan: list, seed: int) -> list[dict]:
+    rng, done = random.Random(seed + 1), []
+    for step, delay, role in plan:
+        while count_lines(run_dir / "metrics.jsonl") < step and proc.poll() is None:
+            time.sleep(0.1)
+        time.sleep(delay)
+        got = victim(run_dir, role, rng, proc)
+        if proc.poll() is not None or got is None:
+            break
+        wid, pid = got
+        os.kill(pid, signal.SIGKILL)
+        done.append({"role": role, "worker": wid, "pid": pid, "after_step": count_lines(run_dir / "metrics.jsonl")})
+        print(f"  kill {len(done)}: {wid} (pid {pid}) after {done[-1]['after_step']} steps", flush=True)
+    return done
+
+
+def run(run_dir: Path, ovr: list[str], plan: list, seed: int, timeout_s: float) -> dict:
+    t0 = time.monotonic()
+    proc = start(run_dir, ovr, run_dir.with_suffix(".log"))
+    try:
+        kills = inject(proc, run_dir, plan, seed)
+        rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - t0)))
+    except BaseException:
+        stop(proc)
+        raise
+    return {"rc": rc, "wall_s": time.monotonic() - t0, "kills": kills}
+
+
+def books(run_dir: Path, steps: int) -> dict:
+    """What the run's books say: summary counts, ids trained twice, steps with a wrong count."""
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    lines = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines() if x.strip()] \
+        if (run_dir / "trajectories.jsonl").exists() else []
+    trained = Counter(t["id"] for t in lines if t["status"] == "trained")
+    per_step = Counter(t["train_step"] for t in lines if t["status"] == "trained")
+    return {"summary": summary, "ids_trained_twice": sum(1 for c in trained.values() if c > 1),
+            "bad_steps": sum(1 for s in range(steps) if per_step.get(s, 0) != B * N),
+            "ids_repeated": len(lines) - len({t["id"] for t in lines})}
+
+
+def measure(args) -> list[dict]:
+    plan = kill_plan(args.seed, args.kills, args.steps)
+    root = Path(args.run_root or tempfile.mkdtemp(prefix="faults-"))
+    root.mkdir(parents=True, exist_ok=True)
+    ovr = overrides(args.steps, args.kills, args.retries)
+    load = os.getloadavg()[0]
+    print(f"fault-free run ({args.steps} steps) in {root}/clean", flush=True)
+    clean = run(root / "clean", ovr, [], args.seed, args.timeout_s)
+    print(f"faulty run: {args.kills} kills planned: {[(s, r) for s, _, r in plan]}", flush=True)
+    faulty = run(root / "faulty", ovr, plan, args.seed, args.timeout_s)
+    b = books(root / "faulty", args.steps)
+    s = b["summary"]
+    completed = int(faulty["rc"] == 0 and s.get("steps") == args.steps)
+    common = {"seed": args.seed, "kills_planned": args.kills, "steps": args.steps, "retries": args.retries,
+              "loadavg_before": load, "run_dir": str(root / "faulty")}
+    by_role = dict(Counter(k["role"] for k in faulty["kills"]))
+
+    def row(metric, value, unit, **kw):
+        return {"metric": metric, "value": value, "unit": unit, **common, **kw}
+
+    return [row("faults_completed", completed, "bool", exit_code=faulty["rc"]),
+            row("faults_kills", len(faulty["kills"]), "kills", by_role=by_role, kills=faulty["kills"]),
+            row("faults_restarts", s.get("restarts"), "restarts"),
+            row("faults_recoveries", s.get("recoveries"), "recoveries"),
+            row("faults_samples_reissued", s.get("samples_reissued"), "samples",
+                prompts_reissued=s.get("prompts_reissued"), prompts_dropped=s.get("prompts_dropped")),
+            row("faults_samples_lost", s.get("samples_lost"), "samples"),
+            row("faults_ids_trained_twice", b["ids_trained_twice"], "ids", ids_repeated=b["ids_repeated"]),
+            row("faults_bad_steps", b["bad_steps"], "steps", note=f"steps whose trained samples != {B}x{N}"),
+            row("faults_wall_overhead", faulty["wall_s"] / clean["wall_s"] if clean["rc"] == 0 else None, "ratio",
+                clean_wall_s=clean["wall_s"], faulty_wall_s=faulty["wall_s"], clean_exit_code=clean["rc"])]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.faults", description=__doc__.split("\n")[0])
+    p.add_argument("--kills", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--steps", type=int, default=60, help="total_train_steps of both runs")
+    p.add_argument("--retries", type=int, default=3, help="recover.retries")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    p.add_argument("--run-root", default="", help="where the two run dirs go (default: a new temp dir)")
+    p.add_argument("--json", default="", help="write the rows here")
+    args = p.parse_args(argv)
+    rows = measure(args)
+    print_table(rows, [Col("metric", 26, lambda r: r["metric"], left=True), Col("value", 10, lambda r: r["value"]),
+                       Col("unit", 11, lambda r: r["unit"], left=True)])
+    if args.json:
+        write_rows(args.json, rows)
+    return 0 if rows[0]["value"] == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
