@@ -14,7 +14,7 @@ from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.supervisor import local
 from areal_async.supervisor.local import Child, LocalSupervisor, silence_report
 from areal_async.trainer.service import TrajectoryBuffer
-from areal_async.utils.aio import RoleLoopError, TaskSet
+from areal_async.base.aio import RoleLoopError, TaskSet
 
 from tests.test_scheduler_core import reward_msg, traj_msg
 

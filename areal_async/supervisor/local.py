@@ -52,7 +52,7 @@ from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, plan_se
 from areal_async.supervisor.placement import (PlacementError, Slot, check_gpus_present, local_gpu_count, place,
                                               shape_of, trainer_names)
 from protocols.sockets import free_tcp_port
-from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
+from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, latest_complete_checkpoint
 
 GRACE_S = 5.0
 RUN_END_GRACE_S = 30.0  # how long workers may outlive a scheduler that finished the run
@@ -353,8 +353,6 @@ class LocalSupervisor:
         self.start_all()
 
     def _newest_checkpoint_step(self) -> int:
-        from areal_async.trainer.checkpoint import latest_complete_checkpoint
-
         path = latest_complete_checkpoint(self.run_dir / "checkpoints")
         return -1 if path is None else int(path.name.split("_")[1])
 
