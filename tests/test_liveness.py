@@ -140,7 +140,7 @@ def test_a_prompt_re_issued_max_times_is_dropped_with_the_reason_in_the_books():
     logged, clock = [], Clock()
     core = deadline_core(logged, clock, gen=5.0, max_reissues=2)
     prompt = None
-    for k in range(3):  # aborted 3 times: re-issued twice, then dropped
+    for _ in range(3):  # aborted 3 times: re-issued twice, then dropped
         [(_, req)] = core.admit()
         prompt = prompt or req.prompt_id
         assert req.prompt_id == prompt
@@ -259,8 +259,8 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
     assert sup.watch(poll_s=0.05) == 1
     assert 1.4 <= time.monotonic() - t0 < 10
     err = capsys.readouterr().err
-    assert "(cluster.step_timeout_s=1.5): silent role: trainer (waiting for its own train_step (step 1); last " \
-           "heartbeat 2.0s ago)" in err
+    assert ("(cluster.step_timeout_s=1.5): silent role: trainer (waiting for its own train_step (step 1); last "
+            "heartbeat 2.0s ago)") in err
     assert "The scheduler waits for the trainer to finish step 1" in err and "the run failed" in err
     assert sched.proc.poll() is not None
 

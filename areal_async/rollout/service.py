@@ -184,8 +184,9 @@ class RolloutService:
     def _note_waiting(self) -> None:
         """What this worker waits for (heartbeat stats, read by the step watchdog)."""
         e = self.engine
-        self.control.stats["waiting_for"] = (f"generating {len(e.requests)} group(s), {len(e.waiting) + e.inbox.qsize()} "
-                                             f"queued (weights v{self.control.stats.get('version', -1)} loaded)")
+        queued = len(e.waiting) + e.inbox.qsize()
+        self.control.stats["waiting_for"] = (f"generating {len(e.requests)} group(s), {queued} queued "
+                                             f"(weights v{self.control.stats.get('version', -1)} loaded)")
 
     async def _recv_loop(self) -> None:
         while True:

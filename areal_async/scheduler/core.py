@@ -279,7 +279,8 @@ class SchedulerCore:
         if 0 <= self.p.max_reissues <= n:
             self.reissues.pop(g.prompt_id, None)
             self.n_reissued["dropped"] += 1
-            return f"{reason}; prompt {g.prompt_id} dropped after {n} re-issues (rollout.max_reissues={self.p.max_reissues})"
+            return (f"{reason}; prompt {g.prompt_id} dropped after {n} re-issues "
+                    f"(rollout.max_reissues={self.p.max_reissues})")
         self.reissues[g.prompt_id] = n + 1
         self.n_reissued["prompts"] += 1
         self.n_reissued["samples"] += len(g.sample_ids)

@@ -522,7 +522,8 @@ def silence_report(status: Optional[dict], age: Optional[float], silent_s: float
     if trainer is None:
         role = "trainer (not registered, or lost)"
     elif status.get("trainer_busy"):
-        role = f"trainer (waiting for {trainer.get('waiting_for') or '?'}; last heartbeat {trainer.get('silent_s')}s ago)"
+        role = (f"trainer (waiting for {trainer.get('waiting_for') or '?'}; "
+                f"last heartbeat {trainer.get('silent_s')}s ago)")
     else:
         wid, w = max(workers.items(), key=lambda kv: kv[1].get("silent_s", 0), default=("?", {}))
         role = (f"{w.get('role', '?')} ({wid}: last heartbeat {w.get('silent_s')}s ago, waiting for "
