@@ -7,6 +7,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from areal_async.config import from_dict
 from areal_async.data.prompts import PromptCursor
@@ -181,12 +182,21 @@ class Channel:
         return self.frames.pop(0)
 
 
+def group(gid: str, *sids: str) -> tuple:
+    """One rollout group message (``group_tensors`` layout): one output token per sample."""
+    n = len(sids)
+    return (gid, {"group_id": gid, "sample_ids": list(sids)},
+            {"prompt_ids": torch.tensor([1], dtype=torch.int32), "lengths": torch.ones(n, dtype=torch.int32),
+             "output_ids": torch.ones(n, dtype=torch.int32), "logprobs": torch.zeros(n),
+             "versions": torch.zeros(n, dtype=torch.int32)})
+
+
 def test_trajectory_buffer_drop_list_is_bounded_and_late_tensors_are_refused_once():
     ch = Channel()
     buf = TrajectoryBuffer(ch, max_dropped=3)
     buf.thread.start()
     try:
-        ch.frames.append(("a", {}, {}))
+        ch.frames.append(group("ga", "a"))
         deadline = time.monotonic() + 5
         while "a" not in buf.items:
             assert time.monotonic() < deadline
@@ -195,7 +205,7 @@ def test_trajectory_buffer_drop_list_is_bounded_and_late_tensors_are_refused_onc
         assert buf.items == {} and list(buf.dropped) == []
         buf.drop(["b", "c", "d", "e"])  # never arrived: remembered, oldest forgotten past 3
         assert list(buf.dropped) == ["c", "d", "e"]
-        ch.frames += [("d", {}, {}), ("f", {}, {})]
+        ch.frames += [group("gd", "d"), group("gf", "f")]
         while "f" not in buf.items:
             assert time.monotonic() < deadline
             time.sleep(0.01)

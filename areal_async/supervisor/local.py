@@ -392,28 +392,31 @@ class LocalSupervisor:
 
     def _reset_watchdog(self) -> None:
         self._fleet_t = time.monotonic()
-        self._last_step_t: Optional[float] = None  # no step yet in this fleet
+        self._last_step_t: Optional[float] = None  # None until the trainer of this fleet is ready
         self._metrics_size = -1
         (self.run_dir / "status.json").unlink(missing_ok=True)  # a previous fleet's scheduler wrote it
 
     def _watchdog(self) -> Optional[str]:
         """The step watchdog: why the run is stuck (no trainer step for cluster.step_timeout_s
-        once the trainer was ready; or no word from the scheduler as long), or None."""
+        once the trainer was ready; before that, no word from the scheduler as long), or None."""
         limit = self.cfg.cluster.step_timeout_s
         if limit <= 0 or self._scheduler_done():
             return None
         now = time.monotonic()
         size = _size(self.run_dir / "metrics.jsonl")
-        if size != self._metrics_size:
-            self._metrics_size, self._last_step_t = size, None if self._metrics_size < 0 else now
         status, age = read_status(self.run_dir / "status.json")
-        if self._last_step_t is None and status is not None and status.get("trainer_ready"):
-            self._last_step_t = now  # the clock starts when the trainer is ready
-        since = self._last_step_t if self._last_step_t is not None else self._fleet_t
+        if self._last_step_t is None:  # starting (model load, SFT warm-up, a resume's rollback)
+            if status is not None and status.get("trainer_ready"):
+                self._last_step_t, self._metrics_size = now, size  # the clock starts when the trainer is ready
+                return None
+            if now - self._fleet_t < limit or (age is not None and age < limit):
+                return None  # the scheduler reports on time
+            return silence_report(status, age, now - self._fleet_t, self.cfg)
+        if size != self._metrics_size:
+            self._metrics_size, self._last_step_t = size, now
+        since = self._last_step_t
         if now - since < limit:
             return None
-        if self._last_step_t is None and age is not None and age < limit:
-            return None  # still starting (e.g. an SFT warm-up), and the scheduler reports on time
         return silence_report(status, age, now - since, self.cfg)
 
     def stop_all(self) -> None:
