@@ -38,6 +38,7 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
                         work_ep, pool, n_procs=2)
     task = asyncio.create_task(svc.run())
     push = make_socket(ctx, zmq.PUSH, connect=work_ep)
+    ident = None  # routing identities are '<id>/<random>': reply to the one that registered
     try:
         ident, reg = await next_of(scheduler, M.Register)
         assert reg.role == "reward" and reg.info == {"n_procs": 2}
@@ -59,7 +60,8 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         assert "parallel lists differ in length" in caplog.text
         assert svc.counts["ok"] == 4
     finally:
-        await send_message(scheduler, M.Shutdown(reason="test"), to=b"reward-0")
+        if ident is not None:
+            await send_message(scheduler, M.Shutdown(reason="test"), to=ident)
         assert await asyncio.wait_for(task, 10) == 0
         assert pool.pids() == []  # the service closed its pool: no checking process left
         ctx.destroy(linger=0)
