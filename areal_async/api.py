@@ -40,13 +40,20 @@ class FleetError(RuntimeError):
 class Fleet:
     """One training run of ``cfg`` in ``run_dir`` (default ``runs/<experiment_name>-<time>``)."""
 
-    def __init__(self, cfg: ExperimentConfig | str | Path, run_dir: str | Path | None = None,
-                 overrides: Sequence[str] = (), progress: bool = False):
+    def __init__(
+        self,
+        cfg: ExperimentConfig | str | Path,
+        run_dir: str | Path | None = None,
+        overrides: Sequence[str] = (),
+        progress: bool = False,
+    ):
         if not isinstance(cfg, ExperimentConfig):
             cfg = load_config(cfg, list(overrides))
         elif overrides:
-            raise ValueError(f"overrides {list(overrides)!r} apply to a YAML path; "
-                             "for a config object use load_config(path, overrides) first")
+            raise ValueError(
+                f"overrides {list(overrides)!r} apply to a YAML path; "
+                "for a config object use load_config(path, overrides) first"
+            )
         cfg.validate()
         self.cfg = cfg
         self.run_dir = Path(run_dir or f"runs/{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -63,8 +70,9 @@ class Fleet:
         cmd = [sys.executable, "-m", "areal_async.cli", "run", str(cfg_path), "--run-dir", str(self.run_dir)]
         cmd += [] if self.progress else ["--no-progress"]
         with open(self.run_dir / "fleet.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=_env())
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=_env()
+            )
         return self
 
     @property
@@ -110,8 +118,10 @@ class Fleet:
         """``RUN_DIR/summary.json`` (written by the scheduler when the run finished)."""
         path = self.run_dir / "summary.json"
         if not path.exists():
-            raise FileNotFoundError(f"{path} does not exist: the run has not finished (returncode "
-                                    f"{self.returncode}; see {self.run_dir / 'fleet.log'})")
+            raise FileNotFoundError(
+                f"{path} does not exist: the run has not finished (returncode "
+                f"{self.returncode}; see {self.run_dir / 'fleet.log'})"
+            )
         return json.loads(path.read_text())
 
     def __enter__(self) -> "Fleet":

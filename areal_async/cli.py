@@ -57,10 +57,17 @@ def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="pass@1 over k samples per problem, with a 95%% confidence interval")
     e.add_argument("config", help="YAML preset (model shape, template, evaluator.*, reward.*)")
     e.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    e.add_argument("--model", default=None, help="HF model directory (a checkpoint, RUN_DIR/model); default: the "
-                                                 "policy an RL run of CONFIG starts from (after its SFT warm-up)")
-    e.add_argument("--data", default=None, help="jsonl of problems (training format); default evaluator.path, "
-                                                "else the training prompts")
+    e.add_argument(
+        "--model",
+        default=None,
+        help="HF model directory (a checkpoint, RUN_DIR/model); default: the "
+        "policy an RL run of CONFIG starts from (after its SFT warm-up)",
+    )
+    e.add_argument(
+        "--data",
+        default=None,
+        help="jsonl of problems (training format); default evaluator.path, else the training prompts",
+    )
     e.add_argument("--out", default=None, help="output directory (default runs/eval-<name>-<time>)")
     e.add_argument("-k", type=int, default=None, help="samples per problem (evaluator.n_samples)")
     e.add_argument("--greedy", action="store_true", help="greedy decoding, one sample per problem")
@@ -80,16 +87,23 @@ def _data_parser(sub) -> None:
     prep = d.add_parser("prepare", help="convert boba / GSM8K / MATH jsonl into the training jsonl")
     prep.add_argument("input", help="source jsonl")
     prep.add_argument("-o", "--output", required=True, help="training jsonl to write")
-    prep.add_argument("--format", default="auto", choices=("auto", "boba", "gsm8k", "math"),
-                      help="input format (auto: each line by its keys)")
+    prep.add_argument(
+        "--format",
+        default="auto",
+        choices=("auto", "boba", "gsm8k", "math"),
+        help="input format (auto: each line by its keys)",
+    )
     prep.add_argument("--skip-bad", action="store_true", help="write the good lines and count the bad ones")
     filt = d.add_parser("filter", help="keep the prompts whose pass rate over k samples lies in a band")
     filt.add_argument("config", help="YAML preset (model, template, evaluator.* sampling, reward.*)")
     filt.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     filt.add_argument("--data", required=True, help="training-format jsonl to filter")
     filt.add_argument("-o", "--output", required=True, help="jsonl of the kept problems (+ OUTPUT.rates.jsonl)")
-    filt.add_argument("--band", default="[0,1)", help="pass rates kept, an interval (default '[0,1)': drop what "
-                                                       "the model always solves, the seed's filter)")
+    filt.add_argument(
+        "--band",
+        default="[0,1)",
+        help="pass rates kept, an interval (default '[0,1)': drop what the model always solves, the seed's filter)",
+    )
     filt.add_argument("--model", default=None, help="HF model directory; default: the policy CONFIG starts RL from")
     filt.add_argument("-k", type=int, default=None, help="samples per problem (evaluator.n_samples; seed: 8)")
 
@@ -146,8 +160,13 @@ def _data(args) -> int:
     return run_filter(cfg, args.data, args.output, args.band, args.model)
 
 
-NO_CONFIG = {"knobs": lambda args: _knobs(), "data": _data,
-             "check-plugin": lambda args: _check_plugin(args), "plot": _plot, "status": _status}
+NO_CONFIG = {
+    "knobs": lambda args: _knobs(),
+    "data": _data,
+    "check-plugin": lambda args: _check_plugin(args),
+    "plot": _plot,
+    "status": _status,
+}
 
 
 def _knobs() -> int:
@@ -159,8 +178,12 @@ def _knobs() -> int:
 def _add_check_plugin(sub) -> None:
     s = sub.add_parser("check-plugin", help="contract-test a plug-in (reward fn or rollout workflow) by dotted path")
     s.add_argument("plugin", help="dotted path, e.g. my_pkg.rewards:score or my_pkg.flows:MyWorkflow")
-    s.add_argument("--kind", default="auto", choices=("auto", "reward", "workflow"),
-                   help="what the plug-in is (auto: a class is a workflow, anything else a reward fn)")
+    s.add_argument(
+        "--kind",
+        default="auto",
+        choices=("auto", "reward", "workflow"),
+        help="what the plug-in is (auto: a class is a workflow, anything else a reward fn)",
+    )
     s.add_argument("--timeout-s", type=float, default=5.0, help="a sample run longer than this is killed")
 
 

@@ -61,8 +61,14 @@ from typing import Optional
 
 from benchmarks.common.cpu import cpu_per_step, wait_quiet
 from benchmarks.common.fleet import fleet_meta, placement, run_fleet
-from benchmarks.common.metrics import (cpu_limit, ideal_limit, median_samples_per_s, phase_times, steady_samples_per_s,
-                                       time_to_threshold)
+from benchmarks.common.metrics import (
+    cpu_limit,
+    ideal_limit,
+    median_samples_per_s,
+    phase_times,
+    steady_samples_per_s,
+    time_to_threshold,
+)
 from benchmarks.common.rows import Col, print_table, write_rows
 
 THRESHOLD = 0.8
@@ -77,8 +83,9 @@ DEFAULT_STEPS, QUICK_STEPS = 300, 30  # 300: the preset's run length
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 epilog="key=value config overrides (any position) apply to every run")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="key=value config overrides (any position) apply to every run"
+    )
     ap.add_argument("--json", default=None, help="where to write the JSON list of rows")
     ap.add_argument("--etas", type=int, nargs="+", default=None, help="η values (0 is always run); default 0 1 2 4")
     ap.add_argument("--steps", type=int, default=None, help=f"RL steps per run (default {DEFAULT_STEPS})")
@@ -86,10 +93,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rollout-workers", type=int, default=1, help="cluster.n_rollout_workers (see docstring)")
     ap.add_argument("--quick", action="store_true", help=f"smoke run: η 0 and 2, {QUICK_STEPS} steps (~70 s)")
     ap.add_argument("--out", default=None, help="directory for the run dirs (default: a fresh temp dir, kept)")
-    ap.add_argument("--no-pin", action="store_true", help="do not pin the trainer to a CPU of its own (see "
-                                                              "the docstring, 'Placement')")
-    ap.add_argument("--quiet-wait", type=float, default=0.0, help="before each run, wait up to this many seconds "
-                                                                  "for other processes to go quiet")
+    ap.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="do not pin the trainer to a CPU of its own (see the docstring, 'Placement')",
+    )
+    ap.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=0.0,
+        help="before each run, wait up to this many seconds for other processes to go quiet",
+    )
     return ap
 
 
@@ -102,13 +116,19 @@ def configure(argv: list[str]) -> argparse.Namespace:
     args.etas = sorted(set([0] + (args.etas or ([0, TARGET_ETA] if args.quick else [0, 1, 2, 4]))))
     args.steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     if min(args.etas) < 0 or args.steps < WARMUP_STEPS + MA_WINDOW or args.rollout_workers < 1:
-        ap.error(f"need η >= 0, --steps >= {WARMUP_STEPS + MA_WINDOW}, --rollout-workers >= 1; "
-                 f"got η={args.etas}, steps={args.steps}, rollout-workers={args.rollout_workers}")
+        ap.error(
+            f"need η >= 0, --steps >= {WARMUP_STEPS + MA_WINDOW}, --rollout-workers >= 1; "
+            f"got η={args.etas}, steps={args.steps}, rollout-workers={args.rollout_workers}"
+        )
     if any(o.startswith("rollout.max_head_offpolicyness=") for o in overrides):
         ap.error("set η with --etas, not rollout.max_head_offpolicyness=")
     pins = [] if args.no_pin else placement(sorted(os.sched_getaffinity(0)), overrides)
-    args.base = [f"total_train_steps={args.steps}", f"cluster.n_rollout_workers={args.rollout_workers}", *pins,
-                 *overrides]
+    args.base = [
+        f"total_train_steps={args.steps}",
+        f"cluster.n_rollout_workers={args.rollout_workers}",
+        *pins,
+        *overrides,
+    ]
     args.meta = {**fleet_meta(args.config, args.base), "steps_requested": args.steps}
     args.out_dir = Path(args.out or tempfile.mkdtemp(prefix="async_speedup-")).resolve()
     taken = [str(args.out_dir / f"eta{eta}") for eta in args.etas if (args.out_dir / f"eta{eta}").exists()]
@@ -130,8 +150,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
         run_dir = args.out_dir / f"eta{eta}"
         print(f"[async_speedup] η={eta}: {run_dir}", flush=True)
         res = run_fleet(args.config, args.base + [f"rollout.max_head_offpolicyness={eta}"], run_dir)
-        runs.append({**summarize_run(eta, res.pop("rows")), "run_dir": str(run_dir),
-                     "cpu_s_per_step": cpu_per_step(res.pop("cpu_samples"), WARMUP_STEPS), **res})
+        runs.append(
+            {
+                **summarize_run(eta, res.pop("rows")),
+                "run_dir": str(run_dir),
+                "cpu_s_per_step": cpu_per_step(res.pop("cpu_samples"), WARMUP_STEPS),
+                **res,
+            }
+        )
     return runs
 
 
@@ -141,10 +167,17 @@ def summarize_run(eta: int, rows: list[dict], skip: int = WARMUP_STEPS) -> dict:
         raise ValueError(f"η={eta}: no metrics rows")
     step, secs = time_to_threshold(rows, THRESHOLD, MA_WINDOW)
     tail = [r["reward_mean"] for r in rows[-FINAL_WINDOW:]]
-    return {"eta": eta, "steps": len(rows), "samples_per_s": steady_samples_per_s(rows, skip),
-            "time_to_0.8": secs, "steps_to_0.8": step, "final_reward": sum(tail) / len(tail),
-            "staleness_max": max(r["staleness_max"] for r in rows), "phases": phase_times(rows, skip),
-            "samples_per_s_median": median_samples_per_s(rows, skip)}
+    return {
+        "eta": eta,
+        "steps": len(rows),
+        "samples_per_s": steady_samples_per_s(rows, skip),
+        "time_to_0.8": secs,
+        "steps_to_0.8": step,
+        "final_reward": sum(tail) / len(tail),
+        "staleness_max": max(r["staleness_max"] for r in rows),
+        "phases": phase_times(rows, skip),
+        "samples_per_s_median": median_samples_per_s(rows, skip),
+    }
 
 
 def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
@@ -163,9 +196,16 @@ def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
         r["fraction_of_limit"] = r["speedup"] / limit
         r["fraction_of_cpu_limit"] = None if lim_cpu is None else r["speedup"] / lim_cpu
         r["reward_drop"] = base["final_reward"] - r["final_reward"]
-    return {"limit": limit, "limit_cpu": lim_cpu, "t_gen": ph["t_gen"], "t_train": ph["t_train"],
-            "t_gen_engine": ph["t_gen_engine"], "cpu_s_per_step": sum(cpu.values()) if cpu else None,
-            "n_cores": n_cores, "base_final_reward": base["final_reward"]}
+    return {
+        "limit": limit,
+        "limit_cpu": lim_cpu,
+        "t_gen": ph["t_gen"],
+        "t_train": ph["t_train"],
+        "t_gen_engine": ph["t_gen_engine"],
+        "cpu_s_per_step": sum(cpu.values()) if cpu else None,
+        "n_cores": n_cores,
+        "base_final_reward": base["final_reward"],
+    }
 
 
 def target_met(run: dict) -> bool:
@@ -176,21 +216,44 @@ def target_met(run: dict) -> bool:
 
 
 def to_rows(runs: list[dict], cmp: dict, meta: dict) -> list[dict]:
-    bound = (f"ideal overlap limit {cmp['limit']:.3f}x from the η=0 run (t_gen {cmp['t_gen']:.3f}s, "
-             f"t_train {cmp['t_train']:.3f}s per step); steady window from step {WARMUP_STEPS}")
+    bound = (
+        f"ideal overlap limit {cmp['limit']:.3f}x from the η=0 run (t_gen {cmp['t_gen']:.3f}s, "
+        f"t_train {cmp['t_train']:.3f}s per step); steady window from step {WARMUP_STEPS}"
+    )
     out = []
     for r in runs:
-        row = {"metric": "trained_samples_per_s", "value": r["samples_per_s"], "unit": "samples/s", "eta": r["eta"],
-               "samples_per_s": r["samples_per_s"], "speedup": r["speedup"], "limit": cmp["limit"],
-               "fraction_of_limit": r["fraction_of_limit"], "final_reward": r["final_reward"],
-               "reward_drop_vs_sync": r["reward_drop"], "time_to_0.8": r["time_to_0.8"],
-               "steps_to_0.8": r["steps_to_0.8"], "staleness_max": r["staleness_max"], "t_gen": cmp["t_gen"],
-               "t_train": cmp["t_train"], "t_gen_engine": cmp["t_gen_engine"], "steps": r["steps"],
-               "samples_per_s_median": r["samples_per_s_median"], "limit_cpu": cmp["limit_cpu"],
-               "fraction_of_cpu_limit": r["fraction_of_cpu_limit"], "n_cores": cmp["n_cores"],
-               "meets_target": target_met(r) if r["eta"] else None, "bound": bound}
-        row.update({k: r[k] for k in ("cpu_s_per_step", "loadavg_before", "foreign_cpu_frac", "run_dir", "run_wall_s")
-                    if k in r})
+        row = {
+            "metric": "trained_samples_per_s",
+            "value": r["samples_per_s"],
+            "unit": "samples/s",
+            "eta": r["eta"],
+            "samples_per_s": r["samples_per_s"],
+            "speedup": r["speedup"],
+            "limit": cmp["limit"],
+            "fraction_of_limit": r["fraction_of_limit"],
+            "final_reward": r["final_reward"],
+            "reward_drop_vs_sync": r["reward_drop"],
+            "time_to_0.8": r["time_to_0.8"],
+            "steps_to_0.8": r["steps_to_0.8"],
+            "staleness_max": r["staleness_max"],
+            "t_gen": cmp["t_gen"],
+            "t_train": cmp["t_train"],
+            "t_gen_engine": cmp["t_gen_engine"],
+            "steps": r["steps"],
+            "samples_per_s_median": r["samples_per_s_median"],
+            "limit_cpu": cmp["limit_cpu"],
+            "fraction_of_cpu_limit": r["fraction_of_cpu_limit"],
+            "n_cores": cmp["n_cores"],
+            "meets_target": target_met(r) if r["eta"] else None,
+            "bound": bound,
+        }
+        row.update(
+            {
+                k: r[k]
+                for k in ("cpu_s_per_step", "loadavg_before", "foreign_cpu_frac", "run_dir", "run_wall_s")
+                if k in r
+            }
+        )
         row.update(meta)
         out.append(row)
     return out
@@ -203,40 +266,60 @@ def _cpu_sum(r: dict) -> Optional[float]:
     return sum(r["cpu_s_per_step"].values()) if r.get("cpu_s_per_step") else None
 
 
-COLUMNS = [Col("eta", 3, lambda r: r["eta"]), Col("samples/s", 10, lambda r: r["samples_per_s"], ".1f"),
-           Col("(median)", 9, lambda r: r["samples_per_s_median"], ".1f"),
-           Col("speedup", 8, lambda r: r["speedup"], ".3f"),
-           Col("of limit", 9, lambda r: r["fraction_of_limit"], ".1%"),
-           Col("of cpu lim", 10, lambda r: r["fraction_of_cpu_limit"], ".1%"),
-           Col("t->0.8 s", 9, lambda r: r["time_to_0.8"], ".1f"), Col("step", 5, lambda r: r["steps_to_0.8"], "d"),
-           Col("final rwd", 9, lambda r: r["final_reward"], ".3f"), Col("stale", 5, lambda r: r["staleness_max"]),
-           Col("cpu-s/step", 10, _cpu_sum, ".3f"), Col("load1", 6, lambda r: r.get("loadavg_before", 0), ".2f"),
-           Col("others", 7, lambda r: r.get("foreign_cpu_frac"), ".0%")]
+COLUMNS = [
+    Col("eta", 3, lambda r: r["eta"]),
+    Col("samples/s", 10, lambda r: r["samples_per_s"], ".1f"),
+    Col("(median)", 9, lambda r: r["samples_per_s_median"], ".1f"),
+    Col("speedup", 8, lambda r: r["speedup"], ".3f"),
+    Col("of limit", 9, lambda r: r["fraction_of_limit"], ".1%"),
+    Col("of cpu lim", 10, lambda r: r["fraction_of_cpu_limit"], ".1%"),
+    Col("t->0.8 s", 9, lambda r: r["time_to_0.8"], ".1f"),
+    Col("step", 5, lambda r: r["steps_to_0.8"], "d"),
+    Col("final rwd", 9, lambda r: r["final_reward"], ".3f"),
+    Col("stale", 5, lambda r: r["staleness_max"]),
+    Col("cpu-s/step", 10, _cpu_sum, ".3f"),
+    Col("load1", 6, lambda r: r.get("loadavg_before", 0), ".2f"),
+    Col("others", 7, lambda r: r.get("foreign_cpu_frac"), ".0%"),
+]
 
 
 def show(runs: list[dict], cmp: dict, meta: dict) -> None:
-    print(f"\nasync speedup: {meta['config']}, {meta['n_rollout_workers']} rollout worker(s), "
-          f"{meta['steps_requested']} steps, batch {meta['batch_samples']} samples, seed {meta['seed']}, "
-          f"{meta['cpu_count']} CPUs")
-    print("placement: " + (", ".join(f"{r} on CPU {c}" for r, c in (meta.get("placement") or {}).items() if c)
-                           or "not pinned"))
-    print(f"η=0 phases per step: t_gen {cmp['t_gen']:.3f}s (engine busy {cmp['t_gen_engine']:.3f}s), "
-          f"t_train {cmp['t_train']:.3f}s -> ideal limit {cmp['limit']:.3f}x")
+    print(
+        f"\nasync speedup: {meta['config']}, {meta['n_rollout_workers']} rollout worker(s), "
+        f"{meta['steps_requested']} steps, batch {meta['batch_samples']} samples, seed {meta['seed']}, "
+        f"{meta['cpu_count']} CPUs"
+    )
+    print(
+        "placement: "
+        + (", ".join(f"{r} on CPU {c}" for r, c in (meta.get("placement") or {}).items() if c) or "not pinned")
+    )
+    print(
+        f"η=0 phases per step: t_gen {cmp['t_gen']:.3f}s (engine busy {cmp['t_gen_engine']:.3f}s), "
+        f"t_train {cmp['t_train']:.3f}s -> ideal limit {cmp['limit']:.3f}x"
+    )
     if cmp["limit_cpu"] is not None:
-        print(f"η=0 CPU per step, all fleet processes: {cmp['cpu_s_per_step']:.3f} CPU-s on {cmp['n_cores']} cores "
-              f"-> CPU-capacity limit {cmp['limit_cpu']:.3f}x")
+        print(
+            f"η=0 CPU per step, all fleet processes: {cmp['cpu_s_per_step']:.3f} CPU-s on {cmp['n_cores']} cores "
+            f"-> CPU-capacity limit {cmp['limit_cpu']:.3f}x"
+        )
     print_table(runs, COLUMNS)
     tgt = next((r for r in runs if r["eta"] == TARGET_ETA), None)
     if tgt is not None:
-        print(f"target η={TARGET_ETA}: >= {TARGET_FRACTION:.0%} of limit and final reward >= η=0's - "
-              f"{TARGET_REWARD_DROP}: {'met' if target_met(tgt) else 'NOT met'} "
-              f"({tgt['fraction_of_limit']:.1%}, reward {tgt['final_reward']:.3f} vs {cmp['base_final_reward']:.3f})")
+        print(
+            f"target η={TARGET_ETA}: >= {TARGET_FRACTION:.0%} of limit and final reward >= η=0's - "
+            f"{TARGET_REWARD_DROP}: {'met' if target_met(tgt) else 'NOT met'} "
+            f"({tgt['fraction_of_limit']:.1%}, reward {tgt['final_reward']:.3f} vs {cmp['base_final_reward']:.3f})"
+        )
     for r in runs:
         if r.get("cpu_s_per_step"):
-            print(f"  η={r['eta']} CPU-s per step by process: "
-                  + ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_s_per_step"].items()))
-    print("others = CPU used by processes outside the benchmark during the run (share of one core); the "
-          "figures are only meaningful when it is near 0")
+            print(
+                f"  η={r['eta']} CPU-s per step by process: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_s_per_step"].items())
+            )
+    print(
+        "others = CPU used by processes outside the benchmark during the run (share of one core); the "
+        "figures are only meaningful when it is near 0"
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -79,9 +79,19 @@ async def probe(run_dir: Path, interval_s: float) -> list[float]:
 
 def measure(curve: bool, steps: int, interval_s: float, work: Path) -> list[float]:
     run_dir = work / f"curve-{curve}"
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"), "--run-dir",
-           str(run_dir), "--no-progress", f"total_train_steps={steps}", "cluster.control=tcp",
-           f"cluster.curve={str(curve).lower()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        f"total_train_steps={steps}",
+        "cluster.control=tcp",
+        f"cluster.curve={str(curve).lower()}",
+    ]
     use_curve(None)  # this process takes the run's keys (or none) in load_run
     with open(work / f"curve-{curve}.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -123,8 +133,9 @@ def echo_rtts(blocks: int = 40, per_block: int = 100) -> dict[bool, list[float]]
     """Ping/Pong messages (the encoded control messages) to an echo ROUTER in another process, over a
     CURVE and a plain TCP socket in alternating blocks, so the machine's load hits both alike."""
     cpub, csec = zmq.curve_keypair()
-    proc = subprocess.Popen([sys.executable, "-c", ECHO, cpub.decode(), csec.decode()], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ECHO, cpub.decode(), csec.decode()], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     try:
         plain_ep, curve_ep, spub = proc.stdout.readline().split()
         ctx = zmq.Context()
@@ -136,7 +147,7 @@ def echo_rtts(blocks: int = 40, per_block: int = 100) -> dict[bool, list[float]]
         socks[True].connect(curve_ep)
         out: dict[bool, list[float]] = {False: [], True: []}
         for b in range(blocks):
-            for curve in ((False, True) if b % 2 else (True, False)):
+            for curve in (False, True) if b % 2 else (True, False):
                 for i in range(per_block):
                     data = encode(Ping(nonce=i))
                     t0 = time.perf_counter()
@@ -162,13 +173,24 @@ def rows_of(results: dict[bool, list[float]], steps: Optional[int], prefix: str 
     rows = []
     for curve, xs in results.items():
         for name, v in (("p50", pct(xs, 0.50)), ("p99", pct(xs, 0.99)), ("mean", statistics.fmean(xs))):
-            rows.append({"metric": f"{prefix}_{name}", "value": v, "unit": "s", "curve": curve, "n": len(xs),
-                         "steps": steps})
+            rows.append(
+                {"metric": f"{prefix}_{name}", "value": v, "unit": "s", "curve": curve, "n": len(xs), "steps": steps}
+            )
     for name in ("p50", "p99"):
-        on, off = (next(r["value"] for r in rows if r["metric"] == f"{prefix}_{name}" and r["curve"] is c)
-                   for c in (True, False))
-        rows.append({"metric": f"{prefix}_{name}_ratio_curve_over_plain", "value": on / off, "unit": "x",
-                     "curve": None, "n": None, "steps": steps})
+        on, off = (
+            next(r["value"] for r in rows if r["metric"] == f"{prefix}_{name}" and r["curve"] is c)
+            for c in (True, False)
+        )
+        rows.append(
+            {
+                "metric": f"{prefix}_{name}_ratio_curve_over_plain",
+                "value": on / off,
+                "unit": "x",
+                "curve": None,
+                "n": None,
+                "steps": steps,
+            }
+        )
     return rows
 
 

@@ -66,12 +66,28 @@ def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> 
     out = []
     for p in range(n_prompts):
         prompt = torch.randint(0, 151936, (PROMPT_LEN,), dtype=torch.int32, generator=g)
-        samples = [SampleOutput(torch.randint(0, 151936, (int(n),), generator=g), -torch.rand(int(n), generator=g),
-                                torch.full((int(n),), 7), "stop") for n in lens[p]]
+        samples = [
+            SampleOutput(
+                torch.randint(0, 151936, (int(n),), generator=g),
+                -torch.rand(int(n), generator=g),
+                torch.full((int(n),), 7),
+                "stop",
+            )
+            for n in lens[p]
+        ]
         gid, sids = f"g{p}", [f"g{p}.{i}" for i in range(n_samples)]
-        ready = encode(TrajectoryReady(group_id=gid, worker_id="rollout-0", n_prompt_tokens=PROMPT_LEN, sample_ids=sids,
-                                       n_output_tokens=[int(n) for n in lens[p]], version_min=[7] * n_samples,
-                                       version_max=[7] * n_samples, finish_reasons=["stop"] * n_samples))
+        ready = encode(
+            TrajectoryReady(
+                group_id=gid,
+                worker_id="rollout-0",
+                n_prompt_tokens=PROMPT_LEN,
+                sample_ids=sids,
+                n_output_tokens=[int(n) for n in lens[p]],
+                version_min=[7] * n_samples,
+                version_max=[7] * n_samples,
+                finish_reasons=["stop"] * n_samples,
+            )
+        )
         out.append((gid, group_tensors(prompt, samples), {"group_id": gid, "sample_ids": sids}, ready))
     return out
 
@@ -103,10 +119,12 @@ def move_batch(kind: str, groups, mb_tokens: int) -> tuple[float, int]:
                 time.sleep(0)
             decode(ctl[i], (TrajectoryReady,))
             for sid, (m, t) in split_group(key, meta, tensors).items():
-                trajs.append(Trajectory(sid, m["group_id"], t["prompt_ids"], t["output_ids"], t["logprobs"],
-                                        t["versions"], 1.0))
-        mbs = allocate_micro_batches([t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens,
-                                     oversize="own_mb")
+                trajs.append(
+                    Trajectory(sid, m["group_id"], t["prompt_ids"], t["output_ids"], t["logprobs"], t["versions"], 1.0)
+                )
+        mbs = allocate_micro_batches(
+            [t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens, oversize="own_mb"
+        )
         packed = [pack([trajs[i].seq_ids for i in mb]) for mb in mbs]
         return time.perf_counter() - t0, len(packed)
     finally:
@@ -121,10 +139,22 @@ def transfer_rows(transports: list[str], groups, mb_tokens: int) -> list[dict]:
     for kind in transports:
         bound = min(copier.sample() for _ in range(3))
         secs, n_mb = move_batch(kind, groups, mb_tokens)
-        rows.append({"metric": "boba_batch_fraction_of_memcpy", "value": bound / secs, "unit": "fraction",
-                     "transport": kind, "seconds": secs, "gbps": size / secs / 1e9, "bound_gbps": size / bound / 1e9,
-                     "bytes": size, "n_groups": len(groups), "n_micro_batches": n_mb, "target": 0.5,
-                     "meets_target": bound / secs >= 0.5 if kind == "shm" else None})
+        rows.append(
+            {
+                "metric": "boba_batch_fraction_of_memcpy",
+                "value": bound / secs,
+                "unit": "fraction",
+                "transport": kind,
+                "seconds": secs,
+                "gbps": size / secs / 1e9,
+                "bound_gbps": size / bound / 1e9,
+                "bytes": size,
+                "n_groups": len(groups),
+                "n_micro_batches": n_mb,
+                "target": 0.5,
+                "meets_target": bound / secs >= 0.5 if kind == "shm" else None,
+            }
+        )
         del copier.dst
         copier.dst = torch.zeros_like(copier.src)
     return rows
@@ -148,11 +178,32 @@ def _simulated_workers(endpoint: str, groups: list[tuple[str, list[str]]], n_wor
     for k, (gid, sids) in enumerate(groups):
         n = len(sids)
         s = socks[k % n_workers]
-        s.send(encode(TrajectoryReady(group_id=gid, worker_id="r", n_prompt_tokens=8, sample_ids=sids,
-                                      n_output_tokens=[4] * n, version_min=[0] * n, version_max=[0] * n,
-                                      finish_reasons=["stop"] * n)))
-        s.send(encode(RewardResult(group_id=gid, worker_id="w", sample_ids=sids, scores=[1.0] * n,
-                                   statuses=["ok"] * n, details=[""] * n)))
+        s.send(
+            encode(
+                TrajectoryReady(
+                    group_id=gid,
+                    worker_id="r",
+                    n_prompt_tokens=8,
+                    sample_ids=sids,
+                    n_output_tokens=[4] * n,
+                    version_min=[0] * n,
+                    version_max=[0] * n,
+                    finish_reasons=["stop"] * n,
+                )
+            )
+        )
+        s.send(
+            encode(
+                RewardResult(
+                    group_id=gid,
+                    worker_id="w",
+                    sample_ids=sids,
+                    scores=[1.0] * n,
+                    statuses=["ok"] * n,
+                    details=[""] * n,
+                )
+            )
+        )
         s.send(encode(Heartbeat(worker_id=f"w{k % n_workers}", ts=time.time(), stats={"busy_s": 1.0})))
     time.sleep(2)
     for s in socks:
@@ -162,8 +213,14 @@ def _simulated_workers(endpoint: str, groups: list[tuple[str, list[str]]], n_wor
 
 def scheduler_rows(n_workers: int, seconds: float) -> list[dict]:
     cpus = sorted(os.sched_getaffinity(0))
-    params = SchedulerParams(batch_size=10**9, n_samples=16, eta=10**6, total_steps=10**9, max_concurrent=10**9,
-                             gen=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[]))
+    params = SchedulerParams(
+        batch_size=10**9,
+        n_samples=16,
+        eta=10**6,
+        total_steps=10**9,
+        max_concurrent=10**9,
+        gen=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[]),
+    )
     n_groups = min(int(seconds * MESSAGES_TARGET / 3), 20_000)  # 3 messages per group; the ledger stays small
     params.max_concurrent = n_groups
     core = SchedulerCore(params, _Prompts(), lambda idx: ([1, 2, 3], ["7"]))
@@ -201,9 +258,19 @@ def scheduler_rows(n_workers: int, seconds: float) -> list[dict]:
         router.close(0)
         ctx.term()
     rate = (n - 1) / secs
-    return [{"metric": "scheduler_messages_per_s", "value": rate, "unit": "messages/s", "workers": n_workers,
-             "messages": n, "seconds": secs, "mix": "TrajectoryReady + RewardResult (16 samples each) + Heartbeat",
-             "target": MESSAGES_TARGET, "meets_target": rate >= MESSAGES_TARGET}]
+    return [
+        {
+            "metric": "scheduler_messages_per_s",
+            "value": rate,
+            "unit": "messages/s",
+            "workers": n_workers,
+            "messages": n,
+            "seconds": secs,
+            "mix": "TrajectoryReady + RewardResult (16 samples each) + Heartbeat",
+            "target": MESSAGES_TARGET,
+            "meets_target": rate >= MESSAGES_TARGET,
+        }
+    ]
 
 
 class _Prompts:
@@ -241,10 +308,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for r in rows:
         r.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())
     for r in rows:
-        extra = f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s" \
-            if "transport" in r else f"{r['workers']} simulated workers, {r['messages']} messages"
-        print(f"{r['metric']:<32} {r['value']:>12.3f} {r['unit']:<11} {extra}  (target {r['target']}, "
-              f"{'met' if r['meets_target'] else 'NOT met' if r['meets_target'] is False else '-'})")
+        extra = (
+            f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s"
+            if "transport" in r
+            else f"{r['workers']} simulated workers, {r['messages']} messages"
+        )
+        print(
+            f"{r['metric']:<32} {r['value']:>12.3f} {r['unit']:<11} {extra}  (target {r['target']}, "
+            f"{'met' if r['meets_target'] else 'NOT met' if r['meets_target'] is False else '-'})"
+        )
     print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
     if args.json:
         write_rows(args.json, rows)

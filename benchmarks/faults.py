@@ -41,11 +41,23 @@ B, N = 4, 4
 
 
 def overrides(steps: int, kills: int, retries: int) -> list[str]:
-    return [f"total_train_steps={steps}", "sft_warmup.steps=10", f"train_dataset.batch_size={B}",
-            f"gconfig.n_samples={N}", "rollout.dump_to_file=true", "rollout.max_head_offpolicyness=1",
-            "cluster.heartbeat_s=0.5", "cluster.worker_timeout_s=10", "cluster.step_timeout_s=60",
-            f"cluster.max_restarts={kills}", "saver.freq_steps=2", "saver.keep_last=2", f"recover.retries={retries}",
-            "reward.deadline_s=20", "rollout.gen_deadline_s=60"]
+    return [
+        f"total_train_steps={steps}",
+        "sft_warmup.steps=10",
+        f"train_dataset.batch_size={B}",
+        f"gconfig.n_samples={N}",
+        "rollout.dump_to_file=true",
+        "rollout.max_head_offpolicyness=1",
+        "cluster.heartbeat_s=0.5",
+        "cluster.worker_timeout_s=10",
+        "cluster.step_timeout_s=60",
+        f"cluster.max_restarts={kills}",
+        "saver.freq_steps=2",
+        "saver.keep_last=2",
+        f"recover.retries={retries}",
+        "reward.deadline_s=20",
+        "rollout.gen_deadline_s=60",
+    ]
 
 
 def kill_plan(seed: int, kills: int, steps: int) -> list[tuple[int, float, str]]:
@@ -80,11 +92,21 @@ def victim(run_dir: Path, role: str, rng: random.Random, proc: subprocess.Popen,
 
 
 def start(run_dir: Path, ovr: list[str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"), "--run-dir",
-           str(run_dir), "--no-progress", *ovr]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *ovr,
+    ]
     with open(log, "wb") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True
+        )
 
 
 def inject(proc: subprocess.Popen, run_dir: Path, plan: list, seed: int) -> list[dict]:
@@ -118,13 +140,19 @@ def run(run_dir: Path, ovr: list[str], plan: list, seed: int, timeout_s: float) 
 def books(run_dir: Path, steps: int) -> dict:
     """What the run's books say: summary counts, ids trained twice, steps with a wrong count."""
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    lines = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines() if x.strip()] \
-        if (run_dir / "trajectories.jsonl").exists() else []
+    lines = (
+        [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines() if x.strip()]
+        if (run_dir / "trajectories.jsonl").exists()
+        else []
+    )
     trained = Counter(t["id"] for t in lines if t["status"] == "trained")
     per_step = Counter(t["train_step"] for t in lines if t["status"] == "trained")
-    return {"summary": summary, "ids_trained_twice": sum(1 for c in trained.values() if c > 1),
-            "bad_steps": sum(1 for s in range(steps) if per_step.get(s, 0) != B * N),
-            "ids_repeated": len(lines) - len({t["id"] for t in lines})}
+    return {
+        "summary": summary,
+        "ids_trained_twice": sum(1 for c in trained.values() if c > 1),
+        "bad_steps": sum(1 for s in range(steps) if per_step.get(s, 0) != B * N),
+        "ids_repeated": len(lines) - len({t["id"] for t in lines}),
+    }
 
 
 def measure(args) -> list[dict]:
@@ -140,24 +168,43 @@ def measure(args) -> list[dict]:
     b = books(root / "faulty", args.steps)
     s = b["summary"]
     completed = int(faulty["rc"] == 0 and s.get("steps") == args.steps)
-    common = {"seed": args.seed, "kills_planned": args.kills, "steps": args.steps, "retries": args.retries,
-              "loadavg_before": load, "run_dir": str(root / "faulty")}
+    common = {
+        "seed": args.seed,
+        "kills_planned": args.kills,
+        "steps": args.steps,
+        "retries": args.retries,
+        "loadavg_before": load,
+        "run_dir": str(root / "faulty"),
+    }
     by_role = dict(Counter(k["role"] for k in faulty["kills"]))
 
     def row(metric, value, unit, **kw):
         return {"metric": metric, "value": value, "unit": unit, **common, **kw}
 
-    return [row("faults_completed", completed, "bool", exit_code=faulty["rc"]),
-            row("faults_kills", len(faulty["kills"]), "kills", by_role=by_role, kills=faulty["kills"]),
-            row("faults_restarts", s.get("restarts"), "restarts"),
-            row("faults_recoveries", s.get("recoveries"), "recoveries"),
-            row("faults_samples_reissued", s.get("samples_reissued"), "samples",
-                prompts_reissued=s.get("prompts_reissued"), prompts_dropped=s.get("prompts_dropped")),
-            row("faults_samples_lost", s.get("samples_lost"), "samples"),
-            row("faults_ids_trained_twice", b["ids_trained_twice"], "ids", ids_repeated=b["ids_repeated"]),
-            row("faults_bad_steps", b["bad_steps"], "steps", note=f"steps whose trained samples != {B}x{N}"),
-            row("faults_wall_overhead", faulty["wall_s"] / clean["wall_s"] if clean["rc"] == 0 else None, "ratio",
-                clean_wall_s=clean["wall_s"], faulty_wall_s=faulty["wall_s"], clean_exit_code=clean["rc"])]
+    return [
+        row("faults_completed", completed, "bool", exit_code=faulty["rc"]),
+        row("faults_kills", len(faulty["kills"]), "kills", by_role=by_role, kills=faulty["kills"]),
+        row("faults_restarts", s.get("restarts"), "restarts"),
+        row("faults_recoveries", s.get("recoveries"), "recoveries"),
+        row(
+            "faults_samples_reissued",
+            s.get("samples_reissued"),
+            "samples",
+            prompts_reissued=s.get("prompts_reissued"),
+            prompts_dropped=s.get("prompts_dropped"),
+        ),
+        row("faults_samples_lost", s.get("samples_lost"), "samples"),
+        row("faults_ids_trained_twice", b["ids_trained_twice"], "ids", ids_repeated=b["ids_repeated"]),
+        row("faults_bad_steps", b["bad_steps"], "steps", note=f"steps whose trained samples != {B}x{N}"),
+        row(
+            "faults_wall_overhead",
+            faulty["wall_s"] / clean["wall_s"] if clean["rc"] == 0 else None,
+            "ratio",
+            clean_wall_s=clean["wall_s"],
+            faulty_wall_s=faulty["wall_s"],
+            clean_exit_code=clean["rc"],
+        ),
+    ]
 
 
 def main(argv=None) -> int:
@@ -171,8 +218,14 @@ def main(argv=None) -> int:
     p.add_argument("--json", default="", help="write the rows here")
     args = p.parse_args(argv)
     rows = measure(args)
-    print_table(rows, [Col("metric", 26, lambda r: r["metric"], left=True), Col("value", 10, lambda r: r["value"]),
-                       Col("unit", 11, lambda r: r["unit"], left=True)])
+    print_table(
+        rows,
+        [
+            Col("metric", 26, lambda r: r["metric"], left=True),
+            Col("value", 10, lambda r: r["value"]),
+            Col("unit", 11, lambda r: r["unit"], left=True),
+        ],
+    )
     if args.json:
         write_rows(args.json, rows)
     return 0 if rows[0]["value"] == 1 else 1

@@ -85,8 +85,14 @@ def build_setup(out: Path, seed: int = 1) -> tuple[Path, Path]:
     """Write the tiny model (+ its 16-token tokenizer) and the a+b jsonl under ``out``."""
 
     tok = build_char_tokenizer(ALPHABET)
-    mcfg = ModelConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=4, max_position_embeddings=32)
+    mcfg = ModelConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+    )
     model_dir, data = out / "model", out / "add.jsonl"
     save_policy(build_model(mcfg, len(tok), seed), tok, model_dir)
     with open(data, "w") as f:
@@ -98,12 +104,23 @@ def build_setup(out: Path, seed: int = 1) -> tuple[Path, Path]:
 
 def overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
     """The small case as overrides of the CPU preset (shared by the in-process loop and the fleet)."""
-    return [f"model.path={model_dir}", "train_dataset.type=jsonl", f"train_dataset.path={data}",
-            "train_dataset.batch_size=32", "gconfig.n_samples=8", "gconfig.max_new_tokens=3",
-            "actor.optimizer.lr=1e-3", "sft_warmup.steps=0", "cluster.n_rollout_workers=1",
-            "cluster.n_reward_workers=1", "cluster.heartbeat_s=0.2", "rollout.dump_to_file=false",
-            "reward.fn=areal_async.reward.exact:exact_match_reward", f"total_train_steps={steps}",
-            "rollout.max_batch_groups=32"]  # one decode batch holds the step's 32 groups
+    return [
+        f"model.path={model_dir}",
+        "train_dataset.type=jsonl",
+        f"train_dataset.path={data}",
+        "train_dataset.batch_size=32",
+        "gconfig.n_samples=8",
+        "gconfig.max_new_tokens=3",
+        "actor.optimizer.lr=1e-3",
+        "sft_warmup.steps=0",
+        "cluster.n_rollout_workers=1",
+        "cluster.n_reward_workers=1",
+        "cluster.heartbeat_s=0.2",
+        "rollout.dump_to_file=false",
+        "reward.fn=areal_async.reward.exact:exact_match_reward",
+        f"total_train_steps={steps}",
+        "rollout.max_batch_groups=32",
+    ]  # one decode batch holds the step's 32 groups
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,11 +136,15 @@ class InProcessLoop:
         set_torch_threads(cfg.cluster.torch_threads)
         self.cfg = cfg
         model, self.tok = load_policy(cfg.model, cfg.seed)
-        self.engine = TorchEngine(copy.deepcopy(model), self.tok, device="cpu", seed=cfg.seed * 1000,
-                                  max_batch_groups=cfg.rollout.max_batch_groups)
+        self.engine = TorchEngine(
+            copy.deepcopy(model),
+            self.tok,
+            device="cpu",
+            seed=cfg.seed * 1000,
+            max_batch_groups=cfg.rollout.max_batch_groups,
+        )
         model.set_attn_implementation(select_attn_implementation("cpu"))
-        self.actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature,
-                              total_steps=cfg.total_train_steps)
+        self.actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature, total_steps=cfg.total_train_steps)
         self.reward_fn = load_callable(cfg.reward.fn)
         self.problems = load_problems(cfg.train_dataset, cfg.seed)
         self.cursor = PromptCursor(len(self.problems), cfg.seed, cfg.train_dataset.shuffle)
@@ -151,8 +172,17 @@ class InProcessLoop:
         for _ in range(self.cfg.train_dataset.batch_size):
             idx, pid = self.cursor.next()
             reqs[pid] = self.problems[idx]
-            self.engine.add_request(GenRequest(pid, self.encode(self.problems[idx].prompt), g.n_samples,
-                                               g.max_new_tokens, g.temperature, g.top_p, g.greedy))
+            self.engine.add_request(
+                GenRequest(
+                    pid,
+                    self.encode(self.problems[idx].prompt),
+                    g.n_samples,
+                    g.max_new_tokens,
+                    g.temperature,
+                    g.top_p,
+                    g.greedy,
+                )
+            )
         done = []
         while self.engine.has_work():
             done += self.engine.step()
@@ -166,8 +196,9 @@ class InProcessLoop:
             for i, s in enumerate(out.samples):
                 text = self.tok.decode(s.output_ids, skip_special_tokens=True)
                 score = float(self.reward_fn(text, list(problem.solutions)))
-                trajs.append(Trajectory(f"{out.group_id}-{i}", out.group_id, prompt, s.output_ids, s.logprobs,
-                                        s.versions, score))
+                trajs.append(
+                    Trajectory(f"{out.group_id}-{i}", out.group_id, prompt, s.output_ids, s.logprobs, s.versions, score)
+                )
         return trajs
 
 
@@ -186,15 +217,21 @@ def fleet_phases(rows: list[dict], warmup: int) -> dict:
     """ms per step by phase over rows[warmup:] (see the module docstring)."""
     if len(rows) < warmup + 2:
         raise ValueError(f"need at least {warmup + 2} metrics rows, got {len(rows)}")
-    first, window = rows[warmup], rows[warmup + 1:]
+    first, window = rows[warmup], rows[warmup + 1 :]
     n = len(window)
     step = (window[-1]["wall_s"] - first["wall_s"]) / n
     train = statistics.fmean(r["train_s"] for r in window)
     publish = statistics.fmean(r["publish_s"] for r in window)
     gen = (window[-1]["gen_busy_s_total"] - first["gen_busy_s_total"]) / n
     reward = (window[-1].get("reward_busy_s_total", 0.0) - first.get("reward_busy_s_total", 0.0)) / n
-    ms = {"gen": gen, "reward": reward, "train": train, "publish": publish, "wait": step - train - publish,
-          "step": step}
+    ms = {
+        "gen": gen,
+        "reward": reward,
+        "train": train,
+        "publish": publish,
+        "wait": step - train - publish,
+        "step": step,
+    }
     return {k: 1000 * v for k, v in ms.items()}
 
 
@@ -215,7 +252,6 @@ def run_fleet_eta(config: str, ovr: list[str], eta: int, run_dir: Path, warmup: 
 
 def engine_vs_hf(cfg, repeats: int) -> dict:
     """Tokens/s of TorchEngine and of HF ``generate`` on one batch of the benchmark's prompts."""
-
 
     set_torch_threads(cfg.cluster.torch_threads)
     model, tok = load_policy(cfg.model, cfg.seed)
@@ -238,15 +274,26 @@ def engine_vs_hf(cfg, repeats: int) -> dict:
 
     def run_hf(r: int) -> int:
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=g.temperature,
-                                 top_p=g.top_p, top_k=0, max_new_tokens=g.max_new_tokens,
-                                 num_return_sequences=g.n_samples, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id, use_cache=True)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=0,
+                max_new_tokens=g.max_new_tokens,
+                num_return_sequences=g.n_samples,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                use_cache=True,
+            )
         new = out[:, T:]
         return int(_tokens_until_eos(new, tok.eos_token_id).sum())
 
-    return {"engine_tokens_per_s": _tokens_per_s(run_engine, repeats),
-            "hf_tokens_per_s": _tokens_per_s(run_hf, repeats)}
+    return {
+        "engine_tokens_per_s": _tokens_per_s(run_engine, repeats),
+        "hf_tokens_per_s": _tokens_per_s(run_hf, repeats),
+    }
 
 
 def _tokens_until_eos(new_BT, eos: int):
@@ -272,43 +319,88 @@ def _tokens_per_s(fn, repeats: int) -> float:
 
 
 def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dict) -> list[dict]:
-    rows = [{"metric": "ms_per_step", "value": inproc["step"], "unit": "ms", "mode": "inprocess", "eta": None,
-             **{f"{k}_ms": inproc[k] for k in PHASES}, **meta}]
+    rows = [
+        {
+            "metric": "ms_per_step",
+            "value": inproc["step"],
+            "unit": "ms",
+            "mode": "inprocess",
+            "eta": None,
+            **{f"{k}_ms": inproc[k] for k in PHASES},
+            **meta,
+        }
+    ]
     for eta, f in sorted(fleet.items()):
-        rows.append({"metric": "ms_per_step", "value": f["step"], "unit": "ms", "mode": "fleet", "eta": eta,
-                     **{f"{k}_ms": f[k] for k in PHASES}, "final_reward": f["final_reward"],
-                     "foreign_cpu_frac": f["foreign_cpu_frac"], **meta})
+        rows.append(
+            {
+                "metric": "ms_per_step",
+                "value": f["step"],
+                "unit": "ms",
+                "mode": "fleet",
+                "eta": eta,
+                **{f"{k}_ms": f[k] for k in PHASES},
+                "final_reward": f["final_reward"],
+                "foreign_cpu_frac": f["foreign_cpu_frac"],
+                **meta,
+            }
+        )
     for eta, f in sorted(fleet.items()):
         ratio, target = f["step"] / inproc["step"], TARGETS.get(eta)
-        rows.append({"metric": "fleet_vs_inprocess_ms_per_step_ratio", "value": ratio, "unit": "ratio", "eta": eta,
-                     "target": target, "meets_target": None if target is None else ratio <= target, **meta})
+        rows.append(
+            {
+                "metric": "fleet_vs_inprocess_ms_per_step_ratio",
+                "value": ratio,
+                "unit": "ratio",
+                "eta": eta,
+                "target": target,
+                "meets_target": None if target is None else ratio <= target,
+                **meta,
+            }
+        )
     if gen is not None:
         ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
-        rows.append({"metric": "engine_vs_hf_generate_tokens_per_s_ratio", "value": ratio, "unit": "ratio", **gen,
-                     "target": ENGINE_TARGET, "meets_target": ratio >= ENGINE_TARGET, **meta})
+        rows.append(
+            {
+                "metric": "engine_vs_hf_generate_tokens_per_s_ratio",
+                "value": ratio,
+                "unit": "ratio",
+                **gen,
+                "target": ENGINE_TARGET,
+                "meets_target": ratio >= ENGINE_TARGET,
+                **meta,
+            }
+        )
     return rows
 
 
 def print_table(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dict) -> None:
-    print(f"\noverhead: {meta['batch']} (steady window: steps {meta['warmup']}..{meta['steps'] - 1}); load "
-          f"{meta['loadavg_before']:.2f} before, {meta['loadavg_after']:.2f} after, {meta['cpu_count']} CPUs")
+    print(
+        f"\noverhead: {meta['batch']} (steady window: steps {meta['warmup']}..{meta['steps'] - 1}); load "
+        f"{meta['loadavg_before']:.2f} before, {meta['loadavg_after']:.2f} after, {meta['cpu_count']} CPUs"
+    )
     print(f"{'run':<12} " + " ".join(f"{p:>8}" for p in (*PHASES, "step")) + f" {'x inproc':>9} {'target':>7}")
     print(f"{'in-process':<12} " + " ".join(f"{inproc[p]:>8.1f}" for p in (*PHASES, "step")))
     for eta, f in sorted(fleet.items()):
         ratio, target = f["step"] / inproc["step"], TARGETS.get(eta)
         verdict = "-" if target is None else f"<={target}" + ("" if ratio <= target else " NOT")
-        print(f"{'fleet η=' + str(eta):<12} " + " ".join(f"{f[p]:>8.1f}" for p in (*PHASES, "step"))
-              + f" {ratio:>9.3f} {verdict:>7}")
+        print(
+            f"{'fleet η=' + str(eta):<12} "
+            + " ".join(f"{f[p]:>8.1f}" for p in (*PHASES, "step"))
+            + f" {ratio:>9.3f} {verdict:>7}"
+        )
     print("ms per step; fleet phases overlap at η > 0 (gen/reward/train/publish need not sum to step)")
     if gen is not None:
         ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
-        print(f"engine {gen['engine_tokens_per_s']:.0f} tokens/s vs transformers generate "
-              f"{gen['hf_tokens_per_s']:.0f} tokens/s: {ratio:.2f}x (target >= {ENGINE_TARGET}x)")
+        print(
+            f"engine {gen['engine_tokens_per_s']:.0f} tokens/s vs transformers generate "
+            f"{gen['hf_tokens_per_s']:.0f} tokens/s: {ratio:.2f}x (target >= {ENGINE_TARGET}x)"
+        )
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 epilog="key=value config overrides (any position) apply to every run")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog="key=value config overrides (any position) apply to every run"
+    )
     ap.add_argument("--json", default=None, help="where to write the JSON list of rows")
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per run")
     ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps left out of the means")
@@ -326,8 +418,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     extra = [a for a in argv if "=" in a and not a.startswith("-")]
     args = _parser().parse_args([a for a in argv if a not in extra])
     if args.steps < args.warmup + 2 or args.warmup < 0 or min(args.etas) < 0:
-        raise SystemExit(f"overhead: need --steps >= --warmup + 2 >= 2 and η >= 0; got steps {args.steps}, "
-                         f"warmup {args.warmup}, η {args.etas}")
+        raise SystemExit(
+            f"overhead: need --steps >= --warmup + 2 >= 2 and η >= 0; got steps {args.steps}, "
+            f"warmup {args.warmup}, η {args.etas}"
+        )
     out = Path(args.out or tempfile.mkdtemp(prefix="overhead-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()[0]
@@ -341,10 +435,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for eta in [] if args.no_fleet else sorted(set(args.etas)):
         print(f"[overhead] fleet η={eta}", flush=True)
         fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr, eta, out / f"eta{eta}", args.warmup)
-    meta = {"batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
-                     f"{cfg.gconfig.max_new_tokens} new tokens", "steps": args.steps, "warmup": args.warmup,
-            "loadavg_before": load0, "loadavg_after": os.getloadavg()[0], "cpu_count": os.cpu_count(),
-            "model": str(cfg.model.path)}
+    meta = {
+        "batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
+        f"{cfg.gconfig.max_new_tokens} new tokens",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+        "model": str(cfg.model.path),
+    }
     print_table(inproc, fleet, gen, meta)
     rows = to_rows(inproc, fleet, gen, meta)
     if args.json:

@@ -29,8 +29,13 @@ import numpy as np
 import torch
 import transformers
 
-from areal_async.trainer.packing import (allocate_micro_batches, forward_packed, lower_bound, pack,
-                                         select_attn_implementation)
+from areal_async.trainer.packing import (
+    allocate_micro_batches,
+    forward_packed,
+    lower_bound,
+    pack,
+    select_attn_implementation,
+)
 from benchmarks.common import write_rows
 
 BUDGET, CAP, MEDIAN, SIGMA = 16384, 27000, 4000, 0.9
@@ -87,8 +92,12 @@ def allocation_rows(n: int, seed: int) -> list[dict]:
         r("microbatches_padded", len(padded), "count", "arrival-order padded batching"),
         r("microbatches_packed", len(packed), "count", "FFD + Karmarkar-Karp, oversize own_mb"),
         r("microbatches_lower_bound", lower_bound(lengths, BUDGET), "count", f"ceil(total/{BUDGET})"),
-        r("microbatches_lower_bound_own_mb", len(big) + lower_bound(rest, BUDGET), "count",
-          "n_oversize + ceil(rest/budget)"),
+        r(
+            "microbatches_lower_bound_own_mb",
+            len(big) + lower_bound(rest, BUDGET),
+            "count",
+            "n_oversize + ceil(rest/budget)",
+        ),
         r("packed_mb_tokens_max", max(loads), "tokens", f"<= {BUDGET} (shared micro-batches)"),
         r("packed_mb_tokens_min", min(loads), "tokens", "balance: close to max"),
         r("allocator_time", alloc_s * 1e3, "ms", "pure Python, one CPU core"),
@@ -102,8 +111,15 @@ def allocation_rows(n: int, seed: int) -> list[dict]:
 
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
     cfg._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(cfg).train()
 
@@ -125,8 +141,8 @@ def _padded_pass(model, seqs, budget) -> None:
         ids_BL = torch.zeros(len(mb), L, dtype=torch.long)
         mask_BL = torch.zeros(len(mb), L, dtype=torch.long)
         for row, i in enumerate(mb):
-            ids_BL[row, :len(seqs[i])] = torch.tensor(seqs[i])
-            mask_BL[row, :len(seqs[i])] = 1
+            ids_BL[row, : len(seqs[i])] = torch.tensor(seqs[i])
+            mask_BL[row, : len(seqs[i])] = 1
         logits = model(input_ids=ids_BL, attention_mask=mask_BL, use_cache=False).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids_BL[:, 1:, None])[..., 0]
         (-(logp * mask_BL[:, 1:]).sum() / n_tok).backward()
@@ -154,8 +170,10 @@ def timing_rows(seed: int, repeats: int, n: int = 64) -> list[dict]:
     model.set_attn_implementation(select_attn_implementation("cpu"))  # what a CPU trainer loads
     t_varlen = _best_time(_packed_pass, model, seqs, budget, repeats)
     tokens = sum(lengths)
-    note = (f"scaled-down mix for CPU: {n} seqs, lengths/{SCALE} (median {MEDIAN // SCALE}, cap {CAP // SCALE}), "
-            f"budget {budget}, tiny Llama, 1 thread, best of {repeats}")
+    note = (
+        f"scaled-down mix for CPU: {n} seqs, lengths/{SCALE} (median {MEDIAN // SCALE}, cap {CAP // SCALE}), "
+        f"budget {budget}, tiny Llama, 1 thread, best of {repeats}"
+    )
 
     def r(metric, value, unit):
         return {"metric": metric, "value": value, "unit": unit, "bound": note, "part": "timing"}
@@ -166,8 +184,7 @@ def timing_rows(seed: int, repeats: int, n: int = 64) -> list[dict]:
         r("tokens_per_s_packed_dense_mask", tokens / t_mask, "tokens/s"),
         r("tokens_per_s_ratio_packed_vs_padded", t_padded / t_varlen, "x"),
         r("tokens_per_s_ratio_packed_dense_mask_vs_padded", t_padded / t_mask, "x"),
-        r("timing_padding_tokens_padded",
-          padding_tokens(padded_micro_batches(lengths, budget), lengths), "tokens"),
+        r("timing_padding_tokens_padded", padding_tokens(padded_micro_batches(lengths, budget), lengths), "tokens"),
         r("timing_total_tokens", tokens, "tokens"),
     ]
 
@@ -176,8 +193,11 @@ def _print_table(rows: list[dict]) -> None:
     print(f"{'metric':40s} {'value':>14s}  unit")
     for row in rows:
         v = row["value"]
-        print(f"{row['metric']:40s} {v:>14.4g}  {row['unit']}" if isinstance(v, float)
-              else f"{row['metric']:40s} {v:>14}  {row['unit']}")
+        print(
+            f"{row['metric']:40s} {v:>14.4g}  {row['unit']}"
+            if isinstance(v, float)
+            else f"{row['metric']:40s} {v:>14}  {row['unit']}"
+        )
     print(f"timing part: {rows[-1]['bound']}")
 
 

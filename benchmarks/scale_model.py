@@ -88,8 +88,9 @@ def fits_from(rows: list[dict]) -> dict[str, tuple[float, float]]:
     return {k: fit_alpha_beta(v) for k, v in by_kind.items() if len(v) >= 2}
 
 
-def boba_bytes(n_prompts: int = 512, n_samples: int = 16, median: float = 4000, sigma: float = 1.0,
-               cap: int = 27000, seed: int = 0) -> tuple[int, int]:
+def boba_bytes(
+    n_prompts: int = 512, n_samples: int = 16, median: float = 4000, sigma: float = 1.0, cap: int = 27000, seed: int = 0
+) -> tuple[int, int]:
     """(bytes, sequences) of the boba batch, lengths drawn as in ``benchmarks.common.payloads.boba_batch``."""
     rng = np.random.default_rng(seed)
     lens = np.minimum(rng.lognormal(np.log(median), sigma, n_prompts * n_samples), cap).astype(int).clip(1)
@@ -156,20 +157,54 @@ def predict(c: Cluster, boba: tuple[int, int], fits: dict) -> list[dict]:
         train, _ = c.split(gpus)
         for mode, receivers in (("spread", train), ("one_rank", 1)):
             lat, bw = transfer_terms(size, msgs, receivers, *c.link(gpus))
-            rows.append({"metric": "predict_gen_to_train_s", "value": lat + bw, "unit": "s", "gpus": gpus,
-                         "link": "cluster", "mode": mode, "latency_s": lat, "bandwidth_s": bw,
-                         "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
+            rows.append(
+                {
+                    "metric": "predict_gen_to_train_s",
+                    "value": lat + bw,
+                    "unit": "s",
+                    "gpus": gpus,
+                    "link": "cluster",
+                    "mode": mode,
+                    "latency_s": lat,
+                    "bandwidth_s": bw,
+                    "dominant": dominant(lat, bw),
+                    "bytes": size,
+                    "msgs": msgs,
+                }
+            )
         for name, (alpha, beta) in fits.items():
             lat, bw = transfer_terms(size, msgs, train, alpha, beta)
-            rows.append({"metric": "predict_gen_to_train_s", "value": lat + bw, "unit": "s", "gpus": gpus,
-                         "link": name, "mode": "spread", "latency_s": lat, "bandwidth_s": bw,
-                         "dominant": dominant(lat, bw), "bytes": size, "msgs": msgs})
+            rows.append(
+                {
+                    "metric": "predict_gen_to_train_s",
+                    "value": lat + bw,
+                    "unit": "s",
+                    "gpus": gpus,
+                    "link": name,
+                    "mode": "spread",
+                    "latency_s": lat,
+                    "bandwidth_s": bw,
+                    "dominant": dominant(lat, bw),
+                    "bytes": size,
+                    "msgs": msgs,
+                }
+            )
         for model, params in MODELS.items():
             for algo in ("ring", "tree", "p2p"):
                 lat, bw = weight_broadcast(c, algo, params, gpus)
-                rows.append({"metric": "predict_weight_broadcast_s", "value": lat + bw, "unit": "s", "gpus": gpus,
-                             "model": model, "algo": algo, "latency_s": lat, "bandwidth_s": bw,
-                             "dominant": dominant(lat, bw)})
+                rows.append(
+                    {
+                        "metric": "predict_weight_broadcast_s",
+                        "value": lat + bw,
+                        "unit": "s",
+                        "gpus": gpus,
+                        "model": model,
+                        "algo": algo,
+                        "latency_s": lat,
+                        "bandwidth_s": bw,
+                        "dominant": dominant(lat, bw),
+                    }
+                )
     return rows
 
 
@@ -185,13 +220,30 @@ def verdict_rows(rows: list[dict]) -> list[dict]:
     out = []
     for mode in ("spread", "one_rank"):
         t = pick(rows, metric="predict_gen_to_train_s", gpus=1024, link="cluster", mode=mode)
-        out.append({"metric": "claim_gen_to_train_1024", "value": t["value"], "unit": "s", "mode": mode,
-                    "under_claim": t["value"] < CLAIM_S, "dominant": t["dominant"]})
+        out.append(
+            {
+                "metric": "claim_gen_to_train_1024",
+                "value": t["value"],
+                "unit": "s",
+                "mode": mode,
+                "under_claim": t["value"] < CLAIM_S,
+                "dominant": t["dominant"],
+            }
+        )
     for model in MODELS:
         for algo in ("ring", "tree", "p2p"):
             b = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo=algo)
-            out.append({"metric": "claim_weight_broadcast_1024", "value": b["value"], "unit": "s", "model": model,
-                        "algo": algo, "under_claim": b["value"] < CLAIM_S, "dominant": b["dominant"]})
+            out.append(
+                {
+                    "metric": "claim_weight_broadcast_1024",
+                    "value": b["value"],
+                    "unit": "s",
+                    "model": model,
+                    "algo": algo,
+                    "under_claim": b["value"] < CLAIM_S,
+                    "dominant": b["dominant"],
+                }
+            )
     return out
 
 
@@ -207,13 +259,19 @@ def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Op
     else:
         print("\nno measurements given (--from): documented link figures only")
     head = f"{'GPUs':>5} {'g2t spread':>11} {'g2t 1 rank':>11} " + " ".join(
-        f"{m + ' ' + a:>11}" for m in MODELS for a in ("ring", "tree", "p2p"))
+        f"{m + ' ' + a:>11}" for m in MODELS for a in ("ring", "tree", "p2p")
+    )
     print(f"\npredicted seconds (claim: under {CLAIM_S:.0f} s at ~1000 GPUs)\n{head}")
     for gpus in GPUS:
-        cells = [pick(rows, metric="predict_gen_to_train_s", gpus=gpus, link="cluster", mode=m)["value"]
-                 for m in ("spread", "one_rank")]
-        cells += [pick(rows, metric="predict_weight_broadcast_s", gpus=gpus, model=m, algo=a)["value"]
-                  for m in MODELS for a in ("ring", "tree", "p2p")]
+        cells = [
+            pick(rows, metric="predict_gen_to_train_s", gpus=gpus, link="cluster", mode=m)["value"]
+            for m in ("spread", "one_rank")
+        ]
+        cells += [
+            pick(rows, metric="predict_weight_broadcast_s", gpus=gpus, model=m, algo=a)["value"]
+            for m in MODELS
+            for a in ("ring", "tree", "p2p")
+        ]
         print(f"{gpus:>5} " + " ".join(f"{v:>11.4g}" for v in cells))
     print_verdicts(rows)
 
@@ -222,20 +280,28 @@ def print_verdicts(rows: list[dict]) -> None:
     print()
     for mode in ("spread", "one_rank"):
         t = pick(rows, metric="predict_gen_to_train_s", gpus=1024, link="cluster", mode=mode)
-        print(f"at 1024 GPUs: gen->train ({mode}) {t['value']:.4g} s ({t['dominant']} term dominates: "
-              f"{t['latency_s']:.3g} s latency vs {t['bandwidth_s']:.3g} s bandwidth) -> "
-              f"{'under' if t['value'] < CLAIM_S else 'OVER'} the {CLAIM_S:.0f} s claim")
+        print(
+            f"at 1024 GPUs: gen->train ({mode}) {t['value']:.4g} s ({t['dominant']} term dominates: "
+            f"{t['latency_s']:.3g} s latency vs {t['bandwidth_s']:.3g} s bandwidth) -> "
+            f"{'under' if t['value'] < CLAIM_S else 'OVER'} the {CLAIM_S:.0f} s claim"
+        )
     for r in rows:
         if r["metric"] == "predict_gen_to_train_s" and r["gpus"] == 1024 and r["link"] != "cluster":
-            print(f"  same batch if every link were {r['link']} (fitted): {r['value']:.3g} s "
-                  f"({r['dominant']} dominates)")
+            print(
+                f"  same batch if every link were {r['link']} (fitted): {r['value']:.3g} s ({r['dominant']} dominates)"
+            )
     for model in MODELS:
-        over = [r["algo"] for r in rows if r["metric"] == "claim_weight_broadcast_1024" and r["model"] == model
-                and not r["under_claim"]]
+        over = [
+            r["algo"]
+            for r in rows
+            if r["metric"] == "claim_weight_broadcast_1024" and r["model"] == model and not r["under_claim"]
+        ]
         ring = pick(rows, metric="predict_weight_broadcast_s", gpus=1024, model=model, algo="ring")
-        print(f"at 1024 GPUs: {model} ring broadcast {ring['value']:.3g} s ({ring['dominant']} dominates: "
-              f"{ring['latency_s']:.3g} s latency vs {ring['bandwidth_s']:.3g} s bandwidth); over {CLAIM_S:.0f} s: "
-              f"{', '.join(over) or 'none of ring/tree/p2p'}")
+        print(
+            f"at 1024 GPUs: {model} ring broadcast {ring['value']:.3g} s ({ring['dominant']} dominates: "
+            f"{ring['latency_s']:.3g} s latency vs {ring['bandwidth_s']:.3g} s bandwidth); over {CLAIM_S:.0f} s: "
+            f"{', '.join(over) or 'none of ring/tree/p2p'}"
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -243,8 +309,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     fits = fits_from(json.loads(Path(a.src).read_text())) if a.src else {}
     boba = boba_bytes(a.boba_prompts, a.boba_samples)
     rows = [{"metric": "fit_alpha_s", "value": al, "unit": "s", "transport": k} for k, (al, _) in fits.items()]
-    rows += [{"metric": "fit_beta_gbps", "value": be / GB, "unit": "GB/s", "transport": k}
-             for k, (_, be) in fits.items()]
+    rows += [
+        {"metric": "fit_beta_gbps", "value": be / GB, "unit": "GB/s", "transport": k} for k, (_, be) in fits.items()
+    ]
     rows += predict(Cluster(a), boba, fits)
     rows += verdict_rows(rows)
     print_report(rows, fits, boba, a.src)

@@ -47,8 +47,16 @@ def requests(cfg, tok, groups: int, tag: str) -> list[GenRequest]:
     enc = prompt_encoder(tok, cfg.train_dataset.template)
     problems = load_problems(cfg.train_dataset, cfg.seed)
     g = cfg.gconfig
-    return [GenRequest(f"{tag}-{i}", enc(problems[i % len(problems)].prompt), g.n_samples, g.max_new_tokens,
-                       temperature=g.temperature) for i in range(groups)]
+    return [
+        GenRequest(
+            f"{tag}-{i}",
+            enc(problems[i % len(problems)].prompt),
+            g.n_samples,
+            g.max_new_tokens,
+            temperature=g.temperature,
+        )
+        for i in range(groups)
+    ]
 
 
 def generate(engine, reqs: list[GenRequest]) -> tuple[int, float]:
@@ -77,12 +85,26 @@ def measure(rounds: int, groups: int) -> list[dict]:
     batch = cfg.rollout.max_batch_groups * cfg.gconfig.n_samples  # rows per batch: the same on both sides
     embedded = TorchEngine(model, tok, seed=1, max_batch_groups=batch // cfg.gconfig.n_samples)
     port = free_tcp_port("127.0.0.1")
-    server = subprocess.Popen([sys.executable, "-m", "areal_async.rollout.sglang_server", "--config", str(CONFIG),
-                               "--port", str(port), "--max-running-requests", str(batch)], cwd=ROOT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.rollout.sglang_server",
+            "--config",
+            str(CONFIG),
+            "--port",
+            str(port),
+            "--max-running-requests",
+            str(batch),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+    )
     try:
-        remote = RemoteEngine([SGLangClient(f"http://127.0.0.1:{port}", name="bench")],
-                              max_in_flight=groups * cfg.gconfig.n_samples)
+        remote = RemoteEngine(
+            [SGLangClient(f"http://127.0.0.1:{port}", name="bench")], max_in_flight=groups * cfg.gconfig.n_samples
+        )
         remote.update_weights(0, sd)  # group set-up outside the timed rounds
         out = {"embedded": [], "server": []}
         upd = {"embedded": [], "server": []}
@@ -101,14 +123,27 @@ def measure(rounds: int, groups: int) -> list[dict]:
 
 
 def rows(out: dict, upd: dict, rounds: int, groups: int, cfg) -> list[dict]:
-    common = {"rounds": rounds, "groups": groups, "n_samples": cfg.gconfig.n_samples,
-              "max_new_tokens": cfg.gconfig.max_new_tokens}
+    common = {
+        "rounds": rounds,
+        "groups": groups,
+        "n_samples": cfg.gconfig.n_samples,
+        "max_new_tokens": cfg.gconfig.max_new_tokens,
+    }
     med = {k: statistics.median(v) for k, v in out.items()}
     res = [{"metric": "tokens_per_s", "value": med[k], "unit": "tokens/s", "backend": k, **common} for k in med]
-    res.append({"metric": "embedded_over_server", "value": med["embedded"] / med["server"], "unit": "ratio",
-                "backend": "both", **common})
-    res += [{"metric": "weight_update_s", "value": statistics.median(v), "unit": "s", "backend": k, **common}
-            for k, v in upd.items()]
+    res.append(
+        {
+            "metric": "embedded_over_server",
+            "value": med["embedded"] / med["server"],
+            "unit": "ratio",
+            "backend": "both",
+            **common,
+        }
+    )
+    res += [
+        {"metric": "weight_update_s", "value": statistics.median(v), "unit": "s", "backend": k, **common}
+        for k, v in upd.items()
+    ]
     return res
 
 
@@ -122,8 +157,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     rounds, groups = (1, 8) if args.quick else (args.rounds, args.groups)
     res = measure(rounds, groups)
-    print_table(res, [Col("metric", 22, lambda r: r["metric"], left=True), Col("backend", 9, lambda r: r["backend"]),
-                      Col("value", 12, lambda r: r["value"], ".3f"), Col("unit", 9, lambda r: r["unit"])])
+    print_table(
+        res,
+        [
+            Col("metric", 22, lambda r: r["metric"], left=True),
+            Col("backend", 9, lambda r: r["backend"]),
+            Col("value", 12, lambda r: r["value"], ".3f"),
+            Col("unit", 9, lambda r: r["unit"]),
+        ],
+    )
     if args.json:
         write_rows(args.json, res)
     return 0

@@ -77,12 +77,22 @@ def sample(run_dir: Path) -> dict[str, int]:
 
 
 def soak(steps: int, run_dir: Path, timeout_s: float) -> tuple[list[tuple[int, dict]], dict]:
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"), "--run-dir",
-           str(run_dir), "--no-progress", f"total_train_steps={steps}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        f"total_train_steps={steps}",
+    ]
     load, t0, samples = os.getloadavg()[0], time.monotonic(), []
     with open(run_dir.with_suffix(".log"), "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True
+        )
         try:
             while proc.poll() is None:
                 assert time.monotonic() - t0 < timeout_s, f"soak run exceeded {timeout_s}s"
@@ -106,8 +116,18 @@ def rows_from(samples: list[tuple[int, dict]], early: int, info: dict, steps: in
         return rows
     for wid in sorted(set(first[1]) & set(last[1])):
         a, b = first[1][wid], last[1][wid]
-        rows.append({"metric": "soak_rss_growth", "value": 100.0 * (b - a) / a, "unit": "%", "worker": wid,
-                     "rss_mb_early": a / 1024, "rss_mb_end": b / 1024, "step_early": first[0], "step_end": last[0]})
+        rows.append(
+            {
+                "metric": "soak_rss_growth",
+                "value": 100.0 * (b - a) / a,
+                "unit": "%",
+                "worker": wid,
+                "rss_mb_early": a / 1024,
+                "rss_mb_end": b / 1024,
+                "step_early": first[0],
+                "step_end": last[0],
+            }
+        )
     return rows
 
 
@@ -124,11 +144,17 @@ def main(argv=None) -> int:
     samples, info = soak(args.steps, run_dir, args.timeout_s)
     (run_dir.parent / "rss_samples.json").write_text(json.dumps(samples))
     rows = rows_from(samples, args.early, info, args.steps)
-    print_table(rows, [Col("worker", 12, lambda r: r.get("worker", r["metric"]), left=True),
-                       Col("early MB", 9, lambda r: r.get("rss_mb_early"), ".1f"),
-                       Col("end MB", 9, lambda r: r.get("rss_mb_end"), ".1f"),
-                       Col("steps", 11, lambda r: f"{r['step_early']}->{r['step_end']}" if "step_end" in r else None),
-                       Col("value", 9, lambda r: r["value"], ".2f"), Col("unit", 4, lambda r: r["unit"], left=True)])
+    print_table(
+        rows,
+        [
+            Col("worker", 12, lambda r: r.get("worker", r["metric"]), left=True),
+            Col("early MB", 9, lambda r: r.get("rss_mb_early"), ".1f"),
+            Col("end MB", 9, lambda r: r.get("rss_mb_end"), ".1f"),
+            Col("steps", 11, lambda r: f"{r['step_early']}->{r['step_end']}" if "step_end" in r else None),
+            Col("value", 9, lambda r: r["value"], ".2f"),
+            Col("unit", 4, lambda r: r["unit"], left=True),
+        ],
+    )
     if args.json:
         write_rows(args.json, rows)
     return 0 if info["exit_code"] == 0 else 1

@@ -42,9 +42,15 @@ from protocols.sockets import free_tcp_port
 
 def model(hidden: int, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                                   max_position_embeddings=128)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -54,14 +60,21 @@ def batch(n: int, prompt_len: int, out_len: int) -> list[Trajectory]:
     for i in range(n):
         ids = torch.randint(1, 64, (prompt_len + out_len,), generator=g).tolist()
         behav = (-4.0 + 0.3 * torch.randn(out_len, generator=g)).tolist()
-        out.append(Trajectory(f"s{i}", f"g{i // 4}", ids[:prompt_len], ids[prompt_len:], behav, [0] * out_len,
-                              float(i % 2)))
+        out.append(
+            Trajectory(f"s{i}", f"g{i // 4}", ids[:prompt_len], ids[prompt_len:], behav, [0] * out_len, float(i % 2))
+        )
     return out
 
 
 def actor_cfg() -> ActorConfig:
-    return ActorConfig(use_decoupled_loss=True, recompute_logprob=True, reward_scaling=10.0, reward_bias=-0.5,
-                       mb_spec=MicroBatchSpec(max_tokens_per_mb=4096), optimizer=OptimizerConfig(lr=1e-5))
+    return ActorConfig(
+        use_decoupled_loss=True,
+        recompute_logprob=True,
+        reward_scaling=10.0,
+        reward_bias=-0.5,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=4096),
+        optimizer=OptimizerConfig(lr=1e-5),
+    )
 
 
 def time_steps(actor: PPOActor, trajs: list[Trajectory], repeats: int) -> list[float]:
@@ -84,8 +97,14 @@ def _rank(rank: int, world: int, port: int, args: dict, q, fsdp: bool) -> None:
     torch.set_num_threads(1)
     if fsdp:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        actor = PPOActor(model(args["hidden"], args["layers"]), actor_cfg(), 1.0, 100, dp=DataParallel(rank, world),
-                         compute_dtype=torch.float32)
+        actor = PPOActor(
+            model(args["hidden"], args["layers"]),
+            actor_cfg(),
+            1.0,
+            100,
+            dp=DataParallel(rank, world),
+            compute_dtype=torch.float32,
+        )
     else:
         actor = PPOActor(model(args["hidden"], args["layers"]), actor_cfg(), 1.0, 100)
     times = time_steps(actor, batch(args["seqs"], args["prompt_len"], args["out_len"]), args["repeats"])
@@ -129,10 +148,26 @@ def rows(args: dict) -> list[dict]:
         common = {"setup": setup, "cores": min(world, n_cpu), "load_avg_1m": statistics.mean(loads[setup])}
         out.append({"metric": f"train_step_s_{setup}", "value": med, "unit": "s", **common})
         out.append({"metric": f"tokens_per_s_{setup}", "value": rate[setup], "unit": "tokens/s", **common})
-    out.append({"metric": "ratio_fsdp_2_over_plain_1", "value": rate["fsdp_2"] / rate["plain_1"], "unit": "x",
-                "setup": "fsdp_2 / plain_1", "cores": min(2, n_cpu), "load_avg_1m": load})
-    out.append({"metric": "ratio_fsdp_2_over_fsdp_1", "value": rate["fsdp_2"] / rate["fsdp_1"], "unit": "x",
-                "setup": "fsdp_2 / fsdp_1", "cores": min(2, n_cpu), "load_avg_1m": load})
+    out.append(
+        {
+            "metric": "ratio_fsdp_2_over_plain_1",
+            "value": rate["fsdp_2"] / rate["plain_1"],
+            "unit": "x",
+            "setup": "fsdp_2 / plain_1",
+            "cores": min(2, n_cpu),
+            "load_avg_1m": load,
+        }
+    )
+    out.append(
+        {
+            "metric": "ratio_fsdp_2_over_fsdp_1",
+            "value": rate["fsdp_2"] / rate["fsdp_1"],
+            "unit": "x",
+            "setup": "fsdp_2 / fsdp_1",
+            "cores": min(2, n_cpu),
+            "load_avg_1m": load,
+        }
+    )
     return out
 
 
@@ -147,8 +182,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--out-len", type=int, default=12)
     a = ap.parse_args(argv)
-    args = {"repeats": a.repeats, "rounds": a.rounds, "hidden": a.hidden, "layers": a.layers, "seqs": a.seqs,
-            "prompt_len": a.prompt_len, "out_len": a.out_len}
+    args = {
+        "repeats": a.repeats,
+        "rounds": a.rounds,
+        "hidden": a.hidden,
+        "layers": a.layers,
+        "seqs": a.seqs,
+        "prompt_len": a.prompt_len,
+        "out_len": a.out_len,
+    }
     out = rows(args)
     print(f"{'metric':32s} {'value':>12s}  unit      cores  load")
     for r in out:

@@ -38,8 +38,17 @@ from typing import Optional
 import torch
 
 from benchmarks.common.payloads import MODELS, boba_batch, n_params, nbytes, pack_batch, synthetic_state_dict
-from benchmarks.common.channels import (CHANNEL_OPS, GPU_KINDS, endpoints, open_pair, time_each, time_stream,
-                                        time_weights, unavailable, weight_kwargs)
+from benchmarks.common.channels import (
+    CHANNEL_OPS,
+    GPU_KINDS,
+    endpoints,
+    open_pair,
+    time_each,
+    time_stream,
+    time_weights,
+    unavailable,
+    weight_kwargs,
+)
 from benchmarks.common.peers import Peer
 from benchmarks.common.plot import transfer_plot
 from benchmarks.common.rows import Col, human_bytes, print_table, write_rows
@@ -96,8 +105,16 @@ def build_opts(a: argparse.Namespace) -> Opts:
     if prompts < 512:
         notes.append(f"boba batch scaled to {prompts} prompts x {a.boba_samples} samples (the recipe: 512 x 16)")
     models = weight_models(a, notes)
-    return Opts(a.device, transports(a, notes), sizes, a.repeats, a.quick, (prompts, a.boba_samples, a.boba_max_len),
-                models, notes)
+    return Opts(
+        a.device,
+        transports(a, notes),
+        sizes,
+        a.repeats,
+        a.quick,
+        (prompts, a.boba_samples, a.boba_max_len),
+        models,
+        notes,
+    )
 
 
 def payload_sizes(a: argparse.Namespace, notes: list[str]) -> list[int]:
@@ -114,8 +131,10 @@ def weight_models(a: argparse.Namespace, notes: list[str]) -> list[str]:
     models = [m for m in MODELS if n_params(m) <= max_params]
     if "1.5B" not in models:
         notes.append(f"weight sync scaled down: models up to {models[-1]} (1.5B needs --weights-max-params 1.6e9)")
-    notes.append("bound = 1-thread copy between warm buffers, sampled before every transfer sample; "
-                 "weight-sync rows use the copy of the largest payload")
+    notes.append(
+        "bound = 1-thread copy between warm buffers, sampled before every transfer sample; "
+        "weight-sync rows use the copy of the largest payload"
+    )
     if a.device == "cpu" and any(n_params(m) > ZMQ_CPU_MAX_PARAMS for m in models):
         notes.append(f"zmq weight sync skipped above {ZMQ_CPU_MAX_PARAMS:.1g} params on CPU (holds ~4 copies in RAM)")
     return models
@@ -138,8 +157,16 @@ def run(opts: Opts) -> list[dict]:
     from tqdm import tqdm
 
     torch.set_num_threads(1)  # the bound and the channels copy on one thread each
-    info = {"metric": "run_info", "value": 0, "unit": "", "device": opts.device, "transports": opts.transports,
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "notes": opts.notes}
+    info = {
+        "metric": "run_info",
+        "value": 0,
+        "unit": "",
+        "device": opts.device,
+        "transports": opts.transports,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "notes": opts.notes,
+    }
     rows = [memcpy_row(size, memcpy_seconds(size, opts.device, opts.reps(size)), opts.device) for size in opts.sizes]
     weight_bound = Copier(max(opts.sizes), opts.device)
     cases = len(opts.transports) * (len(opts.sizes) + 1 + len(opts.models))
@@ -175,8 +202,10 @@ def run_boba(peer: Peer, ch, kind: str, opts: Opts) -> list[dict]:
     packed = pack_batch(seqs)
     size, bound, reps = nbytes(packed), Copier(nbytes(packed), opts.device), 3 if opts.quick else 5
     per_seq = time_stream(peer, ch, seqs, max(1, reps // 2), bound)
-    rows = [transfer_row(kind, "boba_packed", size, time_each(peer, ch, packed, reps, bound), opts.device),
-            transfer_row(kind, "boba_per_seq", size, per_seq, opts.device)]
+    rows = [
+        transfer_row(kind, "boba_packed", size, time_each(peer, ch, packed, reps, bound), opts.device),
+        transfer_row(kind, "boba_per_seq", size, per_seq, opts.device),
+    ]
     for r in rows:
         r["n_seqs"], r["tokens"] = len(seqs), int(packed["ids_T"].numel())
     return rows
@@ -192,7 +221,7 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
                 bar.update(1)  # skipped: see the note added in weight_models
                 continue
             sd = synthetic_state_dict(*MODELS[model], device=opts.device)
-            for pipeline in ([True, False] if kind in ("gloo", "nccl") else [True]):
+            for pipeline in [True, False] if kind in ("gloo", "nccl") else [True]:
                 ch.pipeline = pipeline
                 samples, pub, ref = time_weights(peer, ch, sd, version, 1 if opts.quick else 2, bound)
                 version += 10
@@ -213,19 +242,51 @@ def transfer_row(kind: str, payload: str, size: int, timed: tuple[list[float], l
     bound_gbps = size / stats(ref)["p50_s"] / 1e9
     st = stats(samples)
     gbps = size / st["p50_s"] / 1e9
-    return {"metric": "transfer_latency", "value": st["p50_s"], "unit": "s", "transport": kind, "payload": payload,
-            "bytes": size, "repeats": len(samples), **st, "gbps": gbps, "bound_gbps": bound_gbps,
-            "ratio": gbps / bound_gbps, "device": device}
+    return {
+        "metric": "transfer_latency",
+        "value": st["p50_s"],
+        "unit": "s",
+        "transport": kind,
+        "payload": payload,
+        "bytes": size,
+        "repeats": len(samples),
+        **st,
+        "gbps": gbps,
+        "bound_gbps": bound_gbps,
+        "ratio": gbps / bound_gbps,
+        "device": device,
+    }
 
 
-def weight_row(kind: str, model: str, sd: dict, samples: list[float], pub: list[float], pipeline: bool,
-               bound_gbps: float, device: str) -> dict:
+def weight_row(
+    kind: str,
+    model: str,
+    sd: dict,
+    samples: list[float],
+    pub: list[float],
+    pipeline: bool,
+    bound_gbps: float,
+    device: str,
+) -> dict:
     size, st = nbytes(sd), stats(samples)
     gbps = size / st["p50_s"] / 1e9
-    return {"metric": "weight_sync", "value": st["p50_s"], "unit": "s", "transport": kind, "model": model,
-            "params": sum(t.numel() for t in sd.values()), "bytes": size, "pipeline": pipeline,
-            "repeats": len(samples), **st, "publish_p50_s": stats(pub)["p50_s"], "gbps": gbps,
-            "bound_gbps": bound_gbps, "ratio": gbps / bound_gbps, "device": device}
+    return {
+        "metric": "weight_sync",
+        "value": st["p50_s"],
+        "unit": "s",
+        "transport": kind,
+        "model": model,
+        "params": sum(t.numel() for t in sd.values()),
+        "bytes": size,
+        "pipeline": pipeline,
+        "repeats": len(samples),
+        **st,
+        "publish_p50_s": stats(pub)["p50_s"],
+        "gbps": gbps,
+        "bound_gbps": bound_gbps,
+        "ratio": gbps / bound_gbps,
+        "device": device,
+    }
 
 
 # --- table ------------------------------------------------------------------------------------
@@ -235,10 +296,16 @@ def _what(r: dict) -> str:
     return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial")
 
 
-COLUMNS = [Col("transport", 9, lambda r: r["transport"], left=True), Col("payload", 13, _what, left=True),
-           Col("size", 10, lambda r: human_bytes(r["bytes"])), Col("p50 ms", 10, lambda r: r["p50_s"] * 1e3, ".3f"),
-           Col("p99 ms", 10, lambda r: r["p99_s"] * 1e3, ".3f"), Col("GB/s", 8, lambda r: r["gbps"], ".3f"),
-           Col("bound", 8, lambda r: r["bound_gbps"], ".3f"), Col("ratio", 6, lambda r: r["ratio"], ".2f")]
+COLUMNS = [
+    Col("transport", 9, lambda r: r["transport"], left=True),
+    Col("payload", 13, _what, left=True),
+    Col("size", 10, lambda r: human_bytes(r["bytes"])),
+    Col("p50 ms", 10, lambda r: r["p50_s"] * 1e3, ".3f"),
+    Col("p99 ms", 10, lambda r: r["p99_s"] * 1e3, ".3f"),
+    Col("GB/s", 8, lambda r: r["gbps"], ".3f"),
+    Col("bound", 8, lambda r: r["bound_gbps"], ".3f"),
+    Col("ratio", 6, lambda r: r["ratio"], ".2f"),
+]
 
 
 def show(rows: list[dict]) -> None:

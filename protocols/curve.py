@@ -134,15 +134,19 @@ class ZapHandler(threading.Thread):
         who = address.decode(errors="replace")
         if mechanism != b"CURVE" or len(creds) != 1:
             self.refused += 1
-            log.warning("refused a %s connection from %s: only CURVE with the run's keys is accepted",
-                        mechanism.decode(errors="replace") or "NULL", who)
+            log.warning(
+                "refused a %s connection from %s: only CURVE with the run's keys is accepted",
+                mechanism.decode(errors="replace") or "NULL",
+                who,
+            )
             return [version, request_id, b"400", b"CURVE required", b"", b""]
         key = z85.encode(creds[0])
         name = self.allow.get(key)
         if name is None:
             self.refused += 1
-            log.warning("refused a CURVE connection from %s: client key %s is not one of the run's keys",
-                        who, key.decode())
+            log.warning(
+                "refused a CURVE connection from %s: client key %s is not one of the run's keys", who, key.decode()
+            )
             return [version, request_id, b"400", b"unknown client key", b"", b""]
         self.admitted += 1
         return [version, request_id, b"200", b"OK", str(name).encode(), b""]

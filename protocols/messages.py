@@ -79,8 +79,11 @@ class SideMessage(Message):
     MAX_BYTES: ClassVar[int] = MAX_MESSAGE_BYTES
 
     def to_body(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if not (f.default is None and getattr(self, f.name) is None)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not (f.default is None and getattr(self, f.name) is None)
+        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -91,6 +94,7 @@ class SideMessage(Message):
 @message
 class Register(Message):
     """worker -> scheduler, first message on a DEALER: who I am."""
+
     TYPE: ClassVar[str] = "register"
     role: str  # rollout | reward | trainer
     worker_id: str
@@ -103,6 +107,7 @@ class Register(Message):
 @message
 class RegisterAck(Message):
     """scheduler -> worker: registration accepted."""
+
     TYPE: ClassVar[str] = "register_ack"
     worker_id: str
     version: int  # the scheduler's current policy version
@@ -111,6 +116,7 @@ class RegisterAck(Message):
 @message
 class Heartbeat(Message):
     """worker -> scheduler, every cluster.heartbeat_s."""
+
     TYPE: ClassVar[str] = "heartbeat"
     worker_id: str
     ts: float
@@ -120,6 +126,7 @@ class Heartbeat(Message):
 @message
 class GenerateRequest(Message):
     """scheduler -> rollout worker: generate n samples of one prompt (one group)."""
+
     TYPE: ClassVar[str] = "generate_request"
     group_id: str
     prompt_id: str
@@ -141,6 +148,7 @@ class TrajectoryReady(Message):
     One message per group, not per sample: per-sample messages cost the scheduler and the
     rollout worker CPU in proportion to n (16 in boba). Parallel lists, one entry per sample;
     a group may also be reported in parts (any subset of its samples)."""
+
     TYPE: ClassVar[str] = "trajectory_ready"
     group_id: str
     worker_id: str
@@ -161,6 +169,7 @@ class TrajectoryReady(Message):
 @message
 class RewardRequest(Message):
     """rollout worker -> reward workers (PUSH/PULL work queue): score the completions of one group."""
+
     TYPE: ClassVar[str] = "reward_request"
     group_id: str
     sample_ids: list[str]
@@ -175,6 +184,7 @@ class RewardRequest(Message):
 class RewardResult(Message):
     """reward worker -> scheduler: scores of one group's samples (parallel lists). Also rollout
     worker -> scheduler for its own groups when a rollout workflow scored the episodes itself."""
+
     TYPE: ClassVar[str] = "reward_result"
     group_id: str
     worker_id: str
@@ -200,6 +210,7 @@ def _same_lengths(msg: "Message", *names: str) -> Optional[str]:
 @message
 class BatchPlan(Message):
     """scheduler -> trainer: train step `step` on these samples (grouped by group_id)."""
+
     TYPE: ClassVar[str] = "batch_plan"
     step: int
     sample_ids: list[str]
@@ -211,6 +222,7 @@ class BatchPlan(Message):
 @message
 class TrainStepDone(Message):
     """trainer -> scheduler: step trained; weights of `version` = step + 1 are published."""
+
     TYPE: ClassVar[str] = "train_step_done"
     step: int
     version: int
@@ -221,6 +233,7 @@ class TrainStepDone(Message):
 @message
 class EvalDone(Message):
     """trainer -> scheduler: the periodic evaluator's result for the weights of `version` (a metrics row)."""
+
     TYPE: ClassVar[str] = "eval_done"
     version: int
     metrics: dict = field(default_factory=dict)  # eval_pass1, eval_pass1_ci_low / _high, eval_k, ...
@@ -229,6 +242,7 @@ class EvalDone(Message):
 @message
 class WeightsPublished(Message):
     """trainer -> rollout workers (via the scheduler): new weights are on the weight channel."""
+
     TYPE: ClassVar[str] = "weights_published"
     version: int
     manifest: dict
@@ -237,6 +251,7 @@ class WeightsPublished(Message):
 @message
 class WeightsLoaded(Message):
     """rollout worker -> scheduler: this worker now generates with `version`."""
+
     TYPE: ClassVar[str] = "weights_loaded"
     worker_id: str
     version: int
@@ -245,6 +260,7 @@ class WeightsLoaded(Message):
 @message
 class TrainerReady(Message):
     """trainer -> scheduler: initial weights (version `version`) are published; send plans."""
+
     TYPE: ClassVar[str] = "trainer_ready"
     version: int
     next_step: int
@@ -253,6 +269,7 @@ class TrainerReady(Message):
 @message
 class CheckpointRequest(Message):
     """scheduler -> trainer: save a checkpoint after `step` with this scheduler state."""
+
     TYPE: ClassVar[str] = "checkpoint_request"
     step: int
     state: dict
@@ -261,6 +278,7 @@ class CheckpointRequest(Message):
 @message
 class CheckpointSaved(Message):
     """trainer -> scheduler: the checkpoint asked for after `step` is complete at `path`."""
+
     TYPE: ClassVar[str] = "checkpoint_saved"
     step: int
     path: str
@@ -271,6 +289,7 @@ class Shutdown(Message):
     """scheduler -> every worker: finish and exit. ``lost``: the scheduler declared this worker
     lost (no heartbeat) and has already re-issued its work: exit non-zero at once, so the
     supervisor restarts it (or fails the run) and nothing it still sends can count."""
+
     TYPE: ClassVar[str] = "shutdown"
     reason: str = ""
     lost: bool = False
@@ -279,6 +298,7 @@ class Shutdown(Message):
 @message
 class Error(Message):
     """Any direction: the peer sent something we refused, or a worker hit a fatal error."""
+
     TYPE: ClassVar[str] = "error"
     code: str
     detail: str
@@ -288,12 +308,23 @@ class Error(Message):
 @message
 class StatusRequest(Message):
     """anyone holding the run's keys -> scheduler (no registration needed): describe the fleet now."""
+
     TYPE: ClassVar[str] = "status_request"
     nonce: int
 
 
-STATUS_WORKER_KEYS = ("worker_id", "role", "pid", "host", "state", "version", "samples", "samples_per_s", "restarts",
-                      "silent_s")
+STATUS_WORKER_KEYS = (
+    "worker_id",
+    "role",
+    "pid",
+    "host",
+    "state",
+    "version",
+    "samples",
+    "samples_per_s",
+    "restarts",
+    "silent_s",
+)
 
 
 @message
@@ -304,6 +335,7 @@ class StatusReport(Message):
     for more than two heartbeat periods); version is the weights a rollout worker loaded (the
     trainer: the version it published; reward workers: -1); samples / samples_per_s: samples it
     delivered (generated, scored, trained) since it registered; restarts: registrations - 1."""
+
     TYPE: ClassVar[str] = "status_report"
     nonce: int
     version: int
@@ -329,6 +361,7 @@ class StatusReport(Message):
 @message
 class Ping(Message):
     """Liveness probe; answered with Pong carrying the same nonce."""
+
     TYPE: ClassVar[str] = "ping"
     nonce: int
 

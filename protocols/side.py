@@ -41,6 +41,7 @@ def _negative(msg: SideMessage, *names: str) -> Optional[str]:
 class TensorHeader(SideMessage):
     """What follows a tensor message's header: each spec ``{name, dtype, shape, nbytes}`` (checked
     against the payload by ``protocols.tensors.check_spec``)."""
+
     TYPE: ClassVar[str] = "tensors"
     MAX_BYTES: ClassVar[int] = 4 * 1024 * 1024
     key: str
@@ -59,6 +60,7 @@ _NOTE_BYTES = 8 * 1024 * 1024
 @side_message
 class ShmTensors(SideMessage):
     """shm sender -> receiver: a message's payload is in segment ``seg`` (``size`` bytes mapped)."""
+
     TYPE: ClassVar[str] = "shm_tensors"
     MAX_BYTES: ClassVar[int] = _NOTE_BYTES
     seg: str
@@ -75,6 +77,7 @@ class ShmTensors(SideMessage):
 @side_message
 class ShmRetire(SideMessage):
     """shm sender -> receiver: the sender closed; forget the mappings of these segments."""
+
     TYPE: ClassVar[str] = "shm_retire"
     MAX_BYTES: ClassVar[int] = _NOTE_BYTES
     segs: list[str]
@@ -83,6 +86,7 @@ class ShmRetire(SideMessage):
 @side_message
 class GroupTensors(SideMessage):
     """gloo/nccl sender -> receiver: rank ``src`` sends buffers of ``sizes`` bytes right after this."""
+
     TYPE: ClassVar[str] = "group_tensors"
     MAX_BYTES: ClassVar[int] = _NOTE_BYTES
     src: int
@@ -96,6 +100,7 @@ class GroupTensors(SideMessage):
 @side_message
 class IpcTensors(SideMessage):
     """cuda_ipc sender -> receiver: the CUDA IPC handle of the payload (None: nothing to map)."""
+
     TYPE: ClassVar[str] = "ipc_tensors"
     MAX_BYTES: ClassVar[int] = _NOTE_BYTES
     ipc: Optional[dict]
@@ -113,6 +118,7 @@ class IpcTensors(SideMessage):
 @side_message
 class WeightFetch(SideMessage):
     """rollout worker -> zmq weight publisher: send bucket ``bucket`` of weights ``version``."""
+
     TYPE: ClassVar[str] = "weight_fetch"
     MAX_BYTES: ClassVar[int] = 4096
     version: int
@@ -127,6 +133,7 @@ _PIPE_BYTES = 64 << 20  # a reply is a few bytes; anything this big means a corr
 @side_message
 class RewardInit(SideMessage):
     """pool -> child, once, first: load ``fn`` ("module:function") and cap memory (0: no cap)."""
+
     TYPE: ClassVar[str] = "reward_init"
     INLINE: ClassVar[bool] = False
     MAX_BYTES: ClassVar[int] = _PIPE_BYTES
@@ -138,6 +145,7 @@ class RewardInit(SideMessage):
 @side_message
 class RewardReady(SideMessage):
     """child -> pool, once: the function loaded (with the child's pid), or why not."""
+
     TYPE: ClassVar[str] = "reward_ready"
     INLINE: ClassVar[bool] = False
     MAX_BYTES: ClassVar[int] = _PIPE_BYTES
@@ -156,6 +164,7 @@ class RewardReady(SideMessage):
 @side_message
 class RewardTask(SideMessage):
     """pool -> child, repeated: score one completion against the reference solutions."""
+
     TYPE: ClassVar[str] = "reward_task"
     INLINE: ClassVar[bool] = False
     MAX_BYTES: ClassVar[int] = _PIPE_BYTES
@@ -166,6 +175,7 @@ class RewardTask(SideMessage):
 @side_message
 class RewardReply(SideMessage):
     """child -> pool, one per task: the score, or the error the reward function raised."""
+
     TYPE: ClassVar[str] = "reward_reply"
     INLINE: ClassVar[bool] = False
     MAX_BYTES: ClassVar[int] = _PIPE_BYTES

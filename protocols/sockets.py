@@ -45,8 +45,9 @@ HWM = 100_000
 def ipc_endpoint(sock_dir: str | Path, name: str) -> str:
     path = Path(sock_dir) / f"{name}.sock"
     if len(str(path)) > 100:  # sun_path is 108 bytes on Linux
-        raise ValueError(f"ipc socket path {str(path)!r} is too long ({len(str(path))} > 100 chars); "
-                         "use a shorter directory")
+        raise ValueError(
+            f"ipc socket path {str(path)!r} is too long ({len(str(path))} > 100 chars); use a shorter directory"
+        )
     return f"ipc://{path}"
 
 
@@ -58,8 +59,15 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def make_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | list[str] | None = None,
-                identity: str | None = None, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+def make_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | list[str] | None = None,
+    identity: str | None = None,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> zmq.Socket:
     """A socket with the project's options: no linger, high-water marks, ``ZMQ_MAXMSGSIZE = max_bytes``
     (a larger inbound frame drops the sender's connection), ROUTER options, and CURVE on ``tcp://``."""
     if not isinstance(max_bytes, int) or max_bytes < 1:
@@ -104,8 +112,9 @@ def decode_frames(frames: list, routed: bool, expect: Optional[tuple] = None) ->
     return None, decode(frames[0], expect)
 
 
-async def recv_message(sock: zmq.asyncio.Socket, routed: bool = False, expect: Optional[tuple] = None,
-                       where: str = "") -> tuple[Optional[bytes], Optional[Message]]:
+async def recv_message(
+    sock: zmq.asyncio.Socket, routed: bool = False, expect: Optional[tuple] = None, where: str = ""
+) -> tuple[Optional[bytes], Optional[Message]]:
     """Receive one message; a bad frame is logged and returned as (sender, None)."""
     frames = await sock.recv_multipart()
     try:

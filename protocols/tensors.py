@@ -20,9 +20,16 @@ from protocols.side import TensorHeader
 
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -57,8 +64,9 @@ def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Te
     header = parse_header(_buf(frames[0]))
     specs = header.specs
     if len(frames) - 1 != len(specs):
-        raise ProtocolError(f"tensor message {header.key!r}: header lists {len(specs)} tensors, "
-                            f"got {len(frames) - 1} frames")
+        raise ProtocolError(
+            f"tensor message {header.key!r}: header lists {len(specs)} tensors, got {len(frames) - 1} frames"
+        )
     out = {}
     for spec, frame in zip(specs, frames[1:]):
         out[spec["name"]] = _tensor(spec, _buf(frame), header.key)
@@ -86,8 +94,9 @@ def check_spec(spec: Any, have: int, key: str) -> tuple[str, torch.dtype, list[i
         raise ProtocolError(f"tensor {name!r}: bad shape {shape!r}")
     want = math.prod(shape) * DTYPES[dtype].itemsize
     if spec["nbytes"] != want or have != want:
-        raise ProtocolError(f"tensor {name!r}: {dtype}{shape} needs {want} bytes; header says "
-                            f"{spec['nbytes']}, payload has {have}")
+        raise ProtocolError(
+            f"tensor {name!r}: {dtype}{shape} needs {want} bytes; header says {spec['nbytes']}, payload has {have}"
+        )
     return name, DTYPES[dtype], shape
 
 

@@ -1,4 +1,5 @@
 """Shared test set-up: CPU only, one torch thread per process (2-core machines)."""
+
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

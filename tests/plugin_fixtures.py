@@ -32,4 +32,3 @@ def too_slow(completion, solutions):
 
 def out_of_range(completion, solutions):
     return 10.0
-

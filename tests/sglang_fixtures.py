@@ -26,11 +26,18 @@ TINY = REPO / "configs" / "tiny_arith.yaml"
 
 def start_cpu_server(config: Path = TINY, port: int | None = None, extra: list[str] = ()):
     port = port or free_tcp_port("127.0.0.1")
-    cmd = [sys.executable, "-m", "areal_async.rollout.sglang_server", "--config", str(config), "--port", str(port),
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.rollout.sglang_server",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+        *extra,
+    ]
     out = None if os.environ.get("AREAL_SERVER_LOGS") else subprocess.DEVNULL  # AREAL_SERVER_LOGS=1: show them
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=out, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -50,8 +57,12 @@ def pinned_wheel() -> Path:
     if found:
         return found[0]
     d.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={SGLANG_PIN}", "-d", str(d)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", f"sglang=={SGLANG_PIN}", "-d", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     found = sorted(d.glob(f"sglang-{SGLANG_PIN}-*.whl"))
     if not found:
         tail = (r.stderr or r.stdout).strip().splitlines()[-3:]

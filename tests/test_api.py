@@ -14,8 +14,14 @@ import areal_async
 from areal_async import Fleet, FleetError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["total_train_steps=4", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
-        "rollout.dump_to_file=true", "cluster.heartbeat_s=0.5"]
+FAST = [
+    "total_train_steps=4",
+    "sft_warmup.steps=10",
+    "train_dataset.batch_size=4",
+    "gconfig.n_samples=4",
+    "rollout.dump_to_file=true",
+    "cluster.heartbeat_s=0.5",
+]
 
 
 @pytest.mark.slow

@@ -17,10 +17,19 @@ from areal_async.app.sft import SFTInputError, batches, run_sft, sft, sft_total_
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs/tiny_sft.yaml"
-SMALL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_hidden_layers=1",
-         "model.max_position_embeddings=32", "train_dataset.size=40", "sft.holdout=8", "sft.batch_size=16",
-         "sft.optimizer.warmup_steps_proportion=0", "evaluator.max_problems=8", "gconfig.max_new_tokens=10",
-         "cluster.torch_threads=1"]
+SMALL = [
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_hidden_layers=1",
+    "model.max_position_embeddings=32",
+    "train_dataset.size=40",
+    "sft.holdout=8",
+    "sft.batch_size=16",
+    "sft.optimizer.warmup_steps_proportion=0",
+    "evaluator.max_problems=8",
+    "gconfig.max_new_tokens=10",
+    "cluster.torch_threads=1",
+]
 
 
 def small_cfg(*overrides: str):
@@ -59,7 +68,8 @@ def test_summary_reports_data_and_accuracy_before_and_after(short_run):
             assert 0.0 <= ev["accuracy"] <= 1.0 and ev["n_samples"] == 8
     assert s["eval"]["before"]["train"]["accuracy"] == 0.0  # a random init never writes \boxed{a+b}
     assert s["final_loss"] < s["first_loss"] and s["train_tokens"] == sum(
-        r["n_tokens"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+        r["n_tokens"] for r in read_jsonl(run_dir / "metrics.jsonl")
+    )
 
 
 def test_saved_model_reloads_with_the_same_logits(short_run):
@@ -90,12 +100,15 @@ def test_dataset_without_answers_is_refused(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training
 
 
-@pytest.mark.parametrize("override,named", [
-    ("sft.holdout=40", "sft.holdout=40"),
-    ("evaluator.max_new_tokens=40", "max_position_embeddings=32"),
-    ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8"),
-    ("model.path=/nonexistent/model", "/nonexistent/model"),
-])
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("sft.holdout=40", "sft.holdout=40"),
+        ("evaluator.max_new_tokens=40", "max_position_embeddings=32"),
+        ("actor.mb_spec.max_tokens_per_mb=8", "actor.mb_spec.max_tokens_per_mb=8"),
+        ("model.path=/nonexistent/model", "/nonexistent/model"),
+    ],
+)
 def test_unusable_inputs_are_refused_before_training(tmp_path, override, named):
     with pytest.raises(SFTInputError, match=named.replace("+", r"\+").replace("[", r"\[")):
         sft(small_cfg(override), tmp_path)
@@ -106,8 +119,13 @@ def test_jsonl_answers_train(tmp_path):
     data = tmp_path / "train.jsonl"
     lines = [{"prompt": f"{a}+{a}=", "solutions": [str(2 * a)], "answer": f"\\boxed{{{2 * a}}}"} for a in range(6)]
     data.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cfg = small_cfg("train_dataset.type=jsonl", f"train_dataset.path={data}", "sft.holdout=0", "sft.steps=3",
-                    "evaluator.enabled=false")
+    cfg = small_cfg(
+        "train_dataset.type=jsonl",
+        f"train_dataset.path={data}",
+        "sft.holdout=0",
+        "sft.steps=3",
+        "evaluator.enabled=false",
+    )
     s = sft(cfg, tmp_path / "run").summary
     assert (s["n_train_examples"], s["steps"], s["eval"]) == (6, 3, {"before": {}, "after": {}})
 

@@ -48,9 +48,25 @@ def test_rows_schema():
     rows = bench.to_rows(runs, bench.compare(runs), {"n_rollout_workers": 1, "seed": 1})
     json.dumps(rows)  # plain JSON, no NaN objects or tuples that change on a round trip
     assert [r["eta"] for r in rows] == [0, 2, 1]
-    need = {"metric", "value", "unit", "eta", "samples_per_s", "limit", "fraction_of_limit", "final_reward",
-            "t_gen", "t_train", "time_to_0.8", "staleness_max", "loadavg_before", "foreign_cpu_frac", "bound",
-            "n_rollout_workers", "seed"}
+    need = {
+        "metric",
+        "value",
+        "unit",
+        "eta",
+        "samples_per_s",
+        "limit",
+        "fraction_of_limit",
+        "final_reward",
+        "t_gen",
+        "t_train",
+        "time_to_0.8",
+        "staleness_max",
+        "loadavg_before",
+        "foreign_cpu_frac",
+        "bound",
+        "n_rollout_workers",
+        "seed",
+    }
     for r in rows:
         assert need <= set(r)
         assert r["metric"] == "trained_samples_per_s" and r["unit"] == "samples/s"

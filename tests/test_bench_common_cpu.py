@@ -60,8 +60,9 @@ TICK = 1 / cpu.CLK_TCK
 
 
 def _start(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _finish(proc: subprocess.Popen) -> None:
@@ -144,11 +145,13 @@ def test_machine_busy_time_covers_a_busy_child():
 
 
 def test_cpu_per_step_over_the_steady_window():
-    samples = [(0, {"trainer": 5.0}),  # before row `skip`: start-up and SFT
-               (3, {"trainer": 10.0, "rollout-0": 1.0}),  # first sample holding row skip=2
-               (5, {"trainer": 10.4, "rollout-0": 1.2}),
-               (13, {"trainer": 13.6, "rollout-0": 2.0}),  # last one with every role alive
-               (13, {"trainer": 13.7})]  # the rollout worker exited: its last reading is lost
+    samples = [
+        (0, {"trainer": 5.0}),  # before row `skip`: start-up and SFT
+        (3, {"trainer": 10.0, "rollout-0": 1.0}),  # first sample holding row skip=2
+        (5, {"trainer": 10.4, "rollout-0": 1.2}),
+        (13, {"trainer": 13.6, "rollout-0": 2.0}),  # last one with every role alive
+        (13, {"trainer": 13.7}),
+    ]  # the rollout worker exited: its last reading is lost
     got = cpu.cpu_per_step(samples, skip=2)
     assert got == pytest.approx({"trainer": 0.36, "rollout-0": 0.1})
     shutdown = samples[:4] + [(13, {"trainer": 15.0, "rollout-0": 2.5})]  # CPU after the last step

@@ -60,8 +60,12 @@ def test_cpu_limit_adds_the_machine_as_a_bound():
 
 
 def test_placement_gives_the_trainer_a_cpu_of_its_own():
-    assert placement([0, 1], []) == ["cluster.cpu_affinity.trainer=0", "cluster.cpu_affinity.scheduler=1",
-                                           "cluster.cpu_affinity.rollout=1", "cluster.cpu_affinity.reward=1"]
+    assert placement([0, 1], []) == [
+        "cluster.cpu_affinity.trainer=0",
+        "cluster.cpu_affinity.scheduler=1",
+        "cluster.cpu_affinity.rollout=1",
+        "cluster.cpu_affinity.reward=1",
+    ]
     assert placement([2, 5, 6], [])[-1] == "cluster.cpu_affinity.reward=5,6"
     assert placement([0], []) == []  # one CPU: nothing to separate
     assert placement([0, 1], ["cluster.cpu_affinity.trainer=1"]) == []  # the caller's placement wins

@@ -8,15 +8,26 @@ from benchmarks.common import check_rows
 
 
 def rows(n: int, step_s: float, train_s: float, publish_s: float, gen: float, reward: float) -> list[dict]:
-    return [{"step": i, "wall_s": 10.0 + i * step_s, "train_s": train_s, "publish_s": publish_s,
-             "gen_busy_s_total": gen * i, "reward_busy_s_total": reward * i, "reward_mean": 0.5} for i in range(n)]
+    return [
+        {
+            "step": i,
+            "wall_s": 10.0 + i * step_s,
+            "train_s": train_s,
+            "publish_s": publish_s,
+            "gen_busy_s_total": gen * i,
+            "reward_busy_s_total": reward * i,
+            "reward_mean": 0.5,
+        }
+        for i in range(n)
+    ]
 
 
 def test_fleet_phases_by_hand():
     ms = bench.fleet_phases(rows(12, step_s=0.2, train_s=0.12, publish_s=0.01, gen=0.05, reward=0.02), warmup=2)
     # every step: wall 200 ms, train 120, publish 10 -> the trainer waited 70; busy counters grow 50 and 20 per step
-    assert ms == pytest.approx({"step": 200.0, "train": 120.0, "publish": 10.0, "wait": 70.0, "gen": 50.0,
-                                "reward": 20.0})
+    assert ms == pytest.approx(
+        {"step": 200.0, "train": 120.0, "publish": 10.0, "wait": 70.0, "gen": 50.0, "reward": 20.0}
+    )
     with pytest.raises(ValueError, match="at least 4 metrics rows"):
         bench.fleet_phases(rows(3, 0.2, 0.1, 0.0, 0.0, 0.0), warmup=2)
 
@@ -28,8 +39,10 @@ def test_tokens_until_eos_counts_the_first_eos_and_nothing_after():
 
 def test_rows_meet_the_contract_and_the_targets_are_judged():
     phases = {"gen": 40.0, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0, "step": 92.0}
-    fleet = {0: dict(phases, step=110.4, final_reward=0.5, foreign_cpu_frac=0.0),
-             1: dict(phases, step=75.0, final_reward=0.5, foreign_cpu_frac=0.0)}
+    fleet = {
+        0: dict(phases, step=110.4, final_reward=0.5, foreign_cpu_frac=0.0),
+        1: dict(phases, step=75.0, final_reward=0.5, foreign_cpu_frac=0.0),
+    }
     out = bench.to_rows(phases, fleet, {"engine_tokens_per_s": 3000.0, "hf_tokens_per_s": 1000.0}, {"steps": 60})
     check_rows(out)
     ratio = {r["eta"]: r for r in out if r["metric"] == "fleet_vs_inprocess_ms_per_step_ratio"}

@@ -18,8 +18,14 @@ TESTS = Path(__file__).resolve().parent
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": f"{TESTS}:{ROOT}"}
-    return subprocess.run([sys.executable, "-m", "areal_async.cli", "check-plugin", *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=env | _base_env())
+    return subprocess.run(
+        [sys.executable, "-m", "areal_async.cli", "check-plugin", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env | _base_env(),
+    )
 
 
 def _base_env() -> dict:
@@ -31,9 +37,9 @@ def _base_env() -> dict:
 BROKEN_REWARDS = {  # plug-in -> the start of its verdict
     "plugin_fixtures:no_such_fn": "cannot load: plug-in 'plugin_fixtures:no_such_fn': <module 'plugin_fixtures'",
     "plugin_fixtures:wrong_signature": "wrong signature: reward fn 'plugin_fixtures:wrong_signature' is "
-                                       "wrong_signature(completion) (too many positional arguments)",
+    "wrong_signature(completion) (too many positional arguments)",
     "plugin_fixtures:returns_text": "wrong return type: reward fn 'plugin_fixtures:returns_text' returned 'correct' "
-                                    "(str) on '7 + 5 = \\\\boxed{12}'",
+    "(str) on '7 + 5 = \\\\boxed{12}'",
     "plugin_fixtures:raises": "raises: reward fn 'plugin_fixtures:raises' raised IndexError: list index out of range",
     "plugin_fixtures:too_slow": "too slow: reward fn 'plugin_fixtures:too_slow' did not return within 1 s",
 }
@@ -65,12 +71,18 @@ def test_good_reward_and_out_of_range_score():
     assert shipped.ok, shipped.message
 
 
-@pytest.mark.parametrize("name, start", [
-    ("ReturnsTokens", "wrong return type: workflow 'workflow_fixtures:ReturnsTokens' returned list"),
-    ("SyncEpisode", "wrong signature: workflow 'workflow_fixtures:SyncEpisode' has arun_episode a plain function"),
-    ("MaskTooShort", "bad episode: workflow 'workflow_fixtures:MaskTooShort' returned an Episode whose loss_mask has "),
-    ("HangsInGenerate", "too slow: workflow 'workflow_fixtures:HangsInGenerate' did not finish an episode in 1 s"),
-])
+@pytest.mark.parametrize(
+    "name, start",
+    [
+        ("ReturnsTokens", "wrong return type: workflow 'workflow_fixtures:ReturnsTokens' returned list"),
+        ("SyncEpisode", "wrong signature: workflow 'workflow_fixtures:SyncEpisode' has arun_episode a plain function"),
+        (
+            "MaskTooShort",
+            "bad episode: workflow 'workflow_fixtures:MaskTooShort' returned an Episode whose loss_mask has ",
+        ),
+        ("HangsInGenerate", "too slow: workflow 'workflow_fixtures:HangsInGenerate' did not finish an episode in 1 s"),
+    ],
+)
 def test_broken_workflows(name, start):
     v = check_plugin(f"workflow_fixtures:{name}", timeout_s=1.0)
     assert v.kind == "workflow" and not v.ok and v.message.startswith(start), v.message
@@ -79,8 +91,11 @@ def test_broken_workflows(name, start):
 def test_good_workflows_pass():
     v = check_plugin("workflow_fixtures:GoodWorkflow")
     assert v.ok and "2 turn(s)" in v.message, v.message
-    for shipped in ("areal_async.workflows.base:SingleTurn", "areal_async.workflows.multi_turn_math:MultiTurnMath",
-                    "areal_async.workflows.calculator:CalculatorTool"):
+    for shipped in (
+        "areal_async.workflows.base:SingleTurn",
+        "areal_async.workflows.multi_turn_math:MultiTurnMath",
+        "areal_async.workflows.calculator:CalculatorTool",
+    ):
         v = check_plugin(shipped)
         assert v.ok and "turn(s)" in v.message, v.message
 

@@ -1,4 +1,5 @@
 """Checkpoints: HF round trip, optimizer/scheduler/RNG/extra restored, atomicity, pruning."""
+
 import random
 
 import numpy as np
@@ -18,8 +19,15 @@ torch.set_num_threads(1)
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -40,8 +48,15 @@ def trained_actor():
 
 
 def save(root, step, actor, **kw):
-    return save_checkpoint(root, step, version=step + 1, model=actor.model, tokenizer=kw.get("tokenizer"),
-                           actor_state=actor.state_dict(), extra=kw.get("extra", {"cursor": step}))
+    return save_checkpoint(
+        root,
+        step,
+        version=step + 1,
+        model=actor.model,
+        tokenizer=kw.get("tokenizer"),
+        actor_state=actor.state_dict(),
+        extra=kw.get("extra", {"cursor": step}),
+    )
 
 
 def test_round_trip(tmp_path):

@@ -58,8 +58,9 @@ async def silent(sock, timeout=1.0) -> bool:
 def scheduler(run_dir, port):
     cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_concurrent_rollouts=2"])
     ep = Endpoints(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_tcp_port()}", [], "")
-    return SchedulerService(cfg, ep, run_dir, t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s],
-                            roster=Roster.of_run(run_dir))
+    return SchedulerService(
+        cfg, ep, run_dir, t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s], roster=Roster.of_run(run_dir)
+    )
 
 
 async def started_fleet(svc, ctx, tokens):
@@ -155,11 +156,13 @@ async def test_keyed_impostor_is_refused_and_the_worker_keeps_its_work(keyed_run
         ident = svc.workers["rollout-0"]["ident"]
         assert held
         endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        claims = [("rollout", "rollout-0", ""),  # the live worker's id, no token
-                  ("rollout", "rollout-0", tokens["reward-0"]),  # another worker's token
-                  ("trainer", "rollout-0", tokens["rollout-0"]),  # the right token, another role
-                  ("rollout", "rollout-7", tokens["rollout-0"]),  # an id the supervisor never launched
-                  ("reward", "trainer", tokens["trainer"])]  # the trainer's id and token, another role
+        claims = [
+            ("rollout", "rollout-0", ""),  # the live worker's id, no token
+            ("rollout", "rollout-0", tokens["reward-0"]),  # another worker's token
+            ("trainer", "rollout-0", tokens["rollout-0"]),  # the right token, another role
+            ("rollout", "rollout-7", tokens["rollout-0"]),  # an id the supervisor never launched
+            ("reward", "trainer", tokens["trainer"]),
+        ]  # the trainer's id and token, another role
         for k, (role, wid, tok) in enumerate(claims):
             # the run's client keys (make_socket applies them), its own connection; even the
             # worker's bare id as routing identity

@@ -11,12 +11,36 @@ from typing import Optional
 
 import pytest
 
-from areal_async.config import (ActorConfig, ClusterConfig, ConfigError, CpuAffinityConfig, DatasetConfig,
-                                EvaluatorConfig, ExperimentConfig, GenerationConfig, MicroBatchSpec, ModelConfig,
-                                NormConfig, OptimizerConfig, RecoverConfig, RefConfig, RejectionSamplingConfig,
-                                RewardConfig, RolloutConfig, SaverConfig, Section, SFTConfig, SFTWarmupConfig,
-                                SGLangConfig, SlurmConfig, StatsLoggerConfig, TensorChannelConfig, VLLMConfig, describe,
-                                from_dict)
+from areal_async.config import (
+    ActorConfig,
+    ClusterConfig,
+    ConfigError,
+    CpuAffinityConfig,
+    DatasetConfig,
+    EvaluatorConfig,
+    ExperimentConfig,
+    GenerationConfig,
+    MicroBatchSpec,
+    ModelConfig,
+    NormConfig,
+    OptimizerConfig,
+    RecoverConfig,
+    RefConfig,
+    RejectionSamplingConfig,
+    RewardConfig,
+    RolloutConfig,
+    SaverConfig,
+    Section,
+    SFTConfig,
+    SFTWarmupConfig,
+    SGLangConfig,
+    SlurmConfig,
+    StatsLoggerConfig,
+    TensorChannelConfig,
+    VLLMConfig,
+    describe,
+    from_dict,
+)
 
 # (section, bad fields, the message's start "key=value", a fragment of what was expected): hand-picked
 BAD = [
@@ -104,12 +128,25 @@ def test_every_section_has_a_refusal_above():
 
 CROSS = [  # rules that join sections live on ExperimentConfig and name the full dotted key
     ({"actor": ActorConfig(ppo_n_minibatches=200)}, "actor.ppo_n_minibatches=200", "<= samples per step (128)"),
-    ({"rollout": RolloutConfig(backend="sglang:d3")}, "rollout.backend='sglang:d3'",
-     "a multiple of cluster.n_rollout_workers=2"),  # on cpu: the CPU servers, each worker owning its own
-    ({"rollout": RolloutConfig(backend="sglang:d16"), "cluster": ClusterConfig(device="cuda")},
-     "rollout.backend='sglang:d16'", "cluster.n_nodes * cluster.n_gpus_per_node = 8"),
-    ({"rollout": RolloutConfig(backend="sglang"), "cluster": ClusterConfig(device="cuda"),
-      "sglang": SGLangConfig(context_length=1000)}, "sglang.context_length=1000", "= 1040"),  # 1024 + 16
+    (
+        {"rollout": RolloutConfig(backend="sglang:d3")},
+        "rollout.backend='sglang:d3'",
+        "a multiple of cluster.n_rollout_workers=2",
+    ),  # on cpu: the CPU servers, each worker owning its own
+    (
+        {"rollout": RolloutConfig(backend="sglang:d16"), "cluster": ClusterConfig(device="cuda")},
+        "rollout.backend='sglang:d16'",
+        "cluster.n_nodes * cluster.n_gpus_per_node = 8",
+    ),
+    (
+        {
+            "rollout": RolloutConfig(backend="sglang"),
+            "cluster": ClusterConfig(device="cuda"),
+            "sglang": SGLangConfig(context_length=1000),
+        },
+        "sglang.context_length=1000",
+        "= 1040",
+    ),  # 1024 + 16
 ]
 
 
@@ -120,9 +157,17 @@ def test_experiment_config_checks_the_rules_between_sections(sections, start, ex
     assert str(e.value).startswith(start) and expected in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("override", ["actor.mb_spec.max_tokens_per_mb=0", "ref.mb_spec.max_tokens_per_mb=0",
-                                      "actor.optimizer.beta2=1", "sft.optimizer.beta2=1",
-                                      "actor.adv_norm.mean_level=token", "cluster.cpu_affinity.trainer=0-x"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "actor.mb_spec.max_tokens_per_mb=0",
+        "ref.mb_spec.max_tokens_per_mb=0",
+        "actor.optimizer.beta2=1",
+        "sft.optimizer.beta2=1",
+        "actor.adv_norm.mean_level=token",
+        "cluster.cpu_affinity.trainer=0-x",
+    ],
+)
 def test_the_loader_names_the_dotted_key_of_a_shared_section(override):
     key, value = override.split("=")
     with pytest.raises(ConfigError) as e:
@@ -131,8 +176,10 @@ def test_the_loader_names_the_dotted_key_of_a_shared_section(override):
 
 
 def test_partial_sections_keep_the_parents_defaults_and_types_are_coerced():
-    c = from_dict({"actor": {"adv_norm": {"std_level": "group"}, "optimizer": {"lr": "1e-3"}}},
-                  ["cluster.cpu_affinity.trainer=1", "actor.eps_clip=1"])
+    c = from_dict(
+        {"actor": {"adv_norm": {"std_level": "group"}, "optimizer": {"lr": "1e-3"}}},
+        ["cluster.cpu_affinity.trainer=1", "actor.eps_clip=1"],
+    )
     assert (c.actor.adv_norm.mean_level, c.actor.adv_norm.std_level) == ("batch", "group")
     assert c.actor.optimizer.lr == 0.001 and c.actor.eps_clip == 1.0 and isinstance(c.actor.eps_clip, float)
     assert c.cluster.cpu_affinity.trainer == "1"

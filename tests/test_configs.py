@@ -20,8 +20,9 @@ TINY = ROOT / "configs/tiny_arith.yaml"
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "areal_async.cli", *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "areal_async.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
 
 
 def test_the_expected_presets_exist():
@@ -123,8 +124,14 @@ def test_vllm_backend_servers_addresses_and_context_length():
     c = load_config(TINY, ["rollout.backend=vllm"])
     assert n_servers(c) == 2 and server_addresses(c) == []  # one per rollout worker, started by the supervisor
     assert n_servers(load_config(TINY, ["rollout.backend=vllm:d4"])) == 4
-    c = load_config(TINY, ["rollout.backend=vllm", "vllm.addresses=[http://h:1, http://h:2, http://h:3, http://h:4]",
-                           "sglang.addresses=[http://s:1, http://s:2]"])
+    c = load_config(
+        TINY,
+        [
+            "rollout.backend=vllm",
+            "vllm.addresses=[http://h:1, http://h:2, http://h:3, http://h:4]",
+            "sglang.addresses=[http://s:1, http://s:2]",
+        ],
+    )
     assert n_servers(c) == 4 and server_addresses(c)[0] == "http://h:1"  # vllm's, not sglang's
     with pytest.raises(ConfigError, match=r"rollout\.backend='vllm:d3'.*multiple of cluster\.n_rollout_workers=2"):
         load_config(TINY, ["rollout.backend=vllm:d3"])
@@ -133,9 +140,14 @@ def test_vllm_backend_servers_addresses_and_context_length():
         load_config(TINY, ["rollout.backend=vllm", "vllm.max_model_len=8"])
 
 
-@pytest.mark.parametrize("override,key", [("rollout.max_head_offpolicy=1", "rollout.max_head_offpolicy"),
-                                          ("sft.optimizer.lr=-1", "sft.optimizer.lr"),
-                                          ("evaluator.greedy=true", "evaluator.n_samples")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("rollout.max_head_offpolicy=1", "rollout.max_head_offpolicy"),
+        ("sft.optimizer.lr=-1", "sft.optimizer.lr"),
+        ("evaluator.greedy=true", "evaluator.n_samples"),
+    ],
+)
 def test_cli_refuses_bad_overrides_with_exit_code_2(override, key):
     proc = cli("run", str(BOBA), "--dry-run", override)
     assert proc.returncode == 2
@@ -171,13 +183,25 @@ def _leaf_keys(d: dict, prefix: str = "") -> set[str]:
 def test_knobs_lists_every_key_with_help():
     proc = cli("knobs")
     assert proc.returncode == 0, proc.stderr
-    listed = dict(line.split(None, 1) if len(line.split(None, 1)) == 2 else (line.strip(), "")
-                  for line in proc.stdout.splitlines() if line.strip())
+    listed = dict(
+        line.split(None, 1) if len(line.split(None, 1)) == 2 else (line.strip(), "")
+        for line in proc.stdout.splitlines()
+        if line.strip()
+    )
     keys = _leaf_keys(to_dict(load_config(BOBA)))
     assert set(listed) == keys == {k for k, _ in describe()}
     empty = sorted(k for k, text in listed.items() if not text.strip())
     assert not empty, f"keys without help: {empty}"
-    for key in ("ref.path", "sglang.context_length", "sglang.mem_fraction_static", "vllm.max_model_len",
-                "cluster.n_nodes", "cluster.n_gpus_per_node", "evaluator.n_samples", "sft.steps",
-                "sft.optimizer.lr", "sft.holdout"):
+    for key in (
+        "ref.path",
+        "sglang.context_length",
+        "sglang.mem_fraction_static",
+        "vllm.max_model_len",
+        "cluster.n_nodes",
+        "cluster.n_gpus_per_node",
+        "evaluator.n_samples",
+        "sft.steps",
+        "sft.optimizer.lr",
+        "sft.holdout",
+    ):
         assert key in listed

@@ -27,8 +27,12 @@ def test_tiny_arith_mixed_ops_keep_negative_answers_plain():
 
 def test_jsonl_loads_and_names_bad_lines(tmp_path):
     good = tmp_path / "d.jsonl"
-    good.write_text(json.dumps({"prompt": "1+1=", "solutions": ["2"]}) + "\n\n" +
-                    json.dumps({"prompt": "x", "solutions": ["1", "1.0"], "answer": "\\boxed{1}"}) + "\n")
+    good.write_text(
+        json.dumps({"prompt": "1+1=", "solutions": ["2"]})
+        + "\n\n"
+        + json.dumps({"prompt": "x", "solutions": ["1", "1.0"], "answer": "\\boxed{1}"})
+        + "\n"
+    )
     probs = load_jsonl(good)
     assert [p.solutions for p in probs] == [("2",), ("1", "1.0")] and probs[1].answer == "\\boxed{1}"
     bad = tmp_path / "bad.jsonl"

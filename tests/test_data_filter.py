@@ -32,18 +32,23 @@ def test_filter_keeps_the_band_by_rates_scored_in_the_reward_pool(tmp_path, monk
     """Scripted completions give known rates (2/2, 1/2, 0/2); the reward pool scores them for real."""
     tok = build_char_tokenizer()
     enc = prompt_encoder(tok, "none")
-    rows = [{"prompt": "2+2=", "solutions": ["4"]}, {"prompt": "3+5=", "solutions": ["8"], "answer": "\\boxed{8}"},
-            {"prompt": "9+9=", "solutions": ["18"]}]
+    rows = [
+        {"prompt": "2+2=", "solutions": ["4"]},
+        {"prompt": "3+5=", "solutions": ["8"], "answer": "\\boxed{8}"},
+        {"prompt": "9+9=", "solutions": ["18"]},
+    ]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    answers = {tuple(enc("2+2=")): ["\\boxed{4}", "\\boxed{4}"], tuple(enc("3+5=")): ["\\boxed{8}", "\\boxed{7}"],
-               tuple(enc("9+9=")): ["\\boxed{17}", "18"]}  # the last one is unboxed: scores 0
+    answers = {
+        tuple(enc("2+2=")): ["\\boxed{4}", "\\boxed{4}"],
+        tuple(enc("3+5=")): ["\\boxed{8}", "\\boxed{7}"],
+        tuple(enc("9+9=")): ["\\boxed{17}", "18"],
+    }  # the last one is unboxed: scores 0
     cfg = from_dict({}, ["evaluator.n_samples=2", "evaluator.greedy=false", "reward.n_procs=1"])
     monkeypatch.setattr(data_filter, "eval_policy", lambda c, d: (build_model(c.model, len(tok), 1), tok, "scripted"))
     monkeypatch.setattr(data_filter, "eval_engine", lambda c, m, t: ScriptedEngine(tok, answers))
     counts = data_filter.filter_data(cfg, str(data), tmp_path / "kept.jsonl", Band.parse("[0,1)"), None)
-    assert counts == {"model": "scripted", "band": "[0,1)", "k": 2, "read": 3, "kept": 2, "too_easy": 1,
-                      "too_hard": 0}
+    assert counts == {"model": "scripted", "band": "[0,1)", "k": 2, "read": 3, "kept": 2, "too_easy": 1, "too_hard": 0}
     kept = [json.loads(line) for line in (tmp_path / "kept.jsonl").read_text().splitlines()]
     assert kept == rows[1:]  # the answer field travels with its problem
     rates = [json.loads(line) for line in (tmp_path / "kept.jsonl.rates.jsonl").read_text().splitlines()]
@@ -55,9 +60,23 @@ def test_filter_keeps_the_band_by_rates_scored_in_the_reward_pool(tmp_path, monk
 def test_cli_filter_runs_and_refuses_a_bad_band(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "solutions": [str(a + 1)]}) + "\n" for a in range(3)))
-    cmd = [sys.executable, "-m", "areal_async.cli", "data", "filter", str(ROOT / "configs/tiny_arith.yaml"),
-           "--data", str(data), "-o", str(tmp_path / "out.jsonl"), "-k", "2", "sft_warmup.steps=5",
-           "evaluator.max_new_tokens=6", "reward.n_procs=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "data",
+        "filter",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--data",
+        str(data),
+        "-o",
+        str(tmp_path / "out.jsonl"),
+        "-k",
+        "2",
+        "sft_warmup.steps=5",
+        "evaluator.max_new_tokens=6",
+        "reward.n_procs=1",
+    ]
     done = subprocess.run(cmd + ["--band", "[0,1]"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 problems, k=2, band [0,1]" in done.stdout and "3 kept, 0 too easy, 0 too hard" in done.stdout

@@ -21,20 +21,37 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["total_train_steps=6", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
-        "rollout.dump_to_file=true", "cluster.heartbeat_s=0.5"]
+FAST = [
+    "total_train_steps=6",
+    "sft_warmup.steps=10",
+    "train_dataset.batch_size=4",
+    "gconfig.n_samples=4",
+    "rollout.dump_to_file=true",
+    "cluster.heartbeat_s=0.5",
+]
 
 
 def cli(run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"),
-            "--run-dir", str(run_dir), "--no-progress", *FAST, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *FAST,
+        *overrides,
+    ]
 
 
 def run_ok(run_dir: Path, *overrides: str, timeout: float = 240) -> None:
     """Run to completion; every process the run started (workers and their own children, such
     as reward-checking processes) must be gone shortly after the supervisor exits."""
-    proc = subprocess.Popen(cli(run_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+    proc = subprocess.Popen(
+        cli(run_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     finish_ok(proc, timeout)
 
 
@@ -130,8 +147,9 @@ def wait_for_metrics(run_dir: Path, proc: subprocess.Popen, timeout: float = 180
 
 def test_sigterm_stops_every_process_it_started(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(run_dir, "total_train_steps=1000"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_metrics(run_dir, proc)
     started = descendants(proc.pid)
     assert len(started) >= 5  # scheduler, reward (+ its pool), trainer, 2 rollouts
@@ -145,8 +163,13 @@ def test_sigterm_stops_every_process_it_started(tmp_path):
 
 def test_a_dead_worker_fails_the_run_loudly(tmp_path):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000", "cluster.max_restarts=0"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(run_dir, "total_train_steps=1000", "cluster.max_restarts=0"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_metrics(run_dir, proc)
     started = descendants(proc.pid)
     victim = json.loads((run_dir / "pids.json").read_text())["rollout-1"]
@@ -161,8 +184,9 @@ def test_a_dead_worker_fails_the_run_loudly(tmp_path):
 
 
 def test_bad_override_is_refused_before_anything_starts(tmp_path):
-    proc = subprocess.run(cli(tmp_path / "run", "rollout.max_head_offpolicyness=-1"), capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        cli(tmp_path / "run", "rollout.max_head_offpolicyness=-1"), capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == 2
     assert "rollout.max_head_offpolicyness=-1" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -175,8 +199,13 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
     checkpoint's DCP shards are read back by another number of trainer ranks too."""
     run_dir = tmp_path / "run"
     args = ["total_train_steps=12", "saver.freq_steps=3", "saver.keep_last=2", "rollout.max_head_offpolicyness=1"]
-    proc = subprocess.Popen(cli(run_dir, *args, f"cluster.n_trainer_ranks={ranks_before}"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(run_dir, *args, f"cluster.n_trainer_ranks={ranks_before}"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 180
     while len(read_jsonl(run_dir / "metrics.jsonl")) < 8 if (run_dir / "metrics.jsonl").exists() else True:
         assert proc.poll() is None and time.monotonic() < deadline
@@ -224,8 +253,14 @@ def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights,
     """The same fleet with the other CPU channels: trajectories and weights really move over them
     (with 2 trainer ranks, weights are gathered from the shards in buckets of 64 KiB)."""
     run_dir = tmp_path / "run"
-    run_ok(run_dir, f"tensor_channel.trajectories={trajectories}", f"tensor_channel.weights={weights}",
-           "rollout.max_head_offpolicyness=2", f"cluster.n_trainer_ranks={ranks}", "tensor_channel.bucket_mb=0.0625")
+    run_ok(
+        run_dir,
+        f"tensor_channel.trajectories={trajectories}",
+        f"tensor_channel.weights={weights}",
+        "rollout.max_head_offpolicyness=2",
+        f"cluster.n_trainer_ranks={ranks}",
+        "tensor_channel.bucket_mb=0.0625",
+    )
     check_books(run_dir, eta=2)
     for r in range(2):  # every rollout worker loaded the last published version over the channel
         log = (run_dir / "logs" / f"rollout-{r}.log").read_text()
@@ -236,8 +271,21 @@ def test_fleet_runs_on_every_cpu_tensor_channel(tmp_path, trajectories, weights,
 def test_gpu_sglang_backend_without_sglang_is_refused_clearly(tmp_path):
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here: the GPU preset would start real servers")
-    proc = subprocess.run([sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/boba_grpo.yaml"),
-                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.cli",
+            "run",
+            str(ROOT / "configs/boba_grpo.yaml"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and "sglang package is not installed" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -248,9 +296,18 @@ def test_cpu_affinity_pins_each_role_and_its_children(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     mine, rest = cpus[0], cpus[-1]  # the same CPU on a 1-core machine: the pins are still checked
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(cli(run_dir, "total_train_steps=1000", f"cluster.cpu_affinity.trainer={mine}",
-                                *(f"cluster.cpu_affinity.{r}={rest}" for r in ("scheduler", "rollout", "reward"))),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(
+            run_dir,
+            "total_train_steps=1000",
+            f"cluster.cpu_affinity.trainer={mine}",
+            *(f"cluster.cpu_affinity.{r}={rest}" for r in ("scheduler", "rollout", "reward")),
+        ),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_metrics(run_dir, proc)
         roles = {}
@@ -261,8 +318,13 @@ def test_cpu_affinity_pins_each_role_and_its_children(tmp_path):
                 pins = {frozenset(os.sched_getaffinity(t)) for t in threads}
             except (OSError, ProcessLookupError):
                 continue
-            role = argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else \
-                "reward-pool" if "areal_async.reward._child" in argv else "other"
+            role = (
+                argv[argv.index("--worker-id") + 1]
+                if "--worker-id" in argv
+                else "reward-pool"
+                if "areal_async.reward._child" in argv
+                else "other"
+            )
             roles[role] = pins
         assert {"scheduler", "trainer", "rollout-0", "rollout-1", "reward-0", "reward-pool"} <= set(roles), roles
         for role, pins in roles.items():
@@ -276,8 +338,13 @@ def test_cpu_affinity_pins_each_role_and_its_children(tmp_path):
 
 def test_unavailable_cpus_are_refused_before_anything_starts(tmp_path):
     bad = max(os.sched_getaffinity(0)) + 1000
-    proc = subprocess.run(cli(tmp_path / "run", f"cluster.cpu_affinity.trainer=0,{bad}"), capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        cli(tmp_path / "run", f"cluster.cpu_affinity.trainer=0,{bad}"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert f"cluster.cpu_affinity.trainer='0,{bad}': CPU(s) [{bad}] are not available here" in proc.stderr
     assert not (tmp_path / "run").exists()
@@ -289,8 +356,13 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
     trained or aborted exactly once."""
     run_dir = tmp_path / "run"
     steps = 80  # long enough that the restarted workers register well before the run ends
-    proc = subprocess.Popen(cli(run_dir, f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(run_dir, f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_metrics(run_dir, proc)
     pids = json.loads((run_dir / "pids.json").read_text())
     os.kill(pids["rollout-1"], signal.SIGKILL)

@@ -24,8 +24,9 @@ B, N = 4, 4  # train_dataset.batch_size and gconfig.n_samples of test_e2e.FAST
 
 
 def start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cli(run_dir, *overrides), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen(
+        cli(run_dir, *overrides), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def wait_steps(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 180) -> None:
@@ -59,7 +60,7 @@ def with_sitecustomize(tmp_path: Path, code: str) -> dict:
     return dict(os.environ, PYTHONPATH=str(d))
 
 
-SCHEDULER_BUG = '''
+SCHEDULER_BUG = """
 import os
 import sys
 if "workers.scheduler" in getattr(sys, "orig_argv", []):
@@ -74,14 +75,18 @@ if "workers.scheduler" in getattr(sys, "orig_argv", []):
         return _orig(self, step, version)
 
     core.SchedulerCore.on_step_done = on_step_done
-'''
+"""
 
 
 def test_scheduler_exception_mid_run_ends_the_run_loudly_in_time(tmp_path):
     """Before: the serve task died, the scheduler process lived on, and the run hung for ever."""
     run_dir, step_timeout = tmp_path / "run", 20
-    proc = start(run_dir, "total_train_steps=30", f"cluster.step_timeout_s={step_timeout}",
-                 env=with_sitecustomize(tmp_path, SCHEDULER_BUG))
+    proc = start(
+        run_dir,
+        "total_train_steps=30",
+        f"cluster.step_timeout_s={step_timeout}",
+        env=with_sitecustomize(tmp_path, SCHEDULER_BUG),
+    )
     wait_steps(run_dir, proc, 2)
     t_fault = time.monotonic()  # step 2 is next: the scheduler raises when it ends
     started = descendants(proc.pid)
@@ -102,8 +107,15 @@ def test_sigstopped_trainer_is_lost_killed_and_the_run_recovers_with_exact_books
     """Before: the trainer was declared lost, never stopped, its TrainStepDone refused, and six
     processes idled for ever. Now: told, killed, and the fleet relaunched from a checkpoint."""
     run_dir, steps = tmp_path / "run", 10
-    proc = start(run_dir, f"total_train_steps={steps}", "saver.freq_steps=2", "cluster.worker_timeout_s=3",
-                 "cluster.step_timeout_s=30", "recover.retries=1", "rollout.max_head_offpolicyness=1")
+    proc = start(
+        run_dir,
+        f"total_train_steps={steps}",
+        "saver.freq_steps=2",
+        "cluster.worker_timeout_s=3",
+        "cluster.step_timeout_s=30",
+        "recover.retries=1",
+        "rollout.max_head_offpolicyness=1",
+    )
     wait_steps(run_dir, proc, 3)
     trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
     os.kill(trainer, signal.SIGSTOP)
@@ -123,8 +135,14 @@ def test_stopped_reward_worker_groups_end_by_deadline_and_are_re_issued(tmp_path
     away). Before: those groups waited as long as it did. Now: aborted at reward.deadline_s,
     prompts re-issued, its late scores refused; the books stay exact."""
     run_dir, steps = tmp_path / "run", 14
-    proc = start(run_dir, f"total_train_steps={steps}", "cluster.n_reward_workers=2", "reward.deadline_s=2",
-                 "cluster.worker_timeout_s=120", "rollout.max_head_offpolicyness=1")
+    proc = start(
+        run_dir,
+        f"total_train_steps={steps}",
+        "cluster.n_reward_workers=2",
+        "reward.deadline_s=2",
+        "cluster.worker_timeout_s=120",
+        "rollout.max_head_offpolicyness=1",
+    )
     wait_steps(run_dir, proc, 2)
     reward = json.loads((run_dir / "pids.json").read_text())["reward-0"]
     os.kill(reward, signal.SIGSTOP)
@@ -143,8 +161,7 @@ def test_stopped_reward_worker_groups_end_by_deadline_and_are_re_issued(tmp_path
 
 def test_sigterm_saves_a_final_checkpoint_stops_everything_and_resume_continues_exactly(tmp_path):
     run_dir, steps = tmp_path / "run", 16
-    args = [f"total_train_steps={steps}", "saver.freq_steps=6", "saver.keep_last=3",
-            "rollout.max_head_offpolicyness=1"]
+    args = [f"total_train_steps={steps}", "saver.freq_steps=6", "saver.keep_last=3", "rollout.max_head_offpolicyness=1"]
     proc = start(run_dir, *args)
     wait_steps(run_dir, proc, 8)  # the periodic checkpoint after step 5 exists; the next is after 11
     started = descendants(proc.pid)
@@ -157,8 +174,9 @@ def test_sigterm_saves_a_final_checkpoint_stops_everything_and_resume_continues_
     ckpts = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
     final = max(ckpts)
     assert 5 in ckpts and 7 <= final < 11 and (run_dir / "checkpoints" / f"step_{final}" / "COMPLETE").exists()
-    trained_before = max(t["train_step"] for t in read_jsonl(run_dir / "trajectories.jsonl")
-                         if t["status"] == "trained")
+    trained_before = max(
+        t["train_step"] for t in read_jsonl(run_dir / "trajectories.jsonl") if t["status"] == "trained"
+    )
     assert trained_before == final  # the final checkpoint holds every step trained
 
     err = finish_ok(start(run_dir, *args, "recover.mode=auto"))

@@ -32,9 +32,13 @@ def watch_versions(url: str, stop: threading.Event, seen: list) -> None:
 
 def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(tmp_path):
     run_dir, steps, eta = tmp_path / "run", 40, 2
-    proc = subprocess.Popen(cli(run_dir, "rollout.backend=sglang", f"total_train_steps={steps}",
-                                f"rollout.max_head_offpolicyness={eta}"),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(run_dir, "rollout.backend=sglang", f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={eta}"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_metrics(run_dir, proc, timeout=300)
     servers = json.loads((run_dir / "endpoints.json").read_text())["extra"]["servers"]
     seen: list = []

@@ -20,14 +20,35 @@ from areal_async.models.tokenizer import load_tokenizer
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["total_train_steps=6", "sft_warmup.steps=40", "train_dataset.batch_size=4", "gconfig.n_samples=4",
-        "cluster.heartbeat_s=0.5", "rollout.max_head_offpolicyness=1"]
+FAST = [
+    "total_train_steps=6",
+    "sft_warmup.steps=40",
+    "train_dataset.batch_size=4",
+    "gconfig.n_samples=4",
+    "cluster.heartbeat_s=0.5",
+    "rollout.max_head_offpolicyness=1",
+]
 
 
 def run(preset: str, run_dir: Path, *extra: str) -> tuple[list[dict], list[dict], dict]:
-    out = subprocess.run([sys.executable, "-m", "areal_async.cli", "run", str(ROOT / preset), "--run-dir",
-                          str(run_dir), "--no-progress", *FAST, *extra], cwd=ROOT, capture_output=True, text=True,
-                         timeout=400)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.cli",
+            "run",
+            str(ROOT / preset),
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+            *FAST,
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     read = lambda name: [json.loads(x) for x in (run_dir / name).read_text().splitlines()]  # noqa: E731
     return read("metrics.jsonl"), read("trajectories.jsonl"), json.loads((run_dir / "summary.json").read_text())

@@ -1,5 +1,6 @@
 """TorchEngine: behaviour logprobs vs a no-cache forward, shared prefill, continuous batching,
 interrupt-and-resume weight updates, finish reasons, abort, and a printed micro-benchmark."""
+
 import time
 
 import pytest
@@ -12,8 +13,9 @@ from areal_async.rollout.engine import GenRequest, GroupOutput
 from areal_async.rollout.torch_engine import TorchEngine, sample_tokens
 
 TOK = build_char_tokenizer()
-SMALL = ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2)
+SMALL = ModelConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 PROMPTS = ["7+5=", "1", "what is 12+30? ", "ab"]  # different lengths: left padding must not leak
 
 
@@ -38,7 +40,7 @@ def _ref_logprobs(model, prompt_ids, out_ids, temperature=1.0) -> torch.Tensor:
     """log_softmax(logits / T) of each generated token from one full forward, no cache, no padding."""
     with torch.no_grad():
         logits_TV = model(torch.tensor([list(prompt_ids) + list(map(int, out_ids))])).logits[0].float()
-    logp_TV = torch.log_softmax(logits_TV / temperature, -1)[len(prompt_ids) - 1:-1]
+    logp_TV = torch.log_softmax(logits_TV / temperature, -1)[len(prompt_ids) - 1 : -1]
     return logp_TV.gather(1, torch.as_tensor(out_ids)[:, None]).squeeze(1)
 
 
@@ -58,16 +60,19 @@ def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_
         engine.add_request(r)
     outs = _run(engine)
     assert sorted(outs) == sorted(r.group_id for r in reqs)
-    assert all(len(o.samples) == 3 and all(s.versions.tolist() == [0] * len(s.output_ids) for s in o.samples)
-               for o in outs.values())
+    assert all(
+        len(o.samples) == 3 and all(s.versions.tolist() == [0] * len(s.output_ids) for s in o.samples)
+        for o in outs.values()
+    )
     _assert_logprobs_match(model, reqs, outs, temperature)
 
 
 def test_group_prompt_is_prefilled_once_and_samples_differ():
     model = _model()
     shapes = []
-    model.model.register_forward_hook(lambda m, args, kw, out: shapes.append(tuple(kw["input_ids"].shape)),
-                                      with_kwargs=True)
+    model.model.register_forward_hook(
+        lambda m, args, kw, out: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     engine = TorchEngine(model, TOK, seed=0)
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(_req(f"g{i}", p, n=4, max_new_tokens=6))
@@ -98,8 +103,9 @@ def test_top_p_samples_only_the_nucleus_and_reports_untruncated_logprobs():
     logits_BV = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)  # probs .64 .24 .09 .03
     B = len(logits_BV)
     gen = torch.Generator().manual_seed(0)
-    tok_B, logp_B = sample_tokens(logits_BV, torch.ones(B), torch.full((B,), 0.7), torch.zeros(B, dtype=torch.bool),
-                                  gen)
+    tok_B, logp_B = sample_tokens(
+        logits_BV, torch.ones(B), torch.full((B,), 0.7), torch.zeros(B, dtype=torch.bool), gen
+    )
     assert set(tok_B.tolist()) == {0, 1}  # 0.64 < 0.7 needs token 1 too; 0.64 + 0.24 >= 0.7 stops there
     assert abs((tok_B == 0).float().mean().item() - 0.644 / 0.881) < 0.03  # renormalised inside the nucleus
     torch.testing.assert_close(logp_B, torch.log_softmax(logits_BV, -1).gather(1, tok_B[:, None]).squeeze(1))
@@ -167,11 +173,14 @@ def test_update_weights_mid_generation_recomputes_the_kv_cache():
             torch.testing.assert_close(s.logprobs, torch.cat([ref_old, ref_new]), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda sd: sd.pop("model.norm.weight"), "missing weight 'model.norm.weight'"),
-    (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(7)), r"'model.norm.weight' has shape \(7,\)"),
-    (lambda sd: sd.__setitem__("extra.weight", torch.ones(1)), "'extra.weight' is not a weight"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda sd: sd.pop("model.norm.weight"), "missing weight 'model.norm.weight'"),
+        (lambda sd: sd.__setitem__("model.norm.weight", torch.ones(7)), r"'model.norm.weight' has shape \(7,\)"),
+        (lambda sd: sd.__setitem__("extra.weight", torch.ones(1)), "'extra.weight' is not a weight"),
+    ],
+)
 def test_mismatched_state_dict_is_refused_and_old_weights_keep_working(mutate, match):
     model = _model()
     engine = TorchEngine(model, TOK, seed=0, version=0)

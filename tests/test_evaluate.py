@@ -46,8 +46,9 @@ class ScriptedEngine(RolloutEngine):
 
     def step(self):
         done, self.open = self.open, []
-        return [GroupOutput(r.group_id, [self._sample(t) for t in self.answers[tuple(r.prompt_ids)][: r.n]])
-                for r in done]
+        return [
+            GroupOutput(r.group_id, [self._sample(t) for t in self.answers[tuple(r.prompt_ids)][: r.n]]) for r in done
+        ]
 
     def _sample(self, text):
         ids = self.tok.encode(text, add_special_tokens=False)
@@ -67,9 +68,11 @@ def test_evaluate_scores_every_sample_with_the_reward_pool():
     tok = build_char_tokenizer()
     enc = prompt_encoder(tok, "none")
     problems = [Problem(0, "2+2=", ("4",)), Problem(1, "3+5=", ("8",)), Problem(2, "1/2+1/2=", ("1",))]
-    answers = {tuple(enc("2+2=")): ["\\boxed{4}", "\\boxed{04}"],  # both right (math-verify: 04 = 4)
-               tuple(enc("3+5=")): ["\\boxed{9}", "\\boxed{8}"],  # one of two
-               tuple(enc("1/2+1/2=")): ["no box 1", "\\boxed{2/2}"]}  # unboxed scores 0; 2/2 = 1
+    answers = {
+        tuple(enc("2+2=")): ["\\boxed{4}", "\\boxed{04}"],  # both right (math-verify: 04 = 4)
+        tuple(enc("3+5=")): ["\\boxed{9}", "\\boxed{8}"],  # one of two
+        tuple(enc("1/2+1/2=")): ["no box 1", "\\boxed{2/2}"],
+    }  # unboxed scores 0; 2/2 = 1
     s = Sampling(k=2, greedy=False, temperature=0.6, top_p=0.95, max_new_tokens=8)
     engine = ScriptedEngine(tok, answers)
     with RewardPool(n_procs=1, timeout_s=10) as pool:
@@ -88,8 +91,18 @@ FAST = ["sft_warmup.steps=5", "evaluator.max_problems=6", "evaluator.max_new_tok
 
 def test_cli_eval_writes_rows_and_summary_and_refuses_bad_flags(tmp_path):
     out = tmp_path / "ev"
-    cmd = [sys.executable, "-m", "areal_async.cli", "eval", str(ROOT / "configs/tiny_arith.yaml"), "--out", str(out),
-           "-k", "3", *FAST]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "eval",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--out",
+        str(out),
+        "-k",
+        "3",
+        *FAST,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pass@1" in done.stdout and "95% CI" in done.stdout and "samples / problem (k)          3" in done.stdout
@@ -99,19 +112,30 @@ def test_cli_eval_writes_rows_and_summary_and_refuses_bad_flags(tmp_path):
     assert summary["pass1"] == pytest.approx(sum(r["pass1"] for r in rows) / 6)
     assert summary["ci_low"] <= summary["pass1"] <= summary["ci_high"]
     assert summary["model"].startswith("initial policy") and (summary["k"], summary["temperature"]) == (3, 0.6)
-    bad = subprocess.run(cmd[:-len(FAST)] + ["--greedy"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(cmd[: -len(FAST)] + ["--greedy"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "-k 3 with --greedy" in bad.stderr
-    missing = subprocess.run(cmd + ["--model", str(tmp_path / "nope")], capture_output=True, text=True, cwd=ROOT,
-                             timeout=120)
+    missing = subprocess.run(
+        cmd + ["--model", str(tmp_path / "nope")], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert missing.returncode == 2 and "nope" in missing.stderr and "config.json" in missing.stderr
 
 
 def test_periodic_evaluator_agrees_with_eval_on_a_saved_model(tmp_path):
     """The trainer's evaluator on a state dict and `areal-async eval --model` on the same weights saved
     to disk give the same pass@1 (fresh engine seeded alike, same problems and settings)."""
-    cfg = from_dict({}, ["evaluator.n_samples=4", "evaluator.greedy=false", "evaluator.temperature=1.0",
-                         "evaluator.max_problems=5", "evaluator.freq_steps=2", "total_train_steps=5",
-                         "gconfig.max_new_tokens=6", "reward.n_procs=1"])
+    cfg = from_dict(
+        {},
+        [
+            "evaluator.n_samples=4",
+            "evaluator.greedy=false",
+            "evaluator.temperature=1.0",
+            "evaluator.max_problems=5",
+            "evaluator.freq_steps=2",
+            "total_train_steps=5",
+            "gconfig.max_new_tokens=6",
+            "reward.n_procs=1",
+        ],
+    )
     tok = build_char_tokenizer()
     trained = build_model(cfg.model, len(tok), seed=7)  # weights unlike the evaluator's own initial ones
     save_policy(trained, tok, tmp_path / "model")
@@ -136,16 +160,34 @@ def test_eval_through_an_sglang_server_serving_the_model(tmp_path):
 
     from protocols.sockets import free_tcp_port
 
-    cfg_args = ["evaluator.n_samples=3", "evaluator.greedy=false", "evaluator.max_problems=4",
-                "gconfig.max_new_tokens=6", "reward.n_procs=1", "rollout.backend=sglang", "cluster.device=cpu",
-                "cluster.n_rollout_workers=1"]
+    cfg_args = [
+        "evaluator.n_samples=3",
+        "evaluator.greedy=false",
+        "evaluator.max_problems=4",
+        "gconfig.max_new_tokens=6",
+        "reward.n_procs=1",
+        "rollout.backend=sglang",
+        "cluster.device=cpu",
+        "cluster.n_rollout_workers=1",
+    ]
     tok = build_char_tokenizer()
     base = from_dict({}, cfg_args)
     save_policy(build_model(base.model, len(tok), seed=7), tok, tmp_path / "model")
     port = free_tcp_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "areal_async.rollout.sglang_server", "--model-path",
-                             str(tmp_path / "model"), "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "areal_async.rollout.sglang_server",
+            "--model-path",
+            str(tmp_path / "model"),
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         cfg = from_dict({}, cfg_args + [f"sglang.addresses=[{url}]"])

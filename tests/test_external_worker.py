@@ -20,15 +20,27 @@ from workers.external_reward import score
 from areal_async.base.runkeys import write_run_keys
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["total_train_steps=6", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
-        "rollout.dump_to_file=true", "cluster.heartbeat_s=0.5", "cluster.worker_timeout_s=3",
-        "cluster.n_reward_workers=0", "cluster.n_external_reward_workers=1"]
+FAST = [
+    "total_train_steps=6",
+    "sft_warmup.steps=10",
+    "train_dataset.batch_size=4",
+    "gconfig.n_samples=4",
+    "rollout.dump_to_file=true",
+    "cluster.heartbeat_s=0.5",
+    "cluster.worker_timeout_s=3",
+    "cluster.n_reward_workers=0",
+    "cluster.n_external_reward_workers=1",
+]
 
 
 def external(run_dir: Path, worker_id: str) -> subprocess.Popen:
     log = open(run_dir / f"{worker_id}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "workers.external_reward", str(run_dir), "--worker-id", worker_id],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers.external_reward", str(run_dir), "--worker-id", worker_id],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -78,8 +90,9 @@ def test_external_reward_worker_scores_a_fleet_and_its_loss_is_reissued(tmp_path
 def test_reward_worker_refuses_a_slot_the_fleet_lacks(tmp_path):
     cfg = load_config(ROOT / "configs/tiny_arith.yaml", ["cluster.n_external_reward_workers=1"])
     (tmp_path / "config.yaml").write_text(__import__("areal_async.config", fromlist=["to_yaml"]).to_yaml(cfg))
-    (tmp_path / "endpoints.json").write_text(json.dumps({"control": "ipc:///x", "trajectories": "ipc:///y",
-                                                         "rewards": ["ipc:///r0", "ipc:///r1"]}))
+    (tmp_path / "endpoints.json").write_text(
+        json.dumps({"control": "ipc:///x", "trajectories": "ipc:///y", "rewards": ["ipc:///r0", "ipc:///r1"]})
+    )
     write_run_keys(tmp_path, {})  # a run directory holds its keys (the supervisor writes them)
     with pytest.raises(ValueError, match="slot=1: .* keeps 1 bring-your-own reward slot"):
         RewardWorker(tmp_path, score, slot=1)
@@ -100,8 +113,12 @@ def test_external_rollout_worker_generates_for_a_fleet(tmp_path):
     cfg = load_config(ROOT / "configs/tiny_arith.yaml", FAST[:6] + ["cluster.n_rollout_workers=1"])
     log = open(tmp_path / "byo-rollout.log", "wb")
     # started first: it imports torch, then waits for the fleet's endpoints.json
-    ext = subprocess.Popen([sys.executable, str(ROOT / "tests" / "byo_rollout.py"), str(run_dir), "byo-rollout"],
-                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    ext = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "byo_rollout.py"), str(run_dir), "byo-rollout"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     wait_for(lambda: (tmp_path / "byo-imported").exists(), 240, "the external rollout worker's imports")
     with Fleet(cfg, run_dir=run_dir) as fleet:
         assert fleet.wait(timeout=300) == 0, (run_dir / "fleet.log").read_text()[-3000:]

@@ -1,5 +1,6 @@
 """GPU-path choices checked on CPU: flash-attn only for bf16/fp16 compute, the NCCL unique id in
 the form the installed CuPy takes (tuple up to CuPy 13, bytes from 14)."""
+
 import pytest
 import torch
 

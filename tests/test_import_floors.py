@@ -30,20 +30,24 @@ FACADES: dict[str, int] = {"areal_async": 7}  # ``areal_async.Fleet`` / ``load_c
 
 # (importer, imported) -> why the import must stay inside a function.
 LAZY: dict[tuple[str, str], str] = {
-    ("areal_async.cli", "areal_async.app.sft"):
-        "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
+    (
+        "areal_async.cli",
+        "areal_async.app.sft",
+    ): "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
     ("areal_async.cli", "areal_async.app.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.app.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
     ("areal_async.cli", "areal_async.app.data_filter"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.app.plot"): "matplotlib: `run`, `knobs` and `--help` never need it",
     ("areal_async.cli", "areal_async.app.data_prepare"): "math-verify: `run`, `knobs` and `--help` never need it",
     ("areal_async.cli", "areal_async.app.check_plugin"): "its reward pool and workflow checks load only for "
-                                                         "check-plugin",
+    "check-plugin",
     ("areal_async", "areal_async.api"): "the package root re-exports Fleet on first use: a submodule import "
-                                        "(a reward child) must not load the API",
+    "(a reward child) must not load the API",
     ("areal_async", "areal_async.config"): "the package root re-exports load_config on first use (as above)",
-    **{(f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
-       for r in ("scheduler", "reward", "rollout", "trainer")},
+    **{
+        (f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
+        for r in ("scheduler", "reward", "rollout", "trainer")
+    },
 }
 
 
@@ -113,8 +117,9 @@ def lazy_violations(imports) -> list[str]:
     """Unlisted project imports inside functions, and LAZY entries no longer needed."""
     lazy = {(i, m): line for i, m, line, inside in imports if inside}
     bad = [f"{i}:{line} imports {m} inside a function" for (i, m), line in lazy.items() if (i, m) not in LAZY]
-    return bad + [f"LAZY lists {i} -> {m}, which is no longer imported inside a function" for i, m in LAZY
-                  if (i, m) not in lazy]
+    return bad + [
+        f"LAZY lists {i} -> {m}, which is no longer imported inside a function" for i, m in LAZY if (i, m) not in lazy
+    ]
 
 
 def test_every_module_is_on_a_floor():
@@ -130,15 +135,17 @@ def test_no_module_imports_its_own_floor_or_above():
 
 def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
     bad = lazy_violations(all_imports())
-    assert not bad, ("move these imports to the top of the module, or list them in LAZY with the reason "
-                     "they must stay lazy:\n" + "\n".join(bad))
+    assert not bad, (
+        "move these imports to the top of the module, or list them in LAZY with the reason "
+        "they must stay lazy:\n" + "\n".join(bad)
+    )
 
 
 def test_the_checker_catches_what_it_should(tmp_path):
     """A small tree with known faults: each is reported, the allowed imports are not."""
     files = {
         "areal_async/trainer/actor.py": "from areal_async.app.sft import x\nfrom ..config import C\n"
-                                        "from . import loss\nimport torch, protocols.messages\n",
+        "from . import loss\nimport torch, protocols.messages\n",
         "areal_async/trainer/loss.py": "def f():\n    from areal_async.reward import pool\n",
         "areal_async/app/sft.py": "from areal_async.trainer import actor\n",
     }
@@ -155,9 +162,13 @@ def test_the_checker_catches_what_it_should(tmp_path):
         ("areal_async.trainer.loss", "areal_async.reward", True),
     ]
     assert floor_violations(imports) == [
-        ("areal_async.trainer.actor:1 imports areal_async.app.sft "
-         "(floor 5, above it: areal_async.trainer.actor is on floor 4)"),
-        ("areal_async.trainer.loss:2 imports areal_async.reward "
-         "(floor 4, beside it: areal_async.trainer.loss is on floor 4)"),
+        (
+            "areal_async.trainer.actor:1 imports areal_async.app.sft "
+            "(floor 5, above it: areal_async.trainer.actor is on floor 4)"
+        ),
+        (
+            "areal_async.trainer.loss:2 imports areal_async.reward "
+            "(floor 4, beside it: areal_async.trainer.loss is on floor 4)"
+        ),
     ]
     assert lazy_violations(imports)[0] == "areal_async.trainer.loss:2 imports areal_async.reward inside a function"

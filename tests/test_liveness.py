@@ -24,6 +24,7 @@ SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 
 # ---- TaskSet -----------------------------------------------------------------------------
 
+
 async def _forever():
     await asyncio.sleep(3600)
 
@@ -65,6 +66,7 @@ def test_a_loop_that_returns_is_a_failure_and_stop_is_not():
 
 # ---- deadlines and bounded re-issue (fake clock) -------------------------------------------
 
+
 class Clock:
     def __init__(self):
         self.t = 1000.0
@@ -74,11 +76,20 @@ class Clock:
 
 
 def deadline_core(logged, clock, gen=30.0, reward=10.0, max_reissues=-1, n=2):
-    params = SchedulerParams(batch_size=1, n_samples=n, eta=1, total_steps=50, max_concurrent=1,
-                             gen=dict(max_new_tokens=4), gen_deadline_s=gen, reward_deadline_s=reward,
-                             max_reissues=max_reissues)
-    core = SchedulerCore(params, PromptCursor(7, seed=0), lambda i: ([1, 2, i], [str(i)]), log_sample=logged.append,
-                         clock=clock)
+    params = SchedulerParams(
+        batch_size=1,
+        n_samples=n,
+        eta=1,
+        total_steps=50,
+        max_concurrent=1,
+        gen=dict(max_new_tokens=4),
+        gen_deadline_s=gen,
+        reward_deadline_s=reward,
+        max_reissues=max_reissues,
+    )
+    core = SchedulerCore(
+        params, PromptCursor(7, seed=0), lambda i: ([1, 2, i], [str(i)]), log_sample=logged.append, clock=clock
+    )
     core.add_rollout("r0")
     core.on_trainer_ready(0, 0)
     return core
@@ -100,8 +111,9 @@ def test_reward_worker_lost_while_trajectory_ready_was_queued_group_ends_by_dead
     clock.t += 0.5
     aborted = core.expire()
     assert [r.sample_id for r in aborted] == list(req.sample_ids)
-    assert all(r.status == "aborted" and r.reason.startswith("deadline: no score 10.5s after generation")
-               for r in aborted)
+    assert all(
+        r.status == "aborted" and r.reason.startswith("deadline: no score 10.5s after generation") for r in aborted
+    )
     assert core.ledger.groups[req.group_id].status == "aborted"
     [(_, again)] = core.admit()  # the slot is free again and the prompt comes back first
     assert again.prompt_id == req.prompt_id and again.group_id != req.group_id
@@ -119,8 +131,7 @@ def test_a_group_never_generated_ends_by_the_generation_deadline():
     clock.t += 2.0
     aborted = core.expire()
     assert len(aborted) == 2 and "not generated 31.0s after issue to r0" in aborted[0].reason
-    assert core.running == 0 and list(core.reissue) == [(core.ledger.groups[req.group_id].problem_index,
-                                                          req.prompt_id)]
+    assert core.running == 0 and list(core.reissue) == [(core.ledger.groups[req.group_id].problem_index, req.prompt_id)]
 
 
 def test_a_scored_group_is_not_expired_and_deadlines_can_be_off():
@@ -171,6 +182,7 @@ def test_re_issue_counts_survive_a_checkpoint():
 
 # ---- the trainer's buffer stays bounded -----------------------------------------------------
 
+
 class Channel:
     def __init__(self):
         self.frames = []
@@ -185,10 +197,17 @@ class Channel:
 def group(gid: str, *sids: str) -> tuple:
     """One rollout group message (``group_tensors`` layout): one output token per sample."""
     n = len(sids)
-    return (gid, {"group_id": gid, "sample_ids": list(sids)},
-            {"prompt_ids": torch.tensor([1], dtype=torch.int32), "lengths": torch.ones(n, dtype=torch.int32),
-             "output_ids": torch.ones(n, dtype=torch.int32), "logprobs": torch.zeros(n),
-             "versions": torch.zeros(n, dtype=torch.int32)})
+    return (
+        gid,
+        {"group_id": gid, "sample_ids": list(sids)},
+        {
+            "prompt_ids": torch.tensor([1], dtype=torch.int32),
+            "lengths": torch.ones(n, dtype=torch.int32),
+            "output_ids": torch.ones(n, dtype=torch.int32),
+            "logprobs": torch.zeros(n),
+            "versions": torch.zeros(n, dtype=torch.int32),
+        },
+    )
 
 
 def test_trajectory_buffer_drop_list_is_bounded_and_late_tensors_are_refused_once():
@@ -216,6 +235,7 @@ def test_trajectory_buffer_drop_list_is_bounded_and_late_tensors_are_refused_onc
 
 
 # ---- supervisor: lost workers are killed; the step watchdog names the silent role -------------
+
 
 def supervisor(tmp_path, *overrides):
     sup = LocalSupervisor(from_dict({}, list(overrides)), tmp_path, progress=False)
@@ -257,11 +277,20 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
 
     def status():  # a live scheduler: rewritten often; the trainer is busy and silent
-        (tmp_path / "status.json").write_text(json.dumps({
-            "next_step": 1, "trainer_ready": True, "trainer_busy": True,
-            "waiting_for": "the trainer to finish step 1 (planned 2s ago)",
-            "workers": {"trainer": {"role": "trainer", "silent_s": 2.0, "waiting_for": "its own train_step (step 1)"},
-                        "rollout-0": {"role": "rollout", "silent_s": 0.1, "waiting_for": "generating 0 group(s)"}}}))
+        (tmp_path / "status.json").write_text(
+            json.dumps(
+                {
+                    "next_step": 1,
+                    "trainer_ready": True,
+                    "trainer_busy": True,
+                    "waiting_for": "the trainer to finish step 1 (planned 2s ago)",
+                    "workers": {
+                        "trainer": {"role": "trainer", "silent_s": 2.0, "waiting_for": "its own train_step (step 1)"},
+                        "rollout-0": {"role": "rollout", "silent_s": 0.1, "waiting_for": "generating 0 group(s)"},
+                    },
+                }
+            )
+        )
 
     orig = sup._watchdog
     sup._watchdog = lambda: (status(), orig())[1]
@@ -269,8 +298,10 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
     assert sup.watch(poll_s=0.05) == 1
     assert 1.4 <= time.monotonic() - t0 < 10
     err = capsys.readouterr().err
-    assert ("(cluster.step_timeout_s=1.5): silent role: trainer (waiting for its own train_step (step 1); last "
-            "heartbeat 2.0s ago)") in err
+    assert (
+        "(cluster.step_timeout_s=1.5): silent role: trainer (waiting for its own train_step (step 1); last "
+        "heartbeat 2.0s ago)"
+    ) in err
     assert "The scheduler waits for the trainer to finish step 1" in err and "the run failed" in err
     assert sched.proc.poll() is not None
 
@@ -279,9 +310,14 @@ def test_silence_report_names_the_scheduler_when_its_status_is_stale():
     cfg = from_dict({}, ["cluster.step_timeout_s=30"])
     assert "silent role: scheduler (its status.json is 40s old)" in silence_report({"workers": {}}, 40.0, 31, cfg)
     assert "silent role: scheduler (its status.json is missing)" in silence_report(None, None, 31, cfg)
-    st = {"trainer_busy": False, "waiting_for": "1/4 groups ready for step 3",
-          "workers": {"trainer": {"role": "trainer", "silent_s": 0.5, "waiting_for": "a BatchPlan for step 3"},
-                      "reward-0": {"role": "reward", "silent_s": 25.0, "waiting_for": "scoring 2 group(s)"}}}
+    st = {
+        "trainer_busy": False,
+        "waiting_for": "1/4 groups ready for step 3",
+        "workers": {
+            "trainer": {"role": "trainer", "silent_s": 0.5, "waiting_for": "a BatchPlan for step 3"},
+            "reward-0": {"role": "reward", "silent_s": 25.0, "waiting_for": "scoring 2 group(s)"},
+        },
+    }
     report = silence_report(st, 1.0, 31, cfg)
     assert "silent role: reward (reward-0: last heartbeat 25.0s ago, waiting for scoring 2 group(s))" in report
     assert "The scheduler waits for 1/4 groups ready for step 3" in report

@@ -1,4 +1,5 @@
 """Tiny model build / save / load: identical logits after a round trip, seeding, local-only loads."""
+
 import pytest
 import torch
 

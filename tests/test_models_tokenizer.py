@@ -1,9 +1,17 @@
 """Character tokenizer: exact round trip, special ids, save/load through AutoTokenizer, unknowns."""
+
 import pytest
 from transformers import AutoTokenizer
 
-from areal_async.models.tokenizer import (BOS_ID, DEFAULT_ALPHABET, EOS_ID, PAD_ID, UNK_ID, build_char_tokenizer,
-                                          check_encodable)
+from areal_async.models.tokenizer import (
+    BOS_ID,
+    DEFAULT_ALPHABET,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    build_char_tokenizer,
+    check_encodable,
+)
 
 TEXTS = ["12+7=19", "  two  spaces, tab-less\nnew line. ", "Answer: \\boxed{42}\n\n", "a"]
 

@@ -1,4 +1,5 @@
 """Packing: layout, block-causal mask, packed logprobs == per-sequence logprobs, allocator."""
+
 import copy
 import math
 import random
@@ -8,9 +9,18 @@ import torch
 import transformers
 
 from areal_async.trainer.logprobs import iter_micro_batches, packed_logprobs
-from areal_async.trainer.packing import (VARLEN_IMPL, allocate_micro_batches, block_causal_mask,
-                                         first_fit_decreasing, forward_packed, lower_bound, pack,
-                                         select_attn_implementation, unpack, use_varlen_attention)
+from areal_async.trainer.packing import (
+    VARLEN_IMPL,
+    allocate_micro_batches,
+    block_causal_mask,
+    first_fit_decreasing,
+    forward_packed,
+    lower_bound,
+    pack,
+    select_attn_implementation,
+    unpack,
+    use_varlen_attention,
+)
 
 torch.set_num_threads(1)
 VOCAB = 61
@@ -19,8 +29,15 @@ VOCAB = 61
 def tiny_model(attn: str) -> torch.nn.Module:
     """Same weights whatever the attention implementation (GQA: 4 heads, 2 KV heads)."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     cfg._attn_implementation = "eager" if attn == "eager" else "sdpa"
     model = transformers.LlamaForCausalLM(cfg).eval()
     return use_varlen_attention(model) if attn == VARLEN_IMPL else model
@@ -76,8 +93,9 @@ def test_block_structure_matters():
     p = pack(random_seqs([6, 8]))
     causal = torch.zeros(14, 14).masked_fill(~torch.ones(14, 14, dtype=torch.bool).tril(), -1e30)[None, None]
     with torch.no_grad():
-        leaky = model(input_ids=p.ids_T[None], position_ids=p.position_ids_T[None], attention_mask=causal,
-                      use_cache=False).logits[0]
+        leaky = model(
+            input_ids=p.ids_T[None], position_ids=p.position_ids_T[None], attention_mask=causal, use_cache=False
+        ).logits[0]
         logp, _ = forward_packed(model, p)
     second_leaky = torch.log_softmax(leaky[6:13], -1).gather(-1, p.ids_T[7:14, None])[:, 0]
     assert not torch.allclose(second_leaky, unpack(logp, p.cu_seqlens)[1], atol=1e-4)
@@ -86,8 +104,15 @@ def test_block_structure_matters():
 @pytest.mark.parametrize("attn", ["sdpa", VARLEN_IMPL])
 def test_packed_logprobs_qwen2(attn):
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     plain = transformers.Qwen2ForCausalLM(cfg).eval()
     model = use_varlen_attention(copy.deepcopy(plain)) if attn == VARLEN_IMPL else plain
     seqs = random_seqs([9, 3, 14])

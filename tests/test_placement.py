@@ -1,23 +1,41 @@
 """Device placement: which GPUs each process of a run gets, for the boba presets' cluster shapes."""
+
 import pytest
 
-from areal_async.supervisor.placement import (ClusterShape, PlacementError, Slot, check_gpus_present,
-                                              gpus_needed_on, place)
+from areal_async.supervisor.placement import (
+    ClusterShape,
+    PlacementError,
+    Slot,
+    check_gpus_present,
+    gpus_needed_on,
+    place,
+)
 
 EXTRA = ("scheduler", "reward-0")
 
 
 def shape(nodes, rollout_gpus, ranks, rollout_workers=4, device="cuda"):
-    return ClusterShape(n_nodes=nodes, n_gpus_per_node=8, device=device, n_trainer_ranks=ranks,
-                        n_rollout_workers=rollout_workers, rollout_gpus=rollout_gpus, extra_workers=EXTRA)
+    return ClusterShape(
+        n_nodes=nodes,
+        n_gpus_per_node=8,
+        device=device,
+        n_trainer_ranks=ranks,
+        n_rollout_workers=rollout_workers,
+        rollout_gpus=rollout_gpus,
+        extra_workers=EXTRA,
+    )
 
 
 def test_one_node_of_eight_boba_1_5b():
     # boba_grpo.yaml: sglang:d4 over 4 rollout workers, 4 trainer ranks on the other half of the node
     p = place(shape(1, 4, 4))
     assert [p[f"rollout-{i}"] for i in range(4)] == [Slot(0, (i,)) for i in range(4)]
-    assert [p[w] for w in ("trainer", "trainer-1", "trainer-2", "trainer-3")] == \
-        [Slot(0, (4,), 0), Slot(0, (5,), 1), Slot(0, (6,), 2), Slot(0, (7,), 3)]
+    assert [p[w] for w in ("trainer", "trainer-1", "trainer-2", "trainer-3")] == [
+        Slot(0, (4,), 0),
+        Slot(0, (5,), 1),
+        Slot(0, (6,), 2),
+        Slot(0, (7,), 3),
+    ]
     assert p["scheduler"] == Slot(0) and p["reward-0"] == Slot(0)
     assert p["trainer-2"].env() == {"CUDA_VISIBLE_DEVICES": "6", "LOCAL_RANK": "2"}
     assert p["reward-0"].env() == {"CUDA_VISIBLE_DEVICES": ""}
@@ -80,8 +98,15 @@ def test_boba_preset_layouts(nodes, dp, ranks):
     from areal_async.config import load_config
     from areal_async.supervisor.local import LaunchError, device_placement
 
-    cfg = load_config("configs/boba_grpo.yaml", [f"cluster.n_nodes={nodes}", f"rollout.backend=sglang:d{dp}",
-                                                 f"cluster.n_rollout_workers={dp}", f"cluster.n_trainer_ranks={ranks}"])
+    cfg = load_config(
+        "configs/boba_grpo.yaml",
+        [
+            f"cluster.n_nodes={nodes}",
+            f"rollout.backend=sglang:d{dp}",
+            f"cluster.n_rollout_workers={dp}",
+            f"cluster.n_trainer_ranks={ranks}",
+        ],
+    )
     p = device_placement(cfg, gpus_here=8)
     trainers = [s for w, s in p.items() if w.startswith("trainer")]
     assert len(trainers) == ranks and all(len(s.gpus) == 1 for s in trainers)

@@ -29,15 +29,39 @@ def fake_run(run_dir: Path, steps: int = 40) -> None:
     rows, trajs = [], []
     for s in range(steps):
         if s % 20 == 0:
-            rows.append({"kind": "eval", "step": s, "version": s, "eval_pass1": 0.3 + s / 100, "eval_pass1_ci_low": 0.2,
-                         "eval_pass1_ci_high": 0.5 + s / 100, "eval_n_problems": 100, "eval_k": 8})
-        rows.append({"step": s, "version": s + 1, "reward_mean": min(1.0, 0.3 + s / 60 + rng.uniform(-0.1, 0.1)),
-                     "staleness_max": rng.randint(0, 2), "staleness_mean": rng.uniform(0, 1.5),
-                     "samples_trained_total": 128 * (s + 1), "samples_generated_total": 140 * (s + 1),
-                     "samples_rewarded_total": 136 * (s + 1), "wall_s": 1.0 + 0.4 * s, "loss": rng.gauss(0, 0.1),
-                     "clip_frac": rng.uniform(0, 0.1), "imp_weight_mean": 1 + rng.uniform(-0.01, 0.01),
-                     "rejected_frac": 0.0, "entropy": 2.5 - s / 40, "grad_norm": rng.uniform(0.5, 2),
-                     "behav_approx_kl": rng.uniform(0, 0.004), "approx_kl": rng.uniform(0, 0.01)})
+            rows.append(
+                {
+                    "kind": "eval",
+                    "step": s,
+                    "version": s,
+                    "eval_pass1": 0.3 + s / 100,
+                    "eval_pass1_ci_low": 0.2,
+                    "eval_pass1_ci_high": 0.5 + s / 100,
+                    "eval_n_problems": 100,
+                    "eval_k": 8,
+                }
+            )
+        rows.append(
+            {
+                "step": s,
+                "version": s + 1,
+                "reward_mean": min(1.0, 0.3 + s / 60 + rng.uniform(-0.1, 0.1)),
+                "staleness_max": rng.randint(0, 2),
+                "staleness_mean": rng.uniform(0, 1.5),
+                "samples_trained_total": 128 * (s + 1),
+                "samples_generated_total": 140 * (s + 1),
+                "samples_rewarded_total": 136 * (s + 1),
+                "wall_s": 1.0 + 0.4 * s,
+                "loss": rng.gauss(0, 0.1),
+                "clip_frac": rng.uniform(0, 0.1),
+                "imp_weight_mean": 1 + rng.uniform(-0.01, 0.01),
+                "rejected_frac": 0.0,
+                "entropy": 2.5 - s / 40,
+                "grad_norm": rng.uniform(0.5, 2),
+                "behav_approx_kl": rng.uniform(0, 0.004),
+                "approx_kl": rng.uniform(0, 0.01),
+            }
+        )
         trajs += [{"status": "trained", "train_step": s, "version_min": s - rng.randint(0, 2)} for _ in range(4)]
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -53,8 +77,14 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_plot_writes_every_figure_as_a_valid_png(tmp_path):
     fake_run(tmp_path / "run")
     paths = plot_run(tmp_path / "run")
-    assert [p.name for p in paths] == ["reward.png", "staleness.png", "throughput.png", "loss.png", "kl.png",
-                                       "eval.png"]
+    assert [p.name for p in paths] == [
+        "reward.png",
+        "staleness.png",
+        "throughput.png",
+        "loss.png",
+        "kl.png",
+        "eval.png",
+    ]
     for p in paths:
         width, height = png_size(p)
         assert p.parent == tmp_path / "run" / "plots" and width >= 500 and height >= 350 and p.stat().st_size > 10_000
@@ -77,6 +107,7 @@ def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path):
     with pytest.raises(PlotError, match="metrics.jsonl:2: not valid JSON"):
         plot_run(tmp_path / "empty")
     fake_run(tmp_path / "run", steps=5)
-    done = subprocess.run(cmd + [str(tmp_path / "run"), "--out", str(tmp_path / "figs")], capture_output=True,
-                          text=True, cwd=ROOT)
+    done = subprocess.run(
+        cmd + [str(tmp_path / "run"), "--out", str(tmp_path / "figs")], capture_output=True, text=True, cwd=ROOT
+    )
     assert done.returncode == 0 and done.stdout.count("KiB)") == 6 and (tmp_path / "figs" / "kl.png").exists()

@@ -19,24 +19,71 @@ SAMPLES = {
     "register": M.Register(role="rollout", worker_id="r0", pid=12, host="h", info={"a": 1}),
     "register_ack": M.RegisterAck(worker_id="r0", version=3),
     "heartbeat": M.Heartbeat(worker_id="r0", ts=1.5, stats={"x": 2}),
-    "generate_request": M.GenerateRequest(group_id="g1", prompt_id="e0p1", sample_ids=["g1.0", "g1.1"],
-                                          prompt_ids=[1, 5, 6], solutions=["7"], min_version=2, max_new_tokens=8,
-                                          temperature=0.7, top_p=0.9, greedy=False, stop_token_ids=[2]),
-    "trajectory_ready": M.TrajectoryReady(group_id="g1", worker_id="r0", n_prompt_tokens=3, sample_ids=["g1.0", "g1.1"],
-                                          n_output_tokens=[4, 0], version_min=[1, -1], version_max=[2, -1],
-                                          finish_reasons=["stop", "length"]),
-    "reward_request": M.RewardRequest(group_id="g1", sample_ids=["g1.0", "g1.1"], completions=["\\boxed{7}", ""],
-                                      solutions=["7"]),
-    "reward_result": M.RewardResult(group_id="g1", worker_id="w", sample_ids=["g1.0", "g1.1"], scores=[1.0, 0.0],
-                                    statuses=["ok", "timeout"], details=["", "killed after 5.0 s"]),
+    "generate_request": M.GenerateRequest(
+        group_id="g1",
+        prompt_id="e0p1",
+        sample_ids=["g1.0", "g1.1"],
+        prompt_ids=[1, 5, 6],
+        solutions=["7"],
+        min_version=2,
+        max_new_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        greedy=False,
+        stop_token_ids=[2],
+    ),
+    "trajectory_ready": M.TrajectoryReady(
+        group_id="g1",
+        worker_id="r0",
+        n_prompt_tokens=3,
+        sample_ids=["g1.0", "g1.1"],
+        n_output_tokens=[4, 0],
+        version_min=[1, -1],
+        version_max=[2, -1],
+        finish_reasons=["stop", "length"],
+    ),
+    "reward_request": M.RewardRequest(
+        group_id="g1", sample_ids=["g1.0", "g1.1"], completions=["\\boxed{7}", ""], solutions=["7"]
+    ),
+    "reward_result": M.RewardResult(
+        group_id="g1",
+        worker_id="w",
+        sample_ids=["g1.0", "g1.1"],
+        scores=[1.0, 0.0],
+        statuses=["ok", "timeout"],
+        details=["", "killed after 5.0 s"],
+    ),
     "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"]),
     "train_step_done": M.TrainStepDone(step=0, version=1, metrics={"loss": 0.1}, checkpoint=""),
     "status_request": M.StatusRequest(nonce=5),
-    "status_report": M.StatusReport(nonce=5, version=3, next_step=3, total_steps=9, finished=False, wall_s=1.5,
-                                    admitted=10, running=2, ready=1, stale=4, samples_trained=48, samples_aborted=4,
-                                    workers=[{"worker_id": "rollout-0", "role": "rollout", "pid": 7, "host": "h",
-                                              "state": "alive", "version": 3, "samples": 60, "samples_per_s": 2.5,
-                                              "restarts": 0, "silent_s": 0.2}]),
+    "status_report": M.StatusReport(
+        nonce=5,
+        version=3,
+        next_step=3,
+        total_steps=9,
+        finished=False,
+        wall_s=1.5,
+        admitted=10,
+        running=2,
+        ready=1,
+        stale=4,
+        samples_trained=48,
+        samples_aborted=4,
+        workers=[
+            {
+                "worker_id": "rollout-0",
+                "role": "rollout",
+                "pid": 7,
+                "host": "h",
+                "state": "alive",
+                "version": 3,
+                "samples": 60,
+                "samples_per_s": 2.5,
+                "restarts": 0,
+                "silent_s": 0.2,
+            }
+        ],
+    ),
     "eval_done": M.EvalDone(version=4, metrics={"eval_pass1": 0.375, "eval_pass1_ci_low": None, "eval_k": 8}),
     "weights_published": M.WeightsPublished(version=1, manifest={"kind": "shm", "names": ["w"]}),
     "weights_loaded": M.WeightsLoaded(worker_id="r0", version=1),
@@ -60,35 +107,49 @@ def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
     return msgpack.packb({"v": v, "t": t, "b": {"nonce": 1} if b is None else b})
 
 
-@pytest.mark.parametrize("frame, needle", [
-    (os.urandom(64), "not valid msgpack|not a message envelope"),
-    (b"", "not valid msgpack"),
-    (msgpack.packb([1, 2, 3]), "not a message envelope"),
-    (envelope(v=99), "protocol version 99"),
-    (envelope(t="launch_missiles"), "unknown message type 'launch_missiles'"),
-    (envelope(b={}), "missing field 'nonce'"),
-    (envelope(b={"nonce": "one"}), r"ping.nonce: expected int, got str"),
-    (envelope(b={"nonce": True}), r"ping.nonce: expected int, got bool"),
-    (envelope(b={"nonce": 1, "extra": 2}), "unknown field 'extra'"),
-    (envelope(t="batch_plan", b={"step": 0, "sample_ids": ["a", 3], "group_ids": [], "scores": []}),
-     r"batch_plan.sample_ids: expected list\[str\]"),
-    (b"\x00" * (M.MAX_MESSAGE_BYTES + 1), "exceeds"),
-])
+@pytest.mark.parametrize(
+    "frame, needle",
+    [
+        (os.urandom(64), "not valid msgpack|not a message envelope"),
+        (b"", "not valid msgpack"),
+        (msgpack.packb([1, 2, 3]), "not a message envelope"),
+        (envelope(v=99), "protocol version 99"),
+        (envelope(t="launch_missiles"), "unknown message type 'launch_missiles'"),
+        (envelope(b={}), "missing field 'nonce'"),
+        (envelope(b={"nonce": "one"}), r"ping.nonce: expected int, got str"),
+        (envelope(b={"nonce": True}), r"ping.nonce: expected int, got bool"),
+        (envelope(b={"nonce": 1, "extra": 2}), "unknown field 'extra'"),
+        (
+            envelope(t="batch_plan", b={"step": 0, "sample_ids": ["a", 3], "group_ids": [], "scores": []}),
+            r"batch_plan.sample_ids: expected list\[str\]",
+        ),
+        (b"\x00" * (M.MAX_MESSAGE_BYTES + 1), "exceeds"),
+    ],
+)
 def test_malformed_frames_are_rejected_with_a_clear_error(frame, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode(frame)
 
 
 def _group_body(**over):
-    body = {"group_id": "g1", "worker_id": "w", "sample_ids": ["g1.0", "g1.1"], "scores": [1.0, 0.0],
-            "statuses": ["ok", "ok"], "details": ["", ""]}
+    body = {
+        "group_id": "g1",
+        "worker_id": "w",
+        "sample_ids": ["g1.0", "g1.1"],
+        "scores": [1.0, 0.0],
+        "statuses": ["ok", "ok"],
+        "details": ["", ""],
+    }
     return {**body, **over}
 
 
-@pytest.mark.parametrize("body, needle", [
-    (_group_body(scores=[1.0]), r"reward_result: parallel lists differ in length: sample_ids=2, scores=1"),
-    (_group_body(sample_ids=[], scores=[], statuses=[], details=[]), "reward_result: sample_ids is empty"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (_group_body(scores=[1.0]), r"reward_result: parallel lists differ in length: sample_ids=2, scores=1"),
+        (_group_body(sample_ids=[], scores=[], statuses=[], details=[]), "reward_result: sample_ids is empty"),
+    ],
+)
 def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
     """Per-group messages carry one entry per sample in parallel lists; a mismatch would pair a
     score with the wrong sample, so it is refused on decode and on encode."""
@@ -97,9 +158,18 @@ def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
     with pytest.raises(ProtocolError, match=needle):
         encode(M.RewardResult(**body))
     with pytest.raises(ProtocolError, match="trajectory_ready: parallel lists differ in length"):
-        encode(M.TrajectoryReady(group_id="g", worker_id="r", n_prompt_tokens=1, sample_ids=["g.0", "g.1"],
-                                 n_output_tokens=[1, 2], version_min=[0, 0], version_max=[0],
-                                 finish_reasons=["stop"] * 2))
+        encode(
+            M.TrajectoryReady(
+                group_id="g",
+                worker_id="r",
+                n_prompt_tokens=1,
+                sample_ids=["g.0", "g.1"],
+                n_output_tokens=[1, 2],
+                version_min=[0, 0],
+                version_max=[0],
+                finish_reasons=["stop"] * 2,
+            )
+        )
     with pytest.raises(ProtocolError, match="reward_request: parallel lists differ in length"):
         encode(M.RewardRequest(group_id="g", sample_ids=["g.0"], completions=["a", "b"], solutions=["1"]))
 
@@ -121,9 +191,17 @@ def test_pickle_is_never_accepted():
         decode(pickle.dumps(M.Ping(nonce=1)))
 
 
-@pytest.mark.parametrize("t", [torch.randn(3, 4), torch.arange(5, dtype=torch.int64), torch.tensor(3.5),
-                               torch.zeros(0, 7), torch.ones(2, 2, dtype=torch.bfloat16),
-                               torch.tensor([True, False])])
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(3, 4),
+        torch.arange(5, dtype=torch.int64),
+        torch.tensor(3.5),
+        torch.zeros(0, 7),
+        torch.ones(2, 2, dtype=torch.bfloat16),
+        torch.tensor([True, False]),
+    ],
+)
 def test_tensor_frames_round_trip_bit_exactly(t):
     key, meta, out = decode_tensors(encode_tensors("k", {"g": 1}, {"x": t}))
     assert (key, meta) == ("k", {"g": 1})

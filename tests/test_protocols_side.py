@@ -18,8 +18,18 @@ import torch
 import zmq
 
 from protocols.messages import PROTOCOL_VERSION, Ping, ProtocolError, decode, encode
-from protocols.side import (GroupTensors, IpcTensors, RewardInit, RewardReady, RewardReply, RewardTask, ShmRetire,
-                            ShmTensors, TensorHeader, WeightFetch)
+from protocols.side import (
+    GroupTensors,
+    IpcTensors,
+    RewardInit,
+    RewardReady,
+    RewardReply,
+    RewardTask,
+    ShmRetire,
+    ShmTensors,
+    TensorHeader,
+    WeightFetch,
+)
 from protocols.sockets import make_socket
 
 from areal_async.reward._wire import HEADER, encode_frame
@@ -31,23 +41,48 @@ SPEC = {"name": "x", "dtype": "int32", "shape": [2], "nbytes": 8}
 
 # (message, the same message as the plain map it travelled as before it was typed)
 ROUND_TRIPS = [
-    (TensorHeader(key="k", meta={"g": 1}, specs=[SPEC]),
-     {"v": V, "t": "tensors", "key": "k", "meta": {"g": 1}, "specs": [SPEC]}),
-    (ShmTensors(seg="areal_ab_0", size=8192, pooled=True, offsets=[0, 64], sizes=[8, 0], header=b"h"),
-     {"v": V, "t": "shm_tensors", "seg": "areal_ab_0", "size": 8192, "pooled": True, "offsets": [0, 64],
-      "sizes": [8, 0], "header": b"h"}),
-    (ShmRetire(segs=["areal_ab_0", "areal_ab_1"]),
-     {"v": V, "t": "shm_retire", "segs": ["areal_ab_0", "areal_ab_1"]}),
-    (GroupTensors(src=2, sizes=[16], header=b"h"),
-     {"v": V, "t": "group_tensors", "src": 2, "sizes": [16], "header": b"h"}),
-    (IpcTensors(ipc=None, offsets=[], sizes=[], header=b"h"),
-     {"v": V, "t": "ipc_tensors", "ipc": None, "offsets": [], "sizes": [], "header": b"h"}),
-    (IpcTensors(ipc={"device": 0, "handle": b"\x01"}, offsets=[0], sizes=[4], header=b"h"),
-     {"v": V, "t": "ipc_tensors", "ipc": {"device": 0, "handle": b"\x01"}, "offsets": [0], "sizes": [4],
-      "header": b"h"}),
+    (
+        TensorHeader(key="k", meta={"g": 1}, specs=[SPEC]),
+        {"v": V, "t": "tensors", "key": "k", "meta": {"g": 1}, "specs": [SPEC]},
+    ),
+    (
+        ShmTensors(seg="areal_ab_0", size=8192, pooled=True, offsets=[0, 64], sizes=[8, 0], header=b"h"),
+        {
+            "v": V,
+            "t": "shm_tensors",
+            "seg": "areal_ab_0",
+            "size": 8192,
+            "pooled": True,
+            "offsets": [0, 64],
+            "sizes": [8, 0],
+            "header": b"h",
+        },
+    ),
+    (ShmRetire(segs=["areal_ab_0", "areal_ab_1"]), {"v": V, "t": "shm_retire", "segs": ["areal_ab_0", "areal_ab_1"]}),
+    (
+        GroupTensors(src=2, sizes=[16], header=b"h"),
+        {"v": V, "t": "group_tensors", "src": 2, "sizes": [16], "header": b"h"},
+    ),
+    (
+        IpcTensors(ipc=None, offsets=[], sizes=[], header=b"h"),
+        {"v": V, "t": "ipc_tensors", "ipc": None, "offsets": [], "sizes": [], "header": b"h"},
+    ),
+    (
+        IpcTensors(ipc={"device": 0, "handle": b"\x01"}, offsets=[0], sizes=[4], header=b"h"),
+        {
+            "v": V,
+            "t": "ipc_tensors",
+            "ipc": {"device": 0, "handle": b"\x01"},
+            "offsets": [0],
+            "sizes": [4],
+            "header": b"h",
+        },
+    ),
     (WeightFetch(version=3, bucket=7), {"v": V, "t": "weight_fetch", "version": 3, "bucket": 7}),
-    (RewardInit(fn="m:f", kwargs={"precision": 6}, memory_limit_mb=0),
-     {"fn": "m:f", "kwargs": {"precision": 6}, "memory_limit_mb": 0}),
+    (
+        RewardInit(fn="m:f", kwargs={"precision": 6}, memory_limit_mb=0),
+        {"fn": "m:f", "kwargs": {"precision": 6}, "memory_limit_mb": 0},
+    ),
     (RewardReady(ready=True, pid=42), {"ready": True, "pid": 42}),
     (RewardReady(ready=False, error="no module m"), {"ready": False, "error": "no module m"}),
     (RewardTask(completion="\\boxed{2}", solutions=["2"]), {"completion": "\\boxed{2}", "solutions": ["2"]}),
@@ -67,8 +102,16 @@ def _bad(fields: dict, **over) -> bytes:
     return msgpack.packb({**fields, **over}, use_bin_type=True)
 
 
-NOTE = {"v": V, "t": "shm_tensors", "seg": "s", "size": 8192, "pooled": True, "offsets": [0], "sizes": [8],
-        "header": b"h"}
+NOTE = {
+    "v": V,
+    "t": "shm_tensors",
+    "seg": "s",
+    "size": 8192,
+    "pooled": True,
+    "offsets": [0],
+    "sizes": [8],
+    "header": b"h",
+}
 BAD = [  # (bytes, expected types, words the error must contain)
     (b"\xc1garbage", (ShmTensors,), "not valid msgpack"),
     (b"\x92\x01\x02", (ShmTensors,), "shm_tensors frame is list [1, 2], expected a map"),
@@ -79,22 +122,46 @@ BAD = [  # (bytes, expected types, words the error must contain)
     (_bad(NOTE, extra=1), (ShmTensors,), "shm_tensors: unknown field 'extra'"),
     (_bad({k: v for k, v in NOTE.items() if k != "seg"}), (ShmTensors,), "shm_tensors: missing field 'seg'"),
     (_bad(NOTE, v=V + 1), (ShmTensors,), f"protocol version {V + 1} is not supported"),
-    (_bad(NOTE, t="shm_tensor"), (ShmTensors, ShmRetire),
-     "expected a shm_tensors or shm_retire frame, got type 'shm_tensor'"),
-    (_bad({"v": V, "t": "shm_retire", "segs": ["a", 3]}), (ShmTensors, ShmRetire),
-     "shm_retire.segs: expected list[str]"),
-    (encode(WeightFetch(version=1, bucket=0)), (GroupTensors,),
-     "expected a group_tensors frame, got type 'weight_fetch'"),
-    (_bad({"v": V, "t": "group_tensors", "src": 1.5, "sizes": [], "header": b""}), (GroupTensors,),
-     "group_tensors.src: expected int, got float 1.5"),
-    (_bad({"v": V, "t": "ipc_tensors", "ipc": [], "offsets": [], "sizes": [], "header": b""}), (IpcTensors,),
-     "ipc_tensors.ipc: expected Optional[dict], got list"),
-    (_bad({"v": V, "t": "ipc_tensors", "offsets": [], "sizes": [], "header": b""}), (IpcTensors,),
-     "ipc_tensors: missing field 'ipc'"),
-    (_bad({"v": V, "t": "tensors", "key": 5, "meta": {}, "specs": []}), (TensorHeader,),
-     "tensors.key: expected str, got int 5"),
-    (_bad({"v": V, "t": "tensors", "key": "k", "meta": {}, "specs": [{}] * 65537}), (TensorHeader,),
-     "tensors: header lists 65537 tensors (limit 65536)"),
+    (
+        _bad(NOTE, t="shm_tensor"),
+        (ShmTensors, ShmRetire),
+        "expected a shm_tensors or shm_retire frame, got type 'shm_tensor'",
+    ),
+    (
+        _bad({"v": V, "t": "shm_retire", "segs": ["a", 3]}),
+        (ShmTensors, ShmRetire),
+        "shm_retire.segs: expected list[str]",
+    ),
+    (
+        encode(WeightFetch(version=1, bucket=0)),
+        (GroupTensors,),
+        "expected a group_tensors frame, got type 'weight_fetch'",
+    ),
+    (
+        _bad({"v": V, "t": "group_tensors", "src": 1.5, "sizes": [], "header": b""}),
+        (GroupTensors,),
+        "group_tensors.src: expected int, got float 1.5",
+    ),
+    (
+        _bad({"v": V, "t": "ipc_tensors", "ipc": [], "offsets": [], "sizes": [], "header": b""}),
+        (IpcTensors,),
+        "ipc_tensors.ipc: expected Optional[dict], got list",
+    ),
+    (
+        _bad({"v": V, "t": "ipc_tensors", "offsets": [], "sizes": [], "header": b""}),
+        (IpcTensors,),
+        "ipc_tensors: missing field 'ipc'",
+    ),
+    (
+        _bad({"v": V, "t": "tensors", "key": 5, "meta": {}, "specs": []}),
+        (TensorHeader,),
+        "tensors.key: expected str, got int 5",
+    ),
+    (
+        _bad({"v": V, "t": "tensors", "key": "k", "meta": {}, "specs": [{}] * 65537}),
+        (TensorHeader,),
+        "tensors: header lists 65537 tensors (limit 65536)",
+    ),
     (b"\x00" * (4096 + 1), (WeightFetch,), "frame of 4097 bytes exceeds the 4096-byte limit"),
     (_bad({"fn": "m:f", "kwargs": [], "memory_limit_mb": 0}), (RewardInit,), "reward_init.kwargs: expected dict"),
     (_bad({"ready": True}), (RewardReady,), "reward_ready: ready without a pid"),
@@ -130,8 +197,12 @@ def test_side_and_control_decoding_do_not_cross():
 
 def _child(fn: str = "tests.reward_fixtures:exact_match"):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return subprocess.Popen([sys.executable, "-m", "areal_async.reward._child", str(os.getpid())],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "areal_async.reward._child", str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
 
 
 def _talk(proc, frame: bytes) -> dict:
@@ -151,10 +222,12 @@ def test_reward_child_answers_bad_tasks_with_the_field_and_keeps_scoring():
     try:
         init = encode_frame(RewardInit(fn="tests.reward_fixtures:exact_match", kwargs={}, memory_limit_mb=0))
         assert _talk(proc, init) == {"ready": True, "pid": proc.pid}
-        bad = [(_raw_frame(b"\xc1"), "not valid msgpack"),
-               (_raw_frame(_bad({"completion": 7, "solutions": ["7"]})), "reward_task.completion: expected str"),
-               (_raw_frame(_bad({"completion": "7", "solutions": ["7"], "x": 0})), "unknown field 'x'"),
-               (_raw_frame(_bad({"completion": "7"})), "missing field 'solutions'")]
+        bad = [
+            (_raw_frame(b"\xc1"), "not valid msgpack"),
+            (_raw_frame(_bad({"completion": 7, "solutions": ["7"]})), "reward_task.completion: expected str"),
+            (_raw_frame(_bad({"completion": "7", "solutions": ["7"], "x": 0})), "unknown field 'x'"),
+            (_raw_frame(_bad({"completion": "7"})), "missing field 'solutions'"),
+        ]
         for frame, words in bad:
             reply = _talk(proc, frame)
             assert set(reply) == {"error"} and words in reply["error"], reply
@@ -181,8 +254,9 @@ def test_reward_pool_refuses_a_malformed_reply_naming_the_field():
     from areal_async.reward.pool import _read_frame
 
     body = _bad({"score": "high"})
-    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.stdout.buffer.write({_raw_frame(body)!r})"],
-                            stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"import sys; sys.stdout.buffer.write({_raw_frame(body)!r})"], stdout=subprocess.PIPE
+    )
     try:
         with pytest.raises(ProtocolError, match="reward_reply.score: expected Optional\\[float\\], got str 'high'"):
             _read_frame(proc, time.monotonic() + 30, RewardReply)
@@ -199,10 +273,12 @@ def test_weight_publisher_answers_a_bad_fetch_with_the_field_and_keeps_serving()
     sock = make_socket(zmq.Context.instance(), zmq.DEALER, connect=m["handle"]["endpoint"])
     try:
         fetch = {"v": V, "t": "weight_fetch", "version": 1, "bucket": 0}
-        for body, words in [(_bad(fetch, bucket="0"), "weight_fetch.bucket: expected int, got str"),
-                            (_bad(fetch, n=2), "weight_fetch: unknown field 'n'"),
-                            (_bad({k: v for k, v in fetch.items() if k != "version"}), "missing field 'version'"),
-                            (b"\xc1", "not valid msgpack")]:
+        for body, words in [
+            (_bad(fetch, bucket="0"), "weight_fetch.bucket: expected int, got str"),
+            (_bad(fetch, n=2), "weight_fetch: unknown field 'n'"),
+            (_bad({k: v for k, v in fetch.items() if k != "version"}), "missing field 'version'"),
+            (b"\xc1", "not valid msgpack"),
+        ]:
             sock.send(body)
             with pytest.raises(TransportError, match="publisher refused bucket 0: .*" + words):
                 _bucket_reply(sock, 1, 0, m["bucket_bytes"], 10)
@@ -221,10 +297,11 @@ def test_zmq_tensor_receiver_refuses_a_mistyped_header_and_keeps_serving():
     good = {"x": torch.arange(4, dtype=torch.int32)}
     spec = {"name": "x", "dtype": "int32", "shape": [4], "nbytes": 16}
     try:
-        for header, words in [({"v": V, "t": "tensors", "key": ["k"], "meta": {}, "specs": [spec]}, "tensors.key"),
-                              ({"v": V, "t": "tensors", "key": "k", "meta": {}, "specs": [spec], "x": 1},
-                               "tensors: unknown field 'x'"),
-                              ({"v": V, "t": "tensors", "key": "k", "specs": [spec]}, "tensors: missing field 'meta'")]:
+        for header, words in [
+            ({"v": V, "t": "tensors", "key": ["k"], "meta": {}, "specs": [spec]}, "tensors.key"),
+            ({"v": V, "t": "tensors", "key": "k", "meta": {}, "specs": [spec], "x": 1}, "tensors: unknown field 'x'"),
+            ({"v": V, "t": "tensors", "key": "k", "specs": [spec]}, "tensors: missing field 'meta'"),
+        ]:
             raw.send_multipart([_bad(header), good["x"].numpy().tobytes()])
             with pytest.raises(ProtocolError, match=words):
                 rx.recv(timeout_s=10)

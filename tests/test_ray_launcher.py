@@ -17,7 +17,10 @@ from tests.test_e2e import ROOT, cli, finish_ok, read_jsonl, wait_for_metrics
 
 def test_bundles_give_each_worker_a_cpu_and_its_gpus():
     assert bundles_of(["scheduler", "rollout-0", "trainer"], {"rollout-0": 2, "trainer": 1, "scheduler": 0}) == [
-        {"CPU": 1.0}, {"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}]
+        {"CPU": 1.0},
+        {"CPU": 1.0, "GPU": 2.0},
+        {"CPU": 1.0, "GPU": 1.0},
+    ]
 
 
 @pytest.mark.slow
@@ -25,8 +28,13 @@ def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
     steps = 60
-    proc = subprocess.Popen(cli(run_dir, f"total_train_steps={steps}", "cluster.launcher=ray"), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli(run_dir, f"total_train_steps={steps}", "cluster.launcher=ray"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_metrics(run_dir, proc, timeout=500)
     pids = json.loads((run_dir / "pids.json").read_text())
     # the worker runs under a Ray actor: its parent is a Ray worker process, not the supervisor

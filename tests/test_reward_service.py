@@ -20,12 +20,14 @@ from areal_async.base.control import ControlClient
 
 async def next_of(sock, cls, timeout=30.0):
     """The next message of type ``cls`` from the ROUTER (heartbeats skipped): (ident, msg)."""
+
     async def loop():
         while True:
             ident, frame = await sock.recv_multipart()
             msg = decode(frame)
             if isinstance(msg, cls):
                 return ident, msg
+
     return await asyncio.wait_for(loop(), timeout)
 
 
@@ -34,8 +36,9 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
     control_ep, work_ep = ipc_endpoint(tmp_path, "control"), ipc_endpoint(tmp_path, "work")
     scheduler = make_socket(ctx, zmq.ROUTER, bind=control_ep)
     pool = RewardPool(n_procs=2, timeout_s=20.0)
-    svc = RewardService("reward-0", ControlClient(ctx, control_ep, "reward", "reward-0", heartbeat_s=0.2), ctx,
-                        work_ep, pool, n_procs=2)
+    svc = RewardService(
+        "reward-0", ControlClient(ctx, control_ep, "reward", "reward-0", heartbeat_s=0.2), ctx, work_ep, pool, n_procs=2
+    )
     task = asyncio.create_task(svc.run())
     push = make_socket(ctx, zmq.PUSH, connect=work_ep)
     ident = None  # routing identities are '<id>/<random>': reply to the one that registered
@@ -45,13 +48,23 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         await send_message(scheduler, M.RegisterAck(worker_id="reward-0", version=0), to=ident)
 
         with caplog.at_level(logging.ERROR):
-            await push.send(msgpack.packb({"v": M.PROTOCOL_VERSION, "t": "reward_request",
-                                           "b": {"group_id": "g0", "sample_ids": ["g0.0"], "completions": [],
-                                                 "solutions": ["7"]}}))
+            await push.send(
+                msgpack.packb(
+                    {
+                        "v": M.PROTOCOL_VERSION,
+                        "t": "reward_request",
+                        "b": {"group_id": "g0", "sample_ids": ["g0.0"], "completions": [], "solutions": ["7"]},
+                    }
+                )
+            )
             await push.send(b"\x00garbage")
             completions = ["so \\boxed{7}", "\\boxed{07}", "\\boxed{8}", "no box at all"]
-            await send_message(push, M.RewardRequest(group_id="g1", sample_ids=[f"g1.{k}" for k in range(4)],
-                                                     completions=completions, solutions=["7"]))
+            await send_message(
+                push,
+                M.RewardRequest(
+                    group_id="g1", sample_ids=[f"g1.{k}" for k in range(4)], completions=completions, solutions=["7"]
+                ),
+            )
             _, res = await next_of(scheduler, M.RewardResult)
         assert res.group_id == "g1" and res.worker_id == "reward-0"
         assert res.sample_ids == ["g1.0", "g1.1", "g1.2", "g1.3"]

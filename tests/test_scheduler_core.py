@@ -14,10 +14,20 @@ from areal_async.scheduler.runlog import sample_line
 
 
 def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
-    params = SchedulerParams(batch_size=B, n_samples=n, eta=eta, total_steps=steps, max_concurrent=max_conc,
-                             gen=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[]))
-    core = SchedulerCore(params, PromptCursor(7, seed=0), lambda i: ([1, 2, i], [str(i)]),
-                         log_sample=(logged.append if logged is not None else lambda r: None))
+    params = SchedulerParams(
+        batch_size=B,
+        n_samples=n,
+        eta=eta,
+        total_steps=steps,
+        max_concurrent=max_conc,
+        gen=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[]),
+    )
+    core = SchedulerCore(
+        params,
+        PromptCursor(7, seed=0),
+        lambda i: ([1, 2, i], [str(i)]),
+        log_sample=(logged.append if logged is not None else lambda r: None),
+    )
     core.add_rollout("r0")
     core.add_rollout("r1")
     core.on_trainer_ready(0, 0)
@@ -26,20 +36,28 @@ def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
 
 def traj_msg(gid, sids, vmin=0, vmax=0, worker="r0"):
     n = len(sids)
-    return TrajectoryReady(group_id=gid, worker_id=worker, n_prompt_tokens=3, sample_ids=list(sids),
-                           n_output_tokens=[4] * n, version_min=[vmin] * n, version_max=[vmax] * n,
-                           finish_reasons=["stop"] * n)
+    return TrajectoryReady(
+        group_id=gid,
+        worker_id=worker,
+        n_prompt_tokens=3,
+        sample_ids=list(sids),
+        n_output_tokens=[4] * n,
+        version_min=[vmin] * n,
+        version_max=[vmax] * n,
+        finish_reasons=["stop"] * n,
+    )
 
 
 def reward_msg(gid, sids, score=1.0):
     n = len(sids)
-    return RewardResult(group_id=gid, worker_id="w", sample_ids=list(sids), scores=[score] * n, statuses=["ok"] * n,
-                        details=[""] * n)
+    return RewardResult(
+        group_id=gid, worker_id="w", sample_ids=list(sids), scores=[score] * n, statuses=["ok"] * n, details=[""] * n
+    )
 
 
 def finish_group(core, req, vmin, vmax, score=1.0, reward_first=False):
     traj, rew = traj_msg(req.group_id, req.sample_ids, vmin, vmax), reward_msg(req.group_id, req.sample_ids, score)
-    for m in ((rew, traj) if reward_first else (traj, rew)):
+    for m in (rew, traj) if reward_first else (traj, rew):
         assert (core.on_reward(m) if isinstance(m, RewardResult) else core.on_trajectory(m)) is None
 
 

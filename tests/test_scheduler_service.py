@@ -39,8 +39,11 @@ async def test_scheduler_refuses_bad_frames_and_keeps_serving(tmp_path, caplog):
         assert "rollout worker may not send 'trainer_ready'" in err.detail
         assert not svc.core.trainer_ready
         with caplog.at_level(logging.ERROR):
-            for frame in (os.urandom(40), msgpack.packb({"v": 99, "t": "ping", "b": {"nonce": 1}}),
-                          msgpack.packb({"v": M.PROTOCOL_VERSION, "t": "reward_result", "b": {"sample_ids": 3}})):
+            for frame in (
+                os.urandom(40),
+                msgpack.packb({"v": 99, "t": "ping", "b": {"nonce": 1}}),
+                msgpack.packb({"v": M.PROTOCOL_VERSION, "t": "reward_result", "b": {"sample_ids": 3}}),
+            ):
                 await w.send(frame)
             errors = []
             while len(errors) < 3:
@@ -54,9 +57,19 @@ async def test_scheduler_refuses_bad_frames_and_keeps_serving(tmp_path, caplog):
         err = await recv(stranger)
         assert isinstance(err, M.Error) and "unregistered peer 'nobody'" in err.detail
         # a result for a sample nobody issued changes nothing
-        await send_message(w, M.TrajectoryReady(group_id="g99", worker_id="rollout-0", n_prompt_tokens=1,
-                                                sample_ids=["g99.0"], n_output_tokens=[1], version_min=[0],
-                                                version_max=[0], finish_reasons=["stop"]))
+        await send_message(
+            w,
+            M.TrajectoryReady(
+                group_id="g99",
+                worker_id="rollout-0",
+                n_prompt_tokens=1,
+                sample_ids=["g99.0"],
+                n_output_tokens=[1],
+                version_min=[0],
+                version_max=[0],
+                finish_reasons=["stop"],
+            ),
+        )
         await send_message(w, M.Ping(nonce=7))
         assert await recv(w) == M.Pong(nonce=7)
         assert svc.core.ledger.n_trained == 0 and "g99.0" not in svc.core.ledger.samples

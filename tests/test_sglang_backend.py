@@ -69,7 +69,7 @@ def greedy_under(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_weights_arrive_over_the_gloo_group_with_each_weight_version(server):
@@ -166,8 +166,9 @@ def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights
     (p0, u0), (p1, u1) = start_cpu_server(), start_cpu_server()
     try:
         a = policy(31)
-        engine = RemoteEngine([SGLangClient(u0, name="t-kill-0"), SGLangClient(u1, name="t-kill-1")],
-                              revive_every_s=0.2)
+        engine = RemoteEngine(
+            [SGLangClient(u0, name="t-kill-0"), SGLangClient(u1, name="t-kill-1")], revive_every_s=0.2
+        )
         engine.update_weights(0, a.state_dict())
         prompt = TOK.encode("5+5=")
         for g in range(4):

@@ -52,8 +52,11 @@ def io_struct():
     out = {}
     for node in tree.body:
         if isinstance(node, ast.ClassDef):
-            fields = {s.target.id: (s.value is not None, ast.unparse(s.annotation)) for s in node.body
-                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+            fields = {
+                s.target.id: (s.value is not None, ast.unparse(s.annotation))
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
             out[node.name] = fields
     return out
 
@@ -130,8 +133,9 @@ def test_every_cpu_server_generate_answer_decodes_as_the_pinned_response(api, tr
         m = r.meta_info
         assert isinstance(m.finish_reason, (api.FinishStop, api.FinishLength, api.FinishAbort)), m.finish_reason
         assert [e.token_id for e in m.output_token_logprobs] == list(r.output_ids)
-        assert m.weight_version == "0" and [(s.version, s.start, s.end) for s in m.weight_versions] == \
-            [("0", 0, len(r.output_ids))]
+        assert m.weight_version == "0" and [(s.version, s.start, s.end) for s in m.weight_versions] == [
+            ("0", 0, len(r.output_ids))
+        ]
 
 
 def test_model_info_answer_decodes_and_reports_each_version(api, traffic):
@@ -142,11 +146,16 @@ def test_model_info_answer_decodes_and_reports_each_version(api, traffic):
         assert api.GetModelInfoResponse.from_json_value(a).is_generation is True
 
 
-CONTROL = {"/pause_generation": "PauseGenerationReqInput", "/continue_generation": "ContinueGenerationReqInput",
-           "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
-           "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
-           "/update_weights_from_disk": "UpdateWeightFromDiskReqInput", "/abort_request": "AbortReq",
-           "/begin_weight_update": "BeginWeightUpdateReqInput", "/end_weight_update": "EndWeightUpdateReqInput"}
+CONTROL = {
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/abort_request": "AbortReq",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+}
 
 
 def test_every_control_body_uses_only_fields_of_the_pinned_io_struct_class(io_struct, traffic):

@@ -13,10 +13,19 @@ from areal_async.scheduler.sinks import StatsSink, sinks_from_config
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROWS = [{"kind": "eval", "step": 0, "version": 0, "eval_pass1": 0.25, "eval_pass1_ci_low": None, "wall_s": 1.5},
-        {"step": 0, "version": 1, "reward_mean": 0.5, "staleness_max": 0, "loss": -0.125, "wall_s": 2.0},
-        {"step": 1, "version": 2, "reward_mean": 0.75, "staleness_max": 1, "loss": 0.0625, "wall_s": 3.0,
-         "note": "text is skipped"}]
+ROWS = [
+    {"kind": "eval", "step": 0, "version": 0, "eval_pass1": 0.25, "eval_pass1_ci_low": None, "wall_s": 1.5},
+    {"step": 0, "version": 1, "reward_mean": 0.5, "staleness_max": 0, "loss": -0.125, "wall_s": 2.0},
+    {
+        "step": 1,
+        "version": 2,
+        "reward_mean": 0.75,
+        "staleness_max": 1,
+        "loss": 0.0625,
+        "wall_s": 3.0,
+        "note": "text is skipped",
+    },
+]
 
 
 def test_tensorboard_events_hold_every_numeric_key_at_its_step(tmp_path):
@@ -28,9 +37,14 @@ def test_tensorboard_events_hold_every_numeric_key_at_its_step(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    assert got == {"version": [(0, 0.0), (0, 1.0), (1, 2.0)], "eval_pass1": [(0, 0.25)],
-                   "wall_s": [(0, 1.5), (0, 2.0), (1, 3.0)], "reward_mean": [(0, 0.5), (1, 0.75)],
-                   "staleness_max": [(0, 0.0), (1, 1.0)], "loss": [(0, -0.125), (1, 0.0625)]}
+    assert got == {
+        "version": [(0, 0.0), (0, 1.0), (1, 2.0)],
+        "eval_pass1": [(0, 0.25)],
+        "wall_s": [(0, 1.5), (0, 2.0), (1, 3.0)],
+        "reward_mean": [(0, 0.5), (1, 0.75)],
+        "staleness_max": [(0, 0.0), (1, 1.0)],
+        "loss": [(0, -0.125), (1, 0.0625)],
+    }
     assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == ROWS
 
 

@@ -24,19 +24,41 @@ SLURM_BINS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scontrol")
 
 
 def test_rendered_script_asks_for_the_fleet_and_reruns_itself_inside(tmp_path):
-    cfg = from_dict({}, ["cluster.n_nodes=2", "cluster.device=cuda", "cluster.n_gpus_per_node=4",
-                         "cluster.slurm.partition=gpu", "cluster.slurm.time_limit=1-00:00:00",
-                         "cluster.slurm.sbatch_args=['--qos=high']", "cluster.slurm.cpus_per_node=16",
-                         "experiment_name=my run"])
-    text = render_sbatch(cfg, "configs/x y.yaml", tmp_path / "r", ["total_train_steps=5", "gconfig.top_p=0.9"],
-                         python="/opt/py/bin/python", workdir="/src")
+    cfg = from_dict(
+        {},
+        [
+            "cluster.n_nodes=2",
+            "cluster.device=cuda",
+            "cluster.n_gpus_per_node=4",
+            "cluster.slurm.partition=gpu",
+            "cluster.slurm.time_limit=1-00:00:00",
+            "cluster.slurm.sbatch_args=['--qos=high']",
+            "cluster.slurm.cpus_per_node=16",
+            "experiment_name=my run",
+        ],
+    )
+    text = render_sbatch(
+        cfg,
+        "configs/x y.yaml",
+        tmp_path / "r",
+        ["total_train_steps=5", "gconfig.top_p=0.9"],
+        python="/opt/py/bin/python",
+        workdir="/src",
+    )
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
     sb = [ln for ln in lines if ln.startswith("#SBATCH")]
-    assert sb == ["#SBATCH --job-name=my-run", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
-                  f"#SBATCH --output={(tmp_path / 'r').resolve()}/logs/slurm-%j.out", "#SBATCH --cpus-per-task=16",
-                  "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu", "#SBATCH --time=1-00:00:00",
-                  "#SBATCH --qos=high"]
+    assert sb == [
+        "#SBATCH --job-name=my-run",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={(tmp_path / 'r').resolve()}/logs/slurm-%j.out",
+        "#SBATCH --cpus-per-task=16",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=1-00:00:00",
+        "#SBATCH --qos=high",
+    ]
     assert "cd /src" in lines
     last = lines[-1]
     assert last.startswith("exec /opt/py/bin/python -m areal_async.cli run ")
@@ -51,7 +73,7 @@ def test_srun_steps_name_the_node_and_keep_the_token_off_the_command_line(tmp_pa
     cmd = [sys.executable, "-m", "workers.rollout", "--run-dir", "/r", "--worker-id", "rollout-1"]
     step = srun_command("node7", "rollout-1", cmd, ["--mpi=none"])
     assert step[:1] == ["srun"] and "--overlap" in step and "--nodelist=node7" in step and "--export=ALL" in step
-    assert step[-len(cmd) - 1:] == ["--mpi=none", *cmd]
+    assert step[-len(cmd) - 1 :] == ["--mpi=none", *cmd]
     launcher = SlurmLauncher(["n0", "n1"])
     with pytest.raises(RuntimeError, match="placed on node 2, but the allocation has 2"):
         launcher.start("rollout-0", cmd, {}, tmp_path / "x.log", node=2)
@@ -105,25 +127,38 @@ def slurm(tmp_path_factory):
     """munged + slurmctld + slurmd on localhost with a private config; yields the environment to use it."""
     missing = [b for b in SLURM_BINS if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
     if missing or os.geteuid() != 0 or not Path("/etc/munge/munge.key").exists():
-        pytest.skip(f"no single-node Slurm here (missing {missing or 'root / munge key'}): "
-                    "apt-get install slurmctld slurmd slurm-client munge")
+        pytest.skip(
+            f"no single-node Slurm here (missing {missing or 'root / munge key'}): "
+            "apt-get install slurmctld slurmd slurm-client munge"
+        )
     d = Path(str(tmp_path_factory.mktemp("slurm"))).resolve()
     for sub in ("state", "spool"):
         (d / sub).mkdir()
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     conf = d / "slurm.conf"
-    conf.write_text(CONF.format(host=host, user="root", ctld_port=free_tcp_port(), d_port=free_tcp_port(), d=d,
-                                cpus=os.cpu_count()))
+    conf.write_text(
+        CONF.format(host=host, user="root", ctld_port=free_tcp_port(), d_port=free_tcp_port(), d=d, cpus=os.cpu_count())
+    )
     env = dict(os.environ, SLURM_CONF=str(conf))
     sbin = lambda b: shutil.which(b) or f"/usr/sbin/{b}"  # noqa: E731
     t0 = time.monotonic()
-    subprocess.run([sbin("munged"), "--force", "-S", f"{d}/munge.sock", f"--pid-file={d}/munged.pid",
-                    f"--log-file={d}/munged.log", f"--seed-file={d}/munge.seed"], check=True, env=env)
+    subprocess.run(
+        [
+            sbin("munged"),
+            "--force",
+            "-S",
+            f"{d}/munge.sock",
+            f"--pid-file={d}/munged.pid",
+            f"--log-file={d}/munged.log",
+            f"--seed-file={d}/munge.seed",
+        ],
+        check=True,
+        env=env,
+    )
     subprocess.run([sbin("slurmctld"), "-f", str(conf)], check=True, env=env)
     subprocess.run([sbin("slurmd"), "-f", str(conf)], check=True, env=env)
     try:
-        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True,
-                                           env=env).stdout:
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, env=env).stdout:
             assert time.monotonic() - t0 < 60, (d / "slurmctld.log").read_text()[-2000:]
             time.sleep(0.2)
         print(f"single-node Slurm ready in {time.monotonic() - t0:.1f}s")
@@ -141,8 +176,18 @@ def slurm(tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_fleet_runs_as_srun_steps_of_a_real_slurm_job(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"), "--run-dir",
-           str(run_dir), "--no-progress", *FAST, "cluster.launcher=slurm"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *FAST,
+        "cluster.launcher=slurm",
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=slurm, timeout=60)
     assert out.returncode == 0, out.stderr
     job = out.stdout.split("Slurm job ")[1].split(";")[0].split()[0]

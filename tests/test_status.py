@@ -17,8 +17,14 @@ from protocols import messages as M
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["total_train_steps=60", "sft_warmup.steps=10", "train_dataset.batch_size=4", "gconfig.n_samples=4",
-        "cluster.heartbeat_s=0.5", "rollout.max_head_offpolicyness=1"]
+ARGS = [
+    "total_train_steps=60",
+    "sft_warmup.steps=10",
+    "train_dataset.batch_size=4",
+    "gconfig.n_samples=4",
+    "cluster.heartbeat_s=0.5",
+    "rollout.max_head_offpolicyness=1",
+]
 
 
 def step_rows(run_dir: Path) -> int:
@@ -36,14 +42,28 @@ def wait_for_steps(proc, run_dir: Path, n: int, timeout: float = 240) -> None:
 
 def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml"), "--run-dir",
-           str(run_dir), "--no-progress", *ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(ROOT / "configs/tiny_arith.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *ARGS,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_steps(proc, run_dir, 3)
         first = query_status(run_dir, timeout_s=20)
-        cli = subprocess.run([sys.executable, "-m", "areal_async.cli", "status", str(run_dir), "--timeout", "20"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        cli = subprocess.run(
+            [sys.executable, "-m", "areal_async.cli", "status", str(run_dir), "--timeout", "20"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         wait_for_steps(proc, run_dir, first.next_step + 5)
         second = query_status(run_dir, timeout_s=20)
     finally:
@@ -52,19 +72,22 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
     pids = json.loads((run_dir / "pids.json").read_text())
     for r in (first, second):
         assert isinstance(r, M.StatusReport) and not r.finished
-        assert {w["worker_id"]: w["pid"] for w in r.workers} == {k: v for k, v in pids.items()
-                                                                  if k.startswith(("trainer", "rollout", "reward"))}
+        assert {w["worker_id"]: w["pid"] for w in r.workers} == {
+            k: v for k, v in pids.items() if k.startswith(("trainer", "rollout", "reward"))
+        }
         assert {w["role"] for w in r.workers} == {"trainer", "rollout", "reward"}
-        assert all(w["host"] == socket.gethostname() and w["state"] == "alive" and w["restarts"] == 0
-                   for w in r.workers)
+        assert all(
+            w["host"] == socket.gethostname() and w["state"] == "alive" and w["restarts"] == 0 for w in r.workers
+        )
         assert r.admitted >= r.running >= 0 and r.samples_trained == 16 * r.next_step and r.total_steps == 60
     assert second.version >= first.version + 5 and second.next_step >= first.next_step + 5
     t1, t2 = (next(w for w in r.workers if w["role"] == "trainer") for r in (first, second))
     assert t2["version"] == second.version > t1["version"] and t2["samples"] > t1["samples"] > 0
     for r in (first, second):  # rollout workers load versions at most one behind the trainer's (eta = 1 + in flight)
         assert all(r.version - 2 <= w["version"] <= r.version for w in r.workers if w["role"] == "rollout")
-    assert max(w["version"] for w in second.workers if w["role"] == "rollout") > \
-        max(w["version"] for w in first.workers if w["role"] == "rollout")
+    assert max(w["version"] for w in second.workers if w["role"] == "rollout") > max(
+        w["version"] for w in first.workers if w["role"] == "rollout"
+    )
     assert cli.returncode == 0, cli.stderr
     assert "groups: admitted" in cli.stdout and cli.stdout.count(" alive ") == 4 and "rollout-1" in cli.stdout
     with pytest.raises(StatusError, match="no status from the scheduler at .* within 1s"):
@@ -73,7 +96,12 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
 
 
 def test_status_without_a_run_is_refused_clearly(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "areal_async.cli", "status", str(tmp_path)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_async.cli", "status", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert done.returncode == 2 and f"{tmp_path / 'endpoints.json'} does not exist" in done.stderr
     assert not os.listdir(tmp_path)

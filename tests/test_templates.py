@@ -40,7 +40,7 @@ def test_templates_render_the_expected_text_and_ids():
     assert prompt_encoder(tok, "chat")("3+4=") == [1] + char_ids("User: 3+4=\nAssistant: ")
     assert prompt_encoder(tok, "r1")("3+4=") == [1] + char_ids(R1_TEXT)
     # SFT examples carry the same prompt ids; the answer follows the template's "<think>\n"
-    (prompt, answer), = sft_examples([Problem(0, "3+4=", ("7",), "\\boxed{7}")], tok, "r1")
+    ((prompt, answer),) = sft_examples([Problem(0, "3+4=", ("7",), "\\boxed{7}")], tok, "r1")
     assert prompt == [1] + char_ids(R1_TEXT) and answer == char_ids("\\boxed{7}") + [2]
 
 
@@ -109,13 +109,27 @@ async def test_rl_issues_r1_ids_to_the_engine_and_filters_a_long_prompt(tmp_path
     long_prompt = "1+" * 40 + "1="
     data.write_text("\n".join(json.dumps({"prompt": p, "solutions": ["7"]}) for p in ("3+4=", long_prompt)) + "\n")
     short_len = 1 + len(R1_TEXT)
-    cfg = from_dict({}, [f"train_dataset.path={data}", "train_dataset.type=jsonl", "train_dataset.template=r1",
-                         f"train_dataset.max_prompt_len={short_len}", "train_dataset.batch_size=2",
-                         "gconfig.n_samples=2", "model.max_position_embeddings=512"])
+    cfg = from_dict(
+        {},
+        [
+            f"train_dataset.path={data}",
+            "train_dataset.type=jsonl",
+            "train_dataset.template=r1",
+            f"train_dataset.max_prompt_len={short_len}",
+            "train_dataset.batch_size=2",
+            "gconfig.n_samples=2",
+            "model.max_position_embeddings=512",
+        ],
+    )
     ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
     with caplog.at_level(logging.INFO, logger="areal_async.scheduler"):
-        svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0,
-                               tokenize=prompt_encoder(build_char_tokenizer(), cfg.train_dataset.template))
+        svc = SchedulerService(
+            cfg,
+            ep,
+            tmp_path / "run",
+            t0=0.0,
+            tokenize=prompt_encoder(build_char_tokenizer(), cfg.train_dataset.template),
+        )
     longest = short_len - len("3+4=") + len(long_prompt)
     assert (svc.prompts.n_total, svc.prompts.n_dropped, svc.prompts.longest_dropped) == (2, 1, longest)
     assert any("2 prompts, 1 longer than max_prompt_len" in r.getMessage() for r in caplog.records)

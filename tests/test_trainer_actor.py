@@ -1,4 +1,5 @@
 """PPOActor.train_step and SFT on a tiny Llama: learning direction, accumulation, state, reference model."""
+
 import copy
 
 import pytest
@@ -18,14 +19,21 @@ GOOD, BAD = [5, 6, 7, 8], [9, 10]
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def output_logp(model, prompt, output):
     with torch.no_grad():
-        return packed_logprobs(model, [prompt + output], 1.0, 4096)[0][len(prompt) - 1:]
+        return packed_logprobs(model, [prompt + output], 1.0, 4096)[0][len(prompt) - 1 :]
 
 
 def make_trajs(model, n_each=2):
@@ -39,8 +47,15 @@ def make_trajs(model, n_each=2):
 
 
 def boba_cfg(**kw):
-    base = dict(use_decoupled_loss=True, recompute_logprob=True, reward_scaling=10.0, reward_bias=-0.5,
-                eps_clip=0.4, optimizer=OptimizerConfig(lr=1e-2), mb_spec=MicroBatchSpec(max_tokens_per_mb=16))
+    base = dict(
+        use_decoupled_loss=True,
+        recompute_logprob=True,
+        reward_scaling=10.0,
+        reward_bias=-0.5,
+        eps_clip=0.4,
+        optimizer=OptimizerConfig(lr=1e-2),
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=16),
+    )
     base.update(kw)
     return ActorConfig(**base)
 
@@ -76,8 +91,9 @@ def test_minibatches_are_optimizer_steps():
 def captured_grads(budget):
     """Gradients handed to the optimizer on the first step, with micro-batch budget ``budget``."""
     model = tiny_model()
-    cfg = boba_cfg(mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
-                   optimizer=OptimizerConfig(lr=1e-2, gradient_clipping=0.0))
+    cfg = boba_cfg(
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=budget), optimizer=OptimizerConfig(lr=1e-2, gradient_clipping=0.0)
+    )
     actor = PPOActor(model, cfg, 1.0, 10)
     trajs = make_trajs(model, n_each=3)
     grads = []

@@ -1,4 +1,5 @@
 """Rewards, reward normalization, GAE and advantage normalization against plain-Python loops."""
+
 import math
 
 import pytest
@@ -14,11 +15,14 @@ LENS = [3, 5, 2, 4, 1, 6, 3]
 
 
 def trajs(scores=SCORES, groups=GROUPS, lens=LENS):
-    return [Trajectory(f"s{i}", g, [1, 2], [7] * n, [-1.0] * n, [0] * n, s)
-            for i, (s, g, n) in enumerate(zip(scores, groups, lens))]
+    return [
+        Trajectory(f"s{i}", g, [1, 2], [7] * n, [-1.0] * n, [0] * n, s)
+        for i, (s, g, n) in enumerate(zip(scores, groups, lens))
+    ]
 
 
 # ---- independent reference: lists and loops only --------------------------------------------
+
 
 def mean(xs):
     return sum(xs) / len(xs)
@@ -33,9 +37,11 @@ def ustd(xs):
 
 def ref_norm(per_seq, groups, mean_level, std_level, eps=1e-5):
     """per_seq: list of lists; statistics pool all elements of the member sequences."""
+
     def pool(i, level):
         members = [j for j in range(len(per_seq)) if level == "batch" or groups[j] == groups[i]]
         return [x for j in members for x in per_seq[j]]
+
     out = []
     for i, vals in enumerate(per_seq):
         m = mean(pool(i, mean_level)) if mean_level != "none" else 0.0
@@ -65,6 +71,7 @@ def close(got, want, tol=1e-6):
 
 # ---- tests -----------------------------------------------------------------------------------
 
+
 def test_hand_values_group_norm_two_samples():
     # scores 1/0 -> rewards +5/-5; group mean 0, unbiased std sqrt(50) -> +-5/(sqrt(50)+eps)
     cfg = ActorConfig(reward_scaling=10.0, reward_bias=-0.5, adv_norm=NormConfig("none", "none"))
@@ -75,25 +82,35 @@ def test_hand_values_group_norm_two_samples():
 
 @pytest.mark.parametrize("bias,scale", [(-0.5, 10.0), (0.0, 1.0), (-0.5, -5.0), (5.0, 5.0)])
 def test_scaling_and_bias_without_normalization(bias, scale):
-    cfg = ActorConfig(reward_scaling=scale, reward_bias=bias, reward_norm=NormConfig("none", "none"),
-                      adv_norm=NormConfig("none", "none"))
+    cfg = ActorConfig(
+        reward_scaling=scale,
+        reward_bias=bias,
+        reward_norm=NormConfig("none", "none"),
+        adv_norm=NormConfig("none", "none"),
+    )
     got = compute_advantages(trajs(), cfg)
     close(got, [[(s + bias) * scale] * n for s, n in zip(SCORES, LENS)])
 
 
 def test_boba_plus_minus_five():
-    cfg = ActorConfig(reward_scaling=10.0, reward_bias=-0.5, reward_norm=NormConfig("none", "none"),
-                      adv_norm=NormConfig("none", "none"))
+    cfg = ActorConfig(
+        reward_scaling=10.0,
+        reward_bias=-0.5,
+        reward_norm=NormConfig("none", "none"),
+        adv_norm=NormConfig("none", "none"),
+    )
     got = compute_advantages(trajs([1.0, 0.0], ["g", "g"], [3, 2]), cfg)
     close(got, [[5.0] * 3, [-5.0] * 2])
 
 
-@pytest.mark.parametrize("rnorm", [("group", "group"), ("batch", "batch"), ("group", "batch"),
-                                   ("batch", "none"), ("none", "none")])
+@pytest.mark.parametrize(
+    "rnorm", [("group", "group"), ("batch", "batch"), ("group", "batch"), ("batch", "none"), ("none", "none")]
+)
 @pytest.mark.parametrize("anorm", [("batch", "batch"), ("group", "group"), ("none", "none")])
 def test_normalization_levels_match_loops(rnorm, anorm):
-    cfg = ActorConfig(reward_scaling=10.0, reward_bias=-0.5, reward_norm=NormConfig(*rnorm),
-                      adv_norm=NormConfig(*anorm))
+    cfg = ActorConfig(
+        reward_scaling=10.0, reward_bias=-0.5, reward_norm=NormConfig(*rnorm), adv_norm=NormConfig(*anorm)
+    )
     close(compute_advantages(trajs(), cfg), ref_advantages(cfg))
 
 

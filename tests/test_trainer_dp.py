@@ -1,5 +1,6 @@
 """Data-parallel trainer ranks on gloo: 2 FSDP2 ranks take the 1-rank step; bf16 compute keeps
 float32 master weights; the batch split and the batch's trip between ranks."""
+
 import math
 import multiprocessing as mp
 import os
@@ -10,8 +11,13 @@ import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, RejectionSamplingConfig
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.dp import (decode_batch, encode_batch, minibatches_by_tokens, rank_micro_batches,
-                                    split_over_ranks)
+from areal_async.trainer.dp import (
+    decode_batch,
+    encode_batch,
+    minibatches_by_tokens,
+    rank_micro_batches,
+    split_over_ranks,
+)
 from areal_async.trainer.types import Trajectory
 from protocols.sockets import free_tcp_port
 
@@ -20,8 +26,15 @@ torch.set_num_threads(1)
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -41,10 +54,18 @@ def make_trajs():
 def cfg():
     # Adam eps 0.1 makes the update close to lr * grad (not sign(grad)), so a wrong gradient scale shows
     # kl_ctl > 0: the reference model (sharded too on the ranks) enters the advantages
-    return ActorConfig(use_decoupled_loss=True, recompute_logprob=True, reward_scaling=10.0, reward_bias=-0.5,
-                       eps_clip=0.2, ppo_n_minibatches=2, kl_ctl=0.05, mb_spec=MicroBatchSpec(max_tokens_per_mb=24),
-                       rejection_sampling=RejectionSamplingConfig("ratio", 2.0, "mask"),
-                       optimizer=OptimizerConfig(lr=1e-2, eps=0.1, gradient_clipping=0.0))
+    return ActorConfig(
+        use_decoupled_loss=True,
+        recompute_logprob=True,
+        reward_scaling=10.0,
+        reward_bias=-0.5,
+        eps_clip=0.2,
+        ppo_n_minibatches=2,
+        kl_ctl=0.05,
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=24),
+        rejection_sampling=RejectionSamplingConfig("ratio", 2.0, "mask"),
+        optimizer=OptimizerConfig(lr=1e-2, eps=0.1, gradient_clipping=0.0),
+    )
 
 
 def reference():
@@ -197,11 +218,15 @@ def test_split_over_ranks_balances_tokens_and_keeps_every_index():
 def test_batch_crosses_ranks_as_three_tensors_and_back():
     trajs = make_trajs()
     back = decode_batch(*encode_batch(trajs))
-    as_lists = lambda ts: [(t.prompt_ids.tolist(), t.output_ids.tolist(), t.versions.tolist(), t.score)  # noqa: E731
-                           for t in ts]
+
+    def as_lists(ts):
+        return [(t.prompt_ids.tolist(), t.output_ids.tolist(), t.versions.tolist(), t.score) for t in ts]
+
     assert as_lists(back) == as_lists(trajs)
-    assert all(torch.equal(torch.as_tensor(a.behav_logp), torch.as_tensor(b.behav_logp, dtype=torch.float32))
-               for a, b in zip(back, trajs))
+    assert all(
+        torch.equal(torch.as_tensor(a.behav_logp), torch.as_tensor(b.behav_logp, dtype=torch.float32))
+        for a, b in zip(back, trajs)
+    )
     # group structure kept (names are not)
     same = lambda ts: [[a.group_id == b.group_id for b in ts] for a in ts]  # noqa: E731
     assert same(back) == same(trajs)

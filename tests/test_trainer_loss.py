@@ -1,4 +1,5 @@
 """PPO losses: ratios, clipping, decoupled importance weights, rejection, token-level normalization."""
+
 import math
 
 import pytest
@@ -35,8 +36,12 @@ def test_plain_ppo_uses_behaviour_or_proximal_as_old():
 
 
 def decoupled_cfg(mode="mask", upper=5.0, eps=0.2):
-    return ActorConfig(eps_clip=eps, use_decoupled_loss=True, recompute_logprob=True,
-                       rejection_sampling=RejectionSamplingConfig("ratio", upper, mode))
+    return ActorConfig(
+        eps_clip=eps,
+        use_decoupled_loss=True,
+        recompute_logprob=True,
+        rejection_sampling=RejectionSamplingConfig("ratio", upper, mode),
+    )
 
 
 def test_behaviour_weights_mask_and_clamp():

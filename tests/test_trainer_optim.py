@@ -1,4 +1,5 @@
 """Optimizer construction, lr schedules at chosen steps, gradient clipping."""
+
 import math
 
 import pytest
@@ -28,12 +29,15 @@ def test_adamw_hyperparameters():
     assert (g["lr"], g["eps"], g["betas"], g["weight_decay"]) == (2e-5, 1e-5, (0.8, 0.95), 0.01)
 
 
-@pytest.mark.parametrize("kind,want", [
-    # total 10, warm-up 2 steps, min ratio 0.1: steps 0..10
-    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
-    ("linear", [0.5, 1.0] + [0.1 + 0.9 * (1 - k / 8) for k in range(9)]),
-    ("cosine", [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)]),
-])
+@pytest.mark.parametrize(
+    "kind,want",
+    [
+        # total 10, warm-up 2 steps, min ratio 0.1: steps 0..10
+        ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("linear", [0.5, 1.0] + [0.1 + 0.9 * (1 - k / 8) for k in range(9)]),
+        ("cosine", [0.5, 1.0] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(9)]),
+    ],
+)
 def test_schedules_at_each_step(kind, want):
     cfg = OptimizerConfig(lr=2.0, lr_scheduler_type=kind, warmup_steps_proportion=0.2, min_lr_ratio=0.1)
     assert lrs_over(cfg, total=10, n=11) == pytest.approx([2.0 * w for w in want], abs=1e-9)

@@ -32,8 +32,9 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
 
 def _rollout_rank(conn, rank: int, cfg: dict) -> None:
     torch.set_num_threads(1)
-    tx = make_tensor_channel("gloo", role="sender", endpoint=cfg["endpoint"], rank=rank, world_size=WORLD,
-                             store=cfg["traj_store"])
+    tx = make_tensor_channel(
+        "gloo", role="sender", endpoint=cfg["endpoint"], rank=rank, world_size=WORLD, store=cfg["traj_store"]
+    )
     wx = make_weight_channel("gloo", role="receiver", rank=rank, world_size=WORLD, store=cfg["weight_store"])
     reply(conn, {"ready": rank})
     tx.send(f"zoo-{rank}", sample_tensors(rank), {"rank": rank})
@@ -57,13 +58,18 @@ def _send_mislabelled(tx, rank: int) -> None:
 
 @pytest.mark.timeout(90)
 def test_gloo_trajectories_and_weight_broadcast_to_two_receivers():
-    cfg = {"endpoint": f"tcp://127.0.0.1:{free_tcp_port()}", "traj_store": f"127.0.0.1:{free_tcp_port()}",
-           "weight_store": f"127.0.0.1:{free_tcp_port()}"}
+    cfg = {
+        "endpoint": f"tcp://127.0.0.1:{free_tcp_port()}",
+        "traj_store": f"127.0.0.1:{free_tcp_port()}",
+        "weight_store": f"127.0.0.1:{free_tcp_port()}",
+    }
     peers = [Peer(_rollout_rank, r, cfg) for r in (1, 2)]
-    rx = make_tensor_channel("gloo", role="receiver", endpoint=cfg["endpoint"], rank=0, world_size=WORLD,
-                             store=cfg["traj_store"])
-    pub = make_weight_channel("gloo", role="publisher", rank=0, world_size=WORLD, store=cfg["weight_store"],
-                              bucket_mb=1 / 64)
+    rx = make_tensor_channel(
+        "gloo", role="receiver", endpoint=cfg["endpoint"], rank=0, world_size=WORLD, store=cfg["traj_store"]
+    )
+    pub = make_weight_channel(
+        "gloo", role="publisher", rank=0, world_size=WORLD, store=cfg["weight_store"], bucket_mb=1 / 64
+    )
     try:
         assert sorted(p.recv()["ready"] for p in peers) == [1, 2]
         _check_trajectories(rx, peers)

@@ -9,8 +9,7 @@ import pytest
 import torch
 import zmq
 
-from areal_async.transport import (ManifestError, ProtocolError, TransportError, make_tensor_channel,
-                                   make_weight_channel)
+from areal_async.transport import ManifestError, ProtocolError, TransportError, make_tensor_channel, make_weight_channel
 from areal_async.transport.buckets import state_checksum
 from areal_async.transport.frames import header_bytes
 from areal_async.transport.shm import CTRL, SHM_DIR
@@ -18,8 +17,10 @@ from protocols.messages import PROTOCOL_VERSION
 from protocols.sockets import make_socket
 from test_transport_helpers import Peer, ask, assert_bit_exact, no_shm_leaks, reply, sample_tensors  # noqa: F401
 
-pytestmark = [pytest.mark.usefixtures("no_shm_leaks"),
-              pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")]
+pytestmark = [
+    pytest.mark.usefixtures("no_shm_leaks"),
+    pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm"),
+]
 
 
 def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -117,18 +118,33 @@ def test_bad_notes_raise_and_the_receiver_keeps_serving(pair):
     cases = [
         (b"\x00garbage", ProtocolError, "not valid msgpack"),
         (pack_note("shm_tensors", {**note, "header": mislabelled}), ProtocolError, "needs 12 bytes"),
-        (pack_note("shm_tensors", {**note, "size": slab.seg.size + 4096, "header": mislabelled}), ProtocolError,
-         "was mapped with"),
-        (pack_note("shm_tensors", {**note, "seg": "areal_missing_0", "header": mislabelled}), TransportError,
-         "does not exist"),
-        (pack_note("shm_tensors", {**note, "seg": "../etc/passwd", "header": mislabelled}), TransportError,
-         "segment name"),
+        (
+            pack_note("shm_tensors", {**note, "size": slab.seg.size + 4096, "header": mislabelled}),
+            ProtocolError,
+            "was mapped with",
+        ),
+        (
+            pack_note("shm_tensors", {**note, "seg": "areal_missing_0", "header": mislabelled}),
+            TransportError,
+            "does not exist",
+        ),
+        (
+            pack_note("shm_tensors", {**note, "seg": "../etc/passwd", "header": mislabelled}),
+            TransportError,
+            "segment name",
+        ),
         (pack_note("shm_tensors", {**note, "sizes": [48, 8], "header": mislabelled}), ProtocolError, "payload has 2"),
         (pack_note("shm_tensors", {"seg": slab.seg.name}), ProtocolError, "shm_tensors: missing field 'size'"),
-        (pack_note("shm_tensors", {**note, "header": mislabelled, "ttl": 5}), ProtocolError,
-         "shm_tensors: unknown field 'ttl'"),
-        (pack_note("shm_tensors", {**note, "pooled": "yes", "header": mislabelled}), ProtocolError,
-         "shm_tensors.pooled: expected bool, got str"),
+        (
+            pack_note("shm_tensors", {**note, "header": mislabelled, "ttl": 5}),
+            ProtocolError,
+            "shm_tensors: unknown field 'ttl'",
+        ),
+        (
+            pack_note("shm_tensors", {**note, "pooled": "yes", "header": mislabelled}),
+            ProtocolError,
+            "shm_tensors.pooled: expected bool, got str",
+        ),
         (pack_note("shm_retire", {"segs": [slab.seg.name, 7]}), ProtocolError, "shm_retire.segs: expected list"),
     ]
     for raw_note, exc, match in cases:

@@ -8,8 +8,15 @@ import msgpack
 import pytest
 import torch
 
-from areal_async.transport import (KINDS, ManifestError, ProtocolError, TransportError, TransportUnavailable,
-                                   make_tensor_channel, make_weight_channel)
+from areal_async.transport import (
+    KINDS,
+    ManifestError,
+    ProtocolError,
+    TransportError,
+    TransportUnavailable,
+    make_tensor_channel,
+    make_weight_channel,
+)
 from areal_async.transport import buckets as B
 from areal_async.transport.frames import ALIGN, header_bytes, layout, parse_header, tensor_views
 from test_transport_helpers import assert_bit_exact, sample_tensors
@@ -37,7 +44,7 @@ def test_pack_unflatten_round_trip_and_manifest_is_msgpack_data():
     sd = _sd()
     lay = B.plan(sd, 300)
     flat = torch.full((lay.total,), 0xAB, dtype=torch.uint8)  # garbage padding must be zeroed by pack
-    bufs = [flat[o:o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
+    bufs = [flat[o : o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
     for k, b in enumerate(bufs):
         B.pack(lay, sd, k, b)
     values = [B.checksum(b, "sum64") for b in bufs]
@@ -48,7 +55,7 @@ def test_pack_unflatten_round_trip_and_manifest_is_msgpack_data():
     assert_bit_exact(B.unflatten(lay2, bufs), sd)
     again = torch.zeros_like(flat)  # same weights -> same bytes -> same checksums
     for k, (o, n) in enumerate(zip(lay.bucket_offsets(), lay.bucket_sizes)):
-        B.pack(lay, sd, k, again[o:o + n])
+        B.pack(lay, sd, k, again[o : o + n])
     assert torch.equal(again, flat)
 
 
@@ -74,23 +81,27 @@ def _set(path, value):
         for p in path[:-1]:
             target = target[p]
         target[path[-1]] = value
+
     return edit
 
 
-@pytest.mark.parametrize("edit, match", [
-    (_set(["channel"], "shm"), "is for channel 'shm'"),
-    (_set(["format"], "areal-weights/0"), "format"),
-    (_set(["version"], -1), "version -1"),
-    (_set(["tensors", 0, "dtype"], "complex64"), "dtype 'complex64'"),
-    (_set(["tensors", 0, "shape"], [3, 6]), "is 72 bytes, entry says 60"),
-    (_set(["tensors", 0, "offset"], 32), "misaligned"),
-    (_set(["tensors", 0, "bucket"], 99), "bucket 99"),
-    (_set(["tensors", 1, "name"], "f32_2d"), "twice"),
-    (_set(["bucket_bytes", 0], 64), "outside bucket 0"),
-    (_set(["checksum", "values"], [1]), "values"),
-    (_set(["checksum", "algo"], "md5"), "checksum"),
-    (lambda m: m.pop("handle"), "manifest keys"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (_set(["channel"], "shm"), "is for channel 'shm'"),
+        (_set(["format"], "areal-weights/0"), "format"),
+        (_set(["version"], -1), "version -1"),
+        (_set(["tensors", 0, "dtype"], "complex64"), "dtype 'complex64'"),
+        (_set(["tensors", 0, "shape"], [3, 6]), "is 72 bytes, entry says 60"),
+        (_set(["tensors", 0, "offset"], 32), "misaligned"),
+        (_set(["tensors", 0, "bucket"], 99), "bucket 99"),
+        (_set(["tensors", 1, "name"], "f32_2d"), "twice"),
+        (_set(["bucket_bytes", 0], 64), "outside bucket 0"),
+        (_set(["checksum", "values"], [1]), "values"),
+        (_set(["checksum", "algo"], "md5"), "checksum"),
+        (lambda m: m.pop("handle"), "manifest keys"),
+    ],
+)
 def test_parse_manifest_rejects_inconsistent_manifests(edit, match):
     m = copy.deepcopy(_manifest())
     edit(m)
@@ -113,7 +124,7 @@ def test_tensor_views_are_views_and_reject_mislabels():
     flat = torch.zeros(total, dtype=torch.uint8)
     for x, o, n in zip(t.values(), offsets, sizes):
         if n:
-            flat[o:o + n].view(x.dtype).view(x.shape).copy_(x)
+            flat[o : o + n].view(x.dtype).view(x.shape).copy_(x)
     header = parse_header(header_bytes("k", {"a": 1}, t))
     views = tensor_views(header, flat, offsets, sizes)
     assert_bit_exact(views, t)
@@ -135,10 +146,16 @@ def test_factory_names_kinds_and_roles():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-machine error")
-@pytest.mark.parametrize("make, kw", [
-    (make_tensor_channel, dict(role="sender", endpoint="tcp://127.0.0.1:1", rank=1, world_size=2, store="127.0.0.1:1")),
-    (make_weight_channel, dict(role="publisher", rank=0, world_size=2, store="127.0.0.1:1")),
-])
+@pytest.mark.parametrize(
+    "make, kw",
+    [
+        (
+            make_tensor_channel,
+            dict(role="sender", endpoint="tcp://127.0.0.1:1", rank=1, world_size=2, store="127.0.0.1:1"),
+        ),
+        (make_weight_channel, dict(role="publisher", rank=0, world_size=2, store="127.0.0.1:1")),
+    ],
+)
 def test_nccl_on_cpu_names_what_is_missing(make, kw):
     with pytest.raises(TransportUnavailable) as e:
         make("nccl", **kw)

@@ -48,8 +48,9 @@ def server(tmp_path_factory):
 
 def client(server, **kw) -> VLLMClient:
     probe = ProbeReference(CFG, TOK)
-    return VLLMClient(server["url"], weights_dir=str(server["dir"] / "weights"), probe_ids=probe.ids,
-                      probe_expected=probe, **kw)
+    return VLLMClient(
+        server["url"], weights_dir=str(server["dir"] / "weights"), probe_ids=probe.ids, probe_expected=probe, **kw
+    )
 
 
 class S:
@@ -76,7 +77,7 @@ def run_all(engine: RemoteEngine, deadline_s: float = 600.0) -> dict:
 
 def under(model, prompt: list[int], out: list[int]) -> list[float]:
     """log p(out[i] | prompt + out[:i]) at temperature 1, one full forward."""
-    return logprobs_of(model, prompt + out)[len(prompt) - 1:]
+    return logprobs_of(model, prompt + out)[len(prompt) - 1 :]
 
 
 @torch.no_grad()
@@ -84,7 +85,7 @@ def greedy_under(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_generate_greedy_and_sampled_with_the_trainers_logprobs(server):
@@ -128,8 +129,12 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
     vers = sorted(p.name.split("-")[0] for p in (server["dir"] / "weights").glob("v*"))
     assert vers == ["v11", "v12"], vers  # keep_versions=2: v10 (and the earlier test's v0) pruned
     # a client whose reference is another model's: the server's answer differs, the update fails
-    liar = VLLMClient(server["url"], weights_dir=str(server["dir"] / "weights"), probe_ids=c.probe_ids,
-                      probe_expected=lambda v, sd: logprobs_of(b, c.probe_ids))
+    liar = VLLMClient(
+        server["url"],
+        weights_dir=str(server["dir"] / "weights"),
+        probe_ids=c.probe_ids,
+        probe_expected=lambda v, sd: logprobs_of(b, c.probe_ids),
+    )
     liar.pause()
     with pytest.raises(ServerDown, match="probe after loading v13"):
         liar.load_weights(13, a.state_dict())

@@ -97,8 +97,13 @@ def test_the_mask_travels_as_a_tensor_and_between_trainer_ranks():
 
 
 def _cfg(**kw) -> ActorConfig:
-    return ActorConfig(use_decoupled_loss=False, recompute_logprob=True, eps_clip=0.2,
-                       rejection_sampling=RejectionSamplingConfig(metric="none"), **kw)
+    return ActorConfig(
+        use_decoupled_loss=False,
+        recompute_logprob=True,
+        eps_clip=0.2,
+        rejection_sampling=RejectionSamplingConfig(metric="none"),
+        **kw,
+    )
 
 
 def test_policy_loss_ignores_masked_tokens_by_hand():
@@ -116,8 +121,14 @@ def test_policy_loss_ignores_masked_tokens_by_hand():
 
 def test_advantage_norm_pools_only_trained_tokens_by_hand():
     # discount = gae_lambda = 1: every output token of a sequence carries its (group-normed) reward.
-    cfg = _cfg(reward_norm=NormConfig("none", "none"), adv_norm=NormConfig("batch", "none"), reward_scaling=1.0,
-               reward_bias=0.0, discount=1.0, gae_lambda=1.0)
+    cfg = _cfg(
+        reward_norm=NormConfig("none", "none"),
+        adv_norm=NormConfig("batch", "none"),
+        reward_scaling=1.0,
+        reward_bias=0.0,
+        discount=1.0,
+        gae_lambda=1.0,
+    )
     a = Trajectory("a", "g", [1], [5, 6, 7], [0.0] * 3, [0, -1, 0], 1.0, loss_mask=[1, 0, 1])
     b = Trajectory("b", "g", [1], [5], [0.0], [0], 0.0)
     adv = compute_advantages([a, b], cfg)

@@ -31,19 +31,40 @@ START_TIMEOUT_S = float(os.environ.get("AREAL_VLLM_START_TIMEOUT_S", "900"))
 def vllm_python_or_skip() -> Path:
     py = vllm_python(load_config(TINY))
     if not os.access(py, os.X_OK) or not (py.parent.parent / "READY").exists():
-        pytest.skip(f"vLLM server environment absent ({py}): run scripts/setup_vllm.sh (one time, ~2-3 min, "
-                    "3.5 GB) or set AREAL_VLLM_ENV; these tests need a real vLLM server")
+        pytest.skip(
+            f"vLLM server environment absent ({py}): run scripts/setup_vllm.sh (one time, ~2-3 min, "
+            "3.5 GB) or set AREAL_VLLM_ENV; these tests need a real vLLM server"
+        )
     return py
 
 
 def start_vllm(model_dir: Path, log_path: Path, port: int | None = None, config: Path = TINY):
     py = vllm_python_or_skip()
     port = port or free_tcp_port("127.0.0.1")
-    cmd = [sys.executable, "-m", "areal_async.rollout.vllm_server", "--config", str(config), "--model-dir",
-           str(model_dir), "--port", str(port), "--vllm-python", str(py), "--index", "9"]  # own cache dir
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.rollout.vllm_server",
+        "--config",
+        str(config),
+        "--model-dir",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--vllm-python",
+        str(py),
+        "--index",
+        "9",
+    ]  # own cache dir
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
     url = f"http://127.0.0.1:{port}"
     t = time.monotonic()
     while True:

@@ -1,6 +1,6 @@
 """Entry point of the reward worker process (started by the supervisor); see workers/_main.py.
 
-    python -m workers.reward --run-dir RUN_DIR --worker-id ID --index I [--cpus LIST]
+python -m workers.reward --run-dir RUN_DIR --worker-id ID --index I [--cpus LIST]
 """
 
 import sys

@@ -17,8 +17,9 @@ def _group(cfg: ExperimentConfig, ep: Endpoints, kind: str, rank: int, store_key
 def trajectory_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
     kind = cfg.tensor_channel.trajectories
     kw = {"run_id": ep.extra.get("run_id")} if kind == "shm" else {}
-    return make_tensor_channel(kind, role=role, endpoint=ep.trajectories, **kw,
-                               **_group(cfg, ep, kind, rank, "traj_store"))
+    return make_tensor_channel(
+        kind, role=role, endpoint=ep.trajectories, **kw, **_group(cfg, ep, kind, rank, "traj_store")
+    )
 
 
 def weight_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):

@@ -60,20 +60,31 @@ def check_plugin(path: str, kind: str = "auto", timeout_s: float = 5.0) -> Verdi
 def _check_reward(path: str, fn, timeout_s: float) -> Verdict:
     bad = _signature_problem(fn, ("completion", ["12"]))
     if bad:
-        return Verdict(False, "reward", f"wrong signature: reward fn {path!r} is {bad}; a reward fn must be "
-                                        f"callable as {REWARD_SIGNATURE}")
+        return Verdict(
+            False,
+            "reward",
+            f"wrong signature: reward fn {path!r} is {bad}; a reward fn must be callable as {REWARD_SIGNATURE}",
+        )
     with RewardPool(path, n_procs=1, timeout_s=timeout_s) as pool:
         scores = []
         for completion, solutions in REWARD_SAMPLES:
             out = pool.score_sync(completion, solutions)
             if out.status == "timeout":
-                return Verdict(False, "reward", f"too slow: reward fn {path!r} did not return within {timeout_s:g} s "
-                                                f"on {completion!r} (its process was killed)")
+                return Verdict(
+                    False,
+                    "reward",
+                    f"too slow: reward fn {path!r} did not return within {timeout_s:g} s "
+                    f"on {completion!r} (its process was killed)",
+                )
             if out.status != "ok":
                 return Verdict(False, "reward", _reward_error(path, completion, out.detail))
             if not 0.0 <= out.score <= 1.0:
-                return Verdict(False, "reward", f"score out of range: reward fn {path!r} returned {out.score!r} on "
-                                                f"{completion!r}; expected a task score in [0, 1]")
+                return Verdict(
+                    False,
+                    "reward",
+                    f"score out of range: reward fn {path!r} returned {out.score!r} on "
+                    f"{completion!r}; expected a task score in [0, 1]",
+                )
             scores.append(out.score)
     shown = ", ".join(f"{c!r} -> {s:g}" for (c, _), s in zip(REWARD_SAMPLES, scores))
     return Verdict(True, "reward", f"ok: reward fn {path!r} follows {REWARD_SIGNATURE} ({shown})")
@@ -82,8 +93,9 @@ def _check_reward(path: str, fn, timeout_s: float) -> Verdict:
 def _reward_error(path: str, completion: str, detail: str) -> str:
     if detail.startswith("reward function returned"):  # the pool child's wording for a non-number
         what = detail.removeprefix("reward function returned ").split("; expected")[0]
-        return (f"wrong return type: reward fn {path!r} returned {what} on {completion!r}; "
-                "expected a float score in [0, 1]")
+        return (
+            f"wrong return type: reward fn {path!r} returned {what} on {completion!r}; expected a float score in [0, 1]"
+        )
     return f"raises: reward fn {path!r} raised {detail} on {completion!r}"
 
 
@@ -102,17 +114,29 @@ def _signature_problem(fn, args: tuple) -> str | None:
 
 def _check_workflow(path: str, cls, timeout_s: float) -> Verdict:
     if not inspect.isclass(cls):
-        return Verdict(False, "workflow", f"not a class: workflow {path!r} is a {type(cls).__name__}; expected a "
-                                          "class with 'async def arun_episode(self, engine, prompt)'")
+        return Verdict(
+            False,
+            "workflow",
+            f"not a class: workflow {path!r} is a {type(cls).__name__}; expected a "
+            "class with 'async def arun_episode(self, engine, prompt)'",
+        )
     method = getattr(cls, "arun_episode", None)
     if method is None or not inspect.iscoroutinefunction(method):
         found = "missing" if method is None else f"a plain {type(method).__name__}"
-        return Verdict(False, "workflow", f"wrong signature: workflow {path!r} has arun_episode {found}; expected "
-                                          "'async def arun_episode(self, engine, prompt)'")
+        return Verdict(
+            False,
+            "workflow",
+            f"wrong signature: workflow {path!r} has arun_episode {found}; expected "
+            "'async def arun_episode(self, engine, prompt)'",
+        )
     bad = _signature_problem(method, (None, None, None))
     if bad:
-        return Verdict(False, "workflow", f"wrong signature: workflow {path!r}: arun_episode is {bad}; expected "
-                                          "'async def arun_episode(self, engine, prompt)'")
+        return Verdict(
+            False,
+            "workflow",
+            f"wrong signature: workflow {path!r}: arun_episode is {bad}; expected "
+            "'async def arun_episode(self, engine, prompt)'",
+        )
     return _run_workflow_child(path, timeout_s)
 
 
@@ -134,15 +158,21 @@ def _run_workflow_child(path: str, timeout_s: float, startup_s: float = 60.0) ->
         proc.stdout.close()
         proc.stderr.close()
     if first is None:
-        return Verdict(False, "workflow", f"too slow: workflow {path!r} was not loaded and built within "
-                                          f"{startup_s:g} s "
-                                          "(its process was killed)")
+        return Verdict(
+            False,
+            "workflow",
+            f"too slow: workflow {path!r} was not loaded and built within {startup_s:g} s (its process was killed)",
+        )
     if last is None:
-        return Verdict(False, "workflow", f"too slow: workflow {path!r} did not finish an episode in {timeout_s:g} s "
-                                          "(its process was killed)")
+        return Verdict(
+            False,
+            "workflow",
+            f"too slow: workflow {path!r} did not finish an episode in {timeout_s:g} s (its process was killed)",
+        )
     if not last:
-        return Verdict(False, "workflow", f"crashed: the check process of workflow {path!r} exited "
-                                          f"{proc.returncode}: {err[-400:]}")
+        return Verdict(
+            False, "workflow", f"crashed: the check process of workflow {path!r} exited {proc.returncode}: {err[-400:]}"
+        )
     out = json.loads(last)
     return Verdict(out["ok"], "workflow", out["message"])
 

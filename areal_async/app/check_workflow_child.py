@@ -47,14 +47,20 @@ class RandomEngine(EngineHandle):
 
 def _verdict(path: str, episode) -> dict:
     if not isinstance(episode, Episode):
-        return {"ok": False, "message": f"wrong return type: workflow {path!r} returned {type(episode).__name__} "
-                                        f"{episode!r:.60}; expected an Episode (areal_async.workflows.base)"}
+        return {
+            "ok": False,
+            "message": f"wrong return type: workflow {path!r} returned {type(episode).__name__} "
+            f"{episode!r:.60}; expected an Episode (areal_async.workflows.base)",
+        }
     why = episode.problem()
     if why:
         return {"ok": False, "message": f"bad episode: workflow {path!r} returned an Episode whose {why}"}
-    return {"ok": True, "message": f"ok: workflow {path!r} ran an episode of {episode.turns} turn(s), "
-                                   f"{sum(episode.loss_mask)}/{len(episode.loss_mask)} output tokens trained, "
-                                   f"reward {episode.reward:g}"}
+    return {
+        "ok": True,
+        "message": f"ok: workflow {path!r} ran an episode of {episode.turns} turn(s), "
+        f"{sum(episode.loss_mask)}/{len(episode.loss_mask)} output tokens trained, "
+        f"reward {episode.reward:g}",
+    }
 
 
 async def _episode(path: str, out) -> dict:
@@ -62,8 +68,10 @@ async def _episode(path: str, out) -> dict:
     try:
         workflow = cls()
     except Exception as e:
-        return {"ok": False, "message": f"raises: building workflow {path!r} with no arguments raised "
-                                        f"{type(e).__name__}: {e}"}
+        return {
+            "ok": False,
+            "message": f"raises: building workflow {path!r} with no arguments raised {type(e).__name__}: {e}",
+        }
     engine = RandomEngine()
     prompt = Prompt("check-0", ByteTokenizer().encode("7 + 5 = "), ["12"], Sampling(max_new_tokens=8))
     print(json.dumps({"ready": True}), file=out, flush=True)

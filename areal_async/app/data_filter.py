@@ -74,11 +74,20 @@ def filter_data(cfg: ExperimentConfig, data: str, out: Path, band: Band, model_d
         res = evaluate(engine, tok, encode, problems, pool, Sampling.from_config(cfg))
     verdicts = [verdict(r["pass1"], band) for r in res.rows]
     _write(out, [_record(p) for p, v in zip(problems, verdicts) if v == "kept"])
-    _write(out.with_name(out.name + ".rates.jsonl"),
-           [{"index": r["index"], "prompt": r["prompt"], "pass1": r["pass1"], "k": len(r["scores"]), "verdict": v}
-            for r, v in zip(res.rows, verdicts)])
-    return {"model": label, "band": str(band), "k": res.summary["k"], "read": len(problems),
-            **{k: verdicts.count(k) for k in ("kept", "too_easy", "too_hard")}}
+    _write(
+        out.with_name(out.name + ".rates.jsonl"),
+        [
+            {"index": r["index"], "prompt": r["prompt"], "pass1": r["pass1"], "k": len(r["scores"]), "verdict": v}
+            for r, v in zip(res.rows, verdicts)
+        ],
+    )
+    return {
+        "model": label,
+        "band": str(band),
+        "k": res.summary["k"],
+        "read": len(problems),
+        **{k: verdicts.count(k) for k in ("kept", "too_easy", "too_hard")},
+    }
 
 
 def _record(p) -> dict:
@@ -102,7 +111,9 @@ def run_filter(cfg: ExperimentConfig, data: str, out: str, band_text: str, model
     except (ValueError, OSError) as e:
         print(f"areal-async data filter: error: {e}", file=sys.stderr)
         return 2
-    print(f"data filter: {counts['read']} problems, k={counts['k']}, band {counts['band']} (model: {counts['model']}): "
-          f"{counts['kept']} kept, {counts['too_easy']} too easy, {counts['too_hard']} too hard -> {out} "
-          f"(rates: {out}.rates.jsonl)")
+    print(
+        f"data filter: {counts['read']} problems, k={counts['k']}, band {counts['band']} (model: {counts['model']}): "
+        f"{counts['kept']} kept, {counts['too_easy']} too easy, {counts['too_hard']} too hard -> {out} "
+        f"(rates: {out}.rates.jsonl)"
+    )
     return 0

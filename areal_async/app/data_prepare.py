@@ -98,8 +98,10 @@ def detect(obj: dict) -> str:
     for key, name in _KEYS:
         if key in obj:
             return name
-    raise BadLine(f"cannot tell the format from keys {sorted(obj)[:8]}: expected 'prompt' (boba), "
-                  "'question' (gsm8k) or 'problem' (math)")
+    raise BadLine(
+        f"cannot tell the format from keys {sorted(obj)[:8]}: expected 'prompt' (boba), "
+        "'question' (gsm8k) or 'problem' (math)"
+    )
 
 
 def convert_line(line: str, fmt: str) -> tuple[str, dict]:

@@ -64,13 +64,26 @@ class Sampling:
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> "Sampling":
         e = cfg.evaluator
-        return cls(e.n_samples, e.greedy, e.temperature, e.top_p, e.max_new_tokens or cfg.gconfig.max_new_tokens,
-                   tuple(cfg.gconfig.stop_token_ids))
+        return cls(
+            e.n_samples,
+            e.greedy,
+            e.temperature,
+            e.top_p,
+            e.max_new_tokens or cfg.gconfig.max_new_tokens,
+            tuple(cfg.gconfig.stop_token_ids),
+        )
 
     def request(self, group_id: str, prompt_ids: list[int]) -> GenRequest:
-        return GenRequest(group_id, prompt_ids, n=self.k, max_new_tokens=self.max_new_tokens,
-                          temperature=self.temperature, top_p=self.top_p, greedy=self.greedy,
-                          stop_token_ids=self.stop_token_ids).validate()
+        return GenRequest(
+            group_id,
+            prompt_ids,
+            n=self.k,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            greedy=self.greedy,
+            stop_token_ids=self.stop_token_ids,
+        ).validate()
 
 
 @dataclass
@@ -99,8 +112,9 @@ class EvalResult:
     summary: dict  # pass1, ci_low, ci_high, se, n_problems, k, sampling, wall_s
 
 
-def sample_completions(engine: RolloutEngine, decode: Callable[[list[int]], str], prompts: Sequence[list[int]],
-                       s: Sampling) -> list[list[str]]:
+def sample_completions(
+    engine: RolloutEngine, decode: Callable[[list[int]], str], prompts: Sequence[list[int]], s: Sampling
+) -> list[list[str]]:
     """k decoded completions per prompt, in prompt order (the engine is driven until it is idle)."""
     for i, ids in enumerate(prompts):
         engine.add_request(s.request(f"eval-{i}", ids))
@@ -116,7 +130,7 @@ def score_completions(pool, problems: Sequence[Problem], completions: list[list[
     flat = asyncio.run(pool.score_many(items)) if items else []
     out, i = [], 0
     for cs in completions:
-        out.append(flat[i:i + len(cs)])
+        out.append(flat[i : i + len(cs)])
         i += len(cs)
     return out
 
@@ -129,18 +143,35 @@ def evaluate(engine: RolloutEngine, tok, encode, problems: Sequence[Problem], po
     outcomes = score_completions(pool, problems, completions)
     rows = [_row(p, cs, os_) for p, cs, os_ in zip(problems, completions, outcomes)]
     ci = pass1_interval([r["pass1"] for r in rows])
-    summary = {"pass1": ci.mean, "ci_low": ci.low, "ci_high": ci.high, "se": ci.se, "n_problems": len(rows),
-               "k": s.k, "n_samples": sum(len(cs) for cs in completions), "greedy": s.greedy,
-               "temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens,
-               "not_ok": sum(o.status != "ok" for os_ in outcomes for o in os_),
-               "wall_s": round(time.perf_counter() - t0, 3)}
+    summary = {
+        "pass1": ci.mean,
+        "ci_low": ci.low,
+        "ci_high": ci.high,
+        "se": ci.se,
+        "n_problems": len(rows),
+        "k": s.k,
+        "n_samples": sum(len(cs) for cs in completions),
+        "greedy": s.greedy,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "max_new_tokens": s.max_new_tokens,
+        "not_ok": sum(o.status != "ok" for os_ in outcomes for o in os_),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
     return EvalResult(rows, summary)
 
 
 def _row(p: Problem, completions: list[str], outcomes: list) -> dict:
     scores = [o.score for o in outcomes]
-    return {"index": p.index, "prompt": p.prompt, "solutions": list(p.solutions), "pass1": sum(scores) / len(scores),
-            "scores": scores, "statuses": [o.status for o in outcomes], "completions": completions}
+    return {
+        "index": p.index,
+        "prompt": p.prompt,
+        "solutions": list(p.solutions),
+        "pass1": sum(scores) / len(scores),
+        "scores": scores,
+        "statuses": [o.status for o in outcomes],
+        "completions": completions,
+    }
 
 
 # ---- what to evaluate -------------------------------------------------------------------------
@@ -160,15 +191,18 @@ def check_fits(cfg: ExperimentConfig, problems: Sequence[Problem], encode, max_p
     new = Sampling.from_config(cfg).max_new_tokens
     longest = max((len(encode(p.prompt)) for p in problems), default=0)
     if longest + new > max_positions:
-        raise ValueError(f"evaluation needs prompt ({longest} tokens with template "
-                         f"{cfg.train_dataset.template!r}) + max_new_tokens ({new}) = {longest + new} positions: "
-                         f"expected <= the model's max_position_embeddings={max_positions}")
+        raise ValueError(
+            f"evaluation needs prompt ({longest} tokens with template "
+            f"{cfg.train_dataset.template!r}) + max_new_tokens ({new}) = {longest + new} positions: "
+            f"expected <= the model's max_position_embeddings={max_positions}"
+        )
 
 
 def torch_eval_engine(cfg: ExperimentConfig, model, tok) -> TorchEngine:
     """A fresh embedded engine seeded with ``seed``: the same weights give the same samples."""
-    return TorchEngine(model, tok, device=cfg.cluster.device, seed=cfg.seed,
-                       max_batch_groups=cfg.rollout.max_batch_groups)
+    return TorchEngine(
+        model, tok, device=cfg.cluster.device, seed=cfg.seed, max_batch_groups=cfg.rollout.max_batch_groups
+    )
 
 
 class PeriodicEvaluator:
@@ -190,11 +224,23 @@ class PeriodicEvaluator:
 
     def __call__(self, version: int, state_dict: dict) -> dict:
         self.model.load_state_dict(state_dict)
-        res = evaluate(torch_eval_engine(self.cfg, self.model, self.tok), self.tok, self.encode, self.problems,
-                       self.pool, self.sampling)
+        res = evaluate(
+            torch_eval_engine(self.cfg, self.model, self.tok),
+            self.tok,
+            self.encode,
+            self.problems,
+            self.pool,
+            self.sampling,
+        )
         s = res.summary
-        return {"eval_pass1": s["pass1"], "eval_pass1_ci_low": s["ci_low"], "eval_pass1_ci_high": s["ci_high"],
-                "eval_n_problems": s["n_problems"], "eval_k": s["k"], "eval_s": s["wall_s"]}
+        return {
+            "eval_pass1": s["pass1"],
+            "eval_pass1_ci_low": s["ci_low"],
+            "eval_pass1_ci_high": s["ci_high"],
+            "eval_n_problems": s["n_problems"],
+            "eval_k": s["k"],
+            "eval_s": s["wall_s"],
+        }
 
     def close(self) -> None:
         self.pool.close()
@@ -217,10 +263,16 @@ def summary_table(s: dict, label: str) -> str:
     """A few aligned lines a person reads after ``areal-async eval``."""
     ci = "n/a (one problem)" if s["ci_low"] is None else f"[{s['ci_low']:.4f}, {s['ci_high']:.4f}]"
     mode = "greedy" if s["greedy"] else f"T={s['temperature']} top_p={s['top_p']}"
-    lines = [("model", label), ("problems", s["n_problems"]), ("samples / problem (k)", s["k"]),
-             ("sampling", f"{mode}, max_new_tokens={s['max_new_tokens']}"),
-             ("pass@1", f"{s['pass1']:.4f}"), ("95% CI", ci),
-             ("checks not ok (timeout/error)", s["not_ok"]), ("wall time", f"{s['wall_s']:.1f} s")]
+    lines = [
+        ("model", label),
+        ("problems", s["n_problems"]),
+        ("samples / problem (k)", s["k"]),
+        ("sampling", f"{mode}, max_new_tokens={s['max_new_tokens']}"),
+        ("pass@1", f"{s['pass1']:.4f}"),
+        ("95% CI", ci),
+        ("checks not ok (timeout/error)", s["not_ok"]),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+    ]
     return "\n".join(f"  {k:30s} {v}" for k, v in lines)
 
 
@@ -233,12 +285,19 @@ def eval_engine(cfg: ExperimentConfig, model, tok) -> RolloutEngine:
         return torch_eval_engine(cfg, model, tok)
     s = cfg.sglang
     if not s.addresses:
-        raise ValueError(f"rollout.backend={cfg.rollout.backend!r}: eval attaches to running servers that serve the "
-                         "model to evaluate; set sglang.addresses=[http://host:port, ...]")
-    clients = [SGLangClient(a, name=f"eval-s{j}", request_timeout_s=s.request_timeout_s)
-               for j, a in enumerate(s.addresses)]
-    return RemoteEngine(clients, max_in_flight=max(1, cfg.rollout.max_concurrent_rollouts),
-                        down_timeout_s=s.server_down_timeout_s, ready_timeout_s=s.update_timeout_s)
+        raise ValueError(
+            f"rollout.backend={cfg.rollout.backend!r}: eval attaches to running servers that serve the "
+            "model to evaluate; set sglang.addresses=[http://host:port, ...]"
+        )
+    clients = [
+        SGLangClient(a, name=f"eval-s{j}", request_timeout_s=s.request_timeout_s) for j, a in enumerate(s.addresses)
+    ]
+    return RemoteEngine(
+        clients,
+        max_in_flight=max(1, cfg.rollout.max_concurrent_rollouts),
+        down_timeout_s=s.server_down_timeout_s,
+        ready_timeout_s=s.update_timeout_s,
+    )
 
 
 def eval_policy(cfg: ExperimentConfig, model_dir: Optional[str]):
@@ -267,8 +326,13 @@ def run_eval(cfg: ExperimentConfig, model_dir: Optional[str], data: Optional[str
         res = evaluate(engine, tok, encode, problems, pool, Sampling.from_config(cfg))
     finally:
         pool.close()
-    meta = {"model": label, "data": data or cfg.evaluator.path or cfg.train_dataset.path or cfg.train_dataset.type,
-            "template": cfg.train_dataset.template, "seed": cfg.seed, "backend": cfg.rollout.backend}
+    meta = {
+        "model": label,
+        "data": data or cfg.evaluator.path or cfg.train_dataset.path or cfg.train_dataset.type,
+        "template": cfg.train_dataset.template,
+        "seed": cfg.seed,
+        "backend": cfg.rollout.backend,
+    }
     write_result(out_dir, res, meta)
     print(f"eval: {out_dir}/eval.jsonl (per problem), {out_dir}/eval_summary.json")
     print(summary_table(res.summary, label))

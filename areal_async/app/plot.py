@@ -81,8 +81,10 @@ def plot_run(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[
     rows = read_rows(run_dir / "metrics.jsonl")
     steps = [r for r in rows if "kind" not in r and "step" in r]
     if not steps:
-        raise PlotError(f"{run_dir}: no trainer-step rows in metrics.jsonl "
-                        f"({'file missing' if not (run_dir / 'metrics.jsonl').exists() else 'empty'}): nothing to plot")
+        raise PlotError(
+            f"{run_dir}: no trainer-step rows in metrics.jsonl "
+            f"({'file missing' if not (run_dir / 'metrics.jsonl').exists() else 'empty'}): nothing to plot"
+        )
     plt = _pyplot()
     out = Path(out_dir) if out_dir else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +119,14 @@ def _layout(name: str) -> tuple[int, int]:
 
 
 def _title(run_dir: Path, name: str) -> str:
-    what = {"reward.png": "Reward", "staleness.png": "Staleness", "throughput.png": "Throughput per role",
-            "loss.png": "Loss statistics", "kl.png": "KL", "eval.png": "Evaluation"}[name]
+    what = {
+        "reward.png": "Reward",
+        "staleness.png": "Staleness",
+        "throughput.png": "Throughput per role",
+        "loss.png": "Loss statistics",
+        "kl.png": "KL",
+        "eval.png": "Evaluation",
+    }[name]
     return f"{what} - {run_dir.name}"
 
 
@@ -158,14 +166,16 @@ def _reward(ax, steps: list[dict]) -> None:
 
 def _staleness(axes, steps: list[dict], trajs: list[dict]) -> None:
     hist, per_step = axes
-    trained = [t["train_step"] - t["version_min"] for t in trajs
-               if t.get("status") == "trained" and t.get("train_step") is not None]
+    trained = [
+        t["train_step"] - t["version_min"]
+        for t in trajs
+        if t.get("status") == "trained" and t.get("train_step") is not None
+    ]
     if trained:
         values = sorted(set(trained))
         bars = hist.bar(values, [trained.count(v) for v in values], color="tab:purple")
         hist.bar_label(bars, labels=[f"{trained.count(v)} ({trained.count(v) / len(trained):.1%})" for v in values])
-        hist.set(xlabel="staleness (train step - oldest token version)", ylabel="trained samples",
-                 xticks=values)
+        hist.set(xlabel="staleness (train step - oldest token version)", ylabel="trained samples", xticks=values)
     else:
         xs, ys = _xy(steps, "staleness_max")
         values = sorted(set(ys))
@@ -186,9 +196,10 @@ def _throughput(ax, steps: list[dict]) -> None:
     w = max(2, window_for(len(steps)))
     # in steady state the three rates are equal: wide, dashed and thin lines keep each one visible
     for key, label, style in (
-            ("samples_generated_total", "rollout: generated", dict(color="tab:green", lw=4, alpha=.4)),
-            ("samples_rewarded_total", "reward: scored", dict(color="tab:orange", lw=2, ls="--")),
-            ("samples_trained_total", "trainer: trained", dict(color="tab:blue", lw=1))):
+        ("samples_generated_total", "rollout: generated", dict(color="tab:green", lw=4, alpha=0.4)),
+        ("samples_rewarded_total", "reward: scored", dict(color="tab:orange", lw=2, ls="--")),
+        ("samples_trained_total", "trainer: trained", dict(color="tab:blue", lw=1)),
+    ):
         xs, ys = rates(steps, key, w)
         if ys:
             ax.plot(xs, ys, label=label, **style)
@@ -198,10 +209,14 @@ def _throughput(ax, steps: list[dict]) -> None:
     ax.legend(loc="lower right")
 
 
-LOSS_PANELS = (("loss", "PPO loss", "loss (per token)"), ("clip_frac", "clipped tokens", "fraction of tokens"),
-               ("imp_weight_mean", "importance weight", "exp(prox - behav), mean"),
-               ("rejected_frac", "rejected tokens", "fraction of tokens"),
-               ("entropy", "entropy", "nats / token"), ("grad_norm", "gradient norm", "global L2 norm"))
+LOSS_PANELS = (
+    ("loss", "PPO loss", "loss (per token)"),
+    ("clip_frac", "clipped tokens", "fraction of tokens"),
+    ("imp_weight_mean", "importance weight", "exp(prox - behav), mean"),
+    ("rejected_frac", "rejected tokens", "fraction of tokens"),
+    ("entropy", "entropy", "nats / token"),
+    ("grad_norm", "gradient norm", "global L2 norm"),
+)
 
 
 def _loss(axes, steps: list[dict]) -> None:
@@ -219,8 +234,10 @@ def _loss(axes, steps: list[dict]) -> None:
 
 def _kl(ax, steps: list[dict]) -> None:
     w = window_for(len(steps))
-    for key, label, color in (("behav_approx_kl", "behaviour vs proximal (off-policy)", "tab:brown"),
-                              ("approx_kl", "proximal vs current (update size)", "tab:cyan")):
+    for key, label, color in (
+        ("behav_approx_kl", "behaviour vs proximal (off-policy)", "tab:brown"),
+        ("approx_kl", "proximal vs current (update size)", "tab:cyan"),
+    ):
         xs, ys = _xy(steps, key)
         if ys:
             _series(ax, xs, ys, label, color, w)
@@ -237,7 +254,10 @@ def _eval(ax, evals: list[dict]) -> None:
     ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", color="tab:green", capsize=4, label="pass@1, 95% CI")
     k = evals[-1].get("eval_k")
     n = evals[-1].get("eval_n_problems")
-    ax.set(xlabel="policy version (trainer steps)", ylabel=f"pass@1 (mean of {k} samples, {n} problems)",
-           ylim=(-0.02, 1.02))
+    ax.set(
+        xlabel="policy version (trainer steps)",
+        ylabel=f"pass@1 (mean of {k} samples, {n} problems)",
+        ylim=(-0.02, 1.02),
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -15,5 +15,6 @@ def build_reward(run_dir: str | Path, worker_id: str, index: int) -> RewardServi
     cfg, ep = load_run(run_dir)
     pool = RewardPool.from_config(cfg.reward)
     ctx = zmq.asyncio.Context()
-    return RewardService(worker_id, control_client(ctx, cfg, ep, "reward", worker_id), ctx, ep.rewards[index], pool,
-                         cfg.reward.n_procs)
+    return RewardService(
+        worker_id, control_client(ctx, cfg, ep, "reward", worker_id), ctx, ep.rewards[index], pool, cfg.reward.n_procs
+    )

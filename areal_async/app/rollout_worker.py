@@ -43,8 +43,18 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
     traj = trajectory_channel(cfg, ep, "sender", rank=index + 1)
     weights = weight_channel(cfg, ep, "receiver", rank=index + 1)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return RolloutService(worker_id, control_client(ctx, cfg, ep, "rollout", worker_id), ctx, engine, decode, traj,
-                          weights, ep.rewards, max_active, **workflow_parts(cfg, tok))
+    return RolloutService(
+        worker_id,
+        control_client(ctx, cfg, ep, "rollout", worker_id),
+        ctx,
+        engine,
+        decode,
+        traj,
+        weights,
+        ep.rewards,
+        max_active,
+        **workflow_parts(cfg, tok),
+    )
 
 
 def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
@@ -63,8 +73,13 @@ def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
 
 def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:
     """The embedded engine; it starts without weights (version -1): version 0 comes from the trainer."""
-    return TorchEngine(torch_engine_model(cfg, tok), tok, device=cfg.cluster.device, seed=cfg.seed * 1000 + index,
-                       max_batch_groups=cfg.rollout.max_batch_groups)
+    return TorchEngine(
+        torch_engine_model(cfg, tok),
+        tok,
+        device=cfg.cluster.device,
+        seed=cfg.seed * 1000 + index,
+        max_batch_groups=cfg.rollout.max_batch_groups,
+    )
 
 
 def torch_engine_model(cfg: ExperimentConfig, tok):
@@ -72,35 +87,60 @@ def torch_engine_model(cfg: ExperimentConfig, tok):
     return load_model(cfg.model.path, cfg.model.dtype) if cfg.model.path else build_model(cfg.model, len(tok), cfg.seed)
 
 
-def sglang_engine(cfg: ExperimentConfig, ep: Endpoints, run_dir: str | Path, worker_id: str, index: int,
-                  max_in_flight: int) -> RemoteEngine:
+def sglang_engine(
+    cfg: ExperimentConfig, ep: Endpoints, run_dir: str | Path, worker_id: str, index: int, max_in_flight: int
+) -> RemoteEngine:
     """A RemoteEngine over the SGLang servers this worker owns (started by the supervisor, or sglang.addresses)."""
     s = cfg.sglang
     mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
-    clients = [SGLangClient(a, name=f"{worker_id}-s{j}", pause_mode=s.pause_mode, weight_sync=s.weight_sync,
-                            group_backend="gloo" if cfg.cluster.device == "cpu" else "nccl",
-                            group_host=cfg.cluster.host, bucket_mb=cfg.tensor_channel.bucket_mb,
-                            request_timeout_s=s.request_timeout_s, update_timeout_s=s.update_timeout_s,
-                            weight_update_session=s.weight_update_session,
-                            disk_dir=str(Path(run_dir) / "weights" / worker_id))
-               for j, a in enumerate(mine)]
-    return RemoteEngine(clients, max_in_flight=max_in_flight, down_timeout_s=s.server_down_timeout_s,
-                        ready_timeout_s=s.update_timeout_s)
+    clients = [
+        SGLangClient(
+            a,
+            name=f"{worker_id}-s{j}",
+            pause_mode=s.pause_mode,
+            weight_sync=s.weight_sync,
+            group_backend="gloo" if cfg.cluster.device == "cpu" else "nccl",
+            group_host=cfg.cluster.host,
+            bucket_mb=cfg.tensor_channel.bucket_mb,
+            request_timeout_s=s.request_timeout_s,
+            update_timeout_s=s.update_timeout_s,
+            weight_update_session=s.weight_update_session,
+            disk_dir=str(Path(run_dir) / "weights" / worker_id),
+        )
+        for j, a in enumerate(mine)
+    ]
+    return RemoteEngine(
+        clients, max_in_flight=max_in_flight, down_timeout_s=s.server_down_timeout_s, ready_timeout_s=s.update_timeout_s
+    )
 
 
-def vllm_engine(cfg: ExperimentConfig, ep: Endpoints, tok, run_dir: str | Path, worker_id: str, index: int,
-                max_in_flight: int) -> RemoteEngine:
+def vllm_engine(
+    cfg: ExperimentConfig, ep: Endpoints, tok, run_dir: str | Path, worker_id: str, index: int, max_in_flight: int
+) -> RemoteEngine:
     """A RemoteEngine over the vLLM servers this worker owns (started by the supervisor, or vllm.addresses)."""
     v = cfg.vllm
     mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
     probe = ProbeReference(cfg, tok) if v.probe else None
-    clients = [VLLMClient(a, weights_dir=str(Path(run_dir) / "weights" / "vllm"), model=SERVED_NAME,
-                          keep_versions=v.keep_versions, probe_ids=probe.ids if probe else None,
-                          probe_expected=probe, probe_atol=v.probe_atol, request_timeout_s=v.request_timeout_s,
-                          update_timeout_s=v.update_timeout_s)
-               for a in mine]
-    return RemoteEngine(clients, max_in_flight=max_in_flight, down_timeout_s=v.server_down_timeout_s,
-                        ready_timeout_s=v.startup_timeout_s)
+    clients = [
+        VLLMClient(
+            a,
+            weights_dir=str(Path(run_dir) / "weights" / "vllm"),
+            model=SERVED_NAME,
+            keep_versions=v.keep_versions,
+            probe_ids=probe.ids if probe else None,
+            probe_expected=probe,
+            probe_atol=v.probe_atol,
+            request_timeout_s=v.request_timeout_s,
+            update_timeout_s=v.update_timeout_s,
+        )
+        for a in mine
+    ]
+    return RemoteEngine(
+        clients,
+        max_in_flight=max_in_flight,
+        down_timeout_s=v.server_down_timeout_s,
+        ready_timeout_s=v.startup_timeout_s,
+    )
 
 
 class ProbeReference:
@@ -109,8 +149,9 @@ class ProbeReference:
 
     def __init__(self, cfg: ExperimentConfig, tok):
         self.ids = [tok.bos_token_id, *tok.encode(PROBE_TEXT, add_special_tokens=False)]
-        self.model = load_model(cfg.model.path, "float32") if cfg.model.path else build_model(cfg.model, len(tok),
-                                                                                               cfg.seed)
+        self.model = (
+            load_model(cfg.model.path, "float32") if cfg.model.path else build_model(cfg.model, len(tok), cfg.seed)
+        )
         self.model.eval()
         self.lock = threading.Lock()
         self.cache: dict[int, list[float]] = {}

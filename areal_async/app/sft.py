@@ -130,13 +130,16 @@ def _resume_point(cfg: ExperimentConfig, run_dir: Path) -> dict | None:
         return None
     ckpt = load_checkpoint(latest)
     if ckpt["extra"].get("kind") != "sft":
-        raise ValueError(f"{latest} is not an SFT checkpoint (kind {ckpt['extra'].get('kind')!r}); "
-                         "an SFT run resumes only from its own checkpoints")
+        raise ValueError(
+            f"{latest} is not an SFT checkpoint (kind {ckpt['extra'].get('kind')!r}); "
+            "an SFT run resumes only from its own checkpoints"
+        )
     return ckpt
 
 
-def _train_and_evaluate(cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool,
-                        ckpt: dict | None = None) -> tuple[torch.nn.Module, dict]:
+def _train_and_evaluate(
+    cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool, ckpt: dict | None = None
+) -> tuple[torch.nn.Module, dict]:
     """(the trained model, the summary); when resuming, the model is the checkpoint's, trained on."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -177,9 +180,11 @@ def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
     train_p, held_p = _split(cfg, kept)
     train = sft_examples(train_p, tok, d.template)
     if not train:
-        raise ValueError(f"no training examples left: {len(problems)} problems, {len(kept)} within "
-                         f"train_dataset.max_prompt_len={cfg.train_dataset.max_prompt_len}, "
-                         f"sft.holdout={cfg.sft.holdout}; expected at least one with an 'answer'")
+        raise ValueError(
+            f"no training examples left: {len(problems)} problems, {len(kept)} within "
+            f"train_dataset.max_prompt_len={cfg.train_dataset.max_prompt_len}, "
+            f"sft.holdout={cfg.sft.holdout}; expected at least one with an 'answer'"
+        )
     splits = {"train": _first(train_p, cfg.evaluator.max_problems)}
     if held_p:
         splits["heldout"] = _first(held_p, cfg.evaluator.max_problems)
@@ -189,16 +194,18 @@ def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
 def _require_answers(cfg: ExperimentConfig, problems: Sequence[Problem]) -> None:
     if not any(p.answer for p in problems):
         where = cfg.train_dataset.path or cfg.train_dataset.type
-        raise ValueError(f"train_dataset {where!r}: none of its {len(problems)} problems has an 'answer' field; "
-                         "SFT needs jsonl lines like "
-                         "{\"prompt\": ..., \"solutions\": [...], \"answer\": <target completion>}")
+        raise ValueError(
+            f"train_dataset {where!r}: none of its {len(problems)} problems has an 'answer' field; "
+            "SFT needs jsonl lines like "
+            '{"prompt": ..., "solutions": [...], "answer": <target completion>}'
+        )
 
 
 def _split(cfg: ExperimentConfig, problems: list[Problem]) -> tuple[list[Problem], list[Problem]]:
     k = cfg.sft.holdout
     if k >= len(problems):
         raise ValueError(f"sft.holdout={k}: expected fewer than the {len(problems)} usable problems")
-    return (problems[:len(problems) - k], problems[len(problems) - k:]) if k else (problems, [])
+    return (problems[: len(problems) - k], problems[len(problems) - k :]) if k else (problems, [])
 
 
 def _first(problems: list[Problem], limit: int) -> list[Problem]:
@@ -214,12 +221,16 @@ def _check_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok
     every evaluated prompt + evaluator max_new_tokens fits the model."""
     longest = max(len(p) + len(a) for p, a in data.train)
     if longest > max_positions:
-        raise ValueError(f"a training sequence has {longest} tokens (prompt + answer + eos): expected <= the "
-                         f"model's max_position_embeddings={max_positions}")
+        raise ValueError(
+            f"a training sequence has {longest} tokens (prompt + answer + eos): expected <= the "
+            f"model's max_position_embeddings={max_positions}"
+        )
     mb = cfg.actor.mb_spec
     if mb.oversize == "error" and longest > mb.max_tokens_per_mb:
-        raise ValueError(f"a training sequence has {longest} tokens: expected <= actor.mb_spec.max_tokens_per_mb="
-                         f"{mb.max_tokens_per_mb} (or actor.mb_spec.oversize=own_mb)")
+        raise ValueError(
+            f"a training sequence has {longest} tokens: expected <= actor.mb_spec.max_tokens_per_mb="
+            f"{mb.max_tokens_per_mb} (or actor.mb_spec.oversize=own_mb)"
+        )
     if cfg.evaluator.enabled:
         _check_eval_lengths(cfg, data, max_positions, tok)
 
@@ -228,9 +239,11 @@ def _check_eval_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int
     enc, new = prompt_encoder(tok, cfg.train_dataset.template), _eval_max_new_tokens(cfg)
     longest = max((len(enc(p.prompt)) for probs in data.splits.values() for p in probs), default=0)
     if longest + new > max_positions:
-        raise ValueError(f"evaluation needs prompt ({longest}) + max_new_tokens ({new}) = {longest + new} positions: "
-                         f"expected <= the model's max_position_embeddings={max_positions} "
-                         "(lower evaluator.max_new_tokens or gconfig.max_new_tokens)")
+        raise ValueError(
+            f"evaluation needs prompt ({longest}) + max_new_tokens ({new}) = {longest + new} positions: "
+            f"expected <= the model's max_position_embeddings={max_positions} "
+            "(lower evaluator.max_new_tokens or gconfig.max_new_tokens)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,8 +268,9 @@ def batches(examples: Sequence[Example], batch_size: int, seed: int) -> Iterator
         order = order[batch_size:]
 
 
-def train(cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: Path,
-          ckpt: dict | None = None) -> list[dict]:
+def train(
+    cfg: ExperimentConfig, model, tok, examples: list[Example], run_dir: Path, ckpt: dict | None = None
+) -> list[dict]:
     """The SFT loop; appends one metrics row per step to RUN_DIR/metrics.jsonl and returns the rows
     (all of the run's, earlier attempts' included, when resuming from ``ckpt``)."""
     total, oc = sft_total_steps(cfg, len(examples)), cfg.sft.optimizer
@@ -292,11 +306,19 @@ def _read_rows(path: Path) -> list[dict]:
 def _step(cfg: ExperimentConfig, model, opt, batch: list[Example], step: int, t0: float) -> dict:
     lr, t = opt.param_groups[0]["lr"], time.perf_counter()
     mb = cfg.actor.mb_spec
-    m = sft_step(model, opt, batch, mb.max_tokens_per_mb, grad_clip=cfg.sft.optimizer.gradient_clipping,
-                 oversize=mb.oversize)
+    m = sft_step(
+        model, opt, batch, mb.max_tokens_per_mb, grad_clip=cfg.sft.optimizer.gradient_clipping, oversize=mb.oversize
+    )
     now = time.perf_counter()
-    return {"step": step, "loss": m["loss"], "n_tokens": int(m["n_tokens"]), "grad_norm": m["grad_norm"],
-            "lr": lr, "wall_s": round(now - t, 4), "elapsed_s": round(now - t0, 3)}
+    return {
+        "step": step,
+        "loss": m["loss"],
+        "n_tokens": int(m["n_tokens"]),
+        "grad_norm": m["grad_norm"],
+        "lr": lr,
+        "wall_s": round(now - t, 4),
+        "elapsed_s": round(now - t0, 3),
+    }
 
 
 def _maybe_checkpoint(cfg: ExperimentConfig, run_dir: Path, step: int, model, tok, opt, sched) -> None:
@@ -325,16 +347,21 @@ def evaluate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem], poo
     completions = generate(cfg, model, tok, problems)
     items = [(c, list(p.solutions)) for p, cs in zip(problems, completions) for c in cs]
     scores = [o.score for o in asyncio.run(pool.score_many(items))]
-    return {"accuracy": sum(scores) / len(scores), "n_problems": len(problems), "n_samples": len(scores),
-            "examples": [{"prompt": p.prompt, "completion": cs[0]} for p, cs in zip(problems[:3], completions)]}
+    return {
+        "accuracy": sum(scores) / len(scores),
+        "n_problems": len(problems),
+        "n_samples": len(scores),
+        "examples": [{"prompt": p.prompt, "completion": cs[0]} for p, cs in zip(problems[:3], completions)],
+    }
 
 
 def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> list[list[str]]:
     """Decoded completions, ``evaluator.n_samples`` per problem, in problem order (as ``areal-async eval``)."""
     enc = prompt_encoder(tok, cfg.train_dataset.template)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    return sample_completions(torch_eval_engine(cfg, model, tok), decode, [enc(p.prompt) for p in problems],
-                              Sampling.from_config(cfg))
+    return sample_completions(
+        torch_eval_engine(cfg, model, tok), decode, [enc(p.prompt) for p in problems], Sampling.from_config(cfg)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,15 +369,22 @@ def generate(cfg: ExperimentConfig, model, tok, problems: Sequence[Problem]) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _summary(cfg, data: SFTData, rows: list[dict], train_wall_s: float, before: dict, after: dict,
-             run_dir: Path) -> dict:
+def _summary(
+    cfg, data: SFTData, rows: list[dict], train_wall_s: float, before: dict, after: dict, run_dir: Path
+) -> dict:
     return {
-        "experiment_name": cfg.experiment_name, "steps": len(rows), "n_problems": data.n_problems,
-        "n_train_examples": len(data.train), "n_dropped_long_prompts": data.n_too_long,
+        "experiment_name": cfg.experiment_name,
+        "steps": len(rows),
+        "n_problems": data.n_problems,
+        "n_train_examples": len(data.train),
+        "n_dropped_long_prompts": data.n_too_long,
         "eval_problems": {k: len(v) for k, v in data.splits.items()},
-        "first_loss": rows[0]["loss"], "final_loss": rows[-1]["loss"],
-        "train_tokens": sum(r["n_tokens"] for r in rows), "train_wall_s": round(train_wall_s, 3),
-        "eval": {"before": before, "after": after}, "model_dir": str(run_dir / "model"),
+        "first_loss": rows[0]["loss"],
+        "final_loss": rows[-1]["loss"],
+        "train_tokens": sum(r["n_tokens"] for r in rows),
+        "train_wall_s": round(train_wall_s, 3),
+        "eval": {"before": before, "after": after},
+        "model_dir": str(run_dir / "model"),
     }
 
 
@@ -362,6 +396,8 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def _print_summary(s: dict, run_dir: Path) -> None:
     acc = lambda side: ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in s["eval"][side].items()) or "-"  # noqa: E731
-    print(f"sft: {s['steps']} steps on {s['n_train_examples']} examples in {s['train_wall_s']:.1f}s "
-          f"(total {s['wall_s']:.1f}s); loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}; "
-          f"accuracy before: {acc('before')}; after: {acc('after')}; model: {run_dir / 'model'}")
+    print(
+        f"sft: {s['steps']} steps on {s['n_train_examples']} examples in {s['train_wall_s']:.1f}s "
+        f"(total {s['wall_s']:.1f}s); loss {s['first_loss']:.4f} -> {s['final_loss']:.4f}; "
+        f"accuracy before: {acc('before')}; after: {acc('after')}; model: {run_dir / 'model'}"
+    )

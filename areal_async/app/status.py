@@ -63,12 +63,19 @@ def _await_report(sock, nonce: int, endpoint: str, timeout_s: float) -> StatusRe
 
 
 def render(r: StatusReport) -> str:
-    head = (f"step {r.next_step}/{r.total_steps}  version {r.version}  {'finished' if r.finished else 'running'}  "
-            f"{r.wall_s:.1f}s\n"
-            f"groups: admitted {r.admitted}, running {r.running}, ready {r.ready}; samples: trained "
-            f"{r.samples_trained}, aborted {r.samples_aborted} (stale {r.stale})")
-    cols = (f"{'worker':12s} {'role':8s} {'pid':>7s} {'host':14s} {'state':7s} {'version':>7s} {'samples':>8s} "
-            f"{'samples/s':>9s} {'restarts':>8s}")
-    lines = [f"{w['worker_id']:12s} {w['role']:8s} {w['pid']:7d} {w['host'][:14]:14s} {w['state']:7s} "
-             f"{w['version']:7d} {w['samples']:8d} {w['samples_per_s']:9.1f} {w['restarts']:8d}" for w in r.workers]
+    head = (
+        f"step {r.next_step}/{r.total_steps}  version {r.version}  {'finished' if r.finished else 'running'}  "
+        f"{r.wall_s:.1f}s\n"
+        f"groups: admitted {r.admitted}, running {r.running}, ready {r.ready}; samples: trained "
+        f"{r.samples_trained}, aborted {r.samples_aborted} (stale {r.stale})"
+    )
+    cols = (
+        f"{'worker':12s} {'role':8s} {'pid':>7s} {'host':14s} {'state':7s} {'version':>7s} {'samples':>8s} "
+        f"{'samples/s':>9s} {'restarts':>8s}"
+    )
+    lines = [
+        f"{w['worker_id']:12s} {w['role']:8s} {w['pid']:7d} {w['host'][:14]:14s} {w['state']:7s} "
+        f"{w['version']:7d} {w['samples']:8d} {w['samples_per_s']:9.1f} {w['restarts']:8d}"
+        for w in r.workers
+    ]
     return "\n".join([head, cols, *lines])

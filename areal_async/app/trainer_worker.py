@@ -45,9 +45,16 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         broadcast_module(model)  # the warm-up ran on rank 0 only
     # packed training: per-sequence attention (flash-attn varlen on CUDA) instead of a dense mask
     model.set_attn_implementation(select_attn_implementation(cfg.cluster.device, dtype))
-    actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
-                     total_steps=cfg.total_train_steps, device=cfg.cluster.device, dp=dp,
-                     compute_dtype=dtype if sharded else None, ref_model=lambda: _reference(cfg))
+    actor = PPOActor(
+        model,
+        cfg.actor,
+        temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
+        total_steps=cfg.total_train_steps,
+        device=cfg.cluster.device,
+        dp=dp,
+        compute_dtype=dtype if sharded else None,
+        ref_model=lambda: _reference(cfg),
+    )
     start_step = start_version = 0
     if ckpt is not None:
         if has_shards(ckpt["path"]):
@@ -61,10 +68,18 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
     ctx = zmq.asyncio.Context()
     traj = trajectory_channel(cfg, ep, "receiver", rank=0)
     weights = weight_channel(cfg, ep, "publisher", rank=0)
-    return TrainerService(control_client(ctx, cfg, ep, "trainer", worker_id), actor, traj, weights,
-                          checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards), start_step=start_step,
-                          start_version=start_version, publish_dtype=dtype, bucket_bytes=bucket_bytes,
-                          evaluator=_evaluator(cfg, tok))
+    return TrainerService(
+        control_client(ctx, cfg, ep, "trainer", worker_id),
+        actor,
+        traj,
+        weights,
+        checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards),
+        start_step=start_step,
+        start_version=start_version,
+        publish_dtype=dtype,
+        bucket_bytes=bucket_bytes,
+        evaluator=_evaluator(cfg, tok),
+    )
 
 
 def _evaluator(cfg: ExperimentConfig, tok) -> PeriodicEvaluator | None:
@@ -81,8 +96,10 @@ def _join_ranks(cfg: ExperimentConfig, store: str, rank: int, dtype: torch.dtype
     if world == 1 and dtype == torch.float32:
         return DataParallel.single()
     if not store:
-        raise ValueError("endpoints.json has no 'trainer_store'; expected the supervisor to plan one for "
-                         f"cluster.n_trainer_ranks={world}")
+        raise ValueError(
+            "endpoints.json has no 'trainer_store'; expected the supervisor to plan one for "
+            f"cluster.n_trainer_ranks={world}"
+        )
     return init_data_parallel(rank, world, store, "nccl" if cfg.cluster.device == "cuda" else "gloo")
 
 
@@ -125,8 +142,16 @@ def _checkpointer(cfg: ExperimentConfig, run_dir: str | Path, actor: PPOActor, t
             actor.dp.command(CMD_SAVE, step, str(tmp))  # the other ranks write their shards there too
             write_shards(tmp)
 
-        path = save_checkpoint(root, step, version, actor.model, tok, actor.state_dict(with_optimizer=False),
-                               extra=state, write_model=write_model)
+        path = save_checkpoint(
+            root,
+            step,
+            version,
+            actor.model,
+            tok,
+            actor.state_dict(with_optimizer=False),
+            extra=state,
+            write_model=write_model,
+        )
         prune(root, cfg.saver.keep_last)
         return path
 

@@ -27,8 +27,9 @@ def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
     return cfg, Endpoints.load(run_dir)
 
 
-def control_client(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,
-                   worker_id: str) -> ControlClient:
+def control_client(
+    ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str, worker_id: str
+) -> ControlClient:
     return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s, token=launch_token())
 
 

@@ -35,8 +35,9 @@ def check_available(spec: str, where: str = "cpu list") -> set[int]:
     allowed = os.sched_getaffinity(0)
     missing = sorted(cpus - allowed)
     if missing:
-        raise ValueError(f"{where}={spec!r}: CPU(s) {missing} are not available here "
-                         f"(this process may use {sorted(allowed)})")
+        raise ValueError(
+            f"{where}={spec!r}: CPU(s) {missing} are not available here (this process may use {sorted(allowed)})"
+        )
     return cpus
 
 

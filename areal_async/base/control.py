@@ -28,8 +28,9 @@ log = logging.getLogger("areal_async.control")
 
 
 class ControlClient:
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, role: str, worker_id: str, heartbeat_s: float,
-                 token: str = ""):
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, role: str, worker_id: str, heartbeat_s: float, token: str = ""
+    ):
         self.role, self.worker_id, self.heartbeat_s, self.token = role, worker_id, heartbeat_s, token
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=routing_identity(worker_id))
         self.stats: dict = {}
@@ -37,8 +38,16 @@ class ControlClient:
         self._lock = asyncio.Lock()
 
     async def register(self, info: dict | None = None, timeout_s: float = 120.0) -> RegisterAck:
-        await self.send(Register(role=self.role, worker_id=self.worker_id, pid=os.getpid(),
-                                 host=socket.gethostname(), info=info or {}, token=self.token))
+        await self.send(
+            Register(
+                role=self.role,
+                worker_id=self.worker_id,
+                pid=os.getpid(),
+                host=socket.gethostname(),
+                info=info or {},
+                token=self.token,
+            )
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             msg = await asyncio.wait_for(self.recv(), timeout=max(0.1, deadline - time.monotonic()))

@@ -37,11 +37,20 @@ class Endpoints:
 
 def plan_endpoints(n_reward_workers: int, host: str, control: str) -> Endpoints:
     """Fresh endpoints for one run (``control``: ``ipc`` or ``tcp``, as ``cluster.control``)."""
-    extra = {"run_id": uuid.uuid4().hex[:10], "traj_store": f"{host}:{free_tcp_port(host)}",
-             "weight_store": f"{host}:{free_tcp_port(host)}", "weights_endpoint": f"tcp://{host}:{free_tcp_port(host)}"}
+    extra = {
+        "run_id": uuid.uuid4().hex[:10],
+        "traj_store": f"{host}:{free_tcp_port(host)}",
+        "weight_store": f"{host}:{free_tcp_port(host)}",
+        "weights_endpoint": f"tcp://{host}:{free_tcp_port(host)}",
+    }
     if control == "ipc":
         d = tempfile.mkdtemp(prefix="areal-")  # short path: ipc paths are limited to ~100 chars
-        return Endpoints(ipc_endpoint(d, "control"), ipc_endpoint(d, "traj"),
-                         [ipc_endpoint(d, f"reward{i}") for i in range(n_reward_workers)], d, extra)
+        return Endpoints(
+            ipc_endpoint(d, "control"),
+            ipc_endpoint(d, "traj"),
+            [ipc_endpoint(d, f"reward{i}") for i in range(n_reward_workers)],
+            d,
+            extra,
+        )
     tcp = lambda: f"tcp://{host}:{free_tcp_port(host)}"  # noqa: E731
     return Endpoints(tcp(), tcp(), [tcp() for _ in range(n_reward_workers)], "", extra)

@@ -8,8 +8,11 @@ import sys
 
 
 def setup_worker_logging(worker_id: str) -> logging.Logger:
-    logging.basicConfig(level=os.environ.get("AREAL_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                        format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("AREAL_LOG_LEVEL", "INFO"),
+        stream=sys.stderr,
+        format=f"%(asctime)s {worker_id} %(levelname)s %(name)s: %(message)s",
+    )
     return logging.getLogger(f"areal_async.{worker_id}")
 
 

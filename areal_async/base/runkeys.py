@@ -66,8 +66,10 @@ def add_external_worker(run_dir: str | Path, worker_id: str, role: str) -> str:
     entries = json.loads(path.read_text())
     old = entries.get(worker_id)
     if old is not None and not old.get("external"):
-        raise ValueError(f"worker id {worker_id!r} belongs to a {old['role']} worker the supervisor launched in "
-                         f"{run_dir}; choose another id")
+        raise ValueError(
+            f"worker id {worker_id!r} belongs to a {old['role']} worker the supervisor launched in "
+            f"{run_dir}; choose another id"
+        )
     if old is not None and old["role"] != role:
         raise ValueError(f"worker id {worker_id!r} joined {run_dir} as a {old['role']} worker, not {role}")
     token = secrets.token_hex(16)
@@ -84,9 +86,13 @@ def load_curve_keys(run_dir: str | Path) -> CurveKeys:
         client = json.loads((d / "client.key").read_text())
     except (OSError, ValueError, KeyError) as e:
         raise RuntimeError(f"{d}: the run's keys are missing or unreadable ({e}); the supervisor writes them") from e
-    return CurveKeys(server_public=server["public"].encode(), server_secret=server["secret"].encode(),
-                     client_public=client["public"].encode(), client_secret=client["secret"].encode(),
-                     allow={client["public"].encode(): "run"})
+    return CurveKeys(
+        server_public=server["public"].encode(),
+        server_secret=server["secret"].encode(),
+        client_public=client["public"].encode(),
+        client_secret=client["secret"].encode(),
+        allow={client["public"].encode(): "run"},
+    )
 
 
 def install_run_keys(run_dir: str | Path) -> None:

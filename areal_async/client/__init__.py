@@ -60,9 +60,9 @@ def join(run_dir: str | Path, role: str, worker_id: str) -> str:
     return add_external_worker(run_dir, worker_id, role)
 
 
-def connect(ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str,
-            worker_id: str, token: str = "") -> ControlClient:
+def connect(
+    ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str, worker_id: str, token: str = ""
+) -> ControlClient:
     """A control link to the fleet's scheduler (``register()`` it, then ``recv()`` / ``send()``);
     ``token`` from ``join``."""
     return ControlClient(ctx, ep.control, role, worker_id, cfg.cluster.heartbeat_s, token=token)
-

@@ -30,13 +30,16 @@ ScoreFn = Callable[[str, list], Union[float, Awaitable[float]]]
 class RewardWorker:
     """An external reward worker on reward slot ``slot`` of the fleet in ``run_dir``."""
 
-    def __init__(self, run_dir: str | Path, score: ScoreFn, slot: int = 0, worker_id: str | None = None,
-                 concurrency: int = 4):
+    def __init__(
+        self, run_dir: str | Path, score: ScoreFn, slot: int = 0, worker_id: str | None = None, concurrency: int = 4
+    ):
         self.cfg, self.ep = load_run(run_dir)
         n_builtin, n_ext = self.cfg.cluster.n_reward_workers, self.cfg.cluster.n_external_reward_workers
         if not 0 <= slot < n_ext:
-            raise ValueError(f"slot={slot}: the fleet in {run_dir} keeps {n_ext} bring-your-own reward slot(s) "
-                             f"(cluster.n_external_reward_workers); expected 0..{n_ext - 1}")
+            raise ValueError(
+                f"slot={slot}: the fleet in {run_dir} keeps {n_ext} bring-your-own reward slot(s) "
+                f"(cluster.n_external_reward_workers); expected 0..{n_ext - 1}"
+            )
         if not callable(score):
             raise TypeError(f"score must be callable as score(completion, solutions) -> float, got {score!r}")
         self.score, self.slot, self.concurrency = score, slot, concurrency
@@ -79,9 +82,16 @@ class RewardWorker:
         for _, status, _ in outs:
             self.counts[status] += 1
         control.stats.update(self.counts)
-        await control.send(RewardResult(group_id=req.group_id, worker_id=self.worker_id,
-                                        sample_ids=list(req.sample_ids), scores=[o[0] for o in outs],
-                                        statuses=[o[1] for o in outs], details=[o[2] for o in outs]))
+        await control.send(
+            RewardResult(
+                group_id=req.group_id,
+                worker_id=self.worker_id,
+                sample_ids=list(req.sample_ids),
+                scores=[o[0] for o in outs],
+                statuses=[o[1] for o in outs],
+                details=[o[2] for o in outs],
+            )
+        )
 
     async def _one(self, completion: str, solutions: list[str]) -> tuple[float, str, str]:
         try:
@@ -91,8 +101,12 @@ class RewardWorker:
         except Exception as e:  # the plug-in's bug scores 0; the worker keeps serving
             log.warning("%s: score raised %s: %s", self.worker_id, type(e).__name__, e)
             return 0.0, "error", f"{type(e).__name__}: {e}"[:500]
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                or not 0.0 <= float(value) <= 1.0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or not 0.0 <= float(value) <= 1.0
+        ):
             return 0.0, "error", f"score returned {value!r:.100}; expected a float in [0, 1]"
         return float(value), "ok", ""
 

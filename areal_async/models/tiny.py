@@ -13,8 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedModel, PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from areal_async.config import ModelConfig
 from areal_async.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer
@@ -38,11 +46,18 @@ def _hf_config(cfg: ModelConfig, vocab_size: int):
         raise ValueError(f"model.arch={cfg.arch!r}: expected one of {sorted(_ARCHS)}")
     config_cls, _ = _ARCHS[cfg.arch]
     return config_cls(
-        vocab_size=vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID, use_cache=True,
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        use_cache=True,
     )
 
 
@@ -61,7 +76,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32") -> PreTra
     if not Path(path, "config.json").is_file():
         raise FileNotFoundError(f"model path {str(path)!r}: expected a local HF directory with config.json")
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=to_dtype(dtype), local_files_only=True, attn_implementation=ATTN_IMPL)
+        str(path), dtype=to_dtype(dtype), local_files_only=True, attn_implementation=ATTN_IMPL
+    )
     return model.eval()
 
 

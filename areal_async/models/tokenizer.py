@@ -24,9 +24,11 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 in this order
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = range(4)
 DEFAULT_ALPHABET = "\n" + "".join(chr(c) for c in range(32, 127))
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}Assistant: "
-                 "{{ m['content'] }}{{ eos_token }}\n{% else %}User: {{ m['content'] }}\n{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}Assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}Assistant: "
+    "{{ m['content'] }}{{ eos_token }}\n{% else %}User: {{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
 
 
 def _vocab(alphabet: str) -> dict[str, int]:
@@ -48,7 +50,11 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()  # concatenate pieces: the default decoder would join with spaces
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
         clean_up_tokenization_spaces=False,  # " ." must decode to " .", not "."
         padding_side="left",  # generation batches are left-padded
         chat_template=CHAT_TEMPLATE,

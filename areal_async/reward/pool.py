@@ -126,7 +126,7 @@ class _Slot:
                 proc, self.busy = self.proc, True
             try:
                 failed = self._ready_or_error(proc)
-                outs += [failed] if failed else self._check(proc, items[len(outs):])
+                outs += [failed] if failed else self._check(proc, items[len(outs) :])
             finally:
                 with self.lock:
                     self.busy = False
@@ -271,8 +271,16 @@ class RewardPool:
     thread; a check running past ``timeout_s`` is killed and scores 0 with status ``"timeout"``.
     """
 
-    def __init__(self, fn: str = DEFAULT_REWARD_FN, n_procs: int = 1, timeout_s: float = 5.0,
-                 fn_kwargs: dict | None = None, *, startup_timeout_s: float = 60.0, memory_limit_mb: int = 0):
+    def __init__(
+        self,
+        fn: str = DEFAULT_REWARD_FN,
+        n_procs: int = 1,
+        timeout_s: float = 5.0,
+        fn_kwargs: dict | None = None,
+        *,
+        startup_timeout_s: float = 60.0,
+        memory_limit_mb: int = 0,
+    ):
         _check_args(n_procs, timeout_s, startup_timeout_s, memory_limit_mb)
         load_callable(fn)  # a bad path fails here, in the caller, not later in every child
         spec = _child_spec(fn, fn_kwargs, memory_limit_mb)
@@ -290,8 +298,13 @@ class RewardPool:
         """Build from a ``RewardConfig``; ``cfg.precision`` goes to ``fn`` if it takes
         ``precision`` (or ``**kwargs``), so a plug-in without that knob still loads."""
         fn_kwargs = {"precision": cfg.precision} if _accepts(load_callable(cfg.fn), "precision") else {}
-        return cls(cfg.fn, n_procs=cfg.n_procs, timeout_s=cfg.timeout_s, fn_kwargs=fn_kwargs,
-                   memory_limit_mb=cfg.memory_limit_mb)
+        return cls(
+            cfg.fn,
+            n_procs=cfg.n_procs,
+            timeout_s=cfg.timeout_s,
+            fn_kwargs=fn_kwargs,
+            memory_limit_mb=cfg.memory_limit_mb,
+        )
 
     def pids(self) -> list[int]:
         """Pids of the live children (for monitoring and tests)."""
@@ -325,8 +338,9 @@ class RewardPool:
         self._check_open()
         k = min(self.n_procs, len(items))
         loop = asyncio.get_running_loop()
-        shares = await asyncio.gather(*(loop.run_in_executor(self._executor, self._score_blocking, list(items[i::k]))
-                                        for i in range(k)))
+        shares = await asyncio.gather(
+            *(loop.run_in_executor(self._executor, self._score_blocking, list(items[i::k])) for i in range(k))
+        )
         out: list[RewardOutcome] = [None] * len(items)  # type: ignore[list-item]
         for i, share in enumerate(shares):
             out[i::k] = share

@@ -32,8 +32,15 @@ log = logging.getLogger("areal_async.reward")
 
 
 class RewardService:
-    def __init__(self, worker_id: str, control: ControlClient, ctx: zmq.asyncio.Context, bind: str, pool: RewardPool,
-                 n_procs: int):
+    def __init__(
+        self,
+        worker_id: str,
+        control: ControlClient,
+        ctx: zmq.asyncio.Context,
+        bind: str,
+        pool: RewardPool,
+        n_procs: int,
+    ):
         self.worker_id, self.control, self.pool = worker_id, control, pool
         self.pull = make_socket(ctx, zmq.PULL, bind=bind)
         self.n_procs = n_procs
@@ -98,10 +105,16 @@ class RewardService:
             if out.status != "ok":
                 log.warning("sample %s scored 0: %s %s", sid, out.status, out.detail)
         self.control.stats.update(self.counts, busy_s=round(self.busy_s, 4))
-        await self.control.send(RewardResult(
-            group_id=req.group_id, worker_id=self.worker_id, sample_ids=list(req.sample_ids),
-            scores=[float(o.score) for o in outs], statuses=[o.status for o in outs],
-            details=[o.detail[:500] for o in outs]))
+        await self.control.send(
+            RewardResult(
+                group_id=req.group_id,
+                worker_id=self.worker_id,
+                sample_ids=list(req.sample_ids),
+                scores=[float(o.score) for o in outs],
+                statuses=[o.status for o in outs],
+                details=[o.detail[:500] for o in outs],
+            )
+        )
 
     def _busy(self, delta: int) -> None:
         """Count the wall time during which at least one group is being scored."""

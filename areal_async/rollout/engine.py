@@ -72,9 +72,11 @@ class SampleOutput:
         self.versions = torch.as_tensor(self.versions, dtype=torch.long)
         n = self.output_ids.numel()
         if self.output_ids.dim() != 1 or self.logprobs.shape != (n,) or self.versions.shape != (n,):
-            raise ValueError(f"SampleOutput: output_ids {tuple(self.output_ids.shape)}, logprobs "
-                             f"{tuple(self.logprobs.shape)}, versions {tuple(self.versions.shape)}; expected "
-                             "three 1D tensors of one length")
+            raise ValueError(
+                f"SampleOutput: output_ids {tuple(self.output_ids.shape)}, logprobs "
+                f"{tuple(self.logprobs.shape)}, versions {tuple(self.versions.shape)}; expected "
+                "three 1D tensors of one length"
+            )
 
 
 @dataclass

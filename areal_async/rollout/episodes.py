@@ -37,17 +37,25 @@ def _as_list(x) -> list:
 
 
 class WorkerEngine(EngineHandle):
-    def __init__(self, submit: Callable[[SubRequest], None], tokenizer, score: ScoreFn, group_id: str,
-                 min_version: int = 0):
+    def __init__(
+        self, submit: Callable[[SubRequest], None], tokenizer, score: ScoreFn, group_id: str, min_version: int = 0
+    ):
         self._submit, self.tokenizer, self._score, self.min_version = submit, tokenizer, score, min_version
         self.group_id = group_id
         self._ids = itertools.count()
 
     async def generate(self, input_ids: list[int], sampling: Sampling) -> Generation:
         gid = f"{self.group_id}/gen-{next(self._ids)}"  # unique on the engine: one group of one sample
-        gen = GenRequest(gid, list(input_ids), n=1, max_new_tokens=sampling.max_new_tokens,
-                         temperature=sampling.temperature, top_p=sampling.top_p, greedy=sampling.greedy,
-                         stop_token_ids=tuple(sampling.stop_token_ids)).validate()
+        gen = GenRequest(
+            gid,
+            list(input_ids),
+            n=1,
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            greedy=sampling.greedy,
+            stop_token_ids=tuple(sampling.stop_token_ids),
+        ).validate()
         fut = asyncio.get_running_loop().create_future()
         self._submit(SubRequest(gid, self.min_version, gen, fut))
         s = await fut
@@ -58,8 +66,12 @@ class WorkerEngine(EngineHandle):
 
 
 def prompt_of(req: GenerateRequest) -> Prompt:
-    return Prompt(req.prompt_id, list(req.prompt_ids), list(req.solutions),
-                  Sampling(req.max_new_tokens, req.temperature, req.top_p, req.greedy, tuple(req.stop_token_ids)))
+    return Prompt(
+        req.prompt_id,
+        list(req.prompt_ids),
+        list(req.solutions),
+        Sampling(req.max_new_tokens, req.temperature, req.top_p, req.greedy, tuple(req.stop_token_ids)),
+    )
 
 
 async def run_group(workflow: RolloutWorkflow, engine: WorkerEngine, req: GenerateRequest) -> list[Episode]:
@@ -68,12 +80,15 @@ async def run_group(workflow: RolloutWorkflow, engine: WorkerEngine, req: Genera
     episodes = await asyncio.gather(*(workflow.arun_episode(engine, prompt) for _ in req.sample_ids))
     for sid, ep in zip(req.sample_ids, episodes):
         if not isinstance(ep, Episode):
-            raise EpisodeError(f"workflow {type(workflow).__name__} returned {type(ep).__name__} for sample {sid}; "
-                               "expected an Episode")
+            raise EpisodeError(
+                f"workflow {type(workflow).__name__} returned {type(ep).__name__} for sample {sid}; expected an Episode"
+            )
         why = ep.problem()
         if why:
             raise EpisodeError(f"workflow {type(workflow).__name__}, sample {sid}: {why}")
         if ep.prompt_ids != list(req.prompt_ids):
-            raise EpisodeError(f"workflow {type(workflow).__name__}, sample {sid}: the episode's prompt_ids differ "
-                               "from the request's (an episode continues its prompt)")
+            raise EpisodeError(
+                f"workflow {type(workflow).__name__}, sample {sid}: the episode's prompt_ids differ "
+                "from the request's (an episode continues its prompt)"
+            )
     return list(episodes)

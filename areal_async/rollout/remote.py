@@ -134,9 +134,17 @@ class _Server:
 class RemoteEngine(RolloutEngine):
     """Rollout engine over ``ServerClient``s; see the module docstring."""
 
-    def __init__(self, clients: list[ServerClient], *, max_in_flight: int = 256, poll_s: float = 0.02,
-                 down_timeout_s: float = 120.0, revive_every_s: float = 1.0, max_attempts: int = 100,
-                 ready_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        clients: list[ServerClient],
+        *,
+        max_in_flight: int = 256,
+        poll_s: float = 0.02,
+        down_timeout_s: float = 120.0,
+        revive_every_s: float = 1.0,
+        max_attempts: int = 100,
+        ready_timeout_s: float = 300.0,
+    ):
         if not clients:
             raise ValueError("clients=[]: a remote engine needs at least one server")
         if max_in_flight < 1:
@@ -263,8 +271,11 @@ class RemoteEngine(RolloutEngine):
     # ---- failures ------------------------------------------------------------------------
     def _down(self, srv: _Server, err: Exception) -> None:
         if srv.up:
-            log.warning("server %s is down (%s); its requests go to the others and it is revived when it answers",
-                        srv.client.address, err)
+            log.warning(
+                "server %s is down (%s); its requests go to the others and it is revived when it answers",
+                srv.client.address,
+                err,
+            )
             srv.up, srv.down_since, srv.next_check = False, time.monotonic(), 0.0
 
     def _revive(self) -> None:
@@ -280,8 +291,10 @@ class RemoteEngine(RolloutEngine):
         if all(not s.up for s in self.servers):
             oldest = min(s.down_since for s in self.servers)
             if now - oldest > self.down_timeout_s:
-                raise RuntimeError(f"every server has been down for more than {self.down_timeout_s}s: "
-                                   f"{[s.client.address for s in self.servers]}")
+                raise RuntimeError(
+                    f"every server has been down for more than {self.down_timeout_s}s: "
+                    f"{[s.client.address for s in self.servers]}"
+                )
 
     def _revived(self, srv: _Server, f: Future) -> None:
         srv.reviving = None

@@ -35,8 +35,15 @@ import torch
 import zmq
 import zmq.asyncio
 
-from protocols.messages import (GenerateRequest, RewardRequest, RewardResult, Shutdown, TrajectoryReady,
-                                WeightsLoaded, WeightsPublished)
+from protocols.messages import (
+    GenerateRequest,
+    RewardRequest,
+    RewardResult,
+    Shutdown,
+    TrajectoryReady,
+    WeightsLoaded,
+    WeightsPublished,
+)
 from protocols.sockets import make_socket, send_message
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
@@ -57,8 +64,13 @@ class _Pending:
 class EngineThread(threading.Thread):
     """Drives the engine: admits requests, steps, applies weights between steps."""
 
-    def __init__(self, engine: RolloutEngine, on_groups: Callable[[list, dict], None],
-                 on_loaded: Callable[[int], None], max_active_groups: int):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        on_groups: Callable[[list, dict], None],
+        on_loaded: Callable[[int], None],
+        max_active_groups: int,
+    ):
         super().__init__(name="engine", daemon=True)
         self.engine, self.on_groups, self.on_loaded = engine, on_groups, on_loaded
         self.inbox: "queue.Queue[GenerateRequest]" = queue.Queue()
@@ -123,16 +135,34 @@ class EngineThread(threading.Thread):
 
 
 def _gen_request(r: GenerateRequest) -> GenRequest:
-    return GenRequest(group_id=r.group_id, prompt_ids=list(r.prompt_ids), n=len(r.sample_ids),
-                      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, greedy=r.greedy,
-                      stop_token_ids=tuple(r.stop_token_ids))
+    return GenRequest(
+        group_id=r.group_id,
+        prompt_ids=list(r.prompt_ids),
+        n=len(r.sample_ids),
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        greedy=r.greedy,
+        stop_token_ids=tuple(r.stop_token_ids),
+    )
 
 
 class RolloutService:
-    def __init__(self, worker_id: str, control: ControlClient, ctx: zmq.asyncio.Context, engine: RolloutEngine,
-                 decode: Callable[[list[int]], str], traj_channel, weight_channel, reward_endpoints: list[str],
-                 max_active_groups: int, workflow: Optional[RolloutWorkflow] = None, tokenizer=None,
-                 score: Optional[ScoreFn] = None):
+    def __init__(
+        self,
+        worker_id: str,
+        control: ControlClient,
+        ctx: zmq.asyncio.Context,
+        engine: RolloutEngine,
+        decode: Callable[[list[int]], str],
+        traj_channel,
+        weight_channel,
+        reward_endpoints: list[str],
+        max_active_groups: int,
+        workflow: Optional[RolloutWorkflow] = None,
+        tokenizer=None,
+        score: Optional[ScoreFn] = None,
+    ):
         """``workflow`` (with the ``tokenizer`` and the ``score`` coroutine it needs): run its
         episodes instead of plain sampling; their rewards go to the scheduler from here."""
         self.worker_id, self.control, self.decode = worker_id, control, decode
@@ -185,8 +215,10 @@ class RolloutService:
         """What this worker waits for (heartbeat stats, read by the step watchdog)."""
         e = self.engine
         queued = len(e.waiting) + e.inbox.qsize()
-        self.control.stats["waiting_for"] = (f"generating {len(e.requests)} group(s), {queued} queued "
-                                             f"(weights v{self.control.stats.get('version', -1)} loaded)")
+        self.control.stats["waiting_for"] = (
+            f"generating {len(e.requests)} group(s), {queued} queued "
+            f"(weights v{self.control.stats.get('version', -1)} loaded)"
+        )
 
     async def _recv_loop(self) -> None:
         while True:
@@ -235,21 +267,39 @@ class RolloutService:
 
     async def _publish_group(self, group: GroupOutput, req: GenerateRequest) -> None:
         samples = group.samples
-        sids = list(req.sample_ids[:len(samples)])
+        sids = list(req.sample_ids[: len(samples)])
         # before TrajectoryReady: the trainer may be asked for the group next. Sent from the sender
         # thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
         await asyncio.get_running_loop().run_in_executor(
-            self._sender, self.traj.send, req.group_id, group_tensors(req.prompt_ids, samples),
-            {"group_id": req.group_id, "sample_ids": sids})
+            self._sender,
+            self.traj.send,
+            req.group_id,
+            group_tensors(req.prompt_ids, samples),
+            {"group_id": req.group_id, "sample_ids": sids},
+        )
         vmin = [int(s.versions.min()) if s.versions.numel() else -1 for s in samples]
         vmax = [int(s.versions.max()) if s.versions.numel() else -1 for s in samples]
-        await self.control.send(TrajectoryReady(
-            group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids), sample_ids=sids,
-            n_output_tokens=[s.output_ids.numel() for s in samples], version_min=vmin, version_max=vmax,
-            finish_reasons=[s.finish_reason for s in samples]))
-        await send_message(self.reward_sock, RewardRequest(
-            group_id=req.group_id, sample_ids=sids, completions=[self.decode(s.output_ids) for s in samples],
-            solutions=req.solutions))
+        await self.control.send(
+            TrajectoryReady(
+                group_id=req.group_id,
+                worker_id=self.worker_id,
+                n_prompt_tokens=len(req.prompt_ids),
+                sample_ids=sids,
+                n_output_tokens=[s.output_ids.numel() for s in samples],
+                version_min=vmin,
+                version_max=vmax,
+                finish_reasons=[s.finish_reason for s in samples],
+            )
+        )
+        await send_message(
+            self.reward_sock,
+            RewardRequest(
+                group_id=req.group_id,
+                sample_ids=sids,
+                completions=[self.decode(s.output_ids) for s in samples],
+                solutions=req.solutions,
+            ),
+        )
         self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
@@ -270,14 +320,29 @@ class RolloutService:
         sids = list(req.sample_ids)
         self.traj.send(req.group_id, episode_tensors(episodes), {"group_id": req.group_id, "sample_ids": sids})
         trained = [ep.model_versions for ep in episodes]
-        await self.control.send(TrajectoryReady(
-            group_id=req.group_id, worker_id=self.worker_id, n_prompt_tokens=len(req.prompt_ids), sample_ids=sids,
-            n_output_tokens=[len(ep.output_ids) for ep in episodes], version_min=[min(v) for v in trained],
-            version_max=[max(v) for v in trained], finish_reasons=[ep.finish_reason for ep in episodes],
-            turns=[ep.turns for ep in episodes]))
-        await self.control.send(RewardResult(
-            group_id=req.group_id, worker_id=self.worker_id, sample_ids=sids, scores=[ep.reward for ep in episodes],
-            statuses=["ok"] * len(sids), details=[f"workflow: {ep.turns} turn(s)" for ep in episodes]))
+        await self.control.send(
+            TrajectoryReady(
+                group_id=req.group_id,
+                worker_id=self.worker_id,
+                n_prompt_tokens=len(req.prompt_ids),
+                sample_ids=sids,
+                n_output_tokens=[len(ep.output_ids) for ep in episodes],
+                version_min=[min(v) for v in trained],
+                version_max=[max(v) for v in trained],
+                finish_reasons=[ep.finish_reason for ep in episodes],
+                turns=[ep.turns for ep in episodes],
+            )
+        )
+        await self.control.send(
+            RewardResult(
+                group_id=req.group_id,
+                worker_id=self.worker_id,
+                sample_ids=sids,
+                scores=[ep.reward for ep in episodes],
+                statuses=["ok"] * len(sids),
+                details=[f"workflow: {ep.turns} turn(s)" for ep in episodes],
+            )
+        )
         self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
@@ -288,18 +353,24 @@ def group_tensors(prompt_ids, samples) -> dict[str, torch.Tensor]:
     ``lengths[i]`` output tokens of sample i; its ids, logprobs and versions are the i-th slices
     of ``output_ids``, ``logprobs``, ``versions`` (see ``areal_async.trainer.service.split_group``).
     """
-    return {"prompt_ids": torch.as_tensor(prompt_ids, dtype=torch.int32),
-            "lengths": torch.tensor([s.output_ids.numel() for s in samples], dtype=torch.int32),
-            "output_ids": torch.cat([s.output_ids for s in samples]).to(torch.int32),
-            "logprobs": torch.cat([s.logprobs for s in samples]).to(torch.float32),
-            "versions": torch.cat([s.versions for s in samples]).to(torch.int32)}
+    return {
+        "prompt_ids": torch.as_tensor(prompt_ids, dtype=torch.int32),
+        "lengths": torch.tensor([s.output_ids.numel() for s in samples], dtype=torch.int32),
+        "output_ids": torch.cat([s.output_ids for s in samples]).to(torch.int32),
+        "logprobs": torch.cat([s.logprobs for s in samples]).to(torch.float32),
+        "versions": torch.cat([s.versions for s in samples]).to(torch.int32),
+    }
 
 
 def episode_tensors(episodes: list[Episode]) -> dict[str, torch.Tensor]:
     """A group's episodes as one tensor message, laid out as ``group_tensors`` plus the loss mask
     (int8 per output token, end to end like the outputs)."""
     cat = lambda name, dtype: torch.tensor([x for ep in episodes for x in getattr(ep, name)], dtype=dtype)  # noqa: E731
-    return {"prompt_ids": torch.as_tensor(episodes[0].prompt_ids, dtype=torch.int32),
-            "lengths": torch.tensor([len(ep.output_ids) for ep in episodes], dtype=torch.int32),
-            "output_ids": cat("output_ids", torch.int32), "logprobs": cat("logprobs", torch.float32),
-            "versions": cat("versions", torch.int32), "loss_mask": cat("loss_mask", torch.int8)}
+    return {
+        "prompt_ids": torch.as_tensor(episodes[0].prompt_ids, dtype=torch.int32),
+        "lengths": torch.tensor([len(ep.output_ids) for ep in episodes], dtype=torch.int32),
+        "output_ids": cat("output_ids", torch.int32),
+        "logprobs": cat("logprobs", torch.float32),
+        "versions": cat("versions", torch.int32),
+        "loss_mask": cat("loss_mask", torch.int8),
+    }

@@ -54,10 +54,22 @@ _EPOCHS = itertools.count()
 
 
 class SGLangClient(ServerClient):
-    def __init__(self, address: str, *, name: str, pause_mode: str = "abort", weight_sync: str = "distributed",
-                 group_backend: str = "gloo", group_host: str = "127.0.0.1", bucket_mb: float = 64.0,
-                 request_timeout_s: float = 3600.0, control_timeout_s: float = 60.0, update_timeout_s: float = 300.0,
-                 weight_update_session: bool = False, disk_dir: Optional[str] = None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        name: str,
+        pause_mode: str = "abort",
+        weight_sync: str = "distributed",
+        group_backend: str = "gloo",
+        group_host: str = "127.0.0.1",
+        bucket_mb: float = 64.0,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 60.0,
+        update_timeout_s: float = 300.0,
+        weight_update_session: bool = False,
+        disk_dir: Optional[str] = None,
+    ):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r}: expected one of {PAUSE_MODES}")
         if weight_sync not in WEIGHT_SYNCS:
@@ -163,23 +175,36 @@ class SGLangClient(ServerClient):
             self._call("POST", "/end_weight_update", {})
 
     def update_body(self, b: W.Bucket, weight_version: Optional[str]) -> dict:
-        body = {"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes, "group_name": self.group_name,
-                "flush_cache": True, "load_format": "flattened_bucket"}
+        body = {
+            "names": b.names,
+            "dtypes": b.dtypes,
+            "shapes": b.shapes,
+            "group_name": self.group_name,
+            "flush_cache": True,
+            "load_format": "flattened_bucket",
+        }
         if weight_version is not None:
             body["weight_version"] = weight_version
         return body
 
     def init_body(self, port: int) -> dict:
-        return {"master_address": self.group_host, "master_port": port, "rank_offset": 1, "world_size": 2,
-                "group_name": self.group_name, "backend": self.group_backend}
+        return {
+            "master_address": self.group_host,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": self.group_name,
+            "backend": self.group_backend,
+        }
 
     def _init_group(self) -> None:
         """Rank 0 waits in the rendezvous on a helper thread while the server is asked to join: a
         server that refuses or cannot be reached fails this at once (the helper times out alone)."""
         port = free_tcp_port(self.group_host)
         self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}"  # a restarted worker's are new names
-        with _Background(W.init_custom_group, self.group_backend, self.group_host, port, 0, 2, self.group_name,
-                         self.update_timeout_s) as rank0:
+        with _Background(
+            W.init_custom_group, self.group_backend, self.group_host, port, 0, 2, self.group_name, self.update_timeout_s
+        ) as rank0:
             self._call("POST", "/init_weights_update_group", self.init_body(port), self.update_timeout_s)
         try:
             self.group = rank0.result()
@@ -200,8 +225,12 @@ class SGLangClient(ServerClient):
             tmp = d / "model.safetensors.tmp"
             save_file({k: v.detach().contiguous() for k, v in _untied(sd).items()}, str(tmp))
             tmp.replace(d / "model.safetensors")
-        self._call("POST", "/update_weights_from_disk",
-                   {"model_path": str(d), "weight_version": str(version), "flush_cache": True}, self.update_timeout_s)
+        self._call(
+            "POST",
+            "/update_weights_from_disk",
+            {"model_path": str(d), "weight_version": str(version), "flush_cache": True},
+            self.update_timeout_s,
+        )
 
 
 def _untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -257,8 +286,10 @@ def parse_generate(resp: dict, rid: str) -> Completion:
         raise ValueError(f"/generate answer for {rid!r}: logprob token ids differ from output_ids")
     reason = (meta.get("finish_reason") or {}).get("type")
     if reason not in FINISH_TYPES:
-        raise ValueError(f"/generate answer for {rid!r}: finish_reason {meta.get('finish_reason')!r}, "
-                         f"expected a type in {FINISH_TYPES}")
+        raise ValueError(
+            f"/generate answer for {rid!r}: finish_reason {meta.get('finish_reason')!r}, "
+            f"expected a type in {FINISH_TYPES}"
+        )
     return Completion(list(ids), [float(t[0]) for t in triples], token_versions(meta, len(ids)), reason)
 
 

@@ -64,8 +64,18 @@ log = logging.getLogger("areal_async.sglang_server")
 DEFAULT_VERSION = "default"  # SGLang's weight_version before any update names one
 # sampling_params keys SGLang knows (api_types.SamplingParams) that this server runs; the
 # remaining SGLang keys are answered 400 "not supported", anything else 400 "unknown field".
-SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "stop_token_ids", "n", "ignore_eos",
-                      "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "sampling_seed"}
+SUPPORTED_SAMPLING = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "stop_token_ids",
+    "n",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "sampling_seed",
+}
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -131,9 +141,16 @@ class CpuSGLangServer:
             reason["length"] = n
         elif s.finish_reason == "abort":
             reason["message"] = "Abort before or during generation (pause_generation or abort_request)."
-        meta = {"id": w.rid, "prompt_tokens": w.prompt_len, "completion_tokens": n, "finish_reason": reason,
-                "cached_tokens": 0, "e2e_latency": time.perf_counter() - w.t0,
-                "weight_version": self.labels[self.engine.version], "weight_versions": self._spans(versions)}
+        meta = {
+            "id": w.rid,
+            "prompt_tokens": w.prompt_len,
+            "completion_tokens": n,
+            "finish_reason": reason,
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - w.t0,
+            "weight_version": self.labels[self.engine.version],
+            "weight_versions": self._spans(versions),
+        }
         if w.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logps, ids)]
         return {"text": self.decode(ids), "output_ids": ids, "meta_info": meta}
@@ -167,10 +184,15 @@ class CpuSGLangServer:
 
     def _parse_generate(self, body: dict) -> tuple[GenRequest, _Waiter]:
         ids = body.get("input_ids")
-        if body.get("text") is not None or not isinstance(ids, list) or not ids or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest(f"input_ids={ids!r}: this server takes one non-empty list of token ids "
-                             "(no text, no batch)")
+        if (
+            body.get("text") is not None
+            or not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise BadRequest(
+                f"input_ids={ids!r}: this server takes one non-empty list of token ids (no text, no batch)"
+            )
         if body.get("stream"):
             raise BadRequest("stream=true: this server answers whole responses only")
         sp = body.get("sampling_params") or {}
@@ -178,16 +200,25 @@ class CpuSGLangServer:
             raise BadRequest(f"sampling_params={sp!r}: expected one object")
         for key in sp:
             if key not in SUPPORTED_SAMPLING:
-                raise BadRequest(f"sampling_params key {key!r} is not supported by the CPU server "
-                                 f"(supported: {sorted(SUPPORTED_SAMPLING)})")
+                raise BadRequest(
+                    f"sampling_params key {key!r} is not supported by the CPU server "
+                    f"(supported: {sorted(SUPPORTED_SAMPLING)})"
+                )
         if sp.get("n", 1) != 1:
             raise BadRequest(f"sampling_params.n={sp['n']!r}: the CPU server generates one sample per request")
         rid = body.get("rid") or f"req-{time.monotonic_ns()}"
         temp = float(sp.get("temperature", 1.0))
         stops = tuple(int(t) for t in sp.get("stop_token_ids") or ())
-        req = GenRequest(group_id=str(rid), prompt_ids=list(ids), n=1,
-                         max_new_tokens=int(sp.get("max_new_tokens", 128)), temperature=temp if temp > 0 else 1.0,
-                         top_p=float(sp.get("top_p", 1.0)), greedy=temp == 0, stop_token_ids=stops)
+        req = GenRequest(
+            group_id=str(rid),
+            prompt_ids=list(ids),
+            n=1,
+            max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=temp if temp > 0 else 1.0,
+            top_p=float(sp.get("top_p", 1.0)),
+            greedy=temp == 0,
+            stop_token_ids=stops,
+        )
         try:
             req.validate()
         except ValueError as e:
@@ -230,8 +261,15 @@ class CpuSGLangServer:
             return {"success": False, "message": f"backend={backend!r}: the CPU server joins 'gloo' groups only"}
         try:
             rank = int(body["rank_offset"])  # + tp_rank 0
-            pg = W.init_custom_group("gloo", body["master_address"], int(body["master_port"]), rank,
-                                     int(body["world_size"]), name, timeout_s=float(body.get("timeout_s", 120)))
+            pg = W.init_custom_group(
+                "gloo",
+                body["master_address"],
+                int(body["master_port"]),
+                rank,
+                int(body["world_size"]),
+                name,
+                timeout_s=float(body.get("timeout_s", 120)),
+            )
         except Exception as e:  # reported as SGLang does: success false, 400
             return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
         self.groups[name] = pg
@@ -249,8 +287,10 @@ class CpuSGLangServer:
 
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
-            return {"success": False, "message": f"Group {name} not in {list(self.groups)}. "
-                                                 "Please call `init_weights_update_group` first."}
+            return {
+                "success": False,
+                "message": f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first.",
+            }
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         try:
             if body.get("load_format") == "flattened_bucket":
@@ -270,8 +310,11 @@ class CpuSGLangServer:
 
         files = sorted(Path(body["model_path"]).glob("*.safetensors"))
         if not files:
-            return {"success": False, "message": f"model_path={body['model_path']!r} holds no *.safetensors",
-                    "num_paused_requests": 0}
+            return {
+                "success": False,
+                "message": f"model_path={body['model_path']!r} holds no *.safetensors",
+                "num_paused_requests": 0,
+            }
         sd = {k: v for f in files for k, v in load_file(str(f)).items()}
         out = self._load(sd, body)
         if out["success"]:
@@ -311,10 +354,17 @@ class CpuSGLangServer:
         return {"success": False, "message": f"Failed to update parameter online: {why}"}
 
     def model_info(self) -> dict:
-        return {"model_path": self.model_path, "served_model_name": self.served_model_name,
-                "tokenizer_path": self.model_path, "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": self.labels[self.engine.version], "load_format": "auto", "reasoning_parser": None,
-                "tool_call_parser": None}
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.served_model_name,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.labels[self.engine.version],
+            "load_format": "auto",
+            "reasoning_parser": None,
+            "tool_call_parser": None,
+        }
 
 
 class _Aborted:
@@ -336,9 +386,15 @@ def _rest(engine: TorchEngine, sd: dict) -> dict:
 
 # ---- HTTP ------------------------------------------------------------------------------------
 
-_POST = {"/generate": "generate", "/pause_generation": "pause", "/continue_generation": "resume",
-         "/init_weights_update_group": "init_group", "/destroy_weights_update_group": "destroy_group",
-         "/update_weights_from_distributed": "update_from_distributed", "/update_weights_from_disk": "update_from_disk"}
+_POST = {
+    "/generate": "generate",
+    "/pause_generation": "pause",
+    "/continue_generation": "resume",
+    "/init_weights_update_group": "init_group",
+    "/destroy_weights_update_group": "destroy_group",
+    "/update_weights_from_distributed": "update_from_distributed",
+    "/update_weights_from_disk": "update_from_disk",
+}
 _OK = {"success": True, "message": "ok"}
 
 
@@ -425,8 +481,12 @@ def build_state(args) -> CpuSGLangServer:
         tok = load_tokenizer(cfg.model.path)
         model = build_model(cfg.model, len(tok), cfg.seed)  # random init: weights arrive by update
     engine = TorchEngine(model, tok, seed=args.random_seed, max_batch_groups=args.max_running_requests)
-    return CpuSGLangServer(engine, lambda ids: tok.decode(ids, skip_special_tokens=True),
-                           model_path=args.model_path or "", served_model_name=args.served_model_name)
+    return CpuSGLangServer(
+        engine,
+        lambda ids: tok.decode(ids, skip_special_tokens=True),
+        model_path=args.model_path or "",
+        served_model_name=args.served_model_name,
+    )
 
 
 def main(argv=None) -> int:

@@ -97,9 +97,13 @@ class _Cohort:
         W = max(self.t["out_BW"].shape[1], other.t["out_BW"].shape[1])
         S = max(self.t["stop_BW"].shape[1], other.t["stop_BW"].shape[1])
         self.t = {k: torch.cat([_pad_row(k, v, T, W, S), _pad_row(k, other.t[k], T, W, S)]) for k, v in self.t.items()}
-        kvs = [(torch.cat([_pad_dim(ka, 2, T, 0, True), _pad_dim(kb, 2, T, 0, True)]),
-                torch.cat([_pad_dim(va, 2, T, 0, True), _pad_dim(vb, 2, T, 0, True)]))
-               for (ka, va), (kb, vb) in zip(_kvs(self.cache), _kvs(other.cache))]
+        kvs = [
+            (
+                torch.cat([_pad_dim(ka, 2, T, 0, True), _pad_dim(kb, 2, T, 0, True)]),
+                torch.cat([_pad_dim(va, 2, T, 0, True), _pad_dim(vb, 2, T, 0, True)]),
+            )
+            for (ka, va), (kb, vb) in zip(_kvs(self.cache), _kvs(other.cache))
+        ]
         self.cache = _cache_from(kvs)
         self.rows = self.rows + other.rows
 
@@ -120,8 +124,9 @@ def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor
     return torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
 
 
-def sample_tokens(logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor,
-                  greedy_B: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor, greedy_B: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_B, behaviour logprob_B): logprob = log_softmax(logits / T)[token], T = 1 for greedy,
     taken before top-p truncation (the distribution the trainer recomputes)."""
     temp_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
@@ -145,8 +150,15 @@ class TorchEngine(RolloutEngine):
     from the trainer yet" (tokens generated before the first ``update_weights`` carry -1).
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer_or_eos_id, device: str = "cpu", seed: int = 0,
-                 max_batch_groups: int = 16, version: int = -1):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer_or_eos_id,
+        device: str = "cpu",
+        seed: int = 0,
+        max_batch_groups: int = 16,
+        version: int = -1,
+    ):
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
         self.device = torch.device(device)
@@ -213,12 +225,15 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"group_id {req.group_id!r} is already generating: expected a new id")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"GenRequest {req.group_id!r}: token id {bad[0]} outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+            raise ValueError(
+                f"GenRequest {req.group_id!r}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+            )
         limit = self.model.config.max_position_embeddings
         if len(req.prompt_ids) + req.max_new_tokens > limit:
-            raise ValueError(f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
-                             f"({req.max_new_tokens}) > the model's max_position_embeddings={limit}")
+            raise ValueError(
+                f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
+                f"({req.max_new_tokens}) > the model's max_position_embeddings={limit}"
+            )
 
     def _admit_pending(self) -> list[GroupOutput]:
         """Prefill queued groups in chunks of max_batch_groups (each row's first token is sampled
@@ -226,7 +241,7 @@ class TorchEngine(RolloutEngine):
         cap, pending, self.pending = self.max_batch_groups, self.pending, []
         finished: list[GroupOutput] = []
         for i in range(0, len(pending), cap):
-            new, done = self._new_cohort(pending[i:i + cap])
+            new, done = self._new_cohort(pending[i : i + cap])
             finished += done
             if not new.rows:
                 continue
@@ -275,16 +290,23 @@ class TorchEngine(RolloutEngine):
         """Left-padded forward of ``contexts`` (may be empty lists) -> (KV cache, mask_BT), and with
         ``with_logits`` the logits at the last position (B, V) (every context non-empty then)."""
         B, T = len(contexts), max(map(len, contexts))
-        ids_BT = torch.tensor([[self.pad_id] * (T - len(c)) + list(c) for c in contexts], dtype=torch.long,
-                              device=self.device).view(B, T)
-        mask_BT = torch.tensor([[0] * (T - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long,
-                               device=self.device).view(B, T)
+        ids_BT = torch.tensor(
+            [[self.pad_id] * (T - len(c)) + list(c) for c in contexts], dtype=torch.long, device=self.device
+        ).view(B, T)
+        mask_BT = torch.tensor(
+            [[0] * (T - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long, device=self.device
+        ).view(B, T)
         if T == 0:  # all contexts empty (one-token prompts being recomputed): nothing to cache yet
             return self._empty_cache(B), mask_BT
         pos_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        kw = dict(input_ids=ids_BT, attention_mask=_unless_full(mask_BT), position_ids=pos_BT, use_cache=True,
-                  **{self._cache_kw: cache})
+        kw = dict(
+            input_ids=ids_BT,
+            attention_mask=_unless_full(mask_BT),
+            position_ids=pos_BT,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
         if with_logits:
             return cache, mask_BT, self.model(**kw, logits_to_keep=1).logits[:, -1]
         # base_model: the decoder stack without lm_head; the logits of a recompute are never used.
@@ -307,8 +329,13 @@ class TorchEngine(RolloutEngine):
         # HF silently right-pads a short 2D mask, so a mask/cache mismatch would not fail loudly.
         assert t["mask_BT"].shape[1] == c.cache.get_seq_length(), "cohort mask and KV cache disagree"
         mask_BT = torch.cat([t["mask_BT"], torch.ones(B, 1, dtype=t["mask_BT"].dtype, device=self.device)], 1)
-        out = self.model(input_ids=t["next_B"][:, None], attention_mask=_unless_full(mask_BT),
-                         position_ids=t["pos_B"][:, None], use_cache=True, **{self._cache_kw: c.cache})
+        out = self.model(
+            input_ids=t["next_B"][:, None],
+            attention_mask=_unless_full(mask_BT),
+            position_ids=t["pos_B"][:, None],
+            use_cache=True,
+            **{self._cache_kw: c.cache},
+        )
         t["pos_B"], t["mask_BT"] = t["pos_B"] + 1, mask_BT
         return self._emit(c, out.logits[:, -1])
 
@@ -359,7 +386,7 @@ class TorchEngine(RolloutEngine):
         """Replace ``c``'s KV cache by one prefilled under the current weights over
         prompt + generated tokens, all but the last token (which is fed by the next step)."""
         n_gen, out = c.t["n_gen_B"].tolist(), c.t["out_BW"].tolist()
-        seqs = [g.req.prompt_ids + out[i][:n_gen[i]] for i, (g, _) in enumerate(c.rows)]
+        seqs = [g.req.prompt_ids + out[i][: n_gen[i]] for i, (g, _) in enumerate(c.rows)]
         c.cache, c.t["mask_BT"] = self._prefill([s[:-1] for s in seqs])
 
 
@@ -373,8 +400,9 @@ def _eos_id(tokenizer_or_eos_id) -> int:
         return tokenizer_or_eos_id
     eos = getattr(tokenizer_or_eos_id, "eos_token_id", None)
     if not isinstance(eos, int):
-        raise ValueError(f"tokenizer_or_eos_id={tokenizer_or_eos_id!r}: expected an int or a tokenizer with an "
-                         "eos_token_id")
+        raise ValueError(
+            f"tokenizer_or_eos_id={tokenizer_or_eos_id!r}: expected an int or a tokenizer with an eos_token_id"
+        )
     return eos
 
 
@@ -387,13 +415,14 @@ def _check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> di
     params = model.state_dict(keep_vars=True)
     unexpected = sorted(set(sd) - set(params))
     if unexpected:
-        raise ValueError(f"state dict key {unexpected[0]!r} is not a weight of the model "
-                         f"(expected names like {next(iter(params))!r})")
+        raise ValueError(
+            f"state dict key {unexpected[0]!r} is not a weight of the model "
+            f"(expected names like {next(iter(params))!r})"
+        )
     present_ptrs = {params[k].data_ptr() for k in sd}
     for name, p in params.items():
         if name not in sd and p.data_ptr() not in present_ptrs:
             raise ValueError(f"state dict is missing weight {name!r} (shape {tuple(p.shape)})")
         if name in sd and tuple(sd[name].shape) != tuple(p.shape):
-            raise ValueError(f"state dict weight {name!r} has shape {tuple(sd[name].shape)}, "
-                             f"expected {tuple(p.shape)}")
+            raise ValueError(f"state dict weight {name!r} has shape {tuple(sd[name].shape)}, expected {tuple(p.shape)}")
     return params

@@ -53,10 +53,20 @@ ProbeFn = Callable[[int, dict], list]  # (version, state_dict) -> expected logpr
 
 
 class VLLMClient(ServerClient):
-    def __init__(self, address: str, *, weights_dir: str, model: str = "areal", keep_versions: int = 2,
-                 probe_ids: Optional[list[int]] = None, probe_expected: Optional[ProbeFn] = None,
-                 probe_atol: float = 2e-3, request_timeout_s: float = 3600.0, control_timeout_s: float = 60.0,
-                 update_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        address: str,
+        *,
+        weights_dir: str,
+        model: str = "areal",
+        keep_versions: int = 2,
+        probe_ids: Optional[list[int]] = None,
+        probe_expected: Optional[ProbeFn] = None,
+        probe_atol: float = 2e-3,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 60.0,
+        update_timeout_s: float = 300.0,
+    ):
         if probe_ids is not None and (len(probe_ids) < 2 or probe_expected is None):
             raise ValueError(f"probe_ids={probe_ids!r}: expected >= 2 token ids and a probe_expected function")
         if keep_versions < 1:
@@ -97,8 +107,15 @@ class VLLMClient(ServerClient):
 
     # ---- generation ----------------------------------------------------------------------
     def completion_body(self, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> dict:
-        body = {"model": self.model, "prompt": [int(t) for t in input_ids], "max_tokens": int(max_new_tokens),
-                "n": 1, "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False}
+        body = {
+            "model": self.model,
+            "prompt": [int(t) for t in input_ids],
+            "max_tokens": int(max_new_tokens),
+            "n": 1,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+        }
         if req.greedy:
             body["temperature"] = 0.0
         else:
@@ -151,8 +168,12 @@ class VLLMClient(ServerClient):
     def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         try:
             path = write_version(self.weights_dir, version, state_dict, self.keep_versions)
-            self._call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
-                       self.update_timeout_s)
+            self._call(
+                "POST",
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                self.update_timeout_s,
+            )
             self._call("POST", "/reset_prefix_cache")
             if self.probe_ids is not None:
                 self._call("POST", "/resume")  # the probe needs the engine running; our gate stays closed
@@ -167,8 +188,14 @@ class VLLMClient(ServerClient):
             raise ServerDown(f"{self.address}: weight update to v{version} failed: {e}") from None
 
     def _probe(self, version: int, sd: dict) -> None:
-        body = {"model": self.model, "prompt": list(self.probe_ids), "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0, "return_tokens_as_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": list(self.probe_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
         resp = self._call("POST", "/v1/completions", body, self.request_timeout_s)  # may compile the sampler
         got = parse_prompt_logprobs(resp, self.probe_ids)
         want = list(self.probe_expected(version, sd))
@@ -176,8 +203,10 @@ class VLLMClient(ServerClient):
             raise ValueError(f"probe: {len(got)} server logprobs vs {len(want)} expected")
         self.last_probe_err = max(abs(a - b) for a, b in zip(got, want))
         if self.last_probe_err > self.probe_atol:
-            raise ValueError(f"probe after loading v{version}: server logprobs differ from the trainer's by "
-                             f"{self.last_probe_err:.2e} > {self.probe_atol:g} (server {got[:4]}, trainer {want[:4]})")
+            raise ValueError(
+                f"probe after loading v{version}: server logprobs differ from the trainer's by "
+                f"{self.last_probe_err:.2e} > {self.probe_atol:g} (server {got[:4]}, trainer {want[:4]})"
+            )
 
 
 def write_version(root: Path, version: int, sd: dict[str, torch.Tensor], keep: int) -> Path:
@@ -214,8 +243,9 @@ def _untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _token_id(tok: str, rid: str) -> int:
     if not isinstance(tok, str) or not tok.startswith("token_id:"):
-        raise ValueError(f"completion {rid!r}: logprob token {tok!r}, expected 'token_id:N' "
-                         "(return_tokens_as_token_ids)")
+        raise ValueError(
+            f"completion {rid!r}: logprob token {tok!r}, expected 'token_id:N' (return_tokens_as_token_ids)"
+        )
     return int(tok.split(":", 1)[1])
 
 
@@ -232,8 +262,9 @@ def parse_completion(resp: dict, rid: str, version: int) -> Completion:
         raise ValueError(f"/v1/completions answer for {rid!r}: {len(logps)} logprobs for {len(ids)} tokens")
     reason = ch.get("finish_reason")
     if reason not in FINISH_REASONS:
-        raise ValueError(f"/v1/completions answer for {rid!r}: finish_reason {reason!r}, expected one of "
-                         f"{FINISH_REASONS}")
+        raise ValueError(
+            f"/v1/completions answer for {rid!r}: finish_reason {reason!r}, expected one of {FINISH_REASONS}"
+        )
     return Completion(ids, logps, [version] * len(ids), reason)
 
 

@@ -66,9 +66,25 @@ def max_model_len(cfg: ExperimentConfig) -> int:
 
 def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: int) -> list[str]:
     """The api_server arguments of server ``index``."""
-    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", SERVED_NAME,
-            "--host", host, "--port", str(port), "--dtype", cfg.model.dtype, "--max-model-len",
-            str(max_model_len(cfg)), "--seed", str(cfg.seed * 1000 + index), "--disable-uvicorn-access-log"]
+    argv = [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        SERVED_NAME,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        cfg.model.dtype,
+        "--max-model-len",
+        str(max_model_len(cfg)),
+        "--seed",
+        str(cfg.seed * 1000 + index),
+        "--disable-uvicorn-access-log",
+    ]
     if cfg.vllm.enforce_eager:
         argv.append("--enforce-eager")
     if cfg.gconfig.temperature != 1.0:  # raw logprobs ignore temperature; processed ones apply it (and top-p)
@@ -82,9 +98,16 @@ def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
     """One inductor cache per server index: two servers compiling the same op into one cache raced here
     (g++ writes the .so in place; the other server loaded it half-written: "file too short")."""
     cache = Path(os.environ.get("AREAL_CACHE", Path.home() / ".cache" / "areal-async")) / "vllm-cache"
-    env = dict(base, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=f"{cfg.vllm.cpu_kvcache_gb:g}",
-               TORCHINDUCTOR_CACHE_DIR=str(cache / f"inductor-{index}"), VLLM_CACHE_ROOT=str(cache / f"vllm-{index}"),
-               VLLM_NO_USAGE_STATS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    env = dict(
+        base,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE=f"{cfg.vllm.cpu_kvcache_gb:g}",
+        TORCHINDUCTOR_CACHE_DIR=str(cache / f"inductor-{index}"),
+        VLLM_CACHE_ROOT=str(cache / f"vllm-{index}"),
+        VLLM_NO_USAGE_STATS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+    )
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
     if cfg.cluster.device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the default binds to cores other servers use

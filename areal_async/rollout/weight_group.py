@@ -24,11 +24,17 @@ from dataclasses import dataclass
 import torch
 
 
-def init_custom_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout_s: float = 300.0):
+def init_custom_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 300.0,
+):
     """A process group of ``world_size`` ranks under ``group_name``; blocks until all ranks joined."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
     if not group_name:
         raise ValueError("group_name='': expected a non-empty name (SGLang refuses an empty one)")
@@ -39,8 +45,9 @@ def init_custom_group(backend: str, master_address: str, master_port: int, rank:
     store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), store, group_name=group_name, backend_options=None, timeout=timeout
+    )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
@@ -102,13 +109,20 @@ def flattened_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) ->
         if not items:
             continue
         items = sorted(items, key=lambda kv: -kv[1].element_size())  # stable: same-size tensors keep their order
-        out.append(Bucket([k for k, _ in items], [dtype_name(t.dtype) for _, t in items],
-                          [list(t.shape) for _, t in items], [t for _, t in items]))
+        out.append(
+            Bucket(
+                [k for k, _ in items],
+                [dtype_name(t.dtype) for _, t in items],
+                [list(t.shape) for _, t in items],
+                [t for _, t in items],
+            )
+        )
     return out
 
 
-def unflatten(names: list[str], dtypes: list[str], shapes: list[list[int]], flat: torch.Tensor
-              ) -> dict[str, torch.Tensor]:
+def unflatten(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], flat: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The receiver's side (FlattenedTensorBucket.empty + reconstruct_tensors): views into ``flat``."""
     out, offset = {}, 0
     for name, dt, shape in zip(names, dtypes, shapes, strict=True):
@@ -116,10 +130,11 @@ def unflatten(names: list[str], dtypes: list[str], shapes: list[list[int]], flat
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype {dt!r} of {name!r}: expected a torch dtype name such as 'float32'")
         if offset % dtype.itemsize:
-            raise ValueError(f"tensor {name!r} starts at byte {offset}, not a multiple of its item size "
-                             f"{dtype.itemsize}")
+            raise ValueError(
+                f"tensor {name!r} starts at byte {offset}, not a multiple of its item size {dtype.itemsize}"
+            )
         n = int(torch.Size(shape).numel()) * dtype.itemsize
-        out[name] = flat[offset:offset + n].view(dtype).reshape(shape)
+        out[name] = flat[offset : offset + n].view(dtype).reshape(shape)
         offset += n
     if offset != flat.numel():
         raise ValueError(f"bucket holds {flat.numel()} bytes, the names/dtypes/shapes describe {offset}")

@@ -60,8 +60,14 @@ class SchedulerParams:
 class SchedulerCore:
     """Pure state machine of the single controller. See the module docstring."""
 
-    def __init__(self, params: SchedulerParams, cursor, problem: Callable[[int], tuple[list[int], list[str]]],
-                 log_sample: Callable[[SampleRecord], None] = lambda r: None, clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        params: SchedulerParams,
+        cursor,
+        problem: Callable[[int], tuple[list[int], list[str]]],
+        log_sample: Callable[[SampleRecord], None] = lambda r: None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.p = params
         self.cursor = cursor
         self.problem = problem  # problem index -> (prompt token ids, solutions)
@@ -143,9 +149,15 @@ class SchedulerCore:
         worker.groups.add(g.group_id)
         self.issued_at[g.group_id] = self.clock()
         prompt_ids, solutions = self.problem(idx)
-        req = GenerateRequest(group_id=g.group_id, prompt_id=prompt_id, sample_ids=list(g.sample_ids),
-                              prompt_ids=list(prompt_ids), solutions=list(solutions), min_version=self.version,
-                              **self.p.gen)
+        req = GenerateRequest(
+            group_id=g.group_id,
+            prompt_id=prompt_id,
+            sample_ids=list(g.sample_ids),
+            prompt_ids=list(prompt_ids),
+            solutions=list(solutions),
+            min_version=self.version,
+            **self.p.gen,
+        )
         return worker.worker_id, req
 
     # ---- progress ------------------------------------------------------------------------
@@ -161,12 +173,16 @@ class SchedulerCore:
                 continue
             if m.turns:
                 self.ledger.samples[sid].turns = m.turns[i]
-            ready = self.ledger.mark_generated(sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i],
-                                               m.finish_reasons[i])
+            ready = self.ledger.mark_generated(
+                sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i], m.finish_reasons[i]
+            )
             self._on_maybe_ready(m.group_id, ready)
         g = self.ledger.groups.get(m.group_id)
-        if g is not None and g.status == "running" and all(self.ledger.samples[s].status != "issued"
-                                                           for s in g.sample_ids):
+        if (
+            g is not None
+            and g.status == "running"
+            and all(self.ledger.samples[s].status != "issued" for s in g.sample_ids)
+        ):
             self.generated_at.setdefault(m.group_id, self.clock())  # now only the scores are missing
         return "; ".join(whys) or None
 
@@ -203,15 +219,17 @@ class SchedulerCore:
         for gid in gids:
             for sid in self.ledger.groups[gid].sample_ids:
                 sids.append(sid), owners.append(gid), scores.append(self.ledger.samples[sid].score)
-        plan = BatchPlan(step=self.next_step, sample_ids=sids, group_ids=owners, scores=scores,
-                         aborted_ids=self.aborted_since_plan)
+        plan = BatchPlan(
+            step=self.next_step, sample_ids=sids, group_ids=owners, scores=scores, aborted_ids=self.aborted_since_plan
+        )
         self.aborted_since_plan = []
         return plan, aborted
 
     def _drop_stale(self) -> list[SampleRecord]:
         out = []
-        stale = [g for g in self.ready
-                 if not is_fresh_enough(self.ledger.group_version_min(g), self.next_step, self.p.eta)]
+        stale = [
+            g for g in self.ready if not is_fresh_enough(self.ledger.group_version_min(g), self.next_step, self.p.eta)
+        ]
         for gid in stale:
             self.ready.remove(gid)
             self.accepted -= 1
@@ -246,11 +264,19 @@ class SchedulerCore:
                 continue
             t_gen = self.generated_at.get(gid)
             if t_gen is not None and self.p.reward_deadline_s > 0 and now - t_gen > self.p.reward_deadline_s:
-                out += self._abort(gid, f"deadline: no score {now - t_gen:.1f}s after generation "
-                                        f"(reward.deadline_s={self.p.reward_deadline_s:g})", reissue=True)
+                out += self._abort(
+                    gid,
+                    f"deadline: no score {now - t_gen:.1f}s after generation "
+                    f"(reward.deadline_s={self.p.reward_deadline_s:g})",
+                    reissue=True,
+                )
             elif t_gen is None and self.p.gen_deadline_s > 0 and now - t_issue > self.p.gen_deadline_s:
-                out += self._abort(gid, f"deadline: not generated {now - t_issue:.1f}s after issue to {g.worker} "
-                                        f"(rollout.gen_deadline_s={self.p.gen_deadline_s:g})", reissue=True)
+                out += self._abort(
+                    gid,
+                    f"deadline: not generated {now - t_issue:.1f}s after issue to {g.worker} "
+                    f"(rollout.gen_deadline_s={self.p.gen_deadline_s:g})",
+                    reissue=True,
+                )
         return out
 
     def _forget_times(self, gid: str) -> None:
@@ -279,8 +305,10 @@ class SchedulerCore:
         if 0 <= self.p.max_reissues <= n:
             self.reissues.pop(g.prompt_id, None)
             self.n_reissued["dropped"] += 1
-            return (f"{reason}; prompt {g.prompt_id} dropped after {n} re-issues "
-                    f"(rollout.max_reissues={self.p.max_reissues})")
+            return (
+                f"{reason}; prompt {g.prompt_id} dropped after {n} re-issues "
+                f"(rollout.max_reissues={self.p.max_reissues})"
+            )
         self.reissues[g.prompt_id] = n + 1
         self.n_reissued["prompts"] += 1
         self.n_reissued["samples"] += len(g.sample_ids)
@@ -299,9 +327,16 @@ class SchedulerCore:
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict:
         """Everything a resumed run needs to continue the same books (JSON-able)."""
-        return {"version": self.version, "next_step": self.next_step, "cursor": self.cursor.state(),
-                "reissue": [list(x) for x in self.reissue], "ledger": self.ledger.to_state(),
-                "resumes": self.resumes, "reissues": dict(self.reissues), "n_reissued": dict(self.n_reissued)}
+        return {
+            "version": self.version,
+            "next_step": self.next_step,
+            "cursor": self.cursor.state(),
+            "reissue": [list(x) for x in self.reissue],
+            "ledger": self.ledger.to_state(),
+            "resumes": self.resumes,
+            "reissues": dict(self.reissues),
+            "n_reissued": dict(self.n_reissued),
+        }
 
     def restore(self, state: dict) -> list[SampleRecord]:
         """Continue from a checkpoint's state. Groups that were open at the checkpoint (their
@@ -320,8 +355,11 @@ class SchedulerCore:
         self.finished = self.next_step >= self.p.total_steps
         out = []
         for g in self.ledger.open_groups():
-            out += self._abort(g.group_id, f"recovered: in flight at the checkpoint after step {self.next_step - 1}; "
-                                           "prompt re-issued", reissue=True)
+            out += self._abort(
+                g.group_id,
+                f"recovered: in flight at the checkpoint after step {self.next_step - 1}; prompt re-issued",
+                reissue=True,
+            )
         self.ledger.forget_final()
         self.aborted_since_plan = []
         return out

@@ -210,9 +210,13 @@ class Ledger:
 
     def counts(self) -> dict[str, int]:
         in_flight = sum(1 for r in self.samples.values() if r.status not in FINAL)
-        return {"issued": self.n_samples_issued, "trained": self.n_trained, "aborted": self.n_aborted,
-                "in_flight": in_flight,
-                "lost": self.n_samples_issued - self.n_trained - self.n_aborted - in_flight}
+        return {
+            "issued": self.n_samples_issued,
+            "trained": self.n_trained,
+            "aborted": self.n_aborted,
+            "in_flight": in_flight,
+            "lost": self.n_samples_issued - self.n_trained - self.n_aborted - in_flight,
+        }
 
     def forget_final(self) -> None:
         """Drop ended groups from memory (their lines are already in trajectories.jsonl)."""
@@ -222,11 +226,15 @@ class Ledger:
 
     # ---- checkpoint ----------------------------------------------------------------------
     def to_state(self) -> dict:
-        return {"id_prefix": self.id_prefix, "n_groups_issued": self.n_groups_issued,
-                "n_samples_issued": self.n_samples_issued,
-                "n_trained": self.n_trained, "n_aborted": self.n_aborted,
-                "groups": [asdict(g) for g in self.groups.values()],
-                "samples": [_sample_state(s) for s in self.samples.values()]}
+        return {
+            "id_prefix": self.id_prefix,
+            "n_groups_issued": self.n_groups_issued,
+            "n_samples_issued": self.n_samples_issued,
+            "n_trained": self.n_trained,
+            "n_aborted": self.n_aborted,
+            "groups": [asdict(g) for g in self.groups.values()],
+            "samples": [_sample_state(s) for s in self.samples.values()],
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> "Ledger":

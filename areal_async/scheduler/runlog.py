@@ -28,12 +28,22 @@ log = logging.getLogger("areal_async.scheduler")
 
 
 def sample_line(rec: SampleRecord) -> dict:
-    return {"id": rec.sample_id, "prompt_id": rec.prompt_id, "group_id": rec.group_id, "status": rec.status,
-            "train_step": rec.train_step if rec.status == SampleState.TRAINED else None,
-            "version_min": rec.version_min, "version_max": rec.version_max, "reward": rec.score,
-            "reward_status": rec.reward_status, "n_output_tokens": rec.n_output_tokens,
-            "finish_reason": rec.finish_reason, "turns": rec.turns, "worker": rec.worker,
-            "reason": rec.reason or None}
+    return {
+        "id": rec.sample_id,
+        "prompt_id": rec.prompt_id,
+        "group_id": rec.group_id,
+        "status": rec.status,
+        "train_step": rec.train_step if rec.status == SampleState.TRAINED else None,
+        "version_min": rec.version_min,
+        "version_max": rec.version_max,
+        "reward": rec.score,
+        "reward_status": rec.reward_status,
+        "n_output_tokens": rec.n_output_tokens,
+        "finish_reason": rec.finish_reason,
+        "turns": rec.turns,
+        "worker": rec.worker,
+        "reason": rec.reason or None,
+    }
 
 
 class RunLog:

@@ -43,10 +43,28 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
-from protocols.messages import (BatchPlan, CheckpointRequest, CheckpointSaved, Error, EvalDone, Heartbeat, Message,
-                                Ping, Pong, Register, RegisterAck, RewardResult, Shutdown, StatusReport,
-                                StatusRequest, TrainerReady, TrainStepDone, TrajectoryReady, WeightsLoaded,
-                                WeightsPublished)
+from protocols.messages import (
+    BatchPlan,
+    CheckpointRequest,
+    CheckpointSaved,
+    Error,
+    EvalDone,
+    Heartbeat,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    RewardResult,
+    Shutdown,
+    StatusReport,
+    StatusRequest,
+    TrainerReady,
+    TrainStepDone,
+    TrajectoryReady,
+    WeightsLoaded,
+    WeightsPublished,
+)
 from protocols.sockets import make_socket, recv_message, send_message
 
 from areal_async.config import ExperimentConfig
@@ -77,19 +95,36 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
 
     g = cfg.gconfig
     params = SchedulerParams(
-        batch_size=cfg.train_dataset.batch_size, n_samples=g.n_samples, eta=cfg.rollout.max_head_offpolicyness,
-        total_steps=cfg.total_train_steps, max_concurrent=cfg.rollout.max_concurrent_rollouts,
-        gen=dict(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, greedy=g.greedy,
-                 stop_token_ids=list(g.stop_token_ids)),
-        gen_deadline_s=cfg.rollout.gen_deadline_s, reward_deadline_s=cfg.reward.deadline_s,
-        max_reissues=cfg.rollout.max_reissues)
+        batch_size=cfg.train_dataset.batch_size,
+        n_samples=g.n_samples,
+        eta=cfg.rollout.max_head_offpolicyness,
+        total_steps=cfg.total_train_steps,
+        max_concurrent=cfg.rollout.max_concurrent_rollouts,
+        gen=dict(
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            greedy=g.greedy,
+            stop_token_ids=list(g.stop_token_ids),
+        ),
+        gen_deadline_s=cfg.rollout.gen_deadline_s,
+        reward_deadline_s=cfg.reward.deadline_s,
+        max_reissues=cfg.rollout.max_reissues,
+    )
     cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
 
 
-_SENDERS = {TrajectoryReady: ("rollout",), WeightsLoaded: ("rollout",), RewardResult: ("reward", "rollout"),
-            WeightsPublished: ("trainer",), TrainerReady: ("trainer",), TrainStepDone: ("trainer",),
-            EvalDone: ("trainer",), CheckpointSaved: ("trainer",)}
+_SENDERS = {
+    TrajectoryReady: ("rollout",),
+    WeightsLoaded: ("rollout",),
+    RewardResult: ("reward", "rollout"),
+    WeightsPublished: ("trainer",),
+    TrainerReady: ("trainer",),
+    TrainStepDone: ("trainer",),
+    EvalDone: ("trainer",),
+    CheckpointSaved: ("trainer",),
+}
 
 
 def _checkpoint_state(path: str) -> dict:
@@ -101,8 +136,15 @@ def _checkpoint_state(path: str) -> dict:
 
 
 class SchedulerService:
-    def __init__(self, cfg: ExperimentConfig, endpoints: Endpoints, run_dir: str | Path, t0: float, tokenize,
-                 roster: Optional[Roster] = None):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        endpoints: Endpoints,
+        run_dir: str | Path,
+        t0: float,
+        tokenize,
+        roster: Optional[Roster] = None,
+    ):
         """``roster``: what the supervisor launched; None (tests of the protocol only) checks no token."""
         self.cfg, self.run_dir, self.t0, self.roster = cfg, Path(run_dir), t0, roster
         self.recoveries = int(endpoints.extra.get("recoveries", 0))
@@ -117,8 +159,12 @@ class SchedulerService:
         if ckpt_state is not None:
             self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
             recovered = self.core.restore(ckpt_state)
-            log.info("restored step %d, version %d; %d in-flight samples aborted and re-issued",
-                     self.core.next_step, self.core.version, len(recovered))
+            log.info(
+                "restored step %d, version %d; %d in-flight samples aborted and re-issued",
+                self.core.next_step,
+                self.core.version,
+                len(recovered),
+            )
         self._last_save = time.monotonic()
         # checkpoints: the newest one confirmed saved (the resumed one counts), one asked for and not yet confirmed
         self._ckpt_saved = self.core.next_step - 1 if ckpt_state is not None else -1
@@ -205,15 +251,25 @@ class SchedulerService:
             raise ValueError(f"scheduler does not accept {msg.TYPE!r} messages")
         allowed = _SENDERS.get(type(msg))
         if allowed and self.workers[wid]["role"] not in allowed:
-            raise ValueError(f"a {self.workers[wid]['role']} worker may not send {msg.TYPE!r} "
-                             f"(only {' | '.join(allowed)})")
+            raise ValueError(
+                f"a {self.workers[wid]['role']} worker may not send {msg.TYPE!r} (only {' | '.join(allowed)})"
+            )
         await handler(wid, msg)
 
     def _handlers(self) -> dict:
-        return {Heartbeat: self._heartbeat, Ping: self._ping, TrajectoryReady: self._trajectory,
-                RewardResult: self._reward, WeightsPublished: self._weights_published,
-                WeightsLoaded: self._weights_loaded, TrainerReady: self._trainer_ready, TrainStepDone: self._step_done,
-                Error: self._worker_error, EvalDone: self._eval_done, CheckpointSaved: self._checkpoint_saved}
+        return {
+            Heartbeat: self._heartbeat,
+            Ping: self._ping,
+            TrajectoryReady: self._trajectory,
+            RewardResult: self._reward,
+            WeightsPublished: self._weights_published,
+            WeightsLoaded: self._weights_loaded,
+            TrainerReady: self._trainer_ready,
+            TrainStepDone: self._step_done,
+            Error: self._worker_error,
+            EvalDone: self._eval_done,
+            CheckpointSaved: self._checkpoint_saved,
+        }
 
     async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
         self.workers[wid]["stats"] = msg.stats
@@ -225,10 +281,20 @@ class SchedulerService:
     async def _status(self, ident: bytes, m: StatusRequest) -> None:
         c, now = self.core, time.monotonic()
         report = StatusReport(
-            nonce=m.nonce, version=c.version, next_step=c.next_step, total_steps=self.cfg.total_train_steps,
-            finished=self.done.is_set(), wall_s=time.time() - self.t0, admitted=self.counts["admitted"],
-            running=c.running, ready=len(c.ready), stale=self.counts["stale"], samples_trained=c.ledger.n_trained,
-            samples_aborted=c.ledger.n_aborted, workers=[self._worker_status(w, now) for w in sorted(self.workers)])
+            nonce=m.nonce,
+            version=c.version,
+            next_step=c.next_step,
+            total_steps=self.cfg.total_train_steps,
+            finished=self.done.is_set(),
+            wall_s=time.time() - self.t0,
+            admitted=self.counts["admitted"],
+            running=c.running,
+            ready=len(c.ready),
+            stale=self.counts["stale"],
+            samples_trained=c.ledger.n_trained,
+            samples_aborted=c.ledger.n_aborted,
+            workers=[self._worker_status(w, now) for w in sorted(self.workers)],
+        )
         try:
             await send_message(self.sock, report, to=ident)
         except zmq.ZMQError as e:
@@ -239,11 +305,18 @@ class SchedulerService:
         samples = self.core.ledger.n_trained if w["role"] == "trainer" else w.get("samples", 0)
         silent = now - w["last_seen"]
         versions = {"rollout": getattr(self.core.rollouts.get(wid), "loaded_version", -1), "trainer": self.core.version}
-        return {"worker_id": wid, "role": w["role"], "pid": w["pid"], "host": w.get("host", ""),
-                "state": "alive" if silent <= 2 * self.cfg.cluster.heartbeat_s else "silent",
-                "version": versions.get(w["role"], -1), "samples": samples,
-                "samples_per_s": samples / max(1e-9, now - w.get("since", now)),
-                "restarts": self.registrations.get(wid, 1) - 1, "silent_s": silent}
+        return {
+            "worker_id": wid,
+            "role": w["role"],
+            "pid": w["pid"],
+            "host": w.get("host", ""),
+            "state": "alive" if silent <= 2 * self.cfg.cluster.heartbeat_s else "silent",
+            "version": versions.get(w["role"], -1),
+            "samples": samples,
+            "samples_per_s": samples / max(1e-9, now - w.get("since", now)),
+            "restarts": self.registrations.get(wid, 1) - 1,
+            "silent_s": silent,
+        }
 
     async def _register(self, ident: bytes, m: Register) -> None:
         if m.role not in ("rollout", "reward", "trainer"):
@@ -259,8 +332,14 @@ class SchedulerService:
                 raise ValueError(f"register: {m.worker_id!r} is registered as a {old['role']} worker, not {m.role}")
             # a restarted worker (new pid, same id): what its old incarnation held is gone
             await self._lose(m.worker_id, f"restarted (pid {old.get('pid')} -> {m.pid})", tell=False)
-        self.workers[m.worker_id] = {"role": m.role, "ident": ident, "last_seen": time.monotonic(), "pid": m.pid,
-                                     "host": m.host, "since": time.monotonic()}
+        self.workers[m.worker_id] = {
+            "role": m.role,
+            "ident": ident,
+            "last_seen": time.monotonic(),
+            "pid": m.pid,
+            "host": m.host,
+            "since": time.monotonic(),
+        }
         self.registrations[m.worker_id] = self.registrations.get(m.worker_id, 0) + 1  # restarts = this - 1
         log.info("registered %s %s (pid %d)", m.role, m.worker_id, m.pid)
         await self.send(m.worker_id, RegisterAck(worker_id=m.worker_id, version=self.core.version))
@@ -283,8 +362,10 @@ class SchedulerService:
         if self.workers[wid]["role"] == "rollout":  # a workflow's own rewards: only for the groups it holds
             g = self.core.ledger.groups.get(m.group_id)
             if g is None or g.worker != wid:
-                raise ValueError(f"rollout worker {wid!r} sent rewards for group {m.group_id!r}, which it does not "
-                                 f"hold ({'unknown group' if g is None else 'held by ' + repr(g.worker)})")
+                raise ValueError(
+                    f"rollout worker {wid!r} sent rewards for group {m.group_id!r}, which it does not "
+                    f"hold ({'unknown group' if g is None else 'held by ' + repr(g.worker)})"
+                )
         why = self.core.on_reward(m)
         if why:
             log.warning("ignored reward from %s: %s", wid, why)
@@ -307,8 +388,10 @@ class SchedulerService:
     async def _trainer_ready(self, wid: str, m: TrainerReady) -> None:
         log.info("trainer ready at version %d, next step %d", m.version, m.next_step)
         if (m.version, m.next_step) != (self.core.version, self.core.next_step) and self.core.next_step > 0:
-            raise ValueError(f"trainer resumed at version {m.version}, step {m.next_step}; the scheduler's books are "
-                             f"at version {self.core.version}, step {self.core.next_step}")
+            raise ValueError(
+                f"trainer resumed at version {m.version}, step {m.next_step}; the scheduler's books are "
+                f"at version {self.core.version}, step {self.core.next_step}"
+            )
         self.core.on_trainer_ready(m.version, m.next_step)
         if self.core.finished:
             await self._finish()
@@ -329,8 +412,9 @@ class SchedulerService:
 
     async def _eval_done(self, wid: str, m: EvalDone) -> None:
         """The periodic evaluator's row: kind 'eval', step = trainer steps behind this version."""
-        self.runlog.metrics({"kind": "eval", "step": m.version, "version": m.version, **m.metrics,
-                             "wall_s": time.time() - self.t0})
+        self.runlog.metrics(
+            {"kind": "eval", "step": m.version, "version": m.version, **m.metrics, "wall_s": time.time() - self.t0}
+        )
 
     def _save_due(self, step: int) -> bool:
         sv = self.cfg.saver
@@ -376,20 +460,26 @@ class SchedulerService:
     def _metrics_row(self, m: TrainStepDone, trained: list) -> dict:
         now = time.time()
         scores = [r.score for r in trained]
-        row = {"step": m.step, "version": m.version,
-               "reward_mean": sum(scores) / max(1, len(scores)),
-               "staleness_max": max((m.step - r.version_min for r in trained), default=0),
-               "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
-               "samples_trained": len(trained), "samples_trained_total": self.core.ledger.n_trained,
-               "samples_generated_total": self.counts["generated"], "samples_rewarded_total": self.counts["rewarded"],
-               "samples_aborted_total": self.core.ledger.n_aborted,
-               "step_s": now - self._step_t, "wall_s": now - self.t0,
-               # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
-               "plan_wait_s": self._plan_t - self._step_t,
-               # rollout engines' cumulative busy seconds, from their last heartbeats
-               "gen_busy_s_total": self._busy_s_total("rollout"),
-               # reward workers' cumulative seconds with a group being scored, likewise
-               "reward_busy_s_total": self._busy_s_total("reward")}
+        row = {
+            "step": m.step,
+            "version": m.version,
+            "reward_mean": sum(scores) / max(1, len(scores)),
+            "staleness_max": max((m.step - r.version_min for r in trained), default=0),
+            "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
+            "samples_trained": len(trained),
+            "samples_trained_total": self.core.ledger.n_trained,
+            "samples_generated_total": self.counts["generated"],
+            "samples_rewarded_total": self.counts["rewarded"],
+            "samples_aborted_total": self.core.ledger.n_aborted,
+            "step_s": now - self._step_t,
+            "wall_s": now - self.t0,
+            # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
+            "plan_wait_s": self._plan_t - self._step_t,
+            # rollout engines' cumulative busy seconds, from their last heartbeats
+            "gen_busy_s_total": self._busy_s_total("rollout"),
+            # reward workers' cumulative seconds with a group being scored, likewise
+            "reward_busy_s_total": self._busy_s_total("reward"),
+        }
         self._step_t = now
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row
@@ -421,14 +511,22 @@ class SchedulerService:
     async def _finish(self) -> None:
         aborted = self.core.abort_open("run_end: the run reached total_train_steps before this sample was trained")
         c = self.core.ledger.counts()
-        summary = {"steps": self.core.next_step, "version": self.core.version, "samples_issued": c["issued"],
-                   "samples_trained": c["trained"], "samples_aborted": c["aborted"],
-                   "samples_lost": c["issued"] - self.runlog.n_sample_lines, "aborted_at_end": len(aborted),
-                   "prompts_total": self.prompts.n_total, "prompts_filtered_long": self.prompts.n_dropped,
-                   "prompts_reissued": self.core.n_reissued["prompts"],
-                   "samples_reissued": self.core.n_reissued["samples"],
-                   "prompts_dropped": self.core.n_reissued["dropped"], "recoveries": self.recoveries,
-                   "wall_s": time.time() - self.t0}
+        summary = {
+            "steps": self.core.next_step,
+            "version": self.core.version,
+            "samples_issued": c["issued"],
+            "samples_trained": c["trained"],
+            "samples_aborted": c["aborted"],
+            "samples_lost": c["issued"] - self.runlog.n_sample_lines,
+            "aborted_at_end": len(aborted),
+            "prompts_total": self.prompts.n_total,
+            "prompts_filtered_long": self.prompts.n_dropped,
+            "prompts_reissued": self.core.n_reissued["prompts"],
+            "samples_reissued": self.core.n_reissued["samples"],
+            "prompts_dropped": self.core.n_reissued["dropped"],
+            "recoveries": self.recoveries,
+            "wall_s": time.time() - self.t0,
+        }
         self.runlog.summary(summary)
         log.info("run finished: %s", summary)
         for w in list(self.workers):
@@ -447,8 +545,11 @@ class SchedulerService:
         now = time.monotonic()
         for wid, w in list(self.workers.items()):
             if now - w["last_seen"] > self.cfg.cluster.worker_timeout_s:
-                await self._lose(wid, f"no heartbeat for {now - w['last_seen']:.0f}s "
-                                      f"(cluster.worker_timeout_s={self.cfg.cluster.worker_timeout_s:g})")
+                await self._lose(
+                    wid,
+                    f"no heartbeat for {now - w['last_seen']:.0f}s "
+                    f"(cluster.worker_timeout_s={self.cfg.cluster.worker_timeout_s:g})",
+                )
 
     async def _expire_groups(self) -> None:
         expired = self.core.expire()
@@ -485,11 +586,23 @@ class SchedulerService:
     def _write_status(self) -> None:
         """What everyone waits for, for the supervisor's step watchdog (atomic rewrite)."""
         now = time.monotonic()
-        workers = {wid: {"role": w["role"], "silent_s": round(now - w["last_seen"], 1),
-                         "waiting_for": w.get("stats", {}).get("waiting_for", "")} for wid, w in self.workers.items()}
-        status = {"pid": os.getpid(), "wall_s": time.time() - self.t0, "next_step": self.core.next_step,
-                  "trainer_ready": self.core.trainer_ready, "trainer_busy": self.core.trainer_busy,
-                  "waiting_for": self.waiting_for(), "workers": workers}
+        workers = {
+            wid: {
+                "role": w["role"],
+                "silent_s": round(now - w["last_seen"], 1),
+                "waiting_for": w.get("stats", {}).get("waiting_for", ""),
+            }
+            for wid, w in self.workers.items()
+        }
+        status = {
+            "pid": os.getpid(),
+            "wall_s": time.time() - self.t0,
+            "next_step": self.core.next_step,
+            "trainer_ready": self.core.trainer_ready,
+            "trainer_busy": self.core.trainer_busy,
+            "waiting_for": self.waiting_for(),
+            "workers": workers,
+        }
         tmp = self._status_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(status))
         os.replace(tmp, self._status_path)
@@ -500,10 +613,15 @@ class SchedulerService:
         if self.stopping:
             return f"the final checkpoint after step {step - 1}"
         if not c.trainer_ready:
-            return "the trainer to register and publish its weights" if not self.role("trainer") \
+            return (
+                "the trainer to register and publish its weights"
+                if not self.role("trainer")
                 else "the trainer to be ready"
+            )
         if c.trainer_busy:
             return f"the trainer to finish step {step} (planned {time.time() - self._plan_t:.0f}s ago)"
         scoring = sum(1 for gid in c.generated_at if getattr(c.ledger.groups.get(gid), "status", "") == "running")
-        return (f"{len(c.ready)}/{c.p.batch_size} groups ready for step {step}: {c.running - scoring} generating on "
-                f"{len(c.rollouts)} rollout worker(s), {scoring} waiting for a score")
+        return (
+            f"{len(c.ready)}/{c.p.batch_size} groups ready for step {step}: {c.running - scoring} generating on "
+            f"{len(c.rollouts)} rollout worker(s), {scoring} waiting for a score"
+        )

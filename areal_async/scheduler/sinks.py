@@ -32,8 +32,9 @@ class StatsSink(ABC):
 
 def scalars(row: dict) -> dict[str, float]:
     """The numeric keys of a row (bools and the x-axis ``step`` left out)."""
-    return {k: float(v) for k, v in row.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class TensorBoardSink(StatsSink):
@@ -44,15 +45,17 @@ class TensorBoardSink(StatsSink):
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
         except ImportError as e:
-            raise RuntimeError("stats_logger.tensorboard=true needs the 'tensorboard' package "
-                               f"(pip install -e '.[tb]'): {e}") from None
+            raise RuntimeError(
+                f"stats_logger.tensorboard=true needs the 'tensorboard' package (pip install -e '.[tb]'): {e}"
+            ) from None
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         self.writer = EventFileWriter(str(logdir))
 
     def log(self, row: dict) -> None:
         values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars(row).items()]
-        self.writer.add_event(self._event(wall_time=time.time(), step=int(row["step"]),
-                                          summary=self._summary(value=values)))
+        self.writer.add_event(
+            self._event(wall_time=time.time(), step=int(row["step"]), summary=self._summary(value=values))
+        )
         self.writer.flush()
 
     def close(self) -> None:

@@ -87,8 +87,9 @@ class LocalProcess(Launched):
 def popen_logged(cmd: list[str], env: dict, log_path: Path) -> subprocess.Popen:
     """``cmd`` in a new session, stdout+stderr appended to ``log_path``, no stdin."""
     with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
 
 
 class LocalLauncher(Launcher):

@@ -49,8 +49,15 @@ from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
 from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, plan_server_addresses, server_commands
-from areal_async.supervisor.placement import (PlacementError, Slot, check_gpus_present, local_gpu_count, place,
-                                              shape_of, trainer_names)
+from areal_async.supervisor.placement import (
+    PlacementError,
+    Slot,
+    check_gpus_present,
+    local_gpu_count,
+    place,
+    shape_of,
+    trainer_names,
+)
 from protocols.sockets import free_tcp_port
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, latest_complete_checkpoint
 
@@ -129,8 +136,13 @@ def worker_specs(cfg: ExperimentConfig) -> list[tuple[str, str, int]]:
 
 
 class LocalSupervisor:
-    def __init__(self, cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None,
-                 launcher: Optional[Launcher] = None):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: str | Path,
+        progress: Optional[bool] = None,
+        launcher: Optional[Launcher] = None,
+    ):
         self.cfg, self.run_dir = cfg, Path(run_dir).resolve()
         self.launcher = launcher or LocalLauncher()
         self.progress = cfg.stats_logger.progress if progress is None else progress
@@ -158,15 +170,17 @@ class LocalSupervisor:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         cl = self.cfg.cluster  # built-in reward workers bind the first endpoints, bring-your-own ones the rest
-        self.endpoints = plan_endpoints(cl.n_reward_workers + cl.n_external_reward_workers, self.cfg.cluster.host,
-                                        self.cfg.cluster.control)
+        self.endpoints = plan_endpoints(
+            cl.n_reward_workers + cl.n_external_reward_workers, self.cfg.cluster.host, self.cfg.cluster.control
+        )
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)
         host = self.cfg.cluster.host
         self.endpoints.extra["trainer_store"] = f"{host}:{free_tcp_port(host)}"  # the trainer ranks' group
         # keys before endpoints.json: whoever finds the endpoints finds the keys (bring-your-own workers)
-        self.tokens = write_run_keys(self.run_dir, {wid: module.rsplit(".", 1)[-1]
-                                                    for wid, module, _ in worker_specs(self.cfg)})
+        self.tokens = write_run_keys(
+            self.run_dir, {wid: module.rsplit(".", 1)[-1] for wid, module, _ in worker_specs(self.cfg)}
+        )
         self.endpoints.extra["recoveries"] = self.recoveries
         self.endpoints.save(self.run_dir)
         if resume:
@@ -176,21 +190,37 @@ class LocalSupervisor:
         """The newest complete checkpoint to resume from, per recover.mode; refuses to mix runs."""
         books = self.run_dir / "metrics.jsonl"
         if self.cfg.recover.mode == "disabled" and books.exists() and books.stat().st_size > 0:
-            raise LaunchError(f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
-                              "or recover.mode=auto to continue it")
+            raise LaunchError(
+                f"{self.run_dir} already holds a run (metrics.jsonl); use a new --run-dir "
+                "or recover.mode=auto to continue it"
+            )
         try:
             return checkpoint_to_resume(self.run_dir / "checkpoints", self.cfg.recover.mode)
         except ValueError as e:
             raise LaunchError(str(e)) from None
 
     def start_all(self) -> None:
-        env = dict(os.environ, AREAL_T0=repr(self.t0), OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
-                   TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            AREAL_T0=repr(self.t0),
+            OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
+            TOKENIZERS_PARALLELISM="false",
+            PYTHONUNBUFFERED="1",
+        )
         self._start_servers(env)
         for wid, module, idx in worker_specs(self.cfg):
             log_path = self.run_dir / "logs" / f"{wid}.log"
-            cmd = [sys.executable, "-m", module, "--run-dir", str(self.run_dir), "--worker-id", wid,
-                   "--index", str(idx)]
+            cmd = [
+                sys.executable,
+                "-m",
+                module,
+                "--run-dir",
+                str(self.run_dir),
+                "--worker-id",
+                wid,
+                "--index",
+                str(idx),
+            ]
             if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
             child_env = env | device_env(self.cfg, self.placement.get(wid)) | self._token_env(wid)
@@ -286,8 +316,11 @@ class LocalSupervisor:
         if now - self._run_end_seen < RUN_END_GRACE_S:
             return False
         left = [c.name for c in self.children if c.proc.poll() is None]
-        print(f"\n[areal-async] the run finished, but {', '.join(left)} still ran {RUN_END_GRACE_S:.0f}s after the "
-              "scheduler exited; stopping them", file=sys.stderr)
+        print(
+            f"\n[areal-async] the run finished, but {', '.join(left)} still ran {RUN_END_GRACE_S:.0f}s after the "
+            "scheduler exited; stopping them",
+            file=sys.stderr,
+        )
         self.stop_all()
         return True
 
@@ -299,8 +332,11 @@ class LocalSupervisor:
         dead.restarts += 1
         self.restarts_total += 1
         dead.lost, dead.kill_at = "", None
-        print(f"\n[areal-async] worker {dead.name} (pid {old_pid}) {_how(dead.proc.returncode)}; restarting it "
-              f"({dead.restarts}/{self.cfg.cluster.max_restarts}). Last lines of {dead.log_path}:", file=sys.stderr)
+        print(
+            f"\n[areal-async] worker {dead.name} (pid {old_pid}) {_how(dead.proc.returncode)}; restarting it "
+            f"({dead.restarts}/{self.cfg.cluster.max_restarts}). Last lines of {dead.log_path}:",
+            file=sys.stderr,
+        )
         for line in tail(dead.log_path, 5):
             print("  | " + line, file=sys.stderr)
         with open(dead.log_path, "a") as log:
@@ -316,10 +352,17 @@ class LocalSupervisor:
         if self._recovered_from is not None and newest > self._recovered_from:
             self.recoveries_in_a_row = 0  # the fleet made progress since the last recovery
         recover = self.recoveries_in_a_row < self.cfg.recover.retries
-        outcome = (f"recovering the run ({self.recoveries_in_a_row + 1}/{self.cfg.recover.retries} in a row, "
-                   f"{self.recoveries + 1} in all) from the newest complete checkpoint" if recover
-                   else "the run failed" + (f" ({self.recoveries_in_a_row} recoveries in a row without a newer "
-                                            "checkpoint)" if self.cfg.recover.retries else ""))
+        outcome = (
+            f"recovering the run ({self.recoveries_in_a_row + 1}/{self.cfg.recover.retries} in a row, "
+            f"{self.recoveries + 1} in all) from the newest complete checkpoint"
+            if recover
+            else "the run failed"
+            + (
+                f" ({self.recoveries_in_a_row} recoveries in a row without a newer checkpoint)"
+                if self.cfg.recover.retries
+                else ""
+            )
+        )
         if dead is None:
             print(f"\n[areal-async] {silent}; {outcome}.", file=sys.stderr)
         else:
@@ -333,8 +376,11 @@ class LocalSupervisor:
         if dead.role in RESTARTABLE:
             why.append(f"no restart: {self._no_restart(dead)}")
         why_s = f" ({'; '.join(why)})" if why else ""
-        print(f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {_how(dead.proc.returncode)}; {outcome}"
-              f"{why_s}. Last lines of {dead.log_path}:", file=sys.stderr)
+        print(
+            f"\n[areal-async] worker {dead.name} (pid {dead.proc.pid}) {_how(dead.proc.returncode)}; {outcome}"
+            f"{why_s}. Last lines of {dead.log_path}:",
+            file=sys.stderr,
+        )
         for line in tail(dead.log_path, 30):
             print("  | " + line, file=sys.stderr)
 
@@ -366,8 +412,11 @@ class LocalSupervisor:
                 c.lost, c.kill_at = str(rec.get("why", "")), time.monotonic() + LOST_KILL_GRACE_S
         for c in self.children:
             if c.kill_at is not None and time.monotonic() >= c.kill_at and c.proc.poll() is None:
-                print(f"\n[areal-async] worker {c.name} (pid {c.proc.pid}) was declared lost ({c.lost}) and still "
-                      f"runs {LOST_KILL_GRACE_S:.0f}s later; killing it", file=sys.stderr)
+                print(
+                    f"\n[areal-async] worker {c.name} (pid {c.proc.pid}) was declared lost ({c.lost}) and still "
+                    f"runs {LOST_KILL_GRACE_S:.0f}s later; killing it",
+                    file=sys.stderr,
+                )
                 _signal_group(c.proc, signal.SIGKILL)
                 c.proc.wait(timeout=GRACE_S)
                 c.kill_at = None
@@ -380,7 +429,7 @@ class LocalSupervisor:
                 data = f.read()
         except OSError:
             return []
-        complete = data[:data.rfind(b"\n") + 1]
+        complete = data[: data.rfind(b"\n") + 1]
         self._lost_offset += len(complete)
         out = []
         for line in complete.decode(errors="replace").splitlines():
@@ -445,16 +494,25 @@ class LocalSupervisor:
         sig, grace = self._signal, self.cfg.saver.final_grace_s
         sched = next((c for c in self.children if c.name == "scheduler" and c.proc.poll() is None), None)
         if grace > 0 and sched is not None:
-            print(f"\n[areal-async] signal {sig}: saving a final checkpoint after the step in progress (at most "
-                  f"{grace:g}s; signal again to stop at once)", file=sys.stderr)
+            print(
+                f"\n[areal-async] signal {sig}: saving a final checkpoint after the step in progress (at most "
+                f"{grace:g}s; signal again to stop at once)",
+                file=sys.stderr,
+            )
             sched.proc.signal(signal.SIGUSR1)  # its launcher signals the scheduler process (it starts nothing)
             deadline = time.monotonic() + grace
-            while (time.monotonic() < deadline and self._n_signals < 2
-                   and any(c.proc.poll() is None for c in self.children)):
+            while (
+                time.monotonic() < deadline
+                and self._n_signals < 2
+                and any(c.proc.poll() is None for c in self.children)
+            ):
                 time.sleep(0.1)
             done = sched.proc.poll() == 0
-            print(f"[areal-async] {'final checkpoint saved; ' if done else 'no final checkpoint in time; '}"
-                  "stopping every process", file=sys.stderr)
+            print(
+                f"[areal-async] {'final checkpoint saved; ' if done else 'no final checkpoint in time; '}"
+                "stopping every process",
+                file=sys.stderr,
+            )
         self.stop_all()
         return 128 + sig
 
@@ -489,10 +547,12 @@ class LocalSupervisor:
         if row is None:
             line = f"[areal-async] starting fleet ({time.time() - self.t0:5.1f}s)"
         else:
-            line = (f"[areal-async] step {row['step'] + 1}/{self.cfg.total_train_steps}  v{row['version']}  "
-                    f"reward {row['reward_mean']:.3f}  staleness<={row['staleness_max']}  "
-                    f"{row.get('samples_trained_total', 0) / max(1e-9, row['wall_s']):6.1f} samples/s  "
-                    f"{row['wall_s']:6.1f}s")
+            line = (
+                f"[areal-async] step {row['step'] + 1}/{self.cfg.total_train_steps}  v{row['version']}  "
+                f"reward {row['reward_mean']:.3f}  staleness<={row['staleness_max']}  "
+                f"{row.get('samples_trained_total', 0) / max(1e-9, row['wall_s']):6.1f} samples/s  "
+                f"{row['wall_s']:6.1f}s"
+            )
         if line != last and (row is not None or sys.stdout.isatty()):
             # a terminal gets one live line; a log file gets one line per step
             sys.stdout.write("\r" + line.ljust(100) if sys.stdout.isatty() else line + "\n")
@@ -517,7 +577,7 @@ def read_status(path: Path) -> tuple[Optional[dict], Optional[float]]:
 
 def silence_report(status: Optional[dict], age: Optional[float], silent_s: float, cfg: ExperimentConfig) -> str:
     """Which role is silent and what it was waiting for, from the scheduler's status."""
-    head = (f"no trainer step for {silent_s:.0f}s (cluster.step_timeout_s={cfg.cluster.step_timeout_s:g})")
+    head = f"no trainer step for {silent_s:.0f}s (cluster.step_timeout_s={cfg.cluster.step_timeout_s:g})"
     if status is None or age is None or age > max(5.0, 3 * cfg.cluster.heartbeat_s):
         return f"{head}: silent role: scheduler (its status.json is {'missing' if age is None else f'{age:.0f}s old'})"
     workers = status.get("workers", {})
@@ -525,14 +585,19 @@ def silence_report(status: Optional[dict], age: Optional[float], silent_s: float
     if trainer is None:
         role = "trainer (not registered, or lost)"
     elif status.get("trainer_busy"):
-        role = (f"trainer (waiting for {trainer.get('waiting_for') or '?'}; "
-                f"last heartbeat {trainer.get('silent_s')}s ago)")
+        role = (
+            f"trainer (waiting for {trainer.get('waiting_for') or '?'}; last heartbeat {trainer.get('silent_s')}s ago)"
+        )
     else:
         wid, w = max(workers.items(), key=lambda kv: kv[1].get("silent_s", 0), default=("?", {}))
-        role = (f"{w.get('role', '?')} ({wid}: last heartbeat {w.get('silent_s')}s ago, waiting for "
-                f"{w.get('waiting_for') or '?'})")
-    others = "; ".join(f"{wid} waits for {w.get('waiting_for') or '?'} (heartbeat {w.get('silent_s')}s ago)"
-                       for wid, w in sorted(workers.items()))
+        role = (
+            f"{w.get('role', '?')} ({wid}: last heartbeat {w.get('silent_s')}s ago, waiting for "
+            f"{w.get('waiting_for') or '?'})"
+        )
+    others = "; ".join(
+        f"{wid} waits for {w.get('waiting_for') or '?'} (heartbeat {w.get('silent_s')}s ago)"
+        for wid, w in sorted(workers.items())
+    )
     return f"{head}: silent role: {role}. The scheduler waits for {status.get('waiting_for')}. {others}"
 
 
@@ -576,8 +641,9 @@ def last_metrics(path: Path) -> Optional[dict]:
     return None
 
 
-def run_local(cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None,
-              launcher: Optional[Launcher] = None) -> int:
+def run_local(
+    cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None, launcher: Optional[Launcher] = None
+) -> int:
     """Run the fleet under this supervisor; ``launcher`` starts its processes (default: local children)."""
     sup = LocalSupervisor(cfg, run_dir, progress, launcher)
     old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -85,9 +85,11 @@ def _take(start: int, count: int, per_node: int, who: str) -> tuple[int, tuple[i
     node = start // per_node
     last_node = (start + count - 1) // per_node
     if last_node != node:
-        raise PlacementError(f"{who} would get global GPUs {start}..{start + count - 1}, spanning nodes {node} and "
-                             f"{last_node} ({per_node} GPUs per node); use a GPU count per process that divides "
-                             f"cluster.n_gpus_per_node={per_node}")
+        raise PlacementError(
+            f"{who} would get global GPUs {start}..{start + count - 1}, spanning nodes {node} and "
+            f"{last_node} ({per_node} GPUs per node); use a GPU count per process that divides "
+            f"cluster.n_gpus_per_node={per_node}"
+        )
     return node, tuple(g % per_node for g in range(start, start + count))
 
 
@@ -99,8 +101,9 @@ def place(shape: ClusterShape) -> dict[str, Slot]:
     trainers = trainer_names(shape.n_trainer_ranks)
     out = {w: Slot(node=0) for w in shape.extra_workers}
     if shape.device != "cuda":
-        return (out | {w: Slot(node=0) for w in rollout}
-                | {w: Slot(node=0, local_rank=r) for r, w in enumerate(trainers)})
+        return (
+            out | {w: Slot(node=0) for w in rollout} | {w: Slot(node=0, local_rank=r) for r, w in enumerate(trainers)}
+        )
     _check_total(shape)
     per_worker = shape.rollout_gpus // max(1, shape.n_rollout_workers)
     pos, per_node = 0, shape.n_gpus_per_node
@@ -119,15 +122,21 @@ def _check_total(shape: ClusterShape) -> None:
     total = shape.n_nodes * shape.n_gpus_per_node
     need = shape.rollout_gpus + shape.n_trainer_ranks
     if need > total:
-        raise PlacementError(f"the run needs {need} GPUs ({shape.rollout_gpus} rollout + {shape.n_trainer_ranks} "
-                             f"trainer ranks) but cluster.n_nodes * cluster.n_gpus_per_node = {shape.n_nodes} * "
-                             f"{shape.n_gpus_per_node} = {total}")
+        raise PlacementError(
+            f"the run needs {need} GPUs ({shape.rollout_gpus} rollout + {shape.n_trainer_ranks} "
+            f"trainer ranks) but cluster.n_nodes * cluster.n_gpus_per_node = {shape.n_nodes} * "
+            f"{shape.n_gpus_per_node} = {total}"
+        )
     if shape.n_rollout_workers and shape.rollout_gpus % shape.n_rollout_workers:
-        raise PlacementError(f"{shape.rollout_gpus} rollout GPUs do not divide over cluster.n_rollout_workers="
-                             f"{shape.n_rollout_workers}; expected a multiple of it")
+        raise PlacementError(
+            f"{shape.rollout_gpus} rollout GPUs do not divide over cluster.n_rollout_workers="
+            f"{shape.n_rollout_workers}; expected a multiple of it"
+        )
     if shape.n_rollout_workers and shape.rollout_gpus < shape.n_rollout_workers:
-        raise PlacementError(f"{shape.rollout_gpus} rollout GPUs for cluster.n_rollout_workers="
-                             f"{shape.n_rollout_workers}: expected at least one GPU per rollout worker")
+        raise PlacementError(
+            f"{shape.rollout_gpus} rollout GPUs for cluster.n_rollout_workers="
+            f"{shape.n_rollout_workers}: expected at least one GPU per rollout worker"
+        )
 
 
 def gpus_needed_on(placement: dict[str, Slot], node: int) -> int:
@@ -140,8 +149,10 @@ def check_gpus_present(placement: dict[str, Slot], node: int, available: int) ->
     """PlacementError when this machine (``node``) has fewer GPUs than the placement uses on it."""
     need = gpus_needed_on(placement, node)
     if need > available:
-        raise PlacementError(f"node {node} needs {need} GPUs for this placement but this machine has {available}; "
-                             "lower cluster.n_trainer_ranks / the rollout backend's dN, or run on a bigger machine")
+        raise PlacementError(
+            f"node {node} needs {need} GPUs for this placement but this machine has {available}; "
+            "lower cluster.n_trainer_ranks / the rollout backend's dN, or run on a bigger machine"
+        )
 
 
 def shape_of(cfg: ExperimentConfig) -> ClusterShape:
@@ -150,9 +161,15 @@ def shape_of(cfg: ExperimentConfig) -> ClusterShape:
     extra = ("scheduler",) + tuple(f"reward-{i}" for i in range(cl.n_reward_workers))
     backend = cfg.rollout.backend
     gpus = rollout_gpu_count(backend, cl.device, cl.n_rollout_workers, rollout_dp_degree(backend))
-    return ClusterShape(n_nodes=cl.n_nodes, n_gpus_per_node=cl.n_gpus_per_node, device=cl.device,
-                        n_trainer_ranks=cl.n_trainer_ranks, n_rollout_workers=cl.n_rollout_workers,
-                        rollout_gpus=gpus, extra_workers=extra)
+    return ClusterShape(
+        n_nodes=cl.n_nodes,
+        n_gpus_per_node=cl.n_gpus_per_node,
+        device=cl.device,
+        n_trainer_ranks=cl.n_trainer_ranks,
+        n_rollout_workers=cl.n_rollout_workers,
+        rollout_gpus=gpus,
+        extra_workers=extra,
+    )
 
 
 def local_gpu_count(environ: Optional[dict] = None, dev: Path = Path("/dev")) -> int:

@@ -112,8 +112,14 @@ class RayLauncher(Launcher):
 
     name = "ray"
 
-    def __init__(self, names: list[str], gpus: dict[str, int], address: str = "", n_nodes: int = 1,
-                 ready_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        names: list[str],
+        gpus: dict[str, int],
+        address: str = "",
+        n_nodes: int = 1,
+        ready_timeout_s: float = 120.0,
+    ):
         try:
             import ray
         except ImportError:
@@ -124,8 +130,7 @@ class RayLauncher(Launcher):
             if address:
                 ray.init(address=address, log_to_driver=False)
             else:  # a local Ray with room for every bundle (logical CPUs: workers share the real ones)
-                ray.init(num_cpus=len(names), num_gpus=sum(gpus.values()), include_dashboard=False,
-                         log_to_driver=False)
+                ray.init(num_cpus=len(names), num_gpus=sum(gpus.values()), include_dashboard=False, log_to_driver=False)
         from ray.util.placement_group import placement_group
 
         self.names = list(names)
@@ -133,9 +138,11 @@ class RayLauncher(Launcher):
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise RayLaunchError(f"the Ray cluster could not place {len(self.names)} bundles "
-                                 f"{bundles_of(self.names, gpus)} within {ready_timeout_s:.0f}s: "
-                                 f"available {ray.available_resources()}") from None
+            raise RayLaunchError(
+                f"the Ray cluster could not place {len(self.names)} bundles "
+                f"{bundles_of(self.names, gpus)} within {ready_timeout_s:.0f}s: "
+                f"available {ray.available_resources()}"
+            ) from None
         self._holder = ray.remote(num_cpus=1)(_Holder)
         self.actors: dict[str, object] = {}  # worker name -> its holder (a restart reuses it: same bundle)
         # every holder up front, started in parallel: Ray starts a Python process for each
@@ -147,8 +154,11 @@ class RayLauncher(Launcher):
 
         k = self.names.index(name)
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=k)
-        actor = self._holder.options(scheduling_strategy=strategy, num_gpus=self.pg.bundle_specs[k].get("GPU", 0),
-                                     name=f"areal-{name}-{time.monotonic_ns()}").remote()
+        actor = self._holder.options(
+            scheduling_strategy=strategy,
+            num_gpus=self.pg.bundle_specs[k].get("GPU", 0),
+            name=f"areal-{name}-{time.monotonic_ns()}",
+        ).remote()
         self.actors[name] = actor
         return actor
 

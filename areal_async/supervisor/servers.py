@@ -48,9 +48,11 @@ def launch_blocker(cfg: ExperimentConfig) -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
-        return (f"rollout.backend={cfg.rollout.backend!r} on cluster.device='cuda' starts sglang.launch_server, but "
-                "the sglang package is not installed (pip install -e '.[gpu]'), or use cluster.device=cpu for the "
-                "CPU server, or sglang.addresses to attach to running servers")
+        return (
+            f"rollout.backend={cfg.rollout.backend!r} on cluster.device='cuda' starts sglang.launch_server, but "
+            "the sglang package is not installed (pip install -e '.[gpu]'), or use cluster.device=cpu for the "
+            "CPU server, or sglang.addresses to attach to running servers"
+        )
     if not cfg.model.path or not Path(cfg.model.path).is_dir():
         return f"model.path={cfg.model.path!r}: the SGLang servers need an HF model directory"
     return None
@@ -67,9 +69,11 @@ def vllm_python(cfg: ExperimentConfig) -> Path:
 def vllm_blocker(cfg: ExperimentConfig) -> str | None:
     py = vllm_python(cfg)
     if not os.access(py, os.X_OK):
-        return (f"rollout.backend={cfg.rollout.backend!r} starts vLLM servers from {py}, which does not exist: run "
-                "scripts/setup_vllm.sh (about 2-3 min, 3.5 GB), or set vllm.python, or vllm.addresses to attach "
-                "to running servers")
+        return (
+            f"rollout.backend={cfg.rollout.backend!r} starts vLLM servers from {py}, which does not exist: run "
+            "scripts/setup_vllm.sh (about 2-3 min, 3.5 GB), or set vllm.python, or vllm.addresses to attach "
+            "to running servers"
+        )
     if cfg.model.path and not Path(cfg.model.path).is_dir():
         return f"model.path={cfg.model.path!r}: the vLLM servers need an HF model directory"
     return None
@@ -96,9 +100,23 @@ def server_commands(cfg: ExperimentConfig, run_dir: Path, addresses: list[str]) 
 
 def _vllm_command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list[str]:
     host, port = address.removeprefix("http://").rsplit(":", 1)
-    cmd = [sys.executable, "-m", "areal_async.rollout.vllm_server", "--config", str(run_dir / "config.yaml"),
-           "--model-dir", str(run_dir / "vllm_model"), "--host", host, "--port", port, "--index", str(j),
-           "--vllm-python", str(vllm_python(cfg))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.rollout.vllm_server",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "--model-dir",
+        str(run_dir / "vllm_model"),
+        "--host",
+        host,
+        "--port",
+        port,
+        "--index",
+        str(j),
+        "--vllm-python",
+        str(vllm_python(cfg)),
+    ]
     if cfg.cluster.device == "cuda":
         cmd += ["--gpu", str(j)]  # server j on GPU j: the rollout GPUs come first (placement.py)
     return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
@@ -109,15 +127,47 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
     s = cfg.sglang
     if cfg.cluster.device == "cpu":
         batch = s.max_running_requests or cfg.rollout.max_batch_groups * cfg.gconfig.n_samples
-        cmd = [sys.executable, "-m", "areal_async.rollout.sglang_server", "--config", str(run_dir / "config.yaml"),
-               "--host", host, "--port", port, "--max-running-requests", str(batch),
-               "--random-seed", str(cfg.seed * 1000 + j), "--torch-threads", str(cfg.cluster.torch_threads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "areal_async.rollout.sglang_server",
+            "--config",
+            str(run_dir / "config.yaml"),
+            "--host",
+            host,
+            "--port",
+            port,
+            "--max-running-requests",
+            str(batch),
+            "--random-seed",
+            str(cfg.seed * 1000 + j),
+            "--torch-threads",
+            str(cfg.cluster.torch_threads),
+        ]
         return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
     if not cfg.model.path:
         raise ValueError("rollout.backend=sglang on cuda needs model.path (an HF directory the servers load)")
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model.path, "--host", host, "--port", port,
-           "--base-gpu-id", str(j), "--dtype", cfg.model.dtype, "--mem-fraction-static", str(s.mem_fraction_static),
-           "--context-length", str(s.context_length), "--random-seed", str(cfg.seed * 1000 + j)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        cfg.model.path,
+        "--host",
+        host,
+        "--port",
+        port,
+        "--base-gpu-id",
+        str(j),
+        "--dtype",
+        cfg.model.dtype,
+        "--mem-fraction-static",
+        str(s.mem_fraction_static),
+        "--context-length",
+        str(s.context_length),
+        "--random-seed",
+        str(cfg.seed * 1000 + j),
+    ]
     if s.max_running_requests:
         cmd += ["--max-running-requests", str(s.max_running_requests)]
     return cmd

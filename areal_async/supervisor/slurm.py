@@ -49,8 +49,19 @@ def allocation_nodes(env: Optional[dict] = None) -> list[str]:
 
 def srun_command(node: str, name: str, cmd: list[str], extra: list[str] = ()) -> list[str]:
     """The ``srun`` step that runs ``cmd`` as worker ``name`` on ``node`` (one task, sharing the allocation)."""
-    return ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", f"--job-name={name}",
-            "--export=ALL", "--kill-on-bad-exit=1", "--quiet", *extra, *cmd]
+    return [
+        "srun",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        f"--job-name={name}",
+        "--export=ALL",
+        "--kill-on-bad-exit=1",
+        "--quiet",
+        *extra,
+        *cmd,
+    ]
 
 
 class SlurmLauncher(Launcher):
@@ -68,8 +79,9 @@ class SlurmLauncher(Launcher):
     def from_env(cls, cfg: ExperimentConfig) -> "SlurmLauncher":
         nodes = allocation_nodes()
         if len(nodes) < cfg.cluster.n_nodes:
-            raise SlurmError(f"cluster.n_nodes={cfg.cluster.n_nodes} but the allocation has {len(nodes)} node(s): "
-                             f"{', '.join(nodes)}")
+            raise SlurmError(
+                f"cluster.n_nodes={cfg.cluster.n_nodes} but the allocation has {len(nodes)} node(s): {', '.join(nodes)}"
+            )
         return cls(nodes, cfg.cluster.slurm.srun_args)
 
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
@@ -78,14 +90,24 @@ class SlurmLauncher(Launcher):
         return LocalProcess(popen_logged(srun_command(self.nodes[node], name, cmd, self.srun_args), env, log_path))
 
 
-def render_sbatch(cfg: ExperimentConfig, config_path: str | Path, run_dir: str | Path, overrides: list[str],
-                  python: str = sys.executable, workdir: str | Path | None = None) -> str:
+def render_sbatch(
+    cfg: ExperimentConfig,
+    config_path: str | Path,
+    run_dir: str | Path,
+    overrides: list[str],
+    python: str = sys.executable,
+    workdir: str | Path | None = None,
+) -> str:
     """The batch script that runs this fleet in one allocation (see the module docstring)."""
     s = cfg.cluster.slurm
     run_dir = Path(run_dir).resolve()
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={_safe(cfg.experiment_name)}",
-             f"#SBATCH --nodes={cfg.cluster.n_nodes}", "#SBATCH --ntasks-per-node=1",
-             f"#SBATCH --output={run_dir}/logs/slurm-%j.out"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={_safe(cfg.experiment_name)}",
+        f"#SBATCH --nodes={cfg.cluster.n_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
+    ]
     if s.cpus_per_node:
         lines.append(f"#SBATCH --cpus-per-task={s.cpus_per_node}")
     if cfg.cluster.device == "cuda":
@@ -94,11 +116,25 @@ def render_sbatch(cfg: ExperimentConfig, config_path: str | Path, run_dir: str |
         if value:
             lines.append(f"#SBATCH --{flag}={value}")
     lines += [f"#SBATCH {a}" for a in s.sbatch_args]
-    cmd = [python, "-m", "areal_async.cli", "run", str(Path(config_path).resolve()), "--run-dir", str(run_dir),
-           "--no-progress", *overrides, "cluster.launcher=slurm"]
-    lines += ["set -euo pipefail", f"cd {shlex.quote(str(Path(workdir or os.getcwd()).resolve()))}",
-              "# the supervisor: every worker becomes an srun step of this allocation",
-              "exec " + " ".join(shlex.quote(c) for c in cmd), ""]
+    cmd = [
+        python,
+        "-m",
+        "areal_async.cli",
+        "run",
+        str(Path(config_path).resolve()),
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *overrides,
+        "cluster.launcher=slurm",
+    ]
+    lines += [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(Path(workdir or os.getcwd()).resolve()))}",
+        "# the supervisor: every worker becomes an srun step of this allocation",
+        "exec " + " ".join(shlex.quote(c) for c in cmd),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -123,8 +159,14 @@ def _run(cmd: list[str]) -> str:
     return p.stdout
 
 
-def run_slurm(cfg: ExperimentConfig, config_path: str | Path, run_dir: str | Path, overrides: list[str],
-              progress: Optional[bool], run_fleet) -> int:
+def run_slurm(
+    cfg: ExperimentConfig,
+    config_path: str | Path,
+    run_dir: str | Path,
+    overrides: list[str],
+    progress: Optional[bool],
+    run_fleet,
+) -> int:
     """Inside an allocation: the supervisor with srun steps (``run_fleet(cfg, run_dir, progress, launcher)``).
     Outside: write RUN_DIR/sbatch.sh and submit it (or say how, with cluster.slurm.submit=false)."""
     try:
@@ -138,8 +180,10 @@ def run_slurm(cfg: ExperimentConfig, config_path: str | Path, run_dir: str | Pat
             print(f"[areal-async] wrote {script}; submit it with: sbatch {script}")
             return 0
         job = submit(script)
-        print(f"[areal-async] submitted {script} as Slurm job {job}; logs in {run_dir.resolve()}/logs "
-              f"(slurm-{job}.out: the supervisor)")
+        print(
+            f"[areal-async] submitted {script} as Slurm job {job}; logs in {run_dir.resolve()}/logs "
+            f"(slurm-{job}.out: the supervisor)"
+        )
         return 0
     except SlurmError as e:
         print(f"areal-async: {e}", file=sys.stderr)

@@ -27,8 +27,14 @@ import torch
 
 from areal_async.config import ActorConfig
 from areal_async.trainer.advantages import compute_advantages, scaled_rewards
-from areal_async.trainer.dp import (DataParallel, ShardedWeights, minibatches_by_tokens, rank_micro_batches,
-                                    shard_model, split_over_ranks)
+from areal_async.trainer.dp import (
+    DataParallel,
+    ShardedWeights,
+    minibatches_by_tokens,
+    rank_micro_batches,
+    shard_model,
+    split_over_ranks,
+)
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -47,8 +53,12 @@ class _Batch:
         self.n_prompt = [t.prompt_ids.numel() for t in trajs]
         self.behav = [t.behav_logp.to(device=device, dtype=torch.float32) for t in trajs]
         # trained output tokens (a workflow's environment tokens are not): bool per output token
-        self.mask = [torch.ones(t.output_ids.numel(), dtype=torch.bool, device=device) if t.loss_mask is None
-                     else t.loss_mask.to(device) for t in trajs]
+        self.mask = [
+            torch.ones(t.output_ids.numel(), dtype=torch.bool, device=device)
+            if t.loss_mask is None
+            else t.loss_mask.to(device)
+            for t in trajs
+        ]
         self.prox: Optional[list[torch.Tensor]] = None
         self.adv: list[torch.Tensor] = []
 
@@ -60,9 +70,17 @@ class _Batch:
 class PPOActor:
     """Owns the policy's optimizer and schedule; ``train_step`` is one RL trainer step."""
 
-    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, temperature: float, total_steps: int,
-                 device: str | torch.device = "cpu", ref_model: Optional[ModelOrLoader] = None,
-                 dp: Optional[DataParallel] = None, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ActorConfig,
+        temperature: float,
+        total_steps: int,
+        device: str | torch.device = "cpu",
+        ref_model: Optional[ModelOrLoader] = None,
+        dp: Optional[DataParallel] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+    ):
         """``dp``: this process's trainer rank (default: the only one). ``compute_dtype``: shard the
         policy with FSDP2 (needs an initialised process group, even of one rank) and keep float32
         master weights and optimizer state while forward/backward run in this dtype; None keeps
@@ -70,8 +88,10 @@ class PPOActor:
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: expected > 0 (the rollout's sampling temperature)")
         if cfg.use_decoupled_loss and not cfg.recompute_logprob:
-            raise ValueError("use_decoupled_loss=True needs recompute_logprob=True (the proximal policy's "
-                             "logprobs); got recompute_logprob=False")
+            raise ValueError(
+                "use_decoupled_loss=True needs recompute_logprob=True (the proximal policy's "
+                "logprobs); got recompute_logprob=False"
+            )
         if cfg.kl_ctl > 0 and ref_model is None:
             raise ValueError(f"kl_ctl={cfg.kl_ctl} > 0 needs a reference model (or a loader); got None")
         self.device = torch.device(device)
@@ -120,8 +140,10 @@ class PPOActor:
     def load_state_dict(self, state: dict) -> None:
         missing = {"lr_scheduler", "step"} - set(state)
         if missing:
-            raise ValueError(f"actor state lacks {sorted(missing)}; expected keys lr_scheduler, step (and optimizer "
-                             "unless the checkpoint holds DCP shards)")
+            raise ValueError(
+                f"actor state lacks {sorted(missing)}; expected keys lr_scheduler, step (and optimizer "
+                "unless the checkpoint holds DCP shards)"
+            )
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         self.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -132,8 +154,10 @@ class PPOActor:
         a bucket at a time when sharded (every rank must then gather too: ``ShardedWeights``)."""
         if self.sharded:
             return ShardedWeights(self.model, dtype, bucket_bytes)
-        return {k: v.detach() if not v.is_floating_point() or v.dtype == dtype else v.detach().to(dtype)
-                for k, v in self.model.state_dict().items()}
+        return {
+            k: v.detach() if not v.is_floating_point() or v.dtype == dtype else v.detach().to(dtype)
+            for k, v in self.model.state_dict().items()
+        }
 
     @property
     def ref_model(self) -> Optional[torch.nn.Module]:
@@ -168,7 +192,7 @@ class PPOActor:
         for mb in self._rank_micro_batches(model, batch, shares, grad=False):
             for i, lp in zip(mb.indices, mb.logp):
                 # output token j sits at position P+j and is scored by position P+j-1
-                mine[i] = lp[batch.n_prompt[i] - 1:].float()
+                mine[i] = lp[batch.n_prompt[i] - 1 :].float()
         model.train(was_training)
         out_lengths = [n - p for n, p in zip(batch.lengths, batch.n_prompt)]
         gathered = self.dp.all_gather_per_seq(mine, shares, out_lengths)
@@ -184,9 +208,16 @@ class PPOActor:
         share = shares[self.dp.rank]
         pos = {i: j for j, i in enumerate(share)}
         alloc = [[pos[i] for i in m] for m in own]
-        for out in iter_micro_batches(model, [batch.seqs[i] for i in share], self.temperature, mb.max_tokens_per_mb,
-                                      mb.oversize, with_entropy=grad, entropy_grad=self.cfg.entropy_coef != 0,
-                                      allocation=alloc):
+        for out in iter_micro_batches(
+            model,
+            [batch.seqs[i] for i in share],
+            self.temperature,
+            mb.max_tokens_per_mb,
+            mb.oversize,
+            with_entropy=grad,
+            entropy_grad=self.cfg.entropy_coef != 0,
+            allocation=alloc,
+        ):
             yield MicroBatchOut([share[j] for j in out.indices], out.logp, out.entropy)
         for _ in range(n_mb - len(own)):
             self._padding_pass(model, grad)
@@ -226,17 +257,26 @@ class PPOActor:
         self.optimizer.zero_grad(set_to_none=True)
         return stats, grad_norm, n_mb, stepped
 
-    def _micro_loss(self, batch: _Batch, traj_idx: list[int], mb: MicroBatchOut,
-                    n_tokens: int) -> tuple[torch.Tensor, LossStats]:
+    def _micro_loss(
+        self, batch: _Batch, traj_idx: list[int], mb: MicroBatchOut, n_tokens: int
+    ) -> tuple[torch.Tensor, LossStats]:
         cuts = [batch.n_prompt[i] - 1 for i in traj_idx]
         logp = torch.cat([lp[c:] for lp, c in zip(mb.logp, cuts)])
         entropy = torch.cat([e[c:] for e, c in zip(mb.entropy, cuts)]) if mb.entropy is not None else None
-        return policy_loss(logp, batch.cat("prox", traj_idx), batch.cat("behav", traj_idx),
-                           batch.cat("adv", traj_idx), self.cfg, n_tokens=n_tokens, entropy=entropy,
-                           loss_mask=batch.cat("mask", traj_idx))
+        return policy_loss(
+            logp,
+            batch.cat("prox", traj_idx),
+            batch.cat("behav", traj_idx),
+            batch.cat("adv", traj_idx),
+            self.cfg,
+            n_tokens=n_tokens,
+            entropy=entropy,
+            loss_mask=batch.cat("mask", traj_idx),
+        )
 
-    def _metrics(self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float],
-                 n_mb: int, lr: float) -> dict[str, float]:
+    def _metrics(
+        self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float], n_mb: int, lr: float
+    ) -> dict[str, float]:
         adv = torch.cat(batch.adv)
         rewards = scaled_rewards([t.score for t in trajs], self.cfg.reward_bias, self.cfg.reward_scaling)
         m = stats.as_dict()
@@ -245,9 +285,13 @@ class PPOActor:
         m.update(
             grad_norm=sum(finite) / len(finite) if finite else float("nan"),
             lr=float(lr),
-            score_mean=sum(t.score for t in trajs) / len(trajs), reward_mean=float(rewards.mean()),
-            adv_mean=float(adv.mean()), adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
-            n_tokens=float(adv.numel()), n_seqs=float(len(trajs)), n_microbatches=float(n_mb),
+            score_mean=sum(t.score for t in trajs) / len(trajs),
+            reward_mean=float(rewards.mean()),
+            adv_mean=float(adv.mean()),
+            adv_std=float(adv.std()) if adv.numel() > 1 else 0.0,
+            n_tokens=float(adv.numel()),
+            n_seqs=float(len(trajs)),
+            n_microbatches=float(n_mb),
             step=float(self.step),
         )
         return m

@@ -73,8 +73,13 @@ def normalize(values: list[torch.Tensor], group_ids: Sequence[str], norm: NormCo
     return out
 
 
-def token_rewards(seq_reward: float, n_tokens: int, kl_ctl: float = 0.0,
-                  logp_T: Optional[torch.Tensor] = None, ref_logp_T: Optional[torch.Tensor] = None) -> torch.Tensor:
+def token_rewards(
+    seq_reward: float,
+    n_tokens: int,
+    kl_ctl: float = 0.0,
+    logp_T: Optional[torch.Tensor] = None,
+    ref_logp_T: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Per-token rewards of one output: the sequence reward on the last token, minus the KL penalty."""
     r_T = torch.zeros(n_tokens, dtype=torch.float64)
     r_T[-1] = seq_reward
@@ -98,9 +103,12 @@ def gae(rewards_T: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
     return torch.tensor(out, dtype=rewards_T.dtype)
 
 
-def compute_advantages(trajs: Sequence[Trajectory], cfg: ActorConfig,
-                       logp: Optional[list[torch.Tensor]] = None,
-                       ref_logp: Optional[list[torch.Tensor]] = None) -> list[torch.Tensor]:
+def compute_advantages(
+    trajs: Sequence[Trajectory],
+    cfg: ActorConfig,
+    logp: Optional[list[torch.Tensor]] = None,
+    ref_logp: Optional[list[torch.Tensor]] = None,
+) -> list[torch.Tensor]:
     """Per-token advantages (float32, one tensor per trajectory's output) following cfg.
 
     logp / ref_logp: per-output-token logprobs of the old policy and the reference model; only
@@ -118,8 +126,9 @@ def compute_advantages(trajs: Sequence[Trajectory], cfg: ActorConfig,
     if all(t.loss_mask is None for t in trajs):
         return [a.float() for a in normalize(advs, group_ids, cfg.adv_norm)]
     # a workflow's environment tokens are not trained: the statistics pool only the trained ones
-    masks = [torch.ones(len(a), dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu()
-             for a, t in zip(advs, trajs)]
+    masks = [
+        torch.ones(len(a), dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu() for a, t in zip(advs, trajs)
+    ]
     normed = normalize([a[m] for a, m in zip(advs, masks)], group_ids, cfg.adv_norm)
     out = []
     for a, m, n in zip(advs, masks, normed):

@@ -35,7 +35,6 @@ import torch
 from areal_async.trainer.checkpoint_dirs import COMPLETE
 
 
-
 # --------------------------------------------------------------------------------------------
 # RNG states (as plain tensors/ints so that torch.load(weights_only=True) accepts them)
 # --------------------------------------------------------------------------------------------
@@ -45,8 +44,13 @@ def rng_states() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     states = {
         "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -57,8 +61,9 @@ def rng_states() -> dict:
 def restore_rng_states(states: dict) -> None:
     random.setstate(_as_tuples(states["python"]))
     n = states["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -93,8 +98,16 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
 
 
-def _write_payload(tmp: Path, step: int, version: int, model, tokenizer, actor_state: dict, extra: dict,
-                   write_model: Optional[Callable[[Path], None]]) -> None:
+def _write_payload(
+    tmp: Path,
+    step: int,
+    version: int,
+    model,
+    tokenizer,
+    actor_state: dict,
+    extra: dict,
+    write_model: Optional[Callable[[Path], None]],
+) -> None:
     if write_model is not None:
         write_model(tmp)
     else:
@@ -116,8 +129,16 @@ def _mark_complete(tmp: Path) -> None:
     _fsync_path(tmp)
 
 
-def save_checkpoint(root: str | Path, step: int, version: int, model, tokenizer, actor_state: dict,
-                    extra: dict, write_model: Optional[Callable[[Path], None]] = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    version: int,
+    model,
+    tokenizer,
+    actor_state: dict,
+    extra: dict,
+    write_model: Optional[Callable[[Path], None]] = None,
+) -> Path:
     """Write ``root/step_<step>`` atomically and return its path (replaces an existing one).
 
     ``write_model(tmp_dir)`` replaces ``model.save_pretrained`` (the trainer's ranks write DCP
@@ -161,14 +182,19 @@ def load_checkpoint(path: str | Path, restore_rng: bool = False, map_location: s
     restores the RNGs). Weights load separately: ``AutoModelForCausalLM.from_pretrained(path)``."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
-        raise ValueError(f"checkpoint {str(path)!r} has no {COMPLETE} marker; expected a complete checkpoint "
-                         "(use latest_complete_checkpoint(root))")
+        raise ValueError(
+            f"checkpoint {str(path)!r} has no {COMPLETE} marker; expected a complete checkpoint "
+            "(use latest_complete_checkpoint(root))"
+        )
     meta = json.loads((path / "meta.json").read_text())
     rng = torch.load(path / "rng.pt", weights_only=True)
     if restore_rng:
         restore_rng_states(rng)
     return {
-        "path": path, "step": meta["step"], "version": meta["version"],
+        "path": path,
+        "step": meta["step"],
+        "version": meta["version"],
         "actor_state": torch.load(path / "actor_state.pt", map_location=map_location, weights_only=True),
-        "extra": json.loads((path / "extra.json").read_text()), "rng": rng,
+        "extra": json.loads((path / "extra.json").read_text()),
+        "rng": rng,
     }

@@ -22,8 +22,11 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := STEP_DIR.match(p.name)) and p.is_dir() and (p / COMPLETE).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and p.is_dir() and (p / COMPLETE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 

@@ -66,15 +66,17 @@ def split_over_ranks(lengths: Sequence[int], world: int) -> list[list[int]]:
 def minibatches_by_tokens(lengths: Sequence[int], k: int) -> list[list[int]]:
     """PPO minibatches: k sets of sequence indices with balanced token sums (each non-empty)."""
     if k > len(lengths):
-        raise ValueError(f"ppo_n_minibatches={k} but the batch has {len(lengths)} trajectories; "
-                         f"expected <= {len(lengths)}")
+        raise ValueError(
+            f"ppo_n_minibatches={k} but the batch has {len(lengths)} trajectories; expected <= {len(lengths)}"
+        )
     if k == 1:
         return [list(range(len(lengths)))]
     return sorted(karmarkar_karp(list(lengths), k), key=lambda b: b[0])
 
 
-def rank_micro_batches(lengths: Sequence[int], shares: list[list[int]], budget: int,
-                       oversize: str) -> tuple[list[list[list[int]]], int]:
+def rank_micro_batches(
+    lengths: Sequence[int], shares: list[list[int]], budget: int, oversize: str
+) -> tuple[list[list[list[int]]], int]:
     """(per rank: micro-batches of indices into ``lengths``, the common micro-batch count).
 
     Every rank allocates its own share under the token budget; the count every rank must run is
@@ -122,8 +124,9 @@ class DataParallel:
             dist.broadcast(p, 0)
         return decode_batch(*parts)
 
-    def all_gather_per_seq(self, mine: dict[int, torch.Tensor], shares: list[list[int]],
-                           lengths: Sequence[int]) -> list[torch.Tensor]:
+    def all_gather_per_seq(
+        self, mine: dict[int, torch.Tensor], shares: list[list[int]], lengths: Sequence[int]
+    ) -> list[torch.Tensor]:
         """Per-sequence float tensors computed by their owning rank, on every rank, in batch order.
 
         ``mine``: this rank's sequences (index -> tensor of ``lengths[index]`` values)."""
@@ -137,14 +140,14 @@ class DataParallel:
         flat = torch.zeros(width, dtype=torch.float32)
         own = shares[self.rank]
         if own:
-            flat[:totals[self.rank]] = torch.cat([mine[i].detach().float().cpu() for i in own])
+            flat[: totals[self.rank]] = torch.cat([mine[i].detach().float().cpu() for i in own])
         out = [torch.empty(width, dtype=torch.float32) for _ in range(self.world)]
         dist.all_gather(out, flat)
         full: list[Optional[torch.Tensor]] = [None] * n
         for r, share in enumerate(shares):
             pos = 0
             for i in share:
-                full[i] = out[r][pos:pos + lengths[i]]
+                full[i] = out[r][pos : pos + lengths[i]]
                 pos += lengths[i]
         return full  # type: ignore[return-value]
 
@@ -200,8 +203,13 @@ def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_
         raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"tcp://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     return DataParallel(rank, world)
 
 
@@ -283,8 +291,9 @@ class ShardedWeights(Mapping):
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int):
         self._params = dict(model.state_dict())
         self._dtype = dtype
-        self._meta = {k: torch.empty(tuple(v.shape), dtype=self._out_dtype(v), device="meta")
-                      for k, v in self._params.items()}
+        self._meta = {
+            k: torch.empty(tuple(v.shape), dtype=self._out_dtype(v), device="meta") for k, v in self._params.items()
+        }
         self.layout = plan(self._meta, bucket_bytes)
         self._bucket_of = {s.name: s.bucket for s in self.layout.slots}
         self._k = -1
@@ -297,8 +306,9 @@ class ShardedWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         k = self._bucket_of[name]
         if k < self._k:
-            raise RuntimeError(f"weight {name!r} of bucket {k} asked after bucket {self._k}: buckets are gathered "
-                               "once, in order")
+            raise RuntimeError(
+                f"weight {name!r} of bucket {k} asked after bucket {self._k}: buckets are gathered once, in order"
+            )
         while self._k < k:
             self._next()
         return self._cache[name]
@@ -345,21 +355,33 @@ def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
     head = [len(trajs)]
     for t in trajs:
         head += [t.prompt_ids.numel(), t.output_ids.numel(), groups.setdefault(t.group_id, len(groups))]
-    masks = [t.loss_mask if t.loss_mask is not None else torch.ones(t.output_ids.numel(), dtype=torch.bool)
-             for t in trajs]
+    masks = [
+        t.loss_mask if t.loss_mask is not None else torch.ones(t.output_ids.numel(), dtype=torch.bool) for t in trajs
+    ]
     body = [x.to(torch.int64) for t, m in zip(trajs, masks) for x in (t.prompt_ids, t.output_ids, t.versions, m)]
-    return [torch.cat([torch.tensor(head, dtype=torch.int64), *body]),
-            torch.cat([t.behav_logp.to(torch.float32) for t in trajs]),
-            torch.tensor([t.score for t in trajs], dtype=torch.float64)]
+    return [
+        torch.cat([torch.tensor(head, dtype=torch.int64), *body]),
+        torch.cat([t.behav_logp.to(torch.float32) for t in trajs]),
+        torch.tensor([t.score for t in trajs], dtype=torch.float64),
+    ]
 
 
 def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -> list[Trajectory]:
     n = int(ints[0])
-    head = ints[1:1 + 3 * n].view(n, 3).tolist()  # per sequence, not per token
-    parts = ints[1 + 3 * n:].split([k for n_p, n_o, _ in head for k in (n_p, n_o, n_o, n_o)])
+    head = ints[1 : 1 + 3 * n].view(n, 3).tolist()  # per sequence, not per token
+    parts = ints[1 + 3 * n :].split([k for n_p, n_o, _ in head for k in (n_p, n_o, n_o, n_o)])
     lps = logp.split([n_o for _, n_o, _ in head])
     masks = [parts[4 * i + 3].to(torch.bool) for i in range(n)]
-    return [Trajectory(sample_id=f"b{i}", group_id=f"g{g}", prompt_ids=parts[4 * i], output_ids=parts[4 * i + 1],
-                       behav_logp=lps[i], versions=parts[4 * i + 2], score=float(scores[i]),
-                       loss_mask=None if bool(masks[i].all()) else masks[i])
-            for i, (_, _, g) in enumerate(head)]
+    return [
+        Trajectory(
+            sample_id=f"b{i}",
+            group_id=f"g{g}",
+            prompt_ids=parts[4 * i],
+            output_ids=parts[4 * i + 1],
+            behav_logp=lps[i],
+            versions=parts[4 * i + 2],
+            score=float(scores[i]),
+            loss_mask=None if bool(masks[i].all()) else masks[i],
+        )
+        for i, (_, _, g) in enumerate(head)
+    ]

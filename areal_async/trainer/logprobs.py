@@ -26,10 +26,16 @@ class MicroBatchOut:
     entropy: Optional[list[torch.Tensor]]
 
 
-def iter_micro_batches(model: torch.nn.Module, seqs: Sequence[Sequence[int]], temperature: float,
-                       max_tokens_per_mb: int, oversize: str = "error",
-                       with_entropy: bool = False, entropy_grad: bool = True,
-                       allocation: Optional[list[list[int]]] = None) -> Iterator[MicroBatchOut]:
+def iter_micro_batches(
+    model: torch.nn.Module,
+    seqs: Sequence[Sequence[int]],
+    temperature: float,
+    max_tokens_per_mb: int,
+    oversize: str = "error",
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    allocation: Optional[list[list[int]]] = None,
+) -> Iterator[MicroBatchOut]:
     """Run the model on balanced packed micro-batches, yielding each before computing the next,
     so a caller can backward and free one micro-batch's graph at a time.
 
@@ -45,8 +51,13 @@ def iter_micro_batches(model: torch.nn.Module, seqs: Sequence[Sequence[int]], te
         yield MicroBatchOut(indices, unpack(logp_T, cu), ent)
 
 
-def packed_logprobs(model: torch.nn.Module, seqs: Sequence[Sequence[int]], temperature: float,
-                    max_tokens_per_mb: int, oversize: str = "error") -> list[torch.Tensor]:
+def packed_logprobs(
+    model: torch.nn.Module,
+    seqs: Sequence[Sequence[int]],
+    temperature: float,
+    max_tokens_per_mb: int,
+    oversize: str = "error",
+) -> list[torch.Tensor]:
     """Logprob of token t+1 given tokens <= t for each sequence (length L-1 each), in input order.
 
     Gradient flows when grad mode is on; wrap in ``torch.no_grad()`` for recomputation.

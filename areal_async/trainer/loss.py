@@ -63,8 +63,9 @@ class LossStats:
         }
 
 
-def behav_importance(prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-                     rs: RejectionSamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def behav_importance(
+    prox_logp: torch.Tensor, behav_logp: torch.Tensor, rs: RejectionSamplingConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, keep): w = exp(prox - behav), rejection applied per rs. Constants (no grad)."""
     weight = torch.exp(prox_logp.detach().float() - behav_logp.detach().float())
     keep = torch.ones_like(weight, dtype=torch.bool)
@@ -79,8 +80,9 @@ def behav_importance(prox_logp: torch.Tensor, behav_logp: torch.Tensor,
     raise ValueError(f"rejection_sampling.mode={rs.mode!r}: expected 'mask' or 'clamp'")
 
 
-def loss_weights(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
-                 cfg: ActorConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_weights(
+    prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor, cfg: ActorConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, keep) of each token; weight 1 and keep all unless the loss is decoupled."""
     if cfg.use_decoupled_loss:
         if prox_logp is None:
@@ -90,8 +92,12 @@ def loss_weights(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
     return ones, torch.ones_like(ones, dtype=torch.bool)
 
 
-def count_kept_tokens(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor, cfg: ActorConfig,
-                      loss_mask: Optional[torch.Tensor] = None) -> int:
+def count_kept_tokens(
+    prox_logp: Optional[torch.Tensor],
+    behav_logp: torch.Tensor,
+    cfg: ActorConfig,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> int:
     """Tokens whose loss is not zeroed by rejection or the loss mask (the actor skips a step that keeps none).
 
     Known before the update because rejection depends only on prox and behaviour logprobs.
@@ -101,8 +107,9 @@ def count_kept_tokens(prox_logp: Optional[torch.Tensor], behav_logp: torch.Tenso
     return int((keep & loss_mask).sum() if loss_mask is not None else keep.sum())
 
 
-def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-                      eps_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, eps_clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO loss max(-A r, -A clip(r)) and the mask of tokens where clipping bound."""
     ratio = torch.exp(logp - old_logp.detach())
     pg_unclipped = -adv * ratio
@@ -110,10 +117,16 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Ten
     return torch.maximum(pg_unclipped, pg_clipped), pg_clipped > pg_unclipped
 
 
-def policy_loss(logp: torch.Tensor, prox_logp: Optional[torch.Tensor], behav_logp: torch.Tensor,
-                adv: torch.Tensor, cfg: ActorConfig, n_tokens: Optional[int] = None,
-                entropy: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, LossStats]:
+def policy_loss(
+    logp: torch.Tensor,
+    prox_logp: Optional[torch.Tensor],
+    behav_logp: torch.Tensor,
+    adv: torch.Tensor,
+    cfg: ActorConfig,
+    n_tokens: Optional[int] = None,
+    entropy: Optional[torch.Tensor] = None,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, LossStats]:
     """Scalar loss = sum over kept tokens / n_tokens (default: this call's trained tokens, rejected ones included).
 
     Under gradient accumulation or data parallelism ``n_tokens`` is the global count of trained
@@ -143,9 +156,14 @@ def _stats(loss, logp, old, behav_logp, prox_logp, keep, clipped, entropy, mask)
         log_iw = (prox_logp.float() - behav_logp.float()) if prox_logp is not None else torch.zeros_like(kl)
         iw = iw[mask]
         return LossStats(
-            loss=float(loss.detach()), n_loss_tokens=float(keep.sum()), n_tokens=float(mask.sum()),
-            n_rejected=float((mask & ~keep).sum()), n_clipped=float((clipped & keep).sum()),
-            iw_sum=float(iw.sum()), iw_max=float(iw.max()) if iw.numel() else 0.0,
-            kl_sum=float(kl[keep].sum()), behav_kl_sum=float((0.5 * log_iw[mask] ** 2).sum()),
+            loss=float(loss.detach()),
+            n_loss_tokens=float(keep.sum()),
+            n_tokens=float(mask.sum()),
+            n_rejected=float((mask & ~keep).sum()),
+            n_clipped=float((clipped & keep).sum()),
+            iw_sum=float(iw.sum()),
+            iw_max=float(iw.max()) if iw.numel() else 0.0,
+            kl_sum=float(kl[keep].sum()),
+            behav_kl_sum=float((0.5 * log_iw[mask] ** 2).sum()),
             entropy_sum=float(entropy.detach()[keep].sum()) if entropy is not None else 0.0,
         )

@@ -25,8 +25,9 @@ from areal_async.config import LR_SCHEDULES, OptimizerConfig
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(list(params), lr=cfg.lr, eps=cfg.eps, betas=(cfg.beta1, cfg.beta2),
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        list(params), lr=cfg.lr, eps=cfg.eps, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay
+    )
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
@@ -45,8 +46,9 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
     return 1.0
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int,
-                       cfg: OptimizerConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, cfg: OptimizerConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     """LambdaLR over ``lr_multiplier``. A plain closure on purpose: LambdaLR then keeps only the
     step counters in its state_dict (plain ints, safe for ``torch.load(weights_only=True)``) and
     a restored run takes the schedule's shape from its own config."""

@@ -60,8 +60,9 @@ class PackedBatch:
         return self.cu_seqlens.diff().tolist()
 
     def to(self, device: torch.device | str) -> "PackedBatch":
-        return PackedBatch(self.ids_T.to(device), self.position_ids_T.to(device),
-                           self.cu_seqlens.to(device), self.max_seqlen)
+        return PackedBatch(
+            self.ids_T.to(device), self.position_ids_T.to(device), self.cu_seqlens.to(device), self.max_seqlen
+        )
 
 
 def pack(seqs: Sequence[Sequence[int] | torch.Tensor]) -> PackedBatch:
@@ -104,7 +105,7 @@ def unpack(values_T: torch.Tensor, cu_seqlens: torch.Tensor, drop_last: bool = T
     whose 'next token' belongs to the following sequence, when drop_last)."""
     bounds = cu_seqlens.tolist()
     cut = 1 if drop_last else 0
-    return [values_T[a:b - cut] for a, b in zip(bounds[:-1], bounds[1:])]
+    return [values_T[a : b - cut] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 # --------------------------------------------------------------------------------------------
@@ -181,8 +182,9 @@ def _cached_plan(cu: torch.Tensor) -> _VarlenPlan:
     return plan
 
 
-def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
-                         scaling: Optional[float] = None, **kwargs):
+def _varlen_sdpa_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling: Optional[float] = None, **kwargs
+):
     """Attention within each packed sequence, a few batched causal sdpa calls (one per length bucket).
 
     query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), as transformers expects.
@@ -195,8 +197,10 @@ def _varlen_sdpa_forward(module, query, key, value, attention_mask, dropout: flo
     """
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
-        raise ValueError(f"attn_implementation={VARLEN_IMPL!r} serves packed forwards only (got no "
-                         "cu_seq_lens_q); use 'sdpa' for generation or padded batches")
+        raise ValueError(
+            f"attn_implementation={VARLEN_IMPL!r} serves packed forwards only (got no "
+            "cu_seq_lens_q); use 'sdpa' for generation or padded batches"
+        )
     from transformers.integrations.sdpa_attention import repeat_kv  # transformers is loaded by now
 
     groups = query.shape[1] // key.shape[1]
@@ -240,21 +244,26 @@ def _attention_kwargs(model: torch.nn.Module, packed: PackedBatch, dtype: torch.
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl in _FLASH_IMPLS or impl == VARLEN_IMPL:
         cu = packed.cu_seqlens.to(torch.int32)
-        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen,
-                    max_length_k=packed.max_seqlen)
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
     if impl in _MASK_IMPLS:
         return dict(attention_mask=block_causal_mask(packed.cu_seqlens, dtype))
-    raise ValueError(f"attn_implementation={impl!r} is not supported by packing; expected one of "
-                     f"{_MASK_IMPLS + _FLASH_IMPLS + (VARLEN_IMPL,)}")
+    raise ValueError(
+        f"attn_implementation={impl!r} is not supported by packing; expected one of "
+        f"{_MASK_IMPLS + _FLASH_IMPLS + (VARLEN_IMPL,)}"
+    )
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
-def forward_packed(model: torch.nn.Module, packed: PackedBatch, temperature: float = 1.0,
-                   with_entropy: bool = False, entropy_grad: bool = True
-                   ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def forward_packed(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logp_T, entropy_T or None) for every packed position; position t scores token t+1.
 
     entropy_grad=False computes the entropy as a statistic only (no (T, V) softmax kept for
@@ -319,8 +328,10 @@ def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
     while len(heap) > 1:
         _, tie_a, a = heapq.heappop(heap)
         _, tie_b, b = heapq.heappop(heap)
-        merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in
-                  zip(sorted(a, key=lambda s: -s[0]), sorted(b, key=lambda s: s[0]))]
+        merged = [
+            (sa + sb, ia + ib)
+            for (sa, ia), (sb, ib) in zip(sorted(a, key=lambda s: -s[0]), sorted(b, key=lambda s: s[0]))
+        ]
         sums = [s for s, _ in merged]
         heapq.heappush(heap, (-(max(sums) - min(sums)), min(tie_a, tie_b), merged))
     return [sorted(ix) for _, ix in heap[0][2]] if heap else [[] for _ in range(k)]
@@ -371,8 +382,7 @@ def _balanced(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return _rebalance(ffd, lengths, max_rounds=4 * len(lengths))
 
 
-def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int,
-                           oversize: str = "error") -> list[list[int]]:
+def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int, oversize: str = "error") -> list[list[int]]:
     """Partition sequence indices into micro-batches whose token sums are <= max_tokens_per_mb.
 
     Returns lists of indices (ascending within a micro-batch); every index appears exactly once.
@@ -384,8 +394,10 @@ def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int,
     big = [i for i, n in enumerate(lengths) if n > max_tokens_per_mb]
     if big and oversize == "error":
         i = big[0]
-        raise ValueError(f"sequence {i} has {lengths[i]} tokens, over the micro-batch budget "
-                         f"max_tokens_per_mb={max_tokens_per_mb}; raise the budget or set oversize='own_mb'")
+        raise ValueError(
+            f"sequence {i} has {lengths[i]} tokens, over the micro-batch budget "
+            f"max_tokens_per_mb={max_tokens_per_mb}; raise the budget or set oversize='own_mb'"
+        )
     if not big and sum(lengths) <= max_tokens_per_mb:  # everything fits one micro-batch
         return [list(range(len(lengths)))]
     small = [i for i, n in enumerate(lengths) if n <= max_tokens_per_mb]

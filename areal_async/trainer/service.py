@@ -36,8 +36,16 @@ from collections import OrderedDict
 
 import torch
 
-from protocols.messages import (BatchPlan, CheckpointRequest, CheckpointSaved, EvalDone, Shutdown, TrainerReady,
-                                TrainStepDone, WeightsPublished)
+from protocols.messages import (
+    BatchPlan,
+    CheckpointRequest,
+    CheckpointSaved,
+    EvalDone,
+    Shutdown,
+    TrainerReady,
+    TrainStepDone,
+    WeightsPublished,
+)
 
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import PPOActor
@@ -114,9 +122,20 @@ class TrajectoryBuffer:
 
 
 class TrainerService:
-    def __init__(self, control: ControlClient, actor: PPOActor, traj_channel, weight_channel,
-                 checkpointer=None, start_step: int = 0, start_version: int = 0, plan_timeout_s: float = 300.0,
-                 publish_dtype: torch.dtype = torch.float32, bucket_bytes: int = 64 << 20, evaluator=None):
+    def __init__(
+        self,
+        control: ControlClient,
+        actor: PPOActor,
+        traj_channel,
+        weight_channel,
+        checkpointer=None,
+        start_step: int = 0,
+        start_version: int = 0,
+        plan_timeout_s: float = 300.0,
+        publish_dtype: torch.dtype = torch.float32,
+        bucket_bytes: int = 64 << 20,
+        evaluator=None,
+    ):
         self.control, self.actor = control, actor
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
         self.buffer = TrajectoryBuffer(traj_channel)
@@ -210,8 +229,9 @@ class TrainerService:
         await self.publish(self.version)
         metrics.update(wait_data_s=t1 - t0, train_s=t2 - t1, publish_s=self.publish_s)
         await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
-        await self.control.send(TrainStepDone(step=plan.step, version=self.version,
-                                              metrics={k: float(v) for k, v in metrics.items()}))
+        await self.control.send(
+            TrainStepDone(step=plan.step, version=self.version, metrics={k: float(v) for k, v in metrics.items()})
+        )
 
     def _train_ranks(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
         """Every rank trains on this batch: the others get the command and the batch first."""
@@ -244,22 +264,33 @@ def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
     sids, lengths = meta["sample_ids"], t["lengths"].tolist()
     n = t["output_ids"].numel()
     if len(sids) != len(lengths) or sum(lengths) != n or t["logprobs"].numel() != n or t["versions"].numel() != n:
-        raise ValueError(f"group {key!r}: {len(sids)} sample ids, lengths {lengths[:8]} (sum {sum(lengths)}), "
-                         f"{n} output ids, {t['logprobs'].numel()} logprobs, {t['versions'].numel()} versions; "
-                         "expected one length per sample id and every per-token tensor as long as their sum")
+        raise ValueError(
+            f"group {key!r}: {len(sids)} sample ids, lengths {lengths[:8]} (sum {sum(lengths)}), "
+            f"{n} output ids, {t['logprobs'].numel()} logprobs, {t['versions'].numel()} versions; "
+            "expected one length per sample id and every per-token tensor as long as their sum"
+        )
     keys = ("output_ids", "logprobs", "versions") + (("loss_mask",) if "loss_mask" in t else ())
     if "loss_mask" in t and t["loss_mask"].numel() != n:
         raise ValueError(f"group {key!r}: {t['loss_mask'].numel()} loss-mask entries for {n} output ids")
     parts = zip(*(t[k].split(lengths) for k in keys))
-    return {sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], **dict(zip(keys, p))})
-            for sid, p in zip(sids, parts)}
+    return {
+        sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], **dict(zip(keys, p))})
+        for sid, p in zip(sids, parts)
+    }
 
 
 def _trajectory(sid: str, item: tuple[dict, dict], score: float) -> Trajectory:
     meta, t = item
-    return Trajectory(sample_id=sid, group_id=meta["group_id"], prompt_ids=t["prompt_ids"], output_ids=t["output_ids"],
-                      behav_logp=t["logprobs"], versions=t["versions"], score=float(score),
-                      loss_mask=t.get("loss_mask"))
+    return Trajectory(
+        sample_id=sid,
+        group_id=meta["group_id"],
+        prompt_ids=t["prompt_ids"],
+        output_ids=t["output_ids"],
+        behav_logp=t["logprobs"],
+        versions=t["versions"],
+        score=float(score),
+        loss_mask=t.get("loss_mask"),
+    )
 
 
 class FollowerRank:
@@ -299,5 +330,6 @@ class FollowerRank:
                 log.info("rank %d: stop", dp.rank)
                 return 0
             else:
-                raise RuntimeError(f"rank {dp.rank}: unknown command {op} from trainer rank 0; expected one of "
-                                   f"{sorted(CMD_NAMES)}")
+                raise RuntimeError(
+                    f"rank {dp.rank}: unknown command {op} from trainer rank 0; expected one of {sorted(CMD_NAMES)}"
+                )

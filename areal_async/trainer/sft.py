@@ -26,12 +26,20 @@ def _check_examples(examples: Sequence[Example]) -> None:
         raise ValueError("sft_step got no examples; expected at least one (prompt_ids, answer_ids)")
     for i, (prompt, answer) in enumerate(examples):
         if not prompt or not answer:
-            raise ValueError(f"example {i}: prompt has {len(prompt)} and answer {len(answer)} tokens; "
-                             "expected >= 1 of each")
+            raise ValueError(
+                f"example {i}: prompt has {len(prompt)} and answer {len(answer)} tokens; expected >= 1 of each"
+            )
 
 
-def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples: Sequence[Example],
-             max_tokens_per_mb: int, *, grad_clip: float = 1.0, oversize: str = "error") -> dict:
+def sft_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    examples: Sequence[Example],
+    max_tokens_per_mb: int,
+    *,
+    grad_clip: float = 1.0,
+    oversize: str = "error",
+) -> dict:
     """One optimizer step of NLL on answer tokens; returns loss, n_tokens, grad_norm."""
     _check_examples(examples)
     seqs = [list(p) + list(a) for p, a in examples]
@@ -41,7 +49,7 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples:
     total = 0.0
     for mb in iter_micro_batches(model, seqs, 1.0, max_tokens_per_mb, oversize):
         # answer token j is scored by position P+j-1 of the L-1 next-token logprobs
-        logp = torch.cat([lp[len(examples[i][0]) - 1:] for i, lp in zip(mb.indices, mb.logp)])
+        logp = torch.cat([lp[len(examples[i][0]) - 1 :] for i, lp in zip(mb.indices, mb.logp)])
         loss = -logp.sum() / n_tokens
         loss.backward()
         total += float(loss.detach())
@@ -55,8 +63,14 @@ def sft_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples:
 class SFTTrainer:
     """Runs ``cfg.steps`` SFT steps of ``cfg.batch_size`` examples at ``cfg.lr`` (constant)."""
 
-    def __init__(self, model: torch.nn.Module, cfg: SFTWarmupConfig, max_tokens_per_mb: int,
-                 seed: int = 0, grad_clip: float = 1.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: SFTWarmupConfig,
+        max_tokens_per_mb: int,
+        seed: int = 0,
+        grad_clip: float = 1.0,
+    ):
         self.model = model
         self.cfg = cfg
         self.max_tokens_per_mb = max_tokens_per_mb
@@ -74,11 +88,13 @@ class SFTTrainer:
                 epoch = list(range(len(examples)))
                 self._rng.shuffle(epoch)
                 order += epoch
-            yield [examples[i] for i in order[:self.cfg.batch_size]]
-            order = order[self.cfg.batch_size:]
+            yield [examples[i] for i in order[: self.cfg.batch_size]]
+            order = order[self.cfg.batch_size :]
 
     def run(self, examples: Sequence[Example]) -> list[dict]:
         """cfg.steps steps; the per-step metrics, in order."""
         stream = self.batches(examples)
-        return [sft_step(self.model, self.optimizer, next(stream), self.max_tokens_per_mb,
-                         grad_clip=self.grad_clip) for _ in range(self.cfg.steps)]
+        return [
+            sft_step(self.model, self.optimizer, next(stream), self.max_tokens_per_mb, grad_clip=self.grad_clip)
+            for _ in range(self.cfg.steps)
+        ]

@@ -44,8 +44,10 @@ def load_shards(checkpoint: str | Path, model: torch.nn.Module, optimizer: torch
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if not has_shards(checkpoint):
-        raise ValueError(f"checkpoint {str(checkpoint)!r} has no {DCP_DIR}/.metadata; expected a trainer checkpoint "
-                         "written with distributed checkpoint shards")
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} has no {DCP_DIR}/.metadata; expected a trainer checkpoint "
+            "written with distributed checkpoint shards"
+        )
     msd, osd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to load into
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(Path(checkpoint) / DCP_DIR))

@@ -47,8 +47,10 @@ class Trajectory:
         if self.loss_mask is not None:
             self.loss_mask = torch.as_tensor(self.loss_mask).to(torch.bool)
             if self.loss_mask.numel() != n:
-                raise ValueError(f"trajectory {self.sample_id!r}: len(loss_mask)={self.loss_mask.numel()}, expected "
-                                 f"len(output_ids)={n}")
+                raise ValueError(
+                    f"trajectory {self.sample_id!r}: len(loss_mask)={self.loss_mask.numel()}, expected "
+                    f"len(output_ids)={n}"
+                )
             if not bool(self.loss_mask.any()):
                 raise ValueError(f"trajectory {self.sample_id!r}: loss_mask trains no token; expected at least one 1")
 

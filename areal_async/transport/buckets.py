@@ -99,9 +99,9 @@ def pack(layout: Layout, state_dict: dict[str, torch.Tensor], k: int, out: torch
     end = 0
     for s in layout.slots_in(k):
         if s.offset > end:
-            out[end:s.offset].zero_()
+            out[end : s.offset].zero_()
         if s.nbytes:
-            dst = out[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
+            dst = out[s.offset : s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
             dst.copy_(state_dict[s.name].detach())
         end = s.offset + s.nbytes
     if end < out.numel():
@@ -124,11 +124,26 @@ def checksum(buf: torch.Tensor, algo: str) -> int:
 def manifest(channel: str, version: int, layout: Layout, algo: str, values: list[int] | None, handle: dict) -> dict:
     if algo not in CHECKSUMS:
         raise ValueError(f"checksum={algo!r}: expected one of {CHECKSUMS}")
-    tensors = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "bucket": s.bucket,
-                "offset": s.offset, "nbytes": s.nbytes} for s in layout.slots]
-    return {"format": MANIFEST_FORMAT, "channel": channel, "version": int(version),
-            "bucket_bytes": list(layout.bucket_sizes), "tensors": tensors,
-            "checksum": {"algo": algo, "values": values}, "handle": handle}
+    tensors = [
+        {
+            "name": s.name,
+            "dtype": s.dtype,
+            "shape": list(s.shape),
+            "bucket": s.bucket,
+            "offset": s.offset,
+            "nbytes": s.nbytes,
+        }
+        for s in layout.slots
+    ]
+    return {
+        "format": MANIFEST_FORMAT,
+        "channel": channel,
+        "version": int(version),
+        "bucket_bytes": list(layout.bucket_sizes),
+        "tensors": tensors,
+        "checksum": {"algo": algo, "values": values},
+        "handle": handle,
+    }
 
 
 def parse_manifest(m: object, channel: str) -> tuple[Layout, dict]:
@@ -153,8 +168,9 @@ def parse_manifest(m: object, channel: str) -> tuple[Layout, dict]:
 
 def _check_checksum(c: object, n_buckets: int) -> None:
     if not isinstance(c, dict) or set(c) != {"algo", "values"} or c["algo"] not in CHECKSUMS:
-        raise ManifestError(f"manifest checksum {c!r}: expected "
-                            f"{{'algo': one of {CHECKSUMS}, 'values': [...] or None}}")
+        raise ManifestError(
+            f"manifest checksum {c!r}: expected {{'algo': one of {CHECKSUMS}, 'values': [...] or None}}"
+        )
     v = c["values"]
     if v is not None and (not isinstance(v, list) or len(v) != n_buckets or not all(isinstance(x, int) for x in v)):
         raise ManifestError(f"manifest checksum values {v!r}: expected {n_buckets} ints or None")
@@ -188,8 +204,10 @@ def _slot(t: object, sizes: list[int]) -> Slot:
     if not isinstance(k, int) or not 0 <= k < len(sizes):
         raise ManifestError(f"manifest tensor {name!r}: bucket {k!r} not in [0, {len(sizes)})")
     if not isinstance(off, int) or off < 0 or off % ALIGN or off + want > sizes[k]:
-        raise ManifestError(f"manifest tensor {name!r}: offset {off!r} (+{want} bytes) is misaligned or "
-                            f"outside bucket {k} of {sizes[k]} bytes")
+        raise ManifestError(
+            f"manifest tensor {name!r}: offset {off!r} (+{want} bytes) is misaligned or "
+            f"outside bucket {k} of {sizes[k]} bytes"
+        )
     return Slot(name, dtype, tuple(shape), k, off, want)
 
 
@@ -213,16 +231,20 @@ def compare(got: list[int], want: list[int], algo: str, version: int, sizes: Seq
         raise TransportError(f"weights v{version}: {len(got)} bucket checksums computed, {len(want)} announced")
     for k, (g, w) in enumerate(zip(got, want)):
         if g != w:
-            raise TransportError(f"weights v{version}: bucket {k} ({sizes[k]} bytes) {algo} is {g:#x}, "
-                                 f"announced {w:#x}: the payload is corrupt or from another version")
+            raise TransportError(
+                f"weights v{version}: bucket {k} ({sizes[k]} bytes) {algo} is {g:#x}, "
+                f"announced {w:#x}: the payload is corrupt or from another version"
+            )
 
 
 def unflatten(layout: Layout, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """name -> view of its bucket (no copies)."""
     if len(buckets) != len(layout.bucket_sizes):
         raise TransportError(f"got {len(buckets)} buckets, manifest has {len(layout.bucket_sizes)}")
-    return {s.name: view_as(buckets[s.bucket][s.offset:s.offset + s.nbytes], DTYPES[s.dtype], list(s.shape))
-            for s in layout.slots}
+    return {
+        s.name: view_as(buckets[s.bucket][s.offset : s.offset + s.nbytes], DTYPES[s.dtype], list(s.shape))
+        for s in layout.slots
+    }
 
 
 def state_checksum(state_dict: dict[str, torch.Tensor]) -> int:

@@ -90,8 +90,9 @@ def tcp_store(address: str, rank: int, timeout_s: float):
         raise ValueError(f"store={address!r}: expected 'host:port' (rank 0 listens there)")
     key = (host, int(port))
     if key not in _STORES:
-        _STORES[key] = dist.TCPStore(host, int(port), None, rank == 0, datetime.timedelta(seconds=timeout_s),
-                                     wait_for_workers=False)
+        _STORES[key] = dist.TCPStore(
+            host, int(port), None, rank == 0, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
     return _STORES[key]
 
 
@@ -160,7 +161,7 @@ class CollectiveTensorChannel(TensorChannel):
         if total > MAX_MESSAGE_BYTES:
             raise ProtocolError(f"tensor note announces {total} bytes, more than {MAX_MESSAGE_BYTES}")
         flat = self.group.alloc(total)
-        bufs = [flat[o:o + n] for o, n in zip(offsets, sizes) if n]
+        bufs = [flat[o : o + n] for o, n in zip(offsets, sizes) if n]
         self.group.wait(self.group.recv(bufs, src))
         header = parse_header(note.header)  # checked after draining: a bad one cannot desync the pair
         return header.key, header.meta, tensor_views(header, flat, offsets, sizes)
@@ -178,12 +179,21 @@ class CollectiveTensorChannel(TensorChannel):
 class CollectiveWeightChannel(WeightChannel):
     """Rank ``root`` publishes; every other rank of the group receives every version."""
 
-    def __init__(self, group: Group, *, role: str, bucket_mb: float = 64.0, checksum: Optional[str] = None,
-                 pipeline: bool = True, root: int = 0):
+    def __init__(
+        self,
+        group: Group,
+        *,
+        role: str,
+        bucket_mb: float = 64.0,
+        checksum: Optional[str] = None,
+        pipeline: bool = True,
+        root: int = 0,
+    ):
         want = "publisher" if group.rank == root else "receiver"
         if role != want:
-            raise ValueError(f"role={role!r} at rank {group.rank}: rank {root} publishes, others receive; "
-                             f"expected {want!r}")
+            raise ValueError(
+                f"role={role!r} at rank {group.rank}: rank {root} publishes, others receive; expected {want!r}"
+            )
         self.group, self.root, self.pipeline = group, root, pipeline
         self.algo = checksum or group.default_checksum
         if self.algo not in B.CHECKSUMS:
@@ -227,11 +237,13 @@ class CollectiveWeightChannel(WeightChannel):
     def receive(self, manifest: dict) -> Tensors:
         lay, m = B.parse_manifest(manifest, self.group.name)
         if m["handle"] != {"root": self.root, "world_size": self.group.world_size}:
-            raise B.ManifestError(f"{self.group.name} manifest handle {m['handle']!r}: this group has root "
-                                  f"{self.root} and world_size {self.group.world_size}")
+            raise B.ManifestError(
+                f"{self.group.name} manifest handle {m['handle']!r}: this group has root "
+                f"{self.root} and world_size {self.group.world_size}"
+            )
         algo = m["checksum"]["algo"]
         flat = self.group.alloc(lay.total)
-        bufs = [flat[o:o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
+        bufs = [flat[o : o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
         handles = [self.group.broadcast(b, self.root) if b.numel() else None for b in bufs]
         trailer = self.group.alloc(8 * len(bufs))
         trailer_h = self.group.broadcast(trailer, self.root) if bufs else None
@@ -261,15 +273,35 @@ def _signed(v: int) -> int:
 
 
 class GlooTensorChannel(CollectiveTensorChannel):
-    def __init__(self, *, role: str, endpoint: str, rank: int, world_size: int, store: str, dst: int = 0,
-                 name: str = "trajectories", timeout_s: float = 300.0):
+    def __init__(
+        self,
+        *,
+        role: str,
+        endpoint: str,
+        rank: int,
+        world_size: int,
+        store: str,
+        dst: int = 0,
+        name: str = "trajectories",
+        timeout_s: float = 300.0,
+    ):
         group = GlooGroup(rank=rank, world_size=world_size, store=store, name=name, timeout_s=timeout_s)
         super().__init__(group, role=role, endpoint=endpoint, dst=dst)
 
 
 class GlooWeightChannel(CollectiveWeightChannel):
-    def __init__(self, *, role: str, rank: int, world_size: int, store: str, bucket_mb: float = 64.0,
-                 checksum: Optional[str] = None, pipeline: bool = True, name: str = "weights",
-                 timeout_s: float = 300.0):
+    def __init__(
+        self,
+        *,
+        role: str,
+        rank: int,
+        world_size: int,
+        store: str,
+        bucket_mb: float = 64.0,
+        checksum: Optional[str] = None,
+        pipeline: bool = True,
+        name: str = "weights",
+        timeout_s: float = 300.0,
+    ):
         group = GlooGroup(rank=rank, world_size=world_size, store=store, name=name, timeout_s=timeout_s)
         super().__init__(group, role=role, bucket_mb=bucket_mb, checksum=checksum, pipeline=pipeline)

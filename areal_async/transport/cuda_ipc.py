@@ -28,26 +28,47 @@ from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
 from protocols.side import IpcTensors
 
-_IPC_FIELDS = {"device": int, "handle": bytes, "storage_bytes": int, "storage_offset": int, "ref_handle": bytes,
-               "ref_offset": int, "event_handle": (bytes, type(None)), "event_sync": bool, "offset": int, "nbytes": int}
+_IPC_FIELDS = {
+    "device": int,
+    "handle": bytes,
+    "storage_bytes": int,
+    "storage_offset": int,
+    "ref_handle": bytes,
+    "ref_offset": int,
+    "event_handle": (bytes, type(None)),
+    "event_sync": bool,
+    "offset": int,
+    "nbytes": int,
+}
 
 
 def require_cuda(device: Optional[int]) -> torch.device:
     if not torch.cuda.is_available():
-        raise TransportUnavailable(f"the 'cuda_ipc' tensor channel needs a CUDA device "
-                                   f"(torch.cuda.is_available() is False; torch {torch.__version__}, "
-                                   f"built for CUDA {torch.version.cuda}). On CPU use 'shm' for colocated processes.")
+        raise TransportUnavailable(
+            f"the 'cuda_ipc' tensor channel needs a CUDA device "
+            f"(torch.cuda.is_available() is False; torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}). On CPU use 'shm' for colocated processes."
+        )
     return torch.device("cuda", torch.cuda.current_device() if device is None else device)
 
 
 def share(buf: torch.Tensor) -> dict:
     """Plain-data IPC handle of a CUDA uint8 tensor (its storage, plus where the tensor starts)."""
-    (dev, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle,
-     event_sync) = buf.untyped_storage()._share_cuda_()
-    return {"device": int(dev), "handle": bytes(handle), "storage_bytes": int(storage_bytes),
-            "storage_offset": int(storage_offset), "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
-            "event_handle": None if event_handle is None else bytes(event_handle), "event_sync": bool(event_sync),
-            "offset": buf.storage_offset(), "nbytes": buf.numel()}
+    (dev, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        buf.untyped_storage()._share_cuda_()
+    )
+    return {
+        "device": int(dev),
+        "handle": bytes(handle),
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "ref_handle": bytes(ref_handle),
+        "ref_offset": int(ref_offset),
+        "event_handle": None if event_handle is None else bytes(event_handle),
+        "event_sync": bool(event_sync),
+        "offset": buf.storage_offset(),
+        "nbytes": buf.numel(),
+    }
 
 
 def open_shared(ipc: object) -> torch.Tensor:
@@ -60,9 +81,23 @@ def open_shared(ipc: object) -> torch.Tensor:
         if not isinstance(ipc[k], typ):
             raise ProtocolError(f"CUDA IPC handle field {k!r} is {type(ipc[k]).__name__}, expected {typ}")
     torch.cuda._lazy_init()
-    return rebuild_cuda_tensor(torch.Tensor, (ipc["nbytes"],), (1,), ipc["offset"], torch.storage.TypedStorage,
-                               torch.uint8, ipc["device"], ipc["handle"], ipc["storage_bytes"], ipc["storage_offset"],
-                               False, ipc["ref_handle"], ipc["ref_offset"], ipc["event_handle"], ipc["event_sync"])
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        (ipc["nbytes"],),
+        (1,),
+        ipc["offset"],
+        torch.storage.TypedStorage,
+        torch.uint8,
+        ipc["device"],
+        ipc["handle"],
+        ipc["storage_bytes"],
+        ipc["storage_offset"],
+        False,
+        ipc["ref_handle"],
+        ipc["ref_offset"],
+        ipc["event_handle"],
+        ipc["event_sync"],
+    )
 
 
 class CudaIpcTensorChannel(TensorChannel):
@@ -78,7 +113,7 @@ class CudaIpcTensorChannel(TensorChannel):
         buf = torch.empty(max(total, ALIGN), dtype=torch.uint8, device=self.device)
         for t, off, n in zip(tensors.values(), offsets, sizes):
             if n:
-                view_as(buf[off:off + n], t.dtype, list(t.shape)).copy_(t.detach())
+                view_as(buf[off : off + n], t.dtype, list(t.shape)).copy_(t.detach())
         ipc = share(buf) if total else None
         self._pipe.send_note(IpcTensors(ipc=ipc, offsets=offsets, sizes=sizes, header=header))
         torch.cuda.ipc_collect()  # reclaim earlier buffers receivers are done with
@@ -108,7 +143,7 @@ class CudaIpcWeightChannel(WeightChannel):
     def publish_begin(self, version: int, state_dict: Tensors) -> dict:
         lay = B.plan(state_dict, self.bucket_bytes)
         flat = torch.empty(max(lay.total, ALIGN), dtype=torch.uint8, device=self.device)
-        bufs = [flat[o:o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
+        bufs = [flat[o : o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
         for k, buf in enumerate(bufs):
             B.pack(lay, state_dict, k, buf)
         values = None if self.algo == "none" else [B.checksum(b, self.algo) for b in bufs]
@@ -123,7 +158,7 @@ class CudaIpcWeightChannel(WeightChannel):
         flat = open_shared(m["handle"].get("ipc"))
         if flat.numel() != max(lay.total, ALIGN):
             raise B.ManifestError(f"cuda_ipc buffer is {flat.numel()} bytes, the manifest's buckets need {lay.total}")
-        bufs = [flat[o:o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
+        bufs = [flat[o : o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
         B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
         return B.unflatten(lay, bufs)
 

@@ -29,12 +29,20 @@ from typing import Any
 from areal_async.transport.base import TensorChannel, WeightChannel
 from protocols.channels import CHANNEL_KINDS as KINDS
 
-_TENSOR = {"shm": "shm:ShmTensorChannel", "zmq": "zmq_channel:ZmqTensorChannel",
-           "gloo": "collective:GlooTensorChannel", "nccl": "nccl:NcclTensorChannel",
-           "cuda_ipc": "cuda_ipc:CudaIpcTensorChannel"}
-_WEIGHT = {"shm": "shm:ShmWeightChannel", "zmq": "zmq_channel:ZmqWeightChannel",
-           "gloo": "collective:GlooWeightChannel", "nccl": "nccl:NcclWeightChannel",
-           "cuda_ipc": "cuda_ipc:CudaIpcWeightChannel"}
+_TENSOR = {
+    "shm": "shm:ShmTensorChannel",
+    "zmq": "zmq_channel:ZmqTensorChannel",
+    "gloo": "collective:GlooTensorChannel",
+    "nccl": "nccl:NcclTensorChannel",
+    "cuda_ipc": "cuda_ipc:CudaIpcTensorChannel",
+}
+_WEIGHT = {
+    "shm": "shm:ShmWeightChannel",
+    "zmq": "zmq_channel:ZmqWeightChannel",
+    "gloo": "collective:GlooWeightChannel",
+    "nccl": "nccl:NcclWeightChannel",
+    "cuda_ipc": "cuda_ipc:CudaIpcWeightChannel",
+}
 
 
 def _load(table: dict[str, str], kind: str) -> Any:

@@ -55,8 +55,9 @@ def view_as(flat: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.T
     return flat.view(dtype).reshape(shape)
 
 
-def tensor_views(header: TensorHeader, flat: torch.Tensor, offsets: Sequence[int],
-                 sizes: Sequence[int]) -> dict[str, torch.Tensor]:
+def tensor_views(
+    header: TensorHeader, flat: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
+) -> dict[str, torch.Tensor]:
     """Check every spec against the payload actually present and return views into ``flat``."""
     specs, key = header.specs, header.key
     if len(specs) != len(offsets) or len(specs) != len(sizes):
@@ -64,10 +65,12 @@ def tensor_views(header: TensorHeader, flat: torch.Tensor, offsets: Sequence[int
     out: dict[str, torch.Tensor] = {}
     for spec, off, n in zip(specs, offsets, sizes):
         if off % ALIGN or off < 0 or off + n > flat.numel():
-            raise ProtocolError(f"tensor message {key!r}: payload slice [{off}, {off + n}) is misaligned or "
-                                f"outside the {flat.numel()}-byte buffer")
+            raise ProtocolError(
+                f"tensor message {key!r}: payload slice [{off}, {off + n}) is misaligned or "
+                f"outside the {flat.numel()}-byte buffer"
+            )
         name, dtype, shape = check_spec(spec, n, key)
         if name in out:
             raise ProtocolError(f"tensor message {key!r}: tensor name {name!r} appears twice")
-        out[name] = view_as(flat[off:off + n], dtype, shape)
+        out[name] = view_as(flat[off : off + n], dtype, shape)
     return out

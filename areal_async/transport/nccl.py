@@ -43,8 +43,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from areal_async.transport.base import TransportError, TransportUnavailable
-from areal_async.transport.collective import (CollectiveTensorChannel, CollectiveWeightChannel, Group, check_rank,
-                                              tcp_store)
+from areal_async.transport.collective import (
+    CollectiveTensorChannel,
+    CollectiveWeightChannel,
+    Group,
+    check_rank,
+    tcp_store,
+)
 
 UID_BYTES = 128
 Rendezvous = Callable[[Optional[bytes]], bytes]
@@ -56,16 +61,22 @@ def require_nccl() -> Any:
     try:
         import cupy  # noqa: F401
         from cupy.cuda import nccl
+
         if not getattr(nccl, "available", False):
             missing.append("the NCCL library for CuPy (pip install nvidia-nccl-cu12)")
     except ImportError as e:
         missing.append(f"cupy (pip install cupy-cuda12x; import said: {e})")
     if not torch.cuda.is_available():
-        missing.append(f"a CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
-                       f"built for CUDA {torch.version.cuda})")
+        missing.append(
+            f"a CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda})"
+        )
     if missing:
-        raise TransportUnavailable("the 'nccl' tensor channel needs " + "; ".join(missing)
-                                   + ". On CPU use 'gloo' (same set-up and calls) or 'shm'/'zmq'.")
+        raise TransportUnavailable(
+            "the 'nccl' tensor channel needs "
+            + "; ".join(missing)
+            + ". On CPU use 'gloo' (same set-up and calls) or 'shm'/'zmq'."
+        )
     return nccl
 
 
@@ -77,8 +88,9 @@ def uid_to_bytes(uid: tuple | bytes) -> bytes:
 def uid_from_bytes(b: bytes) -> tuple:
     """CuPy wants the C ``char`` values back: signed on x86-64, unsigned on aarch64."""
     if not isinstance(b, (bytes, bytearray)) or len(b) != UID_BYTES:
-        raise TransportError(f"NCCL unique id must be {UID_BYTES} bytes, got {type(b).__name__} "
-                             f"of {len(b) if b else 0}")
+        raise TransportError(
+            f"NCCL unique id must be {UID_BYTES} bytes, got {type(b).__name__} of {len(b) if b else 0}"
+        )
     if platform.machine() in ("aarch64", "arm64"):
         return tuple(b)
     return tuple(x - 256 if x > 127 else x for x in b)
@@ -101,9 +113,17 @@ def communicator(nccl, world_size: int, uid: bytes, rank: int):
 class NcclGroup(Group):
     name = "nccl"
 
-    def __init__(self, *, rank: int, world_size: int, store: Optional[str] = None,
-                 rendezvous: Optional[Rendezvous] = None, device: Optional[int] = None, name: str,
-                 timeout_s: float = 300.0):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        store: Optional[str] = None,
+        rendezvous: Optional[Rendezvous] = None,
+        device: Optional[int] = None,
+        name: str,
+        timeout_s: float = 300.0,
+    ):
         self.nccl = require_nccl()
         check_rank(rank, world_size)
         self.rank, self.world_size = rank, world_size
@@ -140,12 +160,20 @@ class NcclGroup(Group):
         return done
 
     def send(self, bufs: list[torch.Tensor], dst: int) -> torch.cuda.Event:
-        return self._launch(bufs, lambda s: self._grouped(bufs, lambda b: self.comm.send(
-            b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, dst, s)))
+        return self._launch(
+            bufs,
+            lambda s: self._grouped(
+                bufs, lambda b: self.comm.send(b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, dst, s)
+            ),
+        )
 
     def recv(self, bufs: list[torch.Tensor], src: int) -> torch.cuda.Event:
-        return self._launch(bufs, lambda s: self._grouped(bufs, lambda b: self.comm.recv(
-            b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, src, s)))
+        return self._launch(
+            bufs,
+            lambda s: self._grouped(
+                bufs, lambda b: self.comm.recv(b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, src, s)
+            ),
+        )
 
     def _grouped(self, bufs: list[torch.Tensor], one: Callable[[torch.Tensor], None]) -> None:
         self.nccl.groupStart()  # one fused launch for all tensors of a message
@@ -170,18 +198,55 @@ class NcclGroup(Group):
 
 
 class NcclTensorChannel(CollectiveTensorChannel):
-    def __init__(self, *, role: str, endpoint: str, rank: int, world_size: int, store: Optional[str] = None,
-                 rendezvous: Optional[Rendezvous] = None, device: Optional[int] = None, dst: int = 0,
-                 name: str = "trajectories", timeout_s: float = 300.0):
-        group = NcclGroup(rank=rank, world_size=world_size, store=store, rendezvous=rendezvous, device=device,
-                          name=name, timeout_s=timeout_s)
+    def __init__(
+        self,
+        *,
+        role: str,
+        endpoint: str,
+        rank: int,
+        world_size: int,
+        store: Optional[str] = None,
+        rendezvous: Optional[Rendezvous] = None,
+        device: Optional[int] = None,
+        dst: int = 0,
+        name: str = "trajectories",
+        timeout_s: float = 300.0,
+    ):
+        group = NcclGroup(
+            rank=rank,
+            world_size=world_size,
+            store=store,
+            rendezvous=rendezvous,
+            device=device,
+            name=name,
+            timeout_s=timeout_s,
+        )
         super().__init__(group, role=role, endpoint=endpoint, dst=dst)
 
 
 class NcclWeightChannel(CollectiveWeightChannel):
-    def __init__(self, *, role: str, rank: int, world_size: int, store: Optional[str] = None,
-                 rendezvous: Optional[Rendezvous] = None, device: Optional[int] = None, bucket_mb: float = 64.0,
-                 checksum: str = "sum64", pipeline: bool = True, name: str = "weights", timeout_s: float = 300.0):
-        group = NcclGroup(rank=rank, world_size=world_size, store=store, rendezvous=rendezvous, device=device,
-                          name=name, timeout_s=timeout_s)
+    def __init__(
+        self,
+        *,
+        role: str,
+        rank: int,
+        world_size: int,
+        store: Optional[str] = None,
+        rendezvous: Optional[Rendezvous] = None,
+        device: Optional[int] = None,
+        bucket_mb: float = 64.0,
+        checksum: str = "sum64",
+        pipeline: bool = True,
+        name: str = "weights",
+        timeout_s: float = 300.0,
+    ):
+        group = NcclGroup(
+            rank=rank,
+            world_size=world_size,
+            store=store,
+            rendezvous=rendezvous,
+            device=device,
+            name=name,
+            timeout_s=timeout_s,
+        )
         super().__init__(group, role=role, bucket_mb=bucket_mb, checksum=checksum, pipeline=pipeline)

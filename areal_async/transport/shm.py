@@ -92,13 +92,15 @@ class Segment:
         try:
             fd = os.open(_path(name), os.O_RDONLY if private else os.O_RDWR)
         except FileNotFoundError:
-            raise TransportError(f"shared-memory segment {name!r} does not exist (already released, or made on "
-                                 f"another host)") from None
+            raise TransportError(
+                f"shared-memory segment {name!r} does not exist (already released, or made on another host)"
+            ) from None
         try:
             have = os.fstat(fd).st_size
             if have != size:
-                raise TransportError(f"shared-memory segment {name!r} is {have} bytes, expected {size}: "
-                                     "truncated or mislabelled")
+                raise TransportError(
+                    f"shared-memory segment {name!r} is {have} bytes, expected {size}: truncated or mislabelled"
+                )
             flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -181,8 +183,15 @@ def _unlink_names(prefix: str) -> None:
 class ShmTensorChannel(TensorChannel):
     """``role='receiver'`` binds ``endpoint`` (trainer); senders connect to it."""
 
-    def __init__(self, *, role: str, endpoint: str, pool_mb: float = 2048.0, run_id: Optional[str] = None,
-                 close_grace_s: float = 2.0):
+    def __init__(
+        self,
+        *,
+        role: str,
+        endpoint: str,
+        pool_mb: float = 2048.0,
+        run_id: Optional[str] = None,
+        close_grace_s: float = 2.0,
+    ):
         self._pipe = Pipe(role, endpoint)
         self.endpoint = self._pipe.endpoint
         self._grace = close_grace_s
@@ -198,9 +207,17 @@ class ShmTensorChannel(TensorChannel):
             data = torch.from_numpy(slab.seg.array(CTRL))
             for t, off, n in zip(tensors.values(), offsets, sizes):
                 if n:  # copy_ handles strides and devices: this is the one memcpy of the path
-                    view_as(data[off:off + n], t.dtype, list(t.shape)).copy_(t.detach())
-            self._pipe.send_note(ShmTensors(seg=slab.seg.name, size=slab.seg.size, pooled=slab.pooled,
-                                            offsets=offsets, sizes=sizes, header=header))
+                    view_as(data[off : off + n], t.dtype, list(t.shape)).copy_(t.detach())
+            self._pipe.send_note(
+                ShmTensors(
+                    seg=slab.seg.name,
+                    size=slab.seg.size,
+                    pooled=slab.pooled,
+                    offsets=offsets,
+                    sizes=sizes,
+                    header=header,
+                )
+            )
         except BaseException:
             slab.release()
             raise
@@ -291,8 +308,10 @@ class ShmWeightChannel(WeightChannel):
         layout_, m = B.parse_manifest(manifest, "shm")
         h = m["handle"]
         if set(h) != {"segment", "size"} or not isinstance(h["size"], int) or h["size"] != max(layout_.total, ALIGN):
-            raise B.ManifestError(f"shm manifest handle {h!r}: expected {{'segment': name, 'size': "
-                                  f"{max(layout_.total, ALIGN)}}} for {len(layout_.bucket_sizes)} buckets")
+            raise B.ManifestError(
+                f"shm manifest handle {h!r}: expected {{'segment': name, 'size': "
+                f"{max(layout_.total, ALIGN)}}} for {len(layout_.bucket_sizes)} buckets"
+            )
         seg = Segment.open(h["segment"], h["size"], private=True)
         bufs = _buckets(torch.from_numpy(seg.array()), layout_)
         B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
@@ -310,4 +329,4 @@ class ShmWeightChannel(WeightChannel):
 
 
 def _buckets(flat: torch.Tensor, layout_: B.Layout) -> list[torch.Tensor]:
-    return [flat[o:o + n] for o, n in zip(layout_.bucket_offsets(), layout_.bucket_sizes)]
+    return [flat[o : o + n] for o, n in zip(layout_.bucket_offsets(), layout_.bucket_sizes)]

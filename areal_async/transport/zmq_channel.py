@@ -63,9 +63,17 @@ class ZmqTensorChannel(TensorChannel):
 class ZmqWeightChannel(WeightChannel):
     """``role='publisher'`` binds ``endpoint`` (default: a free port on ``advertise_host``)."""
 
-    def __init__(self, *, role: str, bucket_mb: float = 64.0, checksum: str = "sum64",
-                 endpoint: Optional[str] = None, advertise_host: str = "127.0.0.1",
-                 expect_receivers: int = 0, timeout_s: float = 120.0):
+    def __init__(
+        self,
+        *,
+        role: str,
+        bucket_mb: float = 64.0,
+        checksum: str = "sum64",
+        endpoint: Optional[str] = None,
+        advertise_host: str = "127.0.0.1",
+        expect_receivers: int = 0,
+        timeout_s: float = 120.0,
+    ):
         if role not in ("publisher", "receiver"):
             raise ValueError(f"role={role!r}: expected 'publisher' or 'receiver'")
         if checksum not in B.CHECKSUMS:
@@ -116,8 +124,9 @@ class ZmqWeightChannel(WeightChannel):
             self._server = None
 
 
-def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float,
-           cancel: Optional[threading.Event] = None) -> list[torch.Tensor]:
+def _fetch(
+    endpoint: str, version: int, sizes: list[int], timeout_s: float, cancel: Optional[threading.Event] = None
+) -> list[torch.Tensor]:
     """Request buckets 0..n-1 (``WINDOW`` ahead) and return them in order, checked against ``sizes``."""
     # no reply may be larger than the biggest bucket the manifest declared
     bound = max(sizes, default=0) + _HEADER_ROOM
@@ -135,8 +144,9 @@ def _fetch(endpoint: str, version: int, sizes: list[int], timeout_s: float,
         sock.close()
 
 
-def _bucket_reply(sock: zmq.Socket, version: int, k: int, sizes: list[int], timeout_s: float,
-                  cancel: Optional[threading.Event] = None) -> torch.Tensor:
+def _bucket_reply(
+    sock: zmq.Socket, version: int, k: int, sizes: list[int], timeout_s: float, cancel: Optional[threading.Event] = None
+) -> torch.Tensor:
     deadline = time.monotonic() + timeout_s
     while not sock.poll(int(max(0.0, min(_CANCEL_POLL_S, deadline - time.monotonic())) * 1000)):
         if cancel is not None and cancel.is_set():
@@ -178,9 +188,11 @@ class _BucketServer:
 
     def wait_fetches(self, version: int, n: int, timeout_s: float) -> None:
         """Block until ``n`` peers fetched every bucket of ``version``."""
+
         def complete() -> int:
             total = len(self._versions.get(version, []))
             return sum(1 for (v, _), c in self._done.items() if v == version and c >= total)
+
         with self._lock:
             if not self._lock.wait_for(lambda: complete() >= n, timeout_s):
                 raise TransportError(f"weights v{version}: {complete()} of {n} receivers fetched within {timeout_s}s")

@@ -2,8 +2,24 @@
 shipped workflows (``multi_turn_math``, ``calculator``). Torch-free: a workflow's tokens are lists.
 """
 
-from areal_async.workflows.base import (EngineHandle, Episode, EpisodeBuilder, Generation, Prompt, RolloutWorkflow,
-                                        Sampling, SingleTurn)
+from areal_async.workflows.base import (
+    EngineHandle,
+    Episode,
+    EpisodeBuilder,
+    Generation,
+    Prompt,
+    RolloutWorkflow,
+    Sampling,
+    SingleTurn,
+)
 
-__all__ = ["EngineHandle", "Episode", "EpisodeBuilder", "Generation", "Prompt", "RolloutWorkflow", "Sampling",
-           "SingleTurn"]
+__all__ = [
+    "EngineHandle",
+    "Episode",
+    "EpisodeBuilder",
+    "Generation",
+    "Prompt",
+    "RolloutWorkflow",
+    "Sampling",
+    "SingleTurn",
+]

@@ -183,5 +183,6 @@ class SingleTurn(RolloutWorkflow):
         b = EpisodeBuilder(prompt.prompt_ids)
         gen = await engine.generate(b.input_ids, prompt.sampling)
         b.add_generation(gen)
-        return b.finish(await engine.reward(engine.tokenizer.decode(gen.output_ids, skip_special_tokens=True),
-                                            prompt.solutions))
+        return b.finish(
+            await engine.reward(engine.tokenizer.decode(gen.output_ids, skip_special_tokens=True), prompt.solutions)
+        )

@@ -27,7 +27,7 @@ def calculate(expr: str) -> str:
         value = _eval(ast.parse(expr, mode="eval").body)
     except (SyntaxError, ValueError, KeyError, RecursionError):
         return "?"
-    return str(value) if abs(value) < 10 ** 12 else "?"
+    return str(value) if abs(value) < 10**12 else "?"
 
 
 def _eval(node) -> int:

@@ -25,7 +25,7 @@ class MultiTurnMath(RolloutWorkflow):
             b.add_generation(gen)
             answer = engine.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             if await engine.reward(answer, prompt.solutions) > 0:
-                return b.finish(self.turn_discount ** turn)
+                return b.finish(self.turn_discount**turn)
             if turn + 1 < self.max_turns:
                 b.add_env(retry)
         return b.finish(0.0)

@@ -31,6 +31,7 @@ from protocols.sockets import free_tcp_port
 
 GPU_KINDS = ("cuda_ipc", "nccl")
 
+
 def _open(state: dict, cmd: dict) -> dict:
     if cmd["kwargs"].get("device") is not None:
         torch.cuda.set_device(cmd["kwargs"]["device"])
@@ -67,8 +68,6 @@ def _close(state: dict, cmd: dict) -> dict:
 
 
 CHANNEL_OPS: dict[str, Op] = {"open": _open, "expect": _expect, "weights": _weights, "close": _close}
-
-
 
 
 def endpoints(kind: str) -> tuple[dict, dict]:

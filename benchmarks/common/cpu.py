@@ -81,8 +81,13 @@ class TreeCPU(threading.Thread):
     progress count: ``samples`` = [(progress, {role: CPU s})] for `cpu_per_step`. A process that
     exited keeps its last reading (up to period_s of its final CPU is missed)."""
 
-    def __init__(self, root_pid: int, progress: Callable[[], int], period_s: float = 0.5,
-                 role: Callable[[int], Optional[str]] = fleet_role):
+    def __init__(
+        self,
+        root_pid: int,
+        progress: Callable[[], int],
+        period_s: float = 0.5,
+        role: Callable[[int], Optional[str]] = fleet_role,
+    ):
         super().__init__(name="tree-cpu", daemon=True)
         self.root, self.progress, self.period_s, self.role_of = root_pid, progress, period_s, role
         self.samples: list[tuple[int, dict[str, float]]] = []

@@ -32,14 +32,24 @@ def read_metrics(path: Path) -> list[dict]:
 def run_fleet(config: str, overrides: list[str], run_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """One `areal-async run`; returns its metrics ``rows``, ``cpu_samples`` (for ``cpu.cpu_per_step``),
     ``loadavg_before``, ``foreign_cpu_frac`` and ``run_wall_s``. Raises naming the log on a failed run."""
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", config, "--run-dir", str(run_dir), "--no-progress",
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "areal_async.cli",
+        "run",
+        config,
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        *overrides,
+    ]
     log_path = run_dir.with_suffix(".log")
     load = os.getloadavg()[0]
     busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.monotonic()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         sampler = TreeCPU(proc.pid, lambda: count_lines(run_dir / "metrics.jsonl"))
         sampler.start()
         try:
@@ -56,8 +66,13 @@ def run_fleet(config: str, overrides: list[str], run_dir: Path, timeout_s: float
     # is missing) and the sampler's last readings (a process's final half second is missing)
     own = max(own_cpu_s() - own0, sum(sampler.last.values()))
     foreign = None if busy0 is None else max(0.0, (cpu_busy_s() - busy0) - own) / wall
-    return {"rows": read_metrics(run_dir / "metrics.jsonl"), "loadavg_before": load, "foreign_cpu_frac": foreign,
-            "run_wall_s": wall, "cpu_samples": sampler.samples}
+    return {
+        "rows": read_metrics(run_dir / "metrics.jsonl"),
+        "loadavg_before": load,
+        "foreign_cpu_frac": foreign,
+        "run_wall_s": wall,
+        "cpu_samples": sampler.samples,
+    }
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -78,8 +93,9 @@ def placement(cpus: list[int], overrides: list[str]) -> list[str]:
     if len(cpus) < 2 or any(o.startswith("cluster.cpu_affinity.") for o in overrides):
         return []
     rest = ",".join(str(c) for c in cpus[1:])
-    return [f"cluster.cpu_affinity.trainer={cpus[0]}"] + [f"cluster.cpu_affinity.{r}={rest}"
-                                                          for r in ("scheduler", "rollout", "reward")]
+    return [f"cluster.cpu_affinity.trainer={cpus[0]}"] + [
+        f"cluster.cpu_affinity.{r}={rest}" for r in ("scheduler", "rollout", "reward")
+    ]
 
 
 def fleet_meta(config: str, overrides: list[str]) -> dict:
@@ -90,6 +106,11 @@ def fleet_meta(config: str, overrides: list[str]) -> dict:
     except ConfigError as e:
         raise SystemExit(f"benchmark config error: {e}") from None
     aff = cfg.cluster.cpu_affinity
-    return {"config": config, "n_rollout_workers": cfg.cluster.n_rollout_workers, "seed": cfg.seed,
-            "placement": {r: getattr(aff, r) for r in ("trainer", "scheduler", "rollout", "reward")},
-            "batch_samples": cfg.train_dataset.batch_size * cfg.gconfig.n_samples, "cpu_count": os.cpu_count()}
+    return {
+        "config": config,
+        "n_rollout_workers": cfg.cluster.n_rollout_workers,
+        "seed": cfg.seed,
+        "placement": {r: getattr(aff, r) for r in ("trainer", "scheduler", "rollout", "reward")},
+        "batch_samples": cfg.train_dataset.batch_size * cfg.gconfig.n_samples,
+        "cpu_count": os.cpu_count(),
+    }

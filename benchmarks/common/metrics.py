@@ -16,7 +16,7 @@ def moving_average(xs: list[float], window: int) -> list[float]:
     """Trailing means over full windows: element i is mean(xs[i : i + window])."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    return [sum(xs[i:i + window]) / window for i in range(len(xs) - window + 1)]
+    return [sum(xs[i : i + window]) / window for i in range(len(xs) - window + 1)]
 
 
 def time_to_threshold(rows: list[dict], threshold: float, window: int) -> tuple[Optional[int], Optional[float]]:
@@ -62,6 +62,8 @@ def phase_times(rows: list[dict], skip: int) -> dict:
     t_train = sum(r["train_s"] + r["publish_s"] for r in steps) / n
     engine = (steps[-1]["gen_busy_s_total"] - rows[skip]["gen_busy_s_total"]) / n
     return {"t_gen": step_s - t_train, "t_train": t_train, "t_gen_engine": engine, "step_s": step_s}
+
+
 def ideal_limit(t_gen: float, t_train: float) -> float:
     """Speedup of perfect generation/training overlap: (t_gen + t_train) / max(t_gen, t_train)."""
     if t_gen < 0 or t_train < 0 or max(t_gen, t_train) <= 0:

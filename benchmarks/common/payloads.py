@@ -13,25 +13,44 @@ MODELS = {  # name: (hidden, intermediate, layers, vocab, kv_heads, tied embeddi
 }
 
 
-def synthetic_state_dict(hidden: int, inter: int, layers: int, vocab: int, kv_heads: int, tied: bool,
-                         dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> dict[str, torch.Tensor]:
+def synthetic_state_dict(
+    hidden: int,
+    inter: int,
+    layers: int,
+    vocab: int,
+    kv_heads: int,
+    tied: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
     """A Qwen2-shaped state dict filled with cheap distinct constants (contents do not matter here)."""
     head = hidden // max(1, hidden // 128) if hidden >= 128 else hidden
     kv = kv_heads * head
     shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
-                       p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
-                       p + "self_attn.o_proj.weight": (hidden, hidden), p + "mlp.gate_proj.weight": (inter, hidden),
-                       p + "mlp.up_proj.weight": (inter, hidden), p + "mlp.down_proj.weight": (hidden, inter),
-                       p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (hidden, hidden),
+                p + "self_attn.q_proj.bias": (hidden,),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (hidden, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     if not tied:
         shapes["lm_head.weight"] = (vocab, hidden)
-    return {n: torch.empty(s, dtype=dtype, device=device).fill_((i % 97) / 97)
-            for i, (n, s) in enumerate(shapes.items())}
+    return {
+        n: torch.empty(s, dtype=dtype, device=device).fill_((i % 97) / 97) for i, (n, s) in enumerate(shapes.items())
+    }
 
 
 def n_params(model: str) -> int:
@@ -44,9 +63,14 @@ def boba_batch(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> l
     rng = np.random.default_rng(seed)
     lens = np.minimum(rng.lognormal(mean=np.log(4000), sigma=1.0, size=n_prompts * n_samples), max_len).astype(int)
     g = torch.Generator().manual_seed(seed)
-    return [{"ids_T": torch.randint(0, 151936, (n,), dtype=torch.int32, generator=g),
-             "logp_T": -torch.rand(n, generator=g) * 5, "ver_T": torch.full((n,), 7, dtype=torch.int32)}
-            for n in lens.clip(1)]
+    return [
+        {
+            "ids_T": torch.randint(0, 151936, (n,), dtype=torch.int32, generator=g),
+            "logp_T": -torch.rand(n, generator=g) * 5,
+            "ver_T": torch.full((n,), 7, dtype=torch.int32),
+        }
+        for n in lens.clip(1)
+    ]
 
 
 def pack_batch(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -54,8 +78,12 @@ def pack_batch(seqs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     lens = torch.tensor([len(s["ids_T"]) for s in seqs], dtype=torch.int32)
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    return {"ids_T": torch.cat([s["ids_T"] for s in seqs]), "logp_T": torch.cat([s["logp_T"] for s in seqs]),
-            "ver_T": torch.cat([s["ver_T"] for s in seqs]), "cu_seqlens": cu}
+    return {
+        "ids_T": torch.cat([s["ids_T"] for s in seqs]),
+        "logp_T": torch.cat([s["logp_T"] for s in seqs]),
+        "ver_T": torch.cat([s["ver_T"] for s in seqs]),
+        "cu_seqlens": cu,
+    }
 
 
 def nbytes(tensors: dict[str, torch.Tensor]) -> int:

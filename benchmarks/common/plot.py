@@ -43,8 +43,12 @@ def transfer_plot(rows: list[dict], path: str) -> None:
     for r in tr:
         per_size.setdefault(r["bytes"], []).append(r["bound_gbps"])
     sizes = sorted(per_size)
-    left = Panel("rollout -> trainer transfer", "payload bytes", "GB/s (p50)",
-                 {"memcpy bound": (sizes, [statistics.median(per_size[n]) for n in sizes], "k--")})
+    left = Panel(
+        "rollout -> trainer transfer",
+        "payload bytes",
+        "GB/s (p50)",
+        {"memcpy bound": (sizes, [statistics.median(per_size[n]) for n in sizes], "k--")},
+    )
     right = Panel("weight sync", "parameters (bf16)", "seconds (p50)")
     for kind in sorted({r["transport"] for r in rows if r["metric"] == "transfer_latency"}):
         pts = [r for r in tr if r["transport"] == kind]

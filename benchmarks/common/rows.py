@@ -21,8 +21,9 @@ def check_rows(rows: list[dict]) -> None:
     for i, row in enumerate(rows):
         missing = [k for k in REQUIRED if k not in row]
         if missing:
-            raise ValueError(f"benchmark row {i} ({row.get('metric', '?')}) lacks {missing}; "
-                             f"every row needs {REQUIRED}")
+            raise ValueError(
+                f"benchmark row {i} ({row.get('metric', '?')}) lacks {missing}; every row needs {REQUIRED}"
+            )
         v = row["value"]
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
             raise ValueError(f"benchmark row {i} ({row['metric']}): value {v!r} is not a finite number or null")

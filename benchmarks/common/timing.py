@@ -54,6 +54,12 @@ def memcpy_seconds(size: int, device: str, repeats: int) -> list[float]:
 def memcpy_row(size: int, samples: list[float], device: str) -> dict:
     """The bound alone as a row (``memcpy_bound``, GB/s of the median copy of ``size`` bytes)."""
     st = stats(samples)
-    return {"metric": "memcpy_bound", "value": size / st["p50_s"] / 1e9, "unit": "GB/s", "bytes": size, **st,
-            "device": device, "how": "dst.copy_(src), warm buffers, 1 thread" if device == "cpu"
-            else "device-to-device copy_"}
+    return {
+        "metric": "memcpy_bound",
+        "value": size / st["p50_s"] / 1e9,
+        "unit": "GB/s",
+        "bytes": size,
+        **st,
+        "device": device,
+        "how": "dst.copy_(src), warm buffers, 1 thread" if device == "cpu" else "device-to-device copy_",
+    }

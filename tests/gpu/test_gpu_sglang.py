@@ -31,8 +31,15 @@ from protocols.sockets import free_tcp_port
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
 needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-MODEL = ModelConfig(arch="qwen2", hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=256)
+MODEL = ModelConfig(
+    arch="qwen2",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +51,25 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2-tiny")
     save_policy(build_model(MODEL, len(tok), 0), tok, path)
     port = free_tcp_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", str(path),
-                             "--port", str(port), "--dtype", "float32", "--mem-fraction-static", "0.2",
-                             "--disable-cuda-graph", "--random-seed", "0"], env=dict(os.environ))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(path),
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--mem-fraction-static",
+            "0.2",
+            "--disable-cuda-graph",
+            "--random-seed",
+            "0",
+        ],
+        env=dict(os.environ),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         SGLangClient(url, name="gpu-probe").wait_ready(600)
@@ -68,9 +91,17 @@ def run_all(engine):
     while engine.has_work():
         assert time.monotonic() - t < 300
         for g in engine.step():
-            done[g.group_id] = SimpleNamespace(samples=[SimpleNamespace(
-                output_ids=torch.as_tensor(s.output_ids).tolist(), logprobs=torch.as_tensor(s.logprobs).tolist(),
-                versions=torch.as_tensor(s.versions).tolist(), finish_reason=s.finish_reason) for s in g.samples])
+            done[g.group_id] = SimpleNamespace(
+                samples=[
+                    SimpleNamespace(
+                        output_ids=torch.as_tensor(s.output_ids).tolist(),
+                        logprobs=torch.as_tensor(s.logprobs).tolist(),
+                        versions=torch.as_tensor(s.versions).tolist(),
+                        finish_reason=s.finish_reason,
+                    )
+                    for s in g.samples
+                ]
+            )
     return done
 
 

@@ -14,8 +14,7 @@ import torch
 
 from protocols.sockets import free_tcp_port
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _step(port: int, out_path: str) -> None:
@@ -31,24 +30,47 @@ def _step(port: int, out_path: str) -> None:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     model.set_attn_implementation(select_attn_implementation("cuda", torch.bfloat16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    actor = PPOActor(model, ActorConfig(optimizer=OptimizerConfig(lr=1e-6), mb_spec=MicroBatchSpec(256)), 1.0, 10,
-                     device="cuda", dp=DataParallel(0, 1), compute_dtype=torch.bfloat16)
+    actor = PPOActor(
+        model,
+        ActorConfig(optimizer=OptimizerConfig(lr=1e-6), mb_spec=MicroBatchSpec(256)),
+        1.0,
+        10,
+        device="cuda",
+        dp=DataParallel(0, 1),
+        compute_dtype=torch.bfloat16,
+    )
     seen = []
     actor.model.model.layers[0].mlp.up_proj.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
-    trajs = [Trajectory(f"s{i}", f"g{i // 2}", [1, 2, 3], [4 + i, 5, 6, 7], [-4.0] * 4, [0] * 4, float(i % 2))
-             for i in range(8)]
+    trajs = [
+        Trajectory(f"s{i}", f"g{i // 2}", [1, 2, 3], [4 + i, 5, 6, 7], [-4.0] * 4, [0] * 4, float(i % 2))
+        for i in range(8)
+    ]
     m = actor.train_step(trajs)
     after = {k: full_tensor(v).detach().cpu() for k, v in actor.model.state_dict().items()}
     k = "model.layers.0.mlp.up_proj.weight"
     big = before[k].abs() > 1 / 128
-    torch.save({"moved": float(((after[k] - before[k])[big] != 0).float().mean()), "dtype": str(after[k].dtype),
-                "compute": sorted({str(d) for d in seen}), "grad_norm": m["grad_norm"],
-                "opt": sorted({str(s["exp_avg"].dtype) for s in actor.optimizer.state.values()})}, out_path)
+    torch.save(
+        {
+            "moved": float(((after[k] - before[k])[big] != 0).float().mean()),
+            "dtype": str(after[k].dtype),
+            "compute": sorted({str(d) for d in seen}),
+            "grad_norm": m["grad_norm"],
+            "opt": sorted({str(s["exp_avg"].dtype) for s in actor.optimizer.state.values()}),
+        },
+        out_path,
+    )
     dist.destroy_process_group()
 
 

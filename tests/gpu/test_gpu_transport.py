@@ -21,17 +21,22 @@ import torch
 
 from protocols.sockets import free_tcp_port
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 def _zoo(device: str, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    t = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
-         "f16": torch.randn(2, 3, generator=g).half(), "i64": torch.arange(7),
-         "i32": torch.arange(6, dtype=torch.int32),
-         "bool": torch.rand(9, generator=g) > 0.5, "u8": torch.arange(13, dtype=torch.uint8),
-         "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5)}
+    t = {
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(2, 3, generator=g).half(),
+        "i64": torch.arange(7),
+        "i32": torch.arange(6, dtype=torch.int32),
+        "bool": torch.rand(9, generator=g) > 0.5,
+        "u8": torch.arange(13, dtype=torch.uint8),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5),
+    }
     return {k: v.to(device) for k, v in t.items()}
 
 
@@ -94,8 +99,9 @@ def test_nccl_single_rank_loopback_and_publish():
     s.synchronize()
     assert torch.equal(a, b)
     group.close()
-    pub = make_weight_channel("nccl", role="publisher", rank=0, world_size=1, store=f"127.0.0.1:{free_tcp_port()}",
-                              bucket_mb=1)
+    pub = make_weight_channel(
+        "nccl", role="publisher", rank=0, world_size=1, store=f"127.0.0.1:{free_tcp_port()}", bucket_mb=1
+    )
     manifest = pub.publish_begin(1, {"w": torch.randn(1000, 700, device="cuda"), "b": torch.zeros(3, device="cuda")})
     pub.publish_end()
     assert manifest["channel"] == "nccl" and len(manifest["bucket_bytes"]) == 2
@@ -108,8 +114,9 @@ def _nccl_rank1(conn, cfg: dict) -> None:
         from areal_async.transport import make_tensor_channel, make_weight_channel
 
         torch.cuda.set_device(1)
-        tx = make_tensor_channel("nccl", role="sender", endpoint=cfg["ep"], rank=1, world_size=2,
-                                 store=cfg["traj_store"], device=1)
+        tx = make_tensor_channel(
+            "nccl", role="sender", endpoint=cfg["ep"], rank=1, world_size=2, store=cfg["traj_store"], device=1
+        )
         wx = make_weight_channel("nccl", role="receiver", rank=1, world_size=2, store=cfg["w_store"], device=1)
         tx.send("zoo", _zoo("cuda:1"), {"from": 1})
         sd = wx.receive(msgpack.unpackb(conn.recv_bytes(), raw=False))
@@ -125,13 +132,18 @@ def test_nccl_two_ranks_trajectories_and_weights():
     pytest.importorskip("cupy")
     from areal_async.transport import make_tensor_channel, make_weight_channel
 
-    cfg = {"ep": f"tcp://127.0.0.1:{free_tcp_port()}", "traj_store": f"127.0.0.1:{free_tcp_port()}",
-           "w_store": f"127.0.0.1:{free_tcp_port()}"}
+    cfg = {
+        "ep": f"tcp://127.0.0.1:{free_tcp_port()}",
+        "traj_store": f"127.0.0.1:{free_tcp_port()}",
+        "w_store": f"127.0.0.1:{free_tcp_port()}",
+    }
     proc, conn = _spawn(_nccl_rank1, cfg)
-    rx = make_tensor_channel("nccl", role="receiver", endpoint=cfg["ep"], rank=0, world_size=2,
-                             store=cfg["traj_store"], device=0)
-    pub = make_weight_channel("nccl", role="publisher", rank=0, world_size=2, store=cfg["w_store"], device=0,
-                              bucket_mb=4)
+    rx = make_tensor_channel(
+        "nccl", role="receiver", endpoint=cfg["ep"], rank=0, world_size=2, store=cfg["traj_store"], device=0
+    )
+    pub = make_weight_channel(
+        "nccl", role="publisher", rank=0, world_size=2, store=cfg["w_store"], device=0, bucket_mb=4
+    )
     key, meta, got = rx.recv(timeout_s=60)
     assert got["bf16"].device == torch.device("cuda", 0) and _crc(got) == _crc(_zoo("cuda:0"))
     sd = {f"layer{i}": torch.randn(1024, 1024, device="cuda:0").to(torch.bfloat16) for i in range(6)}

@@ -37,15 +37,26 @@ IDS = [1, 30, 12, 41, 29, 33, 5, 17, 22, 9, 40, 2]
 
 def tiny(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
 def post(url: str, path: str, body: dict | None = None, timeout: float = 300.0):
-    req = urllib.request.Request(url + path, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body or {}).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         raw = r.read()
     return json.loads(raw) if raw else None
@@ -60,9 +71,24 @@ def free_port() -> int:
 def start(model_dir: Path, gpu: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", CUDA_VISIBLE_DEVICES=str(gpu))
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--skip-tokenizer-init",
-           "--gpu-memory-utilization", "0.2", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "64",
+        "--enforce-eager",
+        "--skip-tokenizer-init",
+        "--gpu-memory-utilization",
+        "0.2",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t = time.monotonic()
@@ -124,8 +150,9 @@ def nccl_check(work: Path) -> bool:
         torch.cuda.set_device(0)
         b = tiny(3).cuda()
         info = NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(), world_size=2, rank=0)
-        engine = NCCLTrainerWeightTransferEngine.trainer_init(info, client=HTTPVLLMWeightSyncClient(url),
-                                                             source=ModuleSource(b))
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            info, client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(b)
+        )
         post(url, "/pause")
         t = time.monotonic()
         engine.send_weights()
