@@ -11,3 +11,17 @@ try:
     torch.set_num_threads(1)
 except ImportError:  # pragma: no cover - torch is a hard dependency
     pass
+
+
+import pytest
+
+from protocols.curve import use_curve
+
+
+@pytest.fixture(autouse=True)
+def _no_curve_keys_left_behind():
+    """Loading a run directory (client, status, Fleet helpers) installs its CURVE keys process-wide
+    (protocols.curve); clear them after each test so a later test's tcp sockets are not keyed
+    against peers that have no keys (seen: transport tests timing out after the status test)."""
+    yield
+    use_curve(None)

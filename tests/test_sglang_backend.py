@@ -107,6 +107,15 @@ def test_a_failed_update_fails_loudly_and_the_half_updated_server_serves_nothing
     assert c.versions == [2] * 4 and c.output_ids == greedy_under(b, prompt, 4)
 
 
+ATTEMPTS = 9
+
+
+def interrupt_delay(attempt: int) -> float:
+    """Seconds between dispatch and the weight update: 2 ms doubling to ~0.5 s, so the update lands
+    mid-generation on a quiet machine (48 tokens take tens of ms) and on a loaded one alike."""
+    return 0.002 * 2**attempt
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract"])
 def test_interrupted_samples_carry_two_versions_and_new_tokens_match_the_new_weights(server, mode):
     """Pause mid-generation, load v1, resume: a sample's first tokens carry v0 with v0's
@@ -116,17 +125,17 @@ def test_interrupted_samples_carry_two_versions_and_new_tokens_match_the_new_wei
     engine = RemoteEngine([SGLangClient(server, name=f"t-int-{mode}", pause_mode=mode)])
     prompt = TOK.encode("12+30=")
     mixed = []
-    for attempt in range(4):  # timing: the update must land while tokens are being generated
+    for attempt in range(ATTEMPTS):  # timing: the update must land while tokens are being generated
         engine.update_weights(2 * attempt, a.state_dict())
         engine.add_request(GenRequest(f"g{attempt}", prompt, 16, 48))
         engine.step()  # dispatches every sample
-        time.sleep(0.05 * (attempt + 1))
+        time.sleep(interrupt_delay(attempt))
         engine.update_weights(2 * attempt + 1, b.state_dict())
         groups = run_all(engine)
         mixed = [s for s in groups[f"g{attempt}"].samples if len(set(s.versions)) == 2]
         if mixed:
             break
-    assert mixed, "no sample was interrupted mid-generation in 4 tries"
+    assert mixed, f"no sample was interrupted mid-generation in {ATTEMPTS} tries"
     old, new = 2 * attempt, 2 * attempt + 1
     for s in mixed:
         k = s.versions.index(new)
@@ -144,16 +153,16 @@ def test_in_place_pause_keeps_the_old_kv_cache_as_sglang_does(server):
     a, b = policy(41), policy(42)
     engine = RemoteEngine([SGLangClient(server, name="t-inplace", pause_mode="in_place")])
     prompt = TOK.encode("7+8=")
-    for attempt in range(4):
+    for attempt in range(ATTEMPTS):
         engine.update_weights(2 * attempt, a.state_dict())
         engine.add_request(GenRequest(f"p{attempt}", prompt, 16, 48))
         engine.step()
-        time.sleep(0.05 * (attempt + 1))
+        time.sleep(interrupt_delay(attempt))
         engine.update_weights(2 * attempt + 1, b.state_dict())
         mixed = [s for s in run_all(engine)[f"p{attempt}"].samples if len(set(s.versions)) == 2]
         if mixed:
             break
-    assert mixed, "no sample was interrupted mid-generation in 4 tries"
+    assert mixed, f"no sample was interrupted mid-generation in {ATTEMPTS} tries"
     for s in mixed:
         k = s.versions.index(2 * attempt + 1)
         stale = torch.tensor(s.logprobs[k:]) - torch.tensor(logprobs_under(b, prompt, s.output_ids)[k:])

@@ -116,10 +116,21 @@ def _rank_step(rank, world, port, out_dir):
         torch.save(out, f"{out_dir}/two.pt")
 
 
+def _rank_main(target, rank, world, port, *args):
+    """Run one rank, then leave the group together: a rank that exits while its peer still talks
+    to it aborts in gloo's threads ('terminate called without an active exception', exit -6)."""
+    import torch.distributed as dist
+
+    target(rank, world, port, *args)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _spawn(target, world, *args):
     ctx = mp.get_context("spawn")
     port = free_tcp_port("127.0.0.1")
-    procs = [ctx.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(target, r, world, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
