@@ -25,6 +25,7 @@ import torch
 
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
+from areal_async.rollout import http_client as HC  # every client request goes through HC.call
 from areal_async.rollout import sglang_client as SC
 from areal_async.rollout.engine import GenRequest
 from areal_async.models.tokenizer import load_tokenizer
@@ -66,18 +67,18 @@ def traffic(tmp_path_factory):
     """(path, body, answer) of every call a client made to a real CPU server."""
     proc, url = start_cpu_server()
     log = []
-    real = SC.call
+    real = HC.call
 
     def recording(base, method, path, body=None, timeout_s=30.0):
         out = real(base, method, path, body, timeout_s)
         log.append((path, body, out))
         return out
 
-    SC.call = recording
+    HC.call = recording
     try:
         _drive(url, tmp_dir=str(tmp_path_factory.mktemp("disk")))
     finally:
-        SC.call = real
+        HC.call = real
         stop(proc)
     return log
 

@@ -32,7 +32,6 @@ import itertools
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -42,8 +41,9 @@ from protocols.sockets import free_tcp_port
 
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from areal_async.rollout.remote import Completion, ServerClient, ServerDown
+from areal_async.rollout.http_json import HTTPStatusError
+from areal_async.rollout.http_client import HTTPServerClient
+from areal_async.rollout.remote import Completion, ServerDown
 
 log = logging.getLogger("areal_async.rollout.sglang")
 
@@ -53,7 +53,7 @@ FINISH_TYPES = ("stop", "length", "abort")
 _EPOCHS = itertools.count()
 
 
-class SGLangClient(ServerClient):
+class SGLangClient(HTTPServerClient):
     def __init__(
         self,
         address: str,
@@ -85,28 +85,6 @@ class SGLangClient(ServerClient):
         self.disk_dir = disk_dir
         self.group = None
         self.group_name = ""
-
-    # ---- plumbing ------------------------------------------------------------------------
-    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None):
-        try:
-            return call(self.address, method, path, body, timeout_s or self.control_timeout_s)
-        except ServerUnreachable as e:
-            raise ServerDown(str(e)) from None
-        except HTTPStatusError as e:
-            if e.status >= 500:
-                raise ServerDown(str(e)) from None
-            raise
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._call("GET", "/health", timeout_s=max(1.0, min(5.0, timeout_s)))
-                return
-            except (ServerDown, HTTPStatusError) as e:
-                if time.monotonic() >= deadline:
-                    raise ServerDown(f"{self.address} not healthy after {timeout_s}s: {e}") from None
-            time.sleep(0.2)
 
     # ---- generation ----------------------------------------------------------------------
     def generate_body(self, rid: str, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> dict:

@@ -36,15 +36,15 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from areal_async.rollout.remote import Completion, ServerClient, ServerDown
+from areal_async.rollout.http_json import HTTPStatusError
+from areal_async.rollout.http_client import HTTPServerClient
+from areal_async.rollout.remote import Completion, ServerDown
 
 log = logging.getLogger("areal_async.rollout.vllm")
 
@@ -52,7 +52,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 ProbeFn = Callable[[int, dict], list]  # (version, state_dict) -> expected logprobs of probe_ids[1:]
 
 
-class VLLMClient(ServerClient):
+class VLLMClient(HTTPServerClient):
+    health_poll_s = 0.5  # a vLLM server takes tens of seconds to start
+
     def __init__(
         self,
         address: str,
@@ -82,28 +84,6 @@ class VLLMClient(ServerClient):
         self._changing = False  # between pause() and resume(): no request is sent
         self._broken = False  # a weight change failed: requests wait for a revival, not this server
         self._epoch = 0  # bumped when a weight change begins
-
-    # ---- plumbing ------------------------------------------------------------------------
-    def _call(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None):
-        try:
-            return call(self.address, method, path, body, timeout_s or self.control_timeout_s)
-        except ServerUnreachable as e:
-            raise ServerDown(str(e)) from None
-        except HTTPStatusError as e:
-            if e.status >= 500:
-                raise ServerDown(str(e)) from None
-            raise
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._call("GET", "/health", timeout_s=max(1.0, min(5.0, timeout_s)))
-                return
-            except (ServerDown, HTTPStatusError) as e:
-                if time.monotonic() >= deadline:
-                    raise ServerDown(f"{self.address} not healthy after {timeout_s}s: {e}") from None
-            time.sleep(0.5)
 
     # ---- generation ----------------------------------------------------------------------
     def completion_body(self, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> dict:
