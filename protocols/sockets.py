@@ -72,6 +72,9 @@ def make_socket(
     (a larger inbound frame drops the sender's connection), ROUTER options, and CURVE on ``tcp://``."""
     if not isinstance(max_bytes, int) or max_bytes < 1:
         raise ValueError(f"max_bytes={max_bytes!r}: expected a positive int (bytes per inbound frame)")
+    connects = [connect] if isinstance(connect, str) else list(connect or [])
+    if bind and connects:
+        raise ValueError(f"a socket either binds or connects; got bind={bind!r} and connect={connects!r}")
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
@@ -82,17 +85,18 @@ def make_socket(
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
-    connects = [connect] if isinstance(connect, str) else list(connect or [])
-    if bind and connects:
-        raise ValueError(f"a socket either binds or connects; got bind={bind!r} and connect={connects!r}")
-    secured = [secure(sock, ctx, bind, server=True)] if bind else []
-    secured += [secure(sock, ctx, ep, server=False) for ep in connects]
-    if any(secured):
-        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + CURVE_FRAME_OVERHEAD)  # the bound is on the wire frame
-    if bind:
-        sock.bind(bind)
-    for ep in connects:
-        sock.connect(ep)
+    try:
+        secured = [secure(sock, ctx, bind, server=True)] if bind else []
+        secured += [secure(sock, ctx, ep, server=False) for ep in connects]
+        if any(secured):
+            sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + CURVE_FRAME_OVERHEAD)  # the bound is on the wire frame
+        if bind:
+            sock.bind(bind)
+        for ep in connects:
+            sock.connect(ep)
+    except BaseException:
+        sock.close(0)  # an open socket would hold its context's term() for ever
+        raise
     return sock
 
 

@@ -164,6 +164,7 @@ def test_sigterm_saves_a_final_checkpoint_stops_everything_and_resume_continues_
     args = [f"total_train_steps={steps}", "saver.freq_steps=6", "saver.keep_last=3", "rollout.max_head_offpolicyness=1"]
     proc = start(run_dir, *args)
     wait_steps(run_dir, proc, 8)  # the periodic checkpoint after step 5 exists; the next is after 11
+    # a quiet machine may train up to step 11 (and save it) between here and the signal's arrival
     started = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -173,7 +174,7 @@ def test_sigterm_saves_a_final_checkpoint_stops_everything_and_resume_continues_
     assert leaked_segments(run_dir) == []
     ckpts = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
     final = max(ckpts)
-    assert 5 in ckpts and 7 <= final < 11 and (run_dir / "checkpoints" / f"step_{final}" / "COMPLETE").exists()
+    assert 5 in ckpts and 7 <= final < steps - 1 and (run_dir / "checkpoints" / f"step_{final}" / "COMPLETE").exists()
     trained_before = max(
         t["train_step"] for t in read_jsonl(run_dir / "trajectories.jsonl") if t["status"] == "trained"
     )

@@ -33,14 +33,14 @@ FAST = [
 ]
 
 
-def external(run_dir: Path, worker_id: str) -> subprocess.Popen:
+def external(run_dir: Path, worker_id: str, cmd: list[str] | None = None, *extra: str) -> subprocess.Popen:
     log = open(run_dir / f"{worker_id}.log", "wb")
-    return subprocess.Popen(
-        [sys.executable, "-m", "workers.external_reward", str(run_dir), "--worker-id", worker_id],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    if cmd is None:
+        cmd, extra = [sys.executable, "-m", "workers.external_reward", "--worker-id", worker_id], ()
+        args = [*cmd, str(run_dir)]
+    else:
+        args = [*cmd, str(run_dir), worker_id, *extra]
+    return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -66,10 +66,11 @@ def test_external_reward_worker_scores_a_fleet_and_its_loss_is_reissued(tmp_path
     run_dir = tmp_path / "run"
     with Fleet(load_config(ROOT / "configs/tiny_arith.yaml", FAST), run_dir=run_dir) as fleet:
         wait_for(lambda: (run_dir / "endpoints.json").exists(), 60, "endpoints.json")
-        a = external(run_dir, "ext-a")
+        # ext-a scores 8 groups (2 steps of 4 prompts), then holds every later group unanswered
+        a = external(run_dir, "ext-a", [sys.executable, str(ROOT / "tests" / "byo_reward_stall.py")], "8")
         wait_for(lambda: steps(run_dir) >= 2, 180, "two steps scored by ext-a")
-        a.send_signal(signal.SIGSTOP)  # groups sent to it now wait in its socket for a score nobody gives
-        time.sleep(2.0)
+        time.sleep(1.0)  # the groups of step 3 wait in its socket for a score nobody gives
+        assert steps(run_dir) == 2 and a.poll() is None, "the fleet went on without ext-a's scores"
         a.send_signal(signal.SIGKILL)
         a.wait()
         b = external(run_dir, "ext-b")
@@ -91,13 +92,20 @@ def test_reward_worker_refuses_a_slot_the_fleet_lacks(tmp_path):
     cfg = load_config(ROOT / "configs/tiny_arith.yaml", ["cluster.n_external_reward_workers=1"])
     (tmp_path / "config.yaml").write_text(__import__("areal_async.config", fromlist=["to_yaml"]).to_yaml(cfg))
     (tmp_path / "endpoints.json").write_text(
-        json.dumps({"control": "ipc:///x", "trajectories": "ipc:///y", "rewards": ["ipc:///r0", "ipc:///r1"]})
+        json.dumps(
+            {"control": "ipc:///x", "trajectories": "ipc:///y", "rewards": ["ipc:///r0", f"ipc://{tmp_path}/gone/r1"]}
+        )
     )
     write_run_keys(tmp_path, {})  # a run directory holds its keys (the supervisor writes them)
     with pytest.raises(ValueError, match="slot=1: .* keeps 1 bring-your-own reward slot"):
         RewardWorker(tmp_path, score, slot=1)
     with pytest.raises(FileNotFoundError, match="is a fleet running"):
         RewardWorker(tmp_path / "nowhere", score)
+    # the run's ipc directory is gone (the fleet ended): a plain error, not a zmq traceback
+    with pytest.raises(
+        RuntimeError, match=r"cannot serve reward slot 0 at ipc://.*/gone/r1 .*has the fleet in .* ended"
+    ):
+        RewardWorker(tmp_path, score, slot=0, worker_id="late").run()
 
 
 def test_a_fleet_with_nobody_to_score_is_refused():

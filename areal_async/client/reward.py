@@ -33,6 +33,7 @@ class RewardWorker:
     def __init__(
         self, run_dir: str | Path, score: ScoreFn, slot: int = 0, worker_id: str | None = None, concurrency: int = 4
     ):
+        self.run_dir = Path(run_dir)
         self.cfg, self.ep = load_run(run_dir)
         n_builtin, n_ext = self.cfg.cluster.n_reward_workers, self.cfg.cluster.n_external_reward_workers
         if not 0 <= slot < n_ext:
@@ -54,8 +55,14 @@ class RewardWorker:
 
     async def arun(self) -> int:
         ctx = zmq.asyncio.Context()
+        try:  # bound before registering: a slot nobody can serve is never announced
+            pull = make_socket(ctx, zmq.PULL, bind=self.endpoint)
+        except zmq.ZMQError as e:
+            ctx.term()
+            raise RuntimeError(
+                f"cannot serve reward slot {self.slot} at {self.endpoint} ({e}): has the fleet in {self.run_dir} ended?"
+            ) from e
         control = connect(ctx, self.cfg, self.ep, "reward", self.worker_id, token=self.token)
-        pull = make_socket(ctx, zmq.PULL, bind=self.endpoint)
         try:
             await control.register(info={"external": True, "slot": self.slot})
             log.info("%s registered; serving %s", self.worker_id, self.endpoint)
