@@ -20,6 +20,9 @@ is disconnected by libzmq before the frame is allocated, and the receiver keeps 
 Authentication: with the run's CURVE keys set (``protocols.curve.use_curve``), every ``tcp://``
 socket is a CURVE server (bind) or client (connect), and servers admit only the run's client keys.
 
+Nodes: a process given its node's address (``use_source_host``, from ``cluster.node_hosts``)
+connects every ``tcp://`` socket from that address, as it binds on it.
+
 Receivers never die on a bad frame: ``recv_message`` turns any undecodable frame into a logged
 ``ProtocolError`` and returns None, and the caller goes on serving.
 """
@@ -40,6 +43,23 @@ from protocols.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode
 log = logging.getLogger("areal_async.protocols")
 
 HWM = 100_000
+
+_SOURCE_HOST: Optional[str] = None  # the address this process's tcp:// connections leave from (None: the kernel's)
+
+
+def use_source_host(host: Optional[str]) -> None:
+    """Connect every later ``tcp://`` socket of this process from ``host`` (its node's address; None:
+    let the kernel choose). A fleet's node k binds and connects on its own address."""
+    global _SOURCE_HOST
+    _SOURCE_HOST = host or None
+
+
+def connect_address(endpoint: str) -> str:
+    """``endpoint`` as ZeroMQ connects to it: ``tcp://SOURCE:0;HOST:PORT`` when this process has a
+    source address (``use_source_host``), else unchanged."""
+    if _SOURCE_HOST is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    return f"tcp://{_SOURCE_HOST}:0;{endpoint[len('tcp://') :]}"
 
 
 def ipc_endpoint(sock_dir: str | Path, name: str) -> str:
@@ -93,7 +113,7 @@ def make_socket(
         if bind:
             sock.bind(bind)
         for ep in connects:
-            sock.connect(ep)
+            sock.connect(connect_address(ep))
     except BaseException:
         sock.close(0)  # an open socket would hold its context's term() for ever
         raise

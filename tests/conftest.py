@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 import pytest
 
 from protocols.curve import use_curve
+from protocols.sockets import use_source_host
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +26,4 @@ def _no_curve_keys_left_behind():
     against peers that have no keys (seen: transport tests timing out after the status test)."""
     yield
     use_curve(None)
+    use_source_host(None)  # likewise a node address (cluster.node_hosts) set by loading a worker's run

@@ -16,7 +16,7 @@ import zmq.asyncio
 
 import protocols.messages as M
 from protocols.curve import current_keys, use_curve, zap_stats
-from protocols.sockets import free_tcp_port, make_socket, send_message
+from protocols.sockets import connect_address, free_tcp_port, make_socket, send_message, use_source_host
 
 from areal_async.base.control import ControlClient
 from areal_async.base.endpoints import Endpoints
@@ -229,4 +229,30 @@ def test_make_socket_sets_the_size_bound():
         with pytest.raises(ValueError, match="max_bytes=0"):
             make_socket(ctx, zmq.PULL, max_bytes=0)
     finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_node_address_is_the_source_of_every_tcp_connection():
+    """use_source_host (a worker of node k, cluster.node_hosts): the peer sees the connection come from
+    that address, as the kernel reports it on the accepting side; ipc endpoints are left alone."""
+    import socket
+
+    ctx = zmq.Context()
+    listener = socket.socket()
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        use_source_host("127.0.0.2")
+        assert connect_address("ipc:///tmp/x.sock") == "ipc:///tmp/x.sock"
+        s = make_socket(ctx, zmq.DEALER, connect=f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+        listener.settimeout(30)
+        conn, peer = listener.accept()
+        conn.close()
+        assert peer[0] == "127.0.0.2"
+        s.close(0)
+        use_source_host(None)
+        assert connect_address("tcp://127.0.0.1:5") == "tcp://127.0.0.1:5"
+    finally:
+        use_source_host(None)
+        listener.close()
         ctx.destroy(linger=0)

@@ -82,6 +82,9 @@ BAD = [
     (CpuAffinityConfig, {"reward": [0]}, "reward=[0]", "a cpu list"),
     (ClusterConfig, {"worker_timeout_s": 1.0}, "worker_timeout_s=1.0", "> heartbeat_s=2.0"),
     (ClusterConfig, {"launcher": "k8s"}, "launcher='k8s'", "local | ray | slurm"),
+    (ClusterConfig, {"node_hosts": ["a", "b"], "control": "tcp"}, "node_hosts=['a', 'b']", "(cluster.n_nodes=1)"),
+    (ClusterConfig, {"n_nodes": 2, "node_hosts": ["a", "b:9"]}, "node_hosts=['a', 'b:9']", "no port"),
+    (ClusterConfig, {"n_nodes": 2, "node_hosts": ["a", "b"]}, "node_hosts=['a', 'b']", "cluster.control=tcp"),
     (SlurmConfig, {"sbatch_args": ["qos=high"]}, "sbatch_args=['qos=high']", "each starting with '-'"),
     (SlurmConfig, {"cpus_per_node": -1}, "cpus_per_node=-1", ">= 0"),
     (ClusterConfig, {"n_gpus_per_node": 0}, "n_gpus_per_node=0", ">= 1"),
@@ -147,6 +150,11 @@ CROSS = [  # rules that join sections live on ExperimentConfig and name the full
         "sglang.context_length=1000",
         "= 1040",
     ),  # 1024 + 16
+    (
+        {"cluster": ClusterConfig(control="tcp", n_nodes=2, node_hosts=["127.0.0.1", "127.0.0.2"])},
+        "cluster.node_hosts=['127.0.0.1', '127.0.0.2']",
+        "tensor channel(s) shm reach one host only",
+    ),  # the default weight channel is shm
 ]
 
 

@@ -123,3 +123,13 @@ def test_local_gpu_count_reads_visible_devices_or_device_nodes(tmp_path):
     assert local_gpu_count({}, tmp_path) == 3
     assert local_gpu_count({"CUDA_VISIBLE_DEVICES": "4,5"}, tmp_path) == 2
     assert local_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == 0
+
+
+def test_a_cpu_run_deals_its_processes_over_the_nodes_in_start_order():
+    p = place(shape(2, 0, 2, rollout_workers=3, device="cpu"))
+    # start order: scheduler, reward-0, trainer, trainer-1, rollout-0, rollout-1, rollout-2
+    assert [p[w].node for w in ("scheduler", "reward-0", "trainer", "trainer-1")] == [0, 1, 0, 1]
+    assert [p[f"rollout-{i}"].node for i in range(3)] == [0, 1, 0]
+    assert p["trainer"].local_rank == 0 and p["trainer-1"].local_rank == 0  # first trainer rank of its node
+    assert all(s.gpus == () for s in p.values())
+    assert {s.node for s in place(shape(1, 0, 2, device="cpu")).values()} == {0}

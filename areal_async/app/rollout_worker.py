@@ -3,6 +3,7 @@ vLLM servers this worker owns behind a ``RemoteEngine``) behind the rollout serv
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import zmq.asyncio
 
 from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig
 from areal_async.base.plugins import load_callable
@@ -100,7 +101,7 @@ def sglang_engine(
             pause_mode=s.pause_mode,
             weight_sync=s.weight_sync,
             group_backend="gloo" if cfg.cluster.device == "cpu" else "nccl",
-            group_host=cfg.cluster.host,
+            group_host=os.environ.get(NODE_HOST_ENV) or cfg.cluster.host,  # this worker's node
             bucket_mb=cfg.tensor_channel.bucket_mb,
             request_timeout_s=s.request_timeout_s,
             update_timeout_s=s.update_timeout_s,

@@ -14,9 +14,10 @@ from pathlib import Path
 import zmq.asyncio
 
 from areal_async.base.control import ControlClient
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints
 from areal_async.base.runkeys import install_run_keys, launch_token
 from areal_async.config import ExperimentConfig, load_config
+from protocols.sockets import use_source_host
 
 
 def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
@@ -24,6 +25,7 @@ def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
     cfg = load_config(Path(run_dir) / "config.yaml")
     if cfg.cluster.curve:
         install_run_keys(run_dir)
+    use_source_host(os.environ.get(NODE_HOST_ENV))  # a worker of node k connects from node k's address
     return cfg, Endpoints.load(run_dir)
 
 

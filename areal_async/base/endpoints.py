@@ -2,19 +2,24 @@
 
 The supervisor writes ``RUN_DIR/endpoints.json`` (and the resolved ``RUN_DIR/config.yaml``)
 before starting anyone; every worker reads both. Endpoints are ``ipc://`` sockets in a short
-private directory on one host, or ``tcp://host:port`` with ports chosen by the supervisor.
+private directory on one host, or ``tcp://host:port`` with ports chosen by the supervisor, where
+``host`` is the address of the node the binding process runs on (``cluster.node_hosts``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from protocols.sockets import free_tcp_port, ipc_endpoint
+
+NODE_HOST_ENV = "AREAL_NODE_HOST"  # the address of a worker's node (cluster.node_hosts), set by the supervisor
 
 
 @dataclass
@@ -35,13 +40,27 @@ class Endpoints:
         return cls(**json.loads((Path(run_dir) / "endpoints.json").read_text()))
 
 
-def plan_endpoints(n_reward_workers: int, host: str, control: str) -> Endpoints:
-    """Fresh endpoints for one run (``control``: ``ipc`` or ``tcp``, as ``cluster.control``)."""
+def plan_port(host: str) -> int:
+    """A free port on ``host``: asked of the kernel when this machine has the address; for another
+    machine's address (a node the supervisor does not run on) a random port below Linux's ephemeral
+    range (32768-60999), so it cannot collide with a connection's port there."""
+    try:
+        return free_tcp_port(host)
+    except OSError:
+        return random.randrange(20000, 32768)
+
+
+def plan_endpoints(n_reward_workers: int, host: str, control: str, hosts: Optional[dict[str, str]] = None) -> Endpoints:
+    """Fresh endpoints for one run (``control``: ``ipc`` or ``tcp``, as ``cluster.control``). ``hosts``
+    names the node address of each binding process (``scheduler``, ``trainer``, ``reward-<i>``), so its
+    endpoints are advertised with the address it binds; a process not named binds on ``host``."""
+    at = lambda who: (hosts or {}).get(who, host)  # noqa: E731
+    tcp = lambda who: f"tcp://{at(who)}:{plan_port(at(who))}"  # noqa: E731
     extra = {
         "run_id": uuid.uuid4().hex[:10],
-        "traj_store": f"{host}:{free_tcp_port(host)}",
-        "weight_store": f"{host}:{free_tcp_port(host)}",
-        "weights_endpoint": f"tcp://{host}:{free_tcp_port(host)}",
+        "traj_store": f"{at('trainer')}:{plan_port(at('trainer'))}",
+        "weight_store": f"{at('trainer')}:{plan_port(at('trainer'))}",
+        "weights_endpoint": tcp("trainer"),
     }
     if control == "ipc":
         d = tempfile.mkdtemp(prefix="areal-")  # short path: ipc paths are limited to ~100 chars
@@ -52,5 +71,4 @@ def plan_endpoints(n_reward_workers: int, host: str, control: str) -> Endpoints:
             d,
             extra,
         )
-    tcp = lambda: f"tcp://{host}:{free_tcp_port(host)}"  # noqa: E731
-    return Endpoints(tcp(), tcp(), [tcp() for _ in range(n_reward_workers)], "", extra)
+    return Endpoints(tcp("scheduler"), tcp("trainer"), [tcp(f"reward-{i}") for i in range(n_reward_workers)], "", extra)

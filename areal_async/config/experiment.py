@@ -365,6 +365,13 @@ class ExperimentConfig(Section):
             f"<= samples per step ({per_step})",
         )
         self._check_server_fleet()
+        one_host = sorted({self.tensor_channel.trajectories, self.tensor_channel.weights} & {"shm", "cuda_ipc"})
+        require(
+            len(set(self.cluster.hosts())) == 1 or not one_host,
+            "cluster.node_hosts",
+            self.cluster.node_hosts,
+            f"one address: tensor channel(s) {', '.join(one_host)} reach one host only (use zmq, gloo or nccl)",
+        )
         sharded = self.cluster.n_trainer_ranks > 1 or self.model.dtype != "float32"
         require(
             self.evaluator.freq_steps == 0 or not sharded,

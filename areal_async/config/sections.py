@@ -398,6 +398,12 @@ class ClusterConfig(Section):
     )
     control: str = _f("ipc", "ZeroMQ endpoints: 'ipc' (one host) or 'tcp'.")
     host: str = _f("127.0.0.1", "Address the scheduler and trainer bind for 'tcp'.")
+    node_hosts: list = _f(
+        [],
+        "Address of each node (cluster.n_nodes entries) for 'tcp': a process placed on node k binds its "
+        "endpoints on node_hosts[k], advertises them with it and connects from it. Empty: every node is "
+        "cluster.host. On one machine, ['127.0.0.1', '127.0.0.2'] makes two loopback nodes.",
+    )
     curve: bool = _f(
         True,
         "CURVE authentication and encryption on every tcp:// socket, servers admitting only the "
@@ -465,6 +471,27 @@ class ClusterConfig(Section):
         at_least(self, "n_nodes", 1)
         at_least(self, "n_gpus_per_node", 1)
         at_least(self, "n_trainer_ranks", 1)
+        self._check_node_hosts()
+
+    def _check_node_hosts(self) -> None:
+        hosts = self.node_hosts
+        if not hosts:
+            return
+        bad = [h for h in hosts if not isinstance(h, str) or not h or any(c in h for c in " :/;*")]
+        require(not bad, "node_hosts", hosts, "a list of host names or IPv4 addresses (no port, no '*')")
+        require(
+            len(hosts) == self.n_nodes, "node_hosts", hosts, f"one address per node (cluster.n_nodes={self.n_nodes})"
+        )
+        require(
+            self.control == "tcp" or len(set(hosts)) == 1,
+            "node_hosts",
+            hosts,
+            f"one address, or cluster.control=tcp (control={self.control!r}: ipc sockets reach one host only)",
+        )
+
+    def hosts(self) -> list[str]:
+        """The address of every node: ``node_hosts``, else ``host`` for each of ``n_nodes``."""
+        return list(self.node_hosts) or [self.host] * self.n_nodes
 
 
 @dataclass

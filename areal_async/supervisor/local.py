@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_async.base.affinity import check_available
-from areal_async.base.endpoints import plan_endpoints
+from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints, plan_port
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
@@ -58,7 +58,6 @@ from areal_async.supervisor.placement import (
     shape_of,
     trainer_names,
 )
-from protocols.sockets import free_tcp_port
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, latest_complete_checkpoint
 
 GRACE_S = 5.0
@@ -171,12 +170,12 @@ class LocalSupervisor:
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         cl = self.cfg.cluster  # built-in reward workers bind the first endpoints, bring-your-own ones the rest
         self.endpoints = plan_endpoints(
-            cl.n_reward_workers + cl.n_external_reward_workers, self.cfg.cluster.host, self.cfg.cluster.control
+            cl.n_reward_workers + cl.n_external_reward_workers, self.node_host(None), cl.control, self.node_hosts()
         )
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)
-        host = self.cfg.cluster.host
-        self.endpoints.extra["trainer_store"] = f"{host}:{free_tcp_port(host)}"  # the trainer ranks' group
+        host = self.node_host("trainer")
+        self.endpoints.extra["trainer_store"] = f"{host}:{plan_port(host)}"  # the trainer ranks' group
         # keys before endpoints.json: whoever finds the endpoints finds the keys (bring-your-own workers)
         self.tokens = write_run_keys(
             self.run_dir, {wid: module.rsplit(".", 1)[-1] for wid, module, _ in worker_specs(self.cfg)}
@@ -185,6 +184,15 @@ class LocalSupervisor:
         self.endpoints.save(self.run_dir)
         if resume:
             print(f"[areal-async] resuming from {resume}")
+
+    def node_host(self, wid: Optional[str]) -> str:
+        """The address of the node worker ``wid`` is placed on (node 0 for None or an unplaced process)."""
+        slot = self.placement.get(wid) if wid else None
+        return self.cfg.cluster.hosts()[slot.node if slot is not None else 0]
+
+    def node_hosts(self) -> dict[str, str]:
+        """Worker id -> the address of its node, for every placed worker."""
+        return {wid: self.node_host(wid) for wid in self.placement}
 
     def resume_point(self) -> Optional[Path]:
         """The newest complete checkpoint to resume from, per recover.mode; refuses to mix runs."""
@@ -223,7 +231,7 @@ class LocalSupervisor:
             ]
             if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
-            child_env = env | device_env(self.cfg, self.placement.get(wid)) | self._token_env(wid)
+            child_env = env | device_env(self.cfg, self.placement.get(wid)) | self._token_env(wid) | self._host_env(wid)
             self.children.append(Child(wid, self._spawn(cmd, log_path, child_env), log_path, cmd, env=child_env))
         self._env = env
         self._write_pids()
@@ -250,6 +258,10 @@ class LocalSupervisor:
     def _token_env(self, wid: str) -> dict:
         """The launch token of worker ``wid`` (the same for its restarts), for its Register."""
         return {TOKEN_ENV: self.tokens[wid]} if wid in self.tokens else {}
+
+    def _host_env(self, wid: str) -> dict:
+        """With cluster.node_hosts: the address of the worker's node (it binds and connects from it)."""
+        return {NODE_HOST_ENV: self.node_host(wid)} if self.cfg.cluster.node_hosts else {}
 
     def _spawn(self, cmd: list, log_path: Path, env: dict) -> Launched:
         """Start one process through the launcher (on the node the placement gives that worker)."""

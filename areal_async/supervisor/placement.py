@@ -12,9 +12,10 @@ handed out in one pass:
 - the scheduler and reward workers get none (``CUDA_VISIBLE_DEVICES=""``).
 
 A process's GPUs never span nodes. On CPU (``cluster.device=cpu``) nobody gets a GPU and the
-environment is left alone. ``LOCAL_RANK`` is a trainer rank's index among the trainer ranks of
-its node (torchrun's meaning); with ``CUDA_VISIBLE_DEVICES`` naming one GPU that GPU is
-``cuda:0`` inside the process.
+environment is left alone; the processes are dealt over the nodes in start order (scheduler, reward
+workers, trainer ranks, rollout workers: process i on node i mod ``n_nodes``). ``LOCAL_RANK`` is
+a trainer rank's index among the trainer ranks of its node (torchrun's meaning); with
+``CUDA_VISIBLE_DEVICES`` naming one GPU that GPU is ``cuda:0`` inside the process.
 
 Refusals (``PlacementError``, before anything starts): more GPUs asked than the cluster has;
 rollout GPUs that do not divide over the rollout workers; a process whose GPUs would span nodes;
@@ -99,11 +100,9 @@ def place(shape: ClusterShape) -> dict[str, Slot]:
         raise PlacementError(f"cluster.n_trainer_ranks={shape.n_trainer_ranks}: expected an integer >= 1")
     rollout = [f"rollout-{i}" for i in range(shape.n_rollout_workers)]
     trainers = trainer_names(shape.n_trainer_ranks)
-    out = {w: Slot(node=0) for w in shape.extra_workers}
     if shape.device != "cuda":
-        return (
-            out | {w: Slot(node=0) for w in rollout} | {w: Slot(node=0, local_rank=r) for r, w in enumerate(trainers)}
-        )
+        return _deal_cpu(list(shape.extra_workers), trainers, rollout, shape.n_nodes)
+    out = {w: Slot(node=0) for w in shape.extra_workers}
     _check_total(shape)
     per_worker = shape.rollout_gpus // max(1, shape.n_rollout_workers)
     pos, per_node = 0, shape.n_gpus_per_node
@@ -115,6 +114,21 @@ def place(shape: ClusterShape) -> dict[str, Slot]:
         node, gpus = _take(pos, 1, per_node, w)
         out[w], pos = Slot(node, gpus, local_rank=locals_on.get(node, 0)), pos + 1
         locals_on[node] = locals_on.get(node, 0) + 1
+    return out
+
+
+def _deal_cpu(extra: list[str], trainers: list[str], rollout: list[str], n_nodes: int) -> dict[str, Slot]:
+    """A CPU run: the processes dealt over the nodes in start order (scheduler, reward workers, trainer
+    ranks, rollout workers), process i on node i mod n_nodes; one node holds them all when n_nodes = 1."""
+    out: dict[str, Slot] = {}
+    locals_on: dict[int, int] = {}
+    for i, w in enumerate(extra + trainers + rollout):
+        node = i % n_nodes
+        if w in trainers:
+            out[w] = Slot(node, local_rank=locals_on.get(node, 0))
+            locals_on[node] = locals_on.get(node, 0) + 1
+        else:
+            out[w] = Slot(node)
     return out
 
 

@@ -85,7 +85,7 @@ def plan_server_addresses(cfg: ExperimentConfig) -> list[str]:
         return []
     if server_addresses(cfg):
         return [a.rstrip("/") for a in server_addresses(cfg)]
-    host = cfg.cluster.host
+    host = cfg.cluster.hosts()[0]  # the servers run on node 0
     return [f"http://{host}:{free_tcp_port(host)}" for _ in range(n_servers(cfg))]
 
 
