@@ -4,14 +4,15 @@
 are memoryviews of the tensors' own (contiguous, CPU) storage, so ZeroMQ can send them without
 a copy (``send_multipart(frames, copy=False)``). The header says, for every tensor, its name,
 dtype, shape and byte count; ``decode_tensors`` checks all of them against the frames it got
-(count, sizes, dtype whitelist) and raises ``ProtocolError`` naming the first mismatch, so a
-truncated or mislabelled frame never becomes a silently wrong tensor.
+(count, sizes, dtype whitelist, the declared total against the receiver's bound) and raises
+``ProtocolError`` naming the first mismatch before it allocates any tensor, so a truncated,
+padded or mislabelled frame never becomes a silently wrong tensor.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -57,8 +58,10 @@ def encode_tensors(key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> li
     return [header_bytes(key, meta, tensors)] + [tensor_bytes(t) for t in tensors.values()]
 
 
-def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Tensor]]:
-    """[header, raw...] -> (key, meta, {name: tensor}); tensors own their memory."""
+def decode_tensors(frames: Sequence[Any], max_bytes: Optional[int] = None) -> tuple[str, dict, dict[str, torch.Tensor]]:
+    """[header, raw...] -> (key, meta, {name: tensor}); tensors own their memory. Nothing is allocated
+    before every frame matched its spec (a frame larger or smaller than declared is refused) and the
+    declared total is within ``max_bytes`` (when given)."""
     if not frames:
         raise ProtocolError("tensor message has no frames")
     header = parse_header(_buf(frames[0]))
@@ -67,9 +70,18 @@ def decode_tensors(frames: Sequence[Any]) -> tuple[str, dict, dict[str, torch.Te
         raise ProtocolError(
             f"tensor message {header.key!r}: header lists {len(specs)} tensors, got {len(frames) - 1} frames"
         )
+    declared = sum(s.get("nbytes", 0) for s in specs if isinstance(s, dict) and isinstance(s.get("nbytes"), int))
+    if max_bytes is not None and declared > max_bytes:
+        raise ProtocolError(
+            f"tensor message {header.key!r}: header declares {declared} bytes, more than the bound {max_bytes}"
+        )
+    bufs = [_buf(f) for f in frames[1:]]
+    checked = [check_spec(spec, len(buf), header.key) for spec, buf in zip(specs, bufs)]
     out = {}
-    for spec, frame in zip(specs, frames[1:]):
-        out[spec["name"]] = _tensor(spec, _buf(frame), header.key)
+    for (name, dtype, shape), buf in zip(checked, bufs):
+        if name in out:
+            raise ProtocolError(f"tensor message {header.key!r}: tensor name {name!r} appears twice")
+        out[name] = torch.empty(shape, dtype=dtype) if len(buf) == 0 else _copy(buf, dtype, shape)
     return header.key, header.meta, out
 
 
@@ -100,8 +112,5 @@ def check_spec(spec: Any, have: int, key: str) -> tuple[str, torch.dtype, list[i
     return name, DTYPES[dtype], shape
 
 
-def _tensor(spec: Any, buf: memoryview, key: str) -> torch.Tensor:
-    _, dtype, shape = check_spec(spec, len(buf), key)
-    if len(buf) == 0:
-        return torch.empty(shape, dtype=dtype)
+def _copy(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf), dtype=dtype).reshape(shape)

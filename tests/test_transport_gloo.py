@@ -8,15 +8,19 @@ both receivers must report the sender's state checksum for each.
 
 from __future__ import annotations
 
+import threading
+
 import msgpack
 import pytest
 import torch
+import zmq
 
 from areal_async.transport import ProtocolError, make_tensor_channel, make_weight_channel
 from areal_async.transport.buckets import state_checksum
 from areal_async.transport.frames import header_bytes
+from protocols.messages import encode
 from protocols.side import GroupTensors
-from protocols.sockets import free_tcp_port
+from protocols.sockets import free_tcp_port, make_socket
 from test_transport_helpers import Peer, ask, assert_bit_exact, reply, sample_tensors
 
 WORLD = 3
@@ -109,3 +113,44 @@ def _check_weights(pub, peers) -> None:
             p.send({"manifest": manifest})
         pub.publish_end()
         assert [p.recv()["crc"] for p in peers] == [state_checksum(sd)] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_gloo_note_over_the_bound_is_refused_before_allocating(monkeypatch):
+    """Two ranks of a real gloo group (threads of this process): a note announcing more than the
+    receiver's max_message_bytes is refused without allocating its buffer; the next message arrives."""
+    cfg = {"endpoint": f"tcp://127.0.0.1:{free_tcp_port()}", "store": f"127.0.0.1:{free_tcp_port()}"}
+    made = {}
+
+    def rank(r: int) -> None:
+        role = "receiver" if r == 0 else "sender"
+        kw = {"max_message_bytes": 1024} if r == 0 else {}
+        made[r] = make_tensor_channel(
+            "gloo", role=role, endpoint=cfg["endpoint"], rank=r, world_size=2, store=cfg["store"], **kw
+        )
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    rx, tx = made[0], made[1]
+    allocs = []
+    real_alloc = rx.group.alloc
+    monkeypatch.setattr(rx.group, "alloc", lambda n: allocs.append(n) or real_alloc(n))
+    raw = make_socket(zmq.Context.instance(), zmq.PUSH, connect=rx.endpoint)
+    try:
+        header = header_bytes("big", {}, {"x": torch.zeros(2048, dtype=torch.uint8)})
+        raw.send(encode(GroupTensors(src=1, sizes=[2048], header=header)))
+        with pytest.raises(ProtocolError, match="announces 2048 bytes, more than the bound 1024"):
+            rx.recv(timeout_s=30)
+        assert allocs == []
+        sender = threading.Thread(target=tx.send, args=("after", {"v": torch.arange(5)}))
+        sender.start()
+        key, _, got = rx.recv(timeout_s=30)
+        sender.join(timeout=30)
+        assert key == "after" and torch.equal(got["v"], torch.arange(5)) and allocs == [64]  # 40 bytes, aligned
+    finally:
+        raw.close()
+        tx.close()
+        rx.close()

@@ -57,6 +57,85 @@ def test_bad_frames_raise_and_the_receiver_keeps_serving(pair):
     raw.close()
 
 
+BOUND = 4096  # the receiver's tensor_channel.max_message_mb, in bytes, for the tests below
+
+
+@pytest.fixture
+def bounded(monkeypatch):
+    """A receiver bounded to BOUND bytes per message, a sender, a raw PUSH, and the count of tensor
+    allocations the receiver made (every decoded tensor's memory comes from protocols.tensors._copy)."""
+    import protocols.tensors as T
+
+    copies = []
+    real = T._copy
+    monkeypatch.setattr(T, "_copy", lambda buf, dtype, shape: copies.append(len(buf)) or real(buf, dtype, shape))
+    rx = make_tensor_channel("zmq", role="receiver", endpoint="tcp://127.0.0.1:*", max_message_bytes=BOUND)
+    tx = make_tensor_channel("zmq", role="sender", endpoint=rx.endpoint)
+    raw = make_socket(zmq.Context.instance(), zmq.PUSH, connect=rx.endpoint)
+    yield tx, rx, raw, copies
+    raw.close()
+    tx.close()
+    rx.close()
+
+
+def _serves(tx, rx, copies) -> None:
+    """The receiver is still up: a good message sent after the bad one arrives intact."""
+    good = {"a": torch.arange(6, dtype=torch.int64), "b": torch.ones(3, dtype=torch.float32)}
+    copies.clear()
+    tx.send("after", good)
+    key, _, got = rx.recv(timeout_s=30)
+    assert key == "after" and torch.equal(got["a"], good["a"]) and torch.equal(got["b"], good["b"])
+    assert copies == [48, 12]
+
+
+def test_frames_larger_or_smaller_than_declared_are_refused_before_any_tensor_is_allocated(bounded):
+    tx, rx, raw, copies = bounded
+    # header: a int64[6] (48 bytes) then b float32[3] (12 bytes); a matches, b does not
+    header, a, b = encode_tensors("k", {}, {"a": torch.arange(6), "b": torch.ones(3)})
+    for frame_b, have in [(bytes(b) + b"\0" * 4, 16), (bytes(b)[:8], 8), (b"", 0)]:
+        copies.clear()
+        raw.send_multipart([header, bytes(a), frame_b])
+        with pytest.raises(
+            ProtocolError, match=f"tensor 'b': float32\\[3\\] needs 12 bytes; header says 12, payload has {have}"
+        ):
+            rx.recv(timeout_s=30)
+        assert copies == []  # not even 'a', which matched, was allocated
+        _serves(tx, rx, copies)
+
+
+def test_a_header_declaring_more_than_the_bound_is_refused(bounded):
+    tx, rx, raw, copies = bounded
+    # two int32[600] tensors: 2400 bytes each, so every frame is under the socket bound of 4096 but the
+    # declared total (4800) is over it
+    tensors = {"a": torch.zeros(600, dtype=torch.int32), "b": torch.zeros(600, dtype=torch.int32)}
+    raw.send_multipart(encode_tensors("big", {}, tensors))
+    with pytest.raises(ProtocolError, match="'big': header declares 4800 bytes, more than the bound 4096"):
+        rx.recv(timeout_s=30)
+    assert copies == []
+    _serves(tx, rx, copies)
+    # a header that lies about a huge tensor (1 TiB declared, nothing sent) is refused the same way
+    header = encode_tensors("lie", {}, {"x": torch.zeros(1, dtype=torch.uint8)})[0]
+    fields = msgpack.unpackb(header, raw=False)
+    fields["specs"][0].update(shape=[1 << 40], nbytes=1 << 40)
+    raw.send_multipart([msgpack.packb(fields), b"\0"])
+    with pytest.raises(ProtocolError, match=f"header declares {1 << 40} bytes, more than the bound 4096"):
+        rx.recv(timeout_s=30)
+    _serves(tx, rx, copies)
+
+
+def test_a_frame_over_the_bound_is_dropped_at_the_socket(bounded):
+    tx, rx, raw, copies = bounded
+    raw.send_multipart(encode_tensors("huge", {}, {"x": torch.zeros(BOUND + 1, dtype=torch.uint8)}))
+    _serves(tx, rx, copies)  # libzmq dropped raw's connection at the frame; the receiver never saw it
+    with pytest.raises(TimeoutError):
+        rx.recv(timeout_s=1.0)
+    # a message exactly at the bound passes the socket (and decodes)
+    raw.send_multipart(encode_tensors("edge", {}, {"x": torch.zeros(BOUND, dtype=torch.uint8)}))
+    key, _, got = rx.recv(timeout_s=30)
+    assert key == "edge" and got["x"].numel() == BOUND
+    assert rx._pipe.sock.getsockopt(zmq.MAXMSGSIZE) == BOUND
+
+
 def test_recv_times_out(pair):
     _, rx = pair
     with pytest.raises(TimeoutError, match="no tensor message"):

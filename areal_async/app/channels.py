@@ -17,6 +17,8 @@ def _group(cfg: ExperimentConfig, ep: Endpoints, kind: str, rank: int, store_key
 def trajectory_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
     kind = cfg.tensor_channel.trajectories
     kw = {"run_id": ep.extra.get("run_id")} if kind == "shm" else {}
+    if role == "receiver" and kind in ("zmq", "gloo", "nccl"):  # the trainer's bound on one group's tensors
+        kw["max_message_bytes"] = int(cfg.tensor_channel.max_message_mb * 2**20)
     return make_tensor_channel(
         kind, role=role, endpoint=ep.trajectories, **kw, **_group(cfg, ep, kind, rank, "traj_store")
     )

@@ -501,8 +501,15 @@ class TensorChannelConfig(Section):
     weights: str = _f("shm", f"Weight channel: {' | '.join(CHANNEL_KINDS)}.")
     trajectories: str = _f("zmq", f"Trajectory channel: {' | '.join(CHANNEL_KINDS)}.")
     bucket_mb: float = _f(64.0, "Weight-sync bucket size in MiB.")
+    max_message_mb: float = _f(
+        1024.0,
+        "Bound on one trajectory message (a group's tensors) at the trainer, MiB: a zmq frame larger is "
+        "dropped at the socket (ZMQ_MAXMSGSIZE) before it is allocated; a header or gloo/nccl note "
+        "declaring more is refused before anything is allocated.",
+    )
 
     def check(self) -> None:
         one_of(self, "weights", CHANNEL_KINDS)
         one_of(self, "trajectories", CHANNEL_KINDS)
         above(self, "bucket_mb", 0)
+        above(self, "max_message_mb", 0)

@@ -41,7 +41,7 @@ from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
 from protocols.side import GroupTensors
 
-MAX_MESSAGE_BYTES = 64 << 30  # a note asking for more is garbage, not a trajectory
+MAX_MESSAGE_BYTES = 1 << 30  # default bound of one trajectory message (tensor_channel.max_message_mb)
 _STORES: dict[tuple[str, int], Any] = {}
 
 
@@ -137,8 +137,11 @@ class GlooGroup(Group):
 class CollectiveTensorChannel(TensorChannel):
     """Receiver: binds ``endpoint``; senders push notes there and send payload to rank ``dst``."""
 
-    def __init__(self, group: Group, *, role: str, endpoint: str, dst: int = 0):
+    def __init__(
+        self, group: Group, *, role: str, endpoint: str, dst: int = 0, max_message_bytes: int = MAX_MESSAGE_BYTES
+    ):
         self.group = group
+        self.max_message_bytes = max_message_bytes
         self._pipe = Pipe(role, endpoint)
         self.endpoint = self._pipe.endpoint
         check_rank(dst, group.world_size)
@@ -158,8 +161,8 @@ class CollectiveTensorChannel(TensorChannel):
         if not 0 <= src < self.group.world_size or src == self.group.rank:
             raise ProtocolError(f"tensor note names source rank {src}, expected a peer in [0, {self.group.world_size})")
         offsets, total = layout(sizes)
-        if total > MAX_MESSAGE_BYTES:
-            raise ProtocolError(f"tensor note announces {total} bytes, more than {MAX_MESSAGE_BYTES}")
+        if total > self.max_message_bytes:  # refused before allocating (the sender's send is then never matched)
+            raise ProtocolError(f"tensor note announces {total} bytes, more than the bound {self.max_message_bytes}")
         flat = self.group.alloc(total)
         bufs = [flat[o : o + n] for o, n in zip(offsets, sizes) if n]
         self.group.wait(self.group.recv(bufs, src))
@@ -284,9 +287,10 @@ class GlooTensorChannel(CollectiveTensorChannel):
         dst: int = 0,
         name: str = "trajectories",
         timeout_s: float = 300.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         group = GlooGroup(rank=rank, world_size=world_size, store=store, name=name, timeout_s=timeout_s)
-        super().__init__(group, role=role, endpoint=endpoint, dst=dst)
+        super().__init__(group, role=role, endpoint=endpoint, dst=dst, max_message_bytes=max_message_bytes)
 
 
 class GlooWeightChannel(CollectiveWeightChannel):

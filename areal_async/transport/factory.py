@@ -6,10 +6,10 @@ Keyword arguments by kind (``role`` always; everything else keyword-only, unknow
 kind       trajectories (``role``: sender | receiver)       weights (``role``: publisher | receiver)
 =========  ==========================================================================================
 shm        endpoint, pool_mb=2048, run_id                   bucket_mb, checksum='sum64', run_id
-zmq        endpoint                                         bucket_mb, checksum, endpoint (publisher
+zmq        endpoint, max_message_bytes (receiver)           bucket_mb, checksum, endpoint (publisher
                                                             bind address), expect_receivers=0
-gloo       endpoint, rank, world_size, store, dst=0         rank, world_size, store, bucket_mb,
-                                                            checksum, pipeline=True
+gloo       endpoint, rank, world_size, store, dst=0,        rank, world_size, store, bucket_mb,
+           max_message_bytes (receiver)                     checksum, pipeline=True
 nccl       as gloo, + device, rendezvous                    as gloo, + device, rendezvous
 cuda_ipc   endpoint, device                                 bucket_mb, checksum='sum64', device
 =========  ==========================================================================================

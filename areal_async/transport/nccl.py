@@ -44,6 +44,7 @@ import torch
 
 from areal_async.transport.base import TransportError, TransportUnavailable
 from areal_async.transport.collective import (
+    MAX_MESSAGE_BYTES,
     CollectiveTensorChannel,
     CollectiveWeightChannel,
     Group,
@@ -211,6 +212,7 @@ class NcclTensorChannel(CollectiveTensorChannel):
         dst: int = 0,
         name: str = "trajectories",
         timeout_s: float = 300.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ):
         group = NcclGroup(
             rank=rank,
@@ -221,7 +223,7 @@ class NcclTensorChannel(CollectiveTensorChannel):
             name=name,
             timeout_s=timeout_s,
         )
-        super().__init__(group, role=role, endpoint=endpoint, dst=dst)
+        super().__init__(group, role=role, endpoint=endpoint, dst=dst, max_message_bytes=max_message_bytes)
 
 
 class NcclWeightChannel(CollectiveWeightChannel):

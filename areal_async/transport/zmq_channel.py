@@ -13,7 +13,9 @@ than pipelined with the wire because receivers fetch at their own pace, long aft
 
 Authentication and encryption: CURVE with the run's keys on ``tcp://`` (``protocols.curve``), as
 on the control plane. Size limits: a fetch accepts no frame larger than the manifest's biggest
-bucket; the trajectory receiver none larger than ``max_frame_bytes``.
+bucket; the trajectory receiver none larger than ``max_message_bytes`` (libzmq drops the sender's
+connection before allocating it), and it refuses a message whose header declares more in all, or
+whose frames differ in size from the sizes its header declares, before it allocates any tensor.
 """
 
 from __future__ import annotations
@@ -38,15 +40,19 @@ _CANCEL_POLL_S = 0.1  # how often a waiting fetch checks whether its channel was
 WINDOW = 4  # buckets requested ahead: keeps the pipe full without buffering the whole model
 
 
-TENSOR_FRAME_MAX_BYTES = 1 << 30  # default bound of one inbound tensor frame (ZMQ_MAXMSGSIZE)
+TENSOR_MESSAGE_MAX_BYTES = 1 << 30  # default bound of one inbound tensor message (and so of each frame)
 _HEADER_ROOM = 1 << 20  # a bucket reply's header frame, beside the bucket itself
 
 
 class ZmqTensorChannel(TensorChannel):
-    """``max_frame_bytes``: the receiver drops (at the socket) a sender that sends a larger frame."""
+    """``max_message_bytes`` (receiver): a larger frame is dropped at the socket (``ZMQ_MAXMSGSIZE``), a
+    header declaring more in all is refused (``ProtocolError``) before anything is allocated."""
 
-    def __init__(self, *, role: str, endpoint: str, max_frame_bytes: int = TENSOR_FRAME_MAX_BYTES):
-        self._pipe = Pipe(role, endpoint, max_bytes=max_frame_bytes)
+    def __init__(self, *, role: str, endpoint: str, max_message_bytes: int = TENSOR_MESSAGE_MAX_BYTES):
+        if not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes={max_message_bytes!r}: expected a positive int")
+        self.max_message_bytes = max_message_bytes
+        self._pipe = Pipe(role, endpoint, max_bytes=max_message_bytes)
         self.endpoint = self._pipe.endpoint
 
     def send(self, key: str, tensors: Tensors, meta: Optional[dict] = None) -> None:
@@ -54,7 +60,7 @@ class ZmqTensorChannel(TensorChannel):
 
     def recv(self, timeout_s: Optional[float] = None) -> tuple[str, dict, Tensors]:
         self._pipe.wait(deadline_of(timeout_s))
-        return decode_tensors(self._pipe.sock.recv_multipart(copy=False))
+        return decode_tensors(self._pipe.sock.recv_multipart(copy=False), self.max_message_bytes)
 
     def close(self) -> None:
         self._pipe.close()
