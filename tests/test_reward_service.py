@@ -72,6 +72,22 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         assert sum("rejected a frame" in r.getMessage() for r in caplog.records) == 2
         assert "parallel lists differ in length" in caplog.text
         assert svc.counts["ok"] == 4
+
+        # groups queued together are scored in one pool call; each still gets its own result
+        answers = {f"g{k}": [f"\\boxed{{{k}}}", "\\boxed{0}", f"{k}"] for k in range(2, 7)}
+        for gid, comps in answers.items():
+            sids = [f"{gid}.{j}" for j in range(len(comps))]
+            await send_message(
+                push, M.RewardRequest(group_id=gid, sample_ids=sids, completions=comps, solutions=[gid[1]])
+            )
+        got = {}
+        while len(got) < len(answers):
+            _, res = await next_of(scheduler, M.RewardResult)
+            got[res.group_id] = res
+        for gid, comps in answers.items():
+            assert got[gid].sample_ids == [f"{gid}.{j}" for j in range(3)]
+            assert got[gid].scores == [1.0, 0.0, 0.0] and got[gid].statuses == ["ok"] * 3
+        assert svc.counts["ok"] == 4 + 15 and svc.scoring == 0
     finally:
         if ident is not None:
             await send_message(scheduler, M.Shutdown(reason="test"), to=ident)

@@ -79,6 +79,7 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         publish_dtype=dtype,
         bucket_bytes=bucket_bytes,
         evaluator=_evaluator(cfg, tok),
+        overlap_publish=cfg.rollout.max_head_offpolicyness >= 1,
     )
 
 

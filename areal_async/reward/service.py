@@ -3,8 +3,10 @@
 Rollout workers PUSH ``RewardRequest`` frames to every reward worker's PULL socket (ZeroMQ
 spreads them round-robin). A request carries one group's completions; they are scored by
 ``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once) and one
-``RewardResult`` with the group's scores goes to the scheduler. At most ``n_procs`` groups are
-taken off the queue at a time, so an idle reward worker is not starved by a busy one. A
+``RewardResult`` with the group's scores goes to the scheduler. At most ``n_procs`` batches are
+taken off the queue at a time, so an idle reward worker is not starved by a busy one; a batch is
+one request plus those already queued on this worker's socket (up to ``MAX_BATCH_GROUPS``),
+scored in one pool call: a round trip per child per batch, not per group. A
 malformed frame is logged and dropped; the worker keeps serving. Anything else that raises (a
 ``score_many`` that fails instead of scoring 0) ends the process non-zero with its traceback
 (``TaskSet``): the supervisor restarts it and the scheduler re-issues what it held; the group
@@ -29,6 +31,8 @@ from areal_async.base.control import ControlClient
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.reward")
+
+MAX_BATCH_GROUPS = 32  # requests scored in one pool call (one taken plus those already queued)
 
 
 class RewardService:
@@ -87,19 +91,36 @@ class RewardService:
             if req is None:
                 continue
             await self.slots.acquire()
-            self.tasks.spawn(self._score(req), f"reward.score.{req.group_id}")
+            batch = [req] + await self._queued(MAX_BATCH_GROUPS - 1)
+            self.tasks.spawn(self._score(batch), f"reward.score.{req.group_id}+{len(batch) - 1}")
 
-    async def _score(self, req: RewardRequest) -> None:
+    async def _queued(self, limit: int) -> list[RewardRequest]:
+        """Up to ``limit`` requests already waiting on the socket (never waits for one)."""
+        out: list[RewardRequest] = []
+        while len(out) < limit and self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            _, req = await recv_message(self.pull, expect=(RewardRequest,), where=self.worker_id)
+            if req is not None:
+                out.append(req)
+        return out
+
+    async def _score(self, batch: list[RewardRequest]) -> None:
+        """Score the batch's groups in one pool call; one RewardResult per group."""
         self._busy(+1)
-        self.scoring += 1
+        self.scoring += len(batch)
         self._note_waiting()
         try:
-            outs = await self.pool.score_many([(c, req.solutions) for c in req.completions])
+            outs = await self.pool.score_many([(c, req.solutions) for req in batch for c in req.completions])
         finally:
             self.slots.release()
             self._busy(-1)
-            self.scoring -= 1
+            self.scoring -= len(batch)
             self._note_waiting()
+        start = 0
+        for req in batch:
+            await self._result(req, outs[start : start + len(req.completions)])
+            start += len(req.completions)
+
+    async def _result(self, req: RewardRequest, outs: list) -> None:
         for sid, out in zip(req.sample_ids, outs):
             self.counts[out.status] = self.counts.get(out.status, 0) + 1
             if out.status != "ok":

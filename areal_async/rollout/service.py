@@ -258,25 +258,44 @@ class RolloutService:
                 self.stop.set()
             else:
                 for group, req in payload:
-                    if isinstance(req, SubRequest):
-                        if not req.future.done():
-                            req.future.set_result(group.samples[0])
-                    else:
-                        await self._publish_group(group, req)
+                    if isinstance(req, SubRequest) and not req.future.done():
+                        req.future.set_result(group.samples[0])
+                await self._publish_groups([(g, r) for g, r in payload if not isinstance(r, SubRequest)])
             self._note_waiting()
 
-    async def _publish_group(self, group: GroupOutput, req: GenerateRequest) -> None:
-        samples = group.samples
-        sids = list(req.sample_ids[: len(samples)])
+    async def _publish_groups(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
+        """The groups one engine step finished: every group's tensors first (one hop to the sender
+        thread for all), then their RewardRequests (scoring starts while the rest goes out), then
+        their TrajectoryReady messages (the scheduler takes a group's score and trajectory in either order)."""
+        if not items:
+            return
+        msgs = []
+        for g, req in items:
+            meta = {"group_id": req.group_id, "sample_ids": list(req.sample_ids[: len(g.samples)])}
+            msgs.append((req.group_id, group_tensors(req.prompt_ids, g.samples), meta))
         # before TrajectoryReady: the trainer may be asked for the group next. Sent from the sender
         # thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
-        await asyncio.get_running_loop().run_in_executor(
-            self._sender,
-            self.traj.send,
-            req.group_id,
-            group_tensors(req.prompt_ids, samples),
-            {"group_id": req.group_id, "sample_ids": sids},
-        )
+        await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, msgs)
+        for group, req in items:
+            await send_message(
+                self.reward_sock,
+                RewardRequest(
+                    group_id=req.group_id,
+                    sample_ids=list(req.sample_ids[: len(group.samples)]),
+                    completions=[self.decode(s.output_ids) for s in group.samples],
+                    solutions=req.solutions,
+                ),
+            )
+        for group, req in items:
+            await self._trajectory_ready(group, req)
+
+    def _send_all(self, msgs: list[tuple[str, dict, dict]]) -> None:
+        for key, tensors, meta in msgs:
+            self.traj.send(key, tensors, meta)
+
+    async def _trajectory_ready(self, group: GroupOutput, req: GenerateRequest) -> None:
+        samples = group.samples
+        sids = list(req.sample_ids[: len(samples)])
         vmin = [int(s.versions.min()) if s.versions.numel() else -1 for s in samples]
         vmax = [int(s.versions.max()) if s.versions.numel() else -1 for s in samples]
         await self.control.send(
@@ -290,15 +309,6 @@ class RolloutService:
                 version_max=vmax,
                 finish_reasons=[s.finish_reason for s in samples],
             )
-        )
-        await send_message(
-            self.reward_sock,
-            RewardRequest(
-                group_id=req.group_id,
-                sample_ids=sids,
-                completions=[self.decode(s.output_ids) for s in samples],
-                solutions=req.solutions,
-            ),
         )
         self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))

@@ -8,6 +8,9 @@
       BatchPlan(step, ids) ─> wait until every planned id is in the buffer
                            ─> PPOActor.train_step (executor thread: the loop keeps receiving)
                            ─> publish weights of version step+1; TrainStepDone(step, version)
+                              (η >= 1, ``overlap_publish``: TrainStepDone first, and the weights are
+                              published while the scheduler plans the next batch and the rollouts
+                              generate; the next message is handled only once they are out)
       CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py); CheckpointSaved
       Shutdown              ─> exit (non-zero when the scheduler declared this trainer lost)
     periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
@@ -33,6 +36,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 
@@ -56,6 +60,8 @@ from areal_async.base.aio import TaskSet
 log = logging.getLogger("areal_async.trainer")
 
 
+# what ``Trajectory`` converts its per-token fields to (trainer/types.py)
+TRAJ_DTYPES = {"prompt_ids": torch.long, "output_ids": torch.long, "logprobs": torch.float32, "versions": torch.long}
 MAX_DROPPED = 100_000  # aborted ids whose tensors have not come (yet): oldest forgotten past this
 
 
@@ -135,8 +141,14 @@ class TrainerService:
         publish_dtype: torch.dtype = torch.float32,
         bucket_bytes: int = 64 << 20,
         evaluator=None,
+        overlap_publish: bool = False,
     ):
+        """``overlap_publish`` (η >= 1): TrainStepDone before the weights are published (see the
+        module docstring); its ``publish_s`` is then the previous step's publication."""
         self.control, self.actor = control, actor
+        self.overlap_publish = overlap_publish
+        self._publishing: Optional[asyncio.Task] = None
+        self.publish_s = 0.0
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
         self.buffer = TrajectoryBuffer(traj_channel)
         self.weights = weight_channel
@@ -182,6 +194,7 @@ class TrainerService:
         while True:
             self.waiting(f"a BatchPlan for step {self.next_step}")
             msg = await self.control.recv()
+            await self._published()  # an overlapped publication ends before anything else touches the model
             if isinstance(msg, BatchPlan):
                 await self.train(msg)
             elif isinstance(msg, CheckpointRequest):
@@ -195,6 +208,12 @@ class TrainerService:
                 return 0
             else:
                 log.debug("trainer: ignoring %s", msg.TYPE)
+
+    async def _published(self) -> None:
+        """Wait for the overlapped publication in flight, if any (its error is raised here)."""
+        task, self._publishing = self._publishing, None
+        if task is not None:
+            await task
 
     async def publish(self, version: int) -> None:
         """Send weights of `version` to every rollout worker over the weight channel."""
@@ -226,7 +245,11 @@ class TrainerService:
         metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs)
         t2 = time.perf_counter()
         self.next_step, self.version = plan.step + 1, plan.step + 1
-        await self.publish(self.version)
+        overlap = self.overlap_publish and not (self.evaluator is not None and self.evaluator.due(self.version))
+        if overlap:  # the rollouts wait for these weights by min_version; the trainer waits in _loop
+            self._publishing = asyncio.ensure_future(self.publish(self.version))
+        else:
+            await self.publish(self.version)
         metrics.update(wait_data_s=t1 - t0, train_s=t2 - t1, publish_s=self.publish_s)
         await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
         await self.control.send(
@@ -272,6 +295,8 @@ def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
     keys = ("output_ids", "logprobs", "versions") + (("loss_mask",) if "loss_mask" in t else ())
     if "loss_mask" in t and t["loss_mask"].numel() != n:
         raise ValueError(f"group {key!r}: {t['loss_mask'].numel()} loss-mask entries for {n} output ids")
+    # the Trajectory dtypes once per group (the wire carries int32): its samples' views need no conversion
+    t = {k: v.to(TRAJ_DTYPES[k]) if k in TRAJ_DTYPES else v for k, v in t.items()}
     parts = zip(*(t[k].split(lengths) for k in keys))
     return {
         sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], **dict(zip(keys, p))})
