@@ -27,11 +27,16 @@ Phases per step (ms, means over the steady window after ``--warmup`` steps):
 - publish: weights to the engine (fleet: the trainer's ``publish_s``, until the channel
   released the publisher; the rollout side's load is inside gen);
 - wait: the trainer idle between two steps (fleet: step - train - publish; in-process 0);
-- step: wall time per step.
+- step: wall time per step;
+- cpu: CPU time per step (in-process: this process; fleet: every process of the run, by role
+  in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
+  the CPU the fleet's plumbing adds per step is the figure that does not depend on the load.
 In the fleet the phases of different steps overlap at η > 0, so they need not sum to the step.
+``--pin`` gives the fleet's trainer a CPU of its own and every other role the rest
+(``benchmarks.common.fleet.placement``), and pins the in-process loop to the trainer's CPU.
 
 JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
-``eta``, phase ms), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
+``eta``, phase ms, ``cpu_ms``), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
 ``meets_target``), ``engine_vs_hf_generate_tokens_per_s_ratio`` (both tokens/s). Targets: fleet
 η = 0 <= 1.25 x in-process, η = 1 <= 0.8 x; engine >= 2 x HF generate. Every row also carries
 the 1-minute load average before and after the whole benchmark: on a shared machine the
@@ -65,7 +70,8 @@ from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.types import Trajectory
 from benchmarks.common import write_rows
-from benchmarks.common.fleet import run_fleet
+from benchmarks.common.cpu import cpu_per_step
+from benchmarks.common.fleet import placement, run_fleet
 
 ALPHABET = "0123456789+="
 WARMUP_STEPS = 5
@@ -152,8 +158,8 @@ class InProcessLoop:
         self.version = 0
 
     def step(self) -> dict[str, float]:
-        """One RL step; returns seconds per phase."""
-        t0 = time.perf_counter()
+        """One RL step; returns seconds per phase (and this process's CPU seconds as ``cpu``)."""
+        c0, t0 = time.process_time(), time.perf_counter()
         self.engine.update_weights(self.version, {k: v.detach() for k, v in self.actor.model.state_dict().items()})
         t1 = time.perf_counter()
         groups = self._generate()
@@ -163,7 +169,16 @@ class InProcessLoop:
         self.actor.train_step(trajs)
         self.version += 1
         t4 = time.perf_counter()
-        return {"publish": t1 - t0, "gen": t2 - t1, "reward": t3 - t2, "train": t4 - t3, "wait": 0.0, "step": t4 - t0}
+        cpu = time.process_time() - c0
+        return {
+            "publish": t1 - t0,
+            "gen": t2 - t1,
+            "reward": t3 - t2,
+            "train": t4 - t3,
+            "wait": 0.0,
+            "step": t4 - t0,
+            "cpu": cpu,
+        }
 
     def _generate(self) -> list[tuple]:
 
@@ -205,7 +220,7 @@ class InProcessLoop:
 def run_inprocess(cfg, steps: int, warmup: int) -> dict:
     loop = InProcessLoop(cfg)
     per_step = [loop.step() for _ in range(steps)][warmup:]
-    return {k: 1000 * statistics.fmean(s[k] for s in per_step) for k in (*PHASES, "step")}
+    return {k: 1000 * statistics.fmean(s[k] for s in per_step) for k in (*PHASES, "step", "cpu")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,6 +255,8 @@ def run_fleet_eta(config: str, ovr: list[str], eta: int, run_dir: Path, warmup: 
     res = run_fleet(config, ovr + [f"rollout.max_head_offpolicyness={eta}"], run_dir)
     rows = res["rows"]
     out = fleet_phases(rows, warmup)
+    by_role = {r: 1000 * s for r, s in cpu_per_step(res["cpu_samples"], warmup).items()}
+    out["cpu"], out["cpu_by_role"] = (sum(by_role.values()) if by_role else None), by_role
     out["final_reward"] = statistics.fmean(r["reward_mean"] for r in rows[-10:])
     out["foreign_cpu_frac"] = res["foreign_cpu_frac"]
     return out
@@ -327,6 +344,7 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
             "mode": "inprocess",
             "eta": None,
             **{f"{k}_ms": inproc[k] for k in PHASES},
+            "cpu_ms": inproc.get("cpu"),
             **meta,
         }
     ]
@@ -339,6 +357,8 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
                 "mode": "fleet",
                 "eta": eta,
                 **{f"{k}_ms": f[k] for k in PHASES},
+                "cpu_ms": f.get("cpu"),
+                "cpu_ms_by_role": f.get("cpu_by_role"),
                 "final_reward": f["final_reward"],
                 "foreign_cpu_frac": f["foreign_cpu_frac"],
                 **meta,
@@ -378,23 +398,29 @@ def print_table(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta:
         f"\noverhead: {meta['batch']} (steady window: steps {meta['warmup']}..{meta['steps'] - 1}); load "
         f"{meta['loadavg_before']:.2f} before, {meta['loadavg_after']:.2f} after, {meta['cpu_count']} CPUs"
     )
-    print(f"{'run':<12} " + " ".join(f"{p:>8}" for p in (*PHASES, "step")) + f" {'x inproc':>9} {'target':>7}")
-    print(f"{'in-process':<12} " + " ".join(f"{inproc[p]:>8.1f}" for p in (*PHASES, "step")))
+    cols = (*PHASES, "step", "cpu")
+    print(f"{'run':<12} " + " ".join(f"{p:>8}" for p in cols) + f" {'x inproc':>9} {'target':>7}")
+    print(f"{'in-process':<12} " + " ".join(_cell(inproc.get(p)) for p in cols))
     for eta, f in sorted(fleet.items()):
         ratio, target = f["step"] / inproc["step"], TARGETS.get(eta)
         verdict = "-" if target is None else f"<={target}" + ("" if ratio <= target else " NOT")
         print(
-            f"{'fleet η=' + str(eta):<12} "
-            + " ".join(f"{f[p]:>8.1f}" for p in (*PHASES, "step"))
-            + f" {ratio:>9.3f} {verdict:>7}"
+            f"{'fleet η=' + str(eta):<12} " + " ".join(_cell(f.get(p)) for p in cols) + f" {ratio:>9.3f} {verdict:>7}"
         )
     print("ms per step; fleet phases overlap at η > 0 (gen/reward/train/publish need not sum to step)")
+    for eta, f in sorted(fleet.items()):
+        roles = ", ".join(f"{r} {v:.1f}" for r, v in (f.get("cpu_by_role") or {}).items())
+        print(f"fleet η={eta} CPU ms per step by role: {roles or 'not sampled'}")
     if gen is not None:
         ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
         print(
             f"engine {gen['engine_tokens_per_s']:.0f} tokens/s vs transformers generate "
             f"{gen['hf_tokens_per_s']:.0f} tokens/s: {ratio:.2f}x (target >= {ENGINE_TARGET}x)"
         )
+
+
+def _cell(v: Optional[float]) -> str:
+    return f"{'-':>8}" if v is None else f"{v:>8.1f}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -409,6 +435,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="directory for the setup and run dirs (default: a temp dir)")
     ap.add_argument("--no-fleet", action="store_true", help="in-process loop and engine only")
     ap.add_argument("--gen-repeats", type=int, default=10, help="batches timed per generator")
+    ap.add_argument("--pin", action="store_true", help="trainer on a CPU of its own (see the module docstring)")
     return ap
 
 
@@ -428,13 +455,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_dir, data = build_setup(out)
     ovr = overrides(Path(args.model_path) if args.model_path else model_dir, data, args.steps) + extra
     cfg = load_config(BASE_CONFIG, ovr)
+    allowed = os.sched_getaffinity(0)
+    pin = placement(sorted(allowed), ovr) if args.pin else []
+    if pin:  # the in-process loop on the fleet trainer's CPU; the fleet's processes place themselves
+        os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
     print(f"[overhead] setup in {out}; in-process loop, {args.steps} steps", flush=True)
     inproc = run_inprocess(cfg, args.steps, args.warmup)
     gen = engine_vs_hf(cfg, args.gen_repeats)
+    os.sched_setaffinity(0, allowed)  # what the fleet's supervisor starts from
     fleet = {}
     for eta in [] if args.no_fleet else sorted(set(args.etas)):
         print(f"[overhead] fleet η={eta}", flush=True)
-        fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr, eta, out / f"eta{eta}", args.warmup)
+        fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + pin, eta, out / f"eta{eta}", args.warmup)
     meta = {
         "batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
         f"{cfg.gconfig.max_new_tokens} new tokens",
@@ -444,6 +476,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "loadavg_after": os.getloadavg()[0],
         "cpu_count": os.cpu_count(),
         "model": str(cfg.model.path),
+        "pinned": bool(pin),
     }
     print_table(inproc, fleet, gen, meta)
     rows = to_rows(inproc, fleet, gen, meta)

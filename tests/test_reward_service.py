@@ -84,7 +84,7 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         while len(got) < len(answers):
             _, res = await next_of(scheduler, M.RewardResult)
             got[res.group_id] = res
-        for gid, comps in answers.items():
+        for gid in answers:
             assert got[gid].sample_ids == [f"{gid}.{j}" for j in range(3)]
             assert got[gid].scores == [1.0, 0.0, 0.0] and got[gid].statuses == ["ok"] * 3
         assert svc.counts["ok"] == 4 + 15 and svc.scoring == 0

@@ -32,6 +32,10 @@ from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
 
+# weight channels whose publication needs no receiver to take part (the trainer may publish after
+# TrainStepDone, see trainer/service.py); gloo/nccl broadcast to live receivers, cuda_ipc not tried
+UNGATED_WEIGHT_CHANNELS = ("shm", "zmq")
+
 
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
     cfg, ep = load_run(run_dir)
@@ -79,7 +83,8 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         publish_dtype=dtype,
         bucket_bytes=bucket_bytes,
         evaluator=_evaluator(cfg, tok),
-        overlap_publish=cfg.rollout.max_head_offpolicyness >= 1,
+        overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
+        total_steps=cfg.total_train_steps,
     )
 
 

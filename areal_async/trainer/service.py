@@ -7,10 +7,16 @@
     control loop:
       BatchPlan(step, ids) ─> wait until every planned id is in the buffer
                            ─> PPOActor.train_step (executor thread: the loop keeps receiving)
-                           ─> publish weights of version step+1; TrainStepDone(step, version)
-                              (η >= 1, ``overlap_publish``: TrainStepDone first, and the weights are
-                              published while the scheduler plans the next batch and the rollouts
-                              generate; the next message is handled only once they are out)
+                           ─> TrainStepDone(step, version=step+1), then the weights of that version
+                              are published while the scheduler admits and plans (the rollouts wait
+                              for them by min_version: at η = 0 the step's GenerateRequests are then
+                              all queued when the weights land, one decode batch; at η >= 1 the
+                              trainer's publication overlaps planning and generation). The next
+                              message is handled only once they are out. Publish first instead when
+                              ``overlap_publish`` is off (a collective weight channel: its receivers
+                              must be alive to take part), after the run's last step (the scheduler
+                              stops the rollouts on its TrainStepDone) and when the periodic
+                              evaluator is due.
       CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py); CheckpointSaved
       Shutdown              ─> exit (non-zero when the scheduler declared this trainer lost)
     periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
@@ -141,12 +147,14 @@ class TrainerService:
         publish_dtype: torch.dtype = torch.float32,
         bucket_bytes: int = 64 << 20,
         evaluator=None,
-        overlap_publish: bool = False,
+        overlap_publish: bool = True,
+        total_steps: Optional[int] = None,
     ):
-        """``overlap_publish`` (η >= 1): TrainStepDone before the weights are published (see the
-        module docstring); its ``publish_s`` is then the previous step's publication."""
+        """``overlap_publish``: TrainStepDone before the weights are published, except after step
+        ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
+        step's publication."""
         self.control, self.actor = control, actor
-        self.overlap_publish = overlap_publish
+        self.overlap_publish, self.total_steps = overlap_publish, total_steps
         self._publishing: Optional[asyncio.Task] = None
         self.publish_s = 0.0
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
@@ -245,7 +253,9 @@ class TrainerService:
         metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs)
         t2 = time.perf_counter()
         self.next_step, self.version = plan.step + 1, plan.step + 1
-        overlap = self.overlap_publish and not (self.evaluator is not None and self.evaluator.due(self.version))
+        last = self.total_steps is not None and self.next_step >= self.total_steps
+        due = self.evaluator is not None and self.evaluator.due(self.version)
+        overlap = self.overlap_publish and not last and not due
         if overlap:  # the rollouts wait for these weights by min_version; the trainer waits in _loop
             self._publishing = asyncio.ensure_future(self.publish(self.version))
         else:
