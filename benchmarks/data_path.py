@@ -10,10 +10,20 @@
     from a thread over the real channel; on the trainer side each group is received, split into
     per-sample views (``trainer.service.split_group``), the control message decoded, and the
     batch becomes ``Trajectory`` objects and packed micro-batches (``allocate_micro_batches`` +
-    ``pack``, ``--mb-tokens`` each). Timed from the first send to the last micro-batch packed.
-    The bound, measured in the same run just before: one single-threaded copy of the same
-    bytes between two warm buffers (``dst.copy_(src)``). ``boba_batch_fraction_of_memcpy`` =
-    memcpy seconds / path seconds, per transport.
+    ``pack``, ``--mb-tokens`` each). Timed from the first send to the last micro-batch packed,
+    over one channel pair three times: the figure is the faster of the second and third batches
+    (steady state: the shm slab pool is warm, as from a fleet's second batch on; best of two as
+    the bound is best of three); the first is in ``first_batch_seconds``.
+    torch runs one intra-op thread, as a fleet worker does (``cluster.torch_threads``).
+    The bound, measured in the same run just after: one single-threaded copy between two warm
+    buffers (``dst.copy_(src)``) of every byte the path has to write once: the payload (into the
+    channel) plus the packed micro-batches (int64 ids and position ids, ``cu_seqlens``), which
+    do not exist before packing. (Until 2026-11-30 the bound copied the payload bytes alone, a
+    volume ~2.3x smaller than what the path writes; that ratio is still reported, as
+    ``fraction_payload_only_bound``.) ``boba_batch_fraction_of_memcpy`` = memcpy seconds / path
+    seconds, per transport. On a shared machine the wall figure moves with other processes'
+    load; ``cpu_fraction`` is the same ratio in CPU seconds (the bound's thread; the path's whole
+    process, sender thread and ZeroMQ I/O threads included), which load does not inflate.
 (2) The scheduler's control plane on one core: a ROUTER socket in this process (pinned to one
     CPU) receiving from ``--workers`` simulated DEALER workers in a child process (the other
     CPUs), each message decoded (``protocols``) and applied to a real ``SchedulerCore``
@@ -96,49 +106,69 @@ def payload_bytes(groups) -> int:
     return sum(t.numel() * t.element_size() for _, tensors, _, _ in groups for t in tensors.values())
 
 
-def move_batch(kind: str, groups, mb_tokens: int) -> tuple[float, int]:
-    """(seconds, micro-batches): send every group from a thread, receive, split, pack."""
+def move_batch(kind: str, groups, mb_tokens: int, batches: int = 3) -> tuple[list[tuple[float, float]], int, int]:
+    """((wall s, CPU s) per batch, micro-batches, bytes of the packed micro-batches): ``batches``
+    times over one channel pair, send every group from a thread, receive, split, pack. The first
+    batch fills the shm channel's slab pool (fresh pages fault in); a fleet's trainer receives
+    every later batch into warm slabs."""
     ep = f"tcp://127.0.0.1:{free_tcp_port()}"
     kw = {"run_id": f"dp{os.getpid()}"} if kind == "shm" else {}
     rx = make_tensor_channel(kind, role="receiver", endpoint=ep, **kw)
     tx = make_tensor_channel(kind, role="sender", endpoint=ep, **kw)
     try:
-        ctl: list[bytes] = []
-
-        def send() -> None:
-            for key, tensors, meta, ready in groups:
-                tx.send(key, tensors, meta)
-                ctl.append(ready)  # the control message travels beside (its cost is the decode below)
-
-        t0 = time.perf_counter()
-        threading.Thread(target=send, daemon=True).start()
-        trajs = []
-        for i in range(len(groups)):
-            key, meta, tensors = rx.recv(timeout_s=120)
-            while len(ctl) <= i:
-                time.sleep(0)
-            decode(ctl[i], (TrajectoryReady,))
-            for sid, (m, t) in split_group(key, meta, tensors).items():
-                trajs.append(
-                    Trajectory(sid, m["group_id"], t["prompt_ids"], t["output_ids"], t["logprobs"], t["versions"], 1.0)
-                )
-        mbs = allocate_micro_batches(
-            [t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens, oversize="own_mb"
-        )
-        packed = [pack([trajs[i].seq_ids for i in mb]) for mb in mbs]
-        return time.perf_counter() - t0, len(packed)
+        out = []
+        for _ in range(batches):
+            secs, n_mb, packed_bytes = _one_batch(tx, rx, groups, mb_tokens)
+            out.append(secs)
+        return out, n_mb, packed_bytes
     finally:
         tx.close()
         rx.close()
 
 
+def _one_batch(tx, rx, groups, mb_tokens: int) -> tuple[tuple[float, float], int, int]:
+    ctl: list[bytes] = []
+
+    def send() -> None:
+        for key, tensors, meta, ready in groups:
+            tx.send(key, tensors, meta)
+            ctl.append(ready)  # the control message travels beside (its cost is the decode below)
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    trajs = []
+    for i in range(len(groups)):
+        key, meta, tensors = rx.recv(timeout_s=120)
+        while len(ctl) <= i:
+            time.sleep(0)
+        decode(ctl[i], (TrajectoryReady,))
+        for sid, (m, t) in split_group(key, meta, tensors).items():
+            trajs.append(
+                Trajectory(sid, m["group_id"], t["prompt_ids"], t["output_ids"], t["logprobs"], t["versions"], 1.0)
+            )
+    mbs = allocate_micro_batches(
+        [t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens, oversize="own_mb"
+    )
+    packed = [pack([trajs[i].seq_parts for i in mb]) for mb in mbs]
+    secs = (time.perf_counter() - t0, time.process_time() - c0)
+    sender.join()
+    tensors = [t for p in packed for t in (p.ids_T, p.position_ids_T, p.cu_seqlens)]
+    return secs, len(packed), sum(t.numel() * t.element_size() for t in tensors)
+
+
 def transfer_rows(transports: list[str], groups, mb_tokens: int) -> list[dict]:
     size = payload_bytes(groups)
-    copier = Copier(size, "cpu")
     rows = []
     for kind in transports:
+        per_batch, n_mb, packed = move_batch(kind, groups, mb_tokens)
+        # steady state (warm slabs, as from a fleet's second batch on): best of 2, as the bound is of 3
+        secs, cpu = min(w for w, _ in per_batch[1:]), min(c for _, c in per_batch[1:])
+        copier = Copier(size + packed, "cpu")  # every byte the path writes: the payload once, the micro-batches once
         bound = min(copier.sample() for _ in range(3))
-        secs, n_mb = move_batch(kind, groups, mb_tokens)
+        bound_cpu = min(_cpu_seconds(copier.sample) for _ in range(3))
+        payload_bound = bound * size / (size + packed)
+        del copier
         rows.append(
             {
                 "metric": "boba_batch_fraction_of_memcpy",
@@ -146,18 +176,28 @@ def transfer_rows(transports: list[str], groups, mb_tokens: int) -> list[dict]:
                 "unit": "fraction",
                 "transport": kind,
                 "seconds": secs,
+                "first_batch_seconds": per_batch[0][0],
+                "cpu_seconds": cpu,
+                "cpu_fraction": bound_cpu / cpu,
                 "gbps": size / secs / 1e9,
-                "bound_gbps": size / bound / 1e9,
+                "bound_gbps": (size + packed) / bound / 1e9,
                 "bytes": size,
+                "packed_bytes": packed,
+                "bound_bytes": size + packed,
+                "fraction_payload_only_bound": payload_bound / secs,
                 "n_groups": len(groups),
                 "n_micro_batches": n_mb,
                 "target": 0.5,
                 "meets_target": bound / secs >= 0.5 if kind == "shm" else None,
             }
         )
-        del copier.dst
-        copier.dst = torch.zeros_like(copier.src)
     return rows
+
+
+def _cpu_seconds(fn) -> float:
+    c0 = time.thread_time()
+    fn()
+    return time.thread_time() - c0
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,6 +340,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--workers", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=5.0)
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # as a fleet worker (cluster.torch_threads = 1); the bound is one thread too
     load0 = os.getloadavg()[0]
     groups = boba_groups(args.prompts, args.samples, args.max_len)
     rows = transfer_rows(args.transports, groups, args.mb_tokens)
@@ -309,7 +350,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         r.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())
     for r in rows:
         extra = (
-            f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s"
+            f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s; "
+            f"CPU-time fraction {r['cpu_fraction']:.3f}, payload-only bound {r['fraction_payload_only_bound']:.3f}"
             if "transport" in r
             else f"{r['workers']} simulated workers, {r['messages']} messages"
         )

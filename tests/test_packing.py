@@ -65,6 +65,23 @@ def test_pack_layout():
     assert [v.tolist() for v in unpack(torch.arange(6), p.cu_seqlens)] == [[0, 1], [], [4]]
 
 
+def test_pack_parts_int32_and_bad_input():
+    """A (prompt, output) tuple packs as one sequence; int32 ids come out int64; no tensor is changed."""
+    prompt, out = torch.tensor([5, 6], dtype=torch.int32), torch.tensor([7], dtype=torch.int64)
+    p = pack([(prompt, out), torch.tensor([8], dtype=torch.int32), [9, 10], (torch.tensor([11]),)])
+    assert p.ids_T.dtype == torch.int64 and p.position_ids_T.dtype == torch.int64
+    assert p.ids_T.tolist() == [5, 6, 7, 8, 9, 10, 11]
+    assert p.position_ids_T.tolist() == [0, 1, 2, 0, 0, 1, 0]
+    assert p.cu_seqlens.tolist() == [0, 3, 4, 6, 7] and p.max_seqlen == 3
+    assert prompt.dtype == torch.int32 and prompt.tolist() == [5, 6]
+    long_seq = pack([list(range(5000))])  # past the cached position ramp's first size
+    assert long_seq.position_ids_T[-1].item() == 4999
+    with pytest.raises(ValueError, match=r"sequence 1: token ids of shape \(2, 2\)"):
+        pack([[1], torch.zeros(2, 2, dtype=torch.long)])
+    with pytest.raises(ValueError, match="sequence 1 is empty"):
+        pack([[1], (torch.tensor([], dtype=torch.int32), torch.tensor([], dtype=torch.long))])
+
+
 def test_block_causal_mask_by_hand():
     mask = block_causal_mask(torch.tensor([0, 2, 3], dtype=torch.int32), torch.float32)[0, 0]
     allowed = [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
@@ -194,6 +211,19 @@ def test_allocator_balances():
     lengths = [100] * 8 + [50] * 8  # 1200 tokens, budget 400 -> 3 micro-batches of 400 exist
     bins = allocate_micro_batches(lengths, 400)
     assert sorted(sum(lengths[i] for i in b) for b in bins) == [400, 400, 400]
+
+
+def test_allocator_many_sequences():
+    """Past KK's work limit (n x bins) the allocator runs LPT: 3000 x 300 tokens under a 1000-token
+    budget fit at most 3 per micro-batch (4 x 300 > 1000), so exactly 1000 micro-batches of 3."""
+    bins = allocate_micro_batches([300] * 3000, 1000)
+    _check_partition(bins, [300] * 3000, 1000)
+    assert len(bins) == 1000 and {len(b) for b in bins} == {3}
+    rng = random.Random(2)
+    lengths = [min(1000, int(rng.lognormvariate(math.log(150), 1.0)) + 1) for _ in range(3000)]
+    bins = allocate_micro_batches(lengths, 1000)
+    _check_partition(bins, lengths, 1000)
+    assert len(bins) <= lower_bound(lengths, 1000) * 1.02 + 1
 
 
 def test_allocator_oversize():

@@ -152,3 +152,16 @@ def test_trajectory_validation():
         Trajectory("x", "g", [1], [2, 3], [-1.0], [0, 0], 1.0)
     with pytest.raises(ValueError, match="empty output_ids"):
         Trajectory("x", "g", [1], [], [], [], 1.0)
+
+
+def test_trajectory_keeps_received_tensors():
+    """int32/int64 tensors (views of a received message) are kept, not copied; lists become int64."""
+    buf = torch.tensor([4, 5, 6, 7, 3, 3, 3], dtype=torch.int32)
+    t = Trajectory("x", "g", buf[:1], buf[1:4], torch.zeros(3), buf[4:], 1.0)
+    assert t.output_ids.data_ptr() == buf[1:4].data_ptr() and t.output_ids.dtype == torch.int32
+    assert t.versions.data_ptr() == buf[4:].data_ptr() and t.min_version == 3
+    assert t.seq_parts[0].tolist() == [4] and t.seq_parts[1].tolist() == [5, 6, 7]
+    listed = Trajectory("y", "g", [1], [2, 3], [-1.0, -1.0], [0, 0], 1.0)
+    assert listed.output_ids.dtype == torch.int64 and listed.versions.dtype == torch.int64
+    floats = Trajectory("z", "g", torch.tensor([1.0]), [2], [-1.0], [0], 1.0)
+    assert floats.prompt_ids.dtype == torch.int64

@@ -38,7 +38,7 @@ from areal_async.trainer.dp import (
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from areal_async.trainer.packing import forward_packed, pack
+from areal_async.trainer.packing import forward_packed, pack, seq_len
 from areal_async.trainer.types import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -48,8 +48,8 @@ class _Batch:
     """Per-trajectory tensors of one trainer step (all on the actor's device)."""
 
     def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
-        self.seqs = [t.seq_ids for t in trajs]  # 1D tensors: packed without per-token Python work
-        self.lengths = [s.numel() for s in self.seqs]
+        self.seqs = [t.seq_parts for t in trajs]  # (prompt, output) tensors: pack copies each token once
+        self.lengths = [seq_len(s) for s in self.seqs]
         self.n_prompt = [t.prompt_ids.numel() for t in trajs]
         self.behav = [t.behav_logp.to(device=device, dtype=torch.float32) for t in trajs]
         # trained output tokens (a workflow's environment tokens are not): bool per output token

@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from areal_async.trainer.packing import allocate_micro_batches, forward_packed, pack, unpack
+from areal_async.trainer.packing import Seq, allocate_micro_batches, forward_packed, pack, seq_len, unpack
 
 
 @dataclass
@@ -28,7 +28,7 @@ class MicroBatchOut:
 
 def iter_micro_batches(
     model: torch.nn.Module,
-    seqs: Sequence[Sequence[int]],
+    seqs: Sequence[Seq],
     temperature: float,
     max_tokens_per_mb: int,
     oversize: str = "error",
@@ -42,7 +42,7 @@ def iter_micro_batches(
     ``allocation``: the micro-batches (lists of indices into ``seqs``) when the caller planned
     them (data-parallel ranks plan theirs together); default: allocated here under the budget."""
     if allocation is None:
-        allocation = allocate_micro_batches([len(s) for s in seqs], max_tokens_per_mb, oversize)
+        allocation = allocate_micro_batches([seq_len(s) for s in seqs], max_tokens_per_mb, oversize)
     for indices in allocation:
         packed = pack([seqs[i] for i in indices])
         logp_T, entropy_T = forward_packed(model, packed, temperature, with_entropy, entropy_grad)
@@ -53,7 +53,7 @@ def iter_micro_batches(
 
 def packed_logprobs(
     model: torch.nn.Module,
-    seqs: Sequence[Sequence[int]],
+    seqs: Sequence[Seq],
     temperature: float,
     max_tokens_per_mb: int,
     oversize: str = "error",

@@ -16,8 +16,10 @@ import torch
 class Trajectory:
     """One sample: prompt + generated output, as produced by a rollout worker.
 
-    Per-token fields are 1D tensors (ids and versions int64, logprobs float32) so a batch packs
-    without per-token Python work; lists are accepted and converted once.
+    Per-token fields are 1D tensors (ids and versions int32 or int64, logprobs float32) so a
+    batch packs without per-token Python work. Tensors of those dtypes are kept as given (views
+    of a received message stay views: no copy here); lists and other dtypes are converted once
+    (ids and versions to int64).
     """
 
     sample_id: str
@@ -31,10 +33,10 @@ class Trajectory:
     loss_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
-        self.prompt_ids = torch.as_tensor(self.prompt_ids, dtype=torch.long)
-        self.output_ids = torch.as_tensor(self.output_ids, dtype=torch.long)
+        self.prompt_ids = _int_tensor(self.prompt_ids)
+        self.output_ids = _int_tensor(self.output_ids)
         self.behav_logp = torch.as_tensor(self.behav_logp, dtype=torch.float32)
-        self.versions = torch.as_tensor(self.versions, dtype=torch.long)
+        self.versions = _int_tensor(self.versions)
         n = self.output_ids.numel()
         if self.prompt_ids.numel() == 0:
             raise ValueError(f"trajectory {self.sample_id!r}: empty prompt_ids; expected >= 1 prompt token")
@@ -56,8 +58,13 @@ class Trajectory:
 
     @property
     def seq_ids(self) -> torch.Tensor:
-        """Prompt followed by output: what the trainer feeds the model."""
+        """Prompt followed by output: what the trainer feeds the model (a new tensor)."""
         return torch.cat([self.prompt_ids, self.output_ids])
+
+    @property
+    def seq_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_ids, output_ids): ``packing.pack`` copies them straight into the packed batch."""
+        return self.prompt_ids, self.output_ids
 
     @property
     def min_version(self) -> int:
@@ -68,3 +75,10 @@ class Trajectory:
     def model_versions(self) -> torch.Tensor:
         """Versions of the trained tokens (a workflow's environment tokens carry -1)."""
         return self.versions if self.loss_mask is None else self.versions[self.loss_mask]
+
+
+def _int_tensor(x) -> torch.Tensor:
+    """An int32/int64 tensor as it is; anything else (a list, another dtype) as int64."""
+    if isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64):
+        return x
+    return torch.as_tensor(x, dtype=torch.long)
