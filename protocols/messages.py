@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import msgpack
 
@@ -381,8 +381,10 @@ def encode(msg: Message) -> bytes:
     cls = type(msg)
     if REGISTRY.get(cls.TYPE, SIDE_REGISTRY.get(cls.TYPE)) is not cls:
         raise ProtocolError(f"cannot encode {cls.__name__}: not a registered message type")
-    for f in dataclasses.fields(msg):
-        _check_value(getattr(msg, f.name), _hints(cls)[f.name], f"{msg.TYPE}.{f.name}")
+    for name, ok, tp, _ in _spec(cls):
+        value = getattr(msg, name)
+        if not ok(value):
+            _type_error(value, tp, f"{msg.TYPE}.{name}")
     _check_consistent(msg)
     if not isinstance(msg, SideMessage):
         return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
@@ -395,7 +397,7 @@ def decode(data: bytes | memoryview, expect: Optional[tuple[type, ...]] = None) 
 
     ``expect``: the message classes acceptable here. Control messages may leave it None (any
     registered type); side formats must name theirs (all side classes, never mixed with control)."""
-    side = _is_side(expect)
+    side = expect is not None and _is_side(expect)
     limit = max(c.MAX_BYTES for c in expect) if side else MAX_MESSAGE_BYTES
     if len(data) > limit:
         raise ProtocolError(f"frame of {len(data)} bytes exceeds the {limit}-byte limit")
@@ -421,7 +423,7 @@ def _unpack(data: bytes | memoryview) -> Any:
 
 
 def _envelope_body(env: Any, expect: Optional[tuple[type, ...]]) -> tuple[type, dict]:
-    if not isinstance(env, dict) or set(env) != {"v", "t", "b"}:
+    if not isinstance(env, dict) or len(env) != 3 or "v" not in env or "t" not in env or "b" not in env:
         got = sorted(env) if isinstance(env, dict) else type(env).__name__
         raise ProtocolError(f"frame is not a message envelope {{v, t, b}} (got {got})")
     _check_version(env["v"])
@@ -455,17 +457,16 @@ def _check_version(v: Any) -> None:
 
 
 def _build(cls: type, body: dict) -> Message:
-    hints = _hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(body) - set(fields))
-    if unknown:
-        raise ProtocolError(f"{cls.TYPE}: unknown field {unknown[0]!r}")
-    for name, f in fields.items():
-        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        if name not in body and required:
-            raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
+    checks = _spec(cls)
+    if len(body) > len(checks) or not _NAMES[cls].issuperset(body):
+        raise ProtocolError(f"{cls.TYPE}: unknown field {sorted(set(body) - _NAMES[cls])[0]!r}")
+    for name, ok, tp, required in checks:
         if name in body:
-            _check_value(body[name], hints[name], f"{cls.TYPE}.{name}")
+            value = body[name]
+            if not ok(value):
+                _type_error(value, tp, f"{cls.TYPE}.{name}")
+        elif required:
+            raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
     msg = cls(**body)
     _check_consistent(msg)
     return msg
@@ -478,6 +479,8 @@ def _check_consistent(msg: Message) -> None:
 
 
 _HINTS: dict[type, dict] = {}
+_SPECS: dict[type, list] = {}
+_NAMES: dict[type, frozenset] = {}
 
 
 def _hints(cls: type) -> dict:
@@ -486,27 +489,61 @@ def _hints(cls: type) -> dict:
     return _HINTS[cls]
 
 
-def _check_value(value: Any, tp: Any, where: str) -> None:
-    if not _matches(value, tp):
-        raise ProtocolError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
+def _spec(cls: type) -> list[tuple[str, Callable[[Any], bool], Any, bool]]:
+    """Per field, in order: (name, type check, type, required). Built once per class: the checks
+    are closures made from the type hints, so a frame pays no ``typing`` introspection."""
+    spec = _SPECS.get(cls)
+    if spec is None:
+        hints, fields = _hints(cls), dataclasses.fields(cls)
+        spec = [
+            (
+                f.name,
+                _checker(hints[f.name]),
+                hints[f.name],
+                f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+            )
+            for f in fields
+        ]
+        _NAMES[cls] = frozenset(f.name for f in fields)
+        _SPECS[cls] = spec
+    return spec
 
 
-def _matches(value: Any, tp: Any) -> bool:
+def _type_error(value: Any, tp: Any, where: str) -> None:
+    raise ProtocolError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {_short(value)}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_float(v: Any) -> bool:  # msgpack may carry an integral float as int
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _checker(tp: Any) -> Callable[[Any], bool]:
+    """A predicate: does a decoded value match the type hint ``tp`` (Optional/Union, None, int
+    and float but never bool, list[...] item by item, dict, a class)."""
     origin = typing.get_origin(tp)
     if origin is Union:
-        return any(_matches(value, a) for a in typing.get_args(tp))
+        alts = [_checker(a) for a in typing.get_args(tp)]
+        return lambda v: any(ok(v) for ok in alts)
     if tp is type(None):
-        return value is None
-    if tp is float:  # msgpack may carry an integral float as int
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda v: v is None
+    if tp is float:
+        return _is_float
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return _is_int
     if origin is list:
         (item,) = typing.get_args(tp)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        ok_item = _checker(item)
+        if item in (str, int, float):  # the per-sample lists: one C-level pass over the exact types
+            exact = frozenset({int, float}) if item is float else frozenset({item})
+            return lambda v: isinstance(v, list) and (set(map(type, v)) <= exact or all(map(ok_item, v)))
+        return lambda v: isinstance(v, list) and all(ok_item(x) for x in v)
     if tp is dict or origin is dict:
-        return isinstance(value, dict)
-    return isinstance(value, tp)
+        return lambda v: isinstance(v, dict)
+    return lambda v: isinstance(v, tp)
 
 
 def _type_name(tp: Any) -> str:

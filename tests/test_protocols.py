@@ -103,6 +103,18 @@ def test_every_registered_message_round_trips():
         assert decode(encode(msg)) == msg, name
 
 
+def _group_body(**over):
+    body = {
+        "group_id": "g1",
+        "worker_id": "w",
+        "sample_ids": ["g1.0", "g1.1"],
+        "scores": [1.0, 0.0],
+        "statuses": ["ok", "ok"],
+        "details": ["", ""],
+    }
+    return {**body, **over}
+
+
 def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
     return msgpack.packb({"v": v, "t": t, "b": {"nonce": 1} if b is None else b})
 
@@ -124,23 +136,20 @@ def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
             r"batch_plan.sample_ids: expected list\[str\]",
         ),
         (b"\x00" * (M.MAX_MESSAGE_BYTES + 1), "exceeds"),
+        (
+            envelope(t="reward_result", b=_group_body(scores=[1.0, True])),
+            r"reward_result.scores: expected list\[float\], got list \[1.0, True\]",
+        ),
+        (
+            envelope(t="reward_result", b=_group_body(scores=[1.0, None])),
+            r"reward_result.scores: expected list\[float\], got list \[1.0, None\]",
+        ),
+        (envelope(t="reward_result", b=_group_body(statuses=["ok", 7])), r"statuses: expected list\[str\]"),
     ],
 )
 def test_malformed_frames_are_rejected_with_a_clear_error(frame, needle):
     with pytest.raises(ProtocolError, match=needle):
         decode(frame)
-
-
-def _group_body(**over):
-    body = {
-        "group_id": "g1",
-        "worker_id": "w",
-        "sample_ids": ["g1.0", "g1.1"],
-        "scores": [1.0, 0.0],
-        "statuses": ["ok", "ok"],
-        "details": ["", ""],
-    }
-    return {**body, **over}
 
 
 @pytest.mark.parametrize(
@@ -177,6 +186,21 @@ def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
 def test_unexpected_type_is_rejected_where_a_specific_one_is_expected():
     with pytest.raises(ProtocolError, match="unexpected message type 'ping'"):
         decode(encode(M.Ping(nonce=1)), expect=(M.RewardRequest,))
+
+
+def test_list_fields_take_int_subclasses_and_ints_as_floats_but_never_bools():
+    """The per-sample list check's fast path (exact types) falls back to the item-by-item rule."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        EOS = 2
+
+    msg = decode(envelope(t="reward_result", b=_group_body(scores=[1, 0.5])))
+    assert msg.scores == [1, 0.5]
+    ready = M.TrajectoryReady("g", "r", 1, ["g.0"], [Tok.EOS], [0], [0], ["stop"])
+    assert decode(encode(ready)).n_output_tokens == [2]
+    with pytest.raises(ProtocolError, match=r"trajectory_ready.version_min: expected list\[int\], got list \[False\]"):
+        encode(M.TrajectoryReady("g", "r", 1, ["g.0"], [3], [False], [0], ["stop"]))
 
 
 def test_encode_refuses_mistyped_fields():

@@ -166,17 +166,10 @@ class SchedulerCore:
 
         Each sample is checked on its own: a refused one (unknown, of another group, already
         final, reported twice) changes nothing, and the others of the message still count."""
-        whys = []
-        for i, sid in enumerate(m.sample_ids):
-            if why := self.ledger.refuse(sid, m.group_id, SampleState.GENERATED):
-                whys.append(why)
-                continue
-            if m.turns:
-                self.ledger.samples[sid].turns = m.turns[i]
-            ready = self.ledger.mark_generated(
-                sid, m.version_min[i], m.version_max[i], m.n_output_tokens[i], m.finish_reasons[i]
-            )
-            self._on_maybe_ready(m.group_id, ready)
+        led = self.ledger
+        whys, took = led.record_generated(m.group_id, m)
+        if took:  # once per message: a per-sample check costs n^2 per group
+            self._on_maybe_ready(m.group_id, led.check_ready(m.group_id))
         g = self.ledger.groups.get(m.group_id)
         if (
             g is not None
@@ -188,12 +181,10 @@ class SchedulerCore:
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
-        whys = []
-        for sid, score, status in zip(m.sample_ids, m.scores, m.statuses):
-            if why := self.ledger.refuse(sid, m.group_id, SampleState.REWARDED):
-                whys.append(why)
-                continue
-            self._on_maybe_ready(m.group_id, self.ledger.mark_rewarded(sid, score, status))
+        led = self.ledger
+        whys, took = led.record_rewarded(m.group_id, m)
+        if took:
+            self._on_maybe_ready(m.group_id, led.check_ready(m.group_id))
         return "; ".join(whys) or None
 
     def _on_maybe_ready(self, gid: str, ready: bool) -> None:

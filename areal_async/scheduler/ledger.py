@@ -45,6 +45,8 @@ FINAL = (SampleState.TRAINED, SampleState.ABORTED)
 GROUP_FINAL = (GroupState.TRAINED, GroupState.ABORTED)
 _ORDER = (SampleState.ISSUED, SampleState.GENERATED, SampleState.REWARDED, SampleState.BATCHED, SampleState.TRAINED)
 _NEXT = dict(zip(_ORDER, _ORDER[1:]))  # the one legal step forward from each non-final state
+_ISSUED, _GENERATED, _REWARDED = SampleState.ISSUED, SampleState.GENERATED, SampleState.REWARDED
+_SCORABLE = (SampleState.ISSUED, SampleState.GENERATED)
 
 
 @dataclass
@@ -140,7 +142,7 @@ class Ledger:
         rec.version_min, rec.version_max = version_min, version_max
         rec.n_output_tokens, rec.finish_reason = n_tokens, finish
         rec.status = SampleState.REWARDED if rec.score is not None else SampleState.GENERATED
-        return self._maybe_ready(rec.group_id)
+        return self.check_ready(rec.group_id)
 
     def mark_rewarded(self, sample_id: str, score: float, status: str) -> bool:
         """Record the reward; True when the sample's group became ready."""
@@ -150,9 +152,43 @@ class Ledger:
         rec.score, rec.reward_status = float(score), status
         if rec.status == SampleState.GENERATED:
             rec.status = SampleState.REWARDED
-        return self._maybe_ready(rec.group_id)
+        return self.check_ready(rec.group_id)
 
-    def _maybe_ready(self, gid: str) -> bool:
+    def record_generated(self, gid: str, m) -> tuple[list[str], bool]:
+        """Record the samples of a ``TrajectoryReady`` (parallel per-sample lists) of group ``gid``,
+        each checked on its own as ``refuse`` says. Returns (why each refused one was ignored,
+        whether any was recorded). One loop without a call per sample: the scheduler's hot path."""
+        whys, took, samples = [], False, self.samples
+        for i, sid in enumerate(m.sample_ids):
+            rec = samples.get(sid)
+            if rec is None or rec.group_id != gid or rec.status != _ISSUED:
+                whys.append(self.refuse(sid, gid, _GENERATED) or f"sample {sid!r}: status {rec.status}")
+                continue
+            if m.turns:
+                rec.turns = m.turns[i]
+            rec.version_min, rec.version_max = m.version_min[i], m.version_max[i]
+            rec.n_output_tokens, rec.finish_reason = m.n_output_tokens[i], m.finish_reasons[i]
+            rec.status = _GENERATED if rec.score is None else _REWARDED
+            took = True
+        return whys, took
+
+    def record_rewarded(self, gid: str, m) -> tuple[list[str], bool]:
+        """Record the scores of a ``RewardResult`` of group ``gid``, per sample as ``refuse`` says;
+        returns as ``record_generated``."""
+        whys, took, samples = [], False, self.samples
+        for sid, score, status in zip(m.sample_ids, m.scores, m.statuses):
+            rec = samples.get(sid)
+            if rec is None or rec.group_id != gid or rec.score is not None or rec.status not in _SCORABLE:
+                whys.append(self.refuse(sid, gid, _REWARDED) or f"sample {sid!r}: status {rec.status}")
+                continue
+            rec.score, rec.reward_status = float(score), status
+            if rec.status == _GENERATED:
+                rec.status = _REWARDED
+            took = True
+        return whys, took
+
+    def check_ready(self, gid: str) -> bool:
+        """Mark a running group READY if every sample is rewarded; True when it became so now."""
         g = self.groups[gid]
         if g.status == GroupState.RUNNING and all(self.samples[s].status == SampleState.REWARDED for s in g.sample_ids):
             g.status = GroupState.READY
