@@ -66,8 +66,6 @@ from areal_async.base.aio import TaskSet
 log = logging.getLogger("areal_async.trainer")
 
 
-# what ``Trajectory`` converts its per-token fields to (trainer/types.py)
-TRAJ_DTYPES = {"prompt_ids": torch.long, "output_ids": torch.long, "logprobs": torch.float32, "versions": torch.long}
 MAX_DROPPED = 100_000  # aborted ids whose tensors have not come (yet): oldest forgotten past this
 
 
@@ -305,8 +303,8 @@ def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
     keys = ("output_ids", "logprobs", "versions") + (("loss_mask",) if "loss_mask" in t else ())
     if "loss_mask" in t and t["loss_mask"].numel() != n:
         raise ValueError(f"group {key!r}: {t['loss_mask'].numel()} loss-mask entries for {n} output ids")
-    # the Trajectory dtypes once per group (the wire carries int32): its samples' views need no conversion
-    t = {k: v.to(TRAJ_DTYPES[k]) if k in TRAJ_DTYPES else v for k, v in t.items()}
+    # no conversion: Trajectory keeps the wire's int32 ids/versions and float32 logprobs as these views,
+    # and packing widens the ids once, straight into the packed batch (trainer/packing.pack)
     parts = zip(*(t[k].split(lengths) for k in keys))
     return {
         sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], **dict(zip(keys, p))})
