@@ -70,9 +70,7 @@ def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_
 def test_group_prompt_is_prefilled_once_and_samples_differ():
     model = _model()
     shapes = []
-    model.model.register_forward_hook(
-        lambda m, args, kw, out: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
+    model.model.embed_tokens.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     engine = TorchEngine(model, TOK, seed=0)
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(_req(f"g{i}", p, n=4, max_new_tokens=6))

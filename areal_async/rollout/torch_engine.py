@@ -29,13 +29,13 @@ weight update each row is re-prefilled on its own (prompt sharing is not redone)
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput
+from areal_async.rollout.kv_decoder import KVCache, make_decoder
 
 # Per-row tensors of a cohort and how each is padded when two cohorts merge:
 # "_B" no padding; "_BW" right-padded along dim 1 (generated-token buffers, stop sets);
@@ -63,23 +63,20 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int, value: float, left: bool) -> 
     return torch.cat([fill, x] if left else [x, fill], dim=dim)
 
 
-def _cache_from(kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    return DynamicCache(ddp_cache_data=kvs)
-
-
-def _kvs(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
 class _Cohort:
     """Rows decoded together: ``rows[i]`` = (group, sample index) of batch row i."""
 
-    def __init__(self, rows: list[tuple[_Group, int]], t: dict[str, torch.Tensor], cache: DynamicCache):
+    def __init__(self, rows: list[tuple[_Group, int]], t: dict[str, torch.Tensor], cache: KVCache):
         self.rows, self.t, self.cache = rows, t, cache
 
     @property
     def n_groups(self) -> int:
-        return len({id(g) for g, _ in self.rows})
+        return len({id(g) for g, _ in self.rows if g.left})
+
+    def compact(self) -> None:
+        """Drop the finished rows still in the batch (those with ``live_B`` False)."""
+        if not bool(self.t["live_B"].all()):
+            self.select(self.t["live_B"].nonzero().squeeze(1))
 
     def select(self, idx: torch.Tensor) -> None:
         """Keep rows ``idx`` (in that order) and drop cache columns no kept row attends to."""
@@ -89,7 +86,7 @@ class _Cohort:
         live_T = self.t["mask_BT"].any(0).nonzero()
         start = int(live_T[0]) if len(live_T) else self.t["mask_BT"].shape[1]
         self.t["mask_BT"] = self.t["mask_BT"][:, start:]
-        self.cache = _cache_from([(k[idx, :, start:], v[idx, :, start:]) for k, v in _kvs(self.cache)])
+        self.cache = self.cache.select(idx, start)
 
     def merge(self, other: "_Cohort") -> None:
         """Append ``other``'s rows; the shorter cache is left-padded with masked zeros."""
@@ -97,14 +94,7 @@ class _Cohort:
         W = max(self.t["out_BW"].shape[1], other.t["out_BW"].shape[1])
         S = max(self.t["stop_BW"].shape[1], other.t["stop_BW"].shape[1])
         self.t = {k: torch.cat([_pad_row(k, v, T, W, S), _pad_row(k, other.t[k], T, W, S)]) for k, v in self.t.items()}
-        kvs = [
-            (
-                torch.cat([_pad_dim(ka, 2, T, 0, True), _pad_dim(kb, 2, T, 0, True)]),
-                torch.cat([_pad_dim(va, 2, T, 0, True), _pad_dim(vb, 2, T, 0, True)]),
-            )
-            for (ka, va), (kb, vb) in zip(_kvs(self.cache), _kvs(other.cache))
-        ]
-        self.cache = _cache_from(kvs)
+        self.cache = self.cache.merge(other.cache)
         self.rows = self.rows + other.rows
 
 
@@ -148,6 +138,8 @@ class TorchEngine(RolloutEngine):
     outside the vocabulary (e.g. -1) means no eos (samples end by stop tokens or length only).
     ``version``: version of the weights ``model`` already holds; the default -1 means "not loaded
     from the trainer yet" (tokens generated before the first ``update_weights`` carry -1).
+    ``lean``: compute Llama/Qwen2 models with ``kv_decoder.LeanLlama`` (False: always through the
+    model's own HF ``forward``, ``kv_decoder.HFDecoder``; other architectures always use that).
     """
 
     def __init__(
@@ -158,6 +150,7 @@ class TorchEngine(RolloutEngine):
         seed: int = 0,
         max_batch_groups: int = 16,
         version: int = -1,
+        lean: bool = True,
     ):
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
@@ -170,7 +163,7 @@ class TorchEngine(RolloutEngine):
         self.gen = torch.Generator(self.device).manual_seed(seed)
         self.pending: list[_Group] = []
         self.cohorts: list[_Cohort] = []
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.decoder = make_decoder(self.model, lean)
         self.vocab_size = model.get_input_embeddings().num_embeddings
 
     # ---- the seam ------------------------------------------------------------------------------
@@ -208,6 +201,8 @@ class TorchEngine(RolloutEngine):
                 self._recompute(cohort)
 
     def abort_all(self) -> list[GroupOutput]:
+        for cohort in self.cohorts:
+            cohort.compact()
         groups = {id(g): g for c in self.cohorts for g, _ in c.rows}
         for cohort in self.cohorts:
             self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
@@ -220,7 +215,8 @@ class TorchEngine(RolloutEngine):
     # ---- admission and prefill -----------------------------------------------------------------
 
     def _check_request(self, req: GenRequest) -> None:
-        live = {g.req.group_id for g in self.pending} | {g.req.group_id for c in self.cohorts for g, _ in c.rows}
+        running = {g.req.group_id for c in self.cohorts for g, _ in c.rows if g.left}  # left 0: finished
+        live = {g.req.group_id for g in self.pending} | running
         if req.group_id in live:
             raise ValueError(f"group_id {req.group_id!r} is already generating: expected a new id")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
@@ -255,10 +251,11 @@ class TorchEngine(RolloutEngine):
     def _new_cohort(self, groups: list[_Group]) -> tuple[_Cohort, list[GroupOutput]]:
         """Prefill each group's prompt once, repeat that cache row for its n samples and sample
         every row's first token from the prompt's last logits."""
-        cache, mask_GT, logits_GV = self._prefill([g.req.prompt_ids for g in groups], with_logits=True)
+        room = max(g.req.max_new_tokens for g in groups)
+        cache, mask_GT, logits_GV = self._prefill([g.req.prompt_ids for g in groups], room, with_logits=True)
         n_G = torch.tensor([g.req.n for g in groups], device=self.device)
         rows_G = torch.repeat_interleave(torch.arange(len(groups), device=self.device), n_G)
-        cache = _cache_from([(k[rows_G], v[rows_G]) for k, v in _kvs(cache)])
+        cache = cache.repeat_rows(rows_G)
         t = self._row_tensors(groups, rows_G)
         t["mask_BT"] = mask_GT[rows_G]
         cohort = _Cohort([(g, i) for g in groups for i in range(g.req.n)], t, cache)
@@ -281,14 +278,16 @@ class TorchEngine(RolloutEngine):
         t = {k: v[rows_G] for k, v in t.items()}
         B = len(rows_G)
         t["n_gen_B"] = torch.zeros(B, dtype=torch.long, device=dev)
+        t["live_B"] = torch.ones(B, dtype=torch.bool, device=dev)  # False: finished, awaiting compact()
         t["out_BW"] = torch.zeros(B, W, dtype=torch.long, device=dev)
         t["logp_BW"] = torch.zeros(B, W, dtype=torch.float32, device=dev)
         t["ver_BW"] = torch.full((B, W), -1, dtype=torch.long, device=dev)
         return t
 
-    def _prefill(self, contexts: list[list[int]], with_logits: bool = False):
-        """Left-padded forward of ``contexts`` (may be empty lists) -> (KV cache, mask_BT), and with
-        ``with_logits`` the logits at the last position (B, V) (every context non-empty then)."""
+    def _prefill(self, contexts: list[list[int]], room: int, with_logits: bool = False):
+        """Left-padded forward of ``contexts`` (may be empty lists) -> (KV cache with ``room`` free
+        columns, mask_BT), and with ``with_logits`` the logits at the last position (B, V) (every
+        context non-empty then)."""
         B, T = len(contexts), max(map(len, contexts))
         ids_BT = torch.tensor(
             [[self.pad_id] * (T - len(c)) + list(c) for c in contexts], dtype=torch.long, device=self.device
@@ -296,29 +295,12 @@ class TorchEngine(RolloutEngine):
         mask_BT = torch.tensor(
             [[0] * (T - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long, device=self.device
         ).view(B, T)
+        cache = KVCache.empty(self.model, B, T + room)
         if T == 0:  # all contexts empty (one-token prompts being recomputed): nothing to cache yet
-            return self._empty_cache(B), mask_BT
+            return cache, mask_BT
         pos_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
-        kw = dict(
-            input_ids=ids_BT,
-            attention_mask=_unless_full(mask_BT),
-            position_ids=pos_BT,
-            use_cache=True,
-            **{self._cache_kw: cache},
-        )
-        if with_logits:
-            return cache, mask_BT, self.model(**kw, logits_to_keep=1).logits[:, -1]
-        # base_model: the decoder stack without lm_head; the logits of a recompute are never used.
-        self.model.base_model(**kw)
-        return cache, mask_BT
-
-    def _empty_cache(self, B: int) -> DynamicCache:
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(self.model.parameters()).dtype
-        kv = torch.zeros(B, cfg.num_key_value_heads, 0, head_dim, dtype=dtype, device=self.device)
-        return _cache_from([(kv, kv) for _ in range(cfg.num_hidden_layers)])
+        logits_BV = self.decoder.forward(ids_BT, pos_BT, mask_BT, cache, with_logits)
+        return (cache, mask_BT, logits_BV) if with_logits else (cache, mask_BT)
 
     # ---- decoding ------------------------------------------------------------------------------
 
@@ -326,56 +308,60 @@ class TorchEngine(RolloutEngine):
         """One single-token forward for every row of ``c``; sample; retire finished rows."""
         t = c.t
         B = len(c.rows)
-        # HF silently right-pads a short 2D mask, so a mask/cache mismatch would not fail loudly.
-        assert t["mask_BT"].shape[1] == c.cache.get_seq_length(), "cohort mask and KV cache disagree"
+        assert t["mask_BT"].shape[1] == c.cache.T, "cohort mask and KV cache disagree"
         mask_BT = torch.cat([t["mask_BT"], torch.ones(B, 1, dtype=t["mask_BT"].dtype, device=self.device)], 1)
-        out = self.model(
-            input_ids=t["next_B"][:, None],
-            attention_mask=_unless_full(mask_BT),
-            position_ids=t["pos_B"][:, None],
-            use_cache=True,
-            **{self._cache_kw: c.cache},
-        )
+        logits_BV = self.decoder.forward(t["next_B"][:, None], t["pos_B"][:, None], mask_BT, c.cache, True)
         t["pos_B"], t["mask_BT"] = t["pos_B"] + 1, mask_BT
-        return self._emit(c, out.logits[:, -1])
+        return self._emit(c, logits_BV)
 
     def _emit(self, c: _Cohort, logits_BV: torch.Tensor) -> list[GroupOutput]:
         """Sample every row's next token from ``logits_BV``, record it, retire finished rows."""
         t = c.t
         tok_B, logp_B = sample_tokens(logits_BV, t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen)
         rows_B = torch.arange(len(c.rows), device=self.device)
-        t["out_BW"][rows_B, t["n_gen_B"]] = tok_B
-        t["logp_BW"][rows_B, t["n_gen_B"]] = logp_B
-        t["ver_BW"][rows_B, t["n_gen_B"]] = self.version
+        # finished rows still in the batch (see _retire) write their (unused) token in range
+        col_B = t["n_gen_B"].clamp(max=t["out_BW"].shape[1] - 1)
+        t["out_BW"][rows_B, col_B] = tok_B
+        t["logp_BW"][rows_B, col_B] = logp_B
+        t["ver_BW"][rows_B, col_B] = self.version
         t["n_gen_B"] += 1
         t["next_B"] = tok_B
         return self._retire(c, tok_B)
 
     def _retire(self, c: _Cohort, tok_B: torch.Tensor) -> list[GroupOutput]:
+        """Finish the live rows that hit a stop token or their length. Finished rows stay in the
+        batch (decoded, ignored) until a quarter of it has finished: re-indexing the KV cache
+        costs about as much as a decode step, so it is not done every time a row ends."""
+        live_B = c.t["live_B"]
         stop_B = (tok_B[:, None] == c.t["stop_BW"]).any(1)
-        done_B = stop_B | (c.t["n_gen_B"] >= c.t["max_new_B"])
+        done_B = live_B & (stop_B | (c.t["n_gen_B"] >= c.t["max_new_B"]))
         if not bool(done_B.any()):
             return []
         done = done_B.nonzero().squeeze(1).tolist()
         stopped = stop_B.tolist()
         groups = self._finish_rows(c, done, ["stop" if stopped[i] else "length" for i in done])
-        if len(done) == len(c.rows):  # the whole cohort ended: nothing to keep, no cache to re-index
+        live_B &= ~done_B
+        n_live = int(live_B.sum())
+        if n_live == 0:  # the whole cohort ended: nothing to keep, no cache to re-index
             c.rows = []
-        else:
-            c.select((~done_B).nonzero().squeeze(1))
+        elif 4 * n_live <= 3 * len(c.rows):
+            c.compact()
         return [g.output() for g in groups if g.left == 0]
 
     def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
         """Turn rows ``idx`` of ``c`` into SampleOutputs (tensor slices, no per-token lists);
         return their groups (each once)."""
-        n_gen = c.t["n_gen_B"][idx].tolist()
         rows = torch.tensor(idx, dtype=torch.long, device=self.device)
-        out, logp, ver = (c.t[k][rows].cpu() for k in ("out_BW", "logp_BW", "ver_BW"))
+        n_gen_R = c.t["n_gen_B"][rows]
+        W = c.t["out_BW"].shape[1]
+        kept_RW = torch.arange(W, device=self.device)[None, :] < n_gen_R[:, None]
+        lens = n_gen_R.tolist()
+        # each field of all rows as one flat tensor, split into per-row views (no per-row copies)
+        out, logp, ver = (c.t[k][rows][kept_RW].cpu().split(lens) for k in ("out_BW", "logp_BW", "ver_BW"))
         touched = {}
         for j, i in enumerate(idx):
             g, s = c.rows[i]
-            n = n_gen[j]
-            g.samples[s] = SampleOutput(out[j, :n], logp[j, :n], ver[j, :n], reasons[j])
+            g.samples[s] = SampleOutput.of_tensors(out[j], logp[j], ver[j], reasons[j])
             g.left -= 1
             touched[id(g)] = g
         return list(touched.values())
@@ -385,14 +371,11 @@ class TorchEngine(RolloutEngine):
     def _recompute(self, c: _Cohort) -> None:
         """Replace ``c``'s KV cache by one prefilled under the current weights over
         prompt + generated tokens, all but the last token (which is fed by the next step)."""
+        c.compact()
         n_gen, out = c.t["n_gen_B"].tolist(), c.t["out_BW"].tolist()
         seqs = [g.req.prompt_ids + out[i][: n_gen[i]] for i, (g, _) in enumerate(c.rows)]
-        c.cache, c.t["mask_BT"] = self._prefill([s[:-1] for s in seqs])
-
-
-def _unless_full(mask_BT: torch.Tensor):
-    """None when no position is padding: HF then builds no mask at all (plain causal attention)."""
-    return None if bool(mask_BT.all()) else mask_BT
+        room = int((c.t["max_new_B"] - c.t["n_gen_B"]).max()) + 1
+        c.cache, c.t["mask_BT"] = self._prefill([s[:-1] for s in seqs], room)
 
 
 def _eos_id(tokenizer_or_eos_id) -> int:

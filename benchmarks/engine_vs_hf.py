@@ -1,0 +1,205 @@
+"""The embedded engine's tokens/s against ``transformers`` ``generate`` on one model and prompt batch.
+
+    python -m benchmarks.engine_vs_hf [--json PATH] [--hidden 64] [--intermediate 128] [--layers 2]
+        [--heads 4] [--kv-heads 4] [--prompts 32] [--samples 8] [--new-tokens 3] [--repeats 10]
+        [--no-eos] [--threads 1]
+
+Both generators get the same model (same dtype), the same prompts, the same number of samples
+per prompt (``num_return_sequences`` for HF), the same ``max_new_tokens``, multinomial sampling
+at temperature 1 (top-p 1, top-k off), and a KV cache (``use_cache=True``). HF ``generate``
+expands each prompt to its n samples before the prefill; ``TorchEngine`` prefills each prompt once
+and decodes on a preallocated cache (``rollout/kv_decoder.py``).
+
+Timing: one warm-up batch each, then ``--repeats`` rounds, each timing one engine batch and one
+HF batch back to back (the order alternates by round), so both see the same load on a shared
+machine; tokens/s of a generator = the median over rounds of (tokens generated / seconds), the
+tokens counted up to and including each sample's eos. The same per CPU second
+(``*_cpu_tokens_per_s``: process time, which a loaded machine inflates less than wall time). The defaults are ``benchmarks.overhead``'s
+small setup (Llama hidden 64, 2 layers, 16-token vocabulary, 32 prompts x 8 samples, 3 new
+tokens); ``--no-eos`` makes every sample run ``--new-tokens`` tokens (a pure throughput case).
+
+JSON rows: ``engine_vs_hf_generate_tokens_per_s_ratio`` (value = engine / HF tokens/s, with both
+tokens/s, the batch shape and the 1-minute load average before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from areal_async.base.process import set_torch_threads
+from areal_async.config import ModelConfig
+from areal_async.models.tiny import build_model
+from areal_async.models.tokenizer import build_char_tokenizer
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.torch_engine import TorchEngine
+from benchmarks.common import write_rows
+
+ENGINE_TARGET = 2.0
+
+
+def measure(
+    model,
+    prompts: list[list[int]],
+    n: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    pad_id: int,
+    repeats: int,
+    seed: int = 0,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+) -> dict:
+    """Median tokens/s of ``TorchEngine`` and of HF ``generate`` over interleaved rounds (see above).
+
+    ``eos_id`` None: no eos (every sample runs ``max_new_tokens``)."""
+    if repeats < 1 or n < 1 or max_new_tokens < 1 or not prompts:
+        raise ValueError(
+            f"repeats={repeats}, n={n}, max_new_tokens={max_new_tokens}, {len(prompts)} prompts: need >= 1"
+        )
+    engine = TorchEngine(model, -1 if eos_id is None else eos_id, seed=seed, max_batch_groups=len(prompts))
+    torch.manual_seed(seed)
+    run_engine = _engine_batch(engine, prompts, n, max_new_tokens, temperature, top_p)
+    run_hf = _hf_batch(model, prompts, n, max_new_tokens, eos_id, pad_id, temperature, top_p)
+    rates: dict[str, list[float]] = {"engine": [], "hf": [], "engine_cpu": [], "hf_cpu": []}
+    for r in range(-1, repeats):
+        order = [("engine", run_engine), ("hf", run_hf)]
+        for name, fn in order if r % 2 else order[::-1]:
+            t, cpu = time.perf_counter(), time.process_time()
+            tokens = fn(r)
+            if r >= 0:  # round -1 warms both up
+                rates[name].append(tokens / (time.perf_counter() - t))
+                rates[f"{name}_cpu"].append(tokens / (time.process_time() - cpu))
+    return {f"{name}_tokens_per_s": statistics.median(v) for name, v in rates.items()} | {"rounds": repeats}
+
+
+def _engine_batch(engine: TorchEngine, prompts, n, max_new_tokens, temperature, top_p):
+    def run(r: int) -> int:
+        for i, p in enumerate(prompts):
+            engine.add_request(GenRequest(f"r{r}g{i}", p, n, max_new_tokens, temperature, top_p))
+        done = []
+        while engine.has_work():
+            done += engine.step()
+        return sum(s.output_ids.numel() for out in done for s in out.samples)
+
+    return run
+
+
+def _hf_batch(model, prompts, n, max_new_tokens, eos_id, pad_id, temperature, top_p):
+    T = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+
+    def run(r: int) -> int:
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=0,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=n,
+                pad_token_id=pad_id,
+                eos_token_id=eos_id,
+                use_cache=True,
+            )
+        new = out[:, T:]
+        return int(new.numel() if eos_id is None else tokens_until_eos(new, eos_id).sum())
+
+    return run
+
+
+def tokens_until_eos(new_BT: torch.Tensor, eos: int) -> torch.Tensor:
+    """Generated tokens per row, counting the first eos and nothing after it (HF pads after it)."""
+    is_eos = (new_BT == eos).int()
+    before_first = is_eos.cumsum(1) - is_eos == 0
+    return before_first.sum(1)
+
+
+def ratio_row(gen: dict, **meta) -> dict:
+    ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
+    return {
+        "metric": "engine_vs_hf_generate_tokens_per_s_ratio",
+        "value": ratio,
+        "unit": "ratio",
+        **gen,
+        "target": ENGINE_TARGET,
+        "meets_target": ratio >= ENGINE_TARGET,
+        **meta,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="where to write the JSON list of rows")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the built Llama")
+    ap.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2 x hidden)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per batch ('a+b=', 5 tokens)")
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--new-tokens", type=int, default=3, help="max_new_tokens")
+    ap.add_argument("--repeats", type=int, default=10, help="timed rounds")
+    ap.add_argument("--no-eos", action="store_true", help="no eos: every sample runs --new-tokens tokens")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the rollout worker's default is 1)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = _parser().parse_args(argv)
+    set_torch_threads(args.threads)
+    tok = build_char_tokenizer("0123456789+=")
+    mcfg = ModelConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads or args.heads,
+        max_position_embeddings=max(32, 8 + args.new_tokens),
+    )
+    model = build_model(mcfg, len(tok), seed=1)
+    prompts = [
+        [tok.bos_token_id, *tok.encode(f"{i % 10}+{i // 10 % 10}=", add_special_tokens=False)]
+        for i in range(args.prompts)
+    ]
+    load0 = os.getloadavg()[0]
+    gen = measure(
+        model,
+        prompts,
+        args.samples,
+        args.new_tokens,
+        None if args.no_eos else tok.eos_token_id,
+        tok.pad_token_id,
+        args.repeats,
+    )
+    meta = {
+        "batch": f"{args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens"
+        + (", no eos" if args.no_eos else ""),
+        "model": f"llama hidden {args.hidden}, {args.layers} layers, vocab {len(tok)}",
+        "threads": args.threads,
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg()[0],
+        "cpu_count": os.cpu_count(),
+    }
+    row = ratio_row(gen, **meta)
+    print(
+        f"{meta['model']}; {meta['batch']}: engine {gen['engine_tokens_per_s']:.0f} tokens/s, transformers generate "
+        f"{gen['hf_tokens_per_s']:.0f} tokens/s: {row['value']:.2f}x (target >= {ENGINE_TARGET}x); per CPU second "
+        f"{gen['engine_cpu_tokens_per_s']:.0f} vs {gen['hf_cpu_tokens_per_s']:.0f}: "
+        f"{gen['engine_cpu_tokens_per_s'] / gen['hf_cpu_tokens_per_s']:.2f}x; "
+        f"load {load0:.2f} -> {meta['loadavg_after']:.2f}"
+    )
+    if args.json:
+        write_rows(args.json, [row])
+    return [row]
+
+
+if __name__ == "__main__":
+    main()
