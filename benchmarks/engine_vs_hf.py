@@ -13,10 +13,11 @@ and decodes on a preallocated cache (``rollout/kv_decoder.py``).
 Timing: one warm-up batch each, then ``--repeats`` rounds, each timing one engine batch and one
 HF batch back to back (the order alternates by round), so both see the same load on a shared
 machine; tokens/s of a generator = the median over rounds of (tokens generated / seconds), the
-tokens counted up to and including each sample's eos. The same per CPU second
-(``*_cpu_tokens_per_s``: process time, which a loaded machine inflates less than wall time). The defaults are ``benchmarks.overhead``'s
-small setup (Llama hidden 64, 2 layers, 16-token vocabulary, 32 prompts x 8 samples, 3 new
-tokens); ``--no-eos`` makes every sample run ``--new-tokens`` tokens (a pure throughput case).
+tokens counted up to and including each sample's eos; the same per CPU second in
+``*_cpu_tokens_per_s`` (process time, which a loaded machine inflates less than wall time).
+The defaults are ``benchmarks.overhead``'s small setup (Llama hidden 64, 2 layers, 16-token
+vocabulary, 32 prompts x 8 samples, 3 new tokens); ``--no-eos`` makes every sample run
+``--new-tokens`` tokens (a pure throughput case).
 
 JSON rows: ``engine_vs_hf_generate_tokens_per_s_ratio`` (value = engine / HF tokens/s, with both
 tokens/s, the batch shape and the 1-minute load average before and after).

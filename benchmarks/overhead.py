@@ -56,7 +56,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 
 from areal_async.base.plugins import load_callable
 from areal_async.base.process import set_torch_threads
@@ -72,6 +71,7 @@ from areal_async.trainer.types import Trajectory
 from benchmarks.common import write_rows
 from benchmarks.common.cpu import cpu_per_step
 from benchmarks.common.fleet import placement, run_fleet
+from benchmarks.engine_vs_hf import measure as measure_engine_vs_hf
 
 ALPHABET = "0123456789+="
 WARMUP_STEPS = 5
@@ -268,66 +268,25 @@ def run_fleet_eta(config: str, ovr: list[str], eta: int, run_dir: Path, warmup: 
 
 
 def engine_vs_hf(cfg, repeats: int) -> dict:
-    """Tokens/s of TorchEngine and of HF ``generate`` on one batch of the benchmark's prompts."""
+    """Tokens/s of TorchEngine and of HF ``generate`` on one batch of the benchmark's prompts
+    (``benchmarks.engine_vs_hf.measure``: interleaved rounds, medians)."""
 
     set_torch_threads(cfg.cluster.torch_threads)
     model, tok = load_policy(cfg.model, cfg.seed)
     enc, g, B = prompt_encoder(tok, cfg.train_dataset.template), cfg.gconfig, cfg.train_dataset.batch_size
     prompts = [enc(p.prompt) for p in load_problems(cfg.train_dataset, cfg.seed)[:B]]
-    engine = TorchEngine(model, tok, device="cpu", seed=cfg.seed, max_batch_groups=cfg.rollout.max_batch_groups)
-    engine.update_weights(0, {k: v.detach() for k, v in model.state_dict().items()})
-
-    def run_engine(r: int) -> int:
-        for i, p in enumerate(prompts):
-            engine.add_request(GenRequest(f"r{r}g{i}", p, g.n_samples, g.max_new_tokens, g.temperature, g.top_p))
-        done = []
-        while engine.has_work():
-            done += engine.step()
-        return sum(len(s.output_ids) for out in done for s in out.samples)
-
-    T = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-
-    def run_hf(r: int) -> int:
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=0,
-                max_new_tokens=g.max_new_tokens,
-                num_return_sequences=g.n_samples,
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-                use_cache=True,
-            )
-        new = out[:, T:]
-        return int(_tokens_until_eos(new, tok.eos_token_id).sum())
-
-    return {
-        "engine_tokens_per_s": _tokens_per_s(run_engine, repeats),
-        "hf_tokens_per_s": _tokens_per_s(run_hf, repeats),
-    }
-
-
-def _tokens_until_eos(new_BT, eos: int):
-    """Generated tokens per row, counting the first eos and nothing after it (HF pads after it)."""
-    is_eos = (new_BT == eos).int()
-    before_first = is_eos.cumsum(1) - is_eos == 0
-    return before_first.sum(1)
-
-
-def _tokens_per_s(fn, repeats: int) -> float:
-    fn(-1)  # warm-up
-    tokens, secs = 0, 0.0
-    for r in range(repeats):
-        t = time.perf_counter()
-        tokens += fn(r)
-        secs += time.perf_counter() - t
-    return tokens / secs
+    return measure_engine_vs_hf(
+        model,
+        prompts,
+        g.n_samples,
+        g.max_new_tokens,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        repeats,
+        cfg.seed,
+        g.temperature,
+        g.top_p,
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import torch
 
 from benchmarks import overhead as bench
 from benchmarks.common import check_rows
+from benchmarks.engine_vs_hf import tokens_until_eos
 
 
 def rows(n: int, step_s: float, train_s: float, publish_s: float, gen: float, reward: float) -> list[dict]:
@@ -34,7 +35,7 @@ def test_fleet_phases_by_hand():
 
 def test_tokens_until_eos_counts_the_first_eos_and_nothing_after():
     new = torch.tensor([[5, 6, 7], [2, 0, 0], [5, 2, 0], [2, 2, 5]])
-    assert bench._tokens_until_eos(new, eos=2).tolist() == [3, 1, 2, 1]
+    assert tokens_until_eos(new, eos=2).tolist() == [3, 1, 2, 1]
 
 
 def test_rows_meet_the_contract_and_the_targets_are_judged():

@@ -10,6 +10,7 @@ from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest, GroupOutput
+from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
 from areal_async.rollout.torch_engine import TorchEngine, sample_tokens
 
 TOK = build_char_tokenizer()
@@ -65,6 +66,37 @@ def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_
         for o in outs.values()
     )
     _assert_logprobs_match(model, reqs, outs, temperature)
+
+
+@pytest.mark.parametrize("arch,lean", [("llama", True), ("qwen2", True), ("llama", False)])
+def test_decoder_logprobs_equal_a_plain_hf_forward_to_1e5(arch, lean):
+    """fp32, random biases and norm weights, GQA, mixed prompt lengths: every sampled token's
+    logprob equals HF's own no-cache forward of prompt + sample to 1e-5. Contexts run past
+    LeanLlama.SHORT keys (both attention paths); frequent stop tokens end rows early, so finished
+    rows sit in the batch (lazy compaction) while others decode."""
+    model = _model(cfg=ModelConfig(**{**SMALL.__dict__, "arch": arch}))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    engine = TorchEngine(model, TOK, seed=7, version=0, lean=lean)
+    assert isinstance(engine.decoder, LeanLlama if lean else HFDecoder)
+    stops = tuple(range(10, 16))
+    reqs = [_req(f"g{i}", p, n=4, max_new_tokens=40, stop_token_ids=stops) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    outs = _run(engine)
+    ends = []
+    for r in reqs:
+        for s in outs[r.group_id].samples:
+            ref = _ref_logprobs(model, r.prompt_ids, s.output_ids)
+            torch.testing.assert_close(s.logprobs, ref, atol=1e-5, rtol=0)
+            ids = s.output_ids.tolist()
+            enders = {*stops, TOK.eos_token_id}
+            assert not set(ids[:-1]) & enders and (s.finish_reason == "stop") == (ids[-1] in enders)
+            ends.append((len(ids), len(r.prompt_ids) + len(ids)))
+    assert min(n for n, _ in ends) < 20 and max(c for _, c in ends) > LeanLlama.SHORT + 1
 
 
 def test_group_prompt_is_prefilled_once_and_samples_differ():
