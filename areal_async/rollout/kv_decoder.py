@@ -12,9 +12,9 @@ positions ``pos_BT`` attend to the cache's ``T`` columns and to each other (caus
 
 - ``LeanLlama``: Llama and Qwen2 (full attention, no sliding window) computed from the HF
   model's own modules (embedding, norms, projections, MLP, rotary embedding, lm head), so
-  weights loaded into the HF model are used as they are; attention is one
-  ``scaled_dot_product_attention`` per layer on the cache buffer. No HF cache object, no mask
-  construction, no per-step output containers.
+  weights loaded into the HF model are used as they are; attention reads the cache buffer
+  (``scaled_dot_product_attention``, or matmuls for one query on CPU). No HF cache object, no
+  mask construction, no per-step output containers.
 - ``HFDecoder``: any other causal LM through its own ``forward`` and a ``DynamicCache`` built on
   the filled columns (the fallback; slower, same results).
 
@@ -22,6 +22,8 @@ Not covered: sliding-window or hybrid attention in the lean path, paged memory, 
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -81,9 +83,10 @@ class LeanLlama:
     """Llama / Qwen2 forward on a ``KVCache`` from the HF model's modules (see the module docstring).
 
     Equal to HF's forward up to float rounding: the same RMSNorm (in float32, then the weight),
-    the same rotary cos/sin (HF's own rotary module, tabulated per position when its frequencies do
-    not depend on the sequence length), the same projection and MLP weights. A single new token
-    on CPU attends with two matmuls (the CPU SDPA kernel is slow for one query); everything else
+    the same rotary cos/sin (HF's own rotary module, tabulated per position when its frequencies
+    do not depend on the sequence length), the same projection and MLP modules (the model is not
+    modified: weights loaded into it are used as they are). A single new token on CPU attends
+    with matmuls (the CPU SDPA kernel is slow for one query, see ``_attend_one``); everything else
     uses ``scaled_dot_product_attention``.
     """
 
@@ -95,11 +98,6 @@ class LeanLlama:
         self.n_kv = cfg.num_key_value_heads
         self.gqa = self.n_kv != cfg.num_attention_heads
         self._rope = _RopeTable(model.model.rotary_emb)
-        self.qkv = [
-            _fuse(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-            for layer in model.model.layers
-        ]
-        self.gate_up = [_fuse(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in model.model.layers]
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -119,19 +117,17 @@ class LeanLlama:
             h_BTE = _norm(layer.input_layernorm, x_BTE)
             x_BTE = x_BTE + self._attention(layer.self_attn, h_BTE, cos, sin, cache, i, attn_mask)
             mlp = layer.mlp
-            gate, up = F.linear(_norm(layer.post_attention_layernorm, x_BTE), *self.gate_up[i]).chunk(2, -1)
-            x_BTE = x_BTE + mlp.down_proj(mlp.act_fn(gate) * up)
+            h_BTE = _norm(layer.post_attention_layernorm, x_BTE)
+            x_BTE = x_BTE + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h_BTE)) * mlp.up_proj(h_BTE))
         cache.T = T0 + T
         return self.model.lm_head(_norm(m.norm, x_BTE[:, -1])) if logits else None
 
     def _attention(self, attn, h_BTE, cos, sin, cache: KVCache, i: int, attn_mask):
-        (B, T, _), D, T0, h = h_BTE.shape, attn.head_dim, cache.T, self.n_kv
-        qkv_BNTD = F.linear(h_BTE, *self.qkv[i]).view(B, T, -1, D).transpose(1, 2)  # N = H + 2 kv heads
-        qk = qkv_BNTD[:, :-h]
-        qk = qk * cos + qk.roll(D // 2, -1) * sin  # rotary on queries and keys at once
-        q = qk[:, :-h]
-        cache.k[i, :, :, T0 : T0 + T] = qk[:, -h:]
-        cache.v[i, :, :, T0 : T0 + T] = qkv_BNTD[:, -h:]
+        (B, T, _), D, T0 = h_BTE.shape, attn.head_dim, cache.T
+        q, k, v = (proj(h_BTE).view(B, T, -1, D).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        cache.k[i, :, :, T0 : T0 + T] = k * cos + k.roll(D // 2, -1) * sin
+        cache.v[i, :, :, T0 : T0 + T] = v
+        q = q * cos + q.roll(D // 2, -1) * sin
         keys, values = cache.k[i, :, :, : T0 + T], cache.v[i, :, :, : T0 + T]
         if T == 1 and q.device.type == "cpu":
             o = self._attend_one(q, keys, values, attn.scaling, attn_mask)
@@ -161,27 +157,6 @@ class LeanLlama:
             p_BhKG = e_BhGK.div_(e_BhGK.sum(-1, keepdim=True)).to(v_BhKD.dtype).transpose(-1, -2)
             o_BhGD = (p_BhKG[..., None] * v_BhKD[:, :, :, None]).sum(2)  # (B, h, K, G, D) summed over K
         return o_BhGD.reshape(B, H, 1, D)
-
-
-def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for linears that read the same input, their outputs concatenated.
-
-    Each module's parameters are re-pointed at their rows of the fused tensor, so the model
-    holds one copy and a weight loaded into a module (``update_weights``) is loaded into the
-    fused tensor too."""
-    w = torch.cat([lin.weight.data for lin in linears])
-    with_bias = [lin.bias is not None for lin in linears]
-    if any(with_bias) and not all(with_bias):
-        raise ValueError(f"linears {linears}: some have a bias and some not; expected all or none")
-    b = torch.cat([lin.bias.data for lin in linears]) if all(with_bias) else None
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = w[start : start + rows]
-        if b is not None:
-            lin.bias.data = b[start : start + rows]
-        start += rows
-    return w, b
 
 
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -241,8 +216,6 @@ class HFDecoder:
     """Any HF causal LM through its own ``forward``: the fallback behind ``LeanLlama``."""
 
     def __init__(self, model: PreTrainedModel):
-        import inspect
-
         self.model = model
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 

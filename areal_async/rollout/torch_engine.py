@@ -1,4 +1,4 @@
-"""``TorchEngine``: the embedded rollout engine, plain PyTorch + HF KV cache, CPU or one GPU.
+"""``TorchEngine``: the embedded rollout engine, plain PyTorch, CPU or one GPU.
 
 How it works::
 
@@ -20,6 +20,12 @@ throws away every cohort's KV cache and recomputes it by prefilling prompt + tok
 far under the NEW weights; decoding then continues. Tokens sampled before the update keep their
 old version and old logprobs, tokens after it carry the new version. No KV entry computed by old
 weights is ever read by new ones (invariant 4).
+
+The forward passes run on a preallocated KV cache (``kv_decoder.KVCache``: a decode step writes
+one column in place) through ``kv_decoder.LeanLlama`` for Llama/Qwen2 (the HF modules' weights,
+no HF forward machinery) or the model's own HF forward for other architectures. A finished row
+stays in its cohort, decoded and ignored, until a quarter of the cohort has finished: then the
+cohort is compacted (rows and cache re-indexed once, not at every finished row).
 
 Covered: temperature, top-p, greedy, eos/stop tokens, max_new_tokens, abort, seeded sampling
 (``torch.Generator``). Not covered: paged memory, a radix tree across groups (only the prompt of
