@@ -74,19 +74,19 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def check_books(run_dir: Path, eta: int) -> list[dict]:
+def check_books(run_dir: Path, eta: int, steps: int = 6) -> list[dict]:
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     trajs = read_jsonl(run_dir / "trajectories.jsonl")
-    assert [m["step"] for m in metrics] == list(range(6))
+    assert [m["step"] for m in metrics] == list(range(steps))
     for m in metrics:
         assert {"step", "version", "reward_mean", "staleness_max", "samples_trained", "wall_s"} <= set(m)
         assert m["version"] == m["step"] + 1 and 0 <= m["reward_mean"] <= 1 and m["staleness_max"] <= eta
     ids = [t["id"] for t in trajs]
     assert len(ids) == len(set(ids)) == summary["samples_issued"]  # every sample appears exactly once
-    assert summary["samples_lost"] == 0 and summary["steps"] == 6
+    assert summary["samples_lost"] == 0 and summary["steps"] == steps
     trained = [t for t in trajs if t["status"] == "trained"]
-    assert len(trained) == summary["samples_trained"] == 6 * 4 * 4
+    assert len(trained) == summary["samples_trained"] == steps * 4 * 4
     assert all(t["status"] == "aborted" and t["reason"] for t in trajs if t["status"] != "trained")
     for t in trained:
         assert t["version_min"] >= t["train_step"] - eta, t

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -114,17 +115,24 @@ def test_fleet_across_two_loopback_nodes(tmp_path):
             socks = tcp_sockets(pids[w])
             assert socks and {s[0] for s in socks} == {NODE[node]}, (w, socks)
         # only now may the fleet score: the test's reward worker (on node 0) joins
-        scorer = subprocess.Popen(
-            [sys.executable, "-m", "workers.external_reward", str(run_dir)],
-            cwd=ROOT,
-            stdout=open(tmp_path / "ext.log", "wb"),
-            stderr=subprocess.STDOUT,
-        )
-        finish_ok(proc, timeout=300)
-        assert scorer.wait(timeout=60) == 0
+        with open(tmp_path / "ext.log", "wb") as log:
+            scorer = subprocess.Popen(
+                [sys.executable, "-m", "workers.external_reward", str(run_dir)],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            finish_ok(proc, timeout=300)
+            assert scorer.wait(timeout=60) == 0
+        finally:
+            if scorer.poll() is None:
+                scorer.kill()
+                scorer.wait()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:  # a failed check: the supervisor stops every worker it started on SIGTERM
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=120)
     check_books(run_dir, eta=1)
     log = (run_dir / "logs" / "scheduler.log").read_text()
     assert "refused a registration" not in log

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.config import from_dict
-from areal_async.supervisor.slurm import SlurmLauncher, render_sbatch, srun_command
+from areal_async.supervisor.slurm import SlurmError, SlurmLauncher, render_sbatch, srun_command, with_allocation_hosts
 from protocols.sockets import free_tcp_port
 from tests.test_e2e import FAST, ROOT, check_books
 
@@ -204,3 +204,14 @@ def test_tiny_fleet_runs_as_srun_steps_of_a_real_slurm_job(slurm, tmp_path):
     assert workers | {"supervisor"} <= set(pids)
     slurmd_log = (Path(slurm["SLURM_CONF"]).parent / "slurmd.log").read_text()
     assert slurmd_log.count(f"launch task StepId={job}.") == len(workers), slurmd_log[-2000:]
+
+
+def test_a_multi_node_allocation_gives_each_node_its_address():
+    cfg = from_dict({}, ["cluster.n_nodes=2", "cluster.control=tcp", "tensor_channel.weights=zmq"])
+    assert with_allocation_hosts(cfg, ["localhost", "127.0.0.2"]).cluster.node_hosts == ["127.0.0.1", "127.0.0.2"]
+    one = from_dict({}, [])
+    assert with_allocation_hosts(one, ["localhost"]) is one  # one node: cluster.host as before
+    with pytest.raises(SlurmError, match="cluster.control=tcp"):
+        with_allocation_hosts(from_dict({}, ["cluster.n_nodes=2"]), ["localhost", "127.0.0.2"])
+    with pytest.raises(SlurmError, match="cannot resolve"):
+        with_allocation_hosts(cfg, ["no-such-node.invalid", "localhost"])

@@ -54,6 +54,11 @@ class Launcher(ABC):
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
         """Start ``cmd`` as worker ``name`` on node ``node``."""
 
+    def node_address(self, name: str) -> Optional[str]:
+        """The address of the node worker ``name`` will run on, when the backend decides it (Ray places
+        bundles itself; Slurm names the allocation's nodes); None: the config's (``cluster.node_hosts``)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Release the backend's resources (called once the run's processes are stopped)."""
 

@@ -186,7 +186,10 @@ class LocalSupervisor:
             print(f"[areal-async] resuming from {resume}")
 
     def node_host(self, wid: Optional[str]) -> str:
-        """The address of the node worker ``wid`` is placed on (node 0 for None or an unplaced process)."""
+        """The address of the node worker ``wid`` runs on: the launcher's when it places workers itself
+        (a multi-node Ray or Slurm run), else ``cluster.node_hosts`` by the placement (node 0 for None)."""
+        if wid and (addr := self.launcher.node_address(wid)):
+            return addr
         slot = self.placement.get(wid) if wid else None
         return self.cfg.cluster.hosts()[slot.node if slot is not None else 0]
 
@@ -261,7 +264,8 @@ class LocalSupervisor:
 
     def _host_env(self, wid: str) -> dict:
         """With cluster.node_hosts: the address of the worker's node (it binds and connects from it)."""
-        return {NODE_HOST_ENV: self.node_host(wid)} if self.cfg.cluster.node_hosts else {}
+        placed = self.cfg.cluster.node_hosts or self.launcher.node_address(wid)
+        return {NODE_HOST_ENV: self.node_host(wid)} if placed else {}
 
     def _spawn(self, cmd: list, log_path: Path, env: dict) -> Launched:
         """Start one process through the launcher (on the node the placement gives that worker)."""

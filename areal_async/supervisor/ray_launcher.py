@@ -28,7 +28,8 @@ from areal_async.supervisor.launchers import Launched, Launcher, popen_logged
 from areal_async.supervisor.local import device_placement, worker_specs
 from areal_async.supervisor.servers import server_role, uses_servers
 
-CALL_TIMEOUT_S = 30.0  # an actor call that takes longer means its node is gone
+CALL_TIMEOUT_S = 30.0  # an actor call unanswered this long is asked again later (poll) or times out (wait)
+SHUTDOWN_GRACE_S = 30.0  # how long the local Ray's processes may take to exit after ray.shutdown
 START_TIMEOUT_S = 300.0  # a new holder actor: Ray starts a Python worker process for it (slow on a loaded node)
 
 
@@ -77,11 +78,15 @@ class RayProcess(Launched):
         self.returncode: Optional[int] = None
 
     def _call(self, method: str, *args, timeout: float = CALL_TIMEOUT_S):
+        """The holder's answer; the worker's -9 when the holder (or its node) is gone; None when the answer
+        is late (a slow node is not a dead one: Ray raises RayActorError once it declares the node dead)."""
         try:
             return self._ray.get(getattr(self.actor, method).remote(*args), timeout=timeout)
-        except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
+        except self._ray.exceptions.RayActorError:
             self.returncode = -9  # the holder (or its node) is gone: the worker with it
             return self.returncode
+        except self._ray.exceptions.GetTimeoutError:
+            return None
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -100,6 +105,13 @@ class RayProcess(Launched):
     def signal(self, sig: int) -> None:
         if self.returncode is None or sig != 15:
             self._call("signal", sig)
+
+
+def bundle_addresses(table: dict, nodes: list[dict], names: list[str]) -> dict[str, str]:
+    """Worker name -> the address of the node Ray put its bundle on (``placement_group_table(pg)``'s
+    ``bundles_to_node_id`` and ``ray.nodes()``' ``NodeID`` / ``NodeManagerAddress``)."""
+    ip = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
+    return {names[int(k)]: ip[v] for k, v in table["bundles_to_node_id"].items()}
 
 
 def bundles_of(names: list[str], gpus: dict[str, int]) -> list[dict]:
@@ -143,6 +155,11 @@ class RayLauncher(Launcher):
                 f"{bundles_of(self.names, gpus)} within {ready_timeout_s:.0f}s: "
                 f"available {ray.available_resources()}"
             ) from None
+        self._addresses: dict[str, str] = {}  # worker name -> its bundle's node address (multi-node runs)
+        if n_nodes > 1:
+            from ray.util.placement_group import placement_group_table
+
+            self._addresses = bundle_addresses(placement_group_table(self.pg), ray.nodes(), self.names)
         self._holder = ray.remote(num_cpus=1)(_Holder)
         self.actors: dict[str, object] = {}  # worker name -> its holder (a restart reuses it: same bundle)
         # every holder up front, started in parallel: Ray starts a Python process for each
@@ -162,6 +179,9 @@ class RayLauncher(Launcher):
         self.actors[name] = actor
         return actor
 
+    def node_address(self, name: str) -> Optional[str]:
+        return self._addresses.get(name)
+
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
         if name not in self.names:
             raise RayLaunchError(f"worker {name!r} has no bundle in this run's placement group ({self.names})")
@@ -176,11 +196,62 @@ class RayLauncher(Launcher):
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
+        started = _descendants(os.getpid()) if self._own else set()  # the local Ray's processes
         try:
             remove_placement_group(self.pg)
         finally:
             if self._own:
                 self.ray.shutdown()
+                _reap(started, SHUTDOWN_GRACE_S)
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state first); [] when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return []
+
+
+def _descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every process below ``root`` (from /proc; the start time tells a reused pid)."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and len(f := _stat(int(entry))) > 19:
+            children.setdefault(int(f[1]), []).append((int(entry), f[19]))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c[0])
+    return out
+
+
+def _alive(proc: tuple[int, str]) -> bool:
+    pid, started = proc
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    except ChildProcessError:
+        pass
+    f = _stat(pid)
+    return len(f) > 19 and f[0] != "Z" and f[19] == started
+
+
+def _reap(pids: set[tuple[int, str]], grace_s: float) -> None:
+    """Wait until the local Ray's processes (``pids``, started for this run) are gone; SIGKILL what is
+    left after ``grace_s``: ``ray.shutdown`` ends them asynchronously, and the run must not outlive them."""
+    deadline = time.monotonic() + grace_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in pids:
+        if _alive(p):
+            try:
+                os.kill(p[0], 9)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5.0
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def ray_launcher(cfg: ExperimentConfig) -> RayLauncher:
@@ -189,4 +260,9 @@ def ray_launcher(cfg: ExperimentConfig) -> RayLauncher:
     names = [f"{server_role(cfg)}-{j}" for j in range(n_servers(cfg) if ours else 0)]
     names += [wid for wid, _, _ in worker_specs(cfg)]
     gpus = {w: len(slot.gpus) for w, slot in device_placement(cfg, gpus_here=10**6).items()}
+    if cfg.cluster.n_nodes > 1 and cfg.cluster.control != "tcp":
+        raise RayLaunchError(
+            f"cluster.n_nodes={cfg.cluster.n_nodes} with cluster.control={cfg.cluster.control!r}: workers on "
+            "other nodes cannot reach ipc sockets; set cluster.control=tcp"
+        )
     return RayLauncher(names, gpus, address=cfg.cluster.ray_address, n_nodes=cfg.cluster.n_nodes)

@@ -17,9 +17,11 @@ forwards the signal to its step (SIGKILL ends ``srun`` and Slurm then kills the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +161,22 @@ def _run(cmd: list[str]) -> str:
     return p.stdout
 
 
+def with_allocation_hosts(cfg: ExperimentConfig, nodes: list[str]) -> ExperimentConfig:
+    """A multi-node run without ``cluster.node_hosts``: the allocation's nodes' addresses, node k the
+    allocation's k-th node (so each worker binds and advertises its own node's address)."""
+    cl = cfg.cluster
+    if cl.n_nodes == 1 or cl.node_hosts:
+        return cfg
+    try:
+        hosts = [socket.gethostbyname(n) for n in nodes[: cl.n_nodes]]
+    except OSError as e:
+        raise SlurmError(f"cannot resolve the allocation's nodes {nodes[: cl.n_nodes]}: {e}") from None
+    try:
+        return dataclasses.replace(cfg, cluster=dataclasses.replace(cl, node_hosts=hosts))
+    except ValueError as e:  # ConfigError: e.g. ipc control across nodes
+        raise SlurmError(f"cluster.n_nodes={cl.n_nodes} in this allocation: {e}") from None
+
+
 def run_slurm(
     cfg: ExperimentConfig,
     config_path: str | Path,
@@ -171,7 +189,8 @@ def run_slurm(
     Outside: write RUN_DIR/sbatch.sh and submit it (or say how, with cluster.slurm.submit=false)."""
     try:
         if inside_allocation():
-            return run_fleet(cfg, run_dir, progress, SlurmLauncher.from_env(cfg))
+            launcher = SlurmLauncher.from_env(cfg)
+            return run_fleet(with_allocation_hosts(cfg, launcher.nodes), run_dir, progress, launcher)
         run_dir = Path(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         script = run_dir / "sbatch.sh"
