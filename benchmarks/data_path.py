@@ -10,8 +10,10 @@
     from a thread over the real channel; on the trainer side each group is received, split into
     per-sample views (``trainer.service.split_group``), the control message decoded, and the
     batch becomes ``Trajectory`` objects and packed micro-batches (``allocate_micro_batches`` +
-    ``pack``, ``--mb-tokens`` each). Timed from the first send to the last micro-batch packed,
-    over one channel pair three times: the figure is the faster of the second and third batches
+    ``pack``, ``--mb-tokens`` each), packed one after the other, each dropped before the next as
+    the trainer does (``trainer.logprobs.iter_micro_batches``: pack, forward/backward, next).
+    Timed from the first send to the last micro-batch packed, over one channel pair three
+    times: the figure is the faster of the second and third batches
     (steady state: the shm slab pool is warm, as from a fleet's second batch on; best of two as
     the bound is best of three); the first is in ``first_batch_seconds``.
     torch runs one intra-op thread, as a fleet worker does (``cluster.torch_threads``).
@@ -25,8 +27,9 @@
     load; ``cpu_fraction`` is the same ratio in CPU seconds (the bound's thread; the path's whole
     process, sender thread and ZeroMQ I/O threads included), which load does not inflate.
 (2) The scheduler's control plane on one core: a ROUTER socket in this process (pinned to one
-    CPU) receiving from ``--workers`` simulated DEALER workers in a child process (the other
-    CPUs), each message decoded (``protocols``) and applied to a real ``SchedulerCore``
+    CPU) draining the backlog that ``--workers`` simulated DEALER workers in a child process (the
+    other CPUs) sent (all encoded first, so their speed does not bound the figure), each message
+    decoded (``protocols``) and applied to a real ``SchedulerCore``
     (``TrajectoryReady`` and ``RewardResult`` of issued groups of 16, plus ``Heartbeat``s).
     ``scheduler_messages_per_s`` counts messages handled per second over ``--seconds``.
 
@@ -150,11 +153,13 @@ def _one_batch(tx, rx, groups, mb_tokens: int) -> tuple[tuple[float, float], int
     mbs = allocate_micro_batches(
         [t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens, oversize="own_mb"
     )
-    packed = [pack([trajs[i].seq_parts for i in mb]) for mb in mbs]
+    packed_bytes = 0
+    for mb in mbs:  # one at a time, as the trainer's iter_micro_batches (the model runs on each, then it goes)
+        p = pack([trajs[i].seq_parts for i in mb])
+        packed_bytes += sum(t.numel() * t.element_size() for t in (p.ids_T, p.position_ids_T, p.cu_seqlens))
     secs = (time.perf_counter() - t0, time.process_time() - c0)
     sender.join()
-    tensors = [t for p in packed for t in (p.ids_T, p.position_ids_T, p.cu_seqlens)]
-    return secs, len(packed), sum(t.numel() * t.element_size() for t in tensors)
+    return secs, len(mbs), packed_bytes
 
 
 def transfer_rows(transports: list[str], groups, mb_tokens: int) -> list[dict]:

@@ -140,7 +140,13 @@ async def recv_message(
     sock: zmq.asyncio.Socket, routed: bool = False, expect: Optional[tuple] = None, where: str = ""
 ) -> tuple[Optional[bytes], Optional[Message]]:
     """Receive one message; a bad frame is logged and returned as (sender, None)."""
-    frames = await sock.recv_multipart()
+    return decode_logged(await sock.recv_multipart(), routed, expect, where)
+
+
+def decode_logged(
+    frames: list, routed: bool = False, expect: Optional[tuple] = None, where: str = ""
+) -> tuple[Optional[bytes], Optional[Message]]:
+    """``decode_frames``, with a bad frame logged and returned as (sender, None)."""
     try:
         return decode_frames(frames, routed, expect)
     except ProtocolError as e:

@@ -32,6 +32,7 @@ Liveness (never hang silently):
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -65,7 +66,7 @@ from protocols.messages import (
     WeightsLoaded,
     WeightsPublished,
 )
-from protocols.sockets import make_socket, recv_message, send_message
+from protocols.sockets import decode_logged, make_socket, send_message
 
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
@@ -115,6 +116,7 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
 
 
+DRAIN_MAX = 256  # frames handled per wakeup before the core is driven (admit, plan) once
 _SENDERS = {
     TrajectoryReady: ("rollout",),
     WeightsLoaded: ("rollout",),
@@ -214,17 +216,31 @@ class SchedulerService:
         return self.exit_code
 
     async def _serve(self) -> None:
+        """Per wakeup: the frame that woke us and those already queued behind it (up to
+        ``DRAIN_MAX``, taken without waiting), each handled in order; then one ``_drive``."""
         while True:
-            ident, msg = await recv_message(self.sock, routed=True, where="scheduler")
-            if msg is None:
-                await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
-                continue
-            try:
-                await self.handle(ident, msg)
-            except (ValueError, KeyError) as e:
-                log.error("message %s from %r refused: %s", msg.TYPE, ident, e)
-                await self._reply_error(ident, "refused", str(e))
+            frames, n = await self.sock.recv_multipart(), 0
+            while frames is not None:
+                await self._take(frames)
+                n += 1
+                frames = await self._queued_frames() if n < DRAIN_MAX else None
             await self._drive()
+
+    async def _queued_frames(self) -> Optional[list]:
+        try:
+            return await self.sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    async def _take(self, frames: list) -> None:
+        ident, msg = decode_logged(frames, routed=True, where="scheduler")
+        if msg is None:
+            return await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
+        try:
+            await self.handle(ident, msg)
+        except (ValueError, KeyError) as e:
+            log.error("message %s from %r refused: %s", msg.TYPE, ident, e)
+            await self._reply_error(ident, "refused", str(e))
 
     async def _reply_error(self, ident: Optional[bytes], code: str, detail: str) -> None:
         if ident is not None:
@@ -246,7 +262,7 @@ class SchedulerService:
             raise ValueError(f"{msg.TYPE} from unregistered peer {wid!r}")
         if wid in self.workers:
             self.workers[wid]["last_seen"] = time.monotonic()
-        handler = self._handlers().get(type(msg))
+        handler = self._handler_map.get(type(msg))
         if handler is None:
             raise ValueError(f"scheduler does not accept {msg.TYPE!r} messages")
         allowed = _SENDERS.get(type(msg))
@@ -256,7 +272,9 @@ class SchedulerService:
             )
         await handler(wid, msg)
 
-    def _handlers(self) -> dict:
+    @functools.cached_property
+    def _handler_map(self) -> dict:
+        """Message class -> handler, built once (not per message)."""
         return {
             Heartbeat: self._heartbeat,
             Ping: self._ping,

@@ -449,17 +449,20 @@ def _bins(bin_of: list[int], k: int) -> list[list[int]]:
 def _lpt_fewest(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """LPT at the fewest bins from ceil(total/budget) up where every bin fits; many items (the
     boba batch: ~8K sequences into ~1.6K micro-batches) keep it within ~2 % of that bound.
-    Counts grow in steps of ~0.5 % until one fits, then bisect back to the fewest that fits.
+    A count that does not fit is followed by the one whose mean load leaves room for its
+    overshoot (heaviest - mean), then the counts are bisected back to the fewest that fits.
     Terminates: at one bin per item every bin fits (each item is within the budget here)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    total = sum(lengths)
     lo = lower_bound(lengths, max_tokens) - 1  # the largest count known not to fit
     k, best = lo + 1, None
     while best is None:
         bin_of, heaviest = _lpt(lengths, order, k)
         if heaviest <= max_tokens:
             best = bin_of
-        else:
-            lo, k = k, min(len(lengths), k + max(1, k // 200))
+        else:  # the next count whose mean load leaves room for this overshoot over the mean
+            over = heaviest - total / k
+            lo, k = k, min(len(lengths), max(k + 1, math.ceil(total / max(max_tokens - over, max_tokens / 2))))
     hi = k
     while hi - lo > 1:
         mid = (lo + hi) // 2
