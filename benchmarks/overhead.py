@@ -25,8 +25,11 @@ Phases per step (ms, means over the steady window after ``--warmup`` steps):
 - reward: scoring (fleet: wall time the reward worker had a group in its pool);
 - train: ``train_step`` incl. the proximal-logprob recompute (fleet: the trainer's ``train_s``);
 - publish: weights to the engine (fleet: the trainer's ``publish_s``, until the channel
-  released the publisher; the rollout side's load is inside gen);
-- wait: the trainer idle between two steps (fleet: step - train - publish; in-process 0);
+  released the publisher; the rollout side's load is inside gen). Over shm/zmq the trainer
+  publishes after its TrainStepDone, while the scheduler plans (trainer/service.py), so the
+  publication overlaps the wait and its wall time includes sharing the CPU with it;
+- wait: the trainer idle between two steps (fleet: step - train - publish, which understates
+  it by the overlapped part of publish; in-process 0);
 - step: wall time per step;
 - cpu: CPU time per step (in-process: this process; fleet: every process of the run, by role
   in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
