@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -32,6 +33,29 @@ def test_a_multi_node_run_binds_on_the_node_ray_put_each_bundle_on():
     ]
     got = bundle_addresses(table, nodes, ["scheduler", "trainer", "rollout-0"])
     assert got == {"scheduler": "10.0.0.1", "trainer": "10.0.0.2", "rollout-0": "10.0.0.1"}
+
+
+REAP = """
+import os, subprocess, sys, time
+from areal_async.supervisor.ray_launcher import _become_subreaper, _descendants, _reap
+keep = subprocess.Popen(["sleep", "60"])  # a child from before the local Ray: spared
+spare = _descendants(os.getpid())
+_become_subreaper()
+subprocess.run(["bash", "-c", "(sleep 60 &); exit 0"])  # a process that leaves an orphan behind, as raylet may
+orphan = [p for p in _descendants(os.getpid()) if p[0] != keep.pid]
+_reap(set(), 1.0, spare=spare)
+print(len(orphan), os.path.exists(f"/proc/{orphan[0][0]}") and open(f"/proc/{orphan[0][0]}/stat").read().split()[2],
+      keep.poll())
+keep.kill()
+"""
+
+
+def test_close_reaps_the_local_rays_orphans_and_spares_older_children():
+    out = subprocess.run([sys.executable, "-c", REAP], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    n, orphan_state, keep = out.stdout.split()
+    assert n == "1"  # the orphan came to this process (subreaper), not to init
+    assert orphan_state in ("False", "Z") and keep == "None"  # killed and reaped; the older child still runs
 
 
 @pytest.mark.slow

@@ -138,10 +138,12 @@ class RayLauncher(Launcher):
             raise RayLaunchError("cluster.launcher=ray needs the ray package: pip install -e '.[ray]'") from None
         self.ray = ray
         self._own = not ray.is_initialized()
+        self._before = _descendants(os.getpid())  # processes that are not the local Ray's (never reaped)
         if self._own:
             if address:
                 ray.init(address=address, log_to_driver=False)
             else:  # a local Ray with room for every bundle (logical CPUs: workers share the real ones)
+                _become_subreaper()  # its processes' orphans stay below this process, for close() to reap
                 ray.init(num_cpus=len(names), num_gpus=sum(gpus.values()), include_dashboard=False, log_to_driver=False)
         from ray.util.placement_group import placement_group
 
@@ -202,7 +204,18 @@ class RayLauncher(Launcher):
         finally:
             if self._own:
                 self.ray.shutdown()
-                _reap(started, SHUTDOWN_GRACE_S)
+                _reap(started, SHUTDOWN_GRACE_S, spare=self._before)
+
+
+def _become_subreaper() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a
+    Ray worker whose raylet exits first then stays below the supervisor, where ``_reap`` finds it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: orphans go to init, as before
+        pass
 
 
 def _stat(pid: int) -> list[str]:
@@ -237,11 +250,16 @@ def _alive(proc: tuple[int, str]) -> bool:
     return len(f) > 19 and f[0] != "Z" and f[19] == started
 
 
-def _reap(pids: set[tuple[int, str]], grace_s: float) -> None:
+def _reap(pids: set[tuple[int, str]], grace_s: float, spare: set[tuple[int, str]] = frozenset()) -> None:
     """Wait until the local Ray's processes (``pids``, started for this run) are gone; SIGKILL what is
-    left after ``grace_s``: ``ray.shutdown`` ends them asynchronously, and the run must not outlive them."""
+    left after ``grace_s``: ``ray.shutdown`` ends them asynchronously, and the run must not outlive them.
+    Processes in ``spare`` (this process's children from before the local Ray started) are left alone."""
+    pids = pids - spare
     deadline = time.monotonic() + grace_s
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        pids = (pids | _descendants(os.getpid())) - spare  # and what they started meanwhile (orphans come here)
+        if not any(_alive(p) for p in pids):
+            break
         time.sleep(0.1)
     for p in pids:
         if _alive(p):
