@@ -11,7 +11,7 @@ from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest, GroupOutput
 from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
-from areal_async.rollout.torch_engine import TorchEngine, sample_tokens
+from areal_async.rollout.torch_engine import TorchEngine, draw_tokens, sample_tokens
 
 TOK = build_char_tokenizer()
 SMALL = ModelConfig(
@@ -290,3 +290,14 @@ def test_microbenchmark_tokens_per_second():
     n_tokens = sum(len(s.output_ids) for o in outs.values() for s in o.samples)
     assert n_tokens == 16 * 8 * 16
     print(f"\nTorchEngine CPU: {n_tokens} tokens in {elapsed:.3f}s = {n_tokens / elapsed:,.0f} tokens/s")
+
+
+def test_draw_tokens_follows_unnormalised_rows_and_never_draws_zero_mass():
+    row = torch.tensor([0.0, 0.6, 0.0, 1.8, 0.6, 0.0])  # mass 3: expected frequencies 0.2, 0.6, 0.2 on tokens 1, 3, 4
+    tok_B = draw_tokens(row.repeat(20000, 1), torch.Generator().manual_seed(3))
+    counts = torch.bincount(tok_B, minlength=6).float() / 20000
+    assert counts[[0, 2, 5]].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(counts[[1, 3, 4]], torch.tensor([0.2, 0.6, 0.2]), atol=0.015, rtol=0)
+    one_hot = torch.zeros(50, 6)
+    one_hot[:, 5] = 1e-30  # only the last token has mass, and hardly any
+    assert draw_tokens(one_hot, torch.Generator().manual_seed(0)).tolist() == [5] * 50

@@ -127,14 +127,29 @@ def sample_tokens(
     taken before top-p truncation (the distribution the trainer recomputes)."""
     temp_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
     logp_BV = torch.log_softmax(logits_BV.float() / temp_B[:, None], dim=-1)
-    tok_B = logp_BV.argmax(-1)
-    if not bool(greedy_B.all()):
+    n_greedy = int(greedy_B.sum())
+    if n_greedy == len(greedy_B):
+        tok_B = logp_BV.argmax(-1)
+    else:
         probs_BV = logp_BV.exp()
         if bool((top_p_B < 1).any()):
             probs_BV = _top_p_filter(probs_BV, top_p_B)
-        drawn_B = torch.multinomial(probs_BV, 1, generator=gen).squeeze(1)
-        tok_B = torch.where(greedy_B, tok_B, drawn_B)
+        tok_B = draw_tokens(probs_BV, gen)
+        if n_greedy:
+            tok_B = torch.where(greedy_B, logp_BV.argmax(-1), tok_B)
     return tok_B, logp_BV.gather(1, tok_B[:, None]).squeeze(1)
+
+
+def draw_tokens(probs_BV: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row, token v with probability probs_BV[b, v] / the row's sum (rows need not
+    be normalised; a zero-probability token is never drawn): the first token whose cumulative
+    mass exceeds a uniform draw below the row's mass. One random number per row, where
+    ``torch.multinomial`` draws one per token (most of the sampling time at small batch shapes)."""
+    cdf_BV = probs_BV.cumsum(-1)
+    mass_B1 = cdf_BV[:, -1:]
+    u_B1 = torch.rand(mass_B1.shape, generator=gen, device=cdf_BV.device, dtype=cdf_BV.dtype) * mass_B1
+    u_B1 = torch.minimum(u_B1, torch.nextafter(mass_B1, torch.zeros_like(mass_B1)))  # < mass despite rounding
+    return torch.searchsorted(cdf_BV, u_B1, right=True).squeeze(1)
 
 
 class TorchEngine(RolloutEngine):
