@@ -160,7 +160,10 @@ class LeanLlama:
 
 
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's LlamaRMSNorm / Qwen2RMSNorm: normalise in float32, back to x's dtype, times the weight."""
+    """HF's LlamaRMSNorm / Qwen2RMSNorm: normalise in float32, back to x's dtype, times the weight
+    (one fused kernel when all of it is float32)."""
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
@@ -177,18 +180,18 @@ class _RopeTable:
     def __init__(self, rotary: torch.nn.Module):
         self.rotary = rotary
         self.static = getattr(rotary, "rope_type", "default") in self.STATIC_TYPES
-        self.cos = self.sin = None
+        self.cos_sin = None  # (positions, 2 D): cos then folded sin
 
     def __call__(self, x_BTE: torch.Tensor, pos_BT: torch.Tensor):
         if not self.static:
             cos, sin = self._fold(*self.rotary(x_BTE, pos_BT))
             return cos[:, None], sin[:, None]
-        need = int(pos_BT.max()) + 1
-        if self.cos is None or self.cos.shape[0] < need or self.cos.dtype != x_BTE.dtype:
-            n = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 64)
+        need, table = int(pos_BT.max()) + 1, self.cos_sin
+        if table is None or table.shape[0] < need or table.dtype != x_BTE.dtype:
+            n = max(need, 2 * (0 if table is None else table.shape[0]), 64)
             pos = torch.arange(n, device=x_BTE.device)[None]
-            self.cos, self.sin = (t[0] for t in self._fold(*self.rotary(x_BTE[:1, :1], pos)))
-        return self.cos[pos_BT][:, None], self.sin[pos_BT][:, None]
+            self.cos_sin = torch.cat([t[0] for t in self._fold(*self.rotary(x_BTE[:1, :1], pos))], -1)
+        return self.cos_sin[pos_BT][:, None].chunk(2, -1)
 
     @staticmethod
     def _fold(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -372,17 +372,18 @@ class TorchEngine(RolloutEngine):
     def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
         """Turn rows ``idx`` of ``c`` into SampleOutputs (tensor slices, no per-token lists);
         return their groups (each once)."""
-        rows = torch.tensor(idx, dtype=torch.long, device=self.device)
-        n_gen_R = c.t["n_gen_B"][rows]
+        whole = len(idx) == len(c.rows)  # idx is then every row in order
+        rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
+        pick = c.t.copy() if whole else {k: c.t[k][rows] for k in ("n_gen_B", "out_BW", "logp_BW", "ver_BW")}
         W = c.t["out_BW"].shape[1]
-        kept_RW = torch.arange(W, device=self.device)[None, :] < n_gen_R[:, None]
-        lens = n_gen_R.tolist()
-        # each field of all rows as one flat tensor, split into per-row views (no per-row copies)
-        out, logp, ver = (c.t[k][rows][kept_RW].cpu().split(lens) for k in ("out_BW", "logp_BW", "ver_BW"))
-        touched = {}
-        for j, i in enumerate(idx):
-            g, s = c.rows[i]
-            g.samples[s] = SampleOutput.of_tensors(out[j], logp[j], ver[j], reasons[j])
+        kept_RW = torch.arange(W, device=self.device)[None, :] < pick["n_gen_B"][:, None]
+        lens = pick["n_gen_B"].tolist()
+        # each field of all rows as one flat tensor (a copy), split into per-row views of it
+        out, logp, ver = (pick[k][kept_RW].cpu().split(lens) for k in ("out_BW", "logp_BW", "ver_BW"))
+        touched, row_of = {}, c.rows
+        for i, o, lp, v, why in zip(idx, out, logp, ver, reasons):
+            g, s = row_of[i]
+            g.samples[s] = SampleOutput.of_tensors(o, lp, v, why)
             g.left -= 1
             touched[id(g)] = g
         return list(touched.values())
