@@ -55,11 +55,12 @@ class KVCache:
 
     def select(self, idx_B: torch.Tensor, start: int) -> "KVCache":
         """Rows ``idx_B`` (in that order), columns from ``start`` on (a copy)."""
-        return KVCache(self.k[:, idx_B, :, start:], self.v[:, idx_B, :, start:], self.T - start)
+        k, v = (x.index_select(1, idx_B)[:, :, :, start:] for x in (self.k, self.v))
+        return KVCache(k, v, self.T - start)
 
     def repeat_rows(self, rows_B: torch.Tensor) -> "KVCache":
         """Row ``rows_B[i]`` of this cache as row i (a group's prompt cache for each of its samples)."""
-        return KVCache(self.k[:, rows_B], self.v[:, rows_B], self.T)
+        return KVCache(self.k.index_select(1, rows_B), self.v.index_select(1, rows_B), self.T)
 
     def merge(self, other: "KVCache") -> "KVCache":
         """Rows of ``self`` then of ``other``, the shorter one left-padded with zeros (masked columns)."""
@@ -118,13 +119,15 @@ class LeanLlama:
             x_BTE = x_BTE + self._attention(layer.self_attn, h_BTE, cos, sin, cache, i, attn_mask)
             mlp = layer.mlp
             h_BTE = _norm(layer.post_attention_layernorm, x_BTE)
-            x_BTE = x_BTE + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h_BTE)) * mlp.up_proj(h_BTE))
+            x_BTE = x_BTE + _linear(
+                mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h_BTE)) * _linear(mlp.up_proj, h_BTE)
+            )
         cache.T = T0 + T
-        return self.model.lm_head(_norm(m.norm, x_BTE[:, -1])) if logits else None
+        return _linear(self.model.lm_head, _norm(m.norm, x_BTE[:, -1])) if logits else None
 
     def _attention(self, attn, h_BTE, cos, sin, cache: KVCache, i: int, attn_mask):
         (B, T, _), D, T0 = h_BTE.shape, attn.head_dim, cache.T
-        q, k, v = (proj(h_BTE).view(B, T, -1, D).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k, v = (_linear(p, h_BTE).view(B, T, -1, D).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         cache.k[i, :, :, T0 : T0 + T] = k * cos + k.roll(D // 2, -1) * sin
         cache.v[i, :, :, T0 : T0 + T] = v
         q = q * cos + q.roll(D // 2, -1) * sin
@@ -136,7 +139,7 @@ class LeanLlama:
             o = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=attn_mask, is_causal=causal, scale=attn.scaling, enable_gqa=self.gqa
             )
-        return attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return _linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1))
 
     def _attend_one(self, q_BH1D, k_BhKD, v_BhKD, scale: float, attn_mask):
         """One query per row: the query heads of each kv head as a group, softmax in float32.
@@ -157,6 +160,12 @@ class LeanLlama:
             p_BhKG = e_BhGK.div_(e_BhGK.sum(-1, keepdim=True)).to(v_BhKD.dtype).transpose(-1, -2)
             o_BhGD = (p_BhKG[..., None] * v_BhKD[:, :, :, None]).sum(2)  # (B, h, K, G, D) summed over K
         return o_BhGD.reshape(B, H, 1, D)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; a plain ``nn.Linear`` without the module call's hook machinery (a few
+    microseconds per call, ~15 calls per forward). Subclasses (quantised, LoRA) are called."""
+    return F.linear(x, module.weight, module.bias) if type(module) is torch.nn.Linear else module(x)
 
 
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

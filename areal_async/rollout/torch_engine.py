@@ -88,7 +88,7 @@ class _Cohort:
         """Keep rows ``idx`` (in that order) and drop cache columns no kept row attends to."""
         keep = idx.tolist()
         self.rows = [self.rows[i] for i in keep]
-        self.t = {k: v[idx] for k, v in self.t.items()}
+        self.t = {k: v.index_select(0, idx) for k, v in self.t.items()}
         live_T = self.t["mask_BT"].any(0).nonzero()
         start = int(live_T[0]) if len(live_T) else self.t["mask_BT"].shape[1]
         self.t["mask_BT"] = self.t["mask_BT"][:, start:]
@@ -278,9 +278,9 @@ class TorchEngine(RolloutEngine):
         rows_G = torch.repeat_interleave(torch.arange(len(groups), device=self.device), n_G)
         cache = cache.repeat_rows(rows_G)
         t = self._row_tensors(groups, rows_G)
-        t["mask_BT"] = mask_GT[rows_G]
+        t["mask_BT"] = mask_GT.index_select(0, rows_G)
         cohort = _Cohort([(g, i) for g in groups for i in range(g.req.n)], t, cache)
-        return cohort, self._emit(cohort, logits_GV[rows_G])
+        return cohort, self._emit(cohort, logits_GV.index_select(0, rows_G))
 
     def _row_tensors(self, groups: list[_Group], rows_G: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-row state: the token to feed next, its position, sampling params, output buffers."""
@@ -296,7 +296,7 @@ class TorchEngine(RolloutEngine):
             "greedy_B": torch.tensor([r.greedy for r in reqs], device=dev),
             "stop_BW": torch.tensor([s + (-1,) * (S - len(s)) for s in stops], device=dev),
         }
-        t = {k: v[rows_G] for k, v in t.items()}
+        t = {k: v.index_select(0, rows_G) for k, v in t.items()}
         B = len(rows_G)
         t["n_gen_B"] = torch.zeros(B, dtype=torch.long, device=dev)
         t["live_B"] = torch.ones(B, dtype=torch.bool, device=dev)  # False: finished, awaiting compact()
@@ -374,7 +374,11 @@ class TorchEngine(RolloutEngine):
         return their groups (each once)."""
         whole = len(idx) == len(c.rows)  # idx is then every row in order
         rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
-        pick = c.t.copy() if whole else {k: c.t[k][rows] for k in ("n_gen_B", "out_BW", "logp_BW", "ver_BW")}
+        pick = (
+            c.t.copy()
+            if whole
+            else {k: c.t[k].index_select(0, rows) for k in ("n_gen_B", "out_BW", "logp_BW", "ver_BW")}
+        )
         W = c.t["out_BW"].shape[1]
         kept_RW = torch.arange(W, device=self.device)[None, :] < pick["n_gen_B"][:, None]
         lens = pick["n_gen_B"].tolist()
