@@ -128,9 +128,10 @@ class LeanLlama:
     def _attention(self, attn, h_BTE, cos, sin, cache: KVCache, i: int, attn_mask):
         (B, T, _), D, T0 = h_BTE.shape, attn.head_dim, cache.T
         q, k, v = (_linear(p, h_BTE).view(B, T, -1, D).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        cache.k[i, :, :, T0 : T0 + T] = k * cos + k.roll(D // 2, -1) * sin
+        # rotary (x cos + rotate_half(x) sin) with the keys written straight into the cache
+        torch.mul(k, cos, out=cache.k[i, :, :, T0 : T0 + T]).addcmul_(k.roll(D // 2, -1), sin)
         cache.v[i, :, :, T0 : T0 + T] = v
-        q = q * cos + q.roll(D // 2, -1) * sin
+        q = (q * cos).addcmul_(q.roll(D // 2, -1), sin)
         keys, values = cache.k[i, :, :, : T0 + T], cache.v[i, :, :, : T0 + T]
         if T == 1 and q.device.type == "cpu":
             o = self._attend_one(q, keys, values, attn.scaling, attn_mask)
