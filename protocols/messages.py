@@ -199,10 +199,10 @@ class RewardResult(Message):
 
 def _same_lengths(msg: "Message", *names: str) -> Optional[str]:
     """The check of messages made of parallel per-sample lists: non-empty, equal lengths."""
-    lengths = {n: len(getattr(msg, n)) for n in names}
-    if len(set(lengths.values())) != 1:
-        return "parallel lists differ in length: " + ", ".join(f"{n}={k}" for n, k in lengths.items())
-    if lengths[names[0]] == 0:
+    lengths = [len(getattr(msg, n)) for n in names]
+    if min(lengths) != max(lengths):
+        return "parallel lists differ in length: " + ", ".join(f"{n}={k}" for n, k in zip(names, lengths))
+    if lengths[0] == 0:
         return f"{names[0]} is empty"
     return None
 

@@ -170,12 +170,8 @@ class SchedulerCore:
         whys, took = led.record_generated(m.group_id, m)
         if took:  # once per message: a per-sample check costs n^2 per group
             self._on_maybe_ready(m.group_id, led.check_ready(m.group_id))
-        g = self.ledger.groups.get(m.group_id)
-        if (
-            g is not None
-            and g.status == "running"
-            and all(self.ledger.samples[s].status != "issued" for s in g.sample_ids)
-        ):
+        g = led.groups.get(m.group_id) if took else None  # nothing recorded: nothing changed
+        if g is not None and g.status == "running" and led.all_generated(m.group_id):
             self.generated_at.setdefault(m.group_id, self.clock())  # now only the scores are missing
         return "; ".join(whys) or None
 

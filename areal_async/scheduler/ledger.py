@@ -189,11 +189,16 @@ class Ledger:
 
     def check_ready(self, gid: str) -> bool:
         """Mark a running group READY if every sample is rewarded; True when it became so now."""
-        g = self.groups[gid]
-        if g.status == GroupState.RUNNING and all(self.samples[s].status == SampleState.REWARDED for s in g.sample_ids):
+        g, samples = self.groups[gid], self.samples
+        if g.status == GroupState.RUNNING and all(samples[s].status == _REWARDED for s in g.sample_ids):
             g.status = GroupState.READY
             return True
         return False
+
+    def all_generated(self, gid: str) -> bool:
+        """Every sample of the group is past ISSUED (generated, or further)."""
+        samples = self.samples
+        return all(samples[s].status != _ISSUED for s in self.groups[gid].sample_ids)
 
     def mark_batched(self, gids: list[str], step: int) -> None:
         for gid in gids:
