@@ -460,13 +460,14 @@ def _build(cls: type, body: dict) -> Message:
     checks = _spec(cls)
     if len(body) > len(checks) or not _NAMES[cls].issuperset(body):
         raise ProtocolError(f"{cls.TYPE}: unknown field {sorted(set(body) - _NAMES[cls])[0]!r}")
+    get = body.get
     for name, ok, tp, required in checks:
-        if name in body:
-            value = body[name]
-            if not ok(value):
-                _type_error(value, tp, f"{cls.TYPE}.{name}")
-        elif required:
-            raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
+        value = get(name, _ABSENT)
+        if value is _ABSENT:
+            if required:
+                raise ProtocolError(f"{cls.TYPE}: missing field {name!r}")
+        elif not ok(value):
+            _type_error(value, tp, f"{cls.TYPE}.{name}")
     msg = cls(**body)
     _check_consistent(msg)
     return msg
@@ -478,6 +479,7 @@ def _check_consistent(msg: Message) -> None:
         raise ProtocolError(f"{msg.TYPE}: {why}")
 
 
+_ABSENT = object()  # a field the body does not carry
 _HINTS: dict[type, dict] = {}
 _SPECS: dict[type, list] = {}
 _NAMES: dict[type, frozenset] = {}
