@@ -44,6 +44,7 @@ from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import HTTPStatusError
 from areal_async.rollout.http_client import HTTPServerClient
 from areal_async.rollout.remote import Completion, ServerDown
+from areal_async.rollout.weights_file import save_state_file
 
 log = logging.getLogger("areal_async.rollout.sglang")
 
@@ -195,13 +196,11 @@ class SGLangClient(HTTPServerClient):
             self.group = None
 
     def _load_from_disk(self, version: int, sd: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
         d = Path(self.disk_dir) / f"v{version}"
         if not (d / "model.safetensors").exists():
             d.mkdir(parents=True, exist_ok=True)
             tmp = d / "model.safetensors.tmp"
-            save_file({k: v.detach().contiguous() for k, v in _untied(sd).items()}, str(tmp))
+            save_state_file(sd, tmp)
             tmp.replace(d / "model.safetensors")
         self._call(
             "POST",
@@ -209,17 +208,6 @@ class SGLangClient(HTTPServerClient):
             {"model_path": str(d), "weight_version": str(version), "flush_cache": True},
             self.update_timeout_s,
         )
-
-
-def _untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory: keep the first name of each storage."""
-    seen, out = set(), {}
-    for k, v in sd.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        if key not in seen:
-            seen.add(key)
-            out[k] = v
-    return out
 
 
 class _Background:

@@ -45,6 +45,7 @@ from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import HTTPStatusError
 from areal_async.rollout.http_client import HTTPServerClient
 from areal_async.rollout.remote import Completion, ServerDown
+from areal_async.rollout.weights_file import save_state_file
 
 log = logging.getLogger("areal_async.rollout.vllm")
 
@@ -194,31 +195,17 @@ def write_version(root: Path, version: int, sd: dict[str, torch.Tensor], keep: i
     never reads half a file); every directory of a version older than the newest ``keep`` removed, whoever
     wrote it. Per process, not per version: a recovered run publishes new weights under a version number
     its crashed predecessor already used. Returns the directory."""
-    from safetensors.torch import save_file
-
     final = root / f"v{version}-{os.getpid()}"
     if not (final / "model.safetensors").exists():
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".v{version}.", dir=root))
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in _untied(sd).items()}
-        save_file(tensors, str(tmp / "model.safetensors"))
+        save_state_file(sd, tmp / "model.safetensors")
         tmp.rename(final)
     for old in root.glob("v*-*"):
         v = old.name[1:].split("-")[0]
         if v.isdigit() and int(v) <= version - keep:
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _untied(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors sharing memory: keep the first name of each storage."""
-    seen, out = set(), {}
-    for k, v in sd.items():
-        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))
-        if key not in seen:
-            seen.add(key)
-            out[k] = v
-    return out
 
 
 def _token_id(tok: str, rid: str) -> int:
