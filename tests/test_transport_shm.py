@@ -99,6 +99,30 @@ def test_views_share_the_slab_and_slabs_are_reused_once_dropped(pair):
     assert len(tx._pool.slabs) == 2  # reused, not grown
 
 
+def test_batches_of_held_messages_reuse_the_pool_and_never_share_a_held_slab(pair):
+    """As a trainer does: a batch of messages held until all arrived, then dropped; the next batch
+    (other sizes, other order) reuses the freed slabs and never one that is still held."""
+    tx, rx = pair
+    kib = [2500, 300, 1200, 40, 2500, 700, 1900, 300]
+    for batch, order in enumerate((kib, kib[::-1], sorted(kib))):
+        sent = {f"m{i}": torch.full((n * 256,), batch * 100 + i, dtype=torch.int32) for i, n in enumerate(order)}
+        held = {}
+        for key, x in sent.items():
+            tx.send(key, {"x": x, "n": torch.tensor([x.numel()])})
+            got_key, _, got = rx.recv(timeout_s=5)
+            held[got_key] = got
+        assert list(held) == list(sent)
+        for key, x in sent.items():  # each held message still reads as sent: no slab was lent twice
+            assert torch.equal(held[key]["x"], x) and held[key]["n"].item() == x.numel()
+        assert len({h["x"].data_ptr() for h in held.values()}) == len(sent)
+        if batch == 0:
+            pooled = [s.seg.name for s in tx._pool.slabs]
+        assert [s.seg.name for s in tx._pool.slabs] == pooled  # later batches made no slab
+        del held, got
+        gc.collect()
+        assert all(s.is_free() for s in tx._pool.slabs)
+
+
 def pack_note(kind: str, body: dict) -> bytes:
     """A note as the untyped code built it (hand-made here, so it can be wrong)."""
     return msgpack.packb({"v": PROTOCOL_VERSION, "t": kind, **body}, use_bin_type=True)

@@ -126,13 +126,17 @@ def test_tensor_views_are_views_and_reject_mislabels():
         if n:
             flat[o : o + n].view(x.dtype).view(x.shape).copy_(x)
     header = parse_header(header_bytes("k", {"a": 1}, t))
-    views = tensor_views(header, flat, offsets, sizes)
-    assert_bit_exact(views, t)
-    assert views["u8"].data_ptr() == flat.data_ptr() + offsets[list(t).index("u8")]
-    with pytest.raises(ProtocolError, match="needs 60 bytes"):
-        tensor_views(header, flat, offsets, [sizes[0] - 4] + sizes[1:])
-    with pytest.raises(ProtocolError, match="misaligned"):
-        tensor_views(header, flat, [offsets[0] + 4] + offsets[1:], sizes)
+    for buf in (flat, flat.numpy()):  # a uint8 tensor, or host memory as numpy (the shm channel's views)
+        views = tensor_views(header, buf, offsets, sizes)
+        assert_bit_exact(views, t)
+        assert views["u8"].data_ptr() == flat.data_ptr() + offsets[list(t).index("u8")]
+        assert views["bf16"].data_ptr() == flat.data_ptr() + offsets[list(t).index("bf16")]
+        with pytest.raises(ProtocolError, match="needs 60 bytes"):
+            tensor_views(header, buf, offsets, [sizes[0] - 4] + sizes[1:])
+        with pytest.raises(ProtocolError, match="misaligned"):
+            tensor_views(header, buf, [offsets[0] + 4] + offsets[1:], sizes)
+        with pytest.raises(ProtocolError, match=f"outside the {total}-byte buffer"):
+            tensor_views(header, buf, offsets[:-1] + [total], sizes)
     with pytest.raises(ProtocolError, match="not valid msgpack"):
         parse_header(b"\xc1garbage")
 

@@ -80,24 +80,28 @@ def pack(seqs: Sequence[Seq]) -> PackedBatch:
     """
     if not seqs:
         raise ValueError("pack() got no sequences; expected at least one")
-    pieces, lengths = [], []
+    pieces, lengths, host = [], [], True
     for i, s in enumerate(seqs):
-        parts = [_id_tensor(x, i) for x in s] if _is_parts(s) else [_id_tensor(s, i)]
-        n = sum(p.numel() for p in parts)
+        n = 0
+        for x in s if _is_parts(s) else (s,):
+            t = _id_tensor(x, i)
+            pieces.append(t)
+            host = host and t.is_cpu
+            n += t.numel()
         if n == 0:
             raise ValueError(f"sequence {i} is empty; expected >= 1 token each")
-        pieces += parts
         lengths.append(n)
     ids_T = torch.empty(sum(lengths), dtype=torch.long)
-    if all(p.device.type == "cpu" for p in pieces):  # numpy widens int32 -> int64 ~2x faster than torch.cat
+    if host:  # numpy widens int32 -> int64 ~2x faster than torch.cat
         np.concatenate([p.numpy() for p in pieces], out=ids_T.numpy())
     else:
         torch.cat([p.cpu() for p in pieces], out=ids_T)
-    ramp = _ramp(max(lengths))
+    longest = max(lengths)
+    ramp = _ramp(longest)
     position_ids_T = torch.empty_like(ids_T)
     np.concatenate([ramp[:n] for n in lengths], out=position_ids_T.numpy())
-    cu_seqlens = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32)
-    return PackedBatch(ids_T, position_ids_T, cu_seqlens, max(lengths))
+    cu_seqlens = torch.from_numpy(np.array([0, *itertools.accumulate(lengths)], dtype=np.int32))
+    return PackedBatch(ids_T, position_ids_T, cu_seqlens, longest)
 
 
 def seq_len(s: Seq) -> int:
@@ -106,12 +110,20 @@ def seq_len(s: Seq) -> int:
 
 
 def _is_parts(s) -> bool:
-    return isinstance(s, tuple) and len(s) > 0 and all(isinstance(x, torch.Tensor) for x in s)
+    if not isinstance(s, tuple) or not s:
+        return False
+    for x in s:  # a loop, not all(<generator>): pack calls this per sequence
+        if not isinstance(x, torch.Tensor):
+            return False
+    return True
+
+
+_ID_DTYPES = (torch.int32, torch.int64)
 
 
 def _id_tensor(s, i: int) -> torch.Tensor:
     t = s if isinstance(s, torch.Tensor) else torch.as_tensor(s, dtype=torch.long)
-    if t.dtype not in (torch.int32, torch.int64):
+    if t.dtype not in _ID_DTYPES:
         t = t.long()
     if t.dim() != 1:
         raise ValueError(f"sequence {i}: token ids of shape {tuple(t.shape)}; expected a 1D tensor or list")

@@ -14,15 +14,26 @@ Not covered: non-dense layouts (sparse, nested); they are rejected by ``spec_of`
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
+import numpy as np
 import torch
 
 from protocols.messages import ProtocolError
 from protocols.side import TensorHeader
 from protocols.tensors import check_spec, header_bytes, parse_header
 
-__all__ = ["ALIGN", "align", "flat_bytes", "header_bytes", "layout", "parse_header", "tensor_views", "view_as"]
+__all__ = [
+    "ALIGN",
+    "align",
+    "flat_bytes",
+    "header_bytes",
+    "layout",
+    "np_view_as",
+    "parse_header",
+    "tensor_views",
+    "view_as",
+]
 
 ALIGN = 64  # cache line; also a multiple of every element size, so dtype views are legal
 
@@ -55,22 +66,54 @@ def view_as(flat: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.T
     return flat.view(dtype).reshape(shape)
 
 
+# torch dtype -> (numpy dtype of the same size, torch dtype to view the result as when numpy has none)
+_NP_OF: dict[torch.dtype, tuple[type, torch.dtype | None]] = {
+    torch.float32: (np.float32, None),
+    torch.float64: (np.float64, None),
+    torch.float16: (np.float16, None),
+    torch.bfloat16: (np.int16, torch.bfloat16),
+    torch.int64: (np.int64, None),
+    torch.int32: (np.int32, None),
+    torch.int16: (np.int16, None),
+    torch.int8: (np.int8, None),
+    torch.uint8: (np.uint8, None),
+    torch.bool: (np.bool_, None),
+}
+
+
+def np_view_as(flat: np.ndarray, off: int, n: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """A ``dtype[shape]`` tensor over bytes ``[off, off + n)`` of a uint8 numpy buffer, without copying.
+
+    Built with numpy slicing and ``torch.from_numpy``: ~1.5 us a tensor against ~5 us for torch's
+    slice + view + reshape (measured here), which counts at one call per tensor of every message.
+    The tensor keeps the numpy array (and so ``flat``) alive."""
+    np_dtype, alias = _NP_OF[dtype]
+    t = torch.from_numpy(flat[off : off + n].view(np_dtype).reshape(shape))
+    return t if alias is None else t.view(alias)
+
+
 def tensor_views(
-    header: TensorHeader, flat: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]
+    header: TensorHeader,
+    flat: Union[torch.Tensor, np.ndarray],
+    offsets: Sequence[int],
+    sizes: Sequence[int],
 ) -> dict[str, torch.Tensor]:
-    """Check every spec against the payload actually present and return views into ``flat``."""
+    """Check every spec against the payload actually present and return views into ``flat`` (a
+    uint8 tensor, or a uint8 numpy array for host memory: the views are then made by ``np_view_as``)."""
     specs, key = header.specs, header.key
     if len(specs) != len(offsets) or len(specs) != len(sizes):
         raise ProtocolError(f"tensor message {key!r}: header lists {len(specs)} tensors, payload has {len(sizes)}")
+    host = isinstance(flat, np.ndarray)
+    have = flat.size if host else flat.numel()
     out: dict[str, torch.Tensor] = {}
     for spec, off, n in zip(specs, offsets, sizes):
-        if off % ALIGN or off < 0 or off + n > flat.numel():
+        if off % ALIGN or off < 0 or off + n > have:
             raise ProtocolError(
                 f"tensor message {key!r}: payload slice [{off}, {off + n}) is misaligned or "
-                f"outside the {flat.numel()}-byte buffer"
+                f"outside the {have}-byte buffer"
             )
         name, dtype, shape = check_spec(spec, n, key)
         if name in out:
             raise ProtocolError(f"tensor message {key!r}: tensor name {name!r} appears twice")
-        out[name] = view_as(flat[off : off + n], dtype, shape)
+        out[name] = np_view_as(flat, off, n, dtype, shape) if host else view_as(flat[off : off + n], dtype, shape)
     return out

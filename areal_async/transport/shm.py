@@ -25,7 +25,6 @@ that dies while holding slabs (its slabs stay BUSY until the sender closes).
 from __future__ import annotations
 
 import bisect
-import itertools
 import mmap
 import os
 import re
@@ -40,7 +39,7 @@ import torch
 
 from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, TransportError, WeightChannel
-from areal_async.transport.frames import ALIGN, header_bytes, layout, parse_header, tensor_views, view_as
+from areal_async.transport.frames import ALIGN, header_bytes, layout, np_view_as, parse_header, tensor_views
 from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
 from protocols.side import ShmRetire, ShmTensors
@@ -127,6 +126,7 @@ class _Slab:
         self.seg, self.pooled = seg, pooled
         self.ctrl = seg.array()[:CTRL]
         self.capacity = seg.size - CTRL
+        self.data: Optional[np.ndarray] = None  # the sender's view of the payload area, made on first use
 
     def is_free(self) -> bool:
         return self.seg.mm[0] == FREE  # mmap indexing: an int, ~5x cheaper than a numpy scalar
@@ -139,12 +139,23 @@ class _Slab:
 
 
 class _SlabPool:
-    """The sender's slabs: reuse a FREE one that fits (best fit), else make one."""
+    """The sender's slabs: reuse a FREE one that fits (best fit among those known free), else make one.
+
+    Pooled slabs are either *idle* (known FREE, sorted by capacity) or *lent* (handed out; BUSY
+    until the receiver drops the message). Lent slabs are polled only when no idle one fits, or
+    the best idle fit is over twice the need: a batch of messages then costs one pass over the
+    lent slabs, not one per message over every slab (at 512 messages a batch that scan cost
+    ~0.05 s of the sender's 0.2 s here)."""
+
+    LOOSE = 2  # an idle slab over LOOSE x the need (+ a quantum) is a poor fit: look for a freed one first
 
     def __init__(self, prefix: str, cap_bytes: int):
         self.prefix, self.cap = prefix, cap_bytes
-        self.slabs: list[_Slab] = []  # by capacity, ascending (``caps`` alongside)
+        self.slabs: list[_Slab] = []  # every pooled slab, in creation order
+        self.pooled_bytes = 0
+        self.idle: list[_Slab] = []  # known FREE, by capacity ascending (``caps`` alongside)
         self.caps: list[int] = []
+        self.lent: list[_Slab] = []
         self.oneshots: list[_Slab] = []  # kept mapped only until the receiver has mapped them
         self.count = 0
         weakref.finalize(self, _unlink_names, self.prefix)
@@ -152,24 +163,41 @@ class _SlabPool:
     def acquire(self, nbytes: int) -> _Slab:
         if self.oneshots:
             self.oneshots = [s for s in self.oneshots if not s.is_mapped()]
-        # the smallest FREE slab that fits: scan up from the first large enough, stop at the first free
         i = bisect.bisect_left(self.caps, nbytes)
-        slab = next((s for s in itertools.islice(self.slabs, i, None) if s.is_free()), None)
-        if slab is None:
+        if i == len(self.caps) or self.caps[i] > self.LOOSE * nbytes + QUANTUM:
+            self._reclaim()
+            i = bisect.bisect_left(self.caps, nbytes)
+        if i < len(self.caps):
+            del self.caps[i]
+            slab = self.idle.pop(i)
+        else:
             slab = self._create(nbytes)
         slab.ctrl[0] = BUSY
+        if slab.pooled:
+            self.lent.append(slab)
         return slab
+
+    def _reclaim(self) -> None:
+        """Move the lent slabs the receiver has freed to the idle list."""
+        lent = []
+        for s in self.lent:
+            if s.is_free():
+                i = bisect.bisect_right(self.caps, s.capacity)
+                self.caps.insert(i, s.capacity)
+                self.idle.insert(i, s)
+            else:
+                lent.append(s)
+        self.lent = lent
 
     def _create(self, nbytes: int) -> _Slab:
         size = -(-(CTRL + nbytes) // QUANTUM) * QUANTUM
-        pooled = sum(s.seg.size for s in self.slabs) + size <= self.cap
+        pooled = self.pooled_bytes + size <= self.cap
         seg = Segment.create(f"{self.prefix}_{self.count}", size, populate=pooled)  # pre-fault what we reuse
         self.count += 1
         slab = _Slab(seg, pooled)
         if pooled:
-            i = bisect.bisect_right(self.caps, slab.capacity)
-            self.caps.insert(i, slab.capacity)
-            self.slabs.insert(i, slab)
+            self.slabs.append(slab)
+            self.pooled_bytes += size
         else:
             self.oneshots.append(slab)
         return slab
@@ -183,7 +211,8 @@ class _SlabPool:
             pending = [s for s in pending if not s.is_mapped()]
         _unlink_names(self.prefix)
         names = [s.seg.name for s in self.slabs]
-        self.slabs, self.caps, self.oneshots = [], [], []
+        self.slabs, self.idle, self.caps, self.lent, self.oneshots = [], [], [], [], []
+        self.pooled_bytes = 0
         return names
 
 
@@ -212,14 +241,14 @@ class ShmTensorChannel(TensorChannel):
 
     def send(self, key: str, tensors: Tensors, meta: Optional[dict] = None) -> None:
         header = header_bytes(key, meta or {}, tensors)
-        sizes = [t.numel() * t.element_size() for t in tensors.values()]
+        srcs = list(tensors.values())
+        sizes = [t.numel() * t.element_size() for t in srcs]
         offsets, total = layout(sizes)
         slab = self._pool.acquire(total)
         try:
-            data = torch.from_numpy(slab.seg.array(CTRL))
-            for t, off, n in zip(tensors.values(), offsets, sizes):
-                if n:  # copy_ handles strides and devices: this is the one memcpy of the path
-                    view_as(data[off : off + n], t.dtype, list(t.shape)).copy_(t.detach())
+            if slab.data is None:
+                slab.data = slab.seg.array(CTRL)
+            _fill(slab.data, srcs, offsets, sizes)
             self._pipe.send_note(
                 ShmTensors(
                     seg=slab.seg.name,
@@ -249,7 +278,7 @@ class ShmTensorChannel(TensorChannel):
         try:
             header = parse_header(note.header)
             lease = slab.seg.array(CTRL)  # one object per message: its death frees the slab
-            views = tensor_views(header, torch.from_numpy(lease), note.offsets, note.sizes)
+            views = tensor_views(header, lease, note.offsets, note.sizes)  # every view keeps ``lease`` alive
         except BaseException:
             slab.release()
             raise
@@ -280,6 +309,24 @@ class ShmTensorChannel(TensorChannel):
             self._pool = None
         self._maps.clear()
         self._pipe.close()
+
+
+def _fill(data: np.ndarray, srcs: list[torch.Tensor], offsets: list[int], sizes: list[int]) -> None:
+    """Copy each tensor into its slice of the slab: the one memcpy of the path.
+
+    The destinations are numpy-built views (``np_view_as``) and CPU sources go in one
+    ``torch._foreach_copy_`` call, so the sender leaves and re-takes the GIL once per message
+    rather than once per tensor (on a trainer sharing the process, each re-take can wait for the
+    other thread's Python). ``copy_`` handles strides, and devices for a non-CPU source."""
+    pairs = [(np_view_as(data, off, n, t.dtype, list(t.shape)), t) for t, off, n in zip(srcs, offsets, sizes) if n]
+    if not pairs:
+        return
+    with torch.no_grad():
+        if all(t.is_cpu for _, t in pairs):
+            torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
+        else:
+            for d, t in pairs:
+                d.copy_(t)
 
 
 # --------------------------------------------------------------------------------------------
