@@ -150,6 +150,62 @@ def test_varlen_and_mask_paths_give_the_same_gradients():
         assert torch.allclose(a, b, atol=1e-5)
 
 
+def _lean_case(arch: str) -> torch.nn.Module:
+    """Llama with GQA and tied embeddings, or Qwen2 (q/k/v biases) with GQA: 'packed_sdpa', train mode."""
+    torch.manual_seed(3)
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    common.update(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=160)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+        for lin in (model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.k_proj):
+            torch.nn.init.normal_(lin.bias)  # zero-initialised biases would hide a dropped bias
+    return use_varlen_attention(model).train()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_forward_equals_hf_forward_values_and_gradients(arch):
+    """The lean packed forward (never calling HF's model forward) against HF's forward with the same
+    attention: logprobs, entropies and every parameter's gradient of a weighted sum of both, over
+    lengths spanning several buckets and past the rotary table's first size (64 positions)."""
+    from areal_async.trainer import lean_forward
+
+    seqs = random_seqs([1, 2, 5, 9, 17, 30, 31, 70, 3], seed=4)
+    packed = pack(seqs)
+    g = torch.Generator().manual_seed(5)
+    w_lp, w_ent = torch.randn(packed.ids_T.numel(), generator=g), torch.randn(packed.ids_T.numel(), generator=g)
+    got = {}
+    for lean in (True, False):
+        model = _lean_case(arch)
+        assert lean_forward.supports(model)
+        if lean:  # proof the lean path ran: HF's decoder stack refuses to be called
+            model.model.forward = lambda *a, **k: (_ for _ in ()).throw(AssertionError("HF forward called"))
+        logp, ent = forward_packed(model, packed, 0.7, with_entropy=True, lean=lean)
+        ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        got[lean] = (logp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (lp1, e1, g1), (lp0, e0, g0) = got[True], got[False]
+    assert torch.allclose(lp1, lp0, atol=1e-5) and torch.allclose(e1, e0, atol=1e-5)
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        assert torch.allclose(g1[name], g0[name], atol=1e-5), (arch, name, (g1[name] - g0[name]).abs().max())
+
+
+def test_lean_forward_refuses_what_it_does_not_compute():
+    from areal_async.trainer import lean_forward
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    common.update(num_attention_heads=4, num_key_value_heads=2)
+    assert lean_forward.supports(transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)))
+    assert not lean_forward.supports(
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_dropout=0.1))
+    )
+    assert not lean_forward.supports(
+        transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=4))
+    )
+    assert not lean_forward.supports(transformers.MistralForCausalLM(transformers.MistralConfig(**common)))
+
+
 def test_varlen_attention_refuses_unpacked_forward():
     model = tiny_model(VARLEN_IMPL)
     with pytest.raises(ValueError, match="packed forwards only"):

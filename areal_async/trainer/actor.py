@@ -23,10 +23,11 @@ import math
 import warnings
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from areal_async.config import ActorConfig
-from areal_async.trainer.advantages import compute_advantages, scaled_rewards
+from areal_async.trainer.advantages import advantages_flat, scaled_rewards
 from areal_async.trainer.dp import (
     DataParallel,
     ShardedWeights,
@@ -35,36 +36,66 @@ from areal_async.trainer.dp import (
     shard_model,
     split_over_ranks,
 )
-from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches
+from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, ranges
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from areal_async.trainer.packing import forward_packed, pack, seq_len
+from areal_async.trainer.packing import PackedBatch, forward_packed, pack
 from areal_async.trainer.types import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 
 
 class _Batch:
-    """Per-trajectory tensors of one trainer step (all on the actor's device)."""
+    """One trainer step's trajectories: their sequences, and per output token (laid end to end
+    in trajectory order, all on the actor's device) behaviour logprobs, loss mask, proximal
+    logprobs and advantages."""
 
     def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
         self.seqs = [t.seq_parts for t in trajs]  # (prompt, output) tensors: pack copies each token once
-        self.lengths = [seq_len(s) for s in self.seqs]
         self.n_prompt = [t.prompt_ids.numel() for t in trajs]
-        self.behav = [t.behav_logp.to(device=device, dtype=torch.float32) for t in trajs]
+        self.n_out = [t.output_ids.numel() for t in trajs]
+        self.lengths = [p + o for p, o in zip(self.n_prompt, self.n_out)]
+        self.out_start = np.cumsum([0] + self.n_out[:-1], dtype=np.int64)
+        self.behav = torch.cat([t.behav_logp for t in trajs]).to(device=device, dtype=torch.float32)
         # trained output tokens (a workflow's environment tokens are not): bool per output token
-        self.mask = [
-            torch.ones(t.output_ids.numel(), dtype=torch.bool, device=device)
-            if t.loss_mask is None
-            else t.loss_mask.to(device)
-            for t in trajs
-        ]
-        self.prox: Optional[list[torch.Tensor]] = None
-        self.adv: list[torch.Tensor] = []
+        if all(t.loss_mask is None for t in trajs):
+            self.mask = torch.ones(self.behav.numel(), dtype=torch.bool, device=device)
+        else:
+            self.mask = torch.cat(
+                [
+                    torch.ones(n, dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu()
+                    for n, t in zip(self.n_out, trajs)
+                ]
+            ).to(device)
+        self.prox: Optional[torch.Tensor] = None
+        self.adv: Optional[torch.Tensor] = None
+        self._all = list(range(len(trajs)))
+        self._packed: dict[tuple[int, ...], PackedBatch] = {}
 
-    def cat(self, name: str, indices: Sequence[int]) -> Optional[torch.Tensor]:
+    def packed(self, indices: Sequence[int]) -> PackedBatch:
+        """The sequences ``indices`` packed, kept for the step: the proximal recompute and the
+        update run the same micro-batches (one rank, one PPO minibatch)."""
+        key = tuple(indices)
+        if key not in self._packed:
+            self._packed[key] = pack([self.seqs[i] for i in indices])
+        return self._packed[key]
+
+    def token_index(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
+        """Positions of the output tokens of trajectories ``indices`` (in that order) in the
+        per-token tensors; None when that is all of them in order (no gather needed)."""
+        if list(indices) == self._all:
+            return None
+        idx = np.asarray(indices, dtype=np.int64)
+        return torch.from_numpy(ranges(self.out_start[idx], np.asarray(self.n_out, dtype=np.int64)[idx]))
+
+    def cat(self, name: str, indices: Sequence[int], where: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The per-token tensor ``name`` at the output tokens of ``indices`` (``where``: their
+        ``token_index``, when the caller has it)."""
         values = getattr(self, name)
-        return None if values is None else torch.cat([values[i] for i in indices])
+        if values is None:
+            return None
+        where = self.token_index(indices) if where is None else where
+        return values if where is None else values.index_select(0, where.to(values.device))
 
 
 class PPOActor:
@@ -129,7 +160,7 @@ class PPOActor:
         self.step += 1
         m = self._metrics(trajs, batch, stats, grad_norms, n_mb, lr)
         m["skipped_steps"] = float(skipped)
-        m["masked_tokens"] = float(sum(int((~mk).sum()) for mk in batch.mask))  # workflow env tokens, not trained
+        m["masked_tokens"] = float((~batch.mask).sum())  # workflow env tokens, not trained
         return m
 
     def state_dict(self, with_optimizer: bool = True) -> dict:
@@ -178,25 +209,35 @@ class PPOActor:
         if self.cfg.recompute_logprob:
             batch.prox = self._output_logprobs(self.model, batch)
         ref = self._output_logprobs(self.ref_model, batch) if self.cfg.kl_ctl > 0 else None
-        old = batch.prox if batch.prox is not None else batch.behav
-        batch.adv = [a.to(self.device) for a in compute_advantages(trajs, self.cfg, old, ref)]
+        if self.cfg.kl_ctl > 0:  # per-token penalties: the advantages take per-trajectory logprobs
+            old = batch.prox if batch.prox is not None else batch.behav
+            old_seq, ref_seq = (list(x.cpu().split(batch.n_out)) for x in (old, ref))
+            batch.adv = advantages_flat(trajs, self.cfg, old_seq, ref_seq).to(self.device)
+        else:
+            batch.adv = advantages_flat(trajs, self.cfg).to(self.device)
         return batch
 
     @torch.no_grad()
-    def _output_logprobs(self, model: torch.nn.Module, batch: _Batch) -> list[torch.Tensor]:
-        """Output-token logprobs of every sequence: each rank computes its share, then all gather."""
+    def _output_logprobs(self, model: torch.nn.Module, batch: _Batch) -> torch.Tensor:
+        """Output-token logprobs of every sequence (per-token layout): each rank computes its
+        share, then all gather."""
         was_training = model.training
         model.eval()
         shares = split_over_ranks(batch.lengths, self.dp.world)
         mine: dict[int, torch.Tensor] = {}
+        out = torch.empty(batch.behav.numel(), dtype=torch.float32, device=self.device)
         for mb in self._rank_micro_batches(model, batch, shares, grad=False):
-            for i, lp in zip(mb.indices, mb.logp):
-                # output token j sits at position P+j and is scored by position P+j-1
-                mine[i] = lp[batch.n_prompt[i] - 1 :].float()
+            # output token j sits at position P+j and is scored by position P+j-1
+            lp = mb.tails([batch.n_prompt[i] - 1 for i in mb.indices])[0].float()
+            if self.dp.active:
+                mine.update(zip(mb.indices, lp.split([batch.n_out[i] for i in mb.indices])))
+            else:
+                where = batch.token_index(mb.indices)
+                out = lp if where is None else out.index_copy_(0, where.to(out.device), lp)
         model.train(was_training)
-        out_lengths = [n - p for n, p in zip(batch.lengths, batch.n_prompt)]
-        gathered = self.dp.all_gather_per_seq(mine, shares, out_lengths)
-        return [g.to(self.device) for g in gathered]
+        if not self.dp.active:
+            return out
+        return torch.cat(self.dp.all_gather_per_seq(mine, shares, batch.n_out)).to(self.device)
 
     def _rank_micro_batches(self, model: torch.nn.Module, batch: _Batch, shares: list[list[int]], grad: bool):
         """This rank's packed micro-batches (MicroBatchOut with batch indices), then as many
@@ -217,8 +258,9 @@ class PPOActor:
             with_entropy=grad,
             entropy_grad=self.cfg.entropy_coef != 0,
             allocation=alloc,
+            packer=lambda mb: batch.packed([share[j] for j in mb]),
         ):
-            yield MicroBatchOut([share[j] for j in out.indices], out.logp, out.entropy)
+            yield MicroBatchOut([share[j] for j in out.indices], out.logp_T, out.entropy_T, out.cu_seqlens)
         for _ in range(n_mb - len(own)):
             self._padding_pass(model, grad)
 
@@ -242,8 +284,10 @@ class PPOActor:
         would still move the weights by momentum and weight decay)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        n_tokens = sum(int(batch.mask[i].sum()) for i in idx)  # the loss denominator: rejected tokens stay in it
-        n_kept = count_kept_tokens(batch.cat("prox", idx), batch.cat("behav", idx), self.cfg, batch.cat("mask", idx))
+        where = batch.token_index(idx)
+        mask = batch.cat("mask", idx, where)
+        n_tokens = int(mask.sum())  # the loss denominator: rejected tokens stay in it
+        n_kept = count_kept_tokens(batch.cat("prox", idx, where), batch.cat("behav", idx, where), self.cfg, mask)
         stats, n_mb = LossStats(), 0
         shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
         for mb in self._rank_micro_batches(self.model, batch, shares, grad=True):
@@ -260,24 +304,24 @@ class PPOActor:
     def _micro_loss(
         self, batch: _Batch, traj_idx: list[int], mb: MicroBatchOut, n_tokens: int
     ) -> tuple[torch.Tensor, LossStats]:
-        cuts = [batch.n_prompt[i] - 1 for i in traj_idx]
-        logp = torch.cat([lp[c:] for lp, c in zip(mb.logp, cuts)])
-        entropy = torch.cat([e[c:] for e, c in zip(mb.entropy, cuts)]) if mb.entropy is not None else None
+        # output token j sits at position P+j and is scored by position P+j-1
+        logp, entropy = mb.tails([batch.n_prompt[i] - 1 for i in traj_idx])
+        where = batch.token_index(traj_idx)
         return policy_loss(
             logp,
-            batch.cat("prox", traj_idx),
-            batch.cat("behav", traj_idx),
-            batch.cat("adv", traj_idx),
+            batch.cat("prox", traj_idx, where),
+            batch.cat("behav", traj_idx, where),
+            batch.cat("adv", traj_idx, where),
             self.cfg,
             n_tokens=n_tokens,
             entropy=entropy,
-            loss_mask=batch.cat("mask", traj_idx),
+            loss_mask=batch.cat("mask", traj_idx, where),
         )
 
     def _metrics(
         self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float], n_mb: int, lr: float
     ) -> dict[str, float]:
-        adv = torch.cat(batch.adv)
+        adv = batch.adv
         rewards = scaled_rewards([t.score for t in trajs], self.cfg.reward_bias, self.cfg.reward_scaling)
         m = stats.as_dict()
         m["loss"] = stats.loss / len(grad_norms)  # each minibatch's loss is already a token mean

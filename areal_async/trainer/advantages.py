@@ -18,7 +18,6 @@ single value has std 0 (only ``eps`` remains in the denominator).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Optional, Sequence
 
 import torch
@@ -38,18 +37,47 @@ def _unbiased_std(x: torch.Tensor) -> torch.Tensor:
     return x.std(unbiased=True)
 
 
-def _keys(level: str, group_ids: Sequence[str]) -> list[str]:
-    """The key whose pooled values give sequence i its statistics at this level."""
+def _codes(level: str, group_ids: Sequence[str]) -> tuple[torch.Tensor, int]:
+    """(the pool index of each sequence at this level, the number of pools)."""
     if level not in NORM_LEVELS:
         raise ValueError(f"normalization level {level!r}: expected one of {NORM_LEVELS}")
-    return ["<batch>"] * len(group_ids) if level == "batch" else list(group_ids)
+    if level == "batch":
+        return torch.zeros(len(group_ids), dtype=torch.long), 1
+    index: dict[str, int] = {}
+    codes = [index.setdefault(g, len(index)) for g in group_ids]
+    return torch.tensor(codes, dtype=torch.long), len(index)
 
 
-def _pooled(values: list[torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:
-    by_key: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for v, k in zip(values, keys):
-        by_key[k].append(v)
-    return {k: torch.cat(vs) for k, vs in by_key.items()}
+def _pool_means(values_X: torch.Tensor, pool_X: torch.Tensor, n_pools: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean of each pool's elements, element count of each pool)."""
+    counts = torch.bincount(pool_X, minlength=n_pools).to(values_X.dtype)
+    sums = torch.zeros(n_pools, dtype=values_X.dtype).index_add_(0, pool_X, values_X)
+    return sums / counts, counts
+
+
+def normalize_flat(
+    values_X: torch.Tensor, seq_X: torch.Tensor, group_ids: Sequence[str], norm: NormConfig
+) -> torch.Tensor:
+    """``normalize`` on the elements of every sequence laid end to end: ``seq_X`` is the index of
+    the sequence each element belongs to. Pool statistics by scatter-adds, no per-sequence loop."""
+    out = values_X
+    if norm.mean_level != "none":
+        codes, k = _codes(norm.mean_level, group_ids)
+        pool_X = codes[seq_X]
+        out = out - _pool_means(values_X, pool_X, k)[0][pool_X]
+    if norm.std_level != "none":
+        codes, k = _codes(norm.std_level, group_ids)
+        pool_X = codes[seq_X]
+        means, counts = _pool_means(values_X, pool_X, k)
+        dev2 = torch.zeros(k, dtype=values_X.dtype).index_add_(0, pool_X, (values_X - means[pool_X]) ** 2)
+        stds = torch.where(counts > 1, (dev2 / (counts - 1).clamp(min=1)).sqrt(), torch.zeros_like(dev2))
+        out = out / (stds[pool_X] + norm.eps)
+    return out
+
+
+def _seq_index(lengths: Sequence[int]) -> torch.Tensor:
+    """(sum lengths,) index of the sequence each element belongs to."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths), dtype=torch.long))
 
 
 def normalize(values: list[torch.Tensor], group_ids: Sequence[str], norm: NormConfig) -> list[torch.Tensor]:
@@ -61,16 +89,11 @@ def normalize(values: list[torch.Tensor], group_ids: Sequence[str], norm: NormCo
     """
     if len(values) != len(group_ids):
         raise ValueError(f"{len(values)} value tensors but {len(group_ids)} group ids; expected equal counts")
-    out = list(values)
-    if norm.mean_level != "none":
-        keys = _keys(norm.mean_level, group_ids)
-        means = {k: p.mean() for k, p in _pooled(values, keys).items()}
-        out = [v - means[k] for v, k in zip(out, keys)]
-    if norm.std_level != "none":
-        keys = _keys(norm.std_level, group_ids)
-        stds = {k: _unbiased_std(p) for k, p in _pooled(values, keys).items()}
-        out = [v / (stds[k] + norm.eps) for v, k in zip(out, keys)]
-    return out
+    if not values:
+        return []
+    lengths = [v.numel() for v in values]
+    flat = normalize_flat(torch.cat(values), _seq_index(lengths), group_ids, norm)
+    return list(flat.split(lengths))
 
 
 def token_rewards(
@@ -114,25 +137,46 @@ def compute_advantages(
     logp / ref_logp: per-output-token logprobs of the old policy and the reference model; only
     read when cfg.kl_ctl > 0.
     """
+    return list(advantages_flat(trajs, cfg, logp, ref_logp).split([t.output_ids.numel() for t in trajs]))
+
+
+def advantages_flat(
+    trajs: Sequence[Trajectory],
+    cfg: ActorConfig,
+    logp: Optional[list[torch.Tensor]] = None,
+    ref_logp: Optional[list[torch.Tensor]] = None,
+) -> torch.Tensor:
+    """``compute_advantages`` laid end to end: (total output tokens,) float32, trajectory order."""
     group_ids = [t.group_id for t in trajs]
+    lengths = [t.output_ids.numel() for t in trajs]
     rewards = scaled_rewards([t.score for t in trajs], cfg.reward_bias, cfg.reward_scaling)
-    seq_r = normalize([r.reshape(1) for r in rewards], group_ids, cfg.reward_norm)
-    advs = []
-    for i, t in enumerate(trajs):
-        lp = logp[i] if logp is not None else None
-        ref = ref_logp[i] if ref_logp is not None else None
-        r_T = token_rewards(float(seq_r[i]), len(t.output_ids), cfg.kl_ctl, lp, ref)
-        advs.append(gae(r_T, cfg.discount, cfg.gae_lambda))
+    seq_r = normalize_flat(rewards, torch.arange(len(trajs)), group_ids, cfg.reward_norm)
+    seq_X = _seq_index(lengths)
+    if cfg.kl_ctl == 0 and cfg.discount * cfg.gae_lambda == 1.0:
+        # the boba case: every output token's advantage is its sequence's reward (gae of a
+        # reward on the last token alone, exactly)
+        advs = seq_r[seq_X]
+    else:
+        advs = torch.cat(
+            [
+                gae(
+                    token_rewards(float(seq_r[i]), n, cfg.kl_ctl, _at(logp, i), _at(ref_logp, i)),
+                    cfg.discount,
+                    cfg.gae_lambda,
+                )
+                for i, n in enumerate(lengths)
+            ]
+        )
     if all(t.loss_mask is None for t in trajs):
-        return [a.float() for a in normalize(advs, group_ids, cfg.adv_norm)]
+        return normalize_flat(advs, seq_X, group_ids, cfg.adv_norm).float()
     # a workflow's environment tokens are not trained: the statistics pool only the trained ones
-    masks = [
-        torch.ones(len(a), dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu() for a, t in zip(advs, trajs)
-    ]
-    normed = normalize([a[m] for a, m in zip(advs, masks)], group_ids, cfg.adv_norm)
-    out = []
-    for a, m, n in zip(advs, masks, normed):
-        full = torch.zeros(len(a), dtype=torch.float32)
-        full[m] = n.float()
-        out.append(full)
+    keep_X = torch.cat(
+        [torch.ones(n, dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu() for n, t in zip(lengths, trajs)]
+    )
+    out = torch.zeros(advs.numel(), dtype=torch.float32)
+    out[keep_X] = normalize_flat(advs[keep_X], seq_X[keep_X], group_ids, cfg.adv_norm).float()
     return out
+
+
+def _at(values: Optional[list[torch.Tensor]], i: int) -> Optional[torch.Tensor]:
+    return values[i] if values is not None else None

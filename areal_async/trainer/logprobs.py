@@ -9,21 +9,59 @@ parallelism (the caller shards sequences across ranks first).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
-from areal_async.trainer.packing import Seq, allocate_micro_batches, forward_packed, pack, seq_len, unpack
+from areal_async.trainer.packing import PackedBatch, Seq, allocate_micro_batches, forward_packed, pack, seq_len, unpack
 
 
 @dataclass
 class MicroBatchOut:
     """The forward result of one micro-batch: ``indices`` into the caller's sequence list, and
-    per sequence the logprobs (and entropies) of tokens 1..L-1 given their prefixes."""
+    the packed per-position logprobs (and entropies) with the packing's ``cu_seqlens``: position
+    t of sequence j scores its token t+1."""
 
     indices: list[int]
-    logp: list[torch.Tensor]
-    entropy: Optional[list[torch.Tensor]]
+    logp_T: torch.Tensor
+    entropy_T: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor
+
+    @property
+    def logp(self) -> list[torch.Tensor]:
+        """Per sequence, the logprobs of tokens 1..L-1 given their prefixes."""
+        return unpack(self.logp_T, self.cu_seqlens)
+
+    @property
+    def entropy(self) -> Optional[list[torch.Tensor]]:
+        return None if self.entropy_T is None else unpack(self.entropy_T, self.cu_seqlens)
+
+    def tails(self, starts: Sequence[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Sequence j's values from its position ``starts[j]`` to its last scored one (L_j - 2),
+        all sequences concatenated in order: one gather, not a slice per sequence. With
+        ``starts[j]`` = prompt length - 1 these are the logprobs (entropies) of the output tokens."""
+        idx = tail_index(self.cu_seqlens, starts).to(self.logp_T.device)
+        ent = None if self.entropy_T is None else self.entropy_T.index_select(0, idx)
+        return self.logp_T.index_select(0, idx), ent
+
+
+def tail_index(cu_seqlens: torch.Tensor, starts: Sequence[int]) -> torch.Tensor:
+    """Packed positions cu[j] + starts[j] .. cu[j+1] - 2 for every sequence j, in order (int64)."""
+    cu = cu_seqlens.cpu().numpy().astype(np.int64)
+    first = cu[:-1] + np.asarray(starts, dtype=np.int64)
+    counts = cu[1:] - 1 - first
+    if (counts < 0).any():
+        j = int(np.flatnonzero(counts < 0)[0])
+        raise ValueError(f"sequence {j}: start {starts[j]} is past its last scored position {cu[j + 1] - cu[j] - 2}")
+    return torch.from_numpy(ranges(first, counts))
+
+
+def ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """first[j] .. first[j] + counts[j] - 1 for every j, concatenated (int64, no Python loop)."""
+    total = int(counts.sum())
+    ends = np.cumsum(counts)
+    return np.arange(total, dtype=np.int64) + np.repeat(first - (ends - counts), counts)
 
 
 def iter_micro_batches(
@@ -35,20 +73,21 @@ def iter_micro_batches(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     allocation: Optional[list[list[int]]] = None,
+    packer: Optional[Callable[[list[int]], PackedBatch]] = None,
 ) -> Iterator[MicroBatchOut]:
     """Run the model on balanced packed micro-batches, yielding each before computing the next,
     so a caller can backward and free one micro-batch's graph at a time.
 
     ``allocation``: the micro-batches (lists of indices into ``seqs``) when the caller planned
-    them (data-parallel ranks plan theirs together); default: allocated here under the budget."""
+    them (data-parallel ranks plan theirs together); default: allocated here under the budget.
+    ``packer``: indices -> their ``pack``ed sequences, when the caller keeps packed micro-batches
+    (the actor packs once for the proximal recompute and the update); default ``pack``."""
     if allocation is None:
         allocation = allocate_micro_batches([seq_len(s) for s in seqs], max_tokens_per_mb, oversize)
     for indices in allocation:
-        packed = pack([seqs[i] for i in indices])
+        packed = packer(indices) if packer is not None else pack([seqs[i] for i in indices])
         logp_T, entropy_T = forward_packed(model, packed, temperature, with_entropy, entropy_grad)
-        cu = packed.cu_seqlens
-        ent = unpack(entropy_T, cu) if entropy_T is not None else None
-        yield MicroBatchOut(indices, unpack(logp_T, cu), ent)
+        yield MicroBatchOut(indices, logp_T, entropy_T, packed.cu_seqlens)
 
 
 def packed_logprobs(

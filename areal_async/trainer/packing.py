@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from areal_async.trainer import lean_forward
+
 _FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 _MASK_IMPLS = ("eager", "sdpa")
 
@@ -317,14 +319,28 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _logits(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
+    """(T, V) logits of a packed batch (on the model's device)."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    if lean and impl == VARLEN_IMPL and lean_forward.supports(model):
+        return lean_forward.lean_logits(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.cu_seqlens))
+    kwargs = _attention_kwargs(model, packed, _model_dtype(model))
+    out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
+    return out.logits[0]
+
+
 def forward_packed(
     model: torch.nn.Module,
     packed: PackedBatch,
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    lean: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logp_T, entropy_T or None) for every packed position; position t scores token t+1.
+
+    lean: with the 'packed_sdpa' attention, compute Llama/Qwen2 logits with ``lean_forward``
+    (the same arithmetic without HF's forward; other models always take HF's forward).
 
     entropy_grad=False computes the entropy as a statistic only (no (T, V) softmax kept for
     backward).
@@ -335,9 +351,7 @@ def forward_packed(
         raise ValueError(f"temperature={temperature}: expected > 0")
     device = next(model.parameters()).device
     packed = packed.to(device)
-    kwargs = _attention_kwargs(model, packed, _model_dtype(model))
-    out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
-    logits_TV = out.logits[0].float() / temperature
+    logits_TV = _logits(model, packed, lean).float() / temperature
     next_T = torch.roll(packed.ids_T, -1)
     # gather - logsumexp instead of log_softmax: no second (T, V) tensor for the whole vocab
     lse_T = torch.logsumexp(logits_TV, dim=-1)
