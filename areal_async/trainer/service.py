@@ -265,9 +265,13 @@ class TrainerService:
         )
 
     def _train_ranks(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
-        """Every rank trains on this batch: the others get the command and the batch first."""
+        """Every rank trains on this batch: the others get the command and the batch first.
+        ``train_cpu_s``: this thread's CPU time for it (train_s less it: waiting for a core or the GIL)."""
+        c0 = time.thread_time()
         self.actor.dp.command(CMD_TRAIN, step)
-        return self.actor.train_step(self.actor.dp.broadcast_batch(trajs))
+        metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs))
+        metrics["train_cpu_s"] = time.thread_time() - c0
+        return metrics
 
     async def evaluate(self) -> None:
         """Run the periodic evaluator on the current weights when it is due; its row goes to the scheduler."""
