@@ -20,8 +20,10 @@ Bulk tensors do not travel in these messages (see ``protocols.tensors`` for tens
 from __future__ import annotations
 
 import dataclasses
+import operator
 import typing
 from dataclasses import dataclass, field
+from operator import countOf
 from typing import Any, Callable, ClassVar, Optional, Union
 
 import msgpack
@@ -199,12 +201,16 @@ class RewardResult(Message):
 
 def _same_lengths(msg: "Message", *names: str) -> Optional[str]:
     """The check of messages made of parallel per-sample lists: non-empty, equal lengths."""
-    lengths = [len(getattr(msg, n)) for n in names]
-    if min(lengths) != max(lengths):
+    get = _GETTERS.get(names) or _GETTERS.setdefault(names, operator.attrgetter(*names))
+    lengths = list(map(len, get(msg)))
+    if lengths.count(lengths[0]) != len(lengths):
         return "parallel lists differ in length: " + ", ".join(f"{n}={k}" for n, k in zip(names, lengths))
     if lengths[0] == 0:
         return f"{names[0]} is empty"
     return None
+
+
+_GETTERS: dict[tuple[str, ...], operator.attrgetter] = {}  # names -> one C call returning those fields
 
 
 @message
@@ -539,13 +545,23 @@ def _checker(tp: Any) -> Callable[[Any], bool]:
     if origin is list:
         (item,) = typing.get_args(tp)
         ok_item = _checker(item)
-        if item in (str, int, float):  # the per-sample lists: one C-level pass over the exact types
-            exact = frozenset({int, float}) if item is float else frozenset({item})
-            return lambda v: isinstance(v, list) and (set(map(type, v)) <= exact or all(map(ok_item, v)))
+        if item is str:  # the per-sample lists: one C-level pass each
+            return lambda v: isinstance(v, list) and _all_str(v)
+        if item in (int, float):  # exactly int (float) items counted in C; else item by item (bools never)
+            return lambda v: isinstance(v, list) and (countOf(map(type, v), item) == len(v) or all(map(ok_item, v)))
         return lambda v: isinstance(v, list) and all(ok_item(x) for x in v)
     if tp is dict or origin is dict:
         return lambda v: isinstance(v, dict)
     return lambda v: isinstance(v, tp)
+
+
+def _all_str(v: list) -> bool:
+    """Every item is a str: ``str.join`` checks that in one C pass (a control frame is <= 16 MiB)."""
+    try:
+        "".join(v)
+    except TypeError:
+        return False
+    return True
 
 
 def _type_name(tp: Any) -> str:

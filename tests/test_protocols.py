@@ -145,6 +145,14 @@ def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
             r"reward_result.scores: expected list\[float\], got list \[1.0, None\]",
         ),
         (envelope(t="reward_result", b=_group_body(statuses=["ok", 7])), r"statuses: expected list\[str\]"),
+        (
+            envelope(t="reward_result", b=_group_body(details=["", None])),
+            r"reward_result.details: expected list\[str\], got list \['', None\]",
+        ),
+        (
+            envelope(t="trajectory_ready", b=dict(SAMPLES["trajectory_ready"].to_body(), version_max=[2, 1.0])),
+            r"trajectory_ready.version_max: expected list\[int\], got list \[2, 1.0\]",
+        ),
     ],
 )
 def test_malformed_frames_are_rejected_with_a_clear_error(frame, needle):
