@@ -270,6 +270,36 @@ def test_ledger_loads_a_checkpoint_written_before_the_state_enum_and_writes_the_
     assert '"status": "trained"' in line and '"train_step": 1' in line  # trajectories.jsonl unchanged
 
 
+def test_group_messages_in_issue_order_in_another_order_and_after_a_restore_book_the_same():
+    """A message naming its group's samples exactly in issue order walks the group's own records;
+    another order looks each sample up. Both book each value on its own sample, and so does a
+    ledger restored from a checkpoint; forgetting a final group forgets its records."""
+    led = Ledger()
+    a, b = led.issue_group("pa", 0, 3, "r0", 0), led.issue_group("pb", 1, 3, "r0", 0)
+    m = traj_msg(a.group_id, a.sample_ids)
+    m.n_output_tokens = [5, 6, 7]
+    assert led.record_generated(a.group_id, m) == ([], True)
+    m = traj_msg(b.group_id, list(reversed(b.sample_ids)))
+    m.n_output_tokens = [7, 6, 5]
+    assert led.record_generated(b.group_id, m) == ([], True)
+    assert [led.samples[s].n_output_tokens for s in a.sample_ids + b.sample_ids] == [5, 6, 7, 5, 6, 7]
+    assert led.all_generated(a.group_id) and led.all_generated(b.group_id)
+    r = reward_msg(b.group_id, [b.sample_ids[2], b.sample_ids[0], b.sample_ids[1]])
+    r.scores = [0.25, 0.5, 0.75]
+    assert led.record_rewarded(b.group_id, r) == ([], True) and led.check_ready(b.group_id)
+    assert [led.samples[s].score for s in b.sample_ids] == [0.5, 0.75, 0.25]
+
+    old = Ledger.from_state(json.loads(OLD_LEDGER_JSON))  # g2: g2.0 generated, g2.1 issued
+    whys, took = old.record_generated("g2", traj_msg("g2", ["g2.0", "g2.1"], vmin=2, vmax=3))
+    assert whys == ["sample 'g2.0' already generated"] and took
+    assert (old.samples["g2.0"].version_min, old.samples["g2.1"].version_min) == (1, 2)
+    assert old.record_rewarded("g2", reward_msg("g2", ["g2.0", "g2.1"])) == ([], True)
+    assert old.check_ready("g2") and old.groups["g2"].status is GroupState.READY
+    old.mark_trained(["g1"])
+    old.forget_final()
+    assert set(old.groups) == set(old.members) == {"g2"} and set(old.samples) == {"g2.0", "g2.1"}
+
+
 def test_ledger_refuses_a_checkpoint_with_an_unknown_state_naming_it():
     old = json.loads(OLD_LEDGER_JSON)
     old["samples"][1]["status"] = "scored"

@@ -185,8 +185,9 @@ class SchedulerCore:
 
     def _on_maybe_ready(self, gid: str, ready: bool) -> None:
         if ready:
-            g = self.ledger.groups[gid]
-            self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
+            worker = self.rollouts.get(self.ledger.groups[gid].worker)
+            if worker is not None:
+                worker.groups.discard(gid)
             self._forget_times(gid)
             self.accepted += 1
             self.ready.append(gid)

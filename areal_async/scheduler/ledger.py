@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from itertools import repeat
 from typing import Optional
 
 
@@ -49,7 +50,7 @@ _ISSUED, _GENERATED, _REWARDED = SampleState.ISSUED, SampleState.GENERATED, Samp
 _SCORABLE = (SampleState.ISSUED, SampleState.GENERATED)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRecord:
     sample_id: str
     group_id: str
@@ -71,7 +72,7 @@ class SampleRecord:
         self.status = _state(SampleState, self.status, f"sample {self.sample_id!r}")
 
 
-@dataclass
+@dataclass(slots=True)
 class GroupRecord:
     group_id: str
     prompt_id: str
@@ -106,6 +107,9 @@ class Ledger:
     n_trained: int = 0
     n_aborted: int = 0
     id_prefix: str = ""  # "r1-" after the first resume: ids never repeat across a resumed run
+    members: dict[str, list[SampleRecord]] = field(default_factory=dict, repr=False)
+    # group id -> its samples' records in order: a message about a whole group walks these, with no
+    # per-sample lookup in ``samples`` (a large dict: each lookup is a few cache misses)
 
     # ---- issuing -------------------------------------------------------------------------
     def issue_group(self, prompt_id: str, problem_index: int, n: int, worker: str, version: int) -> GroupRecord:
@@ -114,8 +118,8 @@ class Ledger:
         sids = [f"{gid}.{k}" for k in range(n)]
         self.n_samples_issued += n
         self.groups[gid] = GroupRecord(gid, prompt_id, problem_index, sids, worker, version)
-        for sid in sids:
-            self.samples[sid] = SampleRecord(sid, gid, prompt_id, problem_index, worker=worker)
+        recs = self.members[gid] = [SampleRecord(sid, gid, prompt_id, problem_index, worker=worker) for sid in sids]
+        self.samples.update(zip(sids, recs))
         return self.groups[gid]
 
     # ---- progress ------------------------------------------------------------------------
@@ -154,20 +158,35 @@ class Ledger:
             rec.status = SampleState.REWARDED
         return self.check_ready(rec.group_id)
 
+    def _records(self, gid: str, sids: list[str]) -> list[Optional[SampleRecord]]:
+        """The records of ``sids`` as a message about group ``gid`` names them (None: unknown). A
+        message naming the whole group in order (the common case) gets the group's list as is."""
+        g = self.groups.get(gid)
+        if g is not None and sids == g.sample_ids:
+            return self.members[gid]
+        return list(map(self.samples.get, sids))
+
     def record_generated(self, gid: str, m) -> tuple[list[str], bool]:
         """Record the samples of a ``TrajectoryReady`` (parallel per-sample lists) of group ``gid``,
         each checked on its own as ``refuse`` says. Returns (why each refused one was ignored,
         whether any was recorded). One loop without a call per sample: the scheduler's hot path."""
-        whys, took, samples = [], False, self.samples
-        for i, sid in enumerate(m.sample_ids):
-            rec = samples.get(sid)
+        whys, took = [], False
+        per_sample = zip(
+            self._records(gid, m.sample_ids),
+            m.sample_ids,
+            m.n_output_tokens,
+            m.version_min,
+            m.version_max,
+            m.finish_reasons,
+            m.turns or repeat(None),
+        )
+        for rec, sid, n_tokens, vmin, vmax, finish, turns in per_sample:
             if rec is None or rec.group_id != gid or rec.status != _ISSUED:
                 whys.append(self.refuse(sid, gid, _GENERATED) or f"sample {sid!r}: status {rec.status}")
                 continue
-            if m.turns:
-                rec.turns = m.turns[i]
-            rec.version_min, rec.version_max = m.version_min[i], m.version_max[i]
-            rec.n_output_tokens, rec.finish_reason = m.n_output_tokens[i], m.finish_reasons[i]
+            if turns is not None:
+                rec.turns = turns
+            rec.version_min, rec.version_max, rec.n_output_tokens, rec.finish_reason = vmin, vmax, n_tokens, finish
             rec.status = _GENERATED if rec.score is None else _REWARDED
             took = True
         return whys, took
@@ -175,9 +194,8 @@ class Ledger:
     def record_rewarded(self, gid: str, m) -> tuple[list[str], bool]:
         """Record the scores of a ``RewardResult`` of group ``gid``, per sample as ``refuse`` says;
         returns as ``record_generated``."""
-        whys, took, samples = [], False, self.samples
-        for sid, score, status in zip(m.sample_ids, m.scores, m.statuses):
-            rec = samples.get(sid)
+        whys, took = [], False
+        for rec, sid, score, status in zip(self._records(gid, m.sample_ids), m.sample_ids, m.scores, m.statuses):
             if rec is None or rec.group_id != gid or rec.score is not None or rec.status not in _SCORABLE:
                 whys.append(self.refuse(sid, gid, _REWARDED) or f"sample {sid!r}: status {rec.status}")
                 continue
@@ -189,16 +207,15 @@ class Ledger:
 
     def check_ready(self, gid: str) -> bool:
         """Mark a running group READY if every sample is rewarded; True when it became so now."""
-        g, samples = self.groups[gid], self.samples
-        if g.status == GroupState.RUNNING and all(samples[s].status == _REWARDED for s in g.sample_ids):
+        g = self.groups[gid]
+        if g.status == GroupState.RUNNING and all(r.status == _REWARDED for r in self.members[gid]):
             g.status = GroupState.READY
             return True
         return False
 
     def all_generated(self, gid: str) -> bool:
         """Every sample of the group is past ISSUED (generated, or further)."""
-        samples = self.samples
-        return all(samples[s].status != _ISSUED for s in self.groups[gid].sample_ids)
+        return all(r.status != _ISSUED for r in self.members[gid])
 
     def mark_batched(self, gids: list[str], step: int) -> None:
         for gid in gids:
@@ -262,6 +279,7 @@ class Ledger:
     def forget_final(self) -> None:
         """Drop ended groups from memory (their lines are already in trajectories.jsonl)."""
         for gid in [g.group_id for g in self.groups.values() if g.status in GROUP_FINAL]:
+            del self.members[gid]
             for sid in self.groups.pop(gid).sample_ids:
                 self.samples.pop(sid)
 
@@ -286,6 +304,7 @@ class Ledger:
             led.groups[g["group_id"]] = GroupRecord(**g)
         for s in state["samples"]:
             led.samples[s["sample_id"]] = SampleRecord(**s)
+        led.members = {gid: [led.samples[s] for s in g.sample_ids] for gid, g in led.groups.items()}
         return led
 
 
