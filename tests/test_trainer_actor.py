@@ -81,6 +81,7 @@ def test_train_step_raises_logprob_of_positive_advantage_samples():
 
 def test_minibatches_are_optimizer_steps():
     actor = PPOActor(tiny_model(), boba_cfg(ppo_n_minibatches=2), 1.0, total_steps=10)
+    assert not actor.prox_from_update  # the second minibatch's proximal policy is not its weights
     actor.train_step(make_trajs(actor.model))
     state = next(iter(actor.optimizer.state.values()))
     assert int(state["step"]) == 2
@@ -161,9 +162,11 @@ def reference_grads(model, trajs, cfg):
 
 
 @pytest.mark.parametrize("budget", [4096, 12])
-def test_train_step_gradient_equals_the_loss_spelled_out(budget):
-    """The actor's packed, micro-batched step (lean forward, per-token gathers, flat advantages)
-    hands the optimizer the gradient of the decoupled loss computed sequence by sequence."""
+@pytest.mark.parametrize("prox_from_update", [True, False])
+def test_train_step_gradient_equals_the_loss_spelled_out(budget, prox_from_update):
+    """The actor's packed, micro-batched step (lean forward, per-token gathers, flat advantages,
+    proximal logprobs from the update's own forward or from a forward of their own) hands the
+    optimizer the gradient of the decoupled loss computed sequence by sequence."""
     from areal_async.trainer.packing import use_varlen_attention
 
     model = use_varlen_attention(tiny_model(seed=2))
@@ -185,6 +188,8 @@ def test_train_step_gradient_equals_the_loss_spelled_out(budget):
     )
     want = reference_grads(model, trajs, cfg)
     actor = PPOActor(model, cfg, 1.0, 10)
+    assert actor.prox_from_update  # one minibatch, one rank, no KL, no dropout
+    actor.prox_from_update = prox_from_update
     got = []
     actor.optimizer.register_step_pre_hook(lambda *_: got.append([p.grad.clone() for p in model.parameters()]))
     m = actor.train_step(trajs)

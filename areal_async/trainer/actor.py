@@ -2,7 +2,9 @@
 
     train_step(trajs)
       |- rewards -> advantages               (advantages.py; KL penalty only when kl_ctl > 0)
-      |- proximal logprobs, no grad          (when recompute_logprob; each rank its share, gathered)
+      |- proximal logprobs, no grad          (when recompute_logprob; each rank its share, gathered;
+      |                                       with one minibatch on one rank they are the update's own
+      |                                       forward, detached: see PPOActor._prox_from_update)
       |- for each of ppo_n_minibatches:      (balanced by tokens; one optimizer step each)
       |    global token count N              (every output token of the minibatch on every rank,
       |                                       rejected ones included)
@@ -139,6 +141,22 @@ class PPOActor:
         # boba runs kl_ctl = 0: keep no reference model around at all then
         self._ref_source = ref_model if cfg.kl_ctl > 0 else None
         self._ref: Optional[torch.nn.Module] = None
+        self.prox_from_update = self._prox_from_update()
+
+    def _prox_from_update(self) -> bool:
+        """Whether the proximal logprobs are taken from the update's own forward (detached) instead
+        of a forward of their own: the same numbers when every micro-batch of the update runs on
+        the step's starting weights (one PPO minibatch: the only optimizer step comes after them),
+        nothing needs them before the update (no KL penalty in the advantages), no rank needs
+        another's (one rank: rejection is counted locally) and the forward is the same in train
+        mode (no dropout)."""
+        if not self.cfg.recompute_logprob or self.cfg.ppo_n_minibatches != 1 or self.cfg.kl_ctl > 0:
+            return False
+        cfg = getattr(self.model, "config", None)
+        dropout = float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0 or any(
+            isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
+        )
+        return not self.dp.active and not dropout
 
     # ---------------------------------------------------------------------------------------
     # public API
@@ -206,7 +224,7 @@ class PPOActor:
 
     def _prepare(self, trajs: Sequence[Trajectory]) -> _Batch:
         batch = _Batch(trajs, self.device)
-        if self.cfg.recompute_logprob:
+        if self.cfg.recompute_logprob and not self.prox_from_update:
             batch.prox = self._output_logprobs(self.model, batch)
         ref = self._output_logprobs(self.ref_model, batch) if self.cfg.kl_ctl > 0 else None
         if self.cfg.kl_ctl > 0:  # per-token penalties: the advantages take per-trajectory logprobs
@@ -287,13 +305,16 @@ class PPOActor:
         where = batch.token_index(idx)
         mask = batch.cat("mask", idx, where)
         n_tokens = int(mask.sum())  # the loss denominator: rejected tokens stay in it
-        n_kept = count_kept_tokens(batch.cat("prox", idx, where), batch.cat("behav", idx, where), self.cfg, mask)
+        if batch.prox is not None or not self.cfg.recompute_logprob:
+            n_kept = count_kept_tokens(batch.cat("prox", idx, where), batch.cat("behav", idx, where), self.cfg, mask)
         stats, n_mb = LossStats(), 0
         shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
         for mb in self._rank_micro_batches(self.model, batch, shares, grad=True):
             loss, s = self._micro_loss(batch, mb.indices, mb, n_tokens)
             loss.backward()
             stats, n_mb = stats.merge(s), n_mb + 1
+        if batch.prox is None and self.cfg.recompute_logprob:  # proximal logprobs from this update's forwards
+            n_kept = int(stats.n_loss_tokens)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
         stepped = n_kept > 0 and math.isfinite(grad_norm)
         if stepped:
@@ -307,9 +328,12 @@ class PPOActor:
         # output token j sits at position P+j and is scored by position P+j-1
         logp, entropy = mb.tails([batch.n_prompt[i] - 1 for i in traj_idx])
         where = batch.token_index(traj_idx)
+        prox = batch.cat("prox", traj_idx, where)
+        if prox is None and self.cfg.recompute_logprob:  # prox_from_update: these weights are the proximal policy
+            prox = logp.detach().float()
         return policy_loss(
             logp,
-            batch.cat("prox", traj_idx, where),
+            prox,
             batch.cat("behav", traj_idx, where),
             batch.cat("adv", traj_idx, where),
             self.cfg,
