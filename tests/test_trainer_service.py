@@ -9,6 +9,7 @@ the same batches in one process reaches (the same version trained further would 
 import asyncio
 import copy
 
+import pytest
 import torch
 import zmq
 import zmq.asyncio
@@ -20,7 +21,7 @@ from protocols.sockets import ipc_endpoint, make_socket, send_message
 from areal_async.base.control import ControlClient
 from areal_async.rollout.service import group_tensors
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.service import TrainerService
+from areal_async.trainer.service import TrainerService, split_group
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
 from test_trainer_actor import boba_cfg, output_logp, tiny_model
@@ -126,3 +127,30 @@ async def test_weights_follow_step_done_and_the_next_step_waits_for_them(tmp_pat
         assert await asyncio.wait_for(task, 30) == 0
         traj_tx.close()
         ctx.destroy(linger=0)
+
+
+def test_split_group_gives_per_sample_views_and_refuses_inconsistent_groups():
+    t = {
+        "prompt_ids": torch.tensor([1, 2], dtype=torch.int32),
+        "lengths": torch.tensor([3, 0, 2], dtype=torch.int32),
+        "output_ids": torch.tensor([5, 6, 7, 8, 9], dtype=torch.int32),
+        "logprobs": torch.tensor([-0.5, -1.0, -1.5, -2.0, -2.5]),
+        "versions": torch.tensor([4, 4, 5, 6, 6], dtype=torch.int32),
+    }
+    got = split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, t)
+    assert list(got) == ["a", "b", "c"] and all(m == {"group_id": "g"} for m, _ in got.values())
+    a, b, c = (got[k][1] for k in "abc")
+    assert a["output_ids"].tolist() == [5, 6, 7] and b["output_ids"].numel() == 0 and c["versions"].tolist() == [6, 6]
+    assert c["logprobs"].tolist() == [-2.0, -2.5] and a["prompt_ids"] is t["prompt_ids"]
+    assert c["output_ids"].data_ptr() == t["output_ids"].data_ptr() + 3 * 4  # a view, not a copy
+    masked = split_group("g", {"group_id": "g", "sample_ids": list("abc")}, {**t, "loss_mask": torch.ones(5)})
+    assert masked["c"][1]["loss_mask"].tolist() == [1.0, 1.0]
+    bad = [
+        ({**t, "lengths": torch.tensor([4, -1, 2], dtype=torch.int32)}, "lengths \\[4, -1, 2\\]"),
+        ({**t, "lengths": torch.tensor([3, 2], dtype=torch.int32)}, "3 sample ids, lengths \\[3, 2\\]"),
+        ({**t, "versions": t["versions"][:4]}, "4 versions"),
+        ({**t, "loss_mask": torch.ones(4)}, "4 loss-mask entries for 5 output ids"),
+    ]
+    for tensors, match in bad:
+        with pytest.raises(ValueError, match=match):
+            split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, tensors)

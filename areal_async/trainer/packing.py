@@ -455,12 +455,19 @@ def longest_processing_time(lengths: Sequence[int], k: int) -> list[list[int]]:
 
 def _lpt(lengths: Sequence[int], order: list[int], k: int) -> tuple[list[int], int]:
     """LPT over ``order`` (longest first): (each item's bin, the heaviest bin's sum)."""
-    heap = [(0, b) for b in range(k)]
+    # the first k items (longest first) each open an empty bin, in bin order (ties go to the lower
+    # bin): placed directly, then one heapify, the same bins as k heap steps from all-empty
+    first = order[:k]
+    heap = [(lengths[i], b) for b, i in enumerate(first)] + [(0, b) for b in range(len(first), k)]
+    heapq.heapify(heap)
     bin_of = [0] * len(lengths)
-    for i in order:
+    for b, i in enumerate(first):
+        bin_of[i] = b
+    replace = heapq.heapreplace
+    for i in order[k:]:
         load, b = heap[0]
         bin_of[i] = b
-        heapq.heapreplace(heap, (load + lengths[i], b))
+        replace(heap, (load + lengths[i], b))
     return bin_of, max(load for load, _ in heap)
 
 

@@ -297,22 +297,37 @@ def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
     """A group message (``areal_async.rollout.service.group_tensors``) -> per sample (meta, tensors),
     the tensors being views of the group's (no copy, no per-token list)."""
     sids, lengths = meta["sample_ids"], t["lengths"].tolist()
-    n = t["output_ids"].numel()
-    if len(sids) != len(lengths) or sum(lengths) != n or t["logprobs"].numel() != n or t["versions"].numel() != n:
+    out, logp, vers, mask = t["output_ids"], t["logprobs"], t["versions"], t.get("loss_mask")
+    n = out.numel()
+    if (
+        len(sids) != len(lengths)
+        or sum(lengths) != n
+        or logp.numel() != n
+        or vers.numel() != n
+        or (lengths and min(lengths) < 0)
+    ):
         raise ValueError(
             f"group {key!r}: {len(sids)} sample ids, lengths {lengths[:8]} (sum {sum(lengths)}), "
-            f"{n} output ids, {t['logprobs'].numel()} logprobs, {t['versions'].numel()} versions; "
-            "expected one length per sample id and every per-token tensor as long as their sum"
+            f"{n} output ids, {logp.numel()} logprobs, {vers.numel()} versions; "
+            "expected one length >= 0 per sample id and every per-token tensor as long as their sum"
         )
-    keys = ("output_ids", "logprobs", "versions") + (("loss_mask",) if "loss_mask" in t else ())
-    if "loss_mask" in t and t["loss_mask"].numel() != n:
-        raise ValueError(f"group {key!r}: {t['loss_mask'].numel()} loss-mask entries for {n} output ids")
+    if mask is not None and mask.numel() != n:
+        raise ValueError(f"group {key!r}: {mask.numel()} loss-mask entries for {n} output ids")
     # no conversion: Trajectory keeps the wire's int32 ids/versions and float32 logprobs as these views,
     # and packing widens the ids once, straight into the packed batch (trainer/packing.pack)
-    parts = zip(*(t[k].split(lengths) for k in keys))
+    gid, prompt = meta["group_id"], t["prompt_ids"]
+    cols = zip(sids, out.split_with_sizes(lengths), logp.split_with_sizes(lengths), vers.split_with_sizes(lengths))
+    if mask is None:
+        return {
+            sid: ({"group_id": gid}, {"prompt_ids": prompt, "output_ids": o, "logprobs": lp, "versions": v})
+            for sid, o, lp, v in cols
+        }
     return {
-        sid: ({"group_id": meta["group_id"]}, {"prompt_ids": t["prompt_ids"], **dict(zip(keys, p))})
-        for sid, p in zip(sids, parts)
+        sid: (
+            {"group_id": gid},
+            {"prompt_ids": prompt, "output_ids": o, "logprobs": lp, "versions": v, "loss_mask": m},
+        )
+        for (sid, o, lp, v), m in zip(cols, mask.split_with_sizes(lengths))
     }
 
 

@@ -35,7 +35,9 @@ class Trajectory:
     def __post_init__(self) -> None:
         self.prompt_ids = _int_tensor(self.prompt_ids)
         self.output_ids = _int_tensor(self.output_ids)
-        self.behav_logp = torch.as_tensor(self.behav_logp, dtype=torch.float32)
+        lp = self.behav_logp
+        if not (isinstance(lp, torch.Tensor) and lp.dtype == torch.float32):  # as_tensor: ~10x this check
+            self.behav_logp = torch.as_tensor(lp, dtype=torch.float32)
         self.versions = _int_tensor(self.versions)
         n = self.output_ids.numel()
         if self.prompt_ids.numel() == 0:
