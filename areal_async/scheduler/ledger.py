@@ -69,7 +69,8 @@ class SampleRecord:
     turns: int = 1  # turns of a rollout workflow's episode (plain sampling: 1)
 
     def __post_init__(self):
-        self.status = _state(SampleState, self.status, f"sample {self.sample_id!r}")
+        if type(self.status) is not SampleState:  # a plain string (a checkpoint's); members need no lookup
+            self.status = _state(SampleState, self.status, f"sample {self.sample_id!r}")
 
 
 @dataclass(slots=True)
@@ -83,7 +84,8 @@ class GroupRecord:
     status: GroupState = GroupState.RUNNING
 
     def __post_init__(self):
-        self.status = _state(GroupState, self.status, f"group {self.group_id!r}")
+        if type(self.status) is not GroupState:
+            self.status = _state(GroupState, self.status, f"group {self.group_id!r}")
 
 
 def _state(kind: type[StrEnum], value: str, what: str) -> StrEnum:
