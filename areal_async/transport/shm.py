@@ -142,12 +142,15 @@ class _SlabPool:
     """The sender's slabs: reuse a FREE one that fits (best fit among those known free), else make one.
 
     Pooled slabs are either *idle* (known FREE, sorted by capacity) or *lent* (handed out; BUSY
-    until the receiver drops the message). Lent slabs are polled only when no idle one fits, or
-    the best idle fit is over twice the need: a batch of messages then costs one pass over the
-    lent slabs, not one per message over every slab (at 512 messages a batch that scan cost
-    ~0.05 s of the sender's 0.2 s here)."""
+    until the receiver drops the message, oldest first). Lent slabs are polled only when no idle
+    one fits, or the best idle fit is over twice the need, and then all of them only if the
+    oldest is free (a trainer drops messages about in arrival order) or ``1/SCAN_EVERY`` of them
+    were lent since the last full poll (so out-of-order frees are found too): a batch of
+    messages costs about one pass over the lent slabs, not one per message over every slab (at
+    512 messages a batch that scan cost ~0.05 s of the sender's 0.2 s here)."""
 
     LOOSE = 2  # an idle slab over LOOSE x the need (+ a quantum) is a poor fit: look for a freed one first
+    SCAN_EVERY = 8
 
     def __init__(self, prefix: str, cap_bytes: int):
         self.prefix, self.cap = prefix, cap_bytes
@@ -155,7 +158,8 @@ class _SlabPool:
         self.pooled_bytes = 0
         self.idle: list[_Slab] = []  # known FREE, by capacity ascending (``caps`` alongside)
         self.caps: list[int] = []
-        self.lent: list[_Slab] = []
+        self.lent: list[_Slab] = []  # oldest first
+        self.unpolled = 0  # slabs lent since the last full poll
         self.oneshots: list[_Slab] = []  # kept mapped only until the receiver has mapped them
         self.count = 0
         weakref.finalize(self, _unlink_names, self.prefix)
@@ -175,10 +179,14 @@ class _SlabPool:
         slab.ctrl[0] = BUSY
         if slab.pooled:
             self.lent.append(slab)
+            self.unpolled += 1
         return slab
 
     def _reclaim(self) -> None:
-        """Move the lent slabs the receiver has freed to the idle list."""
+        """Move the lent slabs the receiver has freed to the idle list (see the class docstring for when)."""
+        if not self.lent or (not self.lent[0].is_free() and self.unpolled * self.SCAN_EVERY < len(self.lent)):
+            return
+        self.unpolled = 0
         lent = []
         for s in self.lent:
             if s.is_free():
@@ -212,7 +220,7 @@ class _SlabPool:
         _unlink_names(self.prefix)
         names = [s.seg.name for s in self.slabs]
         self.slabs, self.idle, self.caps, self.lent, self.oneshots = [], [], [], [], []
-        self.pooled_bytes = 0
+        self.pooled_bytes = self.unpolled = 0
         return names
 
 
