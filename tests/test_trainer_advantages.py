@@ -152,6 +152,13 @@ def test_trajectory_validation():
         Trajectory("x", "g", [1], [2, 3], [-1.0], [0, 0], 1.0)
     with pytest.raises(ValueError, match="empty output_ids"):
         Trajectory("x", "g", [1], [], [], [], 1.0)
+    with pytest.raises(ValueError, match="len\\(versions\\)=3, expected len\\(output_ids\\)=2"):
+        Trajectory("x", "g", [1], [2, 3], [-1.0, -1.0], [0, 0, 0], 1.0)
+    with pytest.raises(ValueError, match="empty prompt_ids"):
+        Trajectory("x", "g", torch.tensor([], dtype=torch.int32), [2], [-1.0], [0], 1.0)
+    t = Trajectory("x", "g", [1], torch.tensor([2.0, 3.0]), [-1, -2], torch.tensor([1, 2], dtype=torch.int16), 1.0)
+    assert (t.output_ids.dtype, t.versions.dtype, t.behav_logp.dtype) == (torch.int64, torch.int64, torch.float32)
+    assert t.output_ids.tolist() == [2, 3] and t.behav_logp.tolist() == [-1.0, -2.0]
 
 
 def test_trajectory_keeps_received_tensors():
