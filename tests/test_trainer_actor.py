@@ -1,6 +1,7 @@
 """PPOActor.train_step and SFT on a tiny Llama: learning direction, accumulation, state, reference model."""
 
 import copy
+import random
 
 import pytest
 import torch
@@ -278,7 +279,15 @@ def test_sft_loss_is_answer_token_nll_and_decreases():
 def test_sft_trainer_runs_configured_steps():
     model = tiny_model()
     examples = [([1, 2], [5, 6, 7]), ([3], [8, 9]), ([4, 4, 4], [10])]
+    own = model.config._attn_implementation
+    order = list(range(3))
+    random.Random(0).shuffle(order)  # SFTTrainer's first seeded epoch (seed 0)
+    first = [examples[i] for i in order[:2]]
+    want = -float(torch.cat([output_logp(model, p, a) for p, a in first]).mean())  # the model's own attention
     hist = SFTTrainer(model, SFTWarmupConfig(steps=5, batch_size=2, lr=1e-2), max_tokens_per_mb=16).run(examples)
     assert len(hist) == 5 and all(h["n_tokens"] > 0 for h in hist)
+    # the steps ran on the packed attention: the same first loss; the model's attention comes back
+    assert hist[0]["loss"] == pytest.approx(want, abs=1e-5)
+    assert model.config._attn_implementation == own
     with pytest.raises(ValueError, match="answer 0 tokens"):
         sft_step(model, torch.optim.SGD(model.parameters(), lr=0.1), [([1], [])], 16)

@@ -17,6 +17,7 @@ import torch
 from areal_async.config import OptimizerConfig, SFTWarmupConfig
 from areal_async.trainer.logprobs import iter_micro_batches
 from areal_async.trainer.optim import build_optimizer, clip_grad_norm
+from areal_async.trainer.packing import select_attn_implementation
 
 Example = tuple[list[int], list[int]]  # (prompt_ids, answer_ids)
 
@@ -49,7 +50,7 @@ def sft_step(
     total = 0.0
     for mb in iter_micro_batches(model, seqs, 1.0, max_tokens_per_mb, oversize):
         # answer token j is scored by position P+j-1 of the L-1 next-token logprobs
-        logp = torch.cat([lp[len(examples[i][0]) - 1 :] for i, lp in zip(mb.indices, mb.logp)])
+        logp = mb.tails([len(examples[i][0]) - 1 for i in mb.indices])[0]
         loss = -logp.sum() / n_tokens
         loss.backward()
         total += float(loss.detach())
@@ -92,9 +93,17 @@ class SFTTrainer:
             order = order[self.cfg.batch_size :]
 
     def run(self, examples: Sequence[Example]) -> list[dict]:
-        """cfg.steps steps; the per-step metrics, in order."""
+        """cfg.steps steps; the per-step metrics, in order. The steps run with the packed attention
+        the RL trainer uses (``select_attn_implementation``: the same attention within each
+        sequence as a block mask, without its O(T^2) mask); the model's own comes back after."""
         stream = self.batches(examples)
-        return [
-            sft_step(self.model, self.optimizer, next(stream), self.max_tokens_per_mb, grad_clip=self.grad_clip)
-            for _ in range(self.cfg.steps)
-        ]
+        p = next(self.model.parameters())
+        own = self.model.config._attn_implementation
+        self.model.set_attn_implementation(select_attn_implementation(p.device, p.dtype))
+        try:
+            return [
+                sft_step(self.model, self.optimizer, next(stream), self.max_tokens_per_mb, grad_clip=self.grad_clip)
+                for _ in range(self.cfg.steps)
+            ]
+        finally:
+            self.model.set_attn_implementation(own)
