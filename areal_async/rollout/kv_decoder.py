@@ -1,9 +1,10 @@
 """The forward passes behind ``TorchEngine``: a preallocated KV cache and two decoders that fill it.
 
-``KVCache`` holds a cohort's keys and values in one buffer per kind, (layers, B, kv heads,
-capacity, head dim), filled left to right: columns ``[0, T)`` hold tokens, later columns are
-room for the tokens still to be decoded. A decode step writes one column in place; nothing
-grows or is concatenated per step.
+``KVCache`` holds a cohort's keys and values in one buffer per kind, columns outermost
+(capacity, layers, then a layer's block: rows last on CPU): columns ``[0, T)`` hold tokens, later
+columns are room for the tokens still to be decoded. A decode step writes one column in place
+(one contiguous block per layer); nothing grows or is concatenated per step, and a row gather
+copies only the filled columns, all layers in one call.
 
 A decoder runs ``forward(ids_BT, pos_BT, mask_BK, cache, logits)``: the new tokens ``ids_BT`` at
 positions ``pos_BT`` attend to the cache's ``T`` columns and to each other (causally), masked by
@@ -13,8 +14,9 @@ positions ``pos_BT`` attend to the cache's ``T`` columns and to each other (caus
 - ``LeanLlama``: Llama and Qwen2 (full attention, no sliding window) computed from the HF
   model's own modules (embedding, norms, projections, MLP, rotary embedding, lm head), so
   weights loaded into the HF model are used as they are; attention reads the cache buffer
-  (``scaled_dot_product_attention``, or matmuls for one query on CPU). No HF cache object, no
-  mask construction, no per-step output containers.
+  (``scaled_dot_product_attention``, or, for one query on CPU, elementwise products over the
+  rows-last cache, see ``_attend_rows_last``). No HF cache object, no mask construction, no
+  per-step output containers.
 - ``HFDecoder``: any other causal LM through its own ``forward`` and a ``DynamicCache`` built on
   the filled columns (the fallback; slower, same results).
 
@@ -33,46 +35,96 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 
 
 class KVCache:
-    """Keys/values ``k``, ``v`` (L, B, H, C, D); columns ``[0, T)`` are filled, ``[T, C)`` are room."""
+    """Keys/values ``k``, ``v``, columns outermost: ``[0, T)`` are filled, ``[T, C)`` are room.
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, T: int):
-        assert k.shape == v.shape and 0 <= T <= k.shape[3], (tuple(k.shape), tuple(v.shape), T)
-        self.k, self.v, self.T = k, v, T
+    On CPU (``rows_last``) (C, L, H, D, B): a layer's column is one contiguous (H, D, B) block
+    with the rows innermost, so one-query attention reduces over heads, head dims and keys with
+    the rows as the contiguous inner loop (``_attend_rows_last``). Elsewhere (C, L, B, H, D): a layer's
+    keys are a (B, H, K, D) view with contiguous head dims, as ``scaled_dot_product_attention``
+    wants them. Either way ``k[:T]`` is every filled column of every layer (contiguous), so a row
+    gather copies only the filled part."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, T: int, rows_last: bool):
+        assert k.shape == v.shape and 0 <= T <= k.shape[0], (tuple(k.shape), tuple(v.shape), T)
+        self.k, self.v, self.T, self.rows_last = k, v, T, rows_last
+        self.rows_dim = 4 if rows_last else 2
 
     @classmethod
     def empty(cls, model: PreTrainedModel, B: int, capacity: int) -> "KVCache":
         cfg = model.config
         D = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         p = next(model.parameters())
-        shape = (cfg.num_hidden_layers, B, cfg.num_key_value_heads, capacity, D)
+        L, H, rows_last = cfg.num_hidden_layers, cfg.num_key_value_heads, p.device.type == "cpu"
+        shape = (capacity, L, H, D, B) if rows_last else (capacity, L, B, H, D)
         # uninitialised: a column is written before anything reads it (reads stop at T)
         k, v = (torch.empty(shape, dtype=p.dtype, device=p.device) for _ in "kv")
-        return cls(k, v, 0)
+        return cls(k, v, 0, rows_last)
 
     @property
     def room(self) -> int:
-        return self.k.shape[3] - self.T
+        return self.k.shape[0] - self.T
+
+    @property
+    def n_rows(self) -> int:
+        return self.k.shape[self.rows_dim]
+
+    def bhkd(self, kind: str, i: int, stop: int) -> torch.Tensor:
+        """Layer i's keys or values of columns ``[0, stop)`` as a (B, H, stop, D) view."""
+        return getattr(self, kind)[:stop, i].permute((3, 1, 0, 2) if self.rows_last else (1, 2, 0, 3))
+
+    def write(self, i: int, start: int, k_BThD: torch.Tensor, v_BThD: torch.Tensor) -> None:
+        """Layer i's keys and values of T new tokens into columns ``[start, start + T)``."""
+        perm = (1, 2, 3, 0) if self.rows_last else (1, 0, 2, 3)
+        stop = start + k_BThD.shape[1]
+        self.k[start:stop, i] = k_BThD.permute(perm)
+        self.v[start:stop, i] = v_BThD.permute(perm)
+
+    def _like(self, k: torch.Tensor, v: torch.Tensor, T: int) -> "KVCache":
+        return KVCache(k, v, T, self.rows_last)
 
     def select(self, idx_B: torch.Tensor, start: int) -> "KVCache":
         """Rows ``idx_B`` (in that order), columns from ``start`` on (a copy)."""
-        k, v = (x.index_select(1, idx_B)[:, :, :, start:] for x in (self.k, self.v))
-        return KVCache(k, v, self.T - start)
+        k, v = (x[start:].index_select(self.rows_dim, idx_B) for x in (self.k, self.v))
+        return self._like(k, v, self.T - start)
 
     def repeat_rows(self, rows_B: torch.Tensor) -> "KVCache":
-        """Row ``rows_B[i]`` of this cache as row i (a group's prompt cache for each of its samples)."""
-        return KVCache(self.k.index_select(1, rows_B), self.v.index_select(1, rows_B), self.T)
+        """Row ``rows_B[i]`` of this cache as row i (a group's prompt cache for each of its samples);
+        only the filled columns are copied."""
+        shape = list(self.k.shape)
+        shape[self.rows_dim] = len(rows_B)
+        k, v = (x.new_empty(shape) for x in (self.k, self.v))
+        for src, dst in ((self.k, k), (self.v, v)):
+            torch.index_select(src[: self.T], self.rows_dim, rows_B, out=dst[: self.T])
+        return self._like(k, v, self.T)
+
+    def repeat_each(self, n: int) -> "KVCache":
+        """Each row n times in a row (``repeat_rows`` of 0,..,0, 1,..,1, ...; one broadcast copy)."""
+        shape = list(self.k.shape)
+        B, d = shape[self.rows_dim], self.rows_dim
+        shape[d] = B * n
+        k, v = (x.new_empty(shape) for x in (self.k, self.v))
+        for src, dst in ((self.k, k), (self.v, v)):
+            part = src[: self.T].unsqueeze(d + 1)
+            wide = list(part.shape)
+            wide[d + 1] = n
+            dst[: self.T].view(wide).copy_(part.expand(wide))
+        return self._like(k, v, self.T)
 
     def merge(self, other: "KVCache") -> "KVCache":
         """Rows of ``self`` then of ``other``, the shorter one left-padded with zeros (masked columns)."""
-        T, room = max(self.T, other.T), max(self.room, other.room)
-        return KVCache(*(torch.cat([self._padded(kind, T, room), other._padded(kind, T, room)], 1) for kind in "kv"), T)
-
-    def _padded(self, kind: str, T: int, room: int) -> torch.Tensor:
-        x = getattr(self, kind)
-        L, B, H, _, D = x.shape
-        out = x.new_zeros(L, B, H, T + room, D)
-        out[:, :, :, T - self.T : T] = x[:, :, :, : self.T]
-        return out
+        T, room, d = max(self.T, other.T), max(self.room, other.room), self.rows_dim
+        shape = list(self.k.shape)
+        B1 = shape[d]
+        shape[0], shape[d] = T + room, B1 + other.n_rows
+        out = []
+        for kind in "kv":
+            x = getattr(self, kind).new_empty(shape)
+            for part, start in ((self, 0), (other, B1)):
+                rows = x.narrow(d, start, part.n_rows)
+                rows[: T - part.T] = 0
+                rows[T - part.T : T] = getattr(part, kind)[: part.T]
+            out.append(x)
+        return self._like(*out, T)
 
 
 def make_decoder(model: PreTrainedModel, lean: bool = True):
@@ -87,18 +139,23 @@ class LeanLlama:
     the same rotary cos/sin (HF's own rotary module, tabulated per position when its frequencies
     do not depend on the sequence length), the same projection and MLP modules (the model is not
     modified: weights loaded into it are used as they are). A single new token on CPU attends
-    with matmuls (the CPU SDPA kernel is slow for one query, see ``_attend_one``); everything else
-    uses ``scaled_dot_product_attention``.
+    with elementwise products over the cache (``_attend_rows_last``); everything else uses
+    ``scaled_dot_product_attention``. In models of at most ``FUSE_MAX_PARAMS`` parameters the
+    q/k/v and the gate/up projections run as one matmul each over a concatenated copy of their
+    weights (``_Cat``, rebuilt when a weight changes): at small sizes each call's fixed cost is
+    most of its time. The layers' modules are looked up once, here.
     """
 
-    SHORT = 32  # contexts up to this many keys: see _attend_one
+    FUSE_MAX_PARAMS = 20_000_000
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
         cfg = model.config
-        self.n_kv = cfg.num_key_value_heads
-        self.gqa = self.n_kv != cfg.num_attention_heads
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.gqa = self.n_kv != self.n_heads
         self._rope = _RopeTable(model.model.rotary_emb)
+        fuse = sum(p.numel() for p in model.parameters()) <= self.FUSE_MAX_PARAMS
+        self._layers = [_LayerPlan(layer, fuse) for layer in model.model.layers]
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -108,59 +165,176 @@ class LeanLlama:
         return cfg.model_type in LEAN_MODEL_TYPES and full and not sliding and hasattr(model, "lm_head")
 
     def forward(self, ids_BT, pos_BT, mask_BK, cache: KVCache, logits: bool):
-        m = self.model.model
         T0, (B, T) = cache.T, ids_BT.shape
         assert mask_BK.shape == (B, T0 + T) and cache.room >= T, (tuple(mask_BK.shape), T0, T, cache.room)
-        x_BTE = m.embed_tokens(ids_BT)
-        cos, sin = self._rope(x_BTE, pos_BT)  # (B, 1, T, D); sin with the rotation's sign folded in
-        attn_mask = _attention_mask(mask_BK, T)
-        for i, layer in enumerate(m.layers):
-            h_BTE = _norm(layer.input_layernorm, x_BTE)
-            x_BTE = x_BTE + self._attention(layer.self_attn, h_BTE, cos, sin, cache, i, attn_mask)
-            mlp = layer.mlp
-            h_BTE = _norm(layer.post_attention_layernorm, x_BTE)
-            x_BTE = x_BTE + _linear(
-                mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h_BTE)) * _linear(mlp.up_proj, h_BTE)
-            )
+        if T == 1 and cache.rows_last:
+            x_BE = self._decode_one(ids_BT, pos_BT, mask_BK, cache)
+        else:
+            x_BE = self._forward_many(ids_BT, pos_BT, mask_BK, cache)
         cache.T = T0 + T
-        return _linear(self.model.lm_head, _norm(m.norm, x_BTE[:, -1])) if logits else None
+        return _linear(self.model.lm_head, _norm(self.model.model.norm, x_BE)) if logits else None
 
-    def _attention(self, attn, h_BTE, cos, sin, cache: KVCache, i: int, attn_mask):
-        (B, T, _), D, T0 = h_BTE.shape, attn.head_dim, cache.T
-        q, k, v = (_linear(p, h_BTE).view(B, T, -1, D).transpose(1, 2) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-        # rotary (x cos + rotate_half(x) sin) with the keys written straight into the cache
-        torch.mul(k, cos, out=cache.k[i, :, :, T0 : T0 + T]).addcmul_(k.roll(D // 2, -1), sin)
-        cache.v[i, :, :, T0 : T0 + T] = v
-        q = (q * cos).addcmul_(q.roll(D // 2, -1), sin)
-        keys, values = cache.k[i, :, :, : T0 + T], cache.v[i, :, :, : T0 + T]
-        if T == 1 and q.device.type == "cpu":
-            o = self._attend_one(q, keys, values, attn.scaling, attn_mask)
+    def _forward_many(self, ids_BT, pos_BT, mask_BK, cache: KVCache) -> torch.Tensor:
+        """Any number of new tokens (prefill; decode off CPU): the last position's hidden state (B, E).
+        The last layer writes every position's keys and values but computes the rest (attention
+        output, MLP) for the last position only: nothing else of it is returned."""
+        x_BTE = self.model.model.embed_tokens(ids_BT)
+        cos, sin = self._rope(x_BTE, pos_BT)  # (B, T, 1, D); sin with the rotation's sign folded in
+        attn_mask = _attention_mask(mask_BK, ids_BT.shape[1])
+        last = len(self._layers) - 1
+        for i, lp in enumerate(self._layers):
+            o_BTE = self._attention(lp, _norm(lp.norm1, x_BTE), cos, sin, cache, i, attn_mask, i == last)
+            x_BTE = (x_BTE[:, -1:] if i == last else x_BTE) + o_BTE
+            x_BTE = x_BTE + lp.mlp(_norm(lp.norm2, x_BTE))
+        return x_BTE[:, -1]
+
+    def _attention(self, lp: "_LayerPlan", h_BTE, cos, sin, cache: KVCache, i: int, attn_mask, last_only: bool):
+        """Attention output (B, T, E) of the new tokens, or of the last one only (B, 1, E)."""
+        (B, T, _), T0, H = h_BTE.shape, cache.T, self.n_heads
+        qk, v = lp.qk_v(h_BTE, H + self.n_kv)
+        qk = _rotary(qk, cos, sin)  # (B, T, H + h, D): queries then keys
+        cache.write(i, T0, qk[:, :, H:], v)
+        if T0 == 0:  # nothing cached before: the new keys as they are (contiguous head dims)
+            keys, values = qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
         else:
-            causal = attn_mask is None and T > 1
-            o = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=attn_mask, is_causal=causal, scale=attn.scaling, enable_gqa=self.gqa
-            )
-        return _linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1))
+            keys, values = cache.bhkd("k", i, T0 + T), cache.bhkd("v", i, T0 + T)
+        q = qk[:, -1:, :H] if last_only else qk[:, :, :H]
+        if last_only and attn_mask is not None:
+            attn_mask = attn_mask[:, :, -1:]
+        causal = attn_mask is None and q.shape[1] > 1
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys,
+            values,
+            attn_mask=attn_mask,
+            is_causal=causal,
+            scale=lp.scaling,
+            enable_gqa=self.gqa,
+        )
+        return _linear(lp.o_proj, o.transpose(1, 2).reshape(B, q.shape[1], -1))
 
-    def _attend_one(self, q_BH1D, k_BhKD, v_BhKD, scale: float, attn_mask):
-        """One query per row: the query heads of each kv head as a group, softmax in float32.
+    def _decode_one(self, ids_B1, pos_B1, mask_BK, cache: KVCache) -> torch.Tensor:
+        """One new token per row on CPU: activations (B, E), projections computed transposed as
+        (heads, D, B) (a matmul writes them so; no copy), each layer's new key and value written as
+        one block of the rows-last cache, attention by ``_attend_rows_last``."""
+        T0, H, h = cache.T, self.n_heads, self.n_kv
+        x_B1E = self.model.model.embed_tokens(ids_B1)
+        B = x_B1E.shape[0]
+        cos, sin = (c.reshape(B, -1).t().contiguous() for c in self._rope(x_B1E, pos_B1))  # (D, B)
+        x_BE = x_B1E[:, 0]
+        keys_KB = mask_BK.bool().t()
+        pad_KB = None if bool(keys_KB.all()) else ~keys_KB
+        for i, lp in enumerate(self._layers):
+            qkv = lp.qkv_t(_norm(lp.norm1, x_BE))  # (H + 2 h, D, B): queries, keys, values
+            qk = _rotary(qkv[: H + h], cos, sin, dim=1)
+            cache.k[T0, i] = qk[H:]
+            cache.v[T0, i] = qkv[H + h :]
+            o_DB = _attend_rows_last(qk[:H], cache.k[: T0 + 1, i], cache.v[: T0 + 1, i], lp.scaling, pad_KB)
+            x_BE = x_BE + _linear(lp.o_proj, o_DB.t())
+            x_BE = x_BE + lp.mlp(_norm(lp.norm2, x_BE))
+        return x_BE
 
-        Up to ``SHORT`` keys the softmax is spelled out and the weighted sum of values is a
-        broadcast multiply-add: on CPU, for many rows of few keys, both are several times faster
-        than ``softmax`` and a batched matmul (whose costs are per row); longer contexts use those."""
-        B, H, _, D = q_BH1D.shape
-        K = k_BhKD.shape[2]
-        q_BhGD = q_BH1D.reshape(B, self.n_kv, H // self.n_kv, D)
-        s_BhGK = torch.matmul(q_BhGD, k_BhKD.transpose(-1, -2)).float() * scale
-        if attn_mask is not None:
-            s_BhGK = s_BhGK.masked_fill(~attn_mask, float("-inf"))  # (B, 1, 1, K) broadcasts
-        if K > self.SHORT:
-            o_BhGD = torch.matmul(s_BhGK.softmax(-1).to(v_BhKD.dtype), v_BhKD)
+
+class _LayerPlan:
+    """One decoder layer's modules, looked up once, with the projections that read the same input
+    fused (``_Cat``) when ``fuse`` and they are plain ``nn.Linear`` layers alike in bias."""
+
+    def __init__(self, layer: torch.nn.Module, fuse: bool):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.o_proj, self.scaling, self.head_dim = attn.o_proj, attn.scaling, attn.head_dim
+        self.down, self.act = mlp.down_proj, mlp.act_fn
+        self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up = (mlp.gate_proj, mlp.up_proj)
+        self.qkv_cat = _Cat(self.qkv) if fuse and _Cat.fusable(self.qkv) else None
+        self.gate_up_cat = _Cat(self.gate_up) if fuse and _Cat.fusable(self.gate_up) else None
+
+    def qk_v(self, h: torch.Tensor, n_qk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys (..., n_qk heads, D) and values (..., kv heads, D) of ``h`` (..., E)."""
+        D = self.head_dim
+        if self.qkv_cat is not None:
+            qkv = self.qkv_cat(h)
+            qkv = qkv.view(*qkv.shape[:-1], -1, D)
+            return qkv[..., :n_qk, :], qkv[..., n_qk:, :]
+        q, k, v = (_linear(p, h) for p in self.qkv)
+        return torch.cat([q, k], -1).view(*h.shape[:-1], n_qk, D), v.view(*h.shape[:-1], -1, D)
+
+    def qkv_t(self, h_BE: torch.Tensor) -> torch.Tensor:
+        """Queries, keys and values of ``h_BE`` transposed: (H + 2 h, D, B)."""
+        if self.qkv_cat is not None:
+            w, b = self.qkv_cat.weights()
+            out = torch.mm(w, h_BE.t()) if b is None else torch.addmm(b[:, None], w, h_BE.t())
         else:
-            e_BhGK = (s_BhGK - s_BhGK.amax(-1, keepdim=True)).exp_()
-            p_BhKG = e_BhGK.div_(e_BhGK.sum(-1, keepdim=True)).to(v_BhKD.dtype).transpose(-1, -2)
-            o_BhGD = (p_BhKG[..., None] * v_BhKD[:, :, :, None]).sum(2)  # (B, h, K, G, D) summed over K
-        return o_BhGD.reshape(B, H, 1, D)
+            out = torch.cat([_linear(p, h_BE) for p in self.qkv], -1).t()
+        return out.view(-1, self.head_dim, h_BE.shape[0])
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """HF's gated MLP: down(act(gate(h)) * up(h))."""
+        if self.gate_up_cat is not None:
+            gate, up = self.gate_up_cat(h).chunk(2, -1)
+        else:
+            gate, up = (_linear(p, h) for p in self.gate_up)
+        return _linear(self.down, self.act(gate) * up)
+
+
+class _Cat:
+    """One matmul for several plain ``nn.Linear`` layers reading one input: a concatenated copy of
+    their weights (and biases), rebuilt whenever a source tensor changed, i.e. its storage or its
+    version counter, which every in-place update bumps (``copy_``, optimizer steps,
+    ``load_state_dict``). The model itself is never modified."""
+
+    def __init__(self, modules: tuple[torch.nn.Module, ...]):
+        self.modules, self.key = modules, None
+        self.w = self.b = None
+
+    @staticmethod
+    def fusable(modules) -> bool:
+        if not all(type(m) is torch.nn.Linear for m in modules):
+            return False
+        w0 = modules[0].weight
+        same = all(m.weight.dtype == w0.dtype and m.weight.device == w0.device for m in modules)
+        return same and len({m.bias is None for m in modules}) == 1
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The concatenated weight and bias (None without biases), current."""
+        tensors = [t for m in self.modules for t in (m.weight, m.bias) if t is not None]
+        key = [(t.data_ptr(), t._version) for t in tensors]
+        if key != self.key:
+            self.w = torch.cat([m.weight for m in self.modules])
+            self.b = None if self.modules[0].bias is None else torch.cat([m.bias for m in self.modules])
+            self.key = key
+        return self.w, self.b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, *self.weights())
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """HF's ``x cos + rotate_half(x) sin`` along the head dimension ``dim``, with the sign folded
+    into ``sin`` (``_RopeTable``)."""
+    return (x * cos).addcmul_(x.roll(x.shape[dim] // 2, dim), sin)
+
+
+def _attend_rows_last(q_HDB, k_KhDB, v_KhDB, scale: float, pad_KB):
+    """One query per row over K cached keys (rows-last cache; ``pad_KB`` True at padding, or
+    None): the query heads of each kv head as a group, softmax in float32 -> (H * D, B).
+
+    On CPU, for many rows of few keys, this is several times faster than ``softmax`` and batched
+    matmuls (whose costs are per row and head): every product and reduction (over head dims, over
+    keys) runs with the rows as the contiguous inner loop. Non-float32 caches are computed in
+    float32 (no rounding per product)."""
+    H, D, B = q_HDB.shape
+    K, h = k_KhDB.shape[:2]
+    dtype = q_HDB.dtype
+    if dtype != torch.float32:
+        q_HDB, k_KhDB, v_KhDB = q_HDB.float(), k_KhDB.float(), v_KhDB.float()
+    s_KhGB = (q_HDB.view(h, H // h, D, B) * k_KhDB[:, :, None]).sum(3).mul_(scale)
+    if pad_KB is not None:
+        s_KhGB.masked_fill_(pad_KB[:, None, None], float("-inf"))
+    e_KhGB = (s_KhGB - s_KhGB.amax(0)).exp_()
+    p_KhGB = e_KhGB.div_(e_KhGB.sum(0))
+    o_hGDB = (p_KhGB[:, :, :, None] * v_KhDB[:, :, None]).sum(0)
+    return o_hGDB.view(H * D, B).to(dtype)
 
 
 def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +352,7 @@ def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class _RopeTable:
-    """cos and sign-folded sin (B, 1, T, D) per position, from the model's rotary module.
+    """cos and sign-folded sin (B, T, 1, D) per position, from the model's rotary module.
 
     ``rotate_half(x) * sin == x.roll(D / 2) * sin'`` with ``sin'`` = sin with its first half
     negated, so applying rotary is two multiplies, a roll and an add. For rotary types whose
@@ -195,13 +369,14 @@ class _RopeTable:
     def __call__(self, x_BTE: torch.Tensor, pos_BT: torch.Tensor):
         if not self.static:
             cos, sin = self._fold(*self.rotary(x_BTE, pos_BT))
-            return cos[:, None], sin[:, None]
+            return cos[:, :, None], sin[:, :, None]
         need, table = int(pos_BT.max()) + 1, self.cos_sin
         if table is None or table.shape[0] < need or table.dtype != x_BTE.dtype:
             n = max(need, 2 * (0 if table is None else table.shape[0]), 64)
             pos = torch.arange(n, device=x_BTE.device)[None]
             self.cos_sin = torch.cat([t[0] for t in self._fold(*self.rotary(x_BTE[:1, :1], pos))], -1)
-        return self.cos_sin[pos_BT][:, None].chunk(2, -1)
+        B, T = pos_BT.shape
+        return self.cos_sin.index_select(0, pos_BT.reshape(-1)).view(B, T, 1, -1).chunk(2, -1)
 
     @staticmethod
     def _fold(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,9 +411,8 @@ class HFDecoder:
         T0, T = cache.T, ids_BT.shape[1]
         assert mask_BK.shape[1] == T0 + T and cache.room >= T, (tuple(mask_BK.shape), T0, T, cache.room)
         if T0:
-            dyn = DynamicCache(
-                ddp_cache_data=[(cache.k[i, :, :, :T0], cache.v[i, :, :, :T0]) for i in range(len(cache.k))]
-            )
+            layers = range(cache.k.shape[1])
+            dyn = DynamicCache(ddp_cache_data=[(cache.bhkd("k", i, T0), cache.bhkd("v", i, T0)) for i in layers])
         else:
             dyn = DynamicCache(config=self.model.config)
         kw = dict(
@@ -251,7 +425,6 @@ class HFDecoder:
         # base_model: the decoder stack without lm_head when the logits are not wanted
         out = self.model(**kw, logits_to_keep=1).logits[:, -1] if logits else self.model.base_model(**kw)
         for i, layer in enumerate(dyn.layers):
-            cache.k[i, :, :, T0 : T0 + T] = layer.keys[:, :, T0:]
-            cache.v[i, :, :, T0 : T0 + T] = layer.values[:, :, T0:]
+            cache.write(i, T0, layer.keys[:, :, T0:].transpose(1, 2), layer.values[:, :, T0:].transpose(1, 2))
         cache.T = T0 + T
         return out if logits else None

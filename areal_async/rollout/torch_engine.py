@@ -69,11 +69,50 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int, value: float, left: bool) -> 
     return torch.cat([fill, x] if left else [x, fill], dim=dim)
 
 
+@dataclass(frozen=True)
+class SamplingMode:
+    """What a batch's sampling parameters need, known without reading a tensor: rows that are all
+    greedy, some greedy, some with top-p < 1, and whether every row samples at temperature 1
+    (greedy rows count as temperature 1). A superset is always correct (e.g. after rows left)."""
+
+    all_greedy: bool
+    any_greedy: bool
+    any_top_p: bool
+    unit_temp: bool
+
+    @classmethod
+    def of_requests(cls, reqs: list[GenRequest]) -> "SamplingMode":
+        greedy = [r.greedy for r in reqs]
+        return cls(
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_top_p=any(r.top_p < 1 for r in reqs),
+            unit_temp=all(r.greedy or float(r.temperature) == 1.0 for r in reqs),
+        )
+
+    @classmethod
+    def of_tensors(cls, temp_B: torch.Tensor, top_p_B: torch.Tensor, greedy_B: torch.Tensor) -> "SamplingMode":
+        return cls(
+            all_greedy=bool(greedy_B.all()),
+            any_greedy=bool(greedy_B.any()),
+            any_top_p=bool((top_p_B < 1).any()),
+            unit_temp=bool((greedy_B | (temp_B == 1)).all()),
+        )
+
+    def merge(self, other: "SamplingMode") -> "SamplingMode":
+        return SamplingMode(
+            all_greedy=self.all_greedy and other.all_greedy,
+            any_greedy=self.any_greedy or other.any_greedy,
+            any_top_p=self.any_top_p or other.any_top_p,
+            unit_temp=self.unit_temp and other.unit_temp,
+        )
+
+
 class _Cohort:
     """Rows decoded together: ``rows[i]`` = (group, sample index) of batch row i."""
 
-    def __init__(self, rows: list[tuple[_Group, int]], t: dict[str, torch.Tensor], cache: KVCache):
-        self.rows, self.t, self.cache = rows, t, cache
+    def __init__(self, rows: list[tuple[_Group, int]], t: dict[str, torch.Tensor], cache: KVCache, mode: SamplingMode):
+        self.rows, self.t, self.cache, self.mode = rows, t, cache, mode
 
     @property
     def n_groups(self) -> int:
@@ -102,6 +141,7 @@ class _Cohort:
         self.t = {k: torch.cat([_pad_row(k, v, T, W, S), _pad_row(k, other.t[k], T, W, S)]) for k, v in self.t.items()}
         self.cache = self.cache.merge(other.cache)
         self.rows = self.rows + other.rows
+        self.mode = self.mode.merge(other.mode)
 
 
 def _pad_row(name: str, x: torch.Tensor, T: int, W: int, S: int) -> torch.Tensor:
@@ -121,21 +161,29 @@ def _top_p_filter(probs_BV: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor
 
 
 def sample_tokens(
-    logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor, greedy_B: torch.Tensor, gen: torch.Generator
+    logits_BV: torch.Tensor,
+    temp_B: torch.Tensor,
+    top_p_B: torch.Tensor,
+    greedy_B: torch.Tensor,
+    gen: torch.Generator,
+    mode: SamplingMode | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_B, behaviour logprob_B): logprob = log_softmax(logits / T)[token], T = 1 for greedy,
-    taken before top-p truncation (the distribution the trainer recomputes)."""
-    temp_B = torch.where(greedy_B, torch.ones_like(temp_B), temp_B)
-    logp_BV = torch.log_softmax(logits_BV.float() / temp_B[:, None], dim=-1)
-    n_greedy = int(greedy_B.sum())
-    if n_greedy == len(greedy_B):
+    taken before top-p truncation (the distribution the trainer recomputes). ``mode``: what the
+    parameters need (read from the tensors when None); the steps it rules out are skipped."""
+    mode = mode or SamplingMode.of_tensors(temp_B, top_p_B, greedy_B)
+    logits_BV = logits_BV.float()
+    if not mode.unit_temp:
+        logits_BV = logits_BV / torch.where(greedy_B, torch.ones_like(temp_B), temp_B)[:, None]
+    logp_BV = torch.log_softmax(logits_BV, dim=-1)
+    if mode.all_greedy:
         tok_B = logp_BV.argmax(-1)
     else:
         probs_BV = logp_BV.exp()
-        if bool((top_p_B < 1).any()):
+        if mode.any_top_p:
             probs_BV = _top_p_filter(probs_BV, top_p_B)
         tok_B = draw_tokens(probs_BV, gen)
-        if n_greedy:
+        if mode.any_greedy:
             tok_B = torch.where(greedy_B, logp_BV.argmax(-1), tok_B)
     return tok_B, logp_BV.gather(1, tok_B[:, None]).squeeze(1)
 
@@ -183,6 +231,7 @@ class TorchEngine(RolloutEngine):
         self.version = version
         self.gen = torch.Generator(self.device).manual_seed(seed)
         self.pending: list[_Group] = []
+        self.live_ids: set[str] = set()  # group ids queued or generating
         self.cohorts: list[_Cohort] = []
         self.decoder = make_decoder(self.model, lean)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -193,6 +242,7 @@ class TorchEngine(RolloutEngine):
         req.validate()
         self._check_request(req)
         self.pending.append(_Group(req, [None] * req.n, req.n))
+        self.live_ids.add(req.group_id)
 
     def has_work(self) -> bool:
         return bool(self.pending or self.cohorts)
@@ -231,14 +281,13 @@ class TorchEngine(RolloutEngine):
             groups[id(g)] = g
             g.samples = [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]
         self.pending, self.cohorts = [], []
+        self.live_ids.clear()
         return [g.output() for g in groups.values()]
 
     # ---- admission and prefill -----------------------------------------------------------------
 
     def _check_request(self, req: GenRequest) -> None:
-        running = {g.req.group_id for c in self.cohorts for g, _ in c.rows if g.left}  # left 0: finished
-        live = {g.req.group_id for g in self.pending} | running
-        if req.group_id in live:
+        if req.group_id in self.live_ids:
             raise ValueError(f"group_id {req.group_id!r} is already generating: expected a new id")
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -276,10 +325,12 @@ class TorchEngine(RolloutEngine):
         cache, mask_GT, logits_GV = self._prefill([g.req.prompt_ids for g in groups], room, with_logits=True)
         n_G = torch.tensor([g.req.n for g in groups], device=self.device)
         rows_G = torch.repeat_interleave(torch.arange(len(groups), device=self.device), n_G)
-        cache = cache.repeat_rows(rows_G)
+        ns = {g.req.n for g in groups}
+        cache = cache.repeat_each(ns.pop()) if len(ns) == 1 else cache.repeat_rows(rows_G)
         t = self._row_tensors(groups, rows_G)
         t["mask_BT"] = mask_GT.index_select(0, rows_G)
-        cohort = _Cohort([(g, i) for g in groups for i in range(g.req.n)], t, cache)
+        mode = SamplingMode.of_requests([g.req for g in groups])
+        cohort = _Cohort([(g, i) for g in groups for i in range(g.req.n)], t, cache, mode)
         return cohort, self._emit(cohort, logits_GV.index_select(0, rows_G))
 
     def _row_tensors(self, groups: list[_Group], rows_G: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -338,13 +389,12 @@ class TorchEngine(RolloutEngine):
     def _emit(self, c: _Cohort, logits_BV: torch.Tensor) -> list[GroupOutput]:
         """Sample every row's next token from ``logits_BV``, record it, retire finished rows."""
         t = c.t
-        tok_B, logp_B = sample_tokens(logits_BV, t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen)
-        rows_B = torch.arange(len(c.rows), device=self.device)
+        tok_B, logp_B = sample_tokens(logits_BV, t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen, c.mode)
         # finished rows still in the batch (see _retire) write their (unused) token in range
-        col_B = t["n_gen_B"].clamp(max=t["out_BW"].shape[1] - 1)
-        t["out_BW"][rows_B, col_B] = tok_B
-        t["logp_BW"][rows_B, col_B] = logp_B
-        t["ver_BW"][rows_B, col_B] = self.version
+        col_B1 = t["n_gen_B"].clamp(max=t["out_BW"].shape[1] - 1)[:, None]
+        t["out_BW"].scatter_(1, col_B1, tok_B[:, None])
+        t["logp_BW"].scatter_(1, col_B1, logp_B[:, None])
+        t["ver_BW"].scatter_(1, col_B1, self.version)
         t["n_gen_B"] += 1
         t["next_B"] = tok_B
         return self._retire(c, tok_B)
@@ -353,15 +403,15 @@ class TorchEngine(RolloutEngine):
         """Finish the live rows that hit a stop token or their length. Finished rows stay in the
         batch (decoded, ignored) until a quarter of it has finished: re-indexing the KV cache
         costs about as much as a decode step, so it is not done every time a row ends."""
-        live_B = c.t["live_B"]
-        stop_B = (tok_B[:, None] == c.t["stop_BW"]).any(1)
+        live_B, stop_BW = c.t["live_B"], c.t["stop_BW"]
+        stop_B = tok_B == stop_BW[:, 0] if stop_BW.shape[1] == 1 else (tok_B[:, None] == stop_BW).any(1)
         done_B = live_B & (stop_B | (c.t["n_gen_B"] >= c.t["max_new_B"]))
-        if not bool(done_B.any()):
-            return []
         done = done_B.nonzero().squeeze(1).tolist()
+        if not done:
+            return []
         stopped = stop_B.tolist()
         groups = self._finish_rows(c, done, ["stop" if stopped[i] else "length" for i in done])
-        live_B &= ~done_B
+        live_B.masked_fill_(done_B, False)
         n_live = int(live_B.sum())
         if n_live == 0:  # the whole cohort ended: nothing to keep, no cache to re-index
             c.rows = []
@@ -372,25 +422,35 @@ class TorchEngine(RolloutEngine):
     def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
         """Turn rows ``idx`` of ``c`` into SampleOutputs (tensor slices, no per-token lists);
         return their groups (each once)."""
-        whole = len(idx) == len(c.rows)  # idx is then every row in order
-        rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
-        pick = (
-            c.t.copy()
-            if whole
-            else {k: c.t[k].index_select(0, rows) for k in ("n_gen_B", "out_BW", "logp_BW", "ver_BW")}
-        )
-        W = c.t["out_BW"].shape[1]
-        kept_RW = torch.arange(W, device=self.device)[None, :] < pick["n_gen_B"][:, None]
-        lens = pick["n_gen_B"].tolist()
-        # each field of all rows as one flat tensor (a copy), split into per-row views of it
-        out, logp, ver = (pick[k][kept_RW].cpu().split(lens) for k in ("out_BW", "logp_BW", "ver_BW"))
-        touched, row_of = {}, c.rows
-        for i, o, lp, v, why in zip(idx, out, logp, ver, reasons):
+        touched, row_of, live_ids, make = {}, c.rows, self.live_ids, SampleOutput.of_tensors
+        for i, o, lp, v, why in zip(idx, *self._row_slices(c, idx), reasons):
             g, s = row_of[i]
-            g.samples[s] = SampleOutput.of_tensors(o, lp, v, why)
+            g.samples[s] = make(o, lp, v, why)
             g.left -= 1
             touched[id(g)] = g
+            if not g.left:
+                live_ids.discard(g.req.group_id)
         return list(touched.values())
+
+    def _row_slices(self, c: _Cohort, idx: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Generated ids, logprobs and versions of rows ``idx`` of ``c``: per field, one per row,
+        views of one CPU copy of the field's rows."""
+        t = c.t
+        whole = len(idx) == len(c.rows)  # idx is then every row in order
+        rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
+        n_gen = t["n_gen_B"] if whole else t["n_gen_B"].index_select(0, rows)
+        lens = n_gen.tolist()
+        fields = [t[k] for k in ("out_BW", "logp_BW", "ver_BW")]
+        if min(lens) == max(lens):  # one length (e.g. all ran to max_new_tokens): rows of a (R, L) copy
+            L = lens[0]
+            picked = [x[:, :L].clone() if whole else x[:, :L].index_select(0, rows) for x in fields]
+            return [x.cpu().unbind(0) for x in picked]
+        W = t["out_BW"].shape[1]
+        kept_RW = torch.arange(W, device=self.device)[None, :] < n_gen[:, None]
+        if not whole:
+            fields = [x.index_select(0, rows) for x in fields]
+        # each field of all rows as one flat tensor (a copy), split into per-row views of it
+        return [x[kept_RW].cpu().split(lens) for x in fields]
 
     # ---- weight updates ------------------------------------------------------------------------
 
