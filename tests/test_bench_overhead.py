@@ -5,7 +5,7 @@ import torch
 
 from benchmarks import overhead as bench
 from benchmarks.common import check_rows
-from benchmarks.engine_vs_hf import tokens_until_eos
+from benchmarks.engine_vs_hf import hf_generate, tokens_until_eos
 
 
 def rows(n: int, step_s: float, train_s: float, publish_s: float, gen: float, reward: float) -> list[dict]:
@@ -51,3 +51,25 @@ def test_rows_meet_the_contract_and_the_targets_are_judged():
     assert ratio[1]["value"] == pytest.approx(75 / 92) and ratio[1]["meets_target"] is False  # 0.815 > 0.8
     (gen,) = [r for r in out if r["metric"] == "engine_vs_hf_generate_tokens_per_s_ratio"]
     assert gen["value"] == pytest.approx(3.0) and gen["meets_target"] is True
+
+
+def test_hf_shared_prefill_baseline_samples_what_per_sample_prefill_samples():
+    """The HF baseline with the prompt prefix prefilled once and its cache repeated draws, from the
+    same seed, the same tokens as generate's own per-sample prefill (mixed prompt lengths, left
+    padding): the shared prefill changes HF's cost, not what it computes."""
+    import torch
+
+    from areal_async.config import ModelConfig
+    from areal_async.models.tiny import build_model
+    from areal_async.models.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer("0123456789+=")
+    model = build_model(ModelConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2), len(tok), seed=3)
+    prompts = [tok.encode(p) for p in ("1+2=", "7=", "12+30=", "5")]
+    news = []
+    for shared in (True, False):
+        torch.manual_seed(11)
+        gen = hf_generate(model, prompts, 3, 5, None, tok.pad_token_id, 1.0, 1.0, shared=shared)
+        news.append(gen())
+    assert news[0].shape == (12, 5)
+    assert torch.equal(news[0], news[1])
