@@ -324,8 +324,8 @@ def _fill(data: np.ndarray, srcs: list[torch.Tensor], offsets: list[int], sizes:
 
     The destinations are numpy-built views (``np_view_as``) and CPU sources go in one
     ``torch._foreach_copy_`` call, so the sender leaves and re-takes the GIL once per message
-    rather than once per tensor (on a trainer sharing the process, each re-take can wait for the
-    other thread's Python). ``copy_`` handles strides, and devices for a non-CPU source."""
+    rather than once per tensor (where another thread of the process runs Python, each re-take
+    waits for it). ``copy_`` handles strides, and devices for a non-CPU source."""
     pairs = [(np_view_as(data, off, n, t.dtype, list(t.shape)), t) for t, off, n in zip(srcs, offsets, sizes) if n]
     if not pairs:
         return
