@@ -21,7 +21,7 @@ from protocols.sockets import ipc_endpoint, make_socket, send_message
 from areal_async.base.control import ControlClient
 from areal_async.rollout.service import group_tensors
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.service import TrainerService, split_group
+from areal_async.trainer.service import TrainerService, TrajectoryBuffer, split_group
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
 from test_trainer_actor import boba_cfg, output_logp, tiny_model
@@ -154,3 +154,12 @@ def test_split_group_gives_per_sample_views_and_refuses_inconsistent_groups():
     for tensors, match in bad:
         with pytest.raises(ValueError, match=match):
             split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, tensors)
+
+
+def test_take_ready_takes_all_or_nothing_without_waiting():
+    buf = TrajectoryBuffer(channel=None)
+    buf.items = {"a": ({"group_id": "g"}, {}), "b": ({"group_id": "g"}, {}), "c": ({"group_id": "h"}, {})}
+    assert buf.take_ready(["a", "x"]) is None and set(buf.items) == {"a", "b", "c"}  # nothing taken
+    got = buf.take_ready(["b", "a"])
+    assert list(got) == ["b", "a"] and set(buf.items) == {"c"}
+    assert buf.take(["c"], timeout_s=1.0) == {"c": ({"group_id": "h"}, {})} and not buf.items

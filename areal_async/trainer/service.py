@@ -118,6 +118,13 @@ class TrajectoryBuffer:
             while len(self.dropped) > self.max_dropped:
                 self.dropped.popitem(last=False)
 
+    def take_ready(self, ids: list[str]) -> Optional[dict[str, tuple[dict, dict]]]:
+        """Every id's item if all have arrived (taken out of the buffer), else None (nothing taken); never blocks."""
+        with self.cond:
+            if any(i not in self.items for i in ids):
+                return None
+            return {i: self.items.pop(i) for i in ids}
+
     def take(self, ids: list[str], timeout_s: float) -> dict[str, tuple[dict, dict]]:
         """Block until every id arrived; raise naming the missing ones after timeout_s."""
         deadline = time.monotonic() + timeout_s
@@ -226,7 +233,8 @@ class TrainerService:
         loop = asyncio.get_running_loop()
         self.waiting(f"publishing weights v{version}")
         t = time.perf_counter()
-        await loop.run_in_executor(None, self.actor.dp.command, CMD_PUBLISH, version)
+        if self.actor.dp.active:  # the other ranks gather with us (one rank: nothing to tell)
+            await loop.run_in_executor(None, self.actor.dp.command, CMD_PUBLISH, version)
         sd = self.actor.publish_state(self.publish_dtype, self.bucket_bytes)
         manifest = await loop.run_in_executor(None, self.weights.publish_begin, version, sd)
         await self.control.send(WeightsPublished(version=version, manifest=manifest))
@@ -244,7 +252,9 @@ class TrainerService:
         self.buffer.drop(plan.aborted_ids)
         t0 = time.perf_counter()
         self.waiting(f"trajectory tensors of the {len(plan.sample_ids)} samples planned for step {plan.step}")
-        got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
+        got = self.buffer.take_ready(plan.sample_ids)  # at eta >= 1 they are usually all in: no thread hop
+        if got is None:
+            got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
         trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
         t1 = time.perf_counter()
         self.waiting(f"its own train_step (step {plan.step})")
