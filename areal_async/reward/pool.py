@@ -66,6 +66,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_REWARD_FN = "areal_async.reward.math_verify_reward:boxed_math_reward"
 _MAX_FRAME = 64 << 20  # a reply is a few bytes; anything this big means a corrupt stream
 _REAP_TIMEOUT_S = 5.0
+_READ_CHUNK = 1 << 16  # bytes asked of a child's pipe per read: every reply it has written so far
 
 
 @dataclass
@@ -145,6 +146,7 @@ class _Slot:
 
     def _spawn(self) -> None:
         self.proc, self.ready = self.spec.start(), False
+        self.rbuf = bytearray()  # bytes read from this child past its last reply frame
         _write_frame(self.proc, self.spec.init_frame, time.monotonic() + self.startup_timeout_s)
 
     def _ready_or_error(self, proc) -> RewardOutcome | None:
@@ -153,7 +155,7 @@ class _Slot:
             return None
         t0 = time.monotonic()
         try:
-            msg = _read_frame(proc, t0 + self.startup_timeout_s, RewardReady)
+            msg = _read_frame(proc, t0 + self.startup_timeout_s, RewardReady, self.rbuf)
         except (_Timeout, EOFError, OSError, ValueError) as e:
             msg = RewardReady(ready=False, error=f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         if msg.ready:
@@ -173,7 +175,7 @@ class _Slot:
             tasks = b"".join(encode_frame(RewardTask(completion=c, solutions=list(sols))) for c, sols in items)
             _write_frame(proc, tasks, t0 + self.timeout_s)
             for _ in items:
-                reply = _read_frame(proc, t0 + self.timeout_s, RewardReply)
+                reply = _read_frame(proc, t0 + self.timeout_s, RewardReply, self.rbuf)
                 now = time.monotonic()
                 outs.append(_outcome(reply, now - t0))
                 t0 = now
@@ -231,24 +233,30 @@ def _write_frame(proc, frame: bytes, deadline: float) -> None:
             continue
 
 
-def _read_frame(proc, deadline: float, expect: type[SideMessage]) -> SideMessage:
-    """The child's next reply as an ``expect``; ValueError (``ProtocolError``) if it is not one."""
-    fd = proc.stdout.fileno()
-    (n,) = HEADER.unpack(_read_exact(fd, HEADER.size, deadline))
+def _read_frame(proc, deadline: float, expect: type[SideMessage], buf: bytearray | None = None) -> SideMessage:
+    """The child's next reply as an ``expect``; ValueError (``ProtocolError``) if it is not one.
+    ``buf``: bytes already read from this child past the previous frame (its slot's read buffer);
+    a read takes whatever the pipe holds, so replies written back to back cost one wakeup."""
+    fd, buf = proc.stdout.fileno(), bytearray() if buf is None else buf
+    _fill(fd, buf, HEADER.size, deadline)
+    (n,) = HEADER.unpack_from(buf)
     if n > _MAX_FRAME:
         raise ValueError(f"reply frame of {n} bytes from pid {proc.pid}; expected < {_MAX_FRAME}")
-    return decode(_read_exact(fd, n, deadline), (expect,))
+    end = HEADER.size + n
+    _fill(fd, buf, end, deadline)
+    body = bytes(buf[HEADER.size : end])
+    del buf[:end]
+    return decode(body, (expect,))
 
 
-def _read_exact(fd: int, n: int, deadline: float) -> bytes:
-    buf = bytearray()
+def _fill(fd: int, buf: bytearray, n: int, deadline: float) -> None:
+    """Read from ``fd`` into ``buf`` until it holds at least ``n`` bytes (more if the pipe has them)."""
     while len(buf) < n:
         _wait(fd, select.POLLIN, deadline)
-        chunk = os.read(fd, n - len(buf))
+        chunk = os.read(fd, max(n - len(buf), _READ_CHUNK))
         if not chunk:
             raise EOFError("pipe closed")
         buf += chunk
-    return bytes(buf)
 
 
 def _wait(fd: int, events: int, deadline: float) -> None:

@@ -264,11 +264,24 @@ class RolloutService:
             self._note_waiting()
 
     async def _publish_groups(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
-        """The groups one engine step finished: every group's tensors first (one hop to the sender
-        thread for all), then their RewardRequests (scoring starts while the rest goes out), then
-        their TrajectoryReady messages (the scheduler takes a group's score and trajectory in either order)."""
+        """The groups one engine step finished: their RewardRequests first, all built before the
+        first is sent (they leave back to back, and scoring, the longest leg after generation at
+        eta = 0, starts before the tensors go out); then every group's tensors (one hop to the
+        sender thread for all); then their TrajectoryReady messages (the scheduler takes a group's
+        score and trajectory in either order; the tensors still precede the TrajectoryReady)."""
         if not items:
             return
+        requests = [
+            RewardRequest(
+                group_id=req.group_id,
+                sample_ids=list(req.sample_ids[: len(group.samples)]),
+                completions=[self.decode(s.output_ids.tolist()) for s in group.samples],  # a list decodes faster
+                solutions=req.solutions,
+            )
+            for group, req in items
+        ]
+        for r in requests:
+            await send_message(self.reward_sock, r)
         msgs = []
         for g, req in items:
             meta = {"group_id": req.group_id, "sample_ids": list(req.sample_ids[: len(g.samples)])}
@@ -276,16 +289,6 @@ class RolloutService:
         # before TrajectoryReady: the trainer may be asked for the group next. Sent from the sender
         # thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
         await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, msgs)
-        for group, req in items:
-            await send_message(
-                self.reward_sock,
-                RewardRequest(
-                    group_id=req.group_id,
-                    sample_ids=list(req.sample_ids[: len(group.samples)]),
-                    completions=[self.decode(s.output_ids) for s in group.samples],
-                    solutions=req.solutions,
-                ),
-            )
         for group, req in items:
             await self._trajectory_ready(group, req)
 
@@ -296,8 +299,9 @@ class RolloutService:
     async def _trajectory_ready(self, group: GroupOutput, req: GenerateRequest) -> None:
         samples = group.samples
         sids = list(req.sample_ids[: len(samples)])
-        vmin = [int(s.versions.min()) if s.versions.numel() else -1 for s in samples]
-        vmax = [int(s.versions.max()) if s.versions.numel() else -1 for s in samples]
+        versions = [s.versions.tolist() for s in samples]  # one call a sample, not two reductions
+        vmin = [min(v) if v else -1 for v in versions]
+        vmax = [max(v) if v else -1 for v in versions]
         await self.control.send(
             TrajectoryReady(
                 group_id=req.group_id,
