@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.admission_gate import admission_gate
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -196,15 +198,19 @@ def test_bad_override_is_refused_before_anything_starts(tmp_path):
 def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ranks_before, ranks_after):
     """Kill the trainer mid-run, rerun with recover.mode=auto: the run continues from the newest
     complete checkpoint and, across both parts, every sample is trained once or aborted. The
-    checkpoint's DCP shards are read back by another number of trainer ranks too."""
+    checkpoint's DCP shards are read back by another number of trainer ranks too.
+    The first part runs behind a shut admission gate (tests/admission_gate.py): it can train steps
+    0..8 at most, so however fast the machine the run cannot end before the kill."""
     run_dir = tmp_path / "run"
     args = ["total_train_steps=12", "saver.freq_steps=3", "saver.keep_last=2", "rollout.max_head_offpolicyness=1"]
+    gate = admission_gate(tmp_path, steps=9)  # never opened: the rerun below runs without it
     proc = subprocess.Popen(
         cli(run_dir, *args, f"cluster.n_trainer_ranks={ranks_before}"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=gate.env,
     )
     deadline = time.monotonic() + 180
     while len(read_jsonl(run_dir / "metrics.jsonl")) < 8 if (run_dir / "metrics.jsonl").exists() else True:
@@ -216,7 +222,8 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
     before = read_jsonl(run_dir / "trajectories.jsonl")
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     resumed_step = max(int(n.split("_")[1]) for n in ckpts)
-    assert resumed_step in (5, 8, 11) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
+    # checkpoints after steps 2, 5, 8, 11; 8 steps were seen and the gate stops the fleet after step 8
+    assert resumed_step in (5, 8) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
     last_trained = max(t["train_step"] for t in before if t["status"] == "trained")  # the kill races the trainer
     assert (run_dir / "checkpoints" / f"step_{resumed_step}" / "dcp" / ".metadata").exists()
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.admission_gate import admission_gate
 from tests.test_e2e import ROOT, alive, cli, descendants, finish_ok, leaked_segments, read_jsonl
+from tests.test_external_worker import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -105,8 +107,10 @@ def test_scheduler_exception_mid_run_ends_the_run_loudly_in_time(tmp_path):
 
 def test_sigstopped_trainer_is_lost_killed_and_the_run_recovers_with_exact_books(tmp_path):
     """Before: the trainer was declared lost, never stopped, its TrainStepDone refused, and six
-    processes idled for ever. Now: told, killed, and the fleet relaunched from a checkpoint."""
+    processes idled for ever. Now: told, killed, and the fleet relaunched from a checkpoint.
+    A shut admission gate holds the fleet at 5 steps until the trainer is stopped: it cannot finish first."""
     run_dir, steps = tmp_path / "run", 10
+    gate = admission_gate(tmp_path, steps=5)
     proc = start(
         run_dir,
         f"total_train_steps={steps}",
@@ -115,10 +119,12 @@ def test_sigstopped_trainer_is_lost_killed_and_the_run_recovers_with_exact_books
         "cluster.step_timeout_s=30",
         "recover.retries=1",
         "rollout.max_head_offpolicyness=1",
+        env=gate.env,
     )
     wait_steps(run_dir, proc, 3)
     trainer = json.loads((run_dir / "pids.json").read_text())["trainer"]
     os.kill(trainer, signal.SIGSTOP)
+    gate.open()  # the stopped trainer trains nothing more; the recovered fleet finds the gate open
     err = finish_ok(proc, timeout=240)
     assert "worker trainer" in err and "declared lost by the scheduler: no heartbeat for" in err
     assert "recovering the run (1/1 in a row, 1 in all) from the newest complete checkpoint" in err
@@ -133,8 +139,11 @@ def test_sigstopped_trainer_is_lost_killed_and_the_run_recovers_with_exact_books
 def test_stopped_reward_worker_groups_end_by_deadline_and_are_re_issued(tmp_path):
     """A reward worker holds requests and never answers (SIGSTOP; its heartbeat timeout is far
     away). Before: those groups waited as long as it did. Now: aborted at reward.deadline_s,
-    prompts re-issued, its late scores refused; the books stay exact."""
+    prompts re-issued, its late scores refused; the books stay exact.
+    A shut admission gate holds the fleet at 8 steps until the scheduler has refused reward-0's late
+    scores, so a fast machine cannot finish the run on reward-1 alone while reward-0 is stopped."""
     run_dir, steps = tmp_path / "run", 14
+    gate = admission_gate(tmp_path, steps=8)
     proc = start(
         run_dir,
         f"total_train_steps={steps}",
@@ -142,12 +151,17 @@ def test_stopped_reward_worker_groups_end_by_deadline_and_are_re_issued(tmp_path
         "reward.deadline_s=2",
         "cluster.worker_timeout_s=120",
         "rollout.max_head_offpolicyness=1",
+        env=gate.env,
     )
     wait_steps(run_dir, proc, 2)
     reward = json.loads((run_dir / "pids.json").read_text())["reward-0"]
+    sched_log = run_dir / "logs" / "scheduler.log"
     os.kill(reward, signal.SIGSTOP)
-    time.sleep(6)
+    time.sleep(6)  # the outage (3x reward.deadline_s), not a synchronisation: the waits below are
+    wait_for(lambda: "past their deadline aborted" in sched_log.read_text(), 120, "a group aborted by its deadline")
     os.kill(reward, signal.SIGCONT)
+    wait_for(lambda: "ignored reward from reward-0" in sched_log.read_text(), 120, "reward-0's late scores refused")
+    gate.open()
     finish_ok(proc, timeout=240)
     summary, trajs = check_exact_books(run_dir, steps)
     expired = [t for t in trajs if t["status"] == "aborted" and t["reason"].startswith("deadline: no score")]
@@ -156,15 +170,16 @@ def test_stopped_reward_worker_groups_end_by_deadline_and_are_re_issued(tmp_path
     open_at_end = {t["prompt_id"] for t in trajs if t["reason"] and t["reason"].startswith("run_end")}
     dropped = {t["prompt_id"] for t in trajs if t["reason"] and "dropped after" in t["reason"]}
     assert {t["prompt_id"] for t in expired} <= trained_prompts | open_at_end | dropped
-    assert "ignored reward from reward-0" in (run_dir / "logs" / "scheduler.log").read_text()  # its late scores
+    assert "ignored reward from reward-0" in sched_log.read_text()  # its late scores
 
 
 def test_sigterm_saves_a_final_checkpoint_stops_everything_and_resume_continues_exactly(tmp_path):
     run_dir, steps = tmp_path / "run", 16
     args = [f"total_train_steps={steps}", "saver.freq_steps=6", "saver.keep_last=3", "rollout.max_head_offpolicyness=1"]
-    proc = start(run_dir, *args)
+    gate = admission_gate(tmp_path, steps=12)  # steps 0..11 at most before the signal; never opened
+    proc = start(run_dir, *args, env=gate.env)
     wait_steps(run_dir, proc, 8)  # the periodic checkpoint after step 5 exists; the next is after 11
-    # a quiet machine may train up to step 11 (and save it) between here and the signal's arrival
+    # a quiet machine may train up to step 11 (and save it) between here and the signal's arrival, no further
     started = descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
