@@ -18,6 +18,7 @@ from areal_async.client.reward import RewardWorker
 from workers.external_reward import score
 
 from areal_async.base.runkeys import write_run_keys
+from tests.admission_gate import admission_gate
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = [
@@ -116,8 +117,12 @@ def test_a_fleet_with_nobody_to_score_is_refused():
 
 
 @pytest.mark.slow
-def test_external_rollout_worker_generates_for_a_fleet(tmp_path):
+def test_external_rollout_worker_generates_for_a_fleet(tmp_path, monkeypatch):
+    """The fleet admits nothing (a shut admission gate, tests/admission_gate.py) until the external
+    worker has registered, so a fast fleet cannot train its 6 steps on the built-in worker alone."""
     run_dir = tmp_path / "run"
+    gate = admission_gate(tmp_path, steps=0)
+    monkeypatch.setenv("PYTHONPATH", gate.env["PYTHONPATH"])  # the fleet's scheduler runs the gate
     cfg = load_config(ROOT / "configs/tiny_arith.yaml", FAST[:6] + ["cluster.n_rollout_workers=1"])
     log = open(tmp_path / "byo-rollout.log", "wb")
     # started first: it imports torch, then waits for the fleet's endpoints.json
@@ -129,6 +134,13 @@ def test_external_rollout_worker_generates_for_a_fleet(tmp_path):
     )
     wait_for(lambda: (tmp_path / "byo-imported").exists(), 240, "the external rollout worker's imports")
     with Fleet(cfg, run_dir=run_dir) as fleet:
+        sched_log = run_dir / "logs" / "scheduler.log"
+
+        def registered() -> bool:
+            return sched_log.exists() and "registered rollout byo-rollout " in sched_log.read_text()
+
+        wait_for(registered, 240, "the external rollout worker's registration")
+        gate.open()
         assert fleet.wait(timeout=300) == 0, (run_dir / "fleet.log").read_text()[-3000:]
     assert ext.wait(timeout=120) == 0, (tmp_path / "byo-rollout.log").read_text()[-3000:]
     summary = fleet.summary()
