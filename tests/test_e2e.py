@@ -200,10 +200,11 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
     complete checkpoint and, across both parts, every sample is trained once or aborted. The
     checkpoint's DCP shards are read back by another number of trainer ranks too.
     The first part runs behind a shut admission gate (tests/admission_gate.py): it can train steps
-    0..8 at most, so however fast the machine the run cannot end before the kill."""
+    0..9 at most, so however fast the machine the run cannot end before the kill. (Not 0..8: a fleet
+    idle after step 8 would have no group open in that checkpoint, and nothing to abort as recovered.)"""
     run_dir = tmp_path / "run"
     args = ["total_train_steps=12", "saver.freq_steps=3", "saver.keep_last=2", "rollout.max_head_offpolicyness=1"]
-    gate = admission_gate(tmp_path, steps=9)  # never opened: the rerun below runs without it
+    gate = admission_gate(tmp_path, steps=10)  # never opened: the rerun below runs without it
     proc = subprocess.Popen(
         cli(run_dir, *args, f"cluster.n_trainer_ranks={ranks_before}"),
         cwd=ROOT,
@@ -222,7 +223,7 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
     before = read_jsonl(run_dir / "trajectories.jsonl")
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     resumed_step = max(int(n.split("_")[1]) for n in ckpts)
-    # checkpoints after steps 2, 5, 8, 11; 8 steps were seen and the gate stops the fleet after step 8
+    # checkpoints after steps 2, 5, 8, 11; 8 steps were seen and the gate stops the fleet after step 9
     assert resumed_step in (5, 8) and (run_dir / "checkpoints" / f"step_{resumed_step}" / "COMPLETE").exists()
     last_trained = max(t["train_step"] for t in before if t["status"] == "trained")  # the kill races the trainer
     assert (run_dir / "checkpoints" / f"step_{resumed_step}" / "dcp" / ".metadata").exists()
