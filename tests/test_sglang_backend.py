@@ -180,12 +180,20 @@ def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights
         )
         engine.update_weights(0, a.state_dict())
         prompt = TOK.encode("5+5=")
-        for g in range(4):
+        n_groups = 4
+        for g in range(n_groups):
             engine.add_request(GenRequest(f"g{g}", prompt, 8, 48))
-        engine.step()
+        engine.step()  # dispatches every sample; the kill follows at once (~0.1 s of generation left here)
         os.kill(p0.pid, signal.SIGKILL)
-        groups = run_all(engine)
-        assert sorted(groups) == [f"g{g}" for g in range(4)]
+        groups, t = {}, time.monotonic()
+        while engine.servers[0].up:  # the in-flight requests fail: the server is marked down
+            assert time.monotonic() - t < 120, "the killed server was not marked down"
+            if not engine.has_work():  # all done before the kill (a faster server): one more group meets it
+                engine.add_request(GenRequest(f"g{n_groups}", prompt, 8, 48))
+                n_groups += 1
+            groups.update((g.group_id, SimpleNamespace(samples=[plain(s) for s in g.samples])) for g in engine.step())
+        groups.update(run_all(engine))
+        assert sorted(groups) == sorted(f"g{g}" for g in range(n_groups))
         for grp in groups.values():
             for s in grp.samples:
                 assert s.finish_reason in ("stop", "length") and s.versions == [0] * len(s.output_ids)
