@@ -9,10 +9,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from areal_async.supervisor.ray_launcher import bundle_addresses, bundles_of
+from tests.admission_gate import admission_gate
 from tests.test_e2e import ROOT, check_books, cli, finish_ok, wait_for_metrics
 
 
@@ -62,13 +64,17 @@ def test_close_reaps_the_local_rays_orphans_and_spares_older_children():
 def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     pytest.importorskip("ray")
     run_dir = tmp_path / "run"
-    steps = 80  # long enough that the restarted worker registers well before the run ends (as the local test)
+    steps = 80
+    # the fleet trains at most 5 steps until the restarted rollout-1 has registered again (the test then
+    # opens the gate), so a fast fleet cannot finish the run on rollout-0 alone before the restart
+    gate = admission_gate(tmp_path, steps=5)
     proc = subprocess.Popen(
         cli(run_dir, f"total_train_steps={steps}", "cluster.launcher=ray"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=gate.env,
     )
     wait_for_metrics(run_dir, proc, timeout=500)
     pids = json.loads((run_dir / "pids.json").read_text())
@@ -79,6 +85,14 @@ def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     with open(f"/proc/{parent}/cmdline", "rb") as f:
         assert b"ray" in f.read().lower()
     os.kill(pids["rollout-1"], signal.SIGKILL)
+    sched_log = run_dir / "logs" / "scheduler.log"
+    deadline = time.monotonic() + 300
+    while sched_log.read_text().count("registered rollout rollout-1") < 2:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the restarted rollout-1 did not register again within 300 s"
+        time.sleep(0.2)
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) <= 5  # the gate held the fleet
+    gate.open()
     err = finish_ok(proc, timeout=600)
     assert "worker rollout-1" in err and "restarting it (1/2)" in err
     new = json.loads((run_dir / "pids.json").read_text())
