@@ -30,6 +30,9 @@ import inspect
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
+from areal_async.models.lean_ops import STATIC_ROPE_TYPES
+from areal_async.models.lean_ops import linear as _linear
+from areal_async.models.lean_ops import rms_norm as _norm
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 
@@ -337,20 +340,6 @@ def _attend_rows_last(q_HDB, k_KhDB, v_KhDB, scale: float, pad_KB):
     return o_hGDB.view(H * D, B).to(dtype)
 
 
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain ``nn.Linear`` without the module call's hook machinery (a few
-    microseconds per call, ~15 calls per forward). Subclasses (quantised, LoRA) are called."""
-    return F.linear(x, module.weight, module.bias) if type(module) is torch.nn.Linear else module(x)
-
-
-def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's LlamaRMSNorm / Qwen2RMSNorm: normalise in float32, back to x's dtype, times the weight
-    (one fused kernel when all of it is float32)."""
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
-
-
 class _RopeTable:
     """cos and sign-folded sin (B, T, 1, D) per position, from the model's rotary module.
 
@@ -359,7 +348,7 @@ class _RopeTable:
     frequencies do not depend on the sequence length the values are tabulated once per position
     (HF's own output for those positions, so equal to what it computes per call)."""
 
-    STATIC_TYPES = ("default", "linear", "llama3", "yarn")
+    STATIC_TYPES = STATIC_ROPE_TYPES
 
     def __init__(self, rotary: torch.nn.Module):
         self.rotary = rotary

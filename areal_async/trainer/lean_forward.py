@@ -27,9 +27,11 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from areal_async.models.lean_ops import STATIC_ROPE_TYPES
+from areal_async.models.lean_ops import linear as _linear
+from areal_async.models.lean_ops import rms_norm as _norm
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # frequencies independent of the length
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -96,19 +98,6 @@ def _attention(attn, h_TE: torch.Tensor, cos_T1D, sin_T1D, plan) -> torch.Tensor
 def _rotary(x_THD: torch.Tensor, cos_T1D: torch.Tensor, sin_T1D: torch.Tensor) -> torch.Tensor:
     """x cos + rotate_half(x) sin, as x cos + roll(x, D/2) sin' (sin' = sin, first half negated)."""
     return torch.addcmul(x_THD * cos_T1D, x_THD.roll(x_THD.shape[-1] // 2, -1), sin_T1D)
-
-
-def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain ``nn.Linear`` without the module call. Subclasses (quantised,
-    LoRA) are called as modules."""
-    return F.linear(x, module.weight, module.bias) if type(module) is torch.nn.Linear else module(x)
-
-
-def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF's LlamaRMSNorm / Qwen2RMSNorm: normalise in float32, back to x's dtype, times the weight."""
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps=norm.variance_epsilon)
-    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
 
 
 class _RopeTable:
