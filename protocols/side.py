@@ -10,7 +10,7 @@ field map), so no peer sees a change but the stricter checks.
 - ``ShmTensors``, ``ShmRetire``, ``GroupTensors``, ``IpcTensors``: the notes the shm, gloo/nccl
   and cuda_ipc channels push while the payload moves out of band (``transport.notify``).
 - ``WeightFetch``: a rollout worker asks the zmq weight publisher for one bucket.
-- ``RewardInit``, ``RewardReady``, ``RewardTask``, ``RewardReply``: the reward pool <-> child pipe
+- ``RewardInit``, ``RewardReady``, ``RewardTasks``, ``RewardReply``: the reward pool <-> child pipe
   (length-prefixed frames, ``areal_async.reward._wire``).
 
 Only msgpack-level imports here (no torch): the reward child imports this module.
@@ -162,14 +162,22 @@ class RewardReady(SideMessage):
 
 
 @side_message
-class RewardTask(SideMessage):
-    """pool -> child, repeated: score one completion against the reference solutions."""
+class RewardTasks(SideMessage):
+    """pool -> child, repeated: score ``completions[i]`` against ``solutions[i]``, in order, one
+    ``RewardReply`` each, written as soon as that check ends (the pool times every check on its own)."""
 
-    TYPE: ClassVar[str] = "reward_task"
+    TYPE: ClassVar[str] = "reward_tasks"
     INLINE: ClassVar[bool] = False
     MAX_BYTES: ClassVar[int] = _PIPE_BYTES
-    completion: str
-    solutions: list[str]
+    completions: list[str]
+    solutions: list[list[str]]
+
+    def validate(self) -> Optional[str]:
+        if not self.completions:
+            return "no completions: expected at least one task"
+        if len(self.solutions) != len(self.completions):
+            return f"{len(self.completions)} completions but {len(self.solutions)} solution lists: expected one each"
+        return None
 
 
 @side_message

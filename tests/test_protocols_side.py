@@ -24,7 +24,7 @@ from protocols.side import (
     RewardInit,
     RewardReady,
     RewardReply,
-    RewardTask,
+    RewardTasks,
     ShmRetire,
     ShmTensors,
     TensorHeader,
@@ -85,7 +85,10 @@ ROUND_TRIPS = [
     ),
     (RewardReady(ready=True, pid=42), {"ready": True, "pid": 42}),
     (RewardReady(ready=False, error="no module m"), {"ready": False, "error": "no module m"}),
-    (RewardTask(completion="\\boxed{2}", solutions=["2"]), {"completion": "\\boxed{2}", "solutions": ["2"]}),
+    (
+        RewardTasks(completions=["\\boxed{2}", "3"], solutions=[["2"], ["3", "three"]]),
+        {"completions": ["\\boxed{2}", "3"], "solutions": [["2"], ["3", "three"]]},
+    ),
     (RewardReply(score=1.0), {"score": 1.0}),
     (RewardReply(error="ZeroDivisionError: x"), {"error": "ZeroDivisionError: x"}),
 ]
@@ -166,8 +169,23 @@ BAD = [  # (bytes, expected types, words the error must contain)
     (_bad({"fn": "m:f", "kwargs": [], "memory_limit_mb": 0}), (RewardInit,), "reward_init.kwargs: expected dict"),
     (_bad({"ready": True}), (RewardReady,), "reward_ready: ready without a pid"),
     (_bad({"ready": "yes", "pid": 1}), (RewardReady,), "reward_ready.ready: expected bool, got str"),
-    (_bad({"completion": "c", "solutions": "2"}), (RewardTask,), "reward_task.solutions: expected list[str], got str"),
-    (_bad({"completion": "c", "solutions": [], "n": 1}), (RewardTask,), "reward_task: unknown field 'n'"),
+    (
+        _bad({"completions": ["c"], "solutions": "2"}),
+        (RewardTasks,),
+        "reward_tasks.solutions: expected list[list[str]], got str",
+    ),
+    (
+        _bad({"completions": ["c"], "solutions": [["2"], 2]}),
+        (RewardTasks,),
+        "reward_tasks.solutions: expected list[list[str]], got list",
+    ),
+    (_bad({"completions": ["c"], "solutions": [[]], "n": 1}), (RewardTasks,), "reward_tasks: unknown field 'n'"),
+    (
+        _bad({"completions": ["c", "d"], "solutions": [["2"]]}),
+        (RewardTasks,),
+        "reward_tasks: 2 completions but 1 solution lists: expected one each",
+    ),
+    (_bad({"completions": [], "solutions": []}), (RewardTasks,), "reward_tasks: no completions"),
     (_bad({"score": 1.0, "error": "x"}), (RewardReply,), "reward_reply: expected exactly one of score and error"),
     (_bad({}), (RewardReply,), "reward_reply: expected exactly one of score and error"),
     (_bad({"score": "1"}), (RewardReply,), "reward_reply.score: expected Optional[float], got str"),
@@ -208,6 +226,10 @@ def _child(fn: str = "tests.reward_fixtures:exact_match"):
 def _talk(proc, frame: bytes) -> dict:
     proc.stdin.write(frame)
     proc.stdin.flush()
+    return _reply(proc)
+
+
+def _reply(proc) -> dict:
     (n,) = HEADER.unpack(proc.stdout.read(HEADER.size))
     return msgpack.unpackb(proc.stdout.read(n), raw=False)
 
@@ -224,15 +246,33 @@ def test_reward_child_answers_bad_tasks_with_the_field_and_keeps_scoring():
         assert _talk(proc, init) == {"ready": True, "pid": proc.pid}
         bad = [
             (_raw_frame(b"\xc1"), "not valid msgpack"),
-            (_raw_frame(_bad({"completion": 7, "solutions": ["7"]})), "reward_task.completion: expected str"),
-            (_raw_frame(_bad({"completion": "7", "solutions": ["7"], "x": 0})), "unknown field 'x'"),
-            (_raw_frame(_bad({"completion": "7"})), "missing field 'solutions'"),
+            (_raw_frame(_bad({"completions": [7], "solutions": [["7"]]})), "reward_tasks.completions: expected list"),
+            (_raw_frame(_bad({"completions": ["7"], "solutions": [["7"]], "x": 0})), "unknown field 'x'"),
+            (_raw_frame(_bad({"completions": ["7"]})), "missing field 'solutions'"),
         ]
         for frame, words in bad:
             reply = _talk(proc, frame)
             assert set(reply) == {"error"} and words in reply["error"], reply
-            assert _talk(proc, encode_frame(RewardTask(completion="7", solutions=["7"]))) == {"score": 1.0}
+            assert _talk(proc, encode_frame(RewardTasks(completions=["7"], solutions=[["7"]]))) == {"score": 1.0}
         assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_reward_child_answers_a_frame_of_tasks_one_reply_each_in_order():
+    proc = _child("tests.reward_fixtures:dispatch")
+    try:
+        init = encode_frame(RewardInit(fn="tests.reward_fixtures:dispatch", kwargs={}, memory_limit_mb=0))
+        assert _talk(proc, init) == {"ready": True, "pid": proc.pid}
+        tasks = RewardTasks(completions=["7", "raise_error", "8", "7"], solutions=[["7"], ["x"], ["9"], ["1", "7"]])
+        proc.stdin.write(encode_frame(tasks))
+        proc.stdin.flush()
+        replies = [_reply(proc) for _ in range(4)]
+        assert replies[0] == {"score": 1.0} and replies[2] == {"score": 0.0} and replies[3] == {"score": 1.0}
+        assert set(replies[1]) == {"error"} and "RuntimeError: boom on 'raise_error'" in replies[1]["error"]
+        assert _talk(proc, encode_frame(RewardTasks(completions=["8"], solutions=[["8"]]))) == {"score": 1.0}
     finally:
         proc.kill()
         proc.wait()

@@ -8,6 +8,7 @@ close(), after a normal parent exit (atexit) or a parent killed mid-check.
 """
 
 import asyncio
+import math
 import subprocess
 import sys
 import textwrap
@@ -71,6 +72,18 @@ def test_score_many_preserves_order_over_two_processes():
         took = time.monotonic() - t0
     assert [o.score for o in outcomes] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert took < 1.2  # one child would sleep >= 1.3 s; two take ~0.7 s
+
+
+def test_repeated_scores_come_back_exact_and_as_separate_outcomes():
+    """Score replies are encoded once per value in the child and decoded once per body in the parent:
+    every value (sign of zero included) must still come back as itself, each in its own outcome."""
+    values = [1.0, 0.0, 1.0, -0.0, 0.5, 0.0, -0.0, 1e-300, 3.0e38, 0.5, 1.0, 2.0]
+    with RewardPool("reward_fixtures:sleep_echo", n_procs=2, timeout_s=5.0) as pool:
+        for _ in range(2):  # the second round meets the values the first one cached
+            outcomes = pool_run(pool.score_many([("0", [repr(v)]) for v in values]))
+            assert [(o.score, o.status) for o in outcomes] == [(v, "ok") for v in values]
+            assert [math.copysign(1.0, o.score) for o in outcomes] == [math.copysign(1.0, v) for v in values]
+            assert len({id(o) for o in outcomes}) == len(values)
 
 
 def pool_run(coro):

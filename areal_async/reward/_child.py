@@ -5,10 +5,12 @@ child's stdin/stdout, never pickle, one task at a time:
 
     parent -> child  RewardInit  {"fn": "mod:func", "kwargs": {...}, "memory_limit_mb": N}   once, first
     child  -> parent RewardReady {"ready": true, "pid": ...} | {"ready": false, "error": "..."}
-    parent -> child  RewardTask  {"completion": "...", "solutions": ["..."]}  repeated
-    child  -> parent RewardReply {"score": 1.0} | {"error": "..."}
+    parent -> child  RewardTasks {"completions": ["...", ...], "solutions": [["..."], ...]}  repeated
+    child  -> parent RewardReply {"score": 1.0} | {"error": "..."}   one per completion, in order
 
-A task frame that is not a valid ``RewardTask`` is answered with an error reply naming the
+The pool sends a share of checks in one frame; each reply is written (and flushed) as soon as
+its check ends, so the parent times every check on its own and a hung one is killed alone.
+A frame that is not a valid ``RewardTasks`` is answered with one error reply naming the
 problem; the child keeps serving (the length prefix keeps the stream in step).
 
 The reward function runs in this process's MAIN thread. The child exits when its stdin closes
@@ -24,6 +26,7 @@ import math
 import numbers
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -31,7 +34,7 @@ import time
 from areal_async.base.plugins import load_callable
 from areal_async.reward._wire import encode_frame, read_frame
 from protocols.messages import ProtocolError
-from protocols.side import RewardInit, RewardReady, RewardReply, RewardTask
+from protocols.side import RewardInit, RewardReady, RewardReply, RewardTasks
 
 _WATCHDOG_PERIOD_S = 1.0
 
@@ -54,9 +57,9 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(_WATCHDOG_PERIOD_S)
 
 
-def _run_one(fn, kwargs: dict, task: RewardTask) -> RewardReply:
+def _run_one(fn, kwargs: dict, completion: str, solutions: list[str]) -> RewardReply:
     try:
-        value = fn(task.completion, task.solutions, **kwargs)
+        value = fn(completion, solutions, **kwargs)
     except Exception as e:  # the reward fn's bug becomes an "error" outcome; this child lives on
         return RewardReply(error=f"{type(e).__name__}: {e}"[:2000])
     if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
@@ -85,18 +88,41 @@ def _load(proto_in):
 
 
 def _serve(fn, kwargs: dict, proto_in, proto_out) -> None:
-    """Answer tasks until stdin closes; a malformed task gets an error reply, not a crash."""
+    """Answer tasks until stdin closes, each reply flushed when its check ends; a malformed frame
+    gets one error reply, not a crash."""
+    replies = _ReplyFrames()
     while True:
         try:
-            task = read_frame(proto_in, RewardTask)
+            tasks = read_frame(proto_in, RewardTasks)
         except ProtocolError as e:
-            reply = RewardReply(error=f"ProtocolError: {e}")
-        else:
-            if task is None:
-                return
-            reply = _run_one(fn, kwargs, task)
-        proto_out.write(encode_frame(reply))
-        proto_out.flush()
+            proto_out.write(encode_frame(RewardReply(error=f"ProtocolError: {e}")))
+            proto_out.flush()
+            continue
+        if tasks is None:
+            return
+        for completion, solutions in zip(tasks.completions, tasks.solutions):
+            proto_out.write(replies.frame(_run_one(fn, kwargs, completion, solutions)))
+            proto_out.flush()  # before the next check starts: it may hang and be killed
+
+
+class _ReplyFrames:
+    """Encoded reply frames; a score's frame is encoded once (scores repeat: 0.0, 1.0, ...)."""
+
+    MAX_CACHED = 1024
+
+    def __init__(self):
+        self.by_score: dict[bytes, bytes] = {}
+
+    def frame(self, reply: RewardReply) -> bytes:
+        if reply.error is not None:
+            return encode_frame(reply)
+        key = struct.pack(">d", reply.score)  # not the float itself: -0.0 == 0.0, nan != nan
+        out = self.by_score.get(key)
+        if out is None:
+            out = encode_frame(reply)
+            if len(self.by_score) < self.MAX_CACHED:
+                self.by_score[key] = out
+        return out
 
 
 def main(argv: list[str]) -> int:

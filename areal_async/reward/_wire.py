@@ -1,7 +1,7 @@
 """Framing shared by the reward pool and its children: 4-byte big-endian length + msgpack body.
 
 The bodies are the typed ``protocols.side`` reward messages (``RewardInit``, ``RewardReady``,
-``RewardTask``, ``RewardReply``), encoded and decoded by ``protocols.messages``: msgpack (never
+``RewardTasks``, ``RewardReply``), encoded and decoded by ``protocols.messages``: msgpack (never
 pickle) so that a child can only ever send data, not code, to the parent.
 """
 

@@ -20,8 +20,10 @@ Covered:
   threads), import only ``msgpack``, ``protocols.side`` and the reward function's module (never
   torch), and talk typed msgpack frames over stdin/stdout (see ``_child.py``), never pickle. One
   task per child at a time; ``score_many`` deals a group round-robin into one share per child and
-  writes a share's task frames in one go (a round trip per child, not per sample), reading the
-  replies check by check so each keeps its own deadline.
+  sends a share as one ``RewardTasks`` frame (a round trip per child, not per sample); the child
+  writes one reply per check as it ends, and the parent reads them check by check so each keeps
+  its own deadline. A score reply's bytes repeat (0.0, 1.0), so the child encodes and the parent
+  decodes each distinct one once.
 - No zombies or orphans: ``close()`` (also at interpreter exit, via atexit) kills and reaps every
   child; a child exits by itself when its stdin closes or its parent dies.
 
@@ -57,7 +59,7 @@ from dataclasses import dataclass
 from areal_async.base.plugins import load_callable
 from areal_async.reward._wire import HEADER, encode_frame
 from protocols.messages import SideMessage, decode
-from protocols.side import RewardInit, RewardReady, RewardReply, RewardTask
+from protocols.side import RewardInit, RewardReady, RewardReply, RewardTasks
 
 __all__ = ["RewardOutcome", "RewardPool", "DEFAULT_REWARD_FN"]
 
@@ -67,6 +69,8 @@ DEFAULT_REWARD_FN = "areal_async.reward.math_verify_reward:boxed_math_reward"
 _MAX_FRAME = 64 << 20  # a reply is a few bytes; anything this big means a corrupt stream
 _REAP_TIMEOUT_S = 5.0
 _READ_CHUNK = 1 << 16  # bytes asked of a child's pipe per read: every reply it has written so far
+_MAX_CACHED_REPLIES = 1024  # distinct score replies remembered (decoded once each)
+_SCORE_REPLIES: dict[bytes, "RewardOutcome"] = {}  # reply body -> its outcome (elapsed_s 0)
 
 
 @dataclass
@@ -172,12 +176,12 @@ class _Slot:
         outs = []
         t0 = time.monotonic()
         try:
-            tasks = b"".join(encode_frame(RewardTask(completion=c, solutions=list(sols))) for c, sols in items)
-            _write_frame(proc, tasks, t0 + self.timeout_s)
+            tasks = RewardTasks(completions=[c for c, _ in items], solutions=[list(sols) for _, sols in items])
+            _write_frame(proc, encode_frame(tasks), t0 + self.timeout_s)
             for _ in items:
-                reply = _read_frame(proc, t0 + self.timeout_s, RewardReply, self.rbuf)
+                outcome = _reply_outcome(_read_body(proc, t0 + self.timeout_s, self.rbuf))
                 now = time.monotonic()
-                outs.append(_outcome(reply, now - t0))
+                outs.append(RewardOutcome(outcome.score, outcome.status, outcome.detail, now - t0))
                 t0 = now
         except _Timeout:
             self._replace(proc)
@@ -200,11 +204,19 @@ class _Slot:
         return code
 
 
-def _outcome(reply: RewardReply, elapsed_s: float) -> RewardOutcome:
-    """The reply's type was checked on decode (exactly one of score and error)."""
+def _reply_outcome(body: bytes) -> RewardOutcome:
+    """The outcome a reply body stands for (``elapsed_s`` 0: the caller times it). A score reply's
+    body decodes once per pool process: scores repeat (0.0, 1.0), and so do their bytes."""
+    outcome = _SCORE_REPLIES.get(body)
+    if outcome is not None:
+        return outcome
+    reply = decode(body, (RewardReply,))  # checks the type: exactly one of score and error
     if reply.error is not None:
-        return RewardOutcome(0.0, "error", reply.error, elapsed_s)
-    return RewardOutcome(float(reply.score), "ok", "", elapsed_s)
+        return RewardOutcome(0.0, "error", reply.error)
+    outcome = RewardOutcome(float(reply.score), "ok")
+    if len(_SCORE_REPLIES) < _MAX_CACHED_REPLIES:
+        _SCORE_REPLIES[body] = outcome
+    return outcome
 
 
 def _kill(proc: subprocess.Popen) -> int | None:
@@ -234,9 +246,14 @@ def _write_frame(proc, frame: bytes, deadline: float) -> None:
 
 
 def _read_frame(proc, deadline: float, expect: type[SideMessage], buf: bytearray | None = None) -> SideMessage:
-    """The child's next reply as an ``expect``; ValueError (``ProtocolError``) if it is not one.
-    ``buf``: bytes already read from this child past the previous frame (its slot's read buffer);
-    a read takes whatever the pipe holds, so replies written back to back cost one wakeup."""
+    """The child's next reply as an ``expect``; ValueError (``ProtocolError``) if it is not one."""
+    return decode(_read_body(proc, deadline, buf), (expect,))
+
+
+def _read_body(proc, deadline: float, buf: bytearray | None = None) -> bytes:
+    """The body of the child's next frame. ``buf``: bytes already read from this child past the
+    previous frame (its slot's read buffer); a read takes whatever the pipe holds, so replies
+    written back to back cost one wakeup."""
     fd, buf = proc.stdout.fileno(), bytearray() if buf is None else buf
     _fill(fd, buf, HEADER.size, deadline)
     (n,) = HEADER.unpack_from(buf)
@@ -246,7 +263,7 @@ def _read_frame(proc, deadline: float, expect: type[SideMessage], buf: bytearray
     _fill(fd, buf, end, deadline)
     body = bytes(buf[HEADER.size : end])
     del buf[:end]
-    return decode(body, (expect,))
+    return body
 
 
 def _fill(fd: int, buf: bytearray, n: int, deadline: float) -> None:
