@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import zmq
 
-from areal_async.rollout.engine import SampleOutput
+from areal_async.rollout.engine import PackedSamples, SampleOutput
 from areal_async.rollout.service import group_tensors
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.trainer.packing import allocate_micro_batches, pack
@@ -101,7 +101,8 @@ def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> 
                 finish_reasons=["stop"] * n_samples,
             )
         )
-        out.append((gid, group_tensors(prompt, samples), {"group_id": gid, "sample_ids": sids}, ready))
+        msg = group_tensors(prompt, PackedSamples.of_samples(samples))
+        out.append((gid, msg, {"group_id": gid, "sample_ids": sids}, ready))
     return out
 
 

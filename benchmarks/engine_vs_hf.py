@@ -100,7 +100,7 @@ def _engine_batch(engine: TorchEngine, prompts, n, max_new_tokens, temperature, 
         done = []
         while engine.has_work():
             done += engine.step()
-        return sum(s.output_ids.numel() for out in done for s in out.samples)
+        return sum(sum(out.packed.lengths) for out in done)
 
     return run
 

@@ -9,7 +9,7 @@ import torch
 from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest, GroupOutput
+from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, SampleOutput
 from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
 from areal_async.rollout.torch_engine import TorchEngine, draw_tokens, sample_tokens
 
@@ -344,3 +344,83 @@ def test_weights_changed_in_place_outside_update_weights_are_used():
     req = _req("after", PROMPTS[2])
     engine.add_request(req)
     _assert_logprobs_match(model, [req], _run(engine), 1.0)
+
+
+def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
+    """A third of the vocabulary stops a sample, so the samples of a group end at different steps
+    and finished rows are compacted away (set aside) while their group still runs: every group
+    comes back with all its samples, each cut at its first stop token (or at max_new_tokens), with
+    the logprobs of a full forward, and its packed and per-sample forms agree."""
+    model = _model()
+    stops = tuple(range(0, len(TOK), 3))
+    engine = TorchEngine(model, -1, seed=3, version=0)
+    set_aside = []
+    real_set_aside = engine._set_aside
+    engine._set_aside = lambda c, idx, *a: (set_aside.append(len(idx)), real_set_aside(c, idx, *a))
+    reqs = [_req(f"g{i}", p, n=4, max_new_tokens=6, stop_token_ids=stops) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    outs = _run(engine)
+    assert sorted(outs) == [r.group_id for r in reqs] and set_aside  # the set-aside path ran
+    lengths = set()
+    for r in reqs:
+        o = outs[r.group_id]
+        assert len(o.samples) == 4 and o.packed.lengths == [len(s.output_ids) for s in o.samples]
+        assert o.packed.finish_reasons == [s.finish_reason for s in o.samples]
+        assert torch.equal(o.packed.output_ids, torch.cat([s.output_ids for s in o.samples]))
+        for s in o.samples:
+            ids = s.output_ids.tolist()
+            stop_at = [i for i, t in enumerate(ids) if t in stops]
+            if s.finish_reason == "stop":
+                assert stop_at == [len(ids) - 1]
+            else:
+                assert (s.finish_reason, stop_at, len(ids)) == ("length", [], 6)
+            assert s.versions.tolist() == [0] * len(ids)
+            lengths.add(len(ids))
+    assert len(lengths) > 2  # samples really ended at different steps
+    _assert_logprobs_match(model, reqs, outs, 1.0)
+
+
+def test_abort_all_keeps_the_samples_that_finished_before_it():
+    """Samples that ended (stop token) before ``abort_all`` keep their tokens and reason; the
+    others come back as "abort" with the tokens they had."""
+    model = _model()
+    stops = tuple(range(0, len(TOK), 3))
+    engine = TorchEngine(model, -1, seed=5, version=0)
+    req = _req("g", PROMPTS[0], n=8, max_new_tokens=50, stop_token_ids=stops)
+    engine.add_request(req)
+    done = [o for _ in range(2) for o in engine.step()]
+    (out,) = engine.abort_all()
+    assert done == [] and out.group_id == "g"
+    reasons = [s.finish_reason for s in out.samples]
+    assert "stop" in reasons and "abort" in reasons
+    for s in out.samples:
+        ids = s.output_ids.tolist()
+        stopped = [i for i, t in enumerate(ids) if t in stops]
+        assert (stopped == [len(ids) - 1]) if s.finish_reason == "stop" else (stopped == [] and len(ids) == 2)
+    _assert_logprobs_match(model, [req], {"g": out}, 1.0)
+
+
+def test_group_output_builds_either_form_from_the_other():
+    packed = PackedSamples(
+        torch.tensor([4, 5, 6, 7]),
+        torch.tensor([-0.5, -1.0, -2.0, -0.25]),
+        torch.tensor([3, 3, 4, 4]),
+        [1, 0, 3],
+        ["stop", "abort", "length"],
+    )
+    samples = GroupOutput("g", packed=packed).samples
+    assert [(s.output_ids.tolist(), s.logprobs.tolist(), s.versions.tolist(), s.finish_reason) for s in samples] == [
+        ([4], [-0.5], [3], "stop"),
+        ([], [], [], "abort"),
+        ([5, 6, 7], [-1.0, -2.0, -0.25], [3, 4, 4], "length"),
+    ]
+    again = GroupOutput("g", samples).packed
+    assert (again.output_ids.tolist(), again.lengths, again.finish_reasons) == (
+        [4, 5, 6, 7],
+        [1, 0, 3],
+        packed.finish_reasons,
+    )
+    assert again.versions.tolist() == [3, 3, 4, 4] and GroupOutput("g", samples).n_samples == 3
+    with pytest.raises(ValueError, match="exactly one of samples and packed"):
+        GroupOutput("g", [SampleOutput([1], [0.0], [0], "stop")], packed)

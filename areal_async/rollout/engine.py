@@ -92,9 +92,65 @@ class SampleOutput:
 
 
 @dataclass
+class PackedSamples:
+    """A group's samples laid end to end: sample i's ids, logprobs and versions are the i-th
+    ``lengths`` slices of ``output_ids`` (int64), ``logprobs`` (float32) and ``versions`` (int64).
+    The form an engine that decodes many rows at once produces without a tensor view per sample,
+    and the one a group message (``rollout.service.group_tensors``) sends."""
+
+    output_ids: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor
+    lengths: list[int]
+    finish_reasons: list[str]
+
+    @classmethod
+    def of_samples(cls, samples: list[SampleOutput]) -> "PackedSamples":
+        cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
+        return cls(
+            cat("output_ids"),
+            cat("logprobs"),
+            cat("versions"),
+            [s.output_ids.numel() for s in samples],
+            [s.finish_reason for s in samples],
+        )
+
+    def split(self) -> list[SampleOutput]:
+        """One ``SampleOutput`` per sample (views of the packed tensors)."""
+        parts = (x.split(self.lengths) for x in (self.output_ids, self.logprobs, self.versions))
+        return [SampleOutput.of_tensors(*p, why) for *p, why in zip(*parts, self.finish_reasons)]
+
+
 class GroupOutput:
-    group_id: str
-    samples: list[SampleOutput]
+    """A finished group's n samples, as ``samples`` (one ``SampleOutput`` each) or ``packed``
+    (``PackedSamples``): an engine gives either form and the other is built from it on first use
+    (split into views, or concatenated), so a consumer reads whichever it needs."""
+
+    def __init__(
+        self, group_id: str, samples: list[SampleOutput] | None = None, packed: PackedSamples | None = None
+    ) -> None:
+        if (samples is None) == (packed is None):
+            raise ValueError(f"GroupOutput {group_id!r}: expected exactly one of samples and packed")
+        self.group_id, self._samples, self._packed = group_id, samples, packed
+
+    @property
+    def samples(self) -> list[SampleOutput]:
+        if self._samples is None:
+            self._samples = self._packed.split()
+        return self._samples
+
+    @property
+    def packed(self) -> PackedSamples:
+        if self._packed is None:
+            self._packed = PackedSamples.of_samples(self._samples)
+        return self._packed
+
+    @property
+    def n_samples(self) -> int:
+        return len(self._samples if self._samples is not None else self._packed.lengths)
+
+    def __repr__(self) -> str:
+        return f"GroupOutput({self.group_id!r}, {self.n_samples} samples)"
 
 
 class RolloutEngine(ABC):

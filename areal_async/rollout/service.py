@@ -46,7 +46,7 @@ from protocols.messages import (
 )
 from protocols.sockets import make_socket, send_message
 
-from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
+from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine
 from areal_async.rollout.episodes import EpisodeError, ScoreFn, SubRequest, WorkerEngine, run_group
 from areal_async.workflows.base import Episode, RolloutWorkflow
 from areal_async.base.control import ControlClient
@@ -274,8 +274,8 @@ class RolloutService:
         requests = [
             RewardRequest(
                 group_id=req.group_id,
-                sample_ids=list(req.sample_ids[: len(group.samples)]),
-                completions=[self.decode(s.output_ids.tolist()) for s in group.samples],  # a list decodes faster
+                sample_ids=list(req.sample_ids[: group.n_samples]),
+                completions=[self.decode(ids) for ids in _split_list(group.packed.output_ids, group.packed.lengths)],
                 solutions=req.solutions,
             )
             for group, req in items
@@ -284,8 +284,8 @@ class RolloutService:
             await send_message(self.reward_sock, r)
         msgs = []
         for g, req in items:
-            meta = {"group_id": req.group_id, "sample_ids": list(req.sample_ids[: len(g.samples)])}
-            msgs.append((req.group_id, group_tensors(req.prompt_ids, g.samples), meta))
+            meta = {"group_id": req.group_id, "sample_ids": list(req.sample_ids[: g.n_samples])}
+            msgs.append((req.group_id, group_tensors(req.prompt_ids, g.packed), meta))
         # before TrajectoryReady: the trainer may be asked for the group next. Sent from the sender
         # thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
         await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, msgs)
@@ -297,9 +297,9 @@ class RolloutService:
             self.traj.send(key, tensors, meta)
 
     async def _trajectory_ready(self, group: GroupOutput, req: GenerateRequest) -> None:
-        samples = group.samples
-        sids = list(req.sample_ids[: len(samples)])
-        versions = [s.versions.tolist() for s in samples]  # one call a sample, not two reductions
+        packed = group.packed
+        sids = list(req.sample_ids[: group.n_samples])
+        versions = _split_list(packed.versions, packed.lengths)  # one call a group, not reductions a sample
         vmin = [min(v) if v else -1 for v in versions]
         vmax = [max(v) if v else -1 for v in versions]
         await self.control.send(
@@ -308,10 +308,10 @@ class RolloutService:
                 worker_id=self.worker_id,
                 n_prompt_tokens=len(req.prompt_ids),
                 sample_ids=sids,
-                n_output_tokens=[s.output_ids.numel() for s in samples],
+                n_output_tokens=list(packed.lengths),
                 version_min=vmin,
                 version_max=vmax,
-                finish_reasons=[s.finish_reason for s in samples],
+                finish_reasons=list(packed.finish_reasons),
             )
         )
         self.n_samples += len(sids)
@@ -361,7 +361,7 @@ class RolloutService:
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
 
-def group_tensors(prompt_ids, samples) -> dict[str, torch.Tensor]:
+def group_tensors(prompt_ids, packed: PackedSamples) -> dict[str, torch.Tensor]:
     """One group's samples as one tensor message: the prompt once, outputs laid end to end.
 
     ``lengths[i]`` output tokens of sample i; its ids, logprobs and versions are the i-th slices
@@ -369,11 +369,20 @@ def group_tensors(prompt_ids, samples) -> dict[str, torch.Tensor]:
     """
     return {
         "prompt_ids": torch.as_tensor(prompt_ids, dtype=torch.int32),
-        "lengths": torch.tensor([s.output_ids.numel() for s in samples], dtype=torch.int32),
-        "output_ids": torch.cat([s.output_ids for s in samples]).to(torch.int32),
-        "logprobs": torch.cat([s.logprobs for s in samples]).to(torch.float32),
-        "versions": torch.cat([s.versions for s in samples]).to(torch.int32),
+        "lengths": torch.tensor(packed.lengths, dtype=torch.int32),
+        "output_ids": packed.output_ids.to(torch.int32),
+        "logprobs": packed.logprobs.to(torch.float32),
+        "versions": packed.versions.to(torch.int32),
     }
+
+
+def _split_list(x: torch.Tensor, lengths: list[int]) -> list[list]:
+    """``x`` (1D) as one Python list per consecutive ``lengths`` slice (one ``tolist`` in all)."""
+    flat, out, at = x.tolist(), [], 0
+    for n in lengths:
+        out.append(flat[at : at + n])
+        at += n
+    return out
 
 
 def episode_tensors(episodes: list[Episode]) -> dict[str, torch.Tensor]:

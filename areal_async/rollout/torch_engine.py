@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput
+from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
 from areal_async.rollout.kv_decoder import KVCache, make_decoder
 
 # Per-row tensors of a cohort and how each is padded when two cohorts merge:
@@ -52,11 +52,16 @@ _ROW_PAD = {"out_BW": 0, "logp_BW": 0.0, "ver_BW": -1, "stop_BW": -1}
 @dataclass
 class _Group:
     req: GenRequest
-    samples: list  # SampleOutput | None per sample index
+    # per sample index: its SampleOutput once its finished row left the batch before the group
+    # ended (compaction, weight update), else None (the row is still in its cohort)
+    samples: list
+    reasons: list  # finish reason per sample index, None while it runs
     left: int  # samples not finished yet
 
-    def output(self) -> GroupOutput:
-        return GroupOutput(self.req.group_id, list(self.samples))
+    @property
+    def all_in_batch(self) -> bool:
+        """No sample was set aside: every sample's row is still in the cohort."""
+        return not any(self.samples)
 
 
 def _pad_dim(x: torch.Tensor, dim: int, size: int, value: float, left: bool) -> torch.Tensor:
@@ -241,7 +246,7 @@ class TorchEngine(RolloutEngine):
     def add_request(self, req: GenRequest) -> None:
         req.validate()
         self._check_request(req)
-        self.pending.append(_Group(req, [None] * req.n, req.n))
+        self.pending.append(_Group(req, [None] * req.n, [None] * req.n, req.n))
         self.live_ids.add(req.group_id)
 
     def has_work(self) -> bool:
@@ -272,17 +277,15 @@ class TorchEngine(RolloutEngine):
                 self._recompute(cohort)
 
     def abort_all(self) -> list[GroupOutput]:
+        out: list[GroupOutput] = []
         for cohort in self.cohorts:
-            cohort.compact()
-        groups = {id(g): g for c in self.cohorts for g, _ in c.rows}
-        for cohort in self.cohorts:
-            self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
+            self._compact(cohort)  # every row left is running now
+            out += self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
         for g in self.pending:
-            groups[id(g)] = g
-            g.samples = [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]
+            out.append(GroupOutput(g.req.group_id, [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]))
         self.pending, self.cohorts = [], []
         self.live_ids.clear()
-        return [g.output() for g in groups.values()]
+        return out
 
     # ---- admission and prefill -----------------------------------------------------------------
 
@@ -337,7 +340,9 @@ class TorchEngine(RolloutEngine):
         """Per-row state: the token to feed next, its position, sampling params, output buffers."""
         dev, reqs = self.device, [g.req for g in groups]
         stops = [(self.eos_id, *r.stop_token_ids) for r in reqs]
-        S, W = max(map(len, stops)), max(r.max_new_tokens for r in reqs)
+        # one column more than the longest output: a finished row (still decoded, ignored) writes
+        # its unused token at its frozen length, which is at most max_new_tokens
+        S, W = max(map(len, stops)), max(r.max_new_tokens for r in reqs) + 1
         t = {
             "next_B": torch.tensor([r.prompt_ids[-1] for r in reqs], device=dev),  # replaced by the first token
             "pos_B": torch.tensor([len(r.prompt_ids) for r in reqs], device=dev),  # where that token goes
@@ -390,19 +395,20 @@ class TorchEngine(RolloutEngine):
         """Sample every row's next token from ``logits_BV``, record it, retire finished rows."""
         t = c.t
         tok_B, logp_B = sample_tokens(logits_BV, t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen, c.mode)
-        # finished rows still in the batch (see _retire) write their (unused) token in range
-        col_B1 = t["n_gen_B"].clamp(max=t["out_BW"].shape[1] - 1)[:, None]
+        # a finished row still in the batch (see _retire) keeps its length and writes its unused
+        # token just past it (the buffers have a column to spare)
+        col_B1 = t["n_gen_B"][:, None]
         t["out_BW"].scatter_(1, col_B1, tok_B[:, None])
         t["logp_BW"].scatter_(1, col_B1, logp_B[:, None])
         t["ver_BW"].scatter_(1, col_B1, self.version)
-        t["n_gen_B"] += 1
+        t["n_gen_B"] += t["live_B"]
         t["next_B"] = tok_B
         return self._retire(c, tok_B)
 
     def _retire(self, c: _Cohort, tok_B: torch.Tensor) -> list[GroupOutput]:
         """Finish the live rows that hit a stop token or their length. Finished rows stay in the
-        batch (decoded, ignored) until a quarter of it has finished: re-indexing the KV cache
-        costs about as much as a decode step, so it is not done every time a row ends."""
+        batch (decoded, ignored, their outputs kept) until a quarter of it has finished: re-indexing
+        the KV cache costs about as much as a decode step, so it is not done every time a row ends."""
         live_B, stop_BW = c.t["live_B"], c.t["stop_BW"]
         stop_B = tok_B == stop_BW[:, 0] if stop_BW.shape[1] == 1 else (tok_B[:, None] == stop_BW).any(1)
         done_B = live_B & (stop_B | (c.t["n_gen_B"] >= c.t["max_new_B"]))
@@ -410,54 +416,81 @@ class TorchEngine(RolloutEngine):
         if not done:
             return []
         stopped = stop_B.tolist()
-        groups = self._finish_rows(c, done, ["stop" if stopped[i] else "length" for i in done])
+        finished = self._finish_rows(c, done, ["stop" if stopped[i] else "length" for i in done])
         live_B.masked_fill_(done_B, False)
         n_live = int(live_B.sum())
         if n_live == 0:  # the whole cohort ended: nothing to keep, no cache to re-index
             c.rows = []
         elif 4 * n_live <= 3 * len(c.rows):
-            c.compact()
-        return [g.output() for g in groups if g.left == 0]
+            self._compact(c)
+        return finished
 
-    def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[_Group]:
-        """Turn rows ``idx`` of ``c`` into SampleOutputs (tensor slices, no per-token lists);
-        return their groups (each once)."""
-        touched, row_of, live_ids, make = {}, c.rows, self.live_ids, SampleOutput.of_tensors
-        for i, o, lp, v, why in zip(idx, *self._row_slices(c, idx), reasons):
+    def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[GroupOutput]:
+        """Record rows ``idx`` of ``c`` as finished for ``reasons``; return the groups this ends."""
+        ended, row_of, live_ids = [], c.rows, self.live_ids
+        for i, why in zip(idx, reasons):
             g, s = row_of[i]
-            g.samples[s] = make(o, lp, v, why)
+            g.reasons[s] = why
             g.left -= 1
-            touched[id(g)] = g
             if not g.left:
+                ended.append(g)
                 live_ids.discard(g.req.group_id)
-        return list(touched.values())
+        return self._outputs(c, ended) if ended else []
 
-    def _row_slices(self, c: _Cohort, idx: list[int]) -> list[tuple[torch.Tensor, ...]]:
-        """Generated ids, logprobs and versions of rows ``idx`` of ``c``: per field, one per row,
-        views of one CPU copy of the field's rows."""
+    def _outputs(self, c: _Cohort, ended: list[_Group]) -> list[GroupOutput]:
+        """The outputs of groups ``ended`` (all samples finished; their rows still in ``c``, but
+        those set aside): one copy of all their rows' tokens, each group a slice of it."""
+        ids = {id(g) for g in ended}
+        idx = [i for i, (g, _) in enumerate(c.rows) if id(g) in ids]
+        lens, flats = self._rows_flat(c, idx)
+        out, start, off = [], 0, 0
+        while start < len(idx):  # a group's rows are adjacent in a cohort, in sample order
+            g = c.rows[idx[start]][0]
+            k = sum(1 for s in g.samples if s is None)  # its rows in the batch
+            g_lens = lens[start : start + k]
+            parts = [f.narrow(0, off, sum(g_lens)) for f in flats]
+            if g.all_in_batch:
+                out.append(GroupOutput(g.req.group_id, packed=PackedSamples(*parts, g_lens, g.reasons)))
+            else:
+                self._set_aside(c, idx[start : start + k], g_lens, parts)
+                out.append(GroupOutput(g.req.group_id, list(g.samples)))
+            start, off = start + k, off + sum(g_lens)
+        return out
+
+    def _rows_flat(self, c: _Cohort, idx: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """Output lengths of rows ``idx`` of ``c`` and their generated ids, logprobs and versions,
+        each field of all those rows end to end in one new CPU tensor."""
         t = c.t
         whole = len(idx) == len(c.rows)  # idx is then every row in order
         rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
         n_gen = t["n_gen_B"] if whole else t["n_gen_B"].index_select(0, rows)
-        lens = n_gen.tolist()
         fields = [t[k] for k in ("out_BW", "logp_BW", "ver_BW")]
-        if min(lens) == max(lens):  # one length (e.g. all ran to max_new_tokens): rows of a (R, L) copy
-            L = lens[0]
-            picked = [x[:, :L].clone() if whole else x[:, :L].index_select(0, rows) for x in fields]
-            return [x.cpu().unbind(0) for x in picked]
-        W = t["out_BW"].shape[1]
-        kept_RW = torch.arange(W, device=self.device)[None, :] < n_gen[:, None]
         if not whole:
             fields = [x.index_select(0, rows) for x in fields]
-        # each field of all rows as one flat tensor (a copy), split into per-row views of it
-        return [x[kept_RW].cpu().split(lens) for x in fields]
+        kept_RW = torch.arange(fields[0].shape[1], device=self.device)[None, :] < n_gen[:, None]
+        return n_gen.tolist(), [x[kept_RW].cpu() for x in fields]  # boolean indexing copies
+
+    def _set_aside(self, c: _Cohort, idx: list[int], lens: list[int], flats: list[torch.Tensor]) -> None:
+        """Rows ``idx`` of ``c`` (finished) as their groups' SampleOutputs: views of ``flats``."""
+        make = SampleOutput.of_tensors
+        for i, o, lp, v in zip(idx, *(f.split(lens) for f in flats)):
+            g, s = c.rows[i]
+            g.samples[s] = make(o, lp, v, g.reasons[s])
+
+    def _compact(self, c: _Cohort) -> None:
+        """Drop ``c``'s finished rows; those of groups still running are set aside first."""
+        live = c.t["live_B"].tolist()
+        idx = [i for i, (g, _) in enumerate(c.rows) if not live[i] and g.left]
+        if idx:
+            self._set_aside(c, idx, *self._rows_flat(c, idx))
+        c.compact()
 
     # ---- weight updates ------------------------------------------------------------------------
 
     def _recompute(self, c: _Cohort) -> None:
         """Replace ``c``'s KV cache by one prefilled under the current weights over
         prompt + generated tokens, all but the last token (which is fed by the next step)."""
-        c.compact()
+        self._compact(c)
         n_gen, out = c.t["n_gen_B"].tolist(), c.t["out_BW"].tolist()
         seqs = [g.req.prompt_ids + out[i][: n_gen[i]] for i, (g, _) in enumerate(c.rows)]
         room = int((c.t["max_new_B"] - c.t["n_gen_B"]).max()) + 1
