@@ -199,6 +199,42 @@ class RewardResult(Message):
         return _same_lengths(self, "sample_ids", "scores", "statuses", "details")
 
 
+@message
+class RewardResults(Message):
+    """reward worker -> scheduler: the scores of several groups scored together, one message (a
+    ``RewardResult`` each, as parallel lists per group: ``sample_ids[i]`` are group
+    ``group_ids[i]``'s samples, ``scores[i]``, ``statuses[i]``, ``details[i]`` theirs). The scheduler
+    books each group exactly as its own ``RewardResult``."""
+
+    TYPE: ClassVar[str] = "reward_results"
+    worker_id: str
+    group_ids: list[str]
+    sample_ids: list[list[str]]
+    scores: list[list[float]]
+    statuses: list[list[str]]  # per sample: ok | timeout | error
+    details: list[list[str]]
+
+    def validate(self) -> Optional[str]:
+        why = _same_lengths(self, "group_ids", "sample_ids", "scores", "statuses", "details")
+        if why:
+            return why
+        for i, gid in enumerate(self.group_ids):
+            n = {len(self.sample_ids[i]), len(self.scores[i]), len(self.statuses[i]), len(self.details[i])}
+            if n != {len(self.sample_ids[i])} or not self.sample_ids[i]:
+                return (
+                    f"group {gid!r} (#{i}): sample_ids={len(self.sample_ids[i])}, scores={len(self.scores[i])}, "
+                    f"statuses={len(self.statuses[i])}, details={len(self.details[i])}: expected equal and > 0"
+                )
+        return None
+
+    def results(self) -> list[RewardResult]:
+        """One ``RewardResult`` per group (already checked: no second validation)."""
+        return [
+            RewardResult(self.group_ids[i], self.worker_id, self.sample_ids[i], self.scores[i], s, self.details[i])
+            for i, s in enumerate(self.statuses)
+        ]
+
+
 def _same_lengths(msg: "Message", *names: str) -> Optional[str]:
     """The check of messages made of parallel per-sample lists: non-empty, equal lengths."""
     get = _GETTERS.get(names) or _GETTERS.setdefault(names, operator.attrgetter(*names))

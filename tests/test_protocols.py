@@ -53,6 +53,14 @@ SAMPLES = {
         statuses=["ok", "timeout"],
         details=["", "killed after 5.0 s"],
     ),
+    "reward_results": M.RewardResults(
+        worker_id="w",
+        group_ids=["g1", "g2"],
+        sample_ids=[["g1.0", "g1.1"], ["g2.0"]],
+        scores=[[1.0, 0.0], [0.5]],
+        statuses=[["ok", "timeout"], ["ok"]],
+        details=[["", "killed after 5.0 s"], [""]],
+    ),
     "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"]),
     "train_step_done": M.TrainStepDone(step=0, version=1, metrics={"loss": 0.1}, checkpoint=""),
     "status_request": M.StatusRequest(nonce=5),
@@ -189,6 +197,60 @@ def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
         )
     with pytest.raises(ProtocolError, match="reward_request: parallel lists differ in length"):
         encode(M.RewardRequest(group_id="g", sample_ids=["g.0"], completions=["a", "b"], solutions=["1"]))
+
+
+def _results_body(**over):
+    body = {
+        "worker_id": "w",
+        "group_ids": ["g1", "g2"],
+        "sample_ids": [["g1.0", "g1.1"], ["g2.0"]],
+        "scores": [[1.0, 0.0], [0.5]],
+        "statuses": [["ok", "ok"], ["ok"]],
+        "details": [["", ""], [""]],
+    }
+    return {**body, **over}
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (
+            _results_body(scores=[[1.0, 0.0]]),
+            r"reward_results: parallel lists differ in length: group_ids=2, .*scores=1",
+        ),
+        (_results_body(group_ids=[], sample_ids=[], scores=[], statuses=[], details=[]), "group_ids is empty"),
+        (
+            _results_body(scores=[[1.0, 0.0], [0.5, 1.0]]),
+            r"reward_results: group 'g2' \(#1\): sample_ids=1, scores=2, statuses=1, details=1: expected equal",
+        ),
+        (_results_body(statuses=[[], ["ok"]]), r"group 'g1' \(#0\): sample_ids=2, scores=2, statuses=0, details=2"),
+        (
+            _results_body(
+                sample_ids=[["g1.0", "g1.1"], []],
+                scores=[[1.0, 0.0], []],
+                statuses=[["ok", "ok"], []],
+                details=[["", ""], []],
+            ),
+            r"group 'g2' \(#1\): sample_ids=0, scores=0, statuses=0, details=0: expected equal and > 0",
+        ),
+        (_results_body(scores=[[1.0, "0"], [0.5]]), r"reward_results.scores: expected list\[list\[float\]\]"),
+    ],
+)
+def test_reward_results_with_inconsistent_lists_are_rejected_naming_the_group(body, needle):
+    """Several groups' scores in one message: a list that does not line up with its group's samples
+    would pair a score with the wrong sample, so it is refused on decode and on encode."""
+    with pytest.raises(ProtocolError, match=needle):
+        decode(envelope(t="reward_results", b=body))
+    with pytest.raises(ProtocolError, match=needle):
+        encode(M.RewardResults(**body))
+
+
+def test_reward_results_split_into_one_result_per_group():
+    m = SAMPLES["reward_results"]
+    assert m.results() == [
+        M.RewardResult("g1", "w", ["g1.0", "g1.1"], [1.0, 0.0], ["ok", "timeout"], ["", "killed after 5.0 s"]),
+        M.RewardResult("g2", "w", ["g2.0"], [0.5], ["ok"], [""]),
+    ]
 
 
 def test_unexpected_type_is_rejected_where_a_specific_one_is_expected():

@@ -1,6 +1,7 @@
-"""The reward worker behind real sockets: a group's completions in one RewardRequest come back as
-one RewardResult with a score per sample (real math-verify in the real killable pool), and a
-malformed frame on its work queue is logged and dropped while it keeps serving."""
+"""The reward worker behind real sockets: a group's completions in one RewardRequest come back in
+a RewardResults with a score per sample (real math-verify in the real killable pool); groups
+queued together come back together, each with its own scores; a malformed frame on its work queue
+is logged and dropped while it keeps serving."""
 
 import asyncio
 import logging
@@ -65,7 +66,9 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
                     group_id="g1", sample_ids=[f"g1.{k}" for k in range(4)], completions=completions, solutions=["7"]
                 ),
             )
-            _, res = await next_of(scheduler, M.RewardResult)
+            _, batch = await next_of(scheduler, M.RewardResults)
+        assert batch.worker_id == "reward-0" and batch.group_ids == ["g1"]
+        (res,) = batch.results()
         assert res.group_id == "g1" and res.worker_id == "reward-0"
         assert res.sample_ids == ["g1.0", "g1.1", "g1.2", "g1.3"]
         assert res.scores == [1.0, 1.0, 0.0, 0.0] and res.statuses == ["ok"] * 4
@@ -73,7 +76,7 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         assert "parallel lists differ in length" in caplog.text
         assert svc.counts["ok"] == 4
 
-        # groups queued together are scored in one pool call; each still gets its own result
+        # groups queued together are scored in one pool call; each still gets its own scores
         answers = {f"g{k}": [f"\\boxed{{{k}}}", "\\boxed{0}", f"{k}"] for k in range(2, 7)}
         for gid, comps in answers.items():
             sids = [f"{gid}.{j}" for j in range(len(comps))]
@@ -82,8 +85,11 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
             )
         got = {}
         while len(got) < len(answers):
-            _, res = await next_of(scheduler, M.RewardResult)
-            got[res.group_id] = res
+            _, batch = await next_of(scheduler, M.RewardResults)
+            for res in batch.results():
+                assert res.group_id not in got, f"group {res.group_id} scored twice"
+                got[res.group_id] = res
+        assert set(got) == set(answers)
         for gid in answers:
             assert got[gid].sample_ids == [f"{gid}.{j}" for j in range(3)]
             assert got[gid].scores == [1.0, 0.0, 0.0] and got[gid].statuses == ["ok"] * 3

@@ -77,3 +77,79 @@ async def test_scheduler_refuses_bad_frames_and_keeps_serving(tmp_path, caplog):
         svc.done.set()
         await asyncio.wait_for(task, 5)
         ctx.destroy(linger=0)
+
+
+async def _registered(ctx, ep, role: str, wid: str):
+    sock = make_socket(ctx, zmq.DEALER, connect=ep.control, identity=wid)
+    await send_message(sock, M.Register(role=role, worker_id=wid, pid=os.getpid()))
+    assert isinstance(await recv(sock), M.RegisterAck)
+    return sock
+
+
+async def _next(sock, cls, timeout=10.0):
+    while True:
+        msg = await recv(sock, timeout)
+        if isinstance(msg, cls):
+            return msg
+
+
+async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_path, caplog):
+    """A reward worker's RewardResults (several groups, one message) books each group as its own
+    RewardResult: the BatchPlan carries every sample's own score; the same results sent again
+    change nothing; a rollout worker may not send one."""
+    cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"])
+    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
+    svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
+    task = asyncio.create_task(svc.run())
+    ctx = zmq.asyncio.Context()
+    try:
+        rollout = await _registered(ctx, ep, "rollout", "rollout-0")
+        reward = await _registered(ctx, ep, "reward", "reward-0")
+        trainer = await _registered(ctx, ep, "trainer", "trainer")
+        await send_message(trainer, M.TrainerReady(version=0, next_step=0))
+        reqs = [await _next(rollout, M.GenerateRequest) for _ in range(2)]  # eta 0: one batch of 2 groups
+        for r in reqs:
+            await send_message(
+                rollout,
+                M.TrajectoryReady(
+                    group_id=r.group_id,
+                    worker_id="rollout-0",
+                    n_prompt_tokens=len(r.prompt_ids),
+                    sample_ids=r.sample_ids,
+                    n_output_tokens=[1, 1],
+                    version_min=[0, 0],
+                    version_max=[0, 0],
+                    finish_reasons=["stop", "stop"],
+                ),
+            )
+        scores = {r.group_id: [0.25 + k, 0.75 + k] for k, r in enumerate(reqs)}
+        results = M.RewardResults(
+            worker_id="reward-0",
+            group_ids=[r.group_id for r in reqs],
+            sample_ids=[r.sample_ids for r in reqs],
+            scores=[scores[r.group_id] for r in reqs],
+            statuses=[["ok", "timeout"] for _ in reqs],
+            details=[["", "killed"] for _ in reqs],
+        )
+        await send_message(rollout, results)  # only reward workers send these
+        err = await _next(rollout, M.Error)
+        assert err.code == "refused" and "rollout worker may not send 'reward_results'" in err.detail
+        assert svc.counts["rewarded"] == 0
+        await send_message(reward, results)
+        plan = await _next(trainer, M.BatchPlan)
+        assert plan.step == 0 and sorted(plan.group_ids) == sorted(r.group_id for r in reqs for _ in r.sample_ids)
+        expected = {sid: s for r in reqs for sid, s in zip(r.sample_ids, scores[r.group_id])}
+        assert dict(zip(plan.sample_ids, plan.scores)) == expected
+        assert svc.counts["rewarded"] == 4
+        with caplog.at_level(logging.WARNING):
+            await send_message(reward, results)  # again: every sample is already scored
+            await send_message(reward, M.Ping(nonce=3))
+            assert await _next(reward, M.Pong) == M.Pong(nonce=3)
+        assert svc.counts["rewarded"] == 4
+        assert sum("ignored reward from reward-0" in r.getMessage() for r in caplog.records) == 2
+        recs = [svc.core.ledger.samples[sid] for sid in expected]
+        assert [r.reward_status for r in recs] == ["ok", "timeout", "ok", "timeout"]
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 5)
+        ctx.destroy(linger=0)

@@ -2,16 +2,16 @@
 
 Rollout workers PUSH ``RewardRequest`` frames to every reward worker's PULL socket (ZeroMQ
 spreads them round-robin). A request carries one group's completions; they are scored by
-``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once) and one
-``RewardResult`` with the group's scores goes to the scheduler. At most ``n_procs`` batches are
-taken off the queue at a time, so an idle reward worker is not starved by a busy one; a batch is
-one request plus those already queued on this worker's socket (up to ``MAX_BATCH_GROUPS``),
-scored in one pool call: a round trip per child per batch, not per group. A
-malformed frame is logged and dropped; the worker keeps serving. Anything else that raises (a
-``score_many`` that fails instead of scoring 0) ends the process non-zero with its traceback
-(``TaskSet``): the supervisor restarts it and the scheduler re-issues what it held; the group
-deadline (``reward.deadline_s``) covers a request lost with it. ``Shutdown(lost=True)`` from the
-scheduler ends it non-zero too.
+``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once). At most
+``n_procs`` batches are taken off the queue at a time, so an idle reward worker is not starved by
+a busy one; a batch is one request plus those already queued on this worker's socket (up to
+``MAX_BATCH_GROUPS``, read without waiting), scored in one pool call (a round trip per child per
+batch, not per group), and its groups' scores go to the scheduler in one ``RewardResults``
+(booked group by group, as a ``RewardResult`` each). A malformed frame is logged and dropped;
+the worker keeps serving. Anything else that raises (a ``score_many`` that fails instead of
+scoring 0) ends the process non-zero with its traceback (``TaskSet``): the supervisor restarts it
+and the scheduler re-issues what it held; the group deadline (``reward.deadline_s``) covers a
+request lost with it. ``Shutdown(lost=True)`` from the scheduler ends it non-zero too.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from protocols.messages import RewardRequest, RewardResult, Shutdown
-from protocols.sockets import make_socket, recv_message
+from protocols.messages import RewardRequest, RewardResults, Shutdown
+from protocols.sockets import decode_logged, make_socket, recv_message
 
 from areal_async.reward.pool import RewardPool
 from areal_async.base.control import ControlClient
@@ -47,6 +47,7 @@ class RewardService:
     ):
         self.worker_id, self.control, self.pool = worker_id, control, pool
         self.pull = make_socket(ctx, zmq.PULL, bind=bind)
+        self.queued = zmq.Socket.shadow(self.pull.underlying)  # the same socket, read without a Future per frame
         self.n_procs = n_procs
         self.slots = asyncio.Semaphore(n_procs)
         self.stop = asyncio.Event()
@@ -91,20 +92,25 @@ class RewardService:
             if req is None:
                 continue
             await self.slots.acquire()
-            batch = [req] + await self._queued(MAX_BATCH_GROUPS - 1)
+            batch = [req] + self._queued(MAX_BATCH_GROUPS - 1)
             self.tasks.spawn(self._score(batch), f"reward.score.{req.group_id}+{len(batch) - 1}")
 
-    async def _queued(self, limit: int) -> list[RewardRequest]:
-        """Up to ``limit`` requests already waiting on the socket (never waits for one)."""
+    def _queued(self, limit: int) -> list[RewardRequest]:
+        """Up to ``limit`` requests already waiting on the socket (never waits for one). Read through
+        the synchronous shadow of the socket, as the scheduler does: no Future per frame."""
         out: list[RewardRequest] = []
-        while len(out) < limit and self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            _, req = await recv_message(self.pull, expect=(RewardRequest,), where=self.worker_id)
+        while len(out) < limit:
+            try:
+                frames = self.queued.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            _, req = decode_logged(frames, expect=(RewardRequest,), where=self.worker_id)
             if req is not None:
                 out.append(req)
         return out
 
     async def _score(self, batch: list[RewardRequest]) -> None:
-        """Score the batch's groups in one pool call; one RewardResult per group."""
+        """Score the batch's groups in one pool call; their scores go out in one RewardResults."""
         self._busy(+1)
         self.scoring += len(batch)
         self._note_waiting()
@@ -115,26 +121,27 @@ class RewardService:
             self._busy(-1)
             self.scoring -= len(batch)
             self._note_waiting()
-        start = 0
+        per_group, start = [], 0
         for req in batch:
-            await self._result(req, outs[start : start + len(req.completions)])
+            per_group.append(outs[start : start + len(req.completions)])
             start += len(req.completions)
+        await self.control.send(self._results(batch, per_group))
 
-    async def _result(self, req: RewardRequest, outs: list) -> None:
-        for sid, out in zip(req.sample_ids, outs):
-            self.counts[out.status] = self.counts.get(out.status, 0) + 1
-            if out.status != "ok":
-                log.warning("sample %s scored 0: %s %s", sid, out.status, out.detail)
+    def _results(self, batch: list[RewardRequest], per_group: list[list]) -> RewardResults:
+        """The batch's scores as one message (each group booked as its own RewardResult)."""
+        for req, outs in zip(batch, per_group):
+            for sid, out in zip(req.sample_ids, outs):
+                self.counts[out.status] = self.counts.get(out.status, 0) + 1
+                if out.status != "ok":
+                    log.warning("sample %s scored 0: %s %s", sid, out.status, out.detail)
         self.control.stats.update(self.counts, busy_s=round(self.busy_s, 4))
-        await self.control.send(
-            RewardResult(
-                group_id=req.group_id,
-                worker_id=self.worker_id,
-                sample_ids=list(req.sample_ids),
-                scores=[float(o.score) for o in outs],
-                statuses=[o.status for o in outs],
-                details=[o.detail[:500] for o in outs],
-            )
+        return RewardResults(
+            worker_id=self.worker_id,
+            group_ids=[req.group_id for req in batch],
+            sample_ids=[list(req.sample_ids) for req in batch],
+            scores=[[float(o.score) for o in outs] for outs in per_group],
+            statuses=[[o.status for o in outs] for outs in per_group],
+            details=[[o.detail[:500] for o in outs] for outs in per_group],
         )
 
     def _busy(self, delta: int) -> None:

@@ -57,6 +57,7 @@ from protocols.messages import (
     Register,
     RegisterAck,
     RewardResult,
+    RewardResults,
     Shutdown,
     StatusReport,
     StatusRequest,
@@ -121,6 +122,7 @@ _SENDERS = {
     TrajectoryReady: ("rollout",),
     WeightsLoaded: ("rollout",),
     RewardResult: ("reward", "rollout"),
+    RewardResults: ("reward",),
     WeightsPublished: ("trainer",),
     TrainerReady: ("trainer",),
     TrainStepDone: ("trainer",),
@@ -284,6 +286,7 @@ class SchedulerService:
             Ping: self._ping,
             TrajectoryReady: self._trajectory,
             RewardResult: self._reward,
+            RewardResults: self._rewards,
             WeightsPublished: self._weights_published,
             WeightsLoaded: self._weights_loaded,
             TrainerReady: self._trainer_ready,
@@ -393,6 +396,11 @@ class SchedulerService:
             log.warning("ignored reward from %s: %s", wid, why)
         else:
             self._count(wid, "rewarded", len(m.sample_ids))
+
+    async def _rewards(self, wid: str, m: RewardResults) -> None:
+        """Several groups' scores from a reward worker: each group booked as its own RewardResult."""
+        for result in m.results():
+            await self._reward(wid, result)
 
     def _count(self, wid: str, what: str, n: int) -> None:
         """Samples a worker delivered (per worker: status throughput; in total: the metrics rows)."""
