@@ -9,6 +9,7 @@ from areal_async.models.tokenizer import (
     EOS_ID,
     PAD_ID,
     UNK_ID,
+    batch_decoder,
     build_char_tokenizer,
     check_encodable,
 )
@@ -56,3 +57,18 @@ def test_bad_alphabets_are_refused():
         build_char_tokenizer("abca")
     with pytest.raises(ValueError, match="empty"):
         build_char_tokenizer("")
+
+
+def test_batch_decoder_gives_each_lists_decode_and_keeps_clean_up(tmp_path):
+    tok = build_char_tokenizer()
+    tok.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    batch = [[BOS_ID] + tok.encode(t) + [EOS_ID] for t in TEXTS] + [[], [PAD_ID, EOS_ID], tok.encode("a .b")]
+    for t in (tok, reloaded):
+        assert batch_decoder(t)(batch) == TEXTS + ["", "", "a .b"]
+        assert batch_decoder(t).func == t.backend_tokenizer.decode_batch  # one call for the batch
+    # a tokenizer whose decode cleans spaces up (" ." -> ".") is decoded by it, one list at a time
+    reloaded.clean_up_tokenization_spaces = True
+    assert reloaded.decode(tok.encode("a .b"), skip_special_tokens=True) == "a.b"
+    assert batch_decoder(reloaded)(batch) == [reloaded.decode(i, skip_special_tokens=True) for i in batch]
+    assert batch_decoder(reloaded)(batch)[-1] == "a.b"

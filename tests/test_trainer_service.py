@@ -20,7 +20,7 @@ from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.base.control import ControlClient
 from areal_async.rollout.engine import PackedSamples, SampleOutput
-from areal_async.rollout.service import group_tensors
+from areal_async.rollout.service import group_tensors, trajectory_messages
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.service import TrainerService, TrajectoryBuffer, split_group
 from areal_async.trainer.types import Trajectory
@@ -154,6 +154,83 @@ def test_split_group_gives_per_sample_views_and_refuses_inconsistent_groups():
     for tensors, match in bad:
         with pytest.raises(ValueError, match=match):
             split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, tensors)
+
+
+def test_several_groups_share_a_message_within_its_byte_bound_and_split_per_sample(tmp_path):
+    """Groups of one engine step travel as few messages as the bound allows; over a real zmq channel
+    each sample comes back as its group's prompt and its own slices (values written out by hand)."""
+    groups = [
+        (
+            "g0",
+            ["g0.0", "g0.1"],
+            [1, 2, 3],
+            [Sample([5, 6], torch.tensor([-0.5, -1.0]), 2), Sample([7], torch.tensor([-1.5]), 3)],
+        ),
+        ("g1", ["g1.0"], [4], [Sample([8, 9, 10], torch.tensor([-2.0, -2.5, -3.0]), 3)]),
+        (
+            "g2",
+            ["g2.0", "g2.1"],
+            [11, 12],
+            [Sample([13], torch.tensor([-3.5]), 4), Sample([14], torch.tensor([-4.0]), 4)],
+        ),
+    ]
+    groups = [(gid, sids, prompt, PackedSamples.of_samples(samples)) for gid, sids, prompt, samples in groups]
+    # payload bytes: 4 per prompt id, 12 per output token (id, logprob, version), 4 per sample, 4 per group
+    sizes = [4 * 3 + 12 * 3 + 8 + 4, 4 * 1 + 12 * 3 + 4 + 4, 4 * 2 + 12 * 2 + 8 + 4]
+    assert sizes == [60, 48, 44]
+    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 10**6)] == [["g0", "g1", "g2"]]
+    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 108)] == [["g0", "g1"], ["g2"]]
+    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 107)] == [["g0"], ["g1", "g2"]]
+    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 1)] == [["g0"], ["g1"], ["g2"]]  # alone when over
+    rx = make_tensor_channel("zmq", role="receiver", endpoint=ipc_endpoint(tmp_path, "traj"))
+    tx = make_tensor_channel("zmq", role="sender", endpoint=rx.endpoint)
+    try:
+        got = {}
+        for key, tensors, meta in trajectory_messages(groups, 108):
+            tx.send(key, tensors, meta)
+            got.update(split_group(*rx.recv(timeout_s=30)))
+    finally:
+        tx.close()
+        rx.close()
+    want = {  # sample id: group id, prompt, output ids, logprobs, versions
+        "g0.0": ("g0", [1, 2, 3], [5, 6], [-0.5, -1.0], [2, 2]),
+        "g0.1": ("g0", [1, 2, 3], [7], [-1.5], [3]),
+        "g1.0": ("g1", [4], [8, 9, 10], [-2.0, -2.5, -3.0], [3, 3, 3]),
+        "g2.0": ("g2", [11, 12], [13], [-3.5], [4]),
+        "g2.1": ("g2", [11, 12], [14], [-4.0], [4]),
+    }
+    assert list(got) == list(want)
+    for sid, (gid, prompt, out, logp, vers) in want.items():
+        meta, t = got[sid]
+        assert meta == {"group_id": gid} and t["prompt_ids"].tolist() == prompt and t["output_ids"].tolist() == out
+        assert t["logprobs"].tolist() == logp and t["versions"].tolist() == vers
+        assert t["output_ids"].dtype == torch.int32 and t["logprobs"].dtype == torch.float32
+
+
+def test_split_group_refuses_inconsistent_multi_group_messages():
+    key, tensors, meta = trajectory_messages(
+        [
+            ("a", ["a0"], [1, 2], PackedSamples.of_samples([Sample([3], torch.tensor([-1.0]), 0)])),
+            ("b", ["b0"], [4], PackedSamples.of_samples([Sample([5], torch.tensor([-2.0]), 0)])),
+        ],
+        10**6,
+    )[0]
+    assert list(split_group(key, meta, tensors)) == ["a0", "b0"]
+    bad = [
+        ({**meta, "group_sizes": [1]}, tensors, "2 group ids, group sizes \\[1\\]"),
+        ({**meta, "group_sizes": [2, -1]}, tensors, "group sizes \\[2, -1\\]"),
+        ({**meta, "sample_ids": ["a0"]}, tensors, "1 sample ids"),
+        (
+            meta,
+            {**tensors, "prompt_lengths": torch.tensor([1, 1], dtype=torch.int32)},
+            "prompt lengths \\[1, 1\\] \\(sum 2\\)",
+        ),
+        (meta, {**tensors, "prompt_lengths": torch.tensor([4, -1], dtype=torch.int32)}, "prompt lengths \\[4, -1\\]"),
+        (meta, {**tensors, "lengths": torch.tensor([2, 1], dtype=torch.int32)}, "lengths \\[2, 1\\]"),
+    ]
+    for m, t, match in bad:
+        with pytest.raises(ValueError, match=match):
+            split_group(key, m, t)
 
 
 def test_take_ready_takes_all_or_nothing_without_waiting():

@@ -17,10 +17,10 @@ from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig
 from areal_async.base.plugins import load_callable
 from areal_async.models.tiny import build_model, load_model
-from areal_async.models.tokenizer import load_tokenizer
+from areal_async.models.tokenizer import batch_decoder, load_tokenizer
 from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.reward.pool import RewardPool
-from areal_async.rollout.service import RolloutService
+from areal_async.rollout.service import RolloutService, message_bytes
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.rollout.vllm_client import VLLMClient
@@ -43,18 +43,18 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
     ctx = zmq.asyncio.Context()
     traj = trajectory_channel(cfg, ep, "sender", rank=index + 1)
     weights = weight_channel(cfg, ep, "receiver", rank=index + 1)
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     return RolloutService(
         worker_id,
         control_client(ctx, cfg, ep, "rollout", worker_id),
         ctx,
         engine,
-        decode,
+        batch_decoder(tok),
         traj,
         weights,
         ep.rewards,
         max_active,
         **workflow_parts(cfg, tok),
+        message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
     )
 
 

@@ -11,7 +11,7 @@ from protocols.sockets import run_async
 
 from areal_async.client import connect, join, load_run
 from areal_async.rollout.engine import RolloutEngine
-from areal_async.rollout.service import RolloutService
+from areal_async.rollout.service import RolloutService, message_bytes
 from areal_async.transport import make_tensor_channel, make_weight_channel
 
 __all__ = ["RolloutWorker"]
@@ -52,11 +52,12 @@ class RolloutWorker:
             connect(ctx, cfg, ep, "rollout", worker_id, token=token),
             ctx,
             engine,
-            decode,
+            lambda batch: [decode(ids) for ids in batch],
             traj,
             weights,
             ep.rewards,
             max_active_groups,
+            message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
         )
 
     def run(self) -> int:

@@ -54,6 +54,14 @@ from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.rollout")
 
+MESSAGE_BYTES = 16 << 20  # payload of one trajectory message carrying several groups (RolloutService)
+
+
+def message_bytes(max_message_mb: float) -> int:
+    """Payload bound of a message of several groups: ``MESSAGE_BYTES`` within half the trainer's
+    bound on one message (``tensor_channel.max_message_mb``; the other half: room for the header)."""
+    return min(MESSAGE_BYTES, int(max_message_mb * 2**20) // 2)
+
 
 @dataclass
 class _Pending:
@@ -154,7 +162,7 @@ class RolloutService:
         control: ControlClient,
         ctx: zmq.asyncio.Context,
         engine: RolloutEngine,
-        decode: Callable[[list[int]], str],
+        decode: Callable[[list[list[int]]], list[str]],
         traj_channel,
         weight_channel,
         reward_endpoints: list[str],
@@ -162,9 +170,13 @@ class RolloutService:
         workflow: Optional[RolloutWorkflow] = None,
         tokenizer=None,
         score: Optional[ScoreFn] = None,
+        message_bytes: int = MESSAGE_BYTES,
     ):
-        """``workflow`` (with the ``tokenizer`` and the ``score`` coroutine it needs): run its
-        episodes instead of plain sampling; their rewards go to the scheduler from here."""
+        """``decode``: completions' token ids -> their texts, many at once (``models.tokenizer.batch_decoder``).
+        ``workflow`` (with the ``tokenizer`` and the ``score`` coroutine it needs): run its
+        episodes instead of plain sampling; their rewards go to the scheduler from here.
+        ``message_bytes``: groups finished in one engine step share a trajectory message up to this
+        many payload bytes (a larger group travels alone)."""
         self.worker_id, self.control, self.decode = worker_id, control, decode
         self.traj, self.weights = traj_channel, weight_channel
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
@@ -177,6 +189,7 @@ class RolloutService:
         self.workflow, self.tokenizer, self.score = workflow, tokenizer, score
         self.tasks: Optional[TaskSet] = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="traj-send")  # one thread: sends in order
+        self.message_bytes = message_bytes
 
     # ---- thread -> loop ------------------------------------------------------------------
     def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
@@ -271,29 +284,28 @@ class RolloutService:
         score and trajectory in either order; the tensors still precede the TrajectoryReady)."""
         if not items:
             return
+        texts = iter(self.decode([ids for g, _ in items for ids in _split_list(g.packed.output_ids, g.packed.lengths)]))
         requests = [
             RewardRequest(
                 group_id=req.group_id,
                 sample_ids=list(req.sample_ids[: group.n_samples]),
-                completions=[self.decode(ids) for ids in _split_list(group.packed.output_ids, group.packed.lengths)],
+                completions=[next(texts) for _ in range(group.n_samples)],
                 solutions=req.solutions,
             )
             for group, req in items
         ]
         for r in requests:
             await send_message(self.reward_sock, r)
-        msgs = []
-        for g, req in items:
-            meta = {"group_id": req.group_id, "sample_ids": list(req.sample_ids[: g.n_samples])}
-            msgs.append((req.group_id, group_tensors(req.prompt_ids, g.packed), meta))
-        # before TrajectoryReady: the trainer may be asked for the group next. Sent from the sender
-        # thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
-        await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, msgs)
+        # before TrajectoryReady: the trainer may be asked for the group next. Built and sent from the
+        # sender thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
+        await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
         for group, req in items:
             await self._trajectory_ready(group, req)
 
-    def _send_all(self, msgs: list[tuple[str, dict, dict]]) -> None:
-        for key, tensors, meta in msgs:
+    def _send_all(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
+        """The groups' tensors as few messages as ``message_bytes`` allows (``trajectory_messages``)."""
+        groups = [(req.group_id, req.sample_ids[: g.n_samples], req.prompt_ids, g.packed) for g, req in items]
+        for key, tensors, meta in trajectory_messages(groups, self.message_bytes):
             self.traj.send(key, tensors, meta)
 
     async def _trajectory_ready(self, group: GroupOutput, req: GenerateRequest) -> None:
@@ -359,6 +371,47 @@ class RolloutService:
         )
         self.n_samples += len(sids)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
+
+
+def trajectory_messages(groups: list[tuple[str, list, list, list]], max_bytes: int) -> list[tuple[str, dict, dict]]:
+    """(key, tensors, meta) messages for ``groups`` of (group id, sample ids, prompt ids, ``PackedSamples``),
+    in order: consecutive groups share one ``groups_tensors`` message while its payload stays within
+    ``max_bytes`` (one group over it travels alone); the key is the message's first group id."""
+    out, chunk, size = [], [], 0
+    for g in groups:
+        n = 4 * (len(g[2]) + 3 * g[3].output_ids.numel() + len(g[3].lengths) + 1)  # int32/float32 entries
+        if chunk and size + n > max_bytes:
+            out.append(_groups_message(chunk))
+            chunk, size = [], 0
+        chunk.append(g)
+        size += n
+    if chunk:
+        out.append(_groups_message(chunk))
+    return out
+
+
+def _groups_message(groups: list[tuple[str, list, list, list]]) -> tuple[str, dict, dict]:
+    meta = {
+        "group_ids": [g[0] for g in groups],
+        "group_sizes": [len(g[1]) for g in groups],
+        "sample_ids": [sid for g in groups for sid in g[1]],
+    }
+    return groups[0][0], groups_tensors([(g[2], g[3]) for g in groups]), meta
+
+
+def groups_tensors(groups: list[tuple[list, PackedSamples]]) -> dict[str, torch.Tensor]:
+    """Several groups, (prompt ids, ``PackedSamples``) each, as one tensor message: ``group_tensors``'
+    layout with the prompts laid end to end too, ``prompt_lengths[j]`` tokens of group j (see
+    ``areal_async.trainer.service.split_group``: meta ``group_ids``, ``group_sizes``, ``sample_ids``)."""
+    cat = lambda name, dtype: torch.cat([getattr(p, name) for _, p in groups]).to(dtype)  # noqa: E731
+    return {
+        "prompt_ids": torch.tensor([t for p, _ in groups for t in p], dtype=torch.int32),
+        "prompt_lengths": torch.tensor([len(p) for p, _ in groups], dtype=torch.int32),
+        "lengths": torch.tensor([n for _, p in groups for n in p.lengths], dtype=torch.int32),
+        "output_ids": cat("output_ids", torch.int32),
+        "logprobs": cat("logprobs", torch.float32),
+        "versions": cat("versions", torch.int32),
+    }
 
 
 def group_tensors(prompt_ids, packed: PackedSamples) -> dict[str, torch.Tensor]:

@@ -304,9 +304,39 @@ class TrainerService:
 
 
 def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
-    """A group message (``areal_async.rollout.service.group_tensors``) -> per sample (meta, tensors),
-    the tensors being views of the group's (no copy, no per-token list)."""
-    sids, lengths = meta["sample_ids"], t["lengths"].tolist()
+    """A trajectory message -> per sample (meta, tensors), the tensors being views of the message's (no
+    copy, no per-token list). One group (``areal_async.rollout.service.group_tensors``, meta
+    ``group_id`` and ``sample_ids``) or several (``groups_tensors``, meta ``group_ids``,
+    ``group_sizes`` and ``sample_ids``, the prompts split by ``prompt_lengths``)."""
+    sids = meta["sample_ids"]
+    if "group_ids" not in meta:
+        gid = {"group_id": meta["group_id"]}
+        return _split_samples(key, sids, [gid] * len(sids), [t["prompt_ids"]] * len(sids), t)
+    gids, sizes, plens = meta["group_ids"], meta["group_sizes"], t["prompt_lengths"].tolist()
+    prompts = t["prompt_ids"]
+    if (
+        len(gids) != len(sizes)
+        or len(gids) != len(plens)
+        or sum(sizes) != len(sids)
+        or sum(plens) != prompts.numel()
+        or (sizes and min(sizes) < 0)
+        or (plens and min(plens) < 0)
+    ):
+        raise ValueError(
+            f"message {key!r}: {len(gids)} group ids, group sizes {sizes[:8]} (sum {sum(sizes)}), prompt lengths "
+            f"{plens[:8]} (sum {sum(plens)}), {len(sids)} sample ids, {prompts.numel()} prompt ids; expected one "
+            "size >= 0 and one prompt length >= 0 per group, sample ids as many as the sizes' sum, prompt ids "
+            "as many as the lengths' sum"
+        )
+    metas = [{"group_id": g} for g in gids]
+    meta_of = [m for m, n in zip(metas, sizes) for _ in range(n)]
+    prompt_of = [p for p, n in zip(prompts.split_with_sizes(plens), sizes) for _ in range(n)]
+    return _split_samples(key, sids, meta_of, prompt_of, t)
+
+
+def _split_samples(key: str, sids: list, metas: list, prompts: list, t: dict) -> dict[str, tuple[dict, dict]]:
+    """Sample i: (metas[i], its prompt and the i-th slices of the per-token tensors by ``lengths``)."""
+    lengths = t["lengths"].tolist()
     out, logp, vers, mask = t["output_ids"], t["logprobs"], t["versions"], t.get("loss_mask")
     n = out.numel()
     if (
@@ -325,19 +355,15 @@ def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
         raise ValueError(f"group {key!r}: {mask.numel()} loss-mask entries for {n} output ids")
     # no conversion: Trajectory keeps the wire's int32 ids/versions and float32 logprobs as these views,
     # and packing widens the ids once, straight into the packed batch (trainer/packing.pack)
-    gid, prompt = meta["group_id"], t["prompt_ids"]
-    cols = zip(sids, out.split_with_sizes(lengths), logp.split_with_sizes(lengths), vers.split_with_sizes(lengths))
+    cols = zip(sids, metas, prompts, out.split_with_sizes(lengths), logp.split_with_sizes(lengths))
     if mask is None:
         return {
-            sid: ({"group_id": gid}, {"prompt_ids": prompt, "output_ids": o, "logprobs": lp, "versions": v})
-            for sid, o, lp, v in cols
+            sid: (m, {"prompt_ids": p, "output_ids": o, "logprobs": lp, "versions": v})
+            for (sid, m, p, o, lp), v in zip(cols, vers.split_with_sizes(lengths))
         }
     return {
-        sid: (
-            {"group_id": gid},
-            {"prompt_ids": prompt, "output_ids": o, "logprobs": lp, "versions": v, "loss_mask": m},
-        )
-        for (sid, o, lp, v), m in zip(cols, mask.split_with_sizes(lengths))
+        sid: (m, {"prompt_ids": p, "output_ids": o, "logprobs": lp, "versions": v, "loss_mask": mk})
+        for (sid, m, p, o, lp), v, mk in zip(cols, vers.split_with_sizes(lengths), mask.split_with_sizes(lengths))
     }
 
 
