@@ -82,6 +82,7 @@ def test_decoder_logprobs_equal_a_plain_hf_forward_to_1e5(arch, lean):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3)
     engine = TorchEngine(model, TOK, seed=7, version=0, lean=lean)
     assert isinstance(engine.decoder, LeanLlama if lean else HFDecoder)
+    assert not lean or all(lp.folded for lp in engine.decoder._layers) and engine.decoder._head is not None
     stops = tuple(range(10, 16))
     reqs = [_req(f"g{i}", p, n=4, max_new_tokens=40, stop_token_ids=stops) for i, p in enumerate(PROMPTS)]
     for r in reqs:
@@ -342,6 +343,14 @@ def test_weights_changed_in_place_outside_update_weights_are_used():
         for p in model.parameters():
             p.mul_(1.5)
     req = _req("after", PROMPTS[2])
+    engine.add_request(req)
+    _assert_logprobs_match(model, [req], _run(engine), 1.0)
+    assert all(lp.folded for lp in engine.decoder._layers)  # the norm weights live in the fused copies
+    with torch.no_grad():  # only the norms change: the copies that fold them in must follow
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(torch.linspace(0.5, 2.0, p.numel()))
+    req = _req("norms", PROMPTS[2])
     engine.add_request(req)
     _assert_logprobs_match(model, [req], _run(engine), 1.0)
 

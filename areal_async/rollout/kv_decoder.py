@@ -29,6 +29,7 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+import transformers.activations
 from transformers import DynamicCache, PreTrainedModel
 from areal_async.models.lean_ops import STATIC_ROPE_TYPES
 from areal_async.models.lean_ops import linear as _linear
@@ -146,7 +147,11 @@ class LeanLlama:
     ``scaled_dot_product_attention``. In models of at most ``FUSE_MAX_PARAMS`` parameters the
     q/k/v and the gate/up projections run as one matmul each over a concatenated copy of their
     weights (``_Cat``, rebuilt when a weight changes): at small sizes each call's fixed cost is
-    most of its time. The layers' modules are looked up once, here.
+    most of its time. In float32 those copies also carry the RMSNorm weight before them (W diag(g):
+    the norm then only normalises) and the attention scaling on the query rows (the lm head gets
+    the final norm's weight the same way); in other dtypes HF rounds the normalised activations
+    before the weight multiply, so nothing is folded there. The layers' modules are looked up
+    once, here.
     """
 
     FUSE_MAX_PARAMS = 20_000_000
@@ -158,7 +163,15 @@ class LeanLlama:
         self.gqa = self.n_kv != self.n_heads
         self._rope = _RopeTable(model.model.rotary_emb)
         fuse = sum(p.numel() for p in model.parameters()) <= self.FUSE_MAX_PARAMS
-        self._layers = [_LayerPlan(layer, fuse) for layer in model.model.layers]
+        self._layers = [_LayerPlan(layer, fuse, self.n_heads) for layer in model.model.layers]
+        norm, head = model.model.norm, model.lm_head
+        self._head = _Cat((head,), norm) if fuse and _Cat.foldable((head,), norm) else None
+
+    def _logits(self, x_BE: torch.Tensor) -> torch.Tensor:
+        norm = self.model.model.norm
+        if self._head is None:
+            return _linear(self.model.lm_head, _norm(norm, x_BE))
+        return F.linear(_rms(x_BE, norm.variance_epsilon), *self._head.weights())
 
     @staticmethod
     def supports(model: PreTrainedModel) -> bool:
@@ -175,7 +188,7 @@ class LeanLlama:
         else:
             x_BE = self._forward_many(ids_BT, pos_BT, mask_BK, cache)
         cache.T = T0 + T
-        return _linear(self.model.lm_head, _norm(self.model.model.norm, x_BE)) if logits else None
+        return self._logits(x_BE) if logits else None
 
     def _forward_many(self, ids_BT, pos_BT, mask_BK, cache: KVCache) -> torch.Tensor:
         """Any number of new tokens (prefill; decode off CPU): the last position's hidden state (B, E).
@@ -186,9 +199,9 @@ class LeanLlama:
         attn_mask = _attention_mask(mask_BK, ids_BT.shape[1])
         last = len(self._layers) - 1
         for i, lp in enumerate(self._layers):
-            o_BTE = self._attention(lp, _norm(lp.norm1, x_BTE), cos, sin, cache, i, attn_mask, i == last)
+            o_BTE = self._attention(lp, lp.attn_in(x_BTE), cos, sin, cache, i, attn_mask, i == last)
             x_BTE = (x_BTE[:, -1:] if i == last else x_BTE) + o_BTE
-            x_BTE = x_BTE + lp.mlp(_norm(lp.norm2, x_BTE))
+            x_BTE = x_BTE + lp.mlp(lp.mlp_in(x_BTE))
         return x_BTE[:, -1]
 
     def _attention(self, lp: "_LayerPlan", h_BTE, cos, sin, cache: KVCache, i: int, attn_mask, last_only: bool):
@@ -211,7 +224,7 @@ class LeanLlama:
             values,
             attn_mask=attn_mask,
             is_causal=causal,
-            scale=lp.scaling,
+            scale=lp.attn_scale,
             enable_gqa=self.gqa,
         )
         return _linear(lp.o_proj, o.transpose(1, 2).reshape(B, q.shape[1], -1))
@@ -221,36 +234,52 @@ class LeanLlama:
         (heads, D, B) (a matmul writes them so; no copy), each layer's new key and value written as
         one block of the rows-last cache, attention by ``_attend_rows_last``."""
         T0, H, h = cache.T, self.n_heads, self.n_kv
-        x_B1E = self.model.model.embed_tokens(ids_B1)
-        B = x_B1E.shape[0]
-        cos, sin = (c.reshape(B, -1).t().contiguous() for c in self._rope(x_B1E, pos_B1))  # (D, B)
-        x_BE = x_B1E[:, 0]
+        x_BE = self.model.model.embed_tokens(ids_B1)[:, 0]
+        cos, sin = self._rope.rows_last(x_BE, pos_B1[:, 0])  # (D, B)
         keys_KB = mask_BK.bool().t()
         pad_KB = None if bool(keys_KB.all()) else ~keys_KB
         for i, lp in enumerate(self._layers):
-            qkv = lp.qkv_t(_norm(lp.norm1, x_BE))  # (H + 2 h, D, B): queries, keys, values
+            qkv = lp.qkv_t(lp.attn_in(x_BE))  # (H + 2 h, D, B): queries, keys, values
             qk = _rotary(qkv[: H + h], cos, sin, dim=1)
             cache.k[T0, i] = qk[H:]
             cache.v[T0, i] = qkv[H + h :]
-            o_DB = _attend_rows_last(qk[:H], cache.k[: T0 + 1, i], cache.v[: T0 + 1, i], lp.scaling, pad_KB)
+            o_DB = _attend_rows_last(qk[:H], cache.k[: T0 + 1, i], cache.v[: T0 + 1, i], lp.attn_scale, pad_KB)
             x_BE = x_BE + _linear(lp.o_proj, o_DB.t())
-            x_BE = x_BE + lp.mlp(_norm(lp.norm2, x_BE))
+            x_BE = x_BE + lp.mlp(lp.mlp_in(x_BE))
         return x_BE
 
 
 class _LayerPlan:
     """One decoder layer's modules, looked up once, with the projections that read the same input
-    fused (``_Cat``) when ``fuse`` and they are plain ``nn.Linear`` layers alike in bias."""
+    fused (``_Cat``) when ``fuse`` and they are plain ``nn.Linear`` layers alike in bias; in
+    float32 with the norm weight before them and the attention scaling folded in (``folded``:
+    ``attn_in``/``mlp_in`` then only normalise, and ``attn_scale`` is 1)."""
 
-    def __init__(self, layer: torch.nn.Module, fuse: bool):
+    def __init__(self, layer: torch.nn.Module, fuse: bool, n_heads: int):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj, self.scaling, self.head_dim = attn.o_proj, attn.scaling, attn.head_dim
         self.down, self.act = mlp.down_proj, mlp.act_fn
         self.qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.gate_up = (mlp.gate_proj, mlp.up_proj)
-        self.qkv_cat = _Cat(self.qkv) if fuse and _Cat.fusable(self.qkv) else None
-        self.gate_up_cat = _Cat(self.gate_up) if fuse and _Cat.fusable(self.gate_up) else None
+        self.folded = fuse and _Cat.foldable(self.qkv, self.norm1) and _Cat.foldable(self.gate_up, self.norm2)
+        if self.folded:
+            q_rows = n_heads * self.head_dim
+            self.qkv_cat = _Cat(self.qkv, self.norm1, scaled_rows=q_rows, row_scale=self.scaling)
+            self.gate_up_cat = _Cat(self.gate_up, self.norm2)
+        else:
+            self.qkv_cat = _Cat(self.qkv) if fuse and _Cat.fusable(self.qkv) else None
+            self.gate_up_cat = _Cat(self.gate_up) if fuse and _Cat.fusable(self.gate_up) else None
+        self.attn_scale = 1.0 if self.folded else self.scaling
+        self.silu = type(self.act) in _SILU_TYPES  # called as F.silu (no module call)
+
+    def attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention's input: the pre-attention RMSNorm of ``x`` (its weight folded or not)."""
+        return _rms(x, self.norm1.variance_epsilon) if self.folded else _norm(self.norm1, x)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's input: the post-attention RMSNorm of ``x`` (its weight folded or not)."""
+        return _rms(x, self.norm2.variance_epsilon) if self.folded else _norm(self.norm2, x)
 
     def qk_v(self, h: torch.Tensor, n_qk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys (..., n_qk heads, D) and values (..., kv heads, D) of ``h`` (..., E)."""
@@ -277,17 +306,28 @@ class _LayerPlan:
             gate, up = self.gate_up_cat(h).chunk(2, -1)
         else:
             gate, up = (_linear(p, h) for p in self.gate_up)
-        return _linear(self.down, self.act(gate) * up)
+        return _linear(self.down, (F.silu(gate) if self.silu else self.act(gate)) * up)
 
 
 class _Cat:
     """One matmul for several plain ``nn.Linear`` layers reading one input: a concatenated copy of
     their weights (and biases), rebuilt whenever a source tensor changed, i.e. its storage or its
     version counter, which every in-place update bumps (``copy_``, optimizer steps,
-    ``load_state_dict``). The model itself is never modified."""
+    ``load_state_dict``). The model itself is never modified.
 
-    def __init__(self, modules: tuple[torch.nn.Module, ...]):
-        self.modules, self.key = modules, None
+    ``norm``: an RMSNorm whose weight g is folded in (W diag(g): the layers then read the
+    normalised input without g); ``scaled_rows``: that many first output rows (weight and bias)
+    times ``row_scale``."""
+
+    def __init__(
+        self,
+        modules: tuple[torch.nn.Module, ...],
+        norm: torch.nn.Module | None = None,
+        scaled_rows: int = 0,
+        row_scale: float = 1.0,
+    ):
+        self.modules, self.norm, self.key = modules, norm, None
+        self.scaled_rows, self.row_scale = scaled_rows, row_scale
         self.w = self.b = None
 
     @staticmethod
@@ -298,18 +338,57 @@ class _Cat:
         same = all(m.weight.dtype == w0.dtype and m.weight.device == w0.device for m in modules)
         return same and len({m.bias is None for m in modules}) == 1
 
+    @staticmethod
+    def foldable(modules, norm: torch.nn.Module) -> bool:
+        """``fusable``, float32, and ``norm`` an RMSNorm (weight and ``variance_epsilon``) in float32
+        on their device: folding its weight in is then exact up to float rounding."""
+        g = getattr(norm, "weight", None)
+        w0 = modules[0].weight
+        plain = isinstance(g, torch.Tensor) and isinstance(getattr(norm, "variance_epsilon", None), float)
+        return (
+            _Cat.fusable(modules)
+            and plain
+            and w0.dtype == torch.float32
+            and g.dtype == torch.float32
+            and g.device == w0.device
+            and type(norm).__name__ in _RMS_NORMS
+        )
+
     def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The concatenated weight and bias (None without biases), current."""
         tensors = [t for m in self.modules for t in (m.weight, m.bias) if t is not None]
+        if self.norm is not None:
+            tensors.append(self.norm.weight)
         key = [(t.data_ptr(), t._version) for t in tensors]
         if key != self.key:
-            self.w = torch.cat([m.weight for m in self.modules])
-            self.b = None if self.modules[0].bias is None else torch.cat([m.bias for m in self.modules])
+            self._build()
             self.key = key
         return self.w, self.b
 
+    @torch.no_grad()
+    def _build(self) -> None:
+        w = torch.cat([m.weight for m in self.modules])  # a copy, even of one module
+        b = None if self.modules[0].bias is None else torch.cat([m.bias for m in self.modules])
+        if self.norm is not None:
+            w.mul_(self.norm.weight[None, :])
+        if self.scaled_rows:
+            w[: self.scaled_rows].mul_(self.row_scale)
+            if b is not None:
+                b[: self.scaled_rows].mul_(self.row_scale)
+        self.w, self.b = w, b
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, *self.weights())
+
+
+_SILU_TYPES = (torch.nn.SiLU, getattr(transformers.activations, "SiLUActivation", torch.nn.SiLU))
+# RMSNorm classes computing weight * (x * rsqrt(mean(x^2) + eps)) in float32 (``_Cat.foldable``)
+_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm")
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (float32 ``x``): the folded layers' input."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -331,7 +410,9 @@ def _attend_rows_last(q_HDB, k_KhDB, v_KhDB, scale: float, pad_KB):
     dtype = q_HDB.dtype
     if dtype != torch.float32:
         q_HDB, k_KhDB, v_KhDB = q_HDB.float(), k_KhDB.float(), v_KhDB.float()
-    s_KhGB = (q_HDB.view(h, H // h, D, B) * k_KhDB[:, :, None]).sum(3).mul_(scale)
+    s_KhGB = (q_HDB.view(h, H // h, D, B) * k_KhDB[:, :, None]).sum(3)
+    if scale != 1.0:
+        s_KhGB.mul_(scale)
     if pad_KB is not None:
         s_KhGB.masked_fill_(pad_KB[:, None, None], float("-inf"))
     e_KhGB = (s_KhGB - s_KhGB.amax(0)).exp_()
@@ -354,18 +435,34 @@ class _RopeTable:
         self.rotary = rotary
         self.static = getattr(rotary, "rope_type", "default") in self.STATIC_TYPES
         self.cos_sin = None  # (positions, 2 D): cos then folded sin
+        self.cos_sin_t = None  # the same transposed
 
     def __call__(self, x_BTE: torch.Tensor, pos_BT: torch.Tensor):
         if not self.static:
             cos, sin = self._fold(*self.rotary(x_BTE, pos_BT))
             return cos[:, :, None], sin[:, :, None]
-        need, table = int(pos_BT.max()) + 1, self.cos_sin
-        if table is None or table.shape[0] < need or table.dtype != x_BTE.dtype:
-            n = max(need, 2 * (0 if table is None else table.shape[0]), 64)
-            pos = torch.arange(n, device=x_BTE.device)[None]
-            self.cos_sin = torch.cat([t[0] for t in self._fold(*self.rotary(x_BTE[:1, :1], pos))], -1)
+        self._cover(x_BTE, int(pos_BT.max()) + 1)
         B, T = pos_BT.shape
         return self.cos_sin.index_select(0, pos_BT.reshape(-1)).view(B, T, 1, -1).chunk(2, -1)
+
+    def rows_last(self, x_BE: torch.Tensor, pos_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and folded sin (D, B), contiguous, of one position per row (``x_BE``: the rows'
+        activations, for the dtype and device)."""
+        if not self.static:
+            return tuple(c[:, 0, 0].t().contiguous() for c in self(x_BE[:, None], pos_B[:, None]))
+        self._cover(x_BE, int(pos_B.max()) + 1)
+        cs = self.cos_sin_t.index_select(1, pos_B)
+        return cs.chunk(2, 0)
+
+    def _cover(self, x: torch.Tensor, need: int) -> None:
+        """Tabulate at least positions [0, need) in x's dtype (doubling, so rarely)."""
+        table = self.cos_sin
+        if table is None or table.shape[0] < need or table.dtype != x.dtype:
+            n = max(need, 2 * (0 if table is None else table.shape[0]), 64)
+            pos = torch.arange(n, device=x.device)[None]
+            one = x.reshape(-1, x.shape[-1])[:1, None]  # (1, 1, E): the rotary module reads dtype and device
+            self.cos_sin = torch.cat([t[0] for t in self._fold(*self.rotary(one, pos))], -1)
+            self.cos_sin_t = self.cos_sin.t().contiguous()  # (2 D, positions): rows_last's layout
 
     @staticmethod
     def _fold(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
