@@ -58,11 +58,6 @@ class _Group:
     reasons: list  # finish reason per sample index, None while it runs
     left: int  # samples not finished yet
 
-    @property
-    def all_in_batch(self) -> bool:
-        """No sample was set aside: every sample's row is still in the cohort."""
-        return not any(self.samples)
-
 
 def _pad_dim(x: torch.Tensor, dim: int, size: int, value: float, left: bool) -> torch.Tensor:
     missing = size - x.shape[dim]
@@ -440,21 +435,27 @@ class TorchEngine(RolloutEngine):
     def _outputs(self, c: _Cohort, ended: list[_Group]) -> list[GroupOutput]:
         """The outputs of groups ``ended`` (all samples finished; their rows still in ``c``, but
         those set aside): one copy of all their rows' tokens, each group a slice of it."""
-        ids = {id(g) for g in ended}
-        idx = [i for i, (g, _) in enumerate(c.rows) if id(g) in ids]
+        in_batch = {id(g): sum(s is None for s in g.samples) for g in ended}  # rows each has in c
+        if sum(in_batch.values()) == len(c.rows):
+            idx = list(range(len(c.rows)))
+        else:
+            idx = [i for i, (g, _) in enumerate(c.rows) if id(g) in in_batch]
         lens, flats = self._rows_flat(c, idx)
-        out, start, off = [], 0, 0
+        spans, start = [], 0
         while start < len(idx):  # a group's rows are adjacent in a cohort, in sample order
             g = c.rows[idx[start]][0]
-            k = sum(1 for s in g.samples if s is None)  # its rows in the batch
-            g_lens = lens[start : start + k]
-            parts = [f.narrow(0, off, sum(g_lens)) for f in flats]
-            if g.all_in_batch:
-                out.append(GroupOutput(g.req.group_id, packed=PackedSamples(*parts, g_lens, g.reasons)))
+            k = in_batch[id(g)]
+            spans.append((g, start, k))
+            start += k
+        sizes = [sum(lens[a : a + k]) for _, a, k in spans]
+        ids, logps, vers = (f.split(sizes) for f in flats)
+        out = []
+        for (g, a, k), *parts in zip(spans, ids, logps, vers):
+            if k == len(g.samples):  # none set aside
+                out.append(GroupOutput(g.req.group_id, packed=PackedSamples(*parts, lens[a : a + k], g.reasons)))
             else:
-                self._set_aside(c, idx[start : start + k], g_lens, parts)
+                self._set_aside(c, idx[a : a + k], lens[a : a + k], parts)
                 out.append(GroupOutput(g.req.group_id, list(g.samples)))
-            start, off = start + k, off + sum(g_lens)
         return out
 
     def _rows_flat(self, c: _Cohort, idx: list[int]) -> tuple[list[int], list[torch.Tensor]]:
