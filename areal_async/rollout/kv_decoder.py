@@ -415,8 +415,7 @@ def _attend_rows_last(q_HDB, k_KhDB, v_KhDB, scale: float, pad_KB):
         s_KhGB.mul_(scale)
     if pad_KB is not None:
         s_KhGB.masked_fill_(pad_KB[:, None, None], float("-inf"))
-    e_KhGB = (s_KhGB - s_KhGB.amax(0)).exp_()
-    p_KhGB = e_KhGB.div_(e_KhGB.sum(0))
+    p_KhGB = torch.softmax(s_KhGB, 0)  # over the keys (outermost: vectorised over the rows)
     o_hGDB = (p_KhGB[:, :, :, None] * v_KhDB[:, :, None]).sum(0)
     return o_hGDB.view(H * D, B).to(dtype)
 

@@ -172,7 +172,8 @@ def sample_tokens(
     taken before top-p truncation (the distribution the trainer recomputes). ``mode``: what the
     parameters need (read from the tensors when None); the steps it rules out are skipped."""
     mode = mode or SamplingMode.of_tensors(temp_B, top_p_B, greedy_B)
-    logits_BV = logits_BV.float()
+    if logits_BV.dtype != torch.float32:
+        logits_BV = logits_BV.float()
     if not mode.unit_temp:
         logits_BV = logits_BV / torch.where(greedy_B, torch.ones_like(temp_B), temp_B)[:, None]
     logp_BV = torch.log_softmax(logits_BV, dim=-1)
@@ -235,6 +236,7 @@ class TorchEngine(RolloutEngine):
         self.cohorts: list[_Cohort] = []
         self.decoder = make_decoder(self.model, lean)
         self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_positions = model.config.max_position_embeddings
 
     # ---- the seam ------------------------------------------------------------------------------
 
@@ -292,7 +294,7 @@ class TorchEngine(RolloutEngine):
             raise ValueError(
                 f"GenRequest {req.group_id!r}: token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
             )
-        limit = self.model.config.max_position_embeddings
+        limit = self.max_positions
         if len(req.prompt_ids) + req.max_new_tokens > limit:
             raise ValueError(
                 f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
@@ -338,16 +340,24 @@ class TorchEngine(RolloutEngine):
         # one column more than the longest output: a finished row (still decoded, ignored) writes
         # its unused token at its frozen length, which is at most max_new_tokens
         S, W = max(map(len, stops)), max(r.max_new_tokens for r in reqs) + 1
+        ints = [
+            [r.prompt_ids[-1] for r in reqs],  # next_B: replaced by the first token
+            [len(r.prompt_ids) for r in reqs],  # pos_B: where that token goes
+            [r.max_new_tokens for r in reqs],  # max_new_B
+        ]
+        floats = [[float(r.temperature) for r in reqs], [float(r.top_p) for r in reqs]]
+        # one tensor per dtype, its rows repeated for the samples at once; each field a row of it
+        next_B, pos_B, max_new_B = torch.tensor(ints, device=dev).index_select(1, rows_G)
+        temp_B, top_p_B = torch.tensor(floats, device=dev).index_select(1, rows_G)
         t = {
-            "next_B": torch.tensor([r.prompt_ids[-1] for r in reqs], device=dev),  # replaced by the first token
-            "pos_B": torch.tensor([len(r.prompt_ids) for r in reqs], device=dev),  # where that token goes
-            "max_new_B": torch.tensor([r.max_new_tokens for r in reqs], device=dev),
-            "temp_B": torch.tensor([float(r.temperature) for r in reqs], device=dev),
-            "top_p_B": torch.tensor([float(r.top_p) for r in reqs], device=dev),
-            "greedy_B": torch.tensor([r.greedy for r in reqs], device=dev),
-            "stop_BW": torch.tensor([s + (-1,) * (S - len(s)) for s in stops], device=dev),
+            "next_B": next_B,
+            "pos_B": pos_B,
+            "max_new_B": max_new_B,
+            "temp_B": temp_B,
+            "top_p_B": top_p_B,
+            "greedy_B": torch.tensor([r.greedy for r in reqs], device=dev).index_select(0, rows_G),
+            "stop_BW": torch.tensor([s + (-1,) * (S - len(s)) for s in stops], device=dev).index_select(0, rows_G),
         }
-        t = {k: v.index_select(0, rows_G) for k, v in t.items()}
         B = len(rows_G)
         t["n_gen_B"] = torch.zeros(B, dtype=torch.long, device=dev)
         t["live_B"] = torch.ones(B, dtype=torch.bool, device=dev)  # False: finished, awaiting compact()
