@@ -10,7 +10,7 @@ from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, SampleOutput
-from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
+from areal_async.rollout.kv_decoder import HFDecoder, KVCache, LeanLlama
 from areal_async.rollout.torch_engine import TorchEngine, draw_tokens, sample_tokens
 
 TOK = build_char_tokenizer()
@@ -433,3 +433,20 @@ def test_group_output_builds_either_form_from_the_other():
     assert again.versions.tolist() == [3, 3, 4, 4] and GroupOutput("g", samples).n_samples == 3
     with pytest.raises(ValueError, match="exactly one of samples and packed"):
         GroupOutput("g", [SampleOutput([1], [0.0], [0], "stop")], packed)
+
+
+@pytest.mark.parametrize("rows_last", [True, False])
+@pytest.mark.parametrize("start", [0, 1, 3])
+def test_kv_cache_row_gathers_equal_index_select_of_the_filled_columns(rows_last, start):
+    """``select`` and ``repeat_rows`` gather through a 3D view; the filled columns must equal a
+    plain ``index_select`` of the 5D buffers, and the room after them must stay."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (5, 2, 3, 4, 6) if rows_last else (5, 2, 6, 3, 4)  # capacity 5, 2 layers, 6 rows
+    k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    cache = KVCache(k, v, 3, rows_last)
+    rows = torch.tensor([4, 0, 4, 5])
+    d = 4 if rows_last else 2
+    for got, first in ((cache.select(rows, start), start), (cache.repeat_rows(rows), 0)):
+        assert got.T == 3 - first and got.k.shape[0] == 5 - first and got.n_rows == 4
+        for mine, full in ((got.k, k), (got.v, v)):
+            assert torch.equal(mine[: got.T], full[first:3].index_select(d, rows))

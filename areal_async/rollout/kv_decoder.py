@@ -26,6 +26,7 @@ Not covered: sliding-window or hybrid attention in the lean path, paged memory, 
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -87,32 +88,31 @@ class KVCache:
         return KVCache(k, v, T, self.rows_last)
 
     def select(self, idx_B: torch.Tensor, start: int) -> "KVCache":
-        """Rows ``idx_B`` (in that order), columns from ``start`` on (a copy)."""
-        k, v = (x[start:].index_select(self.rows_dim, idx_B) for x in (self.k, self.v))
-        return self._like(k, v, self.T - start)
+        """Rows ``idx_B`` (in that order), columns from ``start`` on (a copy of the filled ones)."""
+        return self._gather(idx_B, start)
 
     def repeat_rows(self, rows_B: torch.Tensor) -> "KVCache":
         """Row ``rows_B[i]`` of this cache as row i (a group's prompt cache for each of its samples);
         only the filled columns are copied."""
-        shape = list(self.k.shape)
-        shape[self.rows_dim] = len(rows_B)
-        k, v = (x.new_empty(shape) for x in (self.k, self.v))
-        for src, dst in ((self.k, k), (self.v, v)):
-            torch.index_select(src[: self.T], self.rows_dim, rows_B, out=dst[: self.T])
-        return self._like(k, v, self.T)
+        return self._gather(rows_B, 0)
 
-    def repeat_each(self, n: int) -> "KVCache":
-        """Each row n times in a row (``repeat_rows`` of 0,..,0, 1,..,1, ...; one broadcast copy)."""
+    def _gather(self, rows_B: torch.Tensor, start: int) -> "KVCache":
+        """Rows ``rows_B`` of columns ``[start, T)`` into new buffers with the same room after them.
+        Each buffer is gathered as a (columns x before, rows, after) view: on CPU, with the rows
+        innermost, that is several times faster than ``index_select`` on the 5D tensor."""
+        d, T = self.rows_dim, self.T - start
         shape = list(self.k.shape)
-        B, d = shape[self.rows_dim], self.rows_dim
-        shape[d] = B * n
-        k, v = (x.new_empty(shape) for x in (self.k, self.v))
-        for src, dst in ((self.k, k), (self.v, v)):
-            part = src[: self.T].unsqueeze(d + 1)
-            wide = list(part.shape)
-            wide[d + 1] = n
-            dst[: self.T].view(wide).copy_(part.expand(wide))
-        return self._like(k, v, self.T)
+        shape[0], shape[d] = shape[0] - start, len(rows_B)
+        out = []
+        for src in (self.k, self.v):
+            dst = src.new_empty(shape)
+            part = src[start : self.T]  # contiguous: columns are outermost
+            before, after = math.prod(part.shape[:d]), math.prod(part.shape[d + 1 :])
+            torch.index_select(
+                part.view(before, part.shape[d], after), 1, rows_B, out=dst[:T].view(before, len(rows_B), after)
+            )
+            out.append(dst)
+        return self._like(*out, T)
 
     def merge(self, other: "KVCache") -> "KVCache":
         """Rows of ``self`` then of ``other``, the shorter one left-padded with zeros (masked columns)."""

@@ -325,8 +325,7 @@ class TorchEngine(RolloutEngine):
         cache, mask_GT, logits_GV = self._prefill([g.req.prompt_ids for g in groups], room, with_logits=True)
         n_G = torch.tensor([g.req.n for g in groups], device=self.device)
         rows_G = torch.repeat_interleave(torch.arange(len(groups), device=self.device), n_G)
-        ns = {g.req.n for g in groups}
-        cache = cache.repeat_each(ns.pop()) if len(ns) == 1 else cache.repeat_rows(rows_G)
+        cache = cache.repeat_rows(rows_G)
         t = self._row_tensors(groups, rows_G)
         t["mask_BT"] = mask_GT.index_select(0, rows_G)
         mode = SamplingMode.of_requests([g.req for g in groups])
