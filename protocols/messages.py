@@ -183,6 +183,45 @@ class RewardRequest(Message):
 
 
 @message
+class RewardRequests(Message):
+    """rollout worker -> reward workers (PUSH/PULL work queue): several groups to score, one message
+    (a ``RewardRequest`` each, as parallel lists per group: ``sample_ids[i]`` are group
+    ``group_ids[i]``'s samples, ``completions[i]`` theirs, ``solutions[i]`` its references)."""
+
+    TYPE: ClassVar[str] = "reward_requests"
+    group_ids: list[str]
+    sample_ids: list[list[str]]
+    completions: list[list[str]]
+    solutions: list[list[str]]
+
+    def validate(self) -> Optional[str]:
+        why = _same_lengths(self, "group_ids", "sample_ids", "completions", "solutions")
+        if why:
+            return why
+        for i, gid in enumerate(self.group_ids):
+            n, m = len(self.sample_ids[i]), len(self.completions[i])
+            if n != m or n == 0:
+                return f"group {gid!r} (#{i}): sample_ids={n}, completions={m}: expected equal and > 0"
+        return None
+
+    @classmethod
+    def of(cls, requests: list["RewardRequest"]) -> "RewardRequests":
+        return cls(
+            group_ids=[r.group_id for r in requests],
+            sample_ids=[r.sample_ids for r in requests],
+            completions=[r.completions for r in requests],
+            solutions=[r.solutions for r in requests],
+        )
+
+    def requests(self) -> list[RewardRequest]:
+        """One ``RewardRequest`` per group (already checked: no second validation)."""
+        return [
+            RewardRequest(gid, self.sample_ids[i], self.completions[i], self.solutions[i])
+            for i, gid in enumerate(self.group_ids)
+        ]
+
+
+@message
 class RewardResult(Message):
     """reward worker -> scheduler: scores of one group's samples (parallel lists). Also rollout
     worker -> scheduler for its own groups when a rollout workflow scored the episodes itself."""

@@ -45,6 +45,12 @@ SAMPLES = {
     "reward_request": M.RewardRequest(
         group_id="g1", sample_ids=["g1.0", "g1.1"], completions=["\\boxed{7}", ""], solutions=["7"]
     ),
+    "reward_requests": M.RewardRequests(
+        group_ids=["g1", "g2"],
+        sample_ids=[["g1.0", "g1.1"], ["g2.0"]],
+        completions=[["\\boxed{7}", ""], ["8"]],
+        solutions=[["7"], ["8", "eight"]],
+    ),
     "reward_result": M.RewardResult(
         group_id="g1",
         worker_id="w",
@@ -243,6 +249,42 @@ def test_reward_results_with_inconsistent_lists_are_rejected_naming_the_group(bo
         decode(envelope(t="reward_results", b=body))
     with pytest.raises(ProtocolError, match=needle):
         encode(M.RewardResults(**body))
+
+
+def _requests_body(**over):
+    body = {
+        "group_ids": ["g1", "g2"],
+        "sample_ids": [["g1.0", "g1.1"], ["g2.0"]],
+        "completions": [["a", "b"], ["c"]],
+        "solutions": [["1"], ["2"]],
+    }
+    return {**body, **over}
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        (_requests_body(solutions=[["1"]]), r"reward_requests: parallel lists differ in length: .*solutions=1"),
+        (_requests_body(completions=[["a"], ["c"]]), r"group 'g1' \(#0\): sample_ids=2, completions=1: expected"),
+        (_requests_body(sample_ids=[["g1.0", "g1.1"], []], completions=[["a", "b"], []]), r"group 'g2' \(#1\)"),
+        (_requests_body(solutions=[["1"], "2"]), r"reward_requests.solutions: expected list\[list\[str\]\]"),
+    ],
+)
+def test_reward_requests_with_inconsistent_lists_are_rejected_naming_the_group(body, needle):
+    with pytest.raises(ProtocolError, match=needle):
+        decode(envelope(t="reward_requests", b=body))
+    with pytest.raises(ProtocolError, match=needle):
+        encode(M.RewardRequests(**body))
+
+
+def test_reward_requests_split_into_one_request_per_group_and_back():
+    m = SAMPLES["reward_requests"]
+    reqs = [
+        M.RewardRequest("g1", ["g1.0", "g1.1"], ["\\boxed{7}", ""], ["7"]),
+        M.RewardRequest("g2", ["g2.0"], ["8"], ["8", "eight"]),
+    ]
+    assert m.requests() == reqs
+    assert M.RewardRequests.of(reqs) == m
 
 
 def test_reward_results_split_into_one_result_per_group():

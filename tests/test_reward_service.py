@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -16,6 +17,7 @@ from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.reward.pool import RewardPool
 from areal_async.reward.service import RewardService
+from areal_async.rollout.service import reward_batches
 from areal_async.base.control import ControlClient
 
 
@@ -94,9 +96,44 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
             assert got[gid].sample_ids == [f"{gid}.{j}" for j in range(3)]
             assert got[gid].scores == [1.0, 0.0, 0.0] and got[gid].statuses == ["ok"] * 3
         assert svc.counts["ok"] == 4 + 15 and svc.scoring == 0
+
+        # several groups in one RewardRequests (a rollout worker's engine step): each scored as its own
+        many = M.RewardRequests.of(
+            [
+                M.RewardRequest(
+                    group_id="g7", sample_ids=["g7.0", "g7.1"], completions=["\\boxed{3}", "x"], solutions=["3"]
+                ),
+                M.RewardRequest(group_id="g8", sample_ids=["g8.0"], completions=["\\boxed{4}"], solutions=["4"]),
+                M.RewardRequest(group_id="g9", sample_ids=["g9.0"], completions=["\\boxed{5}"], solutions=["6"]),
+            ]
+        )
+        await send_message(push, many)
+        got = {}
+        while len(got) < 3:
+            _, batch = await next_of(scheduler, M.RewardResults)
+            for res in batch.results():
+                assert res.group_id not in got, f"group {res.group_id} scored twice"
+                got[res.group_id] = res
+        assert {g: (r.sample_ids, r.scores) for g, r in got.items()} == {
+            "g7": (["g7.0", "g7.1"], [1.0, 0.0]),
+            "g8": (["g8.0"], [1.0]),
+            "g9": (["g9.0"], [0.0]),
+        }
+        assert svc.counts["ok"] == 4 + 15 + 4 and svc.scoring == 0
     finally:
         if ident is not None:
             await send_message(scheduler, M.Shutdown(reason="test"), to=ident)
         assert await asyncio.wait_for(task, 10) == 0
         assert pool.pids() == []  # the service closed its pool: no checking process left
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    "n_groups, n_peers, sizes",
+    [(32, 1, [32]), (32, 3, [10, 11, 11]), (2, 3, [1, 1]), (1, 1, [1]), (5, 2, [2, 3])],
+)
+def test_reward_batches_one_message_a_reward_worker_groups_in_order(n_groups, n_peers, sizes):
+    reqs = [M.RewardRequest(f"g{i}", [f"g{i}.0"], ["c"], ["s"]) for i in range(n_groups)]
+    batches = reward_batches(reqs, n_peers)
+    assert [len(b.group_ids) for b in batches] == sizes
+    assert [r for b in batches for r in b.requests()] == reqs

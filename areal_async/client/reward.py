@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Union
 import zmq
 import zmq.asyncio
 
-from protocols.messages import RewardRequest, RewardResult, Shutdown
+from protocols.messages import RewardRequest, RewardRequests, RewardResult, Shutdown
 from protocols.sockets import make_socket, recv_message, run_async
 
 from areal_async.base.control import ControlClient
@@ -76,8 +76,8 @@ class RewardWorker:
     async def _serve(self, control: ControlClient, pull) -> None:
         slots = asyncio.Semaphore(self.concurrency)
         while True:
-            _, req = await recv_message(pull, expect=(RewardRequest,), where=self.worker_id)
-            if req is not None:
+            _, msg = await recv_message(pull, expect=(RewardRequest, RewardRequests), where=self.worker_id)
+            for req in [] if msg is None else msg.requests() if isinstance(msg, RewardRequests) else [msg]:
                 await slots.acquire()
                 asyncio.create_task(self._answer(control, req, slots))
 

@@ -1,11 +1,12 @@
 """The reward worker process: RewardRequests from a PULL queue, scores from a killable pool.
 
-Rollout workers PUSH ``RewardRequest`` frames to every reward worker's PULL socket (ZeroMQ
-spreads them round-robin). A request carries one group's completions; they are scored by
+Rollout workers PUSH ``RewardRequests`` frames (the groups of one engine step, split over the reward
+workers) to every reward worker's PULL socket (ZeroMQ spreads them round-robin); a
+``RewardRequest`` (one group) is taken too. A group's completions are scored by
 ``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once). At most
 ``n_procs`` batches are taken off the queue at a time, so an idle reward worker is not starved by
-a busy one; a batch is one request plus those already queued on this worker's socket (up to
-``MAX_BATCH_GROUPS``, read without waiting), scored in one pool call (a round trip per child per
+a busy one; a batch is one message's groups plus those already queued on this worker's socket (up
+to ``MAX_BATCH_GROUPS``, read without waiting), scored in one pool call (a round trip per child per
 batch, not per group), and its groups' scores go to the scheduler in one ``RewardResults``
 (booked group by group, as a ``RewardResult`` each). A malformed frame is logged and dropped;
 the worker keeps serving. Anything else that raises (a ``score_many`` that fails instead of
@@ -23,7 +24,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from protocols.messages import RewardRequest, RewardResults, Shutdown
+from protocols.messages import RewardRequest, RewardRequests, RewardResults, Shutdown
 from protocols.sockets import decode_logged, make_socket, recv_message
 
 from areal_async.reward.pool import RewardPool
@@ -33,6 +34,13 @@ from areal_async.base.aio import TaskSet
 log = logging.getLogger("areal_async.reward")
 
 MAX_BATCH_GROUPS = 32  # requests scored in one pool call (one taken plus those already queued)
+
+
+_REQUESTS = (RewardRequest, RewardRequests)  # one group, or several (one message per engine step)
+
+
+def _groups(msg: RewardRequest | RewardRequests) -> list[RewardRequest]:
+    return msg.requests() if isinstance(msg, RewardRequests) else [msg]
 
 
 class RewardService:
@@ -88,25 +96,27 @@ class RewardService:
 
     async def _work(self) -> None:
         while True:
-            _, req = await recv_message(self.pull, expect=(RewardRequest,), where=self.worker_id)
-            if req is None:
+            _, msg = await recv_message(self.pull, expect=_REQUESTS, where=self.worker_id)
+            if msg is None:
                 continue
             await self.slots.acquire()
-            batch = [req] + self._queued(MAX_BATCH_GROUPS - 1)
-            self.tasks.spawn(self._score(batch), f"reward.score.{req.group_id}+{len(batch) - 1}")
+            batch = _groups(msg)
+            batch += self._queued(MAX_BATCH_GROUPS - len(batch))
+            self.tasks.spawn(self._score(batch), f"reward.score.{batch[0].group_id}+{len(batch) - 1}")
 
     def _queued(self, limit: int) -> list[RewardRequest]:
-        """Up to ``limit`` requests already waiting on the socket (never waits for one). Read through
-        the synchronous shadow of the socket, as the scheduler does: no Future per frame."""
+        """The groups of the requests already waiting on the socket, until at least ``limit`` (never
+        waits for one; a message's groups stay together). Read through the synchronous shadow of the
+        socket, as the scheduler does: no Future per frame."""
         out: list[RewardRequest] = []
         while len(out) < limit:
             try:
                 frames = self.queued.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            _, req = decode_logged(frames, expect=(RewardRequest,), where=self.worker_id)
-            if req is not None:
-                out.append(req)
+            _, msg = decode_logged(frames, expect=_REQUESTS, where=self.worker_id)
+            if msg is not None:
+                out += _groups(msg)
         return out
 
     async def _score(self, batch: list[RewardRequest]) -> None:

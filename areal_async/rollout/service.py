@@ -9,8 +9,8 @@ Two threads of control::
                       ─> pending weights (newest) >  between two steps: update_weights
                                                      (interrupt; KV recomputed; resume)
     <── finished groups ────────────────────────── step() ... group done
-    per group: tensors -> trainer (tensor channel, one message), TrajectoryReady -> scheduler,
-                RewardRequest -> reward workers (PUSH)
+    per group: tensors -> trainer (tensor channel, one message), TrajectoryReady -> scheduler;
+    per engine step: RewardRequests (its groups, one message a reward worker) -> reward workers (PUSH)
     <── WeightsLoaded(version) ─────────────────── after each weight switch
 
 The engine thread is the only one that touches the engine, so generation and weight loads
@@ -38,6 +38,7 @@ import zmq.asyncio
 from protocols.messages import (
     GenerateRequest,
     RewardRequest,
+    RewardRequests,
     RewardResult,
     Shutdown,
     TrajectoryReady,
@@ -180,6 +181,7 @@ class RolloutService:
         self.worker_id, self.control, self.decode = worker_id, control, decode
         self.traj, self.weights = traj_channel, weight_channel
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
+        self.n_reward_peers = max(1, len(reward_endpoints))  # a step's groups go out in this many messages
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.engine = EngineThread(engine, self._groups_from_thread, self._loaded_from_thread, max_active_groups)
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -277,9 +279,9 @@ class RolloutService:
             self._note_waiting()
 
     async def _publish_groups(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
-        """The groups one engine step finished: their RewardRequests first, all built before the
-        first is sent (they leave back to back, and scoring, the longest leg after generation at
-        eta = 0, starts before the tensors go out); then every group's tensors (one hop to the
+        """The groups one engine step finished: their reward requests first, in one RewardRequests
+        message a reward worker (``reward_batches``; scoring, a long leg after generation at eta = 0,
+        starts before the tensors go out); then every group's tensors (one hop to the
         sender thread for all); then their TrajectoryReady messages (the scheduler takes a group's
         score and trajectory in either order; the tensors still precede the TrajectoryReady)."""
         if not items:
@@ -294,8 +296,8 @@ class RolloutService:
             )
             for group, req in items
         ]
-        for r in requests:
-            await send_message(self.reward_sock, r)
+        for batch in reward_batches(requests, self.n_reward_peers):
+            await send_message(self.reward_sock, batch)
         # before TrajectoryReady: the trainer may be asked for the group next. Built and sent from the
         # sender thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
         await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
@@ -412,6 +414,14 @@ def groups_tensors(groups: list[tuple[list, PackedSamples]]) -> dict[str, torch.
         "logprobs": cat("logprobs", torch.float32),
         "versions": cat("versions", torch.int32),
     }
+
+
+def reward_batches(requests: list[RewardRequest], n_peers: int) -> list[RewardRequests]:
+    """The groups to score as ``min(n_peers, len(requests))`` messages of consecutive groups, sizes
+    differing by at most one: one message a reward worker (PUSH deals them round-robin), not one a group."""
+    k = min(n_peers, len(requests))
+    bounds = [len(requests) * i // k for i in range(k + 1)]
+    return [RewardRequests.of(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def group_tensors(prompt_ids, packed: PackedSamples) -> dict[str, torch.Tensor]:
