@@ -235,7 +235,8 @@ class LeanLlama:
         one block of the rows-last cache, attention by ``_attend_rows_last``."""
         T0, H, h = cache.T, self.n_heads, self.n_kv
         x_BE = self.model.model.embed_tokens(ids_B1)[:, 0]
-        cos, sin = self._rope.rows_last(x_BE, pos_B1[:, 0])  # (D, B)
+        # a position never exceeds its cache column (left padding only lowers it): T0 bounds them all
+        cos, sin = self._rope.rows_last(x_BE, pos_B1[:, 0], T0 + 1)  # (D, B)
         keys_KB = mask_BK.bool().t()
         pad_KB = None if bool(keys_KB.all()) else ~keys_KB
         for i, lp in enumerate(self._layers):
@@ -417,7 +418,8 @@ def _attend_rows_last(q_HDB, k_KhDB, v_KhDB, scale: float, pad_KB):
         s_KhGB.masked_fill_(pad_KB[:, None, None], float("-inf"))
     p_KhGB = torch.softmax(s_KhGB, 0)  # over the keys (outermost: vectorised over the rows)
     o_hGDB = (p_KhGB[:, :, :, None] * v_KhDB[:, :, None]).sum(0)
-    return o_hGDB.view(H * D, B).to(dtype)
+    o = o_hGDB.view(H * D, B)
+    return o if o.dtype == dtype else o.to(dtype)
 
 
 class _RopeTable:
@@ -444,12 +446,13 @@ class _RopeTable:
         B, T = pos_BT.shape
         return self.cos_sin.index_select(0, pos_BT.reshape(-1)).view(B, T, 1, -1).chunk(2, -1)
 
-    def rows_last(self, x_BE: torch.Tensor, pos_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows_last(self, x_BE: torch.Tensor, pos_B: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and folded sin (D, B), contiguous, of one position per row (``x_BE``: the rows'
-        activations, for the dtype and device)."""
+        activations, for the dtype and device; ``bound``: above every position, known to the
+        caller without reading ``pos_B``)."""
         if not self.static:
             return tuple(c[:, 0, 0].t().contiguous() for c in self(x_BE[:, None], pos_B[:, None]))
-        self._cover(x_BE, int(pos_B.max()) + 1)
+        self._cover(x_BE, bound)
         cs = self.cos_sin_t.index_select(1, pos_B)
         return cs.chunk(2, 0)
 

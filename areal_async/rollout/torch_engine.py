@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
@@ -388,9 +389,8 @@ class TorchEngine(RolloutEngine):
     def _decode(self, c: _Cohort) -> list[GroupOutput]:
         """One single-token forward for every row of ``c``; sample; retire finished rows."""
         t = c.t
-        B = len(c.rows)
         assert t["mask_BT"].shape[1] == c.cache.T, "cohort mask and KV cache disagree"
-        mask_BT = torch.cat([t["mask_BT"], torch.ones(B, 1, dtype=t["mask_BT"].dtype, device=self.device)], 1)
+        mask_BT = F.pad(t["mask_BT"], (0, 1), value=1)  # the new token's column
         logits_BV = self.decoder.forward(t["next_B"][:, None], t["pos_B"][:, None], mask_BT, c.cache, True)
         t["pos_B"], t["mask_BT"] = t["pos_B"] + 1, mask_BT
         return self._emit(c, logits_BV)
