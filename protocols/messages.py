@@ -144,6 +144,80 @@ class GenerateRequest(Message):
 
 
 @message
+class GenerateRequests(Message):
+    """scheduler -> rollout worker: several groups admitted together, one message (a
+    ``GenerateRequest`` each: group ``group_ids[i]`` is prompt ``prompt_keys[i]`` (its
+    ``prompt_id``) with samples ``sample_ids[i]``, prompt tokens ``prompt_tokens[i]`` and references
+    ``solutions[i]``; ``min_version`` and the sampling parameters are the same for all)."""
+
+    TYPE: ClassVar[str] = "generate_requests"
+    group_ids: list[str]
+    prompt_keys: list[str]
+    sample_ids: list[list[str]]
+    prompt_tokens: list[list[int]]
+    solutions: list[list[str]]
+    min_version: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    _SHARED: ClassVar[tuple[str, ...]] = (
+        "min_version",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "greedy",
+        "stop_token_ids",
+    )
+
+    def validate(self) -> Optional[str]:
+        why = _same_lengths(self, "group_ids", "prompt_keys", "sample_ids", "prompt_tokens", "solutions")
+        if why:
+            return why
+        for i, gid in enumerate(self.group_ids):
+            if not self.sample_ids[i]:
+                return f"group {gid!r} (#{i}) has no sample_ids"
+        return None
+
+    @classmethod
+    def of(cls, requests: list[GenerateRequest]) -> "GenerateRequests":
+        """``requests`` (at least one) in one message; ValueError if their shared fields differ."""
+        first = requests[0]
+        for r in requests[1:]:
+            for name in cls._SHARED:
+                if getattr(r, name) != getattr(first, name):
+                    raise ValueError(
+                        f"group {r.group_id!r} has {name}={getattr(r, name)!r}, group {first.group_id!r} "
+                        f"{getattr(first, name)!r}: one GenerateRequests carries one value"
+                    )
+        return cls(
+            group_ids=[r.group_id for r in requests],
+            prompt_keys=[r.prompt_id for r in requests],
+            sample_ids=[r.sample_ids for r in requests],
+            prompt_tokens=[r.prompt_ids for r in requests],
+            solutions=[r.solutions for r in requests],
+            **{name: getattr(first, name) for name in cls._SHARED},
+        )
+
+    def requests(self) -> list[GenerateRequest]:
+        """One ``GenerateRequest`` per group (already checked: no second validation)."""
+        shared = {name: getattr(self, name) for name in self._SHARED}
+        return [
+            GenerateRequest(
+                group_id=gid,
+                prompt_id=self.prompt_keys[i],
+                sample_ids=self.sample_ids[i],
+                prompt_ids=self.prompt_tokens[i],
+                solutions=self.solutions[i],
+                **shared,
+            )
+            for i, gid in enumerate(self.group_ids)
+        ]
+
+
+@message
 class TrajectoryReady(Message):
     """rollout worker -> scheduler: samples of one group generated (their tensors went to the trainer).
 

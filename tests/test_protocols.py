@@ -1,6 +1,7 @@
 """Wire protocol: typed msgpack messages, tensor frames, and receivers that survive bad frames."""
 
 import asyncio
+import dataclasses
 import logging
 import os
 
@@ -25,6 +26,19 @@ SAMPLES = {
         sample_ids=["g1.0", "g1.1"],
         prompt_ids=[1, 5, 6],
         solutions=["7"],
+        min_version=2,
+        max_new_tokens=8,
+        temperature=0.7,
+        top_p=0.9,
+        greedy=False,
+        stop_token_ids=[2],
+    ),
+    "generate_requests": M.GenerateRequests(
+        group_ids=["g1", "g2"],
+        prompt_keys=["e0p1", "e0p2"],
+        sample_ids=[["g1.0", "g1.1"], ["g2.0", "g2.1"]],
+        prompt_tokens=[[1, 5, 6], [1, 7]],
+        solutions=[["7"], ["8", "eight"]],
         min_version=2,
         max_new_tokens=8,
         temperature=0.7,
@@ -249,6 +263,34 @@ def test_reward_results_with_inconsistent_lists_are_rejected_naming_the_group(bo
         decode(envelope(t="reward_results", b=body))
     with pytest.raises(ProtocolError, match=needle):
         encode(M.RewardResults(**body))
+
+
+def test_generate_requests_split_into_one_request_per_group_and_back():
+    m = SAMPLES["generate_requests"]
+    shared = dict(min_version=2, max_new_tokens=8, temperature=0.7, top_p=0.9, greedy=False, stop_token_ids=[2])
+    reqs = [
+        M.GenerateRequest("g1", "e0p1", ["g1.0", "g1.1"], [1, 5, 6], ["7"], **shared),
+        M.GenerateRequest("g2", "e0p2", ["g2.0", "g2.1"], [1, 7], ["8", "eight"], **shared),
+    ]
+    assert m.requests() == reqs
+    assert M.GenerateRequests.of(reqs) == m
+    other = dataclasses.replace(reqs[1], min_version=3)
+    with pytest.raises(ValueError, match=r"group 'g2' has min_version=3, group 'g1' 2: one GenerateRequests"):
+        M.GenerateRequests.of([reqs[0], other])
+
+
+@pytest.mark.parametrize(
+    "over, needle",
+    [
+        ({"prompt_keys": ["e0p1"]}, r"generate_requests: parallel lists differ in length: group_ids=2, prompt_keys=1"),
+        ({"sample_ids": [["g1.0"], []]}, r"generate_requests: group 'g2' \(#1\) has no sample_ids"),
+        ({"prompt_tokens": [[1], ["x"]]}, r"generate_requests.prompt_tokens: expected list\[list\[int\]\]"),
+    ],
+)
+def test_generate_requests_with_inconsistent_lists_are_rejected_naming_the_group(over, needle):
+    body = {**SAMPLES["generate_requests"].to_body(), **over}
+    with pytest.raises(ProtocolError, match=needle):
+        decode(envelope(t="generate_requests", b=body))
 
 
 def _requests_body(**over):

@@ -107,7 +107,8 @@ async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_pat
         reward = await _registered(ctx, ep, "reward", "reward-0")
         trainer = await _registered(ctx, ep, "trainer", "trainer")
         await send_message(trainer, M.TrainerReady(version=0, next_step=0))
-        reqs = [await _next(rollout, M.GenerateRequest) for _ in range(2)]  # eta 0: one batch of 2 groups
+        reqs = (await _next(rollout, M.GenerateRequests)).requests()  # eta 0: one batch of 2 groups, one message
+        assert len(reqs) == 2
         for r in reqs:
             await send_message(
                 rollout,

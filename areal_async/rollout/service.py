@@ -4,7 +4,7 @@ Two threads of control::
 
     asyncio loop (main thread)                      engine thread
     ───────────────────────────                     ─────────────────────────────────────
-    GenerateRequest ──> inbox ───────────────────>  waits until its weights >= min_version,
+    GenerateRequest(s) > inbox ──────────────────>  waits until its weights >= min_version,
     WeightsPublished ─> fetch tensors (executor)    then add_request
                       ─> pending weights (newest) >  between two steps: update_weights
                                                      (interrupt; KV recomputed; resume)
@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from protocols.messages import (
     GenerateRequest,
+    GenerateRequests,
     RewardRequest,
     RewardRequests,
     RewardResult,
@@ -238,10 +239,8 @@ class RolloutService:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.control.recv()
-            if isinstance(msg, GenerateRequest) and self.workflow is not None:
-                asyncio.create_task(self._run_workflow(msg))
-            elif isinstance(msg, GenerateRequest):
-                self.engine.submit(msg)
+            if isinstance(msg, (GenerateRequest, GenerateRequests)):
+                self._take_requests(msg.requests() if isinstance(msg, GenerateRequests) else [msg])
             elif isinstance(msg, WeightsPublished):
                 self.tasks.spawn(self._fetch_weights(msg), f"rollout.fetch_weights.v{msg.version}")
             elif isinstance(msg, Shutdown) and msg.lost:
@@ -253,6 +252,13 @@ class RolloutService:
             else:
                 log.debug("%s: ignoring %s", self.worker_id, msg.TYPE)
             self._note_waiting()
+
+    def _take_requests(self, reqs: list[GenerateRequest]) -> None:
+        for req in reqs:
+            if self.workflow is not None:
+                asyncio.create_task(self._run_workflow(req))
+            else:
+                self.engine.submit(req)
 
     async def _fetch_weights(self, m: WeightsPublished) -> None:
         try:

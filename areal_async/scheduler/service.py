@@ -50,6 +50,8 @@ from protocols.messages import (
     CheckpointSaved,
     Error,
     EvalDone,
+    GenerateRequest,
+    GenerateRequests,
     Heartbeat,
     Message,
     Ping,
@@ -527,9 +529,12 @@ class SchedulerService:
             self.counts["stale"] += len(stale)
         if plan is not None:
             await self._send_plan(plan)
+        by_worker: dict[str, list[GenerateRequest]] = {}
         for worker, req in self.core.admit():
             self.counts["admitted"] += 1
-            await self.send(worker, req)
+            by_worker.setdefault(worker, []).append(req)
+        for worker, reqs in by_worker.items():  # one message a worker: the groups admitted together
+            await self.send(worker, reqs[0] if len(reqs) == 1 else GenerateRequests.of(reqs))
 
     async def _send_plan(self, plan: BatchPlan) -> None:
         trainers = self.role("trainer")
