@@ -197,3 +197,21 @@ def test_boba_batch_shape_and_packing():
     assert packed["ids_T"].dtype == torch.int32 and packed["logp_T"].dtype == torch.float32
     assert packed["cu_seqlens"][-1].item() == packed["ver_T"].numel() == sum(len(s["ids_T"]) for s in seqs)
     assert nbytes(packed) == 12 * packed["ids_T"].numel() + 4 * 9
+
+
+def test_publish_end_waits_only_where_receivers_take_part():
+    """The trainer calls publish_end without a thread only where it cannot wait for a receiver."""
+    shm = make_weight_channel("shm", role="publisher")
+    alone = make_weight_channel("zmq", role="publisher")
+    awaited = make_weight_channel("zmq", role="publisher", expect_receivers=2, timeout_s=0.2)
+    try:
+        assert not shm.publish_end_waits and not alone.publish_end_waits and awaited.publish_end_waits
+        for ch in (shm, alone):  # returns at once with nobody fetching
+            ch.publish_begin(0, _sd())
+            ch.publish_end()
+        awaited.publish_begin(0, _sd())
+        with pytest.raises(TransportError, match="0 of 2 receivers fetched"):
+            awaited.publish_end()  # two fetches awaited, none comes
+    finally:
+        for ch in (shm, alone, awaited):
+            ch.close()

@@ -78,6 +78,12 @@ class WeightChannel(ABC):
     def publish_end(self) -> None:
         """Return once the payload is out (the broadcast, for collectives)."""
 
+    @property
+    def publish_end_waits(self) -> bool:
+        """Whether ``publish_end`` may wait for receivers (a broadcast, awaited fetches); False where
+        it returns at once, so a publisher may call it without a thread to wait in."""
+        return True
+
     @abstractmethod
     def receive(self, manifest: dict) -> Tensors:
         """Every tensor of the manifest, verified; ``TransportError`` otherwise."""

@@ -153,6 +153,10 @@ class CudaIpcWeightChannel(WeightChannel):
     def publish_end(self) -> None:
         """Receivers map the buffer themselves; nothing moves here."""
 
+    @property
+    def publish_end_waits(self) -> bool:
+        return False
+
     def receive(self, manifest: dict) -> Tensors:
         lay, m = B.parse_manifest(manifest, "cuda_ipc")
         flat = open_shared(m["handle"].get("ipc"))

@@ -371,6 +371,10 @@ class ShmWeightChannel(WeightChannel):
     def publish_end(self) -> None:
         """Nothing moves after ``publish_begin``: the receivers map the segment themselves."""
 
+    @property
+    def publish_end_waits(self) -> bool:
+        return False
+
     def receive(self, manifest: dict) -> Tensors:
         layout_, m = B.parse_manifest(manifest, "shm")
         h = m["handle"]

@@ -108,6 +108,10 @@ class ZmqWeightChannel(WeightChannel):
             raise RuntimeError("publish_end() without publish_begin()")
         self._server.wait_fetches(self._last, self.expect_receivers, self.timeout_s)
 
+    @property
+    def publish_end_waits(self) -> bool:
+        return self.expect_receivers > 0
+
     def receive(self, manifest: dict) -> Tensors:
         layout, m = B.parse_manifest(manifest, "zmq")
         endpoint = m["handle"].get("endpoint")
