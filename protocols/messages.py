@@ -243,6 +243,78 @@ class TrajectoryReady(Message):
 
 
 @message
+class TrajectoriesReady(Message):
+    """rollout worker -> scheduler: the groups one engine step finished, as one message (their
+    tensors went to the trainer first). Per group, the fields of a ``TrajectoryReady`` (one entry
+    each in these parallel per-group lists); the scheduler books each group as if it had come
+    alone (``groups()``). ``TrajectoryReady`` stays valid for a single group."""
+
+    TYPE: ClassVar[str] = "trajectories_ready"
+    worker_id: str
+    group_ids: list[str]
+    n_prompt_tokens: list[int]
+    sample_ids: list[list[str]]
+    n_output_tokens: list[list[int]]
+    version_min: list[list[int]]
+    version_max: list[list[int]]
+    finish_reasons: list[list[str]]
+
+    @classmethod
+    def of(cls, groups: list[TrajectoryReady]) -> "TrajectoriesReady":
+        """``groups`` (one worker's, none with ``turns``) in one message; ValueError naming the group if not."""
+        for g in groups:
+            if g.worker_id != groups[0].worker_id or g.turns:
+                what = f"turns {g.turns}" if g.turns else f"worker {g.worker_id!r}, not {groups[0].worker_id!r}"
+                raise ValueError(f"group {g.group_id!r} has {what}: a TrajectoriesReady carries neither")
+        return cls(
+            worker_id=groups[0].worker_id,
+            group_ids=[g.group_id for g in groups],
+            n_prompt_tokens=[g.n_prompt_tokens for g in groups],
+            sample_ids=[g.sample_ids for g in groups],
+            n_output_tokens=[g.n_output_tokens for g in groups],
+            version_min=[g.version_min for g in groups],
+            version_max=[g.version_max for g in groups],
+            finish_reasons=[g.finish_reasons for g in groups],
+        )
+
+    def groups(self) -> list[TrajectoryReady]:
+        """One ``TrajectoryReady`` per group, in order."""
+        return [
+            TrajectoryReady(gid, self.worker_id, *fields)
+            for gid, *fields in zip(
+                self.group_ids,
+                self.n_prompt_tokens,
+                self.sample_ids,
+                self.n_output_tokens,
+                self.version_min,
+                self.version_max,
+                self.finish_reasons,
+            )
+        ]
+
+    def validate(self) -> Optional[str]:
+        why = _same_lengths(
+            self,
+            "group_ids",
+            "n_prompt_tokens",
+            "sample_ids",
+            "n_output_tokens",
+            "version_min",
+            "version_max",
+            "finish_reasons",
+        )
+        if why:
+            return why
+        if len(set(self.group_ids)) != len(self.group_ids):
+            return f"group_ids repeat a group: {_short(self.group_ids)}"
+        for g in self.groups():
+            why = g.validate()
+            if why:
+                return f"group {g.group_id!r}: {why}"
+        return None
+
+
+@message
 class RewardRequest(Message):
     """rollout worker -> reward workers (PUSH/PULL work queue): score the completions of one group."""
 

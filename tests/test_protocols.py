@@ -56,6 +56,16 @@ SAMPLES = {
         version_max=[2, -1],
         finish_reasons=["stop", "length"],
     ),
+    "trajectories_ready": M.TrajectoriesReady(
+        worker_id="r0",
+        group_ids=["g1", "g2"],
+        n_prompt_tokens=[3, 5],
+        sample_ids=[["g1.0", "g1.1"], ["g2.0"]],
+        n_output_tokens=[[4, 0], [7]],
+        version_min=[[1, -1], [2]],
+        version_max=[[2, -1], [3]],
+        finish_reasons=[["stop", "length"], ["stop"]],
+    ),
     "reward_request": M.RewardRequest(
         group_id="g1", sample_ids=["g1.0", "g1.1"], completions=["\\boxed{7}", ""], solutions=["7"]
     ),
@@ -335,6 +345,73 @@ def test_reward_results_split_into_one_result_per_group():
         M.RewardResult("g1", "w", ["g1.0", "g1.1"], [1.0, 0.0], ["ok", "timeout"], ["", "killed after 5.0 s"]),
         M.RewardResult("g2", "w", ["g2.0"], [0.5], ["ok"], [""]),
     ]
+
+
+def test_trajectories_ready_is_one_trajectory_ready_per_group():
+    """An engine step's groups in one message: decoded, each group is the TrajectoryReady a
+    rollout worker would have sent for it alone (values written out by hand)."""
+    msg = decode(encode(SAMPLES["trajectories_ready"]))
+    assert msg.groups() == [
+        M.TrajectoryReady("g1", "r0", 3, ["g1.0", "g1.1"], [4, 0], [1, -1], [2, -1], ["stop", "length"]),
+        M.TrajectoryReady("g2", "r0", 5, ["g2.0"], [7], [2], [3], ["stop"]),
+    ]
+
+
+def _ready_body(**over):
+    body = SAMPLES["trajectories_ready"].to_body()
+    body.update(over)
+    return body
+
+
+@pytest.mark.parametrize(
+    "over, needle",
+    [
+        ({"n_prompt_tokens": [3]}, r"parallel lists differ in length: group_ids=2, n_prompt_tokens=1"),
+        (
+            {
+                "group_ids": [],
+                "n_prompt_tokens": [],
+                "sample_ids": [],
+                "n_output_tokens": [],
+                "version_min": [],
+                "version_max": [],
+                "finish_reasons": [],
+            },
+            "group_ids is empty",
+        ),
+        ({"group_ids": ["g1", "g1"]}, r"group_ids repeat a group: \['g1', 'g1'\]"),
+        ({"version_max": [[2], [3]]}, r"group 'g1': parallel lists differ in length: sample_ids=2, .*version_max=1"),
+        (
+            {
+                "sample_ids": [["g1.0", "g1.1"], []],
+                "n_output_tokens": [[4, 0], []],
+                "version_min": [[1, -1], []],
+                "version_max": [[2, -1], []],
+                "finish_reasons": [["stop", "length"], []],
+            },
+            "group 'g2': sample_ids is empty",
+        ),
+        ({"n_output_tokens": [[4, 0], [True]]}, r"n_output_tokens: expected list\[list\[int\]\]"),
+    ],
+)
+def test_trajectories_ready_with_bad_lists_is_rejected(over, needle):
+    """Per group and per sample the lists must pair up (else a sample would be booked with another's
+    counts), a group appears once, and the items are typed; refused on decode and on encode."""
+    with pytest.raises(ProtocolError, match="trajectories_ready.*" + needle):
+        decode(envelope(t="trajectories_ready", b=_ready_body(**over)))
+    with pytest.raises(ProtocolError, match="trajectories_ready.*" + needle):
+        encode(M.TrajectoriesReady(**_ready_body(**over)))
+
+
+def test_trajectories_ready_of_joins_one_workers_groups_and_refuses_others():
+    groups = SAMPLES["trajectories_ready"].groups()
+    assert M.TrajectoriesReady.of(groups) == SAMPLES["trajectories_ready"]
+    other = dataclasses.replace(groups[1], worker_id="r1")
+    with pytest.raises(ValueError, match=r"group 'g2' has worker 'r1', not 'r0'"):
+        M.TrajectoriesReady.of([groups[0], other])
+    episodes = dataclasses.replace(groups[1], turns=[2])
+    with pytest.raises(ValueError, match=r"group 'g2' has turns \[2\]: a TrajectoriesReady carries neither"):
+        M.TrajectoriesReady.of([groups[0], episodes])
 
 
 def test_unexpected_type_is_rejected_where_a_specific_one_is_expected():

@@ -154,3 +154,50 @@ async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_pat
         svc.done.set()
         await asyncio.wait_for(task, 5)
         ctx.destroy(linger=0)
+
+
+async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_path):
+    """One TrajectoriesReady for an engine step's two groups: each sample is booked generated once
+    (the same message again changes nothing), and with the scores the batch is planned."""
+    cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"])
+    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
+    svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
+    task = asyncio.create_task(svc.run())
+    ctx = zmq.asyncio.Context()
+    try:
+        rollout = await _registered(ctx, ep, "rollout", "rollout-0")
+        reward = await _registered(ctx, ep, "reward", "reward-0")
+        trainer = await _registered(ctx, ep, "trainer", "trainer")
+        await send_message(trainer, M.TrainerReady(version=0, next_step=0))
+        reqs = (await _next(rollout, M.GenerateRequests)).requests()
+        assert len(reqs) == 2
+        ready = M.TrajectoriesReady(
+            worker_id="rollout-0",
+            group_ids=[r.group_id for r in reqs],
+            n_prompt_tokens=[len(r.prompt_ids) for r in reqs],
+            sample_ids=[r.sample_ids for r in reqs],
+            n_output_tokens=[[3, 1] for _ in reqs],
+            version_min=[[0, 0] for _ in reqs],
+            version_max=[[0, 0] for _ in reqs],
+            finish_reasons=[["stop", "length"] for _ in reqs],
+        )
+        sids = [sid for r in reqs for sid in r.sample_ids]
+        for _ in range(2):  # the second copy is refused sample by sample
+            await send_message(rollout, ready)
+            await send_message(rollout, M.Ping(nonce=1))
+            await _next(rollout, M.Pong)
+            assert [svc.core.ledger.samples[sid].status for sid in sids] == ["generated"] * 4
+            assert svc.counts["generated"] == 4
+        await send_message(reward, ready)  # only a rollout worker may report trajectories
+        err = await _next(reward, M.Error)
+        assert "reward worker may not send 'trajectories_ready'" in err.detail
+        for r in reqs:
+            result = M.RewardResult(r.group_id, "reward-0", r.sample_ids, [1.0, 0.0], ["ok", "ok"], ["", ""])
+            await send_message(reward, result)
+        plan = await _next(trainer, M.BatchPlan)
+        assert sorted(plan.sample_ids) == sorted(sids) and plan.step == 0
+        assert [svc.core.ledger.samples[sid].n_output_tokens for sid in sids] == [3, 1, 3, 1]
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 5)
+        ctx.destroy(linger=0)

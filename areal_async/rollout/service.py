@@ -9,8 +9,8 @@ Two threads of control::
                       ─> pending weights (newest) >  between two steps: update_weights
                                                      (interrupt; KV recomputed; resume)
     <── finished groups ────────────────────────── step() ... group done
-    per group: tensors -> trainer (tensor channel, one message), TrajectoryReady -> scheduler;
-    per engine step: RewardRequests (its groups, one message a reward worker) -> reward workers (PUSH)
+    per engine step: RewardRequests (its groups, one message a reward worker) -> reward workers (PUSH),
+                tensors -> trainer (tensor channel), one TrajectoriesReady -> scheduler
     <── WeightsLoaded(version) ─────────────────── after each weight switch
 
 The engine thread is the only one that touches the engine, so generation and weight loads
@@ -42,6 +42,7 @@ from protocols.messages import (
     RewardRequests,
     RewardResult,
     Shutdown,
+    TrajectoriesReady,
     TrajectoryReady,
     WeightsLoaded,
     WeightsPublished,
@@ -288,8 +289,8 @@ class RolloutService:
         """The groups one engine step finished: their reward requests first, in one RewardRequests
         message a reward worker (``reward_batches``; scoring, a long leg after generation at eta = 0,
         starts before the tensors go out); then every group's tensors (one hop to the
-        sender thread for all); then their TrajectoryReady messages (the scheduler takes a group's
-        score and trajectory in either order; the tensors still precede the TrajectoryReady)."""
+        sender thread for all); then one TrajectoriesReady for them all (the scheduler takes a group's
+        score and trajectory in either order; the tensors still precede it)."""
         if not items:
             return
         texts = iter(self.decode([ids for g, _ in items for ids in _split_list(g.packed.output_ids, g.packed.lengths)]))
@@ -307,8 +308,7 @@ class RolloutService:
         # before TrajectoryReady: the trainer may be asked for the group next. Built and sent from the
         # sender thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
         await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
-        for group, req in items:
-            await self._trajectory_ready(group, req)
+        await self._trajectories_ready(items)
 
     def _send_all(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
         """The groups' tensors as few messages as ``message_bytes`` allows (``trajectory_messages``)."""
@@ -316,26 +316,26 @@ class RolloutService:
         for key, tensors, meta in trajectory_messages(groups, self.message_bytes):
             self.traj.send(key, tensors, meta)
 
-    async def _trajectory_ready(self, group: GroupOutput, req: GenerateRequest) -> None:
-        packed = group.packed
-        sids = list(req.sample_ids[: group.n_samples])
-        versions = _split_list(packed.versions, packed.lengths)  # one call a group, not reductions a sample
-        vmin = [min(v) if v else -1 for v in versions]
-        vmax = [max(v) if v else -1 for v in versions]
-        await self.control.send(
-            TrajectoryReady(
-                group_id=req.group_id,
-                worker_id=self.worker_id,
-                n_prompt_tokens=len(req.prompt_ids),
-                sample_ids=sids,
-                n_output_tokens=list(packed.lengths),
-                version_min=vmin,
-                version_max=vmax,
-                finish_reasons=list(packed.finish_reasons),
-            )
-        )
-        self.n_samples += len(sids)
+    async def _trajectories_ready(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
+        """The groups of one engine step in one TrajectoriesReady (a lone group: a TrajectoryReady)."""
+        groups = [self._trajectory(group, req) for group, req in items]
+        await self.control.send(groups[0] if len(groups) == 1 else TrajectoriesReady.of(groups))
+        self.n_samples += sum(len(g.sample_ids) for g in groups)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
+
+    def _trajectory(self, group: GroupOutput, req: GenerateRequest) -> TrajectoryReady:
+        packed = group.packed
+        versions = _split_list(packed.versions, packed.lengths)  # one call a group, not reductions a sample
+        return TrajectoryReady(
+            group_id=req.group_id,
+            worker_id=self.worker_id,
+            n_prompt_tokens=len(req.prompt_ids),
+            sample_ids=list(req.sample_ids[: group.n_samples]),
+            n_output_tokens=list(packed.lengths),
+            version_min=[min(v) if v else -1 for v in versions],
+            version_max=[max(v) if v else -1 for v in versions],
+            finish_reasons=list(packed.finish_reasons),
+        )
 
     # ---- workflow episodes ---------------------------------------------------------------
     async def _run_workflow(self, req: GenerateRequest) -> None:

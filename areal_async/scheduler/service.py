@@ -65,6 +65,7 @@ from protocols.messages import (
     StatusRequest,
     TrainerReady,
     TrainStepDone,
+    TrajectoriesReady,
     TrajectoryReady,
     WeightsLoaded,
     WeightsPublished,
@@ -122,6 +123,7 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
 DRAIN_MAX = 256  # frames handled per wakeup before the core is driven (admit, plan) once
 _SENDERS = {
     TrajectoryReady: ("rollout",),
+    TrajectoriesReady: ("rollout",),
     WeightsLoaded: ("rollout",),
     RewardResult: ("reward", "rollout"),
     RewardResults: ("reward",),
@@ -287,6 +289,7 @@ class SchedulerService:
             Heartbeat: self._heartbeat,
             Ping: self._ping,
             TrajectoryReady: self._trajectory,
+            TrajectoriesReady: self._trajectories,
             RewardResult: self._reward,
             RewardResults: self._rewards,
             WeightsPublished: self._weights_published,
@@ -384,6 +387,11 @@ class SchedulerService:
             log.warning("ignored trajectory from %s: %s", wid, why)
         else:
             self._count(wid, "generated", len(m.sample_ids))
+
+    async def _trajectories(self, wid: str, m: TrajectoriesReady) -> None:
+        """The groups of one engine step: each booked as its own TrajectoryReady."""
+        for g in m.groups():
+            await self._trajectory(wid, g)
 
     async def _reward(self, wid: str, m: RewardResult) -> None:
         if self.workers[wid]["role"] == "rollout":  # a workflow's own rewards: only for the groups it holds
