@@ -457,7 +457,7 @@ class TorchEngine(RolloutEngine):
             spans.append((g, start, k))
             start += k
         sizes = [sum(lens[a : a + k]) for _, a, k in spans]
-        ids, logps, vers = (f.split(sizes) for f in flats)
+        ids, logps, vers = (f.split_with_sizes(sizes) for f in flats)  # no Tensor.split wrapper
         out = []
         for (g, a, k), *parts in zip(spans, ids, logps, vers):
             if k == len(g.samples):  # none set aside
@@ -478,7 +478,10 @@ class TorchEngine(RolloutEngine):
         if not whole:
             fields = [x.index_select(0, rows) for x in fields]
         kept_RW = torch.arange(fields[0].shape[1], device=self.device)[None, :] < n_gen[:, None]
-        return n_gen.tolist(), [x[kept_RW].cpu() for x in fields]  # boolean indexing copies
+        # the kept cells' flat positions once, then one gather per field (a boolean index per field
+        # would find them three times)
+        flat = kept_RW.view(-1).nonzero().view(-1)
+        return n_gen.tolist(), [x.reshape(-1).index_select(0, flat).cpu() for x in fields]
 
     def _set_aside(self, c: _Cohort, idx: list[int], lens: list[int], flats: list[torch.Tensor]) -> None:
         """Rows ``idx`` of ``c`` (finished) as their groups' SampleOutputs: views of ``flats``."""
