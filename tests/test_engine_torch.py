@@ -355,6 +355,26 @@ def test_weights_changed_in_place_outside_update_weights_are_used():
     _assert_logprobs_match(model, [req], _run(engine), 1.0)
 
 
+def test_parameters_replaced_by_new_objects_are_used():
+    """A parameter replaced by a new ``nn.Parameter`` (assignment, ``load_state_dict(assign=True)``)
+    is read from its module at the next forward (the engine looks parameters up in the modules'
+    parameter dicts, not in copies of the objects): fused projections, the o/down projections
+    and the lm head all follow, checked against HF's own no-cache forward."""
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=0, version=0)
+    engine.add_request(_req("before", PROMPTS[0]))
+    _run(engine)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("RMSNorm"):
+                w = module.weight
+                module.weight = torch.nn.Parameter(w + 0.5 * w.abs().mean() * torch.randn(w.shape, generator=gen))
+    req = _req("after", PROMPTS[2])
+    engine.add_request(req)
+    _assert_logprobs_match(model, [req], _run(engine), 1.0)
+
+
 def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
     """A third of the vocabulary stops a sample, so the samples of a group end at different steps
     and finished rows are compacted away (set aside) while their group still runs: every group
