@@ -309,3 +309,96 @@ def test_ledger_refuses_a_checkpoint_with_an_unknown_state_naming_it():
     old["groups"][0]["status"] = "done"
     with pytest.raises(ValueError, match="group 'g1': status 'done' is not one of"):
         Ledger.from_state(old)
+
+
+# ---- plan ahead (η >= 1): BatchPlan(n+1) while step n trains ------------------------------------
+def test_plan_ahead_at_eta_one_is_depth_one_and_steps_end_in_order():
+    core = make_core(eta=1, B=1, n=2, steps=5)
+    g0, g1 = (r for _, r in core.admit())  # (η + v + 1) * B = 2 groups
+    finish_group(core, g0, 0, 0)
+    finish_group(core, g1, 0, 0)
+    p0, _ = core.plan(ahead=True)
+    assert (p0.step, p0.sample_ids) == (0, g0.sample_ids)  # idle trainer: the current step first
+    p1, _ = core.plan(ahead=True)  # g1's oldest token (0) >= 1 - 1: fresh enough for step 1
+    assert (p1.step, p1.sample_ids) == (1, g1.sample_ids)
+    assert core.plan(ahead=True)[0] is None  # depth 1
+    with pytest.raises(ValueError, match="TrainStepDone for step 1, but the trainer was planned step 0"):
+        core.on_step_done(1, 2)
+    with pytest.raises(ValueError, match="between steps"):
+        core.state()  # a checkpoint never carries a planned batch
+    assert [r.sample_id for r in core.on_step_done(0, 1)] == g0.sample_ids
+    assert core.trainer_busy and core.next_step == 1  # step 1 was planned already
+    recs = core.on_step_done(1, 2)
+    assert [(r.sample_id, r.train_step, r.status) for r in recs] == [(s, 1, "trained") for s in g1.sample_ids]
+    assert not core.trainer_busy and core.next_step == 2
+
+
+def test_no_plan_ahead_at_eta_zero_or_without_leave():
+    core = make_core(eta=0, B=1, n=2, steps=5)
+    (_, g0), (_, g1) = core.admit()[0], core._issue(core.rollouts["r1"])  # η = 0 admits one: g1 hand-built
+    finish_group(core, g0, 0, 0)
+    finish_group(core, g1, 1, 1)  # fresh enough for step 1 even at η = 0 (1 >= 1 - 0)
+    assert core.plan(ahead=True)[0].step == 0
+    assert core.plan(ahead=True)[0] is None  # η = 0: never ahead
+    core2 = make_core(eta=1, B=1, n=2, steps=5)
+    h0, h1 = (r for _, r in core2.admit())
+    finish_group(core2, h0, 0, 0)
+    finish_group(core2, h1, 0, 0)
+    assert core2.plan()[0].step == 0
+    assert core2.plan()[0] is None  # the service did not allow it (checkpoint due, stopping)
+    assert core2.plan(ahead=True)[0].step == 1
+
+
+def test_group_too_stale_for_the_next_step_is_not_planned_ahead():
+    core = make_core(eta=1, B=1, n=2, steps=5)
+    g0, g1 = (r for _, r in core.admit())
+    finish_group(core, g0, 0, 0)
+    assert core.plan(ahead=True)[0].step == 0
+    core.on_step_done(0, 1)
+    (_, g2) = core.admit()[0]
+    finish_group(core, g2, 1, 1)
+    assert core.plan(ahead=True)[0].sample_ids == g2.sample_ids  # step 1
+    finish_group(core, g1, 0, 1)  # oldest token 0: fresh for step 1 (planned), not for step 2 (0 < 2 - 1)
+    assert core.plan(ahead=True)[0] is None
+    _, g3 = core._issue(core.rollouts["r0"])  # hand-built: a group begun at version 1
+    finish_group(core, g3, 1, 1)
+    p2, _ = core.plan(ahead=True)
+    assert (p2.step, p2.sample_ids) == (2, g3.sample_ids)  # g1, first in the ready queue, is passed over
+    core.on_step_done(1, 2)
+    _, stale = core.plan(ahead=True)  # now at step 2: g1 is aborted as stale, never trained
+    assert [(r.sample_id, r.status) for r in stale] == [(s, "aborted") for s in g1.sample_ids]
+    assert [r.train_step for r in core.on_step_done(2, 3)] == [2, 2]
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_plan_ahead_keeps_bounded_staleness_and_exactly_once(eta):
+    """A simulated fleet whose trainer takes 0-3 rounds a step and always has the next plan queued
+    when one is offered: every trained sample's oldest version >= its step - η, each sample once."""
+    rng, logged, inflight, trained, queue, ahead = random.Random(eta), [], [], {}, [], 0
+    core = make_core(eta=eta, steps=12, logged=logged)
+    while not core.finished:
+        for _, req in core.admit():
+            inflight.append([rng.randint(0, 6), req, core.version])
+        for item in list(inflight):
+            item[0] -= 1
+            if item[0] < 0:
+                inflight.remove(item)
+                if core.ledger.groups[item[1].group_id].status == "running":
+                    finish_group(core, item[1], item[2], core.version, score=rng.random())
+        plan, _ = core.plan(ahead=True)
+        if plan is not None:
+            ahead += bool(queue)  # planned while the previous step still trains
+            queue.append([rng.randint(0, 3), plan.step])
+        if queue:
+            queue[0][0] -= 1
+            if queue[0][0] < 0:
+                step = queue.pop(0)[1]
+                trained[step] = core.on_step_done(step, step + 1)
+    core.abort_open("run_end")
+    assert sorted(trained) == list(range(12))
+    for step, recs in trained.items():
+        assert recs and all(r.version_min >= step - eta and r.train_step == step for r in recs), step
+    ids = [r.sample_id for r in logged]
+    assert len(ids) == len(set(ids)) == core.ledger.n_samples_issued
+    assert {r.status for r in logged} <= {"trained", "aborted"}
+    assert ahead > 0  # plan ahead happened

@@ -14,6 +14,8 @@
          │   a group whose oldest token version < step - η is aborted ("stale") and re-issued
          v
     BatchPlan(step) ──> trainer ──> TrainStepDone(step, version=step+1)
+         │   at η >= 1, while step trains: BatchPlan(step+1) when B groups are fresh enough for
+         │   step+1 (plan ahead, depth 1; the trainer finds it queued when step ends)
          │   samples -> trained, v = step + 1, metrics line, trajectory lines
          v
     total_train_steps reached -> everything still open is aborted ("run_end"), Shutdown
@@ -83,6 +85,7 @@ class SchedulerCore:
         self.reissue: deque[tuple[int, str]] = deque()
         self.rollouts: dict[str, RolloutState] = {}
         self.batch_groups: list[str] = []
+        self.ahead_groups: Optional[list[str]] = None  # groups planned for next_step + 1 (plan ahead)
         self.finished = False
         self.aborted_since_plan: list[str] = []
         self.resumes = 0
@@ -193,25 +196,54 @@ class SchedulerCore:
             self.ready.append(gid)
 
     # ---- training ------------------------------------------------------------------------
-    def plan(self) -> tuple[Optional[BatchPlan], list[SampleRecord]]:
+    def plan(self, ahead: bool = False) -> tuple[Optional[BatchPlan], list[SampleRecord]]:
         """A batch for the next step when the trainer is idle and B fresh groups are ready.
+
+        ``ahead`` (the service allows it: no checkpoint due, not stopping): at η >= 1, while
+        the trainer trains ``next_step`` and nothing is planned ahead yet, a batch for
+        ``next_step + 1`` of the first B ready groups fresh enough for that step. A group's
+        oldest token version is fixed once it is ready, so the staleness check is exact; groups
+        fresh for ``next_step`` only stay ready (and are aborted as stale after it).
 
         Returns (plan or None, samples aborted as stale on the way)."""
         aborted = self._drop_stale()
-        if self.finished or not self.trainer_ready or self.trainer_busy or len(self.ready) < self.p.batch_size:
+        if self.finished or not self.trainer_ready or len(self.ready) < self.p.batch_size:
             return None, aborted
-        gids = [self.ready.popleft() for _ in range(self.p.batch_size)]
-        self.ledger.mark_batched(gids, self.next_step)
-        self.batch_groups, self.trainer_busy = gids, True
+        if not self.trainer_busy:
+            gids = [self.ready.popleft() for _ in range(self.p.batch_size)]
+            self.batch_groups, self.trainer_busy = gids, True
+            return self._batch_plan(gids, self.next_step), aborted
+        gids = self._ahead_batch() if ahead else None
+        if gids is None:
+            return None, aborted
+        self.ahead_groups = gids
+        return self._batch_plan(gids, self.next_step + 1), aborted
+
+    def _ahead_batch(self) -> Optional[list[str]]:
+        """B ready groups (completion order) fresh enough for ``next_step + 1``, taken off the ready
+        queue; None when plan ahead is not allowed now or too few are fresh."""
+        step = self.next_step + 1
+        if self.p.eta < 1 or self.ahead_groups is not None or step >= self.p.total_steps:
+            return None
+        fresh = [g for g in self.ready if is_fresh_enough(self.ledger.group_version_min(g), step, self.p.eta)]
+        if len(fresh) < self.p.batch_size:
+            return None
+        gids = fresh[: self.p.batch_size]
+        for gid in gids:
+            self.ready.remove(gid)
+        return gids
+
+    def _batch_plan(self, gids: list[str], step: int) -> BatchPlan:
+        self.ledger.mark_batched(gids, step)
         sids, owners, scores = [], [], []
         for gid in gids:
             for sid in self.ledger.groups[gid].sample_ids:
                 sids.append(sid), owners.append(gid), scores.append(self.ledger.samples[sid].score)
         plan = BatchPlan(
-            step=self.next_step, sample_ids=sids, group_ids=owners, scores=scores, aborted_ids=self.aborted_since_plan
+            step=step, sample_ids=sids, group_ids=owners, scores=scores, aborted_ids=self.aborted_since_plan
         )
         self.aborted_since_plan = []
-        return plan, aborted
+        return plan
 
     def _drop_stale(self) -> list[SampleRecord]:
         out = []
@@ -234,7 +266,9 @@ class SchedulerCore:
         for rec in trained:
             self.log_sample(rec)
             self.reissues.pop(rec.prompt_id, None)  # a trained prompt starts a fresh re-issue count
-        self.trainer_busy, self.batch_groups = False, []
+        # a batch planned ahead is the trainer's next step: it stays busy
+        self.batch_groups, self.ahead_groups = self.ahead_groups or [], None
+        self.trainer_busy = bool(self.batch_groups)
         self.version, self.next_step = version, step + 1
         self.finished = self.next_step >= self.p.total_steps
         return trained
@@ -314,7 +348,10 @@ class SchedulerCore:
 
     # ---- checkpoint ----------------------------------------------------------------------
     def state(self) -> dict:
-        """Everything a resumed run needs to continue the same books (JSON-able)."""
+        """Everything a resumed run needs to continue the same books (JSON-able). Taken between
+        steps only: the trainer saves it before its next step, so no batch may be planned then."""
+        if self.trainer_busy:
+            raise ValueError(f"scheduler state asked for while step {self.next_step} is planned; only between steps")
         return {
             "version": self.version,
             "next_step": self.next_step,

@@ -447,7 +447,9 @@ class SchedulerService:
             if self.cfg.saver.freq_steps or self.cfg.saver.freq_secs:
                 await self._request_checkpoint(m.step)  # the final weights too (saved before the trainer's Shutdown)
             await self._finish()
-        elif self._save_due(m.step) and not self.stopping:
+        elif self._save_due(m.step) and not self.stopping and not self.core.trainer_busy:
+            # busy: step m.step + 1 was planned ahead before a time-based save fell due; it is
+            # still due after that step (plan ahead is off meanwhile, see _may_plan_ahead)
             await self._request_checkpoint(m.step)
 
     async def _eval_done(self, wid: str, m: EvalDone) -> None:
@@ -514,7 +516,7 @@ class SchedulerService:
             "step_s": now - self._step_t,
             "wall_s": now - self.t0,
             # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
-            "plan_wait_s": self._plan_t - self._step_t,
+            "plan_wait_s": max(0.0, self._plan_t - self._step_t),  # 0: planned ahead
             # rollout engines' cumulative busy seconds, from their last heartbeats
             "gen_busy_s_total": self._busy_s_total("rollout"),
             # reward workers' cumulative seconds with a group being scored, likewise
@@ -531,7 +533,7 @@ class SchedulerService:
     async def _drive(self) -> None:
         if self.stopping:
             return await self._drive_stop()
-        plan, stale = self.core.plan()
+        plan, stale = self.core.plan(ahead=self._may_plan_ahead())
         if stale:
             log.info("aborted %d stale samples (re-issued)", len(stale))
             self.counts["stale"] += len(stale)
@@ -543,6 +545,13 @@ class SchedulerService:
             by_worker.setdefault(worker, []).append(req)
         for worker, reqs in by_worker.items():  # one message a worker: the groups admitted together
             await self.send(worker, reqs[0] if len(reqs) == 1 else GenerateRequests.of(reqs))
+
+    def _may_plan_ahead(self) -> bool:
+        """Plan step n+1 while step n trains (η >= 1, the core checks it) unless a checkpoint
+        after step n is pending or due: it must be saved with the books between steps n and n+1,
+        before the trainer takes step n+1 off its queue."""
+        c = self.core
+        return c.trainer_busy and self._ckpt_pending is None and not self._save_due(c.next_step)
 
     async def _send_plan(self, plan: BatchPlan) -> None:
         trainers = self.role("trainer")
