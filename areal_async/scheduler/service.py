@@ -189,7 +189,8 @@ class SchedulerService:
         self.latest_weights: Optional[WeightsPublished] = None
         self.done = asyncio.Event()
         self.exit_code = 0
-        self._step_t = self._plan_t = time.time()
+        self._step_t = time.time()
+        self._plan_at: dict[int, float] = {}  # step -> time its BatchPlan was sent (two with plan ahead)
 
     # ---- plumbing ------------------------------------------------------------------------
     async def send(self, worker_id: str, msg: Message) -> None:
@@ -516,7 +517,7 @@ class SchedulerService:
             "step_s": now - self._step_t,
             "wall_s": now - self.t0,
             # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
-            "plan_wait_s": max(0.0, self._plan_t - self._step_t),  # 0: planned ahead
+            "plan_wait_s": max(0.0, self._plan_at.pop(m.step, now) - self._step_t),  # 0: planned ahead
             # rollout engines' cumulative busy seconds, from their last heartbeats
             "gen_busy_s_total": self._busy_s_total("rollout"),
             # reward workers' cumulative seconds with a group being scored, likewise
@@ -557,7 +558,7 @@ class SchedulerService:
         trainers = self.role("trainer")
         if not trainers:
             raise RuntimeError("a batch was planned but no trainer is registered")
-        self._plan_t = time.time()
+        self._plan_at[plan.step] = time.time()
         await self.send(trainers[0], plan)
 
     async def _finish(self) -> None:
@@ -671,7 +672,8 @@ class SchedulerService:
                 else "the trainer to be ready"
             )
         if c.trainer_busy:
-            return f"the trainer to finish step {step} (planned {time.time() - self._plan_t:.0f}s ago)"
+            ago = time.time() - self._plan_at.get(step, self._step_t)
+            return f"the trainer to finish step {step} (planned {ago:.0f}s ago)"
         scoring = sum(1 for gid in c.generated_at if getattr(c.ledger.groups.get(gid), "status", "") == "running")
         return (
             f"{len(c.ready)}/{c.p.batch_size} groups ready for step {step}: {c.running - scoring} generating on "
