@@ -201,3 +201,63 @@ async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_
         svc.done.set()
         await asyncio.wait_for(task, 5)
         ctx.destroy(linger=0)
+
+
+async def _complete(rollout, reward, reqs, version: int) -> None:
+    """Each group's two samples generated with tokens of `version` and scored."""
+    for r in reqs:
+        await send_message(
+            rollout,
+            M.TrajectoryReady(r.group_id, "rollout-0", len(r.prompt_ids), r.sample_ids, [2, 2], [version] * 2,
+                              [version] * 2, ["stop", "stop"]),
+        )  # fmt: skip
+        await send_message(
+            reward, M.RewardResult(r.group_id, "reward-0", r.sample_ids, [1.0, 0.0], ["ok"] * 2, [""] * 2)
+        )
+
+
+def _requests(msg) -> list:
+    return msg.requests() if isinstance(msg, M.GenerateRequests) else [msg]
+
+
+async def test_plan_ahead_at_eta_one_stops_before_a_due_checkpoint(tmp_path):
+    """η = 1, B = 1, a checkpoint after every 2nd step: the plan of step 1 is sent before
+    TrainStepDone(0) (plan ahead), that of step 2 only after TrainStepDone(1) and after the
+    CheckpointRequest of step 1, whose books hold no planned batch."""
+    cfg = from_dict(
+        {},
+        ["train_dataset.batch_size=1", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=1", "saver.freq_steps=2"],
+    )
+    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
+    svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
+    task = asyncio.create_task(svc.run())
+    ctx = zmq.asyncio.Context()
+    try:
+        rollout = await _registered(ctx, ep, "rollout", "rollout-0")
+        reward = await _registered(ctx, ep, "reward", "reward-0")
+        trainer = await _registered(ctx, ep, "trainer", "trainer")
+        await send_message(trainer, M.TrainerReady(version=0, next_step=0))
+        reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        assert len(reqs) == 2  # (η + v + 1) * B
+        await _complete(rollout, reward, reqs, 0)
+        p0, p1 = await _next(trainer, M.BatchPlan), await _next(trainer, M.BatchPlan)
+        assert (p0.step, p1.step) == (0, 1)  # both out before any TrainStepDone
+        assert [p0.sample_ids, p1.sample_ids] == [r.sample_ids for r in reqs]
+        await send_message(trainer, M.TrainStepDone(step=0, version=1, metrics={}))
+        more = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        assert len(more) == 1 and more[0].min_version == 1
+        await _complete(rollout, reward, more, 1)
+        await send_message(rollout, M.Ping(nonce=7))
+        await _next(rollout, M.Pong)  # the scheduler has booked the group: ready, not planned (save due)
+        assert svc.core.ahead_groups is None and list(svc.core.ready) == [more[0].group_id]
+        await send_message(trainer, M.TrainStepDone(step=1, version=2, metrics={}))
+        ckpt = await _next(trainer, (M.CheckpointRequest, M.BatchPlan))
+        assert isinstance(ckpt, M.CheckpointRequest) and ckpt.step == 1 and ckpt.state["next_step"] == 2
+        groups = {g["group_id"]: g["status"] for g in ckpt.state["ledger"]["groups"]}
+        assert groups[more[0].group_id] == "ready" and "batched" not in groups.values()
+        p2 = await _next(trainer, M.BatchPlan)
+        assert p2.step == 2 and p2.sample_ids == more[0].sample_ids
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 5)
+        ctx.destroy(linger=0)

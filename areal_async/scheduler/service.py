@@ -534,11 +534,13 @@ class SchedulerService:
     async def _drive(self) -> None:
         if self.stopping:
             return await self._drive_stop()
-        plan, stale = self.core.plan(ahead=self._may_plan_ahead())
-        if stale:
-            log.info("aborted %d stale samples (re-issued)", len(stale))
-            self.counts["stale"] += len(stale)
-        if plan is not None:
+        for _ in range(2):  # the trainer's next step, then (η >= 1) the one after it, planned ahead
+            plan, stale = self.core.plan(ahead=self._may_plan_ahead())
+            if stale:
+                log.info("aborted %d stale samples (re-issued)", len(stale))
+                self.counts["stale"] += len(stale)
+            if plan is None:
+                break
             await self._send_plan(plan)
         by_worker: dict[str, list[GenerateRequest]] = {}
         for worker, req in self.core.admit():
@@ -551,8 +553,7 @@ class SchedulerService:
         """Plan step n+1 while step n trains (η >= 1, the core checks it) unless a checkpoint
         after step n is pending or due: it must be saved with the books between steps n and n+1,
         before the trainer takes step n+1 off its queue."""
-        c = self.core
-        return c.trainer_busy and self._ckpt_pending is None and not self._save_due(c.next_step)
+        return self._ckpt_pending is None and not self._save_due(self.core.next_step)
 
     async def _send_plan(self, plan: BatchPlan) -> None:
         trainers = self.role("trainer")
