@@ -2,6 +2,7 @@
 clear error, nothing in the books changes, and the scheduler keeps serving."""
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -93,11 +94,11 @@ async def _next(sock, cls, timeout=10.0):
             return msg
 
 
-async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_path, caplog):
-    """A reward worker's RewardResults (several groups, one message) books each group as its own
-    RewardResult: the BatchPlan carries every sample's own score; the same results sent again
-    change nothing; a rollout worker may not send one."""
-    cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"])
+@contextlib.asynccontextmanager
+async def _fleet(tmp_path, overrides: list[str]):
+    """A scheduler service with a registered rollout-0, reward-0 and trainer (TrainerReady at
+    version 0 sent); yields (service, rollout, reward, trainer) and stops it all on exit."""
+    cfg = from_dict({}, overrides)
     ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
     svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
     task = asyncio.create_task(svc.run())
@@ -107,6 +108,20 @@ async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_pat
         reward = await _registered(ctx, ep, "reward", "reward-0")
         trainer = await _registered(ctx, ep, "trainer", "trainer")
         await send_message(trainer, M.TrainerReady(version=0, next_step=0))
+        yield svc, rollout, reward, trainer
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 5)
+        ctx.destroy(linger=0)
+
+
+async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_path, caplog):
+    """A reward worker's RewardResults (several groups, one message) books each group as its own
+    RewardResult: the BatchPlan carries every sample's own score; the same results sent again
+    change nothing; a rollout worker may not send one."""
+    async with _fleet(
+        tmp_path, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
+    ) as (svc, rollout, reward, trainer):
         reqs = (await _next(rollout, M.GenerateRequests)).requests()  # eta 0: one batch of 2 groups, one message
         assert len(reqs) == 2
         for r in reqs:
@@ -150,25 +165,14 @@ async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_pat
         assert sum("ignored reward from reward-0" in r.getMessage() for r in caplog.records) == 2
         recs = [svc.core.ledger.samples[sid] for sid in expected]
         assert [r.reward_status for r in recs] == ["ok", "timeout", "ok", "timeout"]
-    finally:
-        svc.done.set()
-        await asyncio.wait_for(task, 5)
-        ctx.destroy(linger=0)
 
 
 async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_path):
     """One TrajectoriesReady for an engine step's two groups: each sample is booked generated once
     (the same message again changes nothing), and with the scores the batch is planned."""
-    cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"])
-    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
-    svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
-    task = asyncio.create_task(svc.run())
-    ctx = zmq.asyncio.Context()
-    try:
-        rollout = await _registered(ctx, ep, "rollout", "rollout-0")
-        reward = await _registered(ctx, ep, "reward", "reward-0")
-        trainer = await _registered(ctx, ep, "trainer", "trainer")
-        await send_message(trainer, M.TrainerReady(version=0, next_step=0))
+    async with _fleet(
+        tmp_path, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
+    ) as (svc, rollout, reward, trainer):
         reqs = (await _next(rollout, M.GenerateRequests)).requests()
         assert len(reqs) == 2
         ready = M.TrajectoriesReady(
@@ -197,10 +201,6 @@ async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_
         plan = await _next(trainer, M.BatchPlan)
         assert sorted(plan.sample_ids) == sorted(sids) and plan.step == 0
         assert [svc.core.ledger.samples[sid].n_output_tokens for sid in sids] == [3, 1, 3, 1]
-    finally:
-        svc.done.set()
-        await asyncio.wait_for(task, 5)
-        ctx.destroy(linger=0)
 
 
 async def _complete(rollout, reward, reqs, version: int) -> None:
@@ -224,19 +224,10 @@ async def test_plan_ahead_at_eta_one_stops_before_a_due_checkpoint(tmp_path):
     """η = 1, B = 1, a checkpoint after every 2nd step: the plan of step 1 is sent before
     TrainStepDone(0) (plan ahead), that of step 2 only after TrainStepDone(1) and after the
     CheckpointRequest of step 1, whose books hold no planned batch."""
-    cfg = from_dict(
-        {},
+    async with _fleet(
+        tmp_path,
         ["train_dataset.batch_size=1", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=1", "saver.freq_steps=2"],
-    )
-    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
-    svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
-    task = asyncio.create_task(svc.run())
-    ctx = zmq.asyncio.Context()
-    try:
-        rollout = await _registered(ctx, ep, "rollout", "rollout-0")
-        reward = await _registered(ctx, ep, "reward", "reward-0")
-        trainer = await _registered(ctx, ep, "trainer", "trainer")
-        await send_message(trainer, M.TrainerReady(version=0, next_step=0))
+    ) as (svc, rollout, reward, trainer):
         reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
         assert len(reqs) == 2  # (η + v + 1) * B
         await _complete(rollout, reward, reqs, 0)
@@ -257,7 +248,3 @@ async def test_plan_ahead_at_eta_one_stops_before_a_due_checkpoint(tmp_path):
         assert groups[more[0].group_id] == "ready" and "batched" not in groups.values()
         p2 = await _next(trainer, M.BatchPlan)
         assert p2.step == 2 and p2.sample_ids == more[0].sample_ids
-    finally:
-        svc.done.set()
-        await asyncio.wait_for(task, 5)
-        ctx.destroy(linger=0)
