@@ -1,7 +1,7 @@
 """The system's own cost: fleet ms per step against an in-process loop on the same model and data.
 
     python -m benchmarks.overhead [--json PATH] [--steps N] [--etas 0 1 2] [--model-path DIR]
-                                  [--out DIR] [--no-fleet] [--gen-repeats R] [key=value ...]
+                                  [--out DIR] [--no-fleet] [--gen-repeats R] [--no-pin] [key=value ...]
 
 One model, dataset and batch, run three ways:
 
@@ -36,8 +36,12 @@ Phases per step (ms, means over the steady window after ``--warmup`` steps):
   in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
   the CPU the fleet's plumbing adds per step is the figure that does not depend on the load.
 In the fleet the phases of different steps overlap at η > 0, so they need not sum to the step.
-``--pin`` gives the fleet's trainer a CPU of its own and every other role the rest
-(``benchmarks.common.fleet.placement``), and pins the in-process loop to the trainer's CPU.
+Placement (as ``benchmarks.async_speedup``): with 2+ CPUs the fleet's trainer gets a CPU of its
+own and every other role the rest (``benchmarks.common.fleet.placement``), and the in-process loop
+(one thread) runs on the trainer's CPU; ``--no-pin`` leaves every process unpinned, and a
+``cluster.cpu_affinity.*`` override replaces the placement. At η >= 1 the trainer is the critical
+path; unpinned it loses time slices to decoding, reward checks and messages (quiet runs of
+``--etas 1``: 0.74-0.83x unpinned against 0.70-0.75x pinned).
 
 JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
 ``eta``, phase ms, ``cpu_ms``), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
@@ -62,7 +66,7 @@ from typing import Optional
 
 
 from areal_async.base.plugins import load_callable
-from areal_async.base.process import set_torch_threads
+from areal_async.base.process import setup_torch_process
 from areal_async.config import ModelConfig, load_config
 from areal_async.data.prompts import PromptCursor, load_problems, prompt_encoder
 from areal_async.models.tiny import build_model, load_policy, save_policy
@@ -143,7 +147,7 @@ class InProcessLoop:
 
     def __init__(self, cfg):
 
-        set_torch_threads(cfg.cluster.torch_threads)
+        setup_torch_process(cfg.cluster)
         self.cfg = cfg
         model, self.tok = load_policy(cfg.model, cfg.seed)
         self.engine = TorchEngine(
@@ -275,7 +279,7 @@ def engine_vs_hf(cfg, repeats: int) -> dict:
     """Tokens/s of TorchEngine and of HF ``generate`` on one batch of the benchmark's prompts
     (``benchmarks.engine_vs_hf.measure``: interleaved rounds, medians)."""
 
-    set_torch_threads(cfg.cluster.torch_threads)
+    setup_torch_process(cfg.cluster)
     model, tok = load_policy(cfg.model, cfg.seed)
     enc, g, B = prompt_encoder(tok, cfg.train_dataset.template), cfg.gconfig, cfg.train_dataset.batch_size
     prompts = [enc(p.prompt) for p in load_problems(cfg.train_dataset, cfg.seed)[:B]]
@@ -399,7 +403,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="directory for the setup and run dirs (default: a temp dir)")
     ap.add_argument("--no-fleet", action="store_true", help="in-process loop and engine only")
     ap.add_argument("--gen-repeats", type=int, default=10, help="batches timed per generator")
-    ap.add_argument("--pin", action="store_true", help="trainer on a CPU of its own (see the module docstring)")
+    ap.add_argument(
+        "--no-pin", action="store_true", help="leave every process unpinned (see the docstring, 'Placement')"
+    )
     return ap
 
 
@@ -420,7 +426,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ovr = overrides(Path(args.model_path) if args.model_path else model_dir, data, args.steps) + extra
     cfg = load_config(BASE_CONFIG, ovr)
     allowed = os.sched_getaffinity(0)
-    pin = placement(sorted(allowed), ovr) if args.pin else []
+    pin = [] if args.no_pin else placement(sorted(allowed), ovr)
     if pin:  # the in-process loop on the fleet trainer's CPU; the fleet's processes place themselves
         os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
     print(f"[overhead] setup in {out}; in-process loop, {args.steps} steps", flush=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from areal_async.app.policy import initial_policy
-from areal_async.base.process import set_torch_threads
+from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import Problem, load_jsonl, load_problems, prompt_encoder
 from areal_async.models.tiny import load_model
@@ -311,7 +311,7 @@ def eval_policy(cfg: ExperimentConfig, model_dir: Optional[str]):
 
 def run_eval(cfg: ExperimentConfig, model_dir: Optional[str], data: Optional[str], out_dir: Path) -> int:
     """``areal-async eval``: 0 after writing eval.jsonl + eval_summary.json; 2 on unusable inputs."""
-    set_torch_threads(cfg.cluster.torch_threads)
+    setup_torch_process(cfg.cluster)
     try:
         model, tok, label = eval_policy(cfg, model_dir)
         problems = eval_problems(cfg, data)

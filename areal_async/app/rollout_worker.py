@@ -13,7 +13,7 @@ import zmq.asyncio
 from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints
-from areal_async.base.process import set_torch_threads
+from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.base.plugins import load_callable
 from areal_async.models.tiny import build_model, load_model
@@ -31,7 +31,7 @@ PROBE_TEXT = "7+8=\\boxed{15}"  # the fixed sequence whose logprobs check a vLLM
 
 def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutService:
     cfg, ep = load_run(run_dir)
-    set_torch_threads(cfg.cluster.torch_threads)
+    setup_torch_process(cfg.cluster)
     tok = load_tokenizer(cfg.model.path)
     max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
     if cfg.rollout.backend.startswith("sglang"):

@@ -46,7 +46,7 @@ from typing import Iterator, Sequence
 import torch
 
 from areal_async.app.evaluate import Sampling, sample_completions, torch_eval_engine
-from areal_async.base.process import set_torch_threads
+from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.data.prompts import Problem, load_problems, prompt_encoder, sft_examples
 from areal_async.models.tiny import load_model, load_policy, save_policy
@@ -115,7 +115,7 @@ def sft(cfg: ExperimentConfig, run_dir: Path) -> SFTResult:
 
 def _prepare(cfg: ExperimentConfig):
     """Policy, tokenizer and data, every input checked before any training starts."""
-    set_torch_threads(cfg.cluster.torch_threads)
+    setup_torch_process(cfg.cluster)
     torch.manual_seed(cfg.seed)
     model, tok = load_policy(cfg.model, cfg.seed)
     data = prepare_data(cfg, tok)

@@ -19,7 +19,7 @@ from areal_async.app.evaluate import PeriodicEvaluator
 from areal_async.app.policy import warmup
 from areal_async.app.rollout_worker import torch_engine_model
 from areal_async.app.wiring import control_client, load_run
-from areal_async.base.process import set_torch_threads
+from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.models.tiny import load_model, load_policy, to_dtype
 from areal_async.models.tokenizer import load_tokenizer
@@ -39,7 +39,7 @@ UNGATED_WEIGHT_CHANNELS = ("shm", "zmq")
 
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
     cfg, ep = load_run(run_dir)
-    set_torch_threads(cfg.cluster.torch_threads)
+    setup_torch_process(cfg.cluster)
     resume = ep.extra.get("resume_from")
     dtype = to_dtype(cfg.model.dtype)
     dp = _join_ranks(cfg, ep.extra.get("trainer_store", ""), rank, dtype)

@@ -1,7 +1,8 @@
-"""Process-wide settings of a worker: its log format and its torch thread count."""
+"""Process-wide settings of a worker: its log format, its torch thread count and how much freed heap it keeps."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -22,3 +23,37 @@ def set_torch_threads(n: int) -> None:
     import torch  # heavy: only the processes that call this (trainer, rollout, sft) pay for it
 
     torch.set_num_threads(n)
+
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses a larger M_MMAP_THRESHOLD on 64-bit
+
+
+def retain_freed_heap(mb: int) -> bool:
+    """Keep up to ``mb`` MiB of freed memory in this process's heap instead of handing it back to the
+    OS (glibc ``mallopt``: blocks up to min(mb, 32) MiB come from the heap, whose top is trimmed only
+    past ``mb`` MiB). A training or decoding step allocates and frees the same activation-sized
+    blocks every time; with glibc's defaults each comes back as fresh pages, one fault per 4 KiB
+    touched (the tiny trainer: ~900 faults, ~2 ms of system time per 32 ms step). ``mb`` = 0 keeps
+    glibc's defaults. Returns whether the settings took (False off glibc, e.g. musl or macOS)."""
+    if mb <= 0:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    limit = mb << 20
+    settings = (
+        (_M_MMAP_THRESHOLD, min(limit, _MMAP_THRESHOLD_MAX)),
+        (_M_TRIM_THRESHOLD, limit),
+        (_M_TOP_PAD, min(limit, 64 << 20)),
+    )
+    return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def setup_torch_process(cluster) -> None:
+    """What every torch worker (trainer, rollout, SFT, evaluator) sets first, from ``cfg.cluster``:
+    its torch threads (``torch_threads``) and the freed heap it keeps (``retained_heap_mb``)."""
+    set_torch_threads(cluster.torch_threads)
+    retain_freed_heap(cluster.retained_heap_mb)
