@@ -36,12 +36,13 @@ Phases per step (ms, means over the steady window after ``--warmup`` steps):
   in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
   the CPU the fleet's plumbing adds per step is the figure that does not depend on the load.
 In the fleet the phases of different steps overlap at η > 0, so they need not sum to the step.
-Placement (as ``benchmarks.async_speedup``): with 2+ CPUs the fleet's trainer gets a CPU of its
-own and every other role the rest (``benchmarks.common.fleet.placement``), and the in-process loop
-(one thread) runs on the trainer's CPU; ``--no-pin`` leaves every process unpinned, and a
-``cluster.cpu_affinity.*`` override replaces the placement. At η >= 1 the trainer is the critical
-path; unpinned it loses time slices to decoding, reward checks and messages (quiet runs of
-``--etas 1``: 0.74-0.83x unpinned against 0.70-0.75x pinned).
+Placement: with 2+ CPUs the fleet's trainer at η >= 1 gets a CPU of its own and every other role
+the rest (``benchmarks.common.fleet.placement``, as in ``benchmarks.async_speedup``), and the
+in-process loop (one thread) runs on the trainer's CPU. At η >= 1 the trainer is the critical path
+and, unpinned, loses time slices to decoding, reward checks and messages. The η = 0 run stays
+unpinned: its phases run one after another, and the pin would leave the trainer's CPU idle while
+generation, scoring and the messages between them share the other one. ``--no-pin`` leaves every
+process unpinned; a ``cluster.cpu_affinity.*`` override replaces the placement in every run.
 
 JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
 ``eta``, phase ms, ``cpu_ms``), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
@@ -329,6 +330,7 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
                 "final_reward": f["final_reward"],
                 "foreign_cpu_frac": f["foreign_cpu_frac"],
                 **meta,
+                "pinned": f.get("pinned", False),
             }
         )
     for eta, f in sorted(fleet.items()):
@@ -377,7 +379,8 @@ def print_table(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta:
     print("ms per step; fleet phases overlap at η > 0 (gen/reward/train/publish need not sum to step)")
     for eta, f in sorted(fleet.items()):
         roles = ", ".join(f"{r} {v:.1f}" for r, v in (f.get("cpu_by_role") or {}).items())
-        print(f"fleet η={eta} CPU ms per step by role: {roles or 'not sampled'}")
+        where = " (trainer on a CPU of its own)" if f.get("pinned") else ""
+        print(f"fleet η={eta} CPU ms per step by role{where}: {roles or 'not sampled'}")
     if gen is not None:
         ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
         print(
@@ -436,7 +439,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     fleet = {}
     for eta in [] if args.no_fleet else sorted(set(args.etas)):
         print(f"[overhead] fleet η={eta}", flush=True)
-        fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + pin, eta, out / f"eta{eta}", args.warmup)
+        fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + (pin if eta >= 1 else []), eta, out / f"eta{eta}", args.warmup)
+        fleet[eta]["pinned"] = bool(pin) and eta >= 1
     meta = {
         "batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
         f"{cfg.gconfig.max_new_tokens} new tokens",
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "loadavg_after": os.getloadavg()[0],
         "cpu_count": os.cpu_count(),
         "model": str(cfg.model.path),
-        "pinned": bool(pin),
+        "inprocess_pinned": bool(pin),
     }
     print_table(inproc, fleet, gen, meta)
     rows = to_rows(inproc, fleet, gen, meta)
