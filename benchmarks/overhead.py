@@ -36,13 +36,15 @@ Phases per step (ms, means over the steady window after ``--warmup`` steps):
   in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
   the CPU the fleet's plumbing adds per step is the figure that does not depend on the load.
 In the fleet the phases of different steps overlap at η > 0, so they need not sum to the step.
-Placement: with 2+ CPUs the fleet's trainer at η >= 1 gets a CPU of its own and every other role
-the rest (``benchmarks.common.fleet.placement``, as in ``benchmarks.async_speedup``), and the
-in-process loop (one thread) runs on the trainer's CPU. At η >= 1 the trainer is the critical path
-and, unpinned, loses time slices to decoding, reward checks and messages. The η = 0 run stays
-unpinned: its phases run one after another, and the pin would leave the trainer's CPU idle while
-generation, scoring and the messages between them share the other one. ``--no-pin`` leaves every
-process unpinned; a ``cluster.cpu_affinity.*`` override replaces the placement in every run.
+Placement: with 2+ CPUs the fleet's trainer is pinned to one CPU and the in-process loop (one
+thread) runs on that CPU. At η >= 1 every other role is pinned to the rest (the CPU is the
+trainer's own; ``benchmarks.common.fleet.placement``, as in ``benchmarks.async_speedup``): the
+trainer is the critical path and, unpinned, loses time slices to decoding, reward checks and
+messages. At η = 0 the other roles stay unpinned: the phases run one after another, so they may
+use the trainer's CPU while it waits (kept off it they queued on one CPU: η = 0 1.15-1.25x; with
+nothing pinned the trainer's train phase wandered between CPUs, 1.13-1.33x; the trainer alone
+pinned 1.10-1.20x). ``--no-pin`` pins nothing; a ``cluster.cpu_affinity.*`` override replaces
+the placement in every run.
 
 JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
 ``eta``, phase ms, ``cpu_ms``), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
@@ -89,6 +91,11 @@ TARGETS = {0: 1.25, 1: 0.8}  # fleet / in-process ms per step, by eta
 ENGINE_TARGET = 2.0
 BASE_CONFIG = "configs/tiny_arith.yaml"
 PHASES = ("gen", "reward", "train", "publish", "wait")
+PLACEMENT_WORDS = {  # a fleet row's "placement" (see the module docstring)
+    "none": "",
+    "trainer_pinned": " (trainer pinned, the others anywhere)",
+    "trainer_own_cpu": " (trainer on a CPU of its own)",
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +337,7 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
                 "final_reward": f["final_reward"],
                 "foreign_cpu_frac": f["foreign_cpu_frac"],
                 **meta,
-                "pinned": f.get("pinned", False),
+                "placement": f.get("placement", "none"),
             }
         )
     for eta, f in sorted(fleet.items()):
@@ -379,7 +386,7 @@ def print_table(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta:
     print("ms per step; fleet phases overlap at η > 0 (gen/reward/train/publish need not sum to step)")
     for eta, f in sorted(fleet.items()):
         roles = ", ".join(f"{r} {v:.1f}" for r, v in (f.get("cpu_by_role") or {}).items())
-        where = " (trainer on a CPU of its own)" if f.get("pinned") else ""
+        where = PLACEMENT_WORDS[f.get("placement", "none")]
         print(f"fleet η={eta} CPU ms per step by role{where}: {roles or 'not sampled'}")
     if gen is not None:
         ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
@@ -439,8 +446,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     fleet = {}
     for eta in [] if args.no_fleet else sorted(set(args.etas)):
         print(f"[overhead] fleet η={eta}", flush=True)
-        fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + (pin if eta >= 1 else []), eta, out / f"eta{eta}", args.warmup)
-        fleet[eta]["pinned"] = bool(pin) and eta >= 1
+        place = pin if eta >= 1 else pin[:1]  # pin[0]: the trainer's CPU
+        fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + place, eta, out / f"eta{eta}", args.warmup)
+        fleet[eta]["placement"] = "none" if not place else "trainer_own_cpu" if eta >= 1 else "trainer_pinned"
     meta = {
         "batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
         f"{cfg.gconfig.max_new_tokens} new tokens",
