@@ -182,3 +182,24 @@ def test_closing_a_receiver_cancels_a_fetch_from_a_silent_publisher():
     assert not t.is_alive() and time.monotonic() - t0 < 2
     assert "cancelled: the channel was closed" in str(errors[0].value)
     silent.close(0)
+
+
+def test_a_fetcher_gone_before_its_replies_leaves_the_server_serving():
+    """A receiver that gives up (timeout, refused bucket, closed channel) closes its socket with
+    requests still queued at the publisher; the replies to that gone peer are dropped and the
+    server keeps serving the next fetcher (CI once saw it die on EHOSTUNREACH and hang a fleet)."""
+    import time
+
+    pub = make_weight_channel("zmq", role="publisher", bucket_mb=0.0001)
+    sd = {k: v.contiguous() for k, v in sample_tensors().items()}
+    m = pub.publish_begin(1, sd)
+    gone = make_weight_channel("zmq", role="receiver", timeout_s=0.3)
+    with pub._server._lock:  # the server thread blocks on its first reply until the fetcher is gone
+        with pytest.raises(TransportError, match="bucket 0 did not arrive within 0.3s"):
+            gone.receive(m)
+        gone.close()
+        time.sleep(0.5)  # the publisher's socket learns of the disconnect meanwhile
+    rx = make_weight_channel("zmq", role="receiver", timeout_s=10)
+    assert_bit_exact(rx.receive(m), sd)
+    rx.close()
+    pub.close()

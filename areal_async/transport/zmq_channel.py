@@ -20,6 +20,7 @@ whose frames differ in size from the sizes its header declares, before it alloca
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -35,6 +36,8 @@ from protocols.messages import ProtocolError, decode, encode
 from protocols.side import WeightFetch
 from protocols.sockets import make_socket
 from protocols.tensors import decode_tensors, encode_tensors
+
+log = logging.getLogger("areal_async.transport.zmq")
 
 _CANCEL_POLL_S = 0.1  # how often a waiting fetch checks whether its channel was closed
 WINDOW = 4  # buckets requested ahead: keeps the pipe full without buffering the whole model
@@ -211,8 +214,12 @@ class _BucketServer:
         while not self._stop.is_set():
             if self._sock.poll(100):
                 peer, raw = self._recv()
-                if peer is not None:
+                if peer is None:
+                    continue
+                try:
                     self._reply(peer, raw)
+                except Exception:  # one request's failure must not end the server: every fetcher would hang
+                    log.exception("weight server: request from peer %r failed; serving on", peer)
 
     def _recv(self) -> tuple[Optional[bytes], bytes]:
         frames = self._sock.recv_multipart()
@@ -222,7 +229,7 @@ class _BucketServer:
         try:
             req = decode(raw, (WeightFetch,))
         except ProtocolError as e:  # a bad request is answered, never fatal for the server
-            self._sock.send_multipart([peer] + encode_tensors("error", {"error": str(e)}, {}))
+            self._send(peer, encode_tensors("error", {"error": str(e)}, {}))
             return
         version, k = req.version, req.bucket
         with self._lock:
@@ -233,7 +240,17 @@ class _BucketServer:
                 frames = encode_tensors(f"w{version}/{k}", {}, {"bucket": bufs[k]})
                 self._done[(version, peer)] = self._done.get((version, peer), 0) + 1
                 self._lock.notify_all()
-        self._sock.send_multipart([peer] + frames, copy=False)
+        self._send(peer, frames)
+
+    def _send(self, peer: bytes, frames: list) -> None:
+        """Reply to ``peer``; a peer gone since it asked (a fetcher that timed out, was refused a bucket or
+        closed, with requests still queued here) is dropped: ROUTER_MANDATORY raises EHOSTUNREACH for it."""
+        try:
+            self._sock.send_multipart([peer] + frames, copy=False)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("weight server: peer %r left before its reply; dropped", peer)
 
     def close(self) -> None:
         self._stop.set()
