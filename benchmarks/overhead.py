@@ -40,14 +40,14 @@ Placement: with 2+ CPUs the fleet's trainer is pinned to one CPU and the in-proc
 thread) runs on that CPU. At η >= 1 every other role is pinned to the rest (the CPU is the
 trainer's own; ``benchmarks.common.fleet.placement``, as in ``benchmarks.async_speedup``): the
 trainer is the critical path and, unpinned, loses time slices to decoding, reward checks and
-messages. At η = 0 the other roles stay unpinned: the phases run one after another, so they may
-use the trainer's CPU while it waits. η = 0 over quiet runs here: 1.10-1.20x in five of six runs
-this way (one 1.28x), 1.15-1.25x with the other roles kept off the trainer's CPU, 1.13-1.33x with
-nothing pinned. What moves it most is the machine: a ``train_step`` that follows ~20 ms of sleep
-or of other work took 34-48 ms of CPU instead of 31-33 ms back to back (same process, batch and
-CPU), and at η = 0 the trainer waits ~19 ms before every step, while the in-process loop's
-generation and scoring take ~13. ``--no-pin`` pins nothing; a ``cluster.cpu_affinity.*``
-override replaces the placement in every run.
+messages. At η = 0 the other roles stay unpinned: the phases run one after another, so they may use
+the trainer's CPU while it waits. η = 0 over quiet runs here: 0.89-1.16x in seven of ten runs this
+way and 1.27-1.35x in three (200 steps: 1.24-1.38x), 1.15-1.25x with the other roles kept off the
+trainer's CPU, 1.13-1.33x with nothing pinned. What moves it most is the machine: a ``train_step``
+that follows ~20 ms of sleep or of other work took 34-48 ms of CPU instead of 31-33 ms back to back
+(same process, batch and CPU), and at η = 0 the trainer waits ~17-22 ms before every step, while
+the in-process loop's generation and scoring take ~13. ``--no-pin`` pins nothing; a
+``cluster.cpu_affinity.*`` override replaces the placement in every run.
 
 JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
 ``eta``, phase ms, ``cpu_ms``), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
