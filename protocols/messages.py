@@ -193,11 +193,14 @@ class GenerateRequests(Message):
                         f"{getattr(first, name)!r}: one GenerateRequests carries one value"
                     )
         return cls(
-            group_ids=[r.group_id for r in requests],
-            prompt_keys=[r.prompt_id for r in requests],
-            sample_ids=[r.sample_ids for r in requests],
-            prompt_tokens=[r.prompt_ids for r in requests],
-            solutions=[r.solutions for r in requests],
+            **_columns(
+                requests,
+                group_ids="group_id",
+                prompt_keys="prompt_id",
+                sample_ids="sample_ids",
+                prompt_tokens="prompt_ids",
+                solutions="solutions",
+            ),
             **{name: getattr(first, name) for name in cls._SHARED},
         )
 
@@ -266,16 +269,8 @@ class TrajectoriesReady(Message):
             if g.worker_id != groups[0].worker_id or g.turns:
                 what = f"turns {g.turns}" if g.turns else f"worker {g.worker_id!r}, not {groups[0].worker_id!r}"
                 raise ValueError(f"group {g.group_id!r} has {what}: a TrajectoriesReady carries neither")
-        return cls(
-            worker_id=groups[0].worker_id,
-            group_ids=[g.group_id for g in groups],
-            n_prompt_tokens=[g.n_prompt_tokens for g in groups],
-            sample_ids=[g.sample_ids for g in groups],
-            n_output_tokens=[g.n_output_tokens for g in groups],
-            version_min=[g.version_min for g in groups],
-            version_max=[g.version_max for g in groups],
-            finish_reasons=[g.finish_reasons for g in groups],
-        )
+        same = ("n_prompt_tokens", "sample_ids", "n_output_tokens", "version_min", "version_max", "finish_reasons")
+        return cls(worker_id=groups[0].worker_id, **_columns(groups, group_ids="group_id", **{f: f for f in same}))
 
     def groups(self) -> list[TrajectoryReady]:
         """One ``TrajectoryReady`` per group, in order."""
@@ -353,10 +348,13 @@ class RewardRequests(Message):
     @classmethod
     def of(cls, requests: list["RewardRequest"]) -> "RewardRequests":
         return cls(
-            group_ids=[r.group_id for r in requests],
-            sample_ids=[r.sample_ids for r in requests],
-            completions=[r.completions for r in requests],
-            solutions=[r.solutions for r in requests],
+            **_columns(
+                requests,
+                group_ids="group_id",
+                sample_ids="sample_ids",
+                completions="completions",
+                solutions="solutions",
+            )
         )
 
     def requests(self) -> list[RewardRequest]:
@@ -418,6 +416,12 @@ class RewardResults(Message):
             RewardResult(self.group_ids[i], self.worker_id, self.sample_ids[i], self.scores[i], s, self.details[i])
             for i, s in enumerate(self.statuses)
         ]
+
+
+def _columns(items: list, **fields: str) -> dict[str, list]:
+    """A batched message's per-group lists from its per-group messages: ``column=attribute`` pairs,
+    ``column`` getting ``getattr(item, attribute)`` of every item in order."""
+    return {column: [getattr(item, attr) for item in items] for column, attr in fields.items()}
 
 
 def _same_lengths(msg: "Message", *names: str) -> Optional[str]:
