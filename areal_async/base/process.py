@@ -56,4 +56,7 @@ def setup_torch_process(cluster) -> None:
     """What every torch worker (trainer, rollout, SFT, evaluator) sets first, from ``cfg.cluster``:
     its torch threads (``torch_threads``) and the freed heap it keeps (``retained_heap_mb``)."""
     set_torch_threads(cluster.torch_threads)
-    retain_freed_heap(cluster.retained_heap_mb)
+    if cluster.retained_heap_mb > 0 and not retain_freed_heap(cluster.retained_heap_mb):
+        logging.getLogger("areal_async.process").info(
+            "cluster.retained_heap_mb=%d not applied: this C library has no glibc mallopt", cluster.retained_heap_mb
+        )
