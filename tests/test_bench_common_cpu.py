@@ -158,3 +158,26 @@ def test_cpu_per_step_over_the_steady_window():
     assert cpu.cpu_per_step(shutdown, skip=2) == pytest.approx({"trainer": 0.36, "rollout-0": 0.1})
     assert cpu.cpu_per_step(samples[:1], skip=2) == {}  # never reached the window
     assert cpu.cpu_per_step([(3, {"trainer": 1.0})], skip=2) == {}  # one sample: no interval
+
+
+def test_the_supervisor_is_the_areal_async_script_not_any_path_naming_it(tmp_path):
+    """A checkout in a folder named areal-async (what ``git clone`` makes) puts the word in every
+    worker's and test's argv; only the console script itself (or ``-m areal_async.cli``) is the supervisor."""
+    wait = "import sys, time; print('ready', flush=True); time.sleep(30)"
+    script = tmp_path / "bin" / "areal-async"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\n{wait}\n")
+    script.chmod(0o755)
+    checkout = tmp_path / "areal-async" / "tests" / "x.py"
+    procs = [
+        subprocess.Popen([str(script), "run", "cfg.yaml"], stdout=subprocess.PIPE, text=True),
+        subprocess.Popen([sys.executable, "-c", wait, str(checkout)], stdout=subprocess.PIPE, text=True),
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        assert [cpu.fleet_role(p.pid) for p in procs] == ["supervisor", "other"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -64,7 +64,13 @@ def fleet_role(pid: int) -> Optional[str]:
         return argv[argv.index("--worker-id") + 1]
     if "areal_async.reward._child" in argv:
         return "reward-pool"
-    return "supervisor" if any("areal_async.cli" in a or "areal-async" in a for a in argv) else "other"
+    return "supervisor" if _is_supervisor(argv) else "other"
+
+
+def _is_supervisor(argv: list[str]) -> bool:
+    """``python -m areal_async.cli ...`` or the ``areal-async`` console script (its file name, not any
+    path that merely contains the word: a checkout in a folder named areal-async is not a supervisor)."""
+    return "areal_async.cli" in argv or any(os.path.basename(a) == "areal-async" for a in argv[:2])
 
 
 def count_lines(path: Path) -> int:
