@@ -12,10 +12,12 @@ a median-based samples/s (burst-resistant cross-check), time to 0.8 (first full 
 mean of ``reward_mean`` >= 0.8; wall s since the end of step 0; null if never), final reward (mean
 of the last 10 steps), max staleness.
 
-Phase times of the η = 0 run, per step: t_train = ``train_s + publish_s`` (PPO step with proximal
-recompute, plus publishing); t_gen = ``step_s - t_train`` (admission, weight load, decoding,
-transfer, rewards, planning: exactly what an async pipeline may hide); ``t_gen_engine`` (engines'
-busy s) cross-checks the decode share. ideal limit = (t_gen + t_train) / max(t_gen, t_train);
+Phase times of the η = 0 run, per step: t_train = ``train_s + ahead_s + publish_s`` (PPO step with
+proximal recompute, plus publishing; ``ahead_s``: its first forward, run while the rewards were
+scored, ``actor.forward_ahead``); t_gen = ``step_s - train_s - publish_s`` (admission, weight load,
+decoding, transfer, rewards, planning: exactly what an async pipeline may hide); ``t_gen_engine``
+(engines' busy s) cross-checks the decode share. ideal limit = (t_gen + t_train - t_ahead) /
+max(t_gen, t_train), the η = 0 step over the longer phase;
 speedup(η) = samples_per_s(η) / samples_per_s(0); fraction_of_limit = speedup / limit. Not a hard
 ceiling: pinned, the async runs measured here needed ~12 % less trainer CPU per step than η = 0
 (0.22 vs 0.25 CPU-s: a core that never idles), so fraction_of_limit can exceed 1.
@@ -188,9 +190,10 @@ def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
     if base is None:
         raise ValueError(f"an η = 0 run is required as the baseline, got η = {[r['eta'] for r in runs]}")
     ph = base["phases"]
-    limit = ideal_limit(ph["t_gen"], ph["t_train"])
+    ahead = ph.get("t_ahead", 0.0)
+    limit = ideal_limit(ph["t_gen"], ph["t_train"], ahead)
     cpu = base.get("cpu_s_per_step") or {}
-    lim_cpu = cpu_limit(ph["t_gen"], ph["t_train"], sum(cpu.values()), n_cores) if cpu and n_cores else None
+    lim_cpu = cpu_limit(ph["t_gen"], ph["t_train"], sum(cpu.values()), n_cores, ahead) if cpu and n_cores else None
     for r in runs:
         r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
         r["fraction_of_limit"] = r["speedup"] / limit

@@ -24,13 +24,14 @@ another local HF model instead (its tokenizer must encode the prompts).
 Phases per step (ms, means over the steady window after ``--warmup`` steps):
 - gen: rollout engine busy time (fleet: the rollout worker's ``busy_s`` heartbeat counter);
 - reward: scoring (fleet: wall time the reward worker had a group in its pool);
-- train: ``train_step`` incl. the proximal-logprob recompute (fleet: the trainer's ``train_s``);
+- train: ``train_step`` incl. the proximal-logprob recompute (fleet: the trainer's ``train_s`` plus
+  ``ahead_s``, its first forward run ahead while the rewards were scored, at η = 0);
 - publish: weights to the engine (fleet: the trainer's ``publish_s``, until the channel
   released the publisher; the rollout side's load is inside gen). Over shm/zmq the trainer
   publishes after its TrainStepDone, while the scheduler plans (trainer/service.py), so the
   publication overlaps the wait and its wall time includes sharing the CPU with it;
 - wait: the trainer idle between two steps (fleet: step - train - publish, which understates
-  it by the overlapped part of publish; in-process 0);
+  it by the overlapped parts of publish and ahead; in-process 0);
 - step: wall time per step;
 - cpu: CPU time per step (in-process: this process; fleet: every process of the run, by role
   in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
@@ -254,7 +255,7 @@ def fleet_phases(rows: list[dict], warmup: int) -> dict:
     first, window = rows[warmup], rows[warmup + 1 :]
     n = len(window)
     step = (window[-1]["wall_s"] - first["wall_s"]) / n
-    train = statistics.fmean(r["train_s"] for r in window)
+    train = statistics.fmean(r["train_s"] + r.get("ahead_s", 0.0) for r in window)
     publish = statistics.fmean(r["publish_s"] for r in window)
     gen = (window[-1]["gen_busy_s_total"] - first["gen_busy_s_total"]) / n
     reward = (window[-1].get("reward_busy_s_total", 0.0) - first.get("reward_busy_s_total", 0.0)) / n

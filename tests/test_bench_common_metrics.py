@@ -43,6 +43,20 @@ def test_phase_times_split_a_synchronous_step():
     assert ph["step_s"] == pytest.approx(1.0)  # step 0's 25 s start-up is outside the window
 
 
+def test_phase_times_count_the_forward_run_ahead_as_training_and_as_overlap():
+    # a 1 s step: the trainer waited 0.4 s (0.1 s of it running the step's first forward ahead),
+    # then trained 0.55 s and published 0.05 s after the plan
+    rows = make_rows(20, step_s=1.0, train_s=0.55, publish_s=0.05)
+    for r in rows:
+        r["ahead_s"] = 0.1
+    ph = m.phase_times(rows, skip=5)
+    assert (ph["t_gen"], ph["t_train"], ph["t_ahead"]) == pytest.approx((0.4, 0.7, 0.1))
+    # perfect overlap: a step of max(0.4, 0.7) = 0.7 s instead of 1 s
+    assert m.ideal_limit(ph["t_gen"], ph["t_train"], ph["t_ahead"]) == pytest.approx(1.0 / 0.7)
+    with pytest.raises(ValueError, match="t_ahead"):
+        m.ideal_limit(0.4, 0.7, 0.8)
+
+
 def test_ideal_limit():
     assert m.ideal_limit(1.0, 1.0) == pytest.approx(2.0)
     assert m.ideal_limit(0.4, 0.6) == pytest.approx(1.0 / 0.6)

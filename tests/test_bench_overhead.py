@@ -33,6 +33,14 @@ def test_fleet_phases_by_hand():
         bench.fleet_phases(rows(3, 0.2, 0.1, 0.0, 0.0, 0.0), warmup=2)
 
 
+def test_fleet_phases_count_the_forward_run_ahead_as_training():
+    window = rows(12, step_s=0.2, train_s=0.09, publish_s=0.01, gen=0.05, reward=0.02)
+    for r in window:
+        r["ahead_s"] = 0.03  # 30 ms of the step's training ran before its plan came
+    ms = bench.fleet_phases(window, warmup=2)
+    assert ms["train"] == pytest.approx(120.0) and ms["wait"] == pytest.approx(70.0)
+
+
 def test_tokens_until_eos_counts_the_first_eos_and_nothing_after():
     new = torch.tensor([[5, 6, 7], [2, 0, 0], [5, 2, 0], [2, 2, 5]])
     assert tokens_until_eos(new, eos=2).tolist() == [3, 1, 2, 1]

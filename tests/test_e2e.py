@@ -106,6 +106,9 @@ def test_eta_zero_is_on_policy(tmp_path):
     run_ok(tmp_path / "run", "rollout.max_head_offpolicyness=0")
     trained = check_books(tmp_path / "run", eta=0)
     assert all(t["version_min"] == t["version_max"] == t["train_step"] for t in trained)
+    # the step's first forward ran while its rewards were scored (actor.forward_ahead), in most steps
+    ahead = [m["ahead_s"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    assert sum(a > 0 for a in ahead) >= 3, ahead
 
 
 def descendants(root: int) -> set[int]:

@@ -1,6 +1,7 @@
 """PPOActor.train_step and SFT on a tiny Llama: learning direction, accumulation, state, reference model."""
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -291,3 +292,58 @@ def test_sft_trainer_runs_configured_steps():
     assert model.config._attn_implementation == own
     with pytest.raises(ValueError, match="answer 0 tokens"):
         sft_step(model, torch.optim.SGD(model.parameters(), lr=0.1), [([1], [])], 16)
+
+
+def _unscored(trajs):
+    return [dataclasses.replace(t, score=float("nan")) for t in trajs]
+
+
+@pytest.mark.parametrize(
+    "cfg_kw",
+    [{}, {"use_decoupled_loss": False, "recompute_logprob": False}, {"mb_spec": MicroBatchSpec(max_tokens_per_mb=64)}],
+    ids=["prox-from-update,2-micro-batches", "no-recompute", "1-micro-batch"],
+)
+def test_a_step_whose_first_forward_ran_ahead_is_the_plain_step(cfg_kw):
+    """forward_ahead on unscored trajectories, then train_step with the scores: the same weights and
+    metrics, bit for bit, as train_step alone (whose gradient is checked against the loss spelled out
+    above), step after step."""
+    ahead_actor = PPOActor(tiny_model(), boba_cfg(**cfg_kw), temperature=1.0, total_steps=10)
+    plain = PPOActor(tiny_model(), boba_cfg(**cfg_kw), temperature=1.0, total_steps=10)
+    assert ahead_actor.can_forward_ahead
+    for _ in range(3):
+        trajs = make_trajs(plain.model)
+        ahead = ahead_actor.forward_ahead(_unscored(trajs))
+        got, want = ahead_actor.train_step(trajs, ahead=ahead), plain.train_step(trajs)
+        assert got.keys() == want.keys()
+        assert all(got[k] == want[k] or (got[k] != got[k] and want[k] != want[k]) for k in want), (got, want)
+        assert all(torch.equal(a, b) for a, b in zip(ahead_actor.model.parameters(), plain.model.parameters()))
+    assert want["grad_norm"] > 0 and ahead_actor.step == 3
+
+
+def test_a_forward_ahead_of_other_samples_or_another_step_is_refused_and_changes_nothing():
+    actor = PPOActor(tiny_model(), boba_cfg(), temperature=1.0, total_steps=10)
+    trajs = make_trajs(actor.model)
+    before = [p.detach().clone() for p in actor.model.parameters()]
+    ahead = actor.forward_ahead(_unscored(trajs))
+    with pytest.raises(ValueError, match="same samples in the same order"):
+        actor.train_step(trajs[::-1], ahead=ahead)
+    with pytest.raises(ValueError, match="same samples in the same order"):
+        actor.train_step(trajs[:3], ahead=ahead)
+    assert actor.step == 0 and all(torch.equal(a, b) for a, b in zip(actor.model.parameters(), before))
+    old = actor.forward_ahead(_unscored(trajs))
+    actor.train_step(trajs, ahead=ahead)  # the weights move: a forward of the old ones is stale
+    with pytest.raises(ValueError, match="forward ahead of step 0 .* does not match step 1"):
+        actor.train_step(trajs, ahead=old)
+
+
+@pytest.mark.parametrize(
+    "cfg_kw, why",
+    [({"ppo_n_minibatches": 2}, "ppo_n_minibatches=2"), ({"kl_ctl": 0.1}, "kl_ctl=0.1")],
+)
+def test_forward_ahead_is_refused_where_the_update_forward_depends_on_the_scores(cfg_kw, why):
+    """Two minibatches: the second forward runs on weights the first step moved; a KL penalty: the
+    advantages need the reference forward first."""
+    actor = PPOActor(tiny_model(), boba_cfg(**cfg_kw), temperature=1.0, total_steps=10, ref_model=tiny_model(1))
+    assert not actor.can_forward_ahead
+    with pytest.raises(ValueError, match=why):
+        actor.forward_ahead(_unscored(make_trajs(actor.model)))

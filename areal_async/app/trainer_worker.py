@@ -85,7 +85,15 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         evaluator=_evaluator(cfg, tok),
         overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
         total_steps=cfg.total_train_steps,
+        forward_ahead_samples=_forward_ahead_samples(cfg, actor),
     )
+
+
+def _forward_ahead_samples(cfg: ExperimentConfig, actor: PPOActor) -> int:
+    """A step's samples when its first forward may run ahead (``actor.forward_ahead``): at eta = 0
+    every trajectory the trainer receives while it waits is of its next step; else 0."""
+    on = cfg.actor.forward_ahead and cfg.rollout.max_head_offpolicyness == 0 and actor.can_forward_ahead
+    return cfg.train_dataset.batch_size * cfg.gconfig.n_samples if on else 0
 
 
 def _evaluator(cfg: ExperimentConfig, tok) -> PeriodicEvaluator | None:

@@ -267,6 +267,12 @@ class ActorConfig(Section):
         RejectionSamplingConfig, "Importance-weight rejection (decoupled loss)."
     )
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    forward_ahead: bool = _f(
+        True,
+        "At eta = 0: run the update's first micro-batch forward once the step's trajectories are in, while "
+        "their rewards are scored (the same step, started earlier). Applies with ppo_n_minibatches 1, kl_ctl 0 "
+        "and one trainer rank; elsewhere nothing runs ahead.",
+    )
 
     def check(self) -> None:
         at_least(self, "kl_ctl", 0)

@@ -286,13 +286,17 @@ class RolloutService:
             self._note_waiting()
 
     async def _publish_groups(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
-        """The groups one engine step finished: their reward requests first, in one RewardRequests
-        message a reward worker (``reward_batches``; scoring, a long leg after generation at eta = 0,
-        starts before the tensors go out); then every group's tensors (one hop to the
-        sender thread for all); then one TrajectoriesReady for them all (the scheduler takes a group's
-        score and trajectory in either order; the tensors still precede it)."""
+        """The groups one engine step finished: every group's tensors go out from the sender thread
+        (one hop for all) while this loop decodes the texts and sends their reward requests, in one
+        RewardRequests message a reward worker (``reward_batches``); once both are out, one
+        TrajectoriesReady for them all (the scheduler takes a group's score and trajectory in either
+        order; the tensors precede it). At eta = 0 the trainer runs the step's first forward on the
+        tensors while the rewards are scored (``actor.forward_ahead``): the tensors go first."""
         if not items:
             return
+        # built and sent from the sender thread: a gloo/NCCL send blocks until the trainer takes it, and
+        # the loop (heartbeats) must not
+        sent = asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
         texts = iter(self.decode([ids for g, _ in items for ids in _split_list(g.packed.output_ids, g.packed.lengths)]))
         requests = [
             RewardRequest(
@@ -305,9 +309,7 @@ class RolloutService:
         ]
         for batch in reward_batches(requests, self.n_reward_peers):
             await send_message(self.reward_sock, batch)
-        # before TrajectoryReady: the trainer may be asked for the group next. Built and sent from the
-        # sender thread: a gloo/NCCL send blocks until the trainer takes it, and the loop (heartbeats) must not
-        await asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
+        await sent  # before TrajectoryReady: the trainer may be asked for the group next
         await self._trajectories_ready(items)
 
     def _send_all(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:

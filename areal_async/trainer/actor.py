@@ -12,6 +12,12 @@
       |    clip grads, optimizer step        (skipped: grad norm not finite, or no token kept)
       '- lr schedule step, step += 1
 
+Forward ahead (``forward_ahead``, then ``train_step(trajs, ahead=...)``): the update's first
+micro-batch forward run before the step's scores are known, when nothing in it needs them (one
+PPO minibatch, no KL penalty, one rank, the proximal logprobs from the update's own forward or not
+used). The trainer worker runs it at eta = 0 while the rewards are scored; the step is then the
+same computation on the same weights, its first forward already done.
+
 Covered: the update on one process or on K data-parallel ranks (``dp.py``: FSDP2, the batch
 split over ranks by tokens, one global N, so K ranks take the same step as one), its metrics
 (merged over ranks), and its resumable state (optimizer + lr scheduler + step; the weights are
@@ -21,9 +27,10 @@ Not covered: weight publication (the trainer worker gathers shards for it).
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -45,6 +52,15 @@ from areal_async.trainer.packing import PackedBatch, forward_packed, pack
 from areal_async.trainer.types import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
+
+
+class ForwardAhead:
+    """The update's micro-batches for ``sample_ids`` (in this order), the first one's forward
+    done (its graph held: one micro-batch's activations, as during the update), taken at actor
+    step ``step``. Good for one ``train_step`` at that step on these samples in this order."""
+
+    def __init__(self, sample_ids: list[str], step: int, batch: "_Batch", micro_batches: Iterator):
+        self.sample_ids, self.step, self.batch, self.micro_batches = sample_ids, step, batch, micro_batches
 
 
 class _Batch:
@@ -162,14 +178,55 @@ class PPOActor:
     # public API
     # ---------------------------------------------------------------------------------------
 
-    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
-        """One trainer step; returns its metrics (means over tokens unless named otherwise)."""
+    @property
+    def can_forward_ahead(self) -> bool:
+        """Whether the update's first forward can run before the scores are known: one PPO minibatch
+        (its forward runs on the step's starting weights), no KL penalty (the advantages need no
+        forward of their own), one rank (the others would need the batch) and no proximal forward
+        of its own (it comes from the update's, or is not recomputed)."""
+        return (
+            self.cfg.ppo_n_minibatches == 1
+            and self.cfg.kl_ctl == 0
+            and not self.dp.active
+            and (self.prox_from_update or not self.cfg.recompute_logprob)
+        )
+
+    def forward_ahead(self, trajs: Sequence[Trajectory]) -> ForwardAhead:
+        """The update's first micro-batch forward on ``trajs`` (their scores are not read), for
+        ``train_step(trajs', ahead=...)`` with the same samples in the same order, scored, before
+        any other step. Raises when ``can_forward_ahead`` is false."""
+        if not self.can_forward_ahead:
+            raise ValueError(
+                "forward_ahead needs ppo_n_minibatches=1, kl_ctl=0, one trainer rank and the proximal "
+                f"logprobs from the update's forward (got ppo_n_minibatches={self.cfg.ppo_n_minibatches}, "
+                f"kl_ctl={self.cfg.kl_ctl}, {self.dp.world} rank(s), recompute_logprob="
+                f"{self.cfg.recompute_logprob}, proximal from the update: {self.prox_from_update})"
+            )
+        if not trajs:
+            raise ValueError("forward_ahead got no trajectories; expected a non-empty batch")
+        batch = _Batch(trajs, self.device)
+        self.model.train()
+        micro_batches = self._update_micro_batches(batch, list(range(len(trajs))))
+        first = next(micro_batches)  # the forward: the rest of the micro-batches run in the update
+        return ForwardAhead([t.sample_id for t in trajs], self.step, batch, itertools.chain([first], micro_batches))
+
+    def train_step(self, trajs: Sequence[Trajectory], ahead: Optional[ForwardAhead] = None) -> dict[str, float]:
+        """One trainer step; returns its metrics (means over tokens unless named otherwise).
+        ``ahead``: this step's ``forward_ahead`` on the same samples in the same order."""
         if not trajs:
             raise ValueError("train_step got no trajectories; expected a non-empty batch")
-        batch = self._prepare(trajs)
+        if ahead is not None:
+            ids = [t.sample_id for t in trajs]
+            if ahead.step != self.step or ahead.sample_ids != ids:
+                raise ValueError(
+                    f"forward ahead of step {ahead.step} on {len(ahead.sample_ids)} samples "
+                    f"({ahead.sample_ids[:3]}...) does not match step {self.step} on {len(ids)} samples "
+                    f"({ids[:3]}...); expected the same step and the same samples in the same order"
+                )
+        batch = self._prepare(trajs, ahead.batch if ahead is not None else None)
         stats, grad_norms, n_mb, skipped = LossStats(), [], 0, 0
         for idx in minibatches_by_tokens(batch.lengths, self.cfg.ppo_n_minibatches):
-            mb_stats, grad_norm, n, stepped = self._update(batch, idx)
+            mb_stats, grad_norm, n, stepped = self._update(batch, idx, ahead.micro_batches if ahead else None)
             stats, n_mb, skipped = stats.merge(mb_stats), n_mb + n, skipped + (not stepped)
             grad_norms.append(grad_norm)
         stats = self.dp.sum_stats(stats)
@@ -222,8 +279,9 @@ class PPOActor:
     # steps of train_step
     # ---------------------------------------------------------------------------------------
 
-    def _prepare(self, trajs: Sequence[Trajectory]) -> _Batch:
-        batch = _Batch(trajs, self.device)
+    def _prepare(self, trajs: Sequence[Trajectory], batch: Optional[_Batch] = None) -> _Batch:
+        """``batch``: these trajectories' (built ahead); its advantages are set here from their scores."""
+        batch = _Batch(trajs, self.device) if batch is None else batch
         if self.cfg.recompute_logprob and not self.prox_from_update:
             batch.prox = self._output_logprobs(self.model, batch)
         ref = self._output_logprobs(self.ref_model, batch) if self.cfg.kl_ctl > 0 else None
@@ -295,21 +353,28 @@ class PPOActor:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.lr_scheduler.step()
 
-    def _update(self, batch: _Batch, idx: list[int]) -> tuple[LossStats, float, int, bool]:
+    def _update_micro_batches(self, batch: _Batch, idx: list[int]) -> Iterator[MicroBatchOut]:
+        """The minibatch ``idx``'s micro-batches with grad, each forward run when it is taken."""
+        shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
+        return self._rank_micro_batches(self.model, batch, shares, grad=True)
+
+    def _update(
+        self, batch: _Batch, idx: list[int], micro_batches: Optional[Iterator[MicroBatchOut]] = None
+    ) -> tuple[LossStats, float, int, bool]:
         """One optimizer step on the minibatch ``idx``: (stats, grad norm, micro-batches, stepped).
+        ``micro_batches``: its ``_update_micro_batches``, started ahead.
 
         No step when the grad norm is not finite, nor when every token was rejected (AdamW
         would still move the weights by momentum and weight decay)."""
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # the grads are None here: forwards ahead keep none
         where = batch.token_index(idx)
         mask = batch.cat("mask", idx, where)
         n_tokens = int(mask.sum())  # the loss denominator: rejected tokens stay in it
         if batch.prox is not None or not self.cfg.recompute_logprob:
             n_kept = count_kept_tokens(batch.cat("prox", idx, where), batch.cat("behav", idx, where), self.cfg, mask)
         stats, n_mb = LossStats(), 0
-        shares = [[idx[j] for j in s] for s in split_over_ranks([batch.lengths[i] for i in idx], self.dp.world)]
-        for mb in self._rank_micro_batches(self.model, batch, shares, grad=True):
+        for mb in micro_batches if micro_batches is not None else self._update_micro_batches(batch, idx):
             loss, s = self._micro_loss(batch, mb.indices, mb, n_tokens)
             loss.backward()
             stats, n_mb = stats.merge(s), n_mb + 1

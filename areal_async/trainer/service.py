@@ -38,11 +38,14 @@ broadcasts a command to ranks 1..K-1 (``FollowerRank``), which have no control p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import itertools
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -58,7 +61,7 @@ from protocols.messages import (
 )
 
 from areal_async.base.control import ControlClient
-from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.types import Trajectory
 from areal_async.base.aio import TaskSet
@@ -84,6 +87,7 @@ class TrajectoryBuffer:
         self.max_dropped = max_dropped
         self.cond = threading.Condition()
         self.stopping = threading.Event()
+        self._watch: Optional[tuple[int, Callable[[], None]]] = None
         self.thread = threading.Thread(target=self._run, name="traj-recv", daemon=True)
 
     def _run(self) -> None:
@@ -103,6 +107,7 @@ class TrajectoryBuffer:
             except (KeyError, TypeError, ValueError) as e:
                 log.error("trajectory group %r refused: %s", key, e)
                 continue
+            call = None
             with self.cond:
                 for sid, item in samples.items():
                     if sid in self.dropped:  # an aborted sample's late tensors: refused, and the id forgotten
@@ -110,6 +115,25 @@ class TrajectoryBuffer:
                     else:
                         self.items[sid] = item
                 self.cond.notify_all()
+                if self._watch is not None and len(self.items) >= self._watch[0]:
+                    (_, call), self._watch = self._watch, None
+            if call is not None:  # in this thread, the buffer unlocked: nothing else arrives meanwhile
+                call()
+
+    def watch(self, n: int, call: Optional[Callable[[], None]]) -> bool:
+        """Have the receiver thread ``call()`` once, after the message that brings the buffer to ``n``
+        items or more. False, and no watch, when it holds that many now; ``None`` stops watching."""
+        with self.cond:
+            if call is not None and len(self.items) >= n:
+                self._watch = None
+                return False
+            self._watch = None if call is None else (n, call)
+            return True
+
+    def peek(self, n: int) -> list[tuple[str, tuple[dict, dict]]]:
+        """The first ``n`` items in arrival order (left in the buffer)."""
+        with self.cond:
+            return list(itertools.islice(self.items.items(), n))
 
     def drop(self, ids: list[str]) -> None:
         with self.cond:
@@ -155,11 +179,25 @@ class TrainerService:
         evaluator=None,
         overlap_publish: bool = True,
         total_steps: Optional[int] = None,
+        forward_ahead_samples: int = 0,
     ):
         """``overlap_publish``: TrainStepDone before the weights are published, except after step
         ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
-        step's publication."""
+        step's publication. ``forward_ahead_samples``: the samples of a step at eta = 0; while the
+        trainer waits for a BatchPlan, once that many trajectories are in, the update's first
+        forward runs on them (``PPOActor.forward_ahead``) as their rewards are scored; the plan's
+        step uses it when it names the same samples (0: never)."""
+        if forward_ahead_samples and not actor.can_forward_ahead:
+            raise ValueError(
+                f"forward_ahead_samples={forward_ahead_samples} but this actor cannot run a forward ahead "
+                "(PPOActor.can_forward_ahead); expected 0"
+            )
         self.control, self.actor = control, actor
+        self.ahead_samples = forward_ahead_samples
+        # the forward ahead: its result (ForwardAhead, start, end), set by the thread that runs it; and
+        # the task that arms it once the weights' publication is out (see _arm_ahead)
+        self._ahead: Optional[concurrent.futures.Future] = None
+        self._arming: Optional[asyncio.Task] = None
         self.overlap_publish, self.total_steps = overlap_publish, total_steps
         self._publishing: Optional[asyncio.Task] = None
         self.publish_s = 0.0
@@ -207,21 +245,85 @@ class TrainerService:
     async def _loop(self) -> int:
         while True:
             self.waiting(f"a BatchPlan for step {self.next_step}")
+            self._arm_ahead()
             msg = await self.control.recv()
             await self._published()  # an overlapped publication ends before anything else touches the model
             if isinstance(msg, BatchPlan):
                 await self.train(msg)
             elif isinstance(msg, CheckpointRequest):
                 await self.checkpoint(msg)
-            elif isinstance(msg, Shutdown) and msg.lost:
-                log.error("trainer: the scheduler declared this trainer lost (%s); exiting", msg.reason)
-                return 1
             elif isinstance(msg, Shutdown):
+                await self._take_ahead(None)  # a forward running ahead ends before the process does
+                if msg.lost:
+                    log.error("trainer: the scheduler declared this trainer lost (%s); exiting", msg.reason)
+                    return 1
                 log.info("trainer: shutdown (%s)", msg.reason)
                 self.actor.dp.command(CMD_STOP)
                 return 0
             else:
                 log.debug("trainer: ignoring %s", msg.TYPE)
+
+    def _arm_ahead(self) -> None:
+        """Have the update's first forward run on the next ``ahead_samples`` trajectories as soon as they
+        are in (unless off or armed): in the receiver thread, right after the message that completes
+        them (no hop to this loop and back), or in a thread now if they are in already."""
+        if not self.ahead_samples or self._ahead is not None:
+            return
+        self._ahead = fut = concurrent.futures.Future()
+        self._arming = asyncio.ensure_future(self._arm(fut))
+
+    async def _arm(self, fut: concurrent.futures.Future) -> None:
+        publishing = self._publishing
+        if publishing is not None:  # the channel reads the weights out: no forward before it is done
+            await asyncio.wait([publishing])  # (its error is raised in _loop)
+        n = self.ahead_samples
+
+        def run() -> None:  # a thread's: the receiver's, or the executor's
+            if not fut.set_running_or_notify_cancel():
+                return  # disarmed first
+            try:
+                trajs = [_trajectory(sid, item, math.nan) for sid, item in self.buffer.peek(n)]
+                start = time.perf_counter()
+                ahead = self.actor.forward_ahead(trajs)
+                fut.set_result((ahead, start, time.perf_counter()))
+            except BaseException as e:  # raised where the step takes it (_take_ahead)
+                fut.set_exception(e)
+
+        if not self.buffer.watch(n, run):
+            asyncio.get_running_loop().run_in_executor(None, run)
+
+    async def _take_ahead(self, plan: Optional[BatchPlan]) -> tuple[Optional[ForwardAhead], float]:
+        """Disarm, and (the forward run ahead if it is of ``plan``'s samples, else None; its seconds
+        before the plan came). A forward not started is cancelled; one started is waited for (the
+        model is in use) and dropped when the plan names other samples or there is no plan."""
+        fut, arming, self._ahead, self._arming = self._ahead, self._arming, None, None
+        if fut is None:
+            return None, 0.0
+        arming.cancel()
+        self.buffer.watch(0, None)
+        if fut.cancel():  # not started (a receiver thread that took the watch meanwhile finds it cancelled)
+            return None, 0.0
+        came = time.perf_counter()
+        try:
+            ahead, start, end = await asyncio.wrap_future(fut)
+        except Exception:
+            if plan is not None:
+                raise
+            log.exception("trainer: the forward run ahead failed (no step takes it)")
+            return None, 0.0
+        if plan is None:
+            return None, 0.0
+        if len(ahead.sample_ids) != len(plan.sample_ids) or set(ahead.sample_ids) != set(plan.sample_ids):
+            log.info(
+                "trainer: the forward run ahead on %d trajectories is dropped: the plan of step %d names %d "
+                "others (%d in common)",
+                len(ahead.sample_ids),
+                plan.step,
+                len(plan.sample_ids),
+                len(set(ahead.sample_ids) & set(plan.sample_ids)),
+            )
+            return None, 0.0
+        return ahead, max(0.0, min(end, came) - start)
 
     async def _published(self) -> None:
         """Wait for the overlapped publication in flight, if any (its error is raised here)."""
@@ -259,16 +361,22 @@ class TrainerService:
         if plan.step != self.next_step:
             raise RuntimeError(f"BatchPlan for step {plan.step}, but the trainer is at step {self.next_step}")
         loop = asyncio.get_running_loop()
-        self.buffer.drop(plan.aborted_ids)
         t0 = time.perf_counter()
+        ahead, ahead_s = await self._take_ahead(plan)  # waiting for its forward's end: training time
+        t_ahead = time.perf_counter()
+        self.buffer.drop(plan.aborted_ids)
         self.waiting(f"trajectory tensors of the {len(plan.sample_ids)} samples planned for step {plan.step}")
         got = self.buffer.take_ready(plan.sample_ids)  # at eta >= 1 they are usually all in: no thread hop
         if got is None:
             got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
-        trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
+        if ahead is None:
+            trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
+        else:  # the plan's samples in the order their forward ran
+            score = dict(zip(plan.sample_ids, plan.scores))
+            trajs = [_trajectory(sid, got[sid], score[sid]) for sid in ahead.sample_ids]
         t1 = time.perf_counter()
         self.waiting(f"its own train_step (step {plan.step})")
-        metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs)
+        metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs, ahead)
         t2 = time.perf_counter()
         self.next_step, self.version = plan.step + 1, plan.step + 1
         last = self.total_steps is not None and self.next_step >= self.total_steps
@@ -278,18 +386,23 @@ class TrainerService:
             self._publishing = asyncio.ensure_future(self.publish(self.version))
         else:
             await self.publish(self.version)
-        metrics.update(wait_data_s=t1 - t0, train_s=t2 - t1, publish_s=self.publish_s)
+        metrics.update(
+            wait_data_s=t1 - t_ahead, train_s=t2 - t1 + t_ahead - t0, ahead_s=ahead_s, publish_s=self.publish_s
+        )
         await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
         await self.control.send(
             TrainStepDone(step=plan.step, version=self.version, metrics={k: float(v) for k, v in metrics.items()})
         )
 
-    def _train_ranks(self, step: int, trajs: list[Trajectory]) -> dict[str, float]:
-        """Every rank trains on this batch: the others get the command and the batch first.
-        ``train_cpu_s``: this thread's CPU time for it (train_s less it: waiting for a core or the GIL)."""
+    def _train_ranks(
+        self, step: int, trajs: list[Trajectory], ahead: Optional[ForwardAhead] = None
+    ) -> dict[str, float]:
+        """Every rank trains on this batch: the others get the command and the batch first (``ahead``:
+        its forward run ahead, one rank only). ``train_cpu_s``: this thread's CPU time for it (train_s
+        less it: waiting for a core or the GIL)."""
         c0 = time.thread_time()
         self.actor.dp.command(CMD_TRAIN, step)
-        metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs))
+        metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs), ahead=ahead)
         metrics["train_cpu_s"] = time.thread_time() - c0
         return metrics
 
@@ -308,6 +421,7 @@ class TrainerService:
             return
         self.waiting(f"saving the checkpoint after step {req.step}")
         loop = asyncio.get_running_loop()
+        await self._take_ahead(None)  # not while a forward runs ahead on the model (re-armed after)
         path = await loop.run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
         log.info("checkpoint after step %d saved to %s", req.step, path)
         await self.control.send(CheckpointSaved(step=req.step, path=str(path)))

@@ -53,25 +53,38 @@ def median_samples_per_s(rows: list[dict], skip: int) -> float:
 
 
 def phase_times(rows: list[dict], skip: int) -> dict:
-    """Mean per-step seconds over the window: ``t_train`` = train_s + publish_s (the trainer's step
-    and publishing the weights), ``t_gen`` = step_s - t_train (everything else of a synchronous
-    step), ``t_gen_engine`` (rollout engines' busy seconds per step, all workers) and ``step_s``."""
+    """Mean per-step seconds over the window: ``t_train`` = train_s + ahead_s + publish_s (the
+    trainer's step, the part of it run ahead before its plan came, publishing the weights),
+    ``t_ahead`` (that part: the only overlap of a synchronous step), ``t_gen`` = step_s - train_s -
+    publish_s (the trainer's wait: everything else of a synchronous step), ``t_gen_engine``
+    (rollout engines' busy seconds per step, all workers) and ``step_s`` = t_gen + t_train - t_ahead."""
     steps = steady_window(rows, skip)[1:]
     n = len(steps)
     step_s = sum(r["step_s"] for r in steps) / n
-    t_train = sum(r["train_s"] + r["publish_s"] for r in steps) / n
+    t_ahead = sum(r.get("ahead_s", 0.0) for r in steps) / n  # rows of runs before forward ahead: none
+    t_after_plan = sum(r["train_s"] + r["publish_s"] for r in steps) / n
     engine = (steps[-1]["gen_busy_s_total"] - rows[skip]["gen_busy_s_total"]) / n
-    return {"t_gen": step_s - t_train, "t_train": t_train, "t_gen_engine": engine, "step_s": step_s}
+    return {
+        "t_gen": step_s - t_after_plan,
+        "t_train": t_after_plan + t_ahead,
+        "t_ahead": t_ahead,
+        "t_gen_engine": engine,
+        "step_s": step_s,
+    }
 
 
-def ideal_limit(t_gen: float, t_train: float) -> float:
-    """Speedup of perfect generation/training overlap: (t_gen + t_train) / max(t_gen, t_train)."""
-    if t_gen < 0 or t_train < 0 or max(t_gen, t_train) <= 0:
-        raise ValueError(f"phase times must be >= 0 and not both 0, got t_gen={t_gen}, t_train={t_train}")
-    return (t_gen + t_train) / max(t_gen, t_train)
+def ideal_limit(t_gen: float, t_train: float, t_ahead: float = 0.0) -> float:
+    """Speedup of perfect generation/training overlap over the synchronous step (t_gen + t_train -
+    t_ahead, the part of training run ahead already overlapped): that step / max(t_gen, t_train)."""
+    if t_gen < 0 or t_train < 0 or max(t_gen, t_train) <= 0 or not 0 <= t_ahead <= t_train:
+        raise ValueError(
+            f"phase times must be >= 0, not both 0, and 0 <= t_ahead <= t_train; got t_gen={t_gen}, "
+            f"t_train={t_train}, t_ahead={t_ahead}"
+        )
+    return (t_gen + t_train - t_ahead) / max(t_gen, t_train)
 
 
-def cpu_limit(t_gen: float, t_train: float, cpu_s_per_step: float, n_cores: int) -> float:
+def cpu_limit(t_gen: float, t_train: float, cpu_s_per_step: float, n_cores: int, t_ahead: float = 0.0) -> float:
     """The ideal limit with the machine's CPU capacity as a third bound: a step can't take less
     than (all CPU seconds a step needs) / cores."""
-    return (t_gen + t_train) / max(t_gen, t_train, cpu_s_per_step / n_cores)
+    return (t_gen + t_train - t_ahead) / max(t_gen, t_train, cpu_s_per_step / n_cores)
