@@ -9,6 +9,12 @@ One model, dataset and batch, run three ways:
     one Python loop (no processes, no sockets; torch threads as the fleet's workers): per step
     publish (``engine.update_weights`` with the trainer's tensors), generate the batch, score
     every sample, one ``train_step``. This is the floor the fleet can reach on one core.
+    It runs in legs: before the first fleet run and again after each (four legs with η 0 1 2,
+    each a fresh loop from the same weights), and each fleet run is divided by the mean of the
+    two legs around it; the table's in-process row is the mean of all legs. This machine's speed
+    drifts in phases of seconds (the same ``train_step`` at ~35 ms in one, ~50 in the next), and
+    with one in-process measurement before every fleet run a ratio hung on which phases the two
+    landed in (η = 0, ten runs: 0.87-1.47).
 (b) the fleet (``areal-async run``) at η = 0, 1, 2 with the same config: one rollout worker,
     one reward worker, the trainer, the scheduler.
 (c) the embedded engine's tokens/s against ``transformers`` ``generate`` (KV cache, sampling) on
@@ -243,6 +249,11 @@ def run_inprocess(cfg, steps: int, warmup: int) -> dict:
     return {k: 1000 * statistics.fmean(s[k] for s in per_step) for k in (*PHASES, "step", "cpu")}
 
 
+def mean_legs(legs: list[dict]) -> dict:
+    """Phase-wise mean of in-process legs (each a ``run_inprocess`` result)."""
+    return {k: statistics.fmean(leg[k] for leg in legs) for k in legs[0]}
+
+
 # --------------------------------------------------------------------------------------------
 # (b) the fleet
 # --------------------------------------------------------------------------------------------
@@ -324,6 +335,7 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
             "eta": None,
             **{f"{k}_ms": inproc[k] for k in PHASES},
             "cpu_ms": inproc.get("cpu"),
+            "legs_ms": inproc.get("legs", [inproc["step"]]),
             **meta,
         }
     ]
@@ -345,7 +357,7 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
             }
         )
     for eta, f in sorted(fleet.items()):
-        ratio, target = f["step"] / inproc["step"], TARGETS.get(eta)
+        ratio, target = f["step"] / f.get("inprocess_step", inproc["step"]), TARGETS.get(eta)
         rows.append(
             {
                 "metric": "fleet_vs_inprocess_ms_per_step_ratio",
@@ -354,6 +366,7 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
                 "eta": eta,
                 "target": target,
                 "meets_target": None if target is None else ratio <= target,
+                "inprocess_ms": f.get("inprocess_step", inproc["step"]),
                 **meta,
             }
         )
@@ -382,12 +395,19 @@ def print_table(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta:
     print(f"{'run':<12} " + " ".join(f"{p:>8}" for p in cols) + f" {'x inproc':>9} {'target':>7}")
     print(f"{'in-process':<12} " + " ".join(_cell(inproc.get(p)) for p in cols))
     for eta, f in sorted(fleet.items()):
-        ratio, target = f["step"] / inproc["step"], TARGETS.get(eta)
+        ratio, target = f["step"] / f.get("inprocess_step", inproc["step"]), TARGETS.get(eta)
         verdict = "-" if target is None else f"<={target}" + ("" if ratio <= target else " NOT")
         print(
             f"{'fleet η=' + str(eta):<12} " + " ".join(_cell(f.get(p)) for p in cols) + f" {ratio:>9.3f} {verdict:>7}"
         )
     print("ms per step; fleet phases overlap at η > 0 (gen/reward/train/publish need not sum to step)")
+    legs = inproc.get("legs", [])
+    if len(legs) > 1:
+        print(
+            "in-process: the mean of legs run before, between and after the fleet runs, "
+            + " / ".join(f"{v:.1f}" for v in legs)
+            + " ms per step; each fleet run is divided by the mean of the two legs around it"
+        )
     for eta, f in sorted(fleet.items()):
         roles = ", ".join(f"{r} {v:.1f}" for r, v in (f.get("cpu_by_role") or {}).items())
         where = PLACEMENT_WORDS[f.get("placement", "none")]
@@ -441,18 +461,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg = load_config(BASE_CONFIG, ovr)
     allowed = os.sched_getaffinity(0)
     pin = [] if args.no_pin else placement(sorted(allowed), ovr)
-    if pin:  # the in-process loop on the fleet trainer's CPU; the fleet's processes place themselves
-        os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
+
+    def inprocess_leg() -> dict:  # on the fleet trainer's CPU; the fleet's processes place themselves
+        if pin:
+            os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
+        try:
+            return run_inprocess(cfg, args.steps, args.warmup)
+        finally:
+            os.sched_setaffinity(0, allowed)  # what the fleet's supervisor starts from
+
     print(f"[overhead] setup in {out}; in-process loop, {args.steps} steps", flush=True)
-    inproc = run_inprocess(cfg, args.steps, args.warmup)
+    legs = [inprocess_leg()]
+    if pin:
+        os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
     gen = engine_vs_hf(cfg, args.gen_repeats)
-    os.sched_setaffinity(0, allowed)  # what the fleet's supervisor starts from
+    os.sched_setaffinity(0, allowed)
     fleet = {}
     for eta in [] if args.no_fleet else sorted(set(args.etas)):
         print(f"[overhead] fleet η={eta}", flush=True)
         place = pin if eta >= 1 else pin[:1]  # pin[0]: the trainer's CPU
         fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + place, eta, out / f"eta{eta}", args.warmup)
         fleet[eta]["placement"] = "none" if not place else "trainer_own_cpu" if eta >= 1 else "trainer_pinned"
+        print(f"[overhead] in-process loop, {args.steps} steps", flush=True)
+        legs.append(inprocess_leg())
+        fleet[eta]["inprocess_step"] = (legs[-2]["step"] + legs[-1]["step"]) / 2  # the legs around this run
+    inproc = mean_legs(legs)
+    inproc["legs"] = [leg["step"] for leg in legs]
     meta = {
         "batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
         f"{cfg.gconfig.max_new_tokens} new tokens",

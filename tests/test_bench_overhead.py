@@ -61,6 +61,29 @@ def test_rows_meet_the_contract_and_the_targets_are_judged():
     assert gen["value"] == pytest.approx(3.0) and gen["meets_target"] is True
 
 
+def test_each_fleet_run_is_divided_by_the_in_process_legs_around_it():
+    """Legs of 90, 100, 80 ms (before η=0, between, after η=1): η=0 (110 ms) against (90 + 100) / 2,
+    η=1 (72 ms) against (100 + 80) / 2; the in-process row is the mean of the three legs."""
+    legs = [
+        {"gen": g, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0, "step": st, "cpu": st}
+        for g, st in ((38.0, 90.0), (48.0, 100.0), (28.0, 80.0))
+    ]
+    inproc = bench.mean_legs(legs) | {"legs": [90.0, 100.0, 80.0]}
+    assert inproc["step"] == pytest.approx(90.0) and inproc["gen"] == pytest.approx(38.0)
+    phases = {"gen": 10.0, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0}
+    fleet = {
+        0: dict(phases, step=110.0, final_reward=0.5, foreign_cpu_frac=0.0, inprocess_step=95.0),
+        1: dict(phases, step=72.0, final_reward=0.5, foreign_cpu_frac=0.0, inprocess_step=90.0),
+    }
+    out = bench.to_rows(inproc, fleet, None, {"steps": 60})
+    check_rows(out)
+    ratio = {r["eta"]: r for r in out if r["metric"] == "fleet_vs_inprocess_ms_per_step_ratio"}
+    assert ratio[0]["value"] == pytest.approx(110 / 95) and ratio[0]["inprocess_ms"] == 95.0
+    assert ratio[1]["value"] == pytest.approx(0.8) and ratio[1]["meets_target"] is True
+    (row,) = [r for r in out if r["metric"] == "ms_per_step" and r["mode"] == "inprocess"]
+    assert row["value"] == pytest.approx(90.0) and row["legs_ms"] == [90.0, 100.0, 80.0]
+
+
 def test_hf_shared_prefill_baseline_samples_what_per_sample_prefill_samples():
     """The HF baseline with the prompt prefix prefilled once and its cache repeated draws, from the
     same seed, the same tokens as generate's own per-sample prefill (mixed prompt lengths, left
