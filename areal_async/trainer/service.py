@@ -4,6 +4,9 @@
 
     start: model (+ optional SFT warm-up) = version 0 ──publish──> rollouts; TrainerReady
     trajectory receiver thread: tensor channel ──> buffer[sample_id]      (rollouts push)
+      forward ahead (eta = 0, ``forward_ahead_samples``): once a step's trajectories are in, this
+      thread runs the update's first forward on them (``PPOActor.forward_ahead``) while their
+      rewards are scored; the step takes it when its BatchPlan names the same samples
     control loop:
       BatchPlan(step, ids) ─> wait until every planned id is in the buffer
                            ─> PPOActor.train_step (executor thread: the loop keeps receiving)
