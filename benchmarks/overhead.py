@@ -14,7 +14,8 @@ One model, dataset and batch, run three ways:
     two legs around it; the table's in-process row is the mean of all legs. This machine's speed
     drifts in phases of seconds (the same ``train_step`` at ~35 ms in one, ~50 in the next), and
     with one in-process measurement before every fleet run a ratio hung on which phases the two
-    landed in (η = 0, ten runs: 0.87-1.47).
+    landed in (η = 0, eight runs of one code, half of them with the other roles kept off the
+    trainer's CPU: 0.89-1.51x; with legs, fourteen runs: 0.91-1.36x).
 (b) the fleet (``areal-async run``) at η = 0, 1, 2 with the same config: one rollout worker,
     one reward worker, the trainer, the scheduler.
 (c) the embedded engine's tokens/s against ``transformers`` ``generate`` (KV cache, sampling) on
@@ -48,16 +49,19 @@ thread) runs on that CPU. At η >= 1 every other role is pinned to the rest (the
 trainer's own; ``benchmarks.common.fleet.placement``, as in ``benchmarks.async_speedup``): the
 trainer is the critical path and, unpinned, loses time slices to decoding, reward checks and
 messages. At η = 0 the other roles stay unpinned: the phases run one after another, so they may use
-the trainer's CPU while it waits. η = 0 over quiet runs here: 0.89-1.16x in seven of ten runs this
-way and 1.27-1.35x in three (200 steps: 1.24-1.38x), 1.15-1.25x with the other roles kept off the
-trainer's CPU, 1.13-1.33x with nothing pinned. What moves it most is the machine: a ``train_step``
-that follows ~20 ms of sleep or of other work took 34-48 ms of CPU instead of 31-33 ms back to back
-(same process, batch and CPU), and at η = 0 the trainer waits ~17-22 ms before every step, while
-the in-process loop's generation and scoring take ~13. ``--no-pin`` pins nothing; a
-``cluster.cpu_affinity.*`` override replaces the placement in every run.
+the trainer's CPU while it waits. η = 0 over quiet runs here (one leg, before the forward ahead):
+0.89-1.16x in seven of ten runs this way and 1.27-1.35x in three (200 steps: 1.24-1.38x),
+1.15-1.25x with the other roles kept off the trainer's CPU, 1.13-1.33x with nothing pinned; with
+the forward ahead, four runs each way, 1.08-1.36x and 0.96-1.25x. What moves it most is the
+machine: a ``train_step`` that follows ~20 ms of sleep or of other work took 34-48 ms of CPU
+instead of 31-33 ms back to back (same process, batch and CPU), and at η = 0 the trainer waits
+~17-22 ms before every step, while the in-process loop's generation and scoring take ~13.
+``--no-pin`` pins nothing; a ``cluster.cpu_affinity.*`` override replaces the placement in every
+run.
 
 JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
-``eta``, phase ms, ``cpu_ms``), ``fleet_vs_inprocess_ms_per_step_ratio`` (``eta``, ``target``,
+``eta``, phase ms, ``cpu_ms``; in-process ``legs_ms``), ``fleet_vs_inprocess_ms_per_step_ratio``
+(``inprocess_ms``: the legs' mean it divides by, ``eta``, ``target``,
 ``meets_target``), ``engine_vs_hf_generate_tokens_per_s_ratio`` (both tokens/s). Targets: fleet
 η = 0 <= 1.25 x in-process, η = 1 <= 0.8 x; engine >= 2 x HF generate. Every row also carries
 the 1-minute load average before and after the whole benchmark: on a shared machine the
