@@ -43,7 +43,7 @@ outside the benchmark, share of one core); ``--quiet-wait S`` waits up to S s fo
 
 JSON: one row per η: ``metric`` ("trained_samples_per_s"), ``value``, ``unit`` ("samples/s"),
 ``eta``, ``samples_per_s``, ``speedup``, ``limit``, ``fraction_of_limit``, ``final_reward``,
-``time_to_0.8`` (s or null), ``steps_to_0.8``, ``staleness_max``, ``t_gen``, ``t_train``,
+``time_to_0.8`` (s or null), ``steps_to_0.8``, ``staleness_max``, ``t_gen``, ``t_train``, ``t_ahead``,
 ``t_gen_engine`` (s per step, of the η = 0 run), ``limit_cpu``, ``fraction_of_cpu_limit``,
 ``cpu_s_per_step`` ({role: CPU s per step} of that run), ``n_cores``, ``samples_per_s_median``,
 ``steps``, ``n_rollout_workers``, ``seed``, ``loadavg_before``, ``foreign_cpu_frac``,
@@ -204,6 +204,7 @@ def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
         "limit_cpu": lim_cpu,
         "t_gen": ph["t_gen"],
         "t_train": ph["t_train"],
+        "t_ahead": ahead,
         "t_gen_engine": ph["t_gen_engine"],
         "cpu_s_per_step": sum(cpu.values()) if cpu else None,
         "n_cores": n_cores,
@@ -241,6 +242,7 @@ def to_rows(runs: list[dict], cmp: dict, meta: dict) -> list[dict]:
             "staleness_max": r["staleness_max"],
             "t_gen": cmp["t_gen"],
             "t_train": cmp["t_train"],
+            "t_ahead": cmp["t_ahead"],
             "t_gen_engine": cmp["t_gen_engine"],
             "steps": r["steps"],
             "samples_per_s_median": r["samples_per_s_median"],
@@ -298,7 +300,8 @@ def show(runs: list[dict], cmp: dict, meta: dict) -> None:
     )
     print(
         f"η=0 phases per step: t_gen {cmp['t_gen']:.3f}s (engine busy {cmp['t_gen_engine']:.3f}s), "
-        f"t_train {cmp['t_train']:.3f}s -> ideal limit {cmp['limit']:.3f}x"
+        f"t_train {cmp['t_train']:.3f}s ({cmp['t_ahead']:.3f}s of it run ahead, overlapping t_gen) -> ideal limit "
+        f"{cmp['limit']:.3f}x"
     )
     if cmp["limit_cpu"] is not None:
         print(

@@ -36,6 +36,17 @@ def test_compare_speedup_and_fraction_of_limit():
     assert not bench.target_met(by_eta[1])  # 67 % of the limit and 0.10 below
 
 
+def test_the_training_run_ahead_at_eta0_shrinks_the_limit():
+    """The η = 0 run hid 0.1 s of each step's 0.7 s training behind its 0.4 s wait: its step is 1.0 s,
+    so perfect overlap (a step of max(0.4, 0.7) = 0.7 s) is 1 / 0.7 faster, not 1.1 / 0.7."""
+    runs = _runs()
+    for r in runs:
+        r["phases"] = dict(r["phases"], t_train=0.7, t_ahead=0.1)
+    cmp = bench.compare(runs)
+    assert cmp["limit"] == pytest.approx(1 / 0.7) and cmp["t_ahead"] == pytest.approx(0.1)
+    assert {r["eta"]: r for r in runs}[2]["fraction_of_limit"] == pytest.approx(0.7 / 0.65)
+
+
 def test_compare_requires_the_sync_baseline():
     with pytest.raises(ValueError, match="η = 0"):
         bench.compare(_runs()[1:])
@@ -59,6 +70,7 @@ def test_rows_schema():
         "final_reward",
         "t_gen",
         "t_train",
+        "t_ahead",
         "time_to_0.8",
         "staleness_max",
         "loadavg_before",
