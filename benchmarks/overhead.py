@@ -466,20 +466,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     allowed = os.sched_getaffinity(0)
     pin = [] if args.no_pin else placement(sorted(allowed), ovr)
 
-    def inprocess_leg() -> dict:  # on the fleet trainer's CPU; the fleet's processes place themselves
+    def on_trainer_cpu(fn, *a):  # the fleet trainer's CPU; the fleet's processes place themselves
         if pin:
             os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
         try:
-            return run_inprocess(cfg, args.steps, args.warmup)
+            return fn(*a)
         finally:
             os.sched_setaffinity(0, allowed)  # what the fleet's supervisor starts from
 
+    def inprocess_leg() -> dict:
+        return on_trainer_cpu(run_inprocess, cfg, args.steps, args.warmup)
+
     print(f"[overhead] setup in {out}; in-process loop, {args.steps} steps", flush=True)
     legs = [inprocess_leg()]
-    if pin:
-        os.sched_setaffinity(0, {int(pin[0].split("=")[1])})
-    gen = engine_vs_hf(cfg, args.gen_repeats)
-    os.sched_setaffinity(0, allowed)
+    gen = on_trainer_cpu(engine_vs_hf, cfg, args.gen_repeats)
     fleet = {}
     for eta in [] if args.no_fleet else sorted(set(args.etas)):
         print(f"[overhead] fleet η={eta}", flush=True)

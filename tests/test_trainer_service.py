@@ -7,7 +7,9 @@ trains only once it is out: every published version equals the weights an indepe
 the same batches in one process reaches (the same version trained further would differ)."""
 
 import asyncio
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
@@ -73,28 +75,51 @@ class Scheduler:
         return await asyncio.wait_for(loop(), timeout)
 
 
-async def test_weights_follow_step_done_and_the_next_step_waits_for_them(tmp_path):
+@contextlib.asynccontextmanager
+async def running_trainer(tmp_path, steps: int, **service_kw):
+    """A TrainerService on a tiny Llama behind the real zmq trajectory and shm weight channels,
+    registered and ready (``rig.sock``, ``rig.ident``, ``rig.sched``, ``rig.traj_tx``), with
+    ``rig.replay``: an actor on a copy of the same weights; the service is shut down after and must
+    exit 0."""
     torch.set_num_threads(1)
     ctx = zmq.asyncio.Context()
     sock = make_socket(ctx, zmq.ROUTER, bind=ipc_endpoint(tmp_path, "control"))
     traj_rx = make_tensor_channel("zmq", role="receiver", endpoint=ipc_endpoint(tmp_path, "traj"))
     traj_tx = make_tensor_channel("zmq", role="sender", endpoint=traj_rx.endpoint)
-    sched = Scheduler(sock, make_weight_channel("shm", role="receiver"))
-    model, steps = tiny_model(), 3
-    replay = PPOActor(copy.deepcopy(model), boba_cfg(), 1.0, total_steps=steps)
-    svc = TrainerService(
+    model = tiny_model()
+    rig = types.SimpleNamespace(
+        sock=sock,
+        ident=None,
+        traj_tx=traj_tx,
+        sched=Scheduler(sock, make_weight_channel("shm", role="receiver")),
+        replay=PPOActor(copy.deepcopy(model), boba_cfg(), 1.0, total_steps=steps),
+    )
+    rig.svc = TrainerService(
         ControlClient(ctx, sock.getsockopt_string(zmq.LAST_ENDPOINT), "trainer", "trainer", heartbeat_s=0.2),
         PPOActor(model, boba_cfg(), 1.0, total_steps=steps),
         traj_rx,
         make_weight_channel("shm", role="publisher"),
         total_steps=steps,
+        **service_kw,
     )
-    task = asyncio.create_task(svc.run())
-    ident, expected = None, {}
+    task = asyncio.create_task(rig.svc.run())
     try:
-        ident, _ = await sched.next_of(M.Register)
-        await send_message(sock, M.RegisterAck(worker_id="trainer", version=0), to=ident)
-        await sched.next_of(M.TrainerReady)
+        rig.ident, _ = await rig.sched.next_of(M.Register)
+        await send_message(sock, M.RegisterAck(worker_id="trainer", version=0), to=rig.ident)
+        await rig.sched.next_of(M.TrainerReady)
+        yield rig
+    finally:
+        if rig.ident is not None:
+            await send_message(sock, M.Shutdown(reason="test"), to=rig.ident)
+        assert await asyncio.wait_for(task, 30) == 0
+        traj_tx.close()
+        ctx.destroy(linger=0)
+
+
+async def test_weights_follow_step_done_and_the_next_step_waits_for_them(tmp_path):
+    steps, expected = 3, {}
+    async with running_trainer(tmp_path, steps) as rig:
+        sock, ident, sched, traj_tx, replay = rig.sock, rig.ident, rig.sched, rig.traj_tx, rig.replay
         for step in range(steps):
             gid, samples, trajs = batch(replay.model, step)
             sids = [t.sample_id for t in trajs]
@@ -121,12 +146,6 @@ async def test_weights_follow_step_done_and_the_next_step_waits_for_them(tmp_pat
         for v in range(1, steps + 1):
             assert all(torch.equal(sched.published[v][k], want) for k, want in expected[v].items()), v
         assert not torch.equal(sched.published[1]["lm_head.weight"], sched.published[2]["lm_head.weight"])
-    finally:
-        if ident is not None:
-            await send_message(sock, M.Shutdown(reason="test"), to=ident)
-        assert await asyncio.wait_for(task, 30) == 0
-        traj_tx.close()
-        ctx.destroy(linger=0)
 
 
 def test_split_group_gives_per_sample_views_and_refuses_inconsistent_groups():
@@ -274,36 +293,16 @@ async def test_at_eta0_the_first_forward_runs_ahead_of_the_plan_and_a_plan_of_ot
     buffered. Step 1's plan names A (reversed): its forward, run ahead on A in arrival order, is
     used. Every published version equals an independent replay of the same batches in one process
     without any forward ahead (A in arrival order), bit for bit."""
-    torch.set_num_threads(1)
-    ctx = zmq.asyncio.Context()
-    sock = make_socket(ctx, zmq.ROUTER, bind=ipc_endpoint(tmp_path, "control"))
-    traj_rx = make_tensor_channel("zmq", role="receiver", endpoint=ipc_endpoint(tmp_path, "traj"))
-    traj_tx = make_tensor_channel("zmq", role="sender", endpoint=traj_rx.endpoint)
-    sched = Scheduler(sock, make_weight_channel("shm", role="receiver"))
-    model = tiny_model()
-    replay = PPOActor(copy.deepcopy(model), boba_cfg(), 1.0, total_steps=2)
-    svc = TrainerService(
-        ControlClient(ctx, sock.getsockopt_string(zmq.LAST_ENDPOINT), "trainer", "trainer", heartbeat_s=0.2),
-        PPOActor(model, boba_cfg(), 1.0, total_steps=2),
-        traj_rx,
-        make_weight_channel("shm", role="publisher"),
-        total_steps=2,
-        forward_ahead_samples=3,
-    )
-    groups = {}  # both generated by version 0 (the replay's weights before any step), different samples
-    for name, outputs, scores in (("A", OUTPUTS, SCORES), ("B", ([4, 4], [6, 7, 8, 9, 10], [12]), (0.0, 1.0, 1.0))):
-        samples = [Sample(ids, output_logp(replay.model, PROMPT, ids), 0) for ids in outputs]
-        trajs = [
-            Trajectory(f"{name}.{i}", name, PROMPT, s.output_ids, s.logprobs, s.versions, score)
-            for i, (s, score) in enumerate(zip(samples, scores))
-        ]
-        groups[name] = (name, samples, trajs)
-    task = asyncio.create_task(svc.run())
-    ident = None
-    try:
-        ident, _ = await sched.next_of(M.Register)
-        await send_message(sock, M.RegisterAck(worker_id="trainer", version=0), to=ident)
-        await sched.next_of(M.TrainerReady)
+    async with running_trainer(tmp_path, 2, forward_ahead_samples=3) as rig:
+        sock, ident, sched, traj_tx, replay, svc = rig.sock, rig.ident, rig.sched, rig.traj_tx, rig.replay, rig.svc
+        groups = {}  # both generated by version 0 (the replay's weights before any step), different samples
+        for name, outputs, scores in (("A", OUTPUTS, SCORES), ("B", ([4, 4], [6, 7, 8, 9, 10], [12]), (0.0, 1.0, 1.0))):
+            samples = [Sample(ids, output_logp(replay.model, PROMPT, ids), 0) for ids in outputs]
+            trajs = [
+                Trajectory(f"{name}.{i}", name, PROMPT, s.output_ids, s.logprobs, s.versions, score)
+                for i, (s, score) in enumerate(zip(samples, scores))
+            ]
+            groups[name] = (name, samples, trajs)
         for name in ("A", "B"):
             gid, samples, trajs = groups[name]
             msg = group_tensors(PROMPT, PackedSamples.of_samples(samples))
@@ -332,12 +331,6 @@ async def test_at_eta0_the_first_forward_runs_ahead_of_the_plan_and_a_plan_of_ot
         assert all(torch.equal(sched.published[1][k], v) for k, v in want1.items())
         assert all(torch.equal(sched.published[2][k], v) for k, v in replay.model.state_dict().items())
         assert not torch.equal(sched.published[1]["lm_head.weight"], sched.published[2]["lm_head.weight"])
-    finally:
-        if ident is not None:
-            await send_message(sock, M.Shutdown(reason="test"), to=ident)
-        assert await asyncio.wait_for(task, 30) == 0
-        traj_tx.close()
-        ctx.destroy(linger=0)
 
 
 def test_forward_ahead_samples_need_an_actor_that_can_run_a_forward_ahead():
