@@ -1,26 +1,39 @@
 """The system's own cost: fleet ms per step against an in-process loop on the same model and data.
 
     python -m benchmarks.overhead [--json PATH] [--steps N] [--etas 0 1 2] [--model-path DIR]
-                                  [--out DIR] [--no-fleet] [--gen-repeats R] [--no-pin] [key=value ...]
+                                  [--out DIR] [--no-fleet] [--no-null] [--gen-repeats R] [--no-pin]
+                                  [key=value ...]
 
 One model, dataset and batch, run three ways:
 
 (a) in-process: the project's own ``TorchEngine``, reward function and ``PPOActor`` called in
     one Python loop (no processes, no sockets; torch threads as the fleet's workers): per step
     publish (``engine.update_weights`` with the trainer's tensors), generate the batch, score
-    every sample, one ``train_step``. This is the floor the fleet can reach on one core.
-    It runs in legs: before the first fleet run and again after each (four legs with η 0 1 2,
-    each a fresh loop from the same weights), and each fleet run is divided by the mean of the
-    two legs around it; the table's in-process row is the mean of all legs. This machine's speed
-    drifts in phases of seconds (the same ``train_step`` at ~35 ms in one, ~50 in the next), and
-    with one in-process measurement before every fleet run a ratio hung on which phases the two
-    landed in (η = 0, eight runs of one code, half of them with the other roles kept off the
-    trainer's CPU: 0.89-1.51x; with legs, fourteen runs: 0.91-1.36x).
+    every sample, one ``train_step``. Two loops, both measured in every leg, in alternating order:
+    - ``plain``: the loop as first written (one ``decode`` per sample, trajectories from the
+      engine's per-sample views with the prompt as a list, no ``gc.freeze``);
+    - ``matched``: the loop with every optimisation the fleet's roles have that one thread can
+      use (``MATCHED`` lists them, with those that do not apply and why).
+    Each loop runs in legs: one before the first fleet run and one after each (each leg a fresh
+    loop from the same weights).
 (b) the fleet (``areal-async run``) at η = 0, 1, 2 with the same config: one rollout worker,
     one reward worker, the trainer, the scheduler.
 (c) the embedded engine's tokens/s against ``transformers`` ``generate`` (KV cache, sampling) on
     the same model and prompts, HF with the engine's shared prompt prefill or with
     ``num_return_sequences``, whichever is faster (``benchmarks.engine_vs_hf.measure``).
+(d) a null run (``--no-null`` skips it), after the fleet runs: the legs again, back to back, with
+    a stand-in leg of the same loop where each fleet run was and no fleet anywhere between them.
+
+How the comparison is framed (``benchmarks.common.legs``): for each fleet run, each loop and each
+η, four ratios: wall ms per step over the mean of the two legs around the run, and over the first
+leg alone (measured before any fleet run could change the machine's state); CPU ms per step
+(every process of the fleet, by role, over the loop's one process) over the same two
+denominators. The null run's stand-ins get the same four ratios: they are the baseline itself,
+so how far they are from 1 is how far the legs move a ratio with no fleet at all. On a shared
+machine wall time follows the share of the CPU a run gets; CPU time per step does not, so the CPU
+ratio is the figure that does not depend on the neighbours (it does depend on cache and frequency
+effects of the load). Dated figures, with the commit, machine and load they were measured at:
+``benchmarks/RESULTS.md``.
 
 Default setup (the issue's small case, built here, nothing downloaded): Llama, hidden 64,
 2 layers, a 16-token character vocabulary (digits, '+', '=', 4 specials) saved as an HF
@@ -30,72 +43,60 @@ another local HF model instead (its tokenizer must encode the prompts).
 
 Phases per step (ms, means over the steady window after ``--warmup`` steps):
 - gen: rollout engine busy time (fleet: the rollout worker's ``busy_s`` heartbeat counter);
-- reward: scoring (fleet: wall time the reward worker had a group in its pool);
+- reward: scoring (fleet: wall time the reward worker had a group in its pool; in-process it
+  includes decoding the completions and building the trajectories);
 - train: ``train_step`` incl. the proximal-logprob recompute (fleet: the trainer's ``train_s`` plus
   ``ahead_s``, its first forward run ahead while the rewards were scored, at η = 0);
 - publish: weights to the engine (fleet: the trainer's ``publish_s``, until the channel
-  released the publisher; the rollout side's load is inside gen). Over shm/zmq the trainer
-  publishes after its TrainStepDone, while the scheduler plans (trainer/service.py), so the
-  publication overlaps the wait and its wall time includes sharing the CPU with it;
+  released the publisher; the rollout side's load is inside gen);
 - wait: the trainer idle between two steps (fleet: step - train - publish, which understates
   it by the overlapped parts of publish and ahead; in-process 0);
 - step: wall time per step;
 - cpu: CPU time per step (in-process: this process; fleet: every process of the run, by role
-  in ``cpu_ms_by_role``). On a shared machine wall time follows the CPU share the run gets, so
-  the CPU the fleet's plumbing adds per step is the figure that does not depend on the load.
+  in ``cpu_ms_by_role``).
 In the fleet the phases of different steps overlap at η > 0, so they need not sum to the step.
-Placement: with 2+ CPUs the fleet's trainer is pinned to one CPU and the in-process loop (one
-thread) runs on that CPU. At η >= 1 every other role is pinned to the rest (the CPU is the
-trainer's own; ``benchmarks.common.fleet.placement``, as in ``benchmarks.async_speedup``): the
-trainer is the critical path and, unpinned, loses time slices to decoding, reward checks and
-messages. At η = 0 the other roles stay unpinned: the phases run one after another, so they may use
-the trainer's CPU while it waits. η = 0 over quiet runs here (one leg, before the forward ahead):
-0.89-1.16x in seven of ten runs this way and 1.27-1.35x in three (200 steps: 1.24-1.38x),
-1.15-1.25x with the other roles kept off the trainer's CPU, 1.13-1.33x with nothing pinned; with
-the forward ahead, four runs each way, 1.08-1.36x and 0.96-1.25x. What moves it most is the
-machine: a ``train_step`` that follows ~20 ms of sleep or of other work took 34-48 ms of CPU
-instead of 31-33 ms back to back (same process, batch and CPU), and at η = 0 the trainer waits
-~17-22 ms before every step, while the in-process loop's generation and scoring take ~13.
+Placement: with 2+ CPUs the fleet's trainer is pinned to one CPU and the in-process loops (one
+thread) run on that CPU. At η >= 1 every other role is pinned to the rest (the CPU is the
+trainer's own; ``benchmarks.common.fleet.placement``); at η = 0 the other roles stay unpinned
+(the phases run one after another, so they may use the trainer's CPU while it waits).
 ``--no-pin`` pins nothing; a ``cluster.cpu_affinity.*`` override replaces the placement in every
 run.
 
-JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet,
-``eta``, phase ms, ``cpu_ms``; in-process ``legs_ms``), ``fleet_vs_inprocess_ms_per_step_ratio``
-(``inprocess_ms``: the legs' mean it divides by, ``eta``, ``target``,
-``meets_target``), ``engine_vs_hf_generate_tokens_per_s_ratio`` (both tokens/s). Targets: fleet
-η = 0 <= 1.25 x in-process, η = 1 <= 0.8 x; engine >= 2 x HF generate. Every row also carries
-the 1-minute load average before and after the whole benchmark: on a shared machine the
-figures are only as good as the quiet they were measured in.
+JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet;
+in-process rows per ``baseline`` plain|matched with ``legs_ms``, ``legs_cpu_ms``,
+``null_legs_ms`` and ``null_stand_in_ms``; fleet rows per ``eta`` with ``cpu_ms_by_role``), the
+ratio rows of ``benchmarks.common.legs`` (``fleet_vs_inprocess_*`` and ``null_vs_inprocess_*``,
+each with ``eta``, ``baseline``, ``framing``, ``numerator``, ``denominator``; the wall ratios of
+the fleet judged against ``target``), and ``engine_vs_hf_generate_tokens_per_s_ratio``.
+``fleet_vs_inprocess_ms_per_step_ratio`` with ``baseline`` plain is the ratio this benchmark
+reported before it had the other framings. Targets: fleet η = 0 <= 1.25 x in-process, η = 1 <=
+0.8 x; engine >= 2 x HF generate. Every row carries the 1-minute load average before and after
+the whole benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
 
-from areal_async.base.plugins import load_callable
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ModelConfig, load_config
-from areal_async.data.prompts import PromptCursor, load_problems, prompt_encoder
+from areal_async.data.prompts import load_problems, prompt_encoder
 from areal_async.models.tiny import build_model, load_policy, save_policy
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
-from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.packing import select_attn_implementation
-from areal_async.trainer.types import Trajectory
-from benchmarks.common import write_rows
+from benchmarks.common import Col, write_rows
+from benchmarks.common import print_table as print_rows_table
 from benchmarks.common.cpu import cpu_per_step
 from benchmarks.common.fleet import placement, run_fleet
+from benchmarks.common.inprocess import PHASES, VARIANTS, run_inprocess
+from benchmarks.common.legs import ratio_rows
 from benchmarks.engine_vs_hf import measure as measure_engine_vs_hf
 
 ALPHABET = "0123456789+="
@@ -104,7 +105,6 @@ DEFAULT_STEPS = 60
 TARGETS = {0: 1.25, 1: 0.8}  # fleet / in-process ms per step, by eta
 ENGINE_TARGET = 2.0
 BASE_CONFIG = "configs/tiny_arith.yaml"
-PHASES = ("gen", "reward", "train", "publish", "wait")
 PLACEMENT_WORDS = {  # a fleet row's "placement" (see the module docstring)
     "none": "",
     "trainer_pinned": " (trainer pinned, the others anywhere)",
@@ -162,95 +162,6 @@ def overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
 # --------------------------------------------------------------------------------------------
 # (a) the in-process loop
 # --------------------------------------------------------------------------------------------
-
-
-class InProcessLoop:
-    """Engine, reward function and PPO actor of the project in one loop (see the module docstring)."""
-
-    def __init__(self, cfg):
-
-        setup_torch_process(cfg.cluster)
-        self.cfg = cfg
-        model, self.tok = load_policy(cfg.model, cfg.seed)
-        self.engine = TorchEngine(
-            copy.deepcopy(model),
-            self.tok,
-            device="cpu",
-            seed=cfg.seed * 1000,
-            max_batch_groups=cfg.rollout.max_batch_groups,
-        )
-        model.set_attn_implementation(select_attn_implementation("cpu"))
-        self.actor = PPOActor(model, cfg.actor, temperature=cfg.gconfig.temperature, total_steps=cfg.total_train_steps)
-        self.reward_fn = load_callable(cfg.reward.fn)
-        self.problems = load_problems(cfg.train_dataset, cfg.seed)
-        self.cursor = PromptCursor(len(self.problems), cfg.seed, cfg.train_dataset.shuffle)
-        self.encode = prompt_encoder(self.tok, cfg.train_dataset.template)
-        self.version = 0
-
-    def step(self) -> dict[str, float]:
-        """One RL step; returns seconds per phase (and this process's CPU seconds as ``cpu``)."""
-        c0, t0 = time.process_time(), time.perf_counter()
-        self.engine.update_weights(self.version, {k: v.detach() for k, v in self.actor.model.state_dict().items()})
-        t1 = time.perf_counter()
-        groups = self._generate()
-        t2 = time.perf_counter()
-        trajs = self._score(groups)
-        t3 = time.perf_counter()
-        self.actor.train_step(trajs)
-        self.version += 1
-        t4 = time.perf_counter()
-        cpu = time.process_time() - c0
-        return {
-            "publish": t1 - t0,
-            "gen": t2 - t1,
-            "reward": t3 - t2,
-            "train": t4 - t3,
-            "wait": 0.0,
-            "step": t4 - t0,
-            "cpu": cpu,
-        }
-
-    def _generate(self) -> list[tuple]:
-
-        g = self.cfg.gconfig
-        reqs = {}
-        for _ in range(self.cfg.train_dataset.batch_size):
-            idx, pid = self.cursor.next()
-            reqs[pid] = self.problems[idx]
-            self.engine.add_request(
-                GenRequest(
-                    pid,
-                    self.encode(self.problems[idx].prompt),
-                    g.n_samples,
-                    g.max_new_tokens,
-                    g.temperature,
-                    g.top_p,
-                    g.greedy,
-                )
-            )
-        done = []
-        while self.engine.has_work():
-            done += self.engine.step()
-        return [(out, reqs[out.group_id]) for out in done]
-
-    def _score(self, groups: list[tuple]) -> list:
-
-        trajs = []
-        for out, problem in groups:
-            prompt = self.encode(problem.prompt)
-            for i, s in enumerate(out.samples):
-                text = self.tok.decode(s.output_ids, skip_special_tokens=True)
-                score = float(self.reward_fn(text, list(problem.solutions)))
-                trajs.append(
-                    Trajectory(f"{out.group_id}-{i}", out.group_id, prompt, s.output_ids, s.logprobs, s.versions, score)
-                )
-        return trajs
-
-
-def run_inprocess(cfg, steps: int, warmup: int) -> dict:
-    loop = InProcessLoop(cfg)
-    per_step = [loop.step() for _ in range(steps)][warmup:]
-    return {k: 1000 * statistics.fmean(s[k] for s in per_step) for k in (*PHASES, "step", "cpu")}
 
 
 def mean_legs(legs: list[dict]) -> dict:
@@ -329,20 +240,11 @@ def engine_vs_hf(cfg, repeats: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dict) -> list[dict]:
-    rows = [
-        {
-            "metric": "ms_per_step",
-            "value": inproc["step"],
-            "unit": "ms",
-            "mode": "inprocess",
-            "eta": None,
-            **{f"{k}_ms": inproc[k] for k in PHASES},
-            "cpu_ms": inproc.get("cpu"),
-            "legs_ms": inproc.get("legs", [inproc["step"]]),
-            **meta,
-        }
-    ]
+def to_rows(legs: dict[str, dict], fleet: dict[int, dict], gen: Optional[dict], meta: dict) -> list[dict]:
+    """All rows. ``legs[baseline]``: {"legs": [leg, ...] around the fleet runs, "null_legs": [...],
+    "null_stand_ins": {eta: leg}} (legs as ``run_inprocess`` returns them; the null run's may be
+    empty: the k-th stand-in, in eta order, ran between null legs k and k + 1)."""
+    rows = [_inprocess_row(v, L, meta) for v, L in legs.items()]
     for eta, f in sorted(fleet.items()):
         rows.append(
             {
@@ -360,20 +262,10 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
                 "placement": f.get("placement", "none"),
             }
         )
-    for eta, f in sorted(fleet.items()):
-        ratio, target = f["step"] / f.get("inprocess_step", inproc["step"]), TARGETS.get(eta)
-        rows.append(
-            {
-                "metric": "fleet_vs_inprocess_ms_per_step_ratio",
-                "value": ratio,
-                "unit": "ratio",
-                "eta": eta,
-                "target": target,
-                "meets_target": None if target is None else ratio <= target,
-                "inprocess_ms": f.get("inprocess_step", inproc["step"]),
-                **meta,
-            }
-        )
+    for v, L in legs.items():
+        rows += ratio_rows("fleet", fleet, L["legs"][: len(fleet) + 1], v, TARGETS, meta)
+        if L.get("null_stand_ins"):
+            rows += ratio_rows("null", L["null_stand_ins"], L["null_legs"], v, {}, meta)
     if gen is not None:
         ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
         rows.append(
@@ -390,39 +282,88 @@ def to_rows(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dic
     return rows
 
 
-def print_table(inproc: dict, fleet: dict[int, dict], gen: Optional[dict], meta: dict) -> None:
+def _inprocess_row(baseline: str, L: dict, meta: dict) -> dict:
+    mean = mean_legs(L["legs"])
+    return {
+        "metric": "ms_per_step",
+        "value": mean["step"],
+        "unit": "ms",
+        "mode": "inprocess",
+        "baseline": baseline,
+        "eta": None,
+        **{f"{k}_ms": mean[k] for k in PHASES},
+        "cpu_ms": mean.get("cpu"),
+        "legs_ms": [leg["step"] for leg in L["legs"]],
+        "legs_cpu_ms": [leg.get("cpu") for leg in L["legs"]],
+        "null_legs_ms": [leg["step"] for leg in L.get("null_legs", [])],
+        "null_stand_in_ms": [leg["step"] for _, leg in sorted(L.get("null_stand_ins", {}).items())],
+        **meta,
+    }
+
+
+RATIO_COLS = [
+    Col("run", 12, lambda r: f"{r['subject']} η={r['eta']}", left=True),
+    Col("baseline", 8, lambda r: r["baseline"], left=True),
+    Col("wall/legs", 9, lambda r: r.get("fleet_vs_inprocess_ms_per_step_ratio"), ".3f"),
+    Col("wall/first", 10, lambda r: r.get("fleet_vs_inprocess_ms_per_step_first_leg_ratio"), ".3f"),
+    Col("cpu/legs", 8, lambda r: r.get("fleet_vs_inprocess_cpu_ms_per_step_ratio"), ".3f"),
+    Col("cpu/first", 9, lambda r: r.get("fleet_vs_inprocess_cpu_ms_per_step_first_leg_ratio"), ".3f"),
+    Col("target", 7, lambda r: r.get("target"), ".2f"),
+]
+
+
+def ratio_table(rows: list[dict]) -> list[dict]:
+    """One line per (subject, eta, baseline) with its four ratios, keyed by the fleet's metric names."""
+    lines: dict[tuple, dict] = {}
+    for r in rows:
+        subject = r["metric"].split("_vs_")[0]
+        if r["unit"] != "ratio" or subject not in ("fleet", "null"):
+            continue
+        line = lines.setdefault((subject, r["eta"], r["baseline"]), {"subject": subject, "eta": r["eta"]})
+        line.update(baseline=r["baseline"], **{"fleet" + r["metric"][len(subject) :]: r["value"]})
+        if r.get("target") is not None:
+            line["target"] = r["target"]
+    return [lines[k] for k in sorted(lines, key=lambda k: (k[0] != "fleet", k[1], k[2]))]
+
+
+def print_table(rows: list[dict], meta: dict) -> None:
     print(
         f"\noverhead: {meta['batch']} (steady window: steps {meta['warmup']}..{meta['steps'] - 1}); load "
         f"{meta['loadavg_before']:.2f} before, {meta['loadavg_after']:.2f} after, {meta['cpu_count']} CPUs"
     )
     cols = (*PHASES, "step", "cpu")
-    print(f"{'run':<12} " + " ".join(f"{p:>8}" for p in cols) + f" {'x inproc':>9} {'target':>7}")
-    print(f"{'in-process':<12} " + " ".join(_cell(inproc.get(p)) for p in cols))
-    for eta, f in sorted(fleet.items()):
-        ratio, target = f["step"] / f.get("inprocess_step", inproc["step"]), TARGETS.get(eta)
-        verdict = "-" if target is None else f"<={target}" + ("" if ratio <= target else " NOT")
-        print(
-            f"{'fleet η=' + str(eta):<12} " + " ".join(_cell(f.get(p)) for p in cols) + f" {ratio:>9.3f} {verdict:>7}"
-        )
+    print(f"{'run':<20} " + " ".join(f"{p:>8}" for p in cols))
+    for r in rows:
+        if r["metric"] == "ms_per_step":
+            name = f"in-process {r['baseline']}" if r["mode"] == "inprocess" else f"fleet η={r['eta']}"
+            print(f"{name:<20} " + " ".join(_cell(r.get(f"{p}_ms") if p != "step" else r["value"]) for p in cols))
     print("ms per step; fleet phases overlap at η > 0 (gen/reward/train/publish need not sum to step)")
-    legs = inproc.get("legs", [])
-    if len(legs) > 1:
-        print(
-            "in-process: the mean of legs run before, between and after the fleet runs, "
-            + " / ".join(f"{v:.1f}" for v in legs)
-            + " ms per step; each fleet run is divided by the mean of the two legs around it"
-        )
-    for eta, f in sorted(fleet.items()):
-        roles = ", ".join(f"{r} {v:.1f}" for r, v in (f.get("cpu_by_role") or {}).items())
-        where = PLACEMENT_WORDS[f.get("placement", "none")]
-        print(f"fleet η={eta} CPU ms per step by role{where}: {roles or 'not sampled'}")
-    if gen is not None:
-        ratio = gen["engine_tokens_per_s"] / gen["hf_tokens_per_s"]
-        print(
-            f"engine {gen['engine_tokens_per_s']:.0f} tokens/s vs transformers generate "
-            f"{gen['hf_tokens_per_s']:.0f} tokens/s ({gen.get('hf_baseline', 'hf')}): {ratio:.2f}x "
-            f"(target >= {ENGINE_TARGET}x)"
-        )
+    for r in rows:
+        if r["metric"] == "ms_per_step" and r["mode"] == "inprocess":
+            null = " / ".join(f"{v:.1f}" for v in r["null_legs_ms"])
+            print(
+                f"in-process {r['baseline']} legs (wall ms): "
+                + " / ".join(f"{v:.1f}" for v in r["legs_ms"])
+                + (
+                    f"; null run legs {null}, stand-ins " + " / ".join(f"{v:.1f}" for v in r["null_stand_in_ms"])
+                    if null
+                    else ""
+                )
+            )
+        elif r["metric"] == "ms_per_step":
+            roles = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("cpu_ms_by_role") or {}).items())
+            print(
+                f"fleet η={r['eta']} CPU ms per step by role{PLACEMENT_WORDS[r['placement']]}: {roles or 'not sampled'}"
+            )
+    print("\nratios (run / in-process; legs: the mean of the two legs around the run; first: the first leg)")
+    print_rows_table(ratio_table(rows), RATIO_COLS)
+    for r in rows:
+        if r["metric"] == "engine_vs_hf_generate_tokens_per_s_ratio":
+            print(
+                f"engine {r['engine_tokens_per_s']:.0f} tokens/s vs transformers generate "
+                f"{r['hf_tokens_per_s']:.0f} tokens/s ({r.get('hf_baseline', 'hf')}): {r['value']:.2f}x "
+                f"(target >= {ENGINE_TARGET}x)"
+            )
 
 
 def _cell(v: Optional[float]) -> str:
@@ -439,7 +380,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2], help="fleet runs")
     ap.add_argument("--model-path", default=None, help="a local HF model instead of the built tiny one")
     ap.add_argument("--out", default=None, help="directory for the setup and run dirs (default: a temp dir)")
-    ap.add_argument("--no-fleet", action="store_true", help="in-process loop and engine only")
+    ap.add_argument("--no-fleet", action="store_true", help="in-process loops and engine only")
+    ap.add_argument("--no-null", action="store_true", help="skip the null run (legs with no fleet between)")
     ap.add_argument("--gen-repeats", type=int, default=10, help="batches timed per generator")
     ap.add_argument(
         "--no-pin", action="store_true", help="leave every process unpinned (see the docstring, 'Placement')"
@@ -474,23 +416,35 @@ def main(argv: list[str] | None = None) -> list[dict]:
         finally:
             os.sched_setaffinity(0, allowed)  # what the fleet's supervisor starts from
 
-    def inprocess_leg() -> dict:
-        return on_trainer_cpu(run_inprocess, cfg, args.steps, args.warmup)
+    pairs = iter(range(10**6))
 
-    print(f"[overhead] setup in {out}; in-process loop, {args.steps} steps", flush=True)
-    legs = [inprocess_leg()]
+    def leg_pair(into: str, eta: Optional[int] = None) -> None:  # both loops, in alternating order
+        order = VARIANTS if next(pairs) % 2 == 0 else VARIANTS[::-1]
+        print(f"[overhead] in-process loops ({' then '.join(order)}), {args.steps} steps each", flush=True)
+        for v in order:
+            leg = on_trainer_cpu(run_inprocess, cfg, args.steps, args.warmup, v == "matched")
+            if eta is None:
+                legs[v][into].append(leg)
+            else:
+                legs[v][into][eta] = leg
+
+    legs = {v: {"legs": [], "null_legs": [], "null_stand_ins": {}} for v in VARIANTS}
+    leg_pair("legs")
     gen = on_trainer_cpu(engine_vs_hf, cfg, args.gen_repeats)
     fleet = {}
-    for eta in [] if args.no_fleet else sorted(set(args.etas)):
+    etas = [] if args.no_fleet else sorted(set(args.etas))
+    for eta in etas:
         print(f"[overhead] fleet η={eta}", flush=True)
         place = pin if eta >= 1 else pin[:1]  # pin[0]: the trainer's CPU
         fleet[eta] = run_fleet_eta(BASE_CONFIG, ovr + place, eta, out / f"eta{eta}", args.warmup)
         fleet[eta]["placement"] = "none" if not place else "trainer_own_cpu" if eta >= 1 else "trainer_pinned"
-        print(f"[overhead] in-process loop, {args.steps} steps", flush=True)
-        legs.append(inprocess_leg())
-        fleet[eta]["inprocess_step"] = (legs[-2]["step"] + legs[-1]["step"]) / 2  # the legs around this run
-    inproc = mean_legs(legs)
-    inproc["legs"] = [leg["step"] for leg in legs]
+        leg_pair("legs")
+    if not args.no_null:
+        print("[overhead] null run: the legs again, a stand-in leg where each fleet run was", flush=True)
+        leg_pair("null_legs")
+        for eta in etas or sorted(set(args.etas)):
+            leg_pair("null_stand_ins", eta)
+            leg_pair("null_legs")
     meta = {
         "batch": f"{cfg.train_dataset.batch_size} prompts x {cfg.gconfig.n_samples} samples, "
         f"{cfg.gconfig.max_new_tokens} new tokens",
@@ -502,8 +456,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "model": str(cfg.model.path),
         "inprocess_pinned": bool(pin),
     }
-    print_table(inproc, fleet, gen, meta)
-    rows = to_rows(inproc, fleet, gen, meta)
+    rows = to_rows(legs, fleet, gen, meta)
+    print_table(rows, meta)
     if args.json:
         write_rows(args.json, rows)
         print(f"rows written to {args.json}")

@@ -5,6 +5,8 @@ import torch
 
 from benchmarks import overhead as bench
 from benchmarks.common import check_rows
+from benchmarks.common.inprocess import InProcessLoop
+from benchmarks.common.legs import find, ratio_rows
 from benchmarks.engine_vs_hf import hf_generate, tokens_until_eos
 
 
@@ -46,42 +48,109 @@ def test_tokens_until_eos_counts_the_first_eos_and_nothing_after():
     assert tokens_until_eos(new, eos=2).tolist() == [3, 1, 2, 1]
 
 
+def _leg(step: float, cpu: float, gen: float = 38.0) -> dict:
+    return {"gen": gen, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0, "step": step, "cpu": cpu}
+
+
+def _fleet(step: float, cpu: float) -> dict:
+    phases = {"gen": 10.0, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0}
+    return dict(phases, step=step, cpu=cpu, final_reward=0.5, foreign_cpu_frac=0.0)
+
+
 def test_rows_meet_the_contract_and_the_targets_are_judged():
-    phases = {"gen": 40.0, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0, "step": 92.0}
-    fleet = {
-        0: dict(phases, step=110.4, final_reward=0.5, foreign_cpu_frac=0.0),
-        1: dict(phases, step=75.0, final_reward=0.5, foreign_cpu_frac=0.0),
-    }
-    out = bench.to_rows(phases, fleet, {"engine_tokens_per_s": 3000.0, "hf_tokens_per_s": 1000.0}, {"steps": 60})
+    legs = {"plain": {"legs": [_leg(92.0, 90.0)] * 3}}
+    fleet = {0: _fleet(110.4, 99.0), 1: _fleet(75.0, 81.0)}
+    out = bench.to_rows(legs, fleet, {"engine_tokens_per_s": 3000.0, "hf_tokens_per_s": 1000.0}, {"steps": 60})
     check_rows(out)
     ratio = {r["eta"]: r for r in out if r["metric"] == "fleet_vs_inprocess_ms_per_step_ratio"}
     assert ratio[0]["value"] == pytest.approx(1.2) and ratio[0]["meets_target"] is True  # 110.4 / 92 <= 1.25
     assert ratio[1]["value"] == pytest.approx(75 / 92) and ratio[1]["meets_target"] is False  # 0.815 > 0.8
+    cpu = {r["eta"]: r for r in out if r["metric"] == "fleet_vs_inprocess_cpu_ms_per_step_ratio"}
+    assert cpu[0]["value"] == pytest.approx(1.1) and cpu[0]["target"] is None  # 99 / 90; CPU rows judge nothing
     (gen,) = [r for r in out if r["metric"] == "engine_vs_hf_generate_tokens_per_s_ratio"]
     assert gen["value"] == pytest.approx(3.0) and gen["meets_target"] is True
 
 
-def test_each_fleet_run_is_divided_by_the_in_process_legs_around_it():
-    """Legs of 90, 100, 80 ms (before η=0, between, after η=1): η=0 (110 ms) against (90 + 100) / 2,
-    η=1 (72 ms) against (100 + 80) / 2; the in-process row is the mean of the three legs."""
-    legs = [
-        {"gen": g, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0, "step": st, "cpu": st}
-        for g, st in ((38.0, 90.0), (48.0, 100.0), (28.0, 80.0))
-    ]
-    inproc = bench.mean_legs(legs) | {"legs": [90.0, 100.0, 80.0]}
-    assert inproc["step"] == pytest.approx(90.0) and inproc["gen"] == pytest.approx(38.0)
-    phases = {"gen": 10.0, "reward": 5.0, "train": 45.0, "publish": 2.0, "wait": 0.0}
-    fleet = {
-        0: dict(phases, step=110.0, final_reward=0.5, foreign_cpu_frac=0.0, inprocess_step=95.0),
-        1: dict(phases, step=72.0, final_reward=0.5, foreign_cpu_frac=0.0, inprocess_step=90.0),
-    }
-    out = bench.to_rows(inproc, fleet, None, {"steps": 60})
+def test_each_fleet_run_is_divided_by_the_legs_around_it_and_by_the_first_leg():
+    """Legs of 90, 100, 80 ms (before η=0, between, after η=1): η=0 (110 ms) against (90 + 100) / 2 = 95
+    and against the first leg, 90; η=1 (72 ms) against (100 + 80) / 2 = 90 and against 90. CPU the same
+    way: legs 60, 70, 50 ms of CPU, the fleet 78 and 66 -> 78 / 65 = 1.2, 78 / 60 = 1.3, 66 / 60 = 1.1."""
+    legs = [_leg(90.0, 60.0, gen=38.0), _leg(100.0, 70.0, gen=48.0), _leg(80.0, 50.0, gen=28.0)]
+    fleet = {0: _fleet(110.0, 78.0), 1: _fleet(72.0, 66.0)}
+    out = bench.to_rows({"plain": {"legs": legs}}, fleet, None, {"steps": 60})
     check_rows(out)
-    ratio = {r["eta"]: r for r in out if r["metric"] == "fleet_vs_inprocess_ms_per_step_ratio"}
-    assert ratio[0]["value"] == pytest.approx(110 / 95) and ratio[0]["inprocess_ms"] == 95.0
-    assert ratio[1]["value"] == pytest.approx(0.8) and ratio[1]["meets_target"] is True
+
+    def val(metric, eta):
+        return find(out, metric, eta, "plain")
+
+    assert val("fleet_vs_inprocess_ms_per_step_ratio", 0) == pytest.approx(110 / 95)
+    assert val("fleet_vs_inprocess_ms_per_step_first_leg_ratio", 0) == pytest.approx(110 / 90)
+    assert val("fleet_vs_inprocess_ms_per_step_ratio", 1) == pytest.approx(0.8)
+    assert val("fleet_vs_inprocess_ms_per_step_first_leg_ratio", 1) == pytest.approx(0.8)
+    assert val("fleet_vs_inprocess_cpu_ms_per_step_ratio", 0) == pytest.approx(1.2)
+    assert val("fleet_vs_inprocess_cpu_ms_per_step_first_leg_ratio", 0) == pytest.approx(1.3)
+    assert val("fleet_vs_inprocess_cpu_ms_per_step_ratio", 1) == pytest.approx(1.1)
     (row,) = [r for r in out if r["metric"] == "ms_per_step" and r["mode"] == "inprocess"]
-    assert row["value"] == pytest.approx(90.0) and row["legs_ms"] == [90.0, 100.0, 80.0]
+    assert row["value"] == pytest.approx(90.0) and row["gen_ms"] == pytest.approx(38.0)
+    assert row["legs_ms"] == [90.0, 100.0, 80.0] and row["legs_cpu_ms"] == [60.0, 70.0, 50.0]
+
+
+def test_the_null_run_and_both_baselines_get_the_same_accounting():
+    """Null run of the matched loop: legs 50, 60, 40 ms with stand-ins 66 (η=0) and 45 (η=1) between them:
+    66 / 55 = 1.2 and 45 / 50 = 0.9 against the legs around, 66 / 50 = 1.32 and 45 / 50 = 0.9 against the
+    first leg. The null run judges no target; each baseline's rows carry its name."""
+    plain = {"legs": [_leg(90.0, 60.0)] * 3}
+    matched = {
+        "legs": [_leg(80.0, 55.0)] * 3,
+        "null_legs": [_leg(50.0, 50.0), _leg(60.0, 60.0), _leg(40.0, 40.0)],
+        "null_stand_ins": {0: _leg(66.0, 44.0), 1: _leg(45.0, 60.0)},
+    }
+    fleet = {0: _fleet(96.0, 66.0), 1: _fleet(72.0, 66.0)}
+    out = bench.to_rows({"plain": plain, "matched": matched}, fleet, None, {"steps": 60})
+    check_rows(out)
+    assert find(out, "null_vs_inprocess_ms_per_step_ratio", 0, "matched") == pytest.approx(1.2)
+    assert find(out, "null_vs_inprocess_ms_per_step_ratio", 1, "matched") == pytest.approx(0.9)
+    assert find(out, "null_vs_inprocess_ms_per_step_first_leg_ratio", 0, "matched") == pytest.approx(1.32)
+    assert find(out, "null_vs_inprocess_cpu_ms_per_step_ratio", 0, "matched") == pytest.approx(44 / 55)
+    assert find(out, "null_vs_inprocess_ms_per_step_ratio", 0, "plain") is None  # the plain loop had no null run
+    assert all(r["target"] is None for r in out if r["metric"].startswith("null_"))
+    assert find(out, "fleet_vs_inprocess_ms_per_step_ratio", 0, "matched") == pytest.approx(1.2)  # 96 / 80
+    assert find(out, "fleet_vs_inprocess_ms_per_step_ratio", 0, "plain") == pytest.approx(96 / 90)
+    (m,) = [r for r in out if r["metric"] == "ms_per_step" and r.get("baseline") == "matched"]
+    assert m["null_legs_ms"] == [50.0, 60.0, 40.0] and m["null_stand_in_ms"] == [66.0, 45.0]
+    lines = {(x["subject"], x["eta"], x["baseline"]): x for x in bench.ratio_table(out)}
+    assert lines[("null", 1, "matched")]["fleet_vs_inprocess_ms_per_step_first_leg_ratio"] == pytest.approx(0.9)
+    assert lines[("fleet", 0, "plain")]["target"] == 1.25
+
+
+def test_ratio_rows_refuse_legs_that_do_not_surround_the_runs():
+    with pytest.raises(ValueError, match="2 runs need 3 legs"):
+        ratio_rows("fleet", {0: {"step": 1.0}, 1: {"step": 1.0}}, [{"step": 1.0}] * 2, "plain", {}, {})
+
+
+def test_a_missing_cpu_figure_leaves_the_cpu_ratio_empty_not_wrong():
+    out = ratio_rows("fleet", {0: {"step": 90.0, "cpu": None}}, [{"step": 90.0, "cpu": 80.0}] * 2, "plain", {}, {})
+    check_rows(out)
+    assert find(out, "fleet_vs_inprocess_cpu_ms_per_step_ratio", 0, "plain") is None
+    assert find(out, "fleet_vs_inprocess_ms_per_step_ratio", 0, "plain") == pytest.approx(1.0)
+
+
+def test_the_matched_loop_builds_the_same_trajectories_as_the_plain_one(tmp_path):
+    """The matched loop's scoring (batched decode, packed views, one prompt tensor a group) gives the
+    trainer the same samples, scores and per-token values as the plain loop's, from the same groups."""
+    from areal_async.config import load_config
+
+    model_dir, data = bench.build_setup(tmp_path)
+    cfg = load_config(bench.BASE_CONFIG, bench.overrides(model_dir, data, steps=3))
+    loop = InProcessLoop(cfg, matched=True)
+    groups = loop._generate()
+    plain, matched = loop._score(groups), loop._score_packed(groups)
+    assert len(plain) == len(matched) == cfg.train_dataset.batch_size * cfg.gconfig.n_samples
+    for a, b in zip(plain, matched):
+        assert (a.sample_id, a.group_id, a.score) == (b.sample_id, b.group_id, b.score)
+        for f in ("prompt_ids", "output_ids", "behav_logp", "versions"):
+            assert torch.equal(getattr(a, f).to(getattr(b, f).dtype), getattr(b, f)), f
+    assert {t.score for t in plain} <= {0.0, 1.0}
 
 
 def test_hf_shared_prefill_baseline_samples_what_per_sample_prefill_samples():
