@@ -15,8 +15,11 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 import pytest
 
-from protocols.curve import use_curve
-from protocols.sockets import use_source_host
+try:
+    from protocols.curve import use_curve
+    from protocols.sockets import use_source_host
+except ImportError:  # a bare GPU box without pyzmq: tests/gpu's modules importorskip what they need
+    use_curve = use_source_host = None
 
 
 @pytest.fixture(autouse=True)
@@ -25,5 +28,6 @@ def _no_curve_keys_left_behind():
     (protocols.curve); clear them after each test so a later test's tcp sockets are not keyed
     against peers that have no keys (seen: transport tests timing out after the status test)."""
     yield
-    use_curve(None)
-    use_source_host(None)  # likewise a node address (cluster.node_hosts) set by loading a worker's run
+    if use_curve is not None:
+        use_curve(None)
+        use_source_host(None)  # likewise a node address (cluster.node_hosts) set by loading a worker's run

@@ -27,7 +27,7 @@ from areal_async.reward.pool import RewardPool
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import prune
-from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, init_data_parallel
+from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, init_data_parallel, trainer_backend
 from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
@@ -114,7 +114,7 @@ def _join_ranks(cfg: ExperimentConfig, store: str, rank: int, dtype: torch.dtype
             "endpoints.json has no 'trainer_store'; expected the supervisor to plan one for "
             f"cluster.n_trainer_ranks={world}"
         )
-    return init_data_parallel(rank, world, store, "nccl" if cfg.cluster.device == "cuda" else "gloo")
+    return init_data_parallel(rank, world, store, trainer_backend(cfg.cluster.device))
 
 
 def _trainer_policy(cfg: ExperimentConfig, resume: str | None, rank: int, sharded: bool):

@@ -192,15 +192,33 @@ class DataParallel:
             dist.barrier()
 
 
+# The trainer group's backend by device. On CUDA a mixed backend: FSDP2's collectives carry CUDA tensors
+# (NCCL) while the control collectives of ``DataParallel`` (commands, the batch, per-sequence logprobs,
+# loss statistics) and ``broadcast_module`` (the model still on the host) carry CPU tensors (gloo).
+# torch 2.13 distributed_c10d.py, ``BackendConfig.__init__``: a bare "nccl" maps only the devices in
+# ``Backend.backend_capability["nccl"] == ["cuda"]`` (line 313), so a CPU tensor on it fails with "No backend
+# type associated with device type cpu"; "cpu:gloo,cuda:nccl" maps each device type ("device:backend" branch).
+TRAINER_BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+
+
+def trainer_backend(device: str | torch.device) -> str:
+    """The trainer group's ``init_process_group`` backend for ranks computing on ``device``."""
+    kind = torch.device(device).type
+    if kind not in TRAINER_BACKENDS:
+        raise ValueError(f"trainer device {str(device)!r}: expected one of {sorted(TRAINER_BACKENDS)}")
+    return TRAINER_BACKENDS[kind]
+
+
 def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_s: float = 3600.0) -> DataParallel:
-    """Join the trainer ranks' default process group (``store`` = 'host:port', hosted by rank 0).
+    """Join the trainer ranks' default process group (``store`` = 'host:port', hosted by rank 0);
+    ``backend`` as ``trainer_backend`` gives it.
 
     Also for one rank: FSDP2 (the mixed-precision path) needs a group. The long timeout is for
     ranks 1..K-1 waiting for rank 0's next command while it waits for a batch."""
     if not 0 <= rank < world:
         raise ValueError(f"trainer rank {rank}: expected an integer in [0, {world})")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (GPU)")
+    if backend not in TRAINER_BACKENDS.values():
+        raise ValueError(f"backend={backend!r}: expected one of {sorted(TRAINER_BACKENDS.values())} (trainer_backend)")
     import torch.distributed as dist
 
     dist.init_process_group(

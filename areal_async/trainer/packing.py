@@ -29,7 +29,6 @@ kernels that want it. The dense mask is O(T^2) memory: fine for tests and small 
 from __future__ import annotations
 
 import heapq
-import importlib.util
 import itertools
 import math
 from dataclasses import dataclass
@@ -179,8 +178,14 @@ VARLEN_IMPL = "packed_sdpa"  # our per-sequence attention, registered with trans
 
 
 def flash_attn_available() -> bool:
-    """True when the flash-attn package is installed (checked without importing it)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """True when transformers would run ``flash_attention_2``: its own test,
+    ``transformers.utils.is_flash_attn_2_available()`` (the ``flash-attn`` distribution >= 2.3.3 and a
+    CUDA torch). Not ``find_spec("flash_attn")``: flash-attn-4 (an sglang 0.5.x dependency) installs only
+    the namespace ``flash_attn/cute``, which ``find_spec`` finds, and loading a model with
+    ``flash_attention_2`` then raises ImportError."""
+    from transformers.utils import is_flash_attn_2_available
+
+    return bool(is_flash_attn_2_available())
 
 
 BUCKET_RATIO = 0.75  # a length bucket holds sequences of >= 0.75 x its longest: <= 1.8x attention work

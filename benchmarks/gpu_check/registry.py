@@ -1,0 +1,146 @@
+"""The GPU checks' registry and runner: one JSON line per check, exit status 1 when any failed.
+
+A check is a function ``() -> Result`` (or ``(dev) -> Result`` when it has a CPU twin) named in
+``CHECKS``. The runner imports nothing of the project itself: a check's module is imported when the
+check runs, in a spawned child (its own process group and CUDA context; killed at its timeout) unless
+``isolate=False``. Checks that need CUDA are skipped without it ("skipped: no CUDA"); ``--cpu-twins``
+runs those that have a CPU twin with ``dev="cpu"`` (gloo for NCCL) instead, to try their code here.
+The whole run stays inside ``BUDGET_S`` (8 minutes on the check box, less the start-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing as mp
+import queue
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+BUDGET_S = 450.0
+PACKAGE = "benchmarks.gpu_check"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    target: str  # "module:function"; a module name without a dot is one of this package's
+    needs_cuda: bool
+    timeout_s: float = 120.0
+    isolate: bool = True  # run in a spawned child
+    cpu_twin: bool = False  # the function takes ``dev``; on CPU it can run with dev="cpu" (--cpu-twins)
+
+
+@dataclass
+class Result:
+    ok: bool
+    detail: str
+    data: dict = field(default_factory=dict)
+
+
+CHECKS: list[Check] = [
+    Check("environment", "env_checks:environment", False, 60, isolate=False),
+    Check("flash_attn_choice", "attention_checks:flash_attn_choice", False, 60, isolate=False),
+    Check("trainer_group_backend", "trainer_checks:trainer_group_backend", False, 120, isolate=False, cpu_twin=True),
+]
+
+
+def resolve(check: Check):
+    """The check's function; a module name without a dot is one of this package's."""
+    module, fn = check.target.split(":")
+    return getattr(importlib.import_module(module if "." in module else f"{PACKAGE}.{module}"), fn)
+
+
+def call(check: Check, dev: Optional[str]) -> Result:
+    fn = resolve(check)
+    res = fn(dev) if check.cpu_twin else fn()
+    if not isinstance(res, Result):
+        raise TypeError(f"check {check.name} returned {type(res).__name__}; expected a Result")
+    return res
+
+
+def _failure(e: BaseException) -> Result:
+    return Result(False, f"{type(e).__name__}: {e}", {"trace": traceback.format_exc()[-1500:]})
+
+
+def _child(check: Check, dev: Optional[str], q) -> None:
+    try:
+        res = call(check, dev)
+    except BaseException as e:  # reported as the check's failure
+        res = _failure(e)
+    q.put(asdict(res))
+
+
+def _in_child(check: Check, dev: Optional[str], timeout_s: float) -> Result:
+    ctx = mp.get_context("spawn")  # CUDA cannot be used after fork
+    q = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(check, dev, q))  # not a daemon: a check may spawn ranks
+    proc.start()
+    try:
+        return Result(**q.get(timeout=timeout_s))
+    except queue.Empty:
+        return Result(False, f"no answer in {timeout_s:.0f} s (child exit code {proc.exitcode})")
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
+
+def run_check(check: Check, cuda: bool, cpu_twins: bool = False, timeout_s: Optional[float] = None) -> dict:
+    """One check's JSON row: skipped when it needs CUDA and there is none (unless it runs as a CPU twin)."""
+    t0 = time.monotonic()
+    dev = "cuda" if cuda else "cpu"
+    if check.needs_cuda and not cuda and not (cpu_twins and check.cpu_twin):
+        return _row(check, "skipped", "skipped: no CUDA", {}, t0)
+    limit = check.timeout_s if timeout_s is None else min(timeout_s, check.timeout_s)
+    if check.isolate:
+        res = _in_child(check, dev, limit)
+    else:
+        try:
+            res = call(check, dev)
+        except Exception as e:  # reported as the check's failure
+            res = _failure(e)
+    return _row(check, "pass" if res.ok else "fail", res.detail, res.data, t0)
+
+
+def _row(check: Check, status: str, detail: str, data: dict, t0: float) -> dict:
+    return {"name": check.name, "status": status, "detail": detail, "seconds": round(time.monotonic() - t0, 2),
+            "data": data}
+
+
+def run_all(checks: list[Check], cuda: bool, cpu_twins: bool = False, budget_s: float = BUDGET_S) -> list[dict]:
+    rows, t0 = [], time.monotonic()
+    for check in checks:
+        left = budget_s - (time.monotonic() - t0)
+        if left < 5:
+            row = _row(check, "fail", f"not run: the {budget_s:.0f} s budget is spent", {}, time.monotonic())
+        else:
+            row = run_check(check, cuda, cpu_twins, timeout_s=left)
+        print(json.dumps(row, default=str), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m benchmarks.gpu_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
+    ap.add_argument("--list", action="store_true", help="print the check names and exit")
+    ap.add_argument("--cpu-twins", action="store_true", help="without CUDA, run the checks' CPU twins (gloo)")
+    a = ap.parse_args(argv)
+    if a.list:
+        print("\n".join(f"{c.name}\t{'cuda' if c.needs_cuda else 'any'}\t{c.target}" for c in CHECKS))
+        return 0
+    names = [n for n in a.only.split(",") if n]
+    unknown = sorted(set(names) - {c.name for c in CHECKS})
+    if unknown:
+        print(f"unknown check(s) {unknown}; expected names from --list", file=sys.stderr)
+        return 2
+    import torch
+
+    rows = run_all([c for c in CHECKS if not names or c.name in names], torch.cuda.is_available(), a.cpu_twins)
+    return 1 if any(r["status"] == "fail" for r in rows) else 0
