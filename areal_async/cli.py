@@ -11,9 +11,13 @@
     areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
-is refused with a message naming it, before anything starts. Nothing here imports torch except
-``sft`` (after the arguments are parsed), so ``--help``, ``knobs``, ``--dry-run`` and the
-supervisor of ``run`` stay fast.
+is refused with a message naming it, before anything starts. ``run`` and ``sft`` then run the
+preflight (``supervisor/preflight.py``: model, data, plug-ins, template, placement, run directory,
+disk, unread keys): a refusal is one line ``areal-async: <key>=<value>: <what>; <what to do>``, exit 2
+(``--debug`` adds the detail); ``--dry-run`` prints the config, every finding and the placement.
+Nothing here imports torch except ``sft`` (after the arguments are parsed) and the preflight of a
+run whose model.path holds a model (transformers loads its config), so ``--help``, ``knobs``,
+``--dry-run`` of the embedded presets and the supervisor of ``run`` stay fast.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--run-dir", default=None, help="output directory (default runs/<name>-<time>)")
         s.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; start nothing")
         s.add_argument("--no-progress", action="store_true", help="no live progress line")
+        s.add_argument("--debug", action="store_true", help="a refused run also prints the full detail (traceback)")
     sub.add_parser("knobs", help="list every config key with its help")
     _data_parser(sub)
     _add_check_plugin(sub)
@@ -197,6 +202,33 @@ def _check_plugin(args) -> int:
     return 0 if verdict.ok else 1
 
 
+def _preflight(args, cfg, run_dir: Path) -> int | None:
+    """The preflight (supervisor/preflight.py) before any process starts: exit 2 with one line on an
+    error; a dry run prints the config, every finding and the placement, and returns its exit code."""
+    from areal_async.supervisor.preflight import context_for, preflight, report
+
+    ctx = context_for(cfg, args.config, list(args.overrides), args.cmd, run_dir)
+    try:
+        findings = preflight(ctx, stop_at_error=not args.dry_run)
+    except Exception as e:  # a fault of the preflight itself: still one line, the traceback with --debug
+        if args.debug:
+            raise
+        print(f"areal-async: the preflight failed: {type(e).__name__}: {e} (--debug shows where)", file=sys.stderr)
+        return 2
+    errors = [f for f in findings if f.level == "error"]
+    if args.dry_run:
+        print(to_yaml(cfg) + report(ctx, findings, args.cmd), end="")
+    for f in findings:
+        if f.level == "warn" and not args.dry_run:
+            print(f"areal-async: warning: {f.line}", file=sys.stderr)
+        if f.level == "error" and args.debug and f.detail:
+            print(f.detail, file=sys.stderr, end="")
+    if errors:
+        print(f"areal-async: {errors[0].line}", file=sys.stderr)
+        return 2
+    return 0 if args.dry_run else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)  # overrides may follow options: collect them here
@@ -214,15 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-async: config error: {e}", file=sys.stderr)
         return 2
-    if getattr(args, "dry_run", False):
-        print(to_yaml(cfg), end="")
-        return 0
     if args.cmd == "eval":
         from areal_async.app.evaluate import run_eval
 
         out = Path(args.out or f"runs/eval-{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
         return run_eval(cfg, args.model, args.data, out)
     run_dir = Path(args.run_dir or f"runs/{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    refused = _preflight(args, cfg, run_dir)
+    if refused is not None:
+        return refused
     if args.cmd == "sft":
         from areal_async.app.sft import run_sft
 

@@ -16,7 +16,6 @@ Every failure is one line naming the plug-in, what was expected and what was fou
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import select
@@ -25,14 +24,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-from areal_async.base.plugins import load_callable
+from areal_async.base.plugins import REWARD_SIGNATURE, contract_problem
 from areal_async.reward.pool import RewardPool
 
 __all__ = ["Verdict", "check_plugin", "REWARD_SAMPLES"]
 
 # (completion, solutions): a right and a wrong answer in the boxed format of the shipped tasks
 REWARD_SAMPLES = [("7 + 5 = \\boxed{12}", ["12"]), ("7 + 5 = \\boxed{13}", ["12"])]
-REWARD_SIGNATURE = "f(completion: str, solutions: list[str], **kwargs) -> float"
 
 
 @dataclass
@@ -44,27 +42,15 @@ class Verdict:
 
 def check_plugin(path: str, kind: str = "auto", timeout_s: float = 5.0) -> Verdict:
     """Load, inspect and run the plug-in ``path``; never raises for a broken plug-in."""
-    try:
-        obj = load_callable(path)
-    except ValueError as e:
-        return Verdict(False, "unknown", f"cannot load: {e}")
-    if kind == "auto":
-        kind = "workflow" if inspect.isclass(obj) else "reward"
+    kind, problem = contract_problem(path, kind)  # loads and inspects (base/plugins.py)
+    if problem:
+        return Verdict(False, kind, problem)
     if kind == "workflow":
-        return _check_workflow(path, obj, timeout_s)
-    if kind == "reward":
-        return _check_reward(path, obj, timeout_s)
-    raise ValueError(f"kind={kind!r}: expected auto | reward | workflow")
+        return _run_workflow_child(path, timeout_s)
+    return _check_reward(path, timeout_s)
 
 
-def _check_reward(path: str, fn, timeout_s: float) -> Verdict:
-    bad = _signature_problem(fn, ("completion", ["12"]))
-    if bad:
-        return Verdict(
-            False,
-            "reward",
-            f"wrong signature: reward fn {path!r} is {bad}; a reward fn must be callable as {REWARD_SIGNATURE}",
-        )
+def _check_reward(path: str, timeout_s: float) -> Verdict:
     with RewardPool(path, n_procs=1, timeout_s=timeout_s) as pool:
         scores = []
         for completion, solutions in REWARD_SAMPLES:
@@ -97,47 +83,6 @@ def _reward_error(path: str, completion: str, detail: str) -> str:
             f"wrong return type: reward fn {path!r} returned {what} on {completion!r}; expected a float score in [0, 1]"
         )
     return f"raises: reward fn {path!r} raised {detail} on {completion!r}"
-
-
-def _signature_problem(fn, args: tuple) -> str | None:
-    """Why ``fn(*args)`` cannot bind, or None (builtins without a signature pass)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    try:
-        sig.bind(*args)
-    except TypeError as e:
-        return f"{getattr(fn, '__name__', fn)}{sig} ({e})"
-    return None
-
-
-def _check_workflow(path: str, cls, timeout_s: float) -> Verdict:
-    if not inspect.isclass(cls):
-        return Verdict(
-            False,
-            "workflow",
-            f"not a class: workflow {path!r} is a {type(cls).__name__}; expected a "
-            "class with 'async def arun_episode(self, engine, prompt)'",
-        )
-    method = getattr(cls, "arun_episode", None)
-    if method is None or not inspect.iscoroutinefunction(method):
-        found = "missing" if method is None else f"a plain {type(method).__name__}"
-        return Verdict(
-            False,
-            "workflow",
-            f"wrong signature: workflow {path!r} has arun_episode {found}; expected "
-            "'async def arun_episode(self, engine, prompt)'",
-        )
-    bad = _signature_problem(method, (None, None, None))
-    if bad:
-        return Verdict(
-            False,
-            "workflow",
-            f"wrong signature: workflow {path!r}: arun_episode is {bad}; expected "
-            "'async def arun_episode(self, engine, prompt)'",
-        )
-    return _run_workflow_child(path, timeout_s)
 
 
 def _run_workflow_child(path: str, timeout_s: float, startup_s: float = 60.0) -> Verdict:

@@ -4,6 +4,10 @@ Fail loudly, never hang: an unexpected exception anywhere in a role's loop (see 
 reaches here; its traceback goes to the worker's log and the process exits with
 ``FAILED_EXIT_CODE`` at once (``os._exit``: an executor thread blocked on a dead peer must not
 keep a failed process alive), so the supervisor restarts the worker or fails the run.
+
+A build that fails on an error no restart can fix (``BUILD_ERRORS``: an import, a config value, a
+missing file, a plug-in of the wrong shape) exits ``BUILD_FAILED_EXIT_CODE`` instead, its last log
+line ``BUILD_FAILED_MARK`` + the error: the supervisor stops the run at once and says why.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import signal
 import sys
 from typing import Callable
 
-from areal_async.base.process import setup_worker_logging
+from areal_async.base.process import BUILD_ERRORS, BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK, setup_worker_logging
 from protocols.sockets import run_async
 
 FAILED_EXIT_CODE = 70  # EX_SOFTWARE: the worker's own loop failed (traceback in its log)
@@ -32,7 +36,10 @@ def run_worker(worker_id: str, build: Callable[[], object]) -> int:
         task = asyncio.current_task()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)  # SIGTERM from the supervisor: unwind and exit
-        service = build()
+        try:
+            service = build()
+        except BUILD_ERRORS as e:
+            raise _BuildFailed(e) from e
         # what the build made (modules, model, engine, sockets) lives as long as the process: moved out of
         # the collector's generations, so no collection walks it again (fleet trainer: ~1 ms less per step)
         gc.freeze()
@@ -44,10 +51,26 @@ def run_worker(worker_id: str, build: Callable[[], object]) -> int:
     except asyncio.CancelledError:
         log.info("%s stopped by signal", worker_id)
         return 143
+    except _BuildFailed as e:
+        log.exception("%s failed to build; exiting with code %d", worker_id, BUILD_FAILED_EXIT_CODE)
+        log.error("%s%s: %s", BUILD_FAILED_MARK, type(e.error).__name__, e.error)
+        _exit_now(BUILD_FAILED_EXIT_CODE)
     except BaseException:
         log.exception("%s failed; exiting with code %d", worker_id, FAILED_EXIT_CODE)
-        logging.shutdown()
-        sys.stderr.flush()
-        os._exit(FAILED_EXIT_CODE)
+        _exit_now(FAILED_EXIT_CODE)
     log.info("%s exiting with code %s", worker_id, code)
     return int(code or 0)
+
+
+class _BuildFailed(Exception):
+    """The build raised one of BUILD_ERRORS (kept as ``error``)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)

@@ -3,14 +3,22 @@
 Covered: ``"package.module:attr"`` (preferred; ``attr`` may be nested, ``"mod:Cls.method"``) and
 ``"package.module.attr"``; results are cached so a hot path can call ``load_callable`` freely.
 Not covered: file paths, entry points, or installing anything.
+
+``contract_problem(path, kind)`` is the static half of a plug-in's contract (it imports and
+inspects, runs nothing): ``areal-async check-plugin`` runs the plug-in after it, the preflight of
+``areal-async run`` stops at it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 
-__all__ = ["load_callable"]
+__all__ = ["load_callable", "contract_problem", "REWARD_SIGNATURE", "WORKFLOW_SIGNATURE"]
+
+REWARD_SIGNATURE = "f(completion: str, solutions: list[str], **kwargs) -> float"
+WORKFLOW_SIGNATURE = "'async def arun_episode(self, engine, prompt)'"
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,3 +62,51 @@ def _resolve(obj, attr_path: str, path: str):
         except AttributeError as e:
             raise ValueError(f"plug-in {path!r}: {obj!r} has no attribute {name!r}") from e
     return obj
+
+
+def contract_problem(path: str, kind: str = "auto") -> tuple[str, str | None]:
+    """(kind, what breaks the contract or None) of the plug-in ``path``: it loads, and a reward fn
+    binds ``(completion, solutions)``; a workflow is a class with ``async arun_episode(self, engine,
+    prompt)``. ``kind`` auto: a class is a workflow, anything else a reward fn. Runs nothing."""
+    try:
+        obj = load_callable(path)
+    except ValueError as e:
+        return "unknown", f"cannot load: {e}"
+    if kind == "auto":
+        kind = "workflow" if inspect.isclass(obj) else "reward"
+    if kind not in ("reward", "workflow"):
+        raise ValueError(f"kind={kind!r}: expected auto | reward | workflow")
+    return kind, (_workflow_problem(path, obj) if kind == "workflow" else _reward_problem(path, obj))
+
+
+def _reward_problem(path: str, fn) -> str | None:
+    bad = signature_problem(fn, ("completion", ["12"]))
+    if bad:
+        return f"wrong signature: reward fn {path!r} is {bad}; a reward fn must be callable as {REWARD_SIGNATURE}"
+    return None
+
+
+def _workflow_problem(path: str, cls) -> str | None:
+    if not inspect.isclass(cls):
+        return f"not a class: workflow {path!r} is a {type(cls).__name__}; expected a class with {WORKFLOW_SIGNATURE}"
+    method = getattr(cls, "arun_episode", None)
+    if method is None or not inspect.iscoroutinefunction(method):
+        found = "missing" if method is None else f"a plain {type(method).__name__}"
+        return f"wrong signature: workflow {path!r} has arun_episode {found}; expected {WORKFLOW_SIGNATURE}"
+    bad = signature_problem(method, (None, None, None))
+    if bad:
+        return f"wrong signature: workflow {path!r}: arun_episode is {bad}; expected {WORKFLOW_SIGNATURE}"
+    return None
+
+
+def signature_problem(fn, args: tuple) -> str | None:
+    """Why ``fn(*args)`` cannot bind, or None (builtins without a signature pass)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        sig.bind(*args)
+    except TypeError as e:
+        return f"{getattr(fn, '__name__', fn)}{sig} ({e})"
+    return None

@@ -7,6 +7,21 @@ import logging
 import os
 import sys
 
+# A worker whose build (config, plug-ins, data, model) failed on an error no restart can fix exits
+# with BUILD_FAILED_EXIT_CODE (78, sysexits' EX_CONFIG) after logging BUILD_FAILED_MARK + the error
+# as its last line; the supervisor then fails the run at once instead of restarting or recovering.
+BUILD_FAILED_EXIT_CODE = 78
+BUILD_FAILED_MARK = "BUILD FAILED (no restart can fix this): "
+BUILD_ERRORS = (
+    ImportError,
+    SyntaxError,
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+)
+
 
 def setup_worker_logging(worker_id: str) -> logging.Logger:
     logging.basicConfig(

@@ -62,6 +62,21 @@ def load_jsonl(path: str | Path) -> list[Problem]:
     return out
 
 
+def read_jsonl_head(path: str | Path, n: int = 5) -> list[tuple[int, Problem]]:
+    """(line number, problem) of the first ``n`` problems of a training jsonl, as ``load_jsonl`` reads
+    them (blank lines skipped); a bad line is a ValueError naming ``FILE:LINE``, an empty file one too."""
+    out: list[tuple[int, Problem]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                out.append((lineno, _problem_from_json(line, lineno, path, len(out))))
+            if len(out) >= n:
+                break
+    if not out:
+        raise ValueError(f"{path}: no problems found")
+    return out
+
+
 def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> Problem:
     try:
         obj = json.loads(line)

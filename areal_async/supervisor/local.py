@@ -14,6 +14,9 @@ its own process group, logging to ``RUN_DIR/logs/<worker>.log``), and then watch
   still runs LOST_KILL_GRACE_S later it is killed, and then handled as dead (above);
 - no trainer step for ``cluster.step_timeout_s`` (the step watchdog) -> a failure that names the
   silent role and what it waited for (from the scheduler's ``RUN_DIR/status.json``);
+- a worker that exits BUILD_FAILED_EXIT_CODE (its build failed on an import, a config value, a
+  missing file: base/process.py)                               -> never restarted nor recovered: the
+  run fails at once with the worker's one-line reason;
 - a failure with ``recover.retries`` left                     -> in-run recovery: every child is
   stopped and the fleet is relaunched from the newest complete checkpoint (as a rerun with
   ``recover.mode=auto`` would be: the same exactly-once books); summary.json counts recoveries.
@@ -45,6 +48,7 @@ from typing import Optional
 
 from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints, plan_port
+from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
@@ -311,6 +315,8 @@ class LocalSupervisor:
 
     def _no_restart(self, dead: Child) -> Optional[str]:
         """Why this dead worker is not restarted, or None if it is."""
+        if dead.proc.returncode == BUILD_FAILED_EXIT_CODE:
+            return build_failure(dead.log_path)
         if dead.role not in RESTARTABLE:
             return f"a {dead.role} worker is never restarted"
         if self._scheduler_done():
@@ -367,7 +373,8 @@ class LocalSupervisor:
         newest = self._newest_checkpoint_step()
         if self._recovered_from is not None and newest > self._recovered_from:
             self.recoveries_in_a_row = 0  # the fleet made progress since the last recovery
-        recover = self.recoveries_in_a_row < self.cfg.recover.retries
+        build_failed = dead is not None and dead.proc.returncode == BUILD_FAILED_EXIT_CODE
+        recover = self.recoveries_in_a_row < self.cfg.recover.retries and not build_failed
         outcome = (
             f"recovering the run ({self.recoveries_in_a_row + 1}/{self.cfg.recover.retries} in a row, "
             f"{self.recoveries + 1} in all) from the newest complete checkpoint"
@@ -389,7 +396,7 @@ class LocalSupervisor:
 
     def _report_dead(self, dead: Child, outcome: str) -> None:
         why = [f"declared lost by the scheduler: {dead.lost}"] if dead.lost else []
-        if dead.role in RESTARTABLE:
+        if dead.role in RESTARTABLE or dead.proc.returncode == BUILD_FAILED_EXIT_CODE:
             why.append(f"no restart: {self._no_restart(dead)}")
         why_s = f" ({'; '.join(why)})" if why else ""
         print(
@@ -631,6 +638,13 @@ def _how(code: int) -> str:
 def _signal_group(proc: Launched, sig: int) -> None:
     """``sig`` to the process and everything it started (its launcher knows how)."""
     proc.signal(sig)
+
+
+def build_failure(log_path: Path) -> str:
+    """Why a worker that exited BUILD_FAILED_EXIT_CODE failed: its log's last BUILD_FAILED_MARK line."""
+    marked = [line.split(BUILD_FAILED_MARK, 1)[1] for line in tail(log_path, 40) if BUILD_FAILED_MARK in line]
+    why = marked[-1] if marked else "see its log"
+    return f"it failed to build ({why}), which no restart can fix"
 
 
 def tail(path: Path, n: int) -> list[str]:

@@ -1,9 +1,7 @@
 """Trainer library: rewards/advantages, PPO losses, sequence packing, optimizer, actor, SFT, checkpoints.
 
 Importable without starting processes; the trainer worker process (``workers/``) builds a
-``PPOActor`` from the config and feeds it batches of ``Trajectory``.
+``PPOActor`` from the config and feeds it batches of ``Trajectory`` (``areal_async.trainer.types``).
+The package root imports nothing: the supervisor reads ``checkpoint_dirs`` (torch-free) through it,
+and ``areal-async run`` must refuse a bad config without loading torch.
 """
-
-from areal_async.trainer.types import Trajectory
-
-__all__ = ["Trajectory"]

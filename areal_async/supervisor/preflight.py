@@ -1,0 +1,417 @@
+"""The preflight of ``areal-async run`` / ``sft`` (and their ``--dry-run``): everything a run needs from
+outside its YAML is looked at before any process starts.
+
+Checks, in order (cheap first; ``run`` stops at the first error, ``--dry-run`` runs them all):
+keys set for a type or backend that does not read them; the run directory; the placement on the
+declared cluster and this machine (``supervisor/placement.py``), pinned CPUs, the inference servers;
+the dataset files; the plug-ins; the model directory and its tokenizer; the template on a first
+prompt; free disk for the configured checkpoints. Model, data, template and plug-in checks live
+in ``preflight_inputs.py``.
+
+Unread keys: a key set for a type or backend that does not read it (``train_dataset.path`` with
+``type: tiny_arith``, ``vllm.*`` with ``rollout.backend: torch``) is refused. Presets carry some
+sections on purpose (the other server backend's settings, so one override switches; the reference
+model of a run with ``actor.kl_ctl: 0``; ``sft.*`` of a preset shared with ``areal-async sft``):
+those are warned when the YAML file sets them and refused only when the command line does.
+
+Every error is one line, ``<key>=<value>: <what is wrong>; <what to do>`` (the CLI prints it as
+``areal-async: ...`` and exits 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import yaml
+
+from areal_async.base.affinity import check_available
+from areal_async.config import ExperimentConfig, parse_override
+from areal_async.supervisor.local import worker_specs
+from areal_async.supervisor.placement import (
+    PlacementError,
+    check_gpus_present,
+    gpus_needed_on,
+    local_gpu_count,
+    place,
+    shape_of,
+)
+from areal_async.supervisor.preflight_findings import Context, Finding, error, ok, warn
+from areal_async.supervisor.preflight_inputs import (
+    check_dataset,
+    check_eval_data,
+    check_model,
+    check_plugins,
+    check_ref,
+    check_template,
+)
+from areal_async.supervisor.servers import launch_blocker, uses_servers
+from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
+
+__all__ = ["Context", "Finding", "preflight", "set_keys", "report", "context_for"]
+
+# ---- keys the chosen type or backend does not read -------------------------------------------
+
+MODEL_SHAPE = tuple(
+    f"model.{k}"
+    for k in (
+        "arch",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+    )
+)
+
+
+@dataclass(frozen=True)
+class Unread:
+    """Keys (a trailing '.' = a whole section) that no code reads when ``unread(ctx)``."""
+
+    keys: tuple[str, ...]
+    unread: Callable[[Context], bool]
+    why: Callable[[ExperimentConfig], str]
+    todo: str
+    on_purpose: bool = False  # presets set these on purpose: a warning when the YAML sets them
+
+
+UNREAD = (
+    Unread(
+        ("train_dataset.path",),
+        lambda c: c.cfg.train_dataset.type != "jsonl",
+        lambda c: f"train_dataset.type={c.train_dataset.type!r} generates its problems and reads no file",
+        "set train_dataset.type=jsonl to train on that file, or drop the key",
+    ),
+    Unread(
+        ("train_dataset.size", "train_dataset.max_operand", "train_dataset.ops"),
+        lambda c: c.cfg.train_dataset.type != "tiny_arith",
+        lambda c: f"read only by train_dataset.type='tiny_arith', not {c.train_dataset.type!r}",
+        "drop the key",
+    ),
+    Unread(
+        MODEL_SHAPE,
+        lambda c: bool(c.cfg.model.path),
+        lambda c: "model.path is set: the model and its shape come from that directory",
+        "drop the key, or unset model.path to build the tiny model",
+    ),
+    Unread(
+        ("sglang.",),
+        lambda c: not c.cfg.rollout.backend.startswith("sglang"),
+        lambda c: f"rollout.backend={c.rollout.backend!r} starts no SGLang server",
+        "set rollout.backend=sglang to use it, or drop the key",
+        on_purpose=True,
+    ),
+    Unread(
+        ("vllm.",),
+        lambda c: not c.cfg.rollout.backend.startswith("vllm"),
+        lambda c: f"rollout.backend={c.rollout.backend!r} starts no vLLM server",
+        "set rollout.backend=vllm to use it, or drop the key",
+        on_purpose=True,
+    ),
+    Unread(
+        ("ref.",),
+        lambda c: c.cfg.actor.kl_ctl == 0,
+        lambda c: "actor.kl_ctl=0 loads no reference model",
+        "set actor.kl_ctl > 0 to use it, or drop the key",
+        on_purpose=True,
+    ),
+    Unread(
+        ("sft.",),
+        lambda c: c.cmd == "run",
+        lambda c: "read only by `areal-async sft`",
+        "run `areal-async sft` for it, or drop the key",
+        on_purpose=True,
+    ),
+    Unread(
+        ("sft_warmup.batch_size", "sft_warmup.lr"),
+        lambda c: c.cmd == "run" and c.cfg.sft_warmup.steps == 0,
+        lambda c: "sft_warmup.steps=0: no warm-up runs",
+        "set sft_warmup.steps > 0 to use it, or drop the key",
+    ),
+    Unread(
+        ("cluster.slurm.",),
+        lambda c: c.cfg.cluster.launcher != "slurm",
+        lambda c: f"cluster.launcher={c.cluster.launcher!r} submits no Slurm job",
+        "set cluster.launcher=slurm to use it, or drop the key",
+    ),
+    Unread(
+        ("cluster.ray_address",),
+        lambda c: c.cfg.cluster.launcher != "ray",
+        lambda c: f"cluster.launcher={c.cluster.launcher!r} connects to no Ray cluster",
+        "set cluster.launcher=ray to use it, or drop the key",
+    ),
+    Unread(
+        ("stats_logger.wandb_mode",),
+        lambda c: c.cfg.stats_logger.wandb_project is None,
+        lambda c: "stats_logger.wandb_project is unset: nothing is logged to wandb",
+        "set stats_logger.wandb_project to use it, or drop the key",
+    ),
+)
+
+
+def set_keys(data: Any, prefix: str = "") -> set[str]:
+    """Dotted leaf keys of plain YAML data (a mapping's leaves; an empty mapping counts as a leaf)."""
+    if not isinstance(data, dict) or not data:
+        return {prefix[:-1]} if prefix else set()
+    return {k for name, v in data.items() for k in set_keys(v, f"{prefix}{name}.")}
+
+
+def _matches(key: str, entries: Iterable[str]) -> bool:
+    return any(key.startswith(e) if e.endswith(".") else key == e for e in entries)
+
+
+def _value(cfg: Any, key: str) -> Any:
+    for part in key.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
+
+
+def check_unread(ctx: Context) -> list[Finding]:
+    out = []
+    for rule in UNREAD:
+        if not rule.unread(ctx):
+            continue
+        by_cli = sorted(k for k in ctx.from_overrides if _matches(k, rule.keys))
+        in_file = sorted(k for k in ctx.from_file - set(by_cli) if _matches(k, rule.keys))
+        if by_cli or (in_file and not rule.on_purpose):
+            key = (by_cli or in_file)[0]
+            out.append(error(key, _value(ctx.cfg, key), f"{rule.why(ctx.cfg)}: the key is not read", rule.todo))
+        elif in_file:
+            more = f" (and {len(in_file) - 1} more {rule.keys[0]} key(s))" if len(in_file) > 1 else ""
+            what = f"{rule.why(ctx.cfg)}: the preset's key is not read{more}"
+            out.append(warn(in_file[0], _value(ctx.cfg, in_file[0]), what, rule.todo))
+    return out
+
+
+# ---- the run directory, the placement, the machine ---------------------------------------------
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_run_dir(ctx: Context) -> list[Finding]:
+    d, mode = ctx.run_dir, ctx.cfg.recover.mode
+    if d.exists() and not d.is_dir():
+        return [error("--run-dir", str(d), "is a file, not a directory", "give a new directory")]
+    base = _existing_parent(d)
+    if not os.access(base, os.W_OK | os.X_OK):
+        return [error("--run-dir", str(d), f"{base} is not writable", "choose a directory you can write")]
+    books = d / "metrics.jsonl"
+    if mode == "disabled" and books.is_file() and books.stat().st_size > 0:
+        return [
+            error(
+                "--run-dir",
+                str(d),
+                "already holds a run (metrics.jsonl)",
+                "use a new --run-dir, or recover.mode=auto to continue it",
+            )
+        ]
+    try:
+        resume = checkpoint_to_resume(d / "checkpoints", mode)
+    except ValueError as e:
+        return [error("recover.mode", mode, str(e), "use recover.mode=auto or disabled, or the run's --run-dir", e)]
+    return [ok("--run-dir", str(d), "writable" + (f"; resumes from {resume.name}" if resume else ""))]
+
+
+def check_placement(ctx: Context) -> list[Finding]:
+    cfg, cl = ctx.cfg, ctx.cfg.cluster
+    try:
+        ctx.placement = place(shape_of(cfg))
+    except PlacementError as e:
+        return [
+            error(
+                "cluster.n_gpus_per_node",
+                cl.n_gpus_per_node,
+                str(e),
+                "lower cluster.n_trainer_ranks or the rollout backend's dN, or declare the cluster's GPUs",
+                e,
+            )
+        ]
+    if cl.device != "cuda":
+        return [ok("cluster.device", cl.device, f"{len(ctx.placement)} processes on {cl.n_nodes} node(s), no GPU")]
+    need = gpus_needed_on(ctx.placement, 0)
+    if cl.launcher != "local":
+        return [ok("cluster.device", "cuda", f"the placement uses {need} GPU(s) of node 0 (checked on the nodes)")]
+    have = local_gpu_count() if ctx.gpus_here is None else ctx.gpus_here
+    try:
+        check_gpus_present(ctx.placement, 0, have)
+    except PlacementError as e:
+        return [Finding("error", "cluster.device", f"cluster.device='cuda': {e}")]
+    return [ok("cluster.device", "cuda", f"the placement uses {need} of this machine's {have} GPU(s)")]
+
+
+def check_cpus(ctx: Context) -> list[Finding]:
+    out = []
+    for role, spec in dataclasses.asdict(ctx.cfg.cluster.cpu_affinity).items():
+        try:
+            if spec:
+                check_available(spec, f"cluster.cpu_affinity.{role}")
+        except ValueError as e:
+            out.append(Finding("error", f"cluster.cpu_affinity.{role}", f"{e}; pin to CPUs of that list, or ''"))
+    return out
+
+
+def check_servers(ctx: Context) -> list[Finding]:
+    if not uses_servers(ctx.cfg):
+        return []
+    why = launch_blocker(ctx.cfg)
+    if why:
+        return [Finding("error", "rollout.backend", why)]
+    return [ok("rollout.backend", ctx.cfg.rollout.backend, "its servers can start here (or are attached to)")]
+
+
+# ---- disk --------------------------------------------------------------------------------------
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def param_count(cfg: ExperimentConfig, vocab: int) -> int:
+    """Parameters of the policy (its config.json when model.path is set, else the built shape)."""
+    m = vars(cfg.model).copy()
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        m.update(yaml.safe_load((Path(cfg.model.path) / "config.json").read_text()) or {})
+        vocab = int(m.get("vocab_size", vocab))
+    h, layers, inter = int(m["hidden_size"]), int(m["num_hidden_layers"]), int(m["intermediate_size"])
+    kv = h // int(m["num_attention_heads"]) * int(m.get("num_key_value_heads") or m["num_attention_heads"])
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
+    return vocab * h * (1 if m.get("tie_word_embeddings") else 2) + layers * per_layer + h
+
+
+def check_disk(ctx: Context) -> list[Finding]:
+    """Checkpoints kept at once (keep_last + the one being written) x (weights + Adam state + fp32 master)."""
+    cfg, s = ctx.cfg, ctx.cfg.saver
+    periodic = s.freq_steps > 0 or s.freq_secs > 0 or (ctx.cmd == "sft" and cfg.sft.save_freq_steps > 0)
+    n_ckpt = s.keep_last + 1 if periodic else (1 if s.final_grace_s > 0 else 0)
+    if n_ckpt == 0 or (cfg.model.path and not (Path(cfg.model.path) / "config.json").is_file()):
+        return []  # nothing saved, or no shape to size it by (the model check said why)
+    try:
+        params = param_count(cfg, len(ctx.tokenizer) if ctx.tokenizer is not None else 100)
+    except (KeyError, ValueError, TypeError, OSError, yaml.YAMLError):
+        return []  # a model whose config the model check could not read: that check said why
+    per = params * (DTYPE_BYTES[cfg.model.dtype] + 8 + (4 if cfg.model.dtype != "float32" else 0))
+    need, free = n_ckpt * per, shutil.disk_usage(_existing_parent(ctx.run_dir)).free
+    what = f"{n_ckpt} checkpoint(s) of about {_size(per)} ({params / 1e6:.1f}M parameters) need {_size(need)}"
+    if need > free:
+        return [
+            error(
+                "saver.keep_last",
+                s.keep_last,
+                f"{what} but {_size(free)} is free there",
+                "free disk space, lower saver.keep_last, or use a --run-dir on a larger disk",
+            )
+        ]
+    if need > free / 2:
+        return [warn("saver.keep_last", s.keep_last, f"{what} of the {_size(free)} free", "watch the disk")]
+    return [ok("saver.keep_last", s.keep_last, f"{what}; {_size(free)} free")]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---- running the checks ------------------------------------------------------------------------
+
+RUN_CHECKS = (
+    check_unread,
+    check_run_dir,
+    check_placement,
+    check_cpus,
+    check_servers,
+    check_dataset,
+    check_eval_data,
+    check_plugins,
+    check_model,
+    check_ref,
+    check_template,
+    check_disk,
+)
+SFT_CHECKS = tuple(c for c in RUN_CHECKS if c not in (check_placement, check_cpus, check_servers))
+
+
+def preflight(ctx: Context, stop_at_error: bool = True) -> list[Finding]:
+    """Every check's findings in order; with ``stop_at_error`` none after the first error."""
+    out: list[Finding] = []
+    for check in RUN_CHECKS if ctx.cmd == "run" else SFT_CHECKS:
+        out += check(ctx)
+        if stop_at_error and any(f.level == "error" for f in out):
+            break
+    ctx.loads = role_loads(ctx.cfg) if ctx.cmd == "run" else sft_loads(ctx.cfg)
+    return out
+
+
+def context_for(cfg: ExperimentConfig, config_path: str, overrides: list[str], cmd: str, run_dir: Path) -> Context:
+    """The context of a CLI call: which keys the YAML file and which the command line set."""
+    try:
+        data = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        data = {}
+    by_cli = set()
+    for text in overrides:
+        parts, value = parse_override(text)
+        by_cli |= set_keys(value, ".".join(parts) + ".") if isinstance(value, dict) else {".".join(parts)}
+    return Context(cfg, cmd, Path(run_dir), frozenset(set_keys(data)), frozenset(by_cli))
+
+
+def _model_and_data(cfg: ExperimentConfig) -> tuple[str, str]:
+    m, d = cfg.model, cfg.train_dataset
+    model = f"{m.path} ({m.dtype})" if m.path else f"a built tiny {m.arch} ({m.dtype})"
+    return model, (d.path if d.type == "jsonl" else f"tiny_arith x{d.size}")
+
+
+def sft_loads(cfg: ExperimentConfig) -> dict[str, str]:
+    """`areal-async sft` runs in one process."""
+    model, data = _model_and_data(cfg)
+    return {"sft": f"policy {model}; prompts {data}; template {cfg.train_dataset.template}; reward.fn {cfg.reward.fn}"}
+
+
+def role_loads(cfg: ExperimentConfig) -> dict[str, str]:
+    """Worker id -> what it will load."""
+    m, d = cfg.model, cfg.train_dataset
+    model, data = _model_and_data(cfg)
+    out = {}
+    for wid, module, _ in worker_specs(cfg):
+        role = module.rsplit(".", 1)[-1]
+        out[wid] = {
+            "scheduler": f"tokenizer of {m.path or 'the character set'}; prompts {data}; template {d.template}",
+            "reward": f"reward.fn {cfg.reward.fn} in {cfg.reward.n_procs} process(es)"
+            + (" (idle: the workflow scores)" if cfg.rollout.workflow else ""),
+            "trainer": f"policy {model}"
+            + (f"; reference {cfg.ref.path or 'the initial policy'}" if cfg.actor.kl_ctl else ""),
+            "rollout": f"{cfg.rollout.backend} engine of {model}"
+            + (f"; workflow {cfg.rollout.workflow}" if cfg.rollout.workflow else ""),
+        }[role]
+    return out
+
+
+def report(ctx: Context, findings: list[Finding], cmd: str) -> str:
+    """The dry run's account, as YAML comment lines (the printed config above them stays valid YAML)."""
+    n = {lv: sum(f.level == lv for f in findings) for lv in ("ok", "warn", "error")}
+    lines = [f"# preflight of `areal-async {cmd}`: {n['ok']} ok, {n['warn']} warning(s), {n['error']} error(s)"]
+    lines += [f"#   {f.level:5s} {f.line}" for f in findings]
+    cl = ctx.cfg.cluster
+    gpus = f"{cl.n_nodes} node(s) x {cl.n_gpus_per_node} GPU(s)" if cl.device == "cuda" else "CPU only"
+    lines.append(f"# placement (cluster.device={cl.device}, {gpus}, launcher {cl.launcher}):")
+    for wid, what in ctx.loads.items():
+        slot = ctx.placement.get(wid)
+        where = (
+            f"node {slot.node}" + (f" GPU {','.join(map(str, slot.gpus))}" if slot and slot.gpus else "")
+            if slot
+            else "-"
+        )
+        lines.append(f"#   {wid:12s} {where:16s} loads {what}")
+    return "\n".join(lines) + "\n"

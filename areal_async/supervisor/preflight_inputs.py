@@ -1,0 +1,207 @@
+"""Preflight checks of what a run reads from outside its YAML: the model directory and its tokenizer,
+the dataset files, the prompt template on a first prompt, and the plug-ins.
+
+Nothing here downloads: ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` are set and every load is
+``local_files_only``; a model path that is not a local directory is refused before transformers
+sees it. The plug-ins are imported and inspected (``base.plugins.contract_problem``, the static
+half of ``areal-async check-plugin``), not run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from areal_async.base.plugins import REWARD_SIGNATURE, WORKFLOW_SIGNATURE, contract_problem
+from areal_async.data.prompts import read_jsonl_head, tiny_arith
+from areal_async.data.templates import render_prompt_ids
+from areal_async.models.tokenizer import build_char_tokenizer, load_tokenizer
+from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
+
+OFFLINE = "nothing is downloaded: no network is attempted"
+JSONL_LINE = '{"prompt": str, "solutions": [str, ...]}'
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def check_model(ctx: Context) -> list[Finding]:
+    m = ctx.cfg.model
+    if not m.path:
+        ctx.tokenizer = build_char_tokenizer()
+        shape = f"h={m.hidden_size}, {m.num_hidden_layers} layers, {m.max_position_embeddings} positions"
+        return [ok("model.path", None, f"a tiny {m.arch} built locally ({shape}) with the character tokenizer")]
+    found = model_dir("model.path", m.path)
+    if found:
+        return [found]
+    try:
+        ctx.tokenizer = load_tokenizer(m.path)
+    except Exception as e:  # any failure of a local load: the message says which
+        return [
+            error(
+                "model.path",
+                m.path,
+                f"its tokenizer does not load ({first_line(e)}; {OFFLINE})",
+                "point model.path at an HF model directory with its tokenizer files",
+                e,
+            )
+        ]
+    return [ok("model.path", m.path, f"config and {type(ctx.tokenizer).__name__} load from the local directory")]
+
+
+def check_ref(ctx: Context) -> list[Finding]:
+    """The reference model (loaded only when actor.kl_ctl > 0 and ref.path is set)."""
+    if ctx.cfg.actor.kl_ctl <= 0 or not ctx.cfg.ref.path:
+        return []
+    return [model_dir("ref.path", ctx.cfg.ref.path) or ok("ref.path", ctx.cfg.ref.path, "its config loads")]
+
+
+def model_dir(key: str, path: str) -> Finding | None:
+    """An error when ``path`` is not a local HF model directory whose config loads; None when it is."""
+    p, todo = Path(path), f"point {key} at a local HF model directory (config.json + tokenizer files)"
+    if not p.exists():
+        return error(key, path, f"no such directory ({OFFLINE})", todo)
+    if not p.is_dir():
+        return error(key, path, f"is a file, not a model directory ({OFFLINE})", todo)
+    if not (p / "config.json").is_file():
+        return error(key, path, f"the directory holds no config.json ({OFFLINE})", todo)
+    try:
+        json.loads((p / "config.json").read_text())
+        _offline()
+        from transformers import AutoConfig  # imports torch: only for a directory that may hold a model
+
+        AutoConfig.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # a broken config.json, an unknown model_type ...
+        return error(key, path, f"its config.json does not load ({first_line(e)}; {OFFLINE})", todo, e)
+    return None
+
+
+def _offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+# ---- the data ----------------------------------------------------------------------------------
+
+
+def check_dataset(ctx: Context) -> list[Finding]:
+    d = ctx.cfg.train_dataset
+    if d.type == "tiny_arith":
+        problems = tiny_arith(d, ctx.cfg.seed)
+        ctx.first_prompt = problems[0].prompt
+        out = [ok("train_dataset.type", d.type, f"{len(problems)} problems generated locally")]
+        if len(problems) < d.size:
+            out.append(
+                warn(
+                    "train_dataset.size",
+                    d.size,
+                    f"only {len(problems)} distinct problems exist for max_operand={d.max_operand}, ops={d.ops!r}",
+                    f"expect {len(problems)}",
+                )
+            )
+        return out
+    found = jsonl_file("train_dataset.path", d.path, need_answer=ctx.cmd == "sft")
+    if found.level == "ok":
+        ctx.first_prompt = read_jsonl_head(d.path, 1)[0][1].prompt
+    return [found]
+
+
+def check_eval_data(ctx: Context) -> list[Finding]:
+    path = ctx.cfg.evaluator.path
+    return [jsonl_file("evaluator.path", path)] if path else []
+
+
+def jsonl_file(key: str, path: str, need_answer: bool = False, n: int = 5) -> Finding:
+    """The file exists and its first ``n`` problems parse (and carry an 'answer' when SFT needs one)."""
+    todo = f"point {key} at a training-format jsonl, one {JSONL_LINE} per line"
+    p = Path(path)
+    if not p.is_file():
+        return error(key, path, "no such file" if not p.exists() else "not a regular file", todo)
+    try:
+        head = read_jsonl_head(p, n)
+    except (ValueError, OSError) as e:
+        return error(key, path, str(e), f"fix that line, or {todo}", e)
+    if need_answer:
+        lacking = [lineno for lineno, prob in head if not prob.answer]
+        if lacking:
+            return error(
+                key,
+                path,
+                f"{path}:{lacking[0]}: no 'answer' (the SFT target completion)",
+                f'SFT lines need {JSONL_LINE[:-1]}, "answer": str}}',
+            )
+    return ok(key, path, f"the first {len(head)} line(s) parse ({', '.join(sorted(_fields(head)))})")
+
+
+def _fields(head) -> set[str]:
+    return {"prompt", "solutions"} | ({"answer"} if any(p.answer for _, p in head) else set())
+
+
+def check_template(ctx: Context) -> list[Finding]:
+    """The template renders the first prompt with the run's tokenizer (needs both checks above)."""
+    d = ctx.cfg.train_dataset
+    if ctx.tokenizer is None or ctx.first_prompt is None:
+        return []
+    try:
+        ids = render_prompt_ids(ctx.tokenizer, ctx.first_prompt, d.template)
+    except Exception as e:  # a chat template that does not render, a tokenizer without one
+        return [
+            error(
+                "train_dataset.template",
+                d.template,
+                f"does not render the first prompt ({first_line(e)})",
+                "use train_dataset.template=none, or a tokenizer with a chat template",
+                e,
+            )
+        ]
+    out = [
+        ok(
+            "train_dataset.template",
+            d.template,
+            f"renders the first prompt {ctx.first_prompt[:30]!r} to {len(ids)} tokens",
+        )
+    ]
+    if len(ids) > d.max_prompt_len:
+        out.append(
+            warn(
+                "train_dataset.max_prompt_len",
+                d.max_prompt_len,
+                f"the first prompt is {len(ids)} tokens after the template: such prompts are filtered out",
+                "raise it if they should train",
+            )
+        )
+    return out
+
+
+# ---- plug-ins ----------------------------------------------------------------------------------
+
+
+def check_plugins(ctx: Context) -> list[Finding]:
+    """reward.fn and rollout.workflow import and have the right signature (nothing is run)."""
+    _on_workers_path()
+    cfg, out = ctx.cfg, []
+    for key, path, kind, need in (
+        ("reward.fn", cfg.reward.fn, "reward", REWARD_SIGNATURE),
+        ("rollout.workflow", cfg.rollout.workflow, "workflow", f"a class with {WORKFLOW_SIGNATURE}"),
+    ):
+        if not path:
+            continue
+        _, problem = contract_problem(path, kind)
+        fix = "fix the dotted path 'module:name' (it must import from here and PYTHONPATH)"
+        todo = (fix if problem and problem.startswith("cannot load") else f"expected {need}") + (
+            f"; check it with `areal-async check-plugin {path}`"
+        )
+        if problem:
+            out.append(error(key, path, problem, todo))
+        else:
+            out.append(ok(key, path, f"imports and has the {kind} signature"))
+    return out
+
+
+def _on_workers_path() -> None:
+    """The workers run ``python -m workers.<role>`` from this directory: it is on their sys.path."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
