@@ -219,7 +219,7 @@ def _preflight(args, cfg, run_dir: Path) -> int | None:
     if args.dry_run:
         print(to_yaml(cfg) + report(ctx, findings, args.cmd), end="")
     for f in findings:
-        if f.level == "warn" and not args.dry_run:
+        if f.level == "warn" and not args.dry_run and not errors:  # a refusal is one line
             print(f"areal-async: warning: {f.line}", file=sys.stderr)
         if f.level == "error" and args.debug and f.detail:
             print(f.detail, file=sys.stderr, end="")

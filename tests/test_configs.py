@@ -30,12 +30,24 @@ def test_the_expected_presets_exist():
     assert {"tiny_arith.yaml", "tiny_sft.yaml", "boba_sft.yaml", "boba_grpo.yaml", "gsm8k_grpo.yaml"} <= names
 
 
+# presets whose model.path and data are placeholders for files of a GPU machine: their dry run here
+# says what is missing (exit 2); the others run on this machine as they are
+GPU_PRESETS = {"boba_grpo.yaml", "boba_sft.yaml", "gsm8k_grpo.yaml"}
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_preset_loads_and_dry_run_prints_the_same_config(path):
     cfg = load_config(path)
     proc = cli("run", str(path), "--dry-run")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == (2 if path.name in GPU_PRESETS else 0), proc.stderr
     assert from_dict(yaml.safe_load(proc.stdout)) == cfg  # the printed config is the resolved one
+    assert "# preflight of `areal-async run`" in proc.stdout and "\n# placement (" in proc.stdout
+    if path.name in GPU_PRESETS:  # every missing input is named, the refusal is one line
+        assert f"error model.path={cfg.model.path!r}: no such directory" in proc.stdout
+        assert f"error train_dataset.path={cfg.train_dataset.path!r}: no such file" in proc.stdout
+        assert proc.stderr.startswith("areal-async: ") and proc.stderr.count("\n") == 1, proc.stderr
+    if path.name in GPU_PRESETS - {"boba_sft.yaml"}:
+        assert "node 0 needs 8 GPUs for this placement" in proc.stdout
 
 
 def test_boba_grpo_holds_the_seed_numbers():

@@ -386,6 +386,8 @@ class LocalSupervisor:
                 else ""
             )
         )
+        if build_failed:
+            outcome = "the run failed at once"  # neither a restart nor a recovery can fix it
         if dead is None:
             print(f"\n[areal-async] {silent}; {outcome}.", file=sys.stderr)
         else:

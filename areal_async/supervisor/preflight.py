@@ -9,10 +9,12 @@ prompt; free disk for the configured checkpoints. Model, data, template and plug
 in ``preflight_inputs.py``.
 
 Unread keys: a key set for a type or backend that does not read it (``train_dataset.path`` with
-``type: tiny_arith``, ``vllm.*`` with ``rollout.backend: torch``) is refused. Presets carry some
-sections on purpose (the other server backend's settings, so one override switches; the reference
-model of a run with ``actor.kl_ctl: 0``; ``sft.*`` of a preset shared with ``areal-async sft``):
-those are warned when the YAML file sets them and refused only when the command line does.
+``type: tiny_arith``, ``vllm.*`` with ``rollout.backend: torch``) is refused when the command line
+sets it, or when the YAML file sets it against the file's own choice. It is a warning when the
+YAML sets it and the command line switched the deciding key (``model.path=DIR`` on a preset that
+describes the tiny model's shape), and for the sections presets carry on purpose (the other server
+backend's settings, so one override switches; the reference model of a run with ``actor.kl_ctl:
+0``; ``sft.*`` of a preset shared with ``areal-async sft``).
 
 Every error is one line, ``<key>=<value>: <what is wrong>; <what to do>`` (the CLI prints it as
 ``areal-async: ...`` and exits 2).
@@ -45,8 +47,8 @@ from areal_async.supervisor.preflight_inputs import (
     check_dataset,
     check_eval_data,
     check_model,
+    check_model_files,
     check_plugins,
-    check_ref,
     check_template,
 )
 from areal_async.supervisor.servers import launch_blocker, uses_servers
@@ -76,6 +78,7 @@ class Unread:
     """Keys (a trailing '.' = a whole section) that no code reads when ``unread(ctx)``."""
 
     keys: tuple[str, ...]
+    by: tuple[str, ...]  # the keys that decide (a preset's keys unread after the command line switched these: warned)
     unread: Callable[[Context], bool]
     why: Callable[[ExperimentConfig], str]
     todo: str
@@ -85,24 +88,28 @@ class Unread:
 UNREAD = (
     Unread(
         ("train_dataset.path",),
+        ("train_dataset.type",),
         lambda c: c.cfg.train_dataset.type != "jsonl",
         lambda c: f"train_dataset.type={c.train_dataset.type!r} generates its problems and reads no file",
         "set train_dataset.type=jsonl to train on that file, or drop the key",
     ),
     Unread(
         ("train_dataset.size", "train_dataset.max_operand", "train_dataset.ops"),
+        ("train_dataset.type",),
         lambda c: c.cfg.train_dataset.type != "tiny_arith",
         lambda c: f"read only by train_dataset.type='tiny_arith', not {c.train_dataset.type!r}",
         "drop the key",
     ),
     Unread(
         MODEL_SHAPE,
+        ("model.path",),
         lambda c: bool(c.cfg.model.path),
         lambda c: "model.path is set: the model and its shape come from that directory",
         "drop the key, or unset model.path to build the tiny model",
     ),
     Unread(
         ("sglang.",),
+        ("rollout.backend",),
         lambda c: not c.cfg.rollout.backend.startswith("sglang"),
         lambda c: f"rollout.backend={c.rollout.backend!r} starts no SGLang server",
         "set rollout.backend=sglang to use it, or drop the key",
@@ -110,6 +117,7 @@ UNREAD = (
     ),
     Unread(
         ("vllm.",),
+        ("rollout.backend",),
         lambda c: not c.cfg.rollout.backend.startswith("vllm"),
         lambda c: f"rollout.backend={c.rollout.backend!r} starts no vLLM server",
         "set rollout.backend=vllm to use it, or drop the key",
@@ -117,6 +125,7 @@ UNREAD = (
     ),
     Unread(
         ("ref.",),
+        ("actor.kl_ctl",),
         lambda c: c.cfg.actor.kl_ctl == 0,
         lambda c: "actor.kl_ctl=0 loads no reference model",
         "set actor.kl_ctl > 0 to use it, or drop the key",
@@ -124,6 +133,7 @@ UNREAD = (
     ),
     Unread(
         ("sft.",),
+        (),
         lambda c: c.cmd == "run",
         lambda c: "read only by `areal-async sft`",
         "run `areal-async sft` for it, or drop the key",
@@ -131,24 +141,28 @@ UNREAD = (
     ),
     Unread(
         ("sft_warmup.batch_size", "sft_warmup.lr"),
+        ("sft_warmup.steps",),
         lambda c: c.cmd == "run" and c.cfg.sft_warmup.steps == 0,
         lambda c: "sft_warmup.steps=0: no warm-up runs",
         "set sft_warmup.steps > 0 to use it, or drop the key",
     ),
     Unread(
         ("cluster.slurm.",),
+        ("cluster.launcher",),
         lambda c: c.cfg.cluster.launcher != "slurm",
         lambda c: f"cluster.launcher={c.cluster.launcher!r} submits no Slurm job",
         "set cluster.launcher=slurm to use it, or drop the key",
     ),
     Unread(
         ("cluster.ray_address",),
+        ("cluster.launcher",),
         lambda c: c.cfg.cluster.launcher != "ray",
         lambda c: f"cluster.launcher={c.cluster.launcher!r} connects to no Ray cluster",
         "set cluster.launcher=ray to use it, or drop the key",
     ),
     Unread(
         ("stats_logger.wandb_mode",),
+        ("stats_logger.wandb_project",),
         lambda c: c.cfg.stats_logger.wandb_project is None,
         lambda c: "stats_logger.wandb_project is unset: nothing is logged to wandb",
         "set stats_logger.wandb_project to use it, or drop the key",
@@ -180,11 +194,12 @@ def check_unread(ctx: Context) -> list[Finding]:
             continue
         by_cli = sorted(k for k in ctx.from_overrides if _matches(k, rule.keys))
         in_file = sorted(k for k in ctx.from_file - set(by_cli) if _matches(k, rule.keys))
-        if by_cli or (in_file and not rule.on_purpose):
+        switched = any(_matches(k, rule.by) for k in ctx.from_overrides)
+        if by_cli or (in_file and not rule.on_purpose and not switched):
             key = (by_cli or in_file)[0]
             out.append(error(key, _value(ctx.cfg, key), f"{rule.why(ctx.cfg)}: the key is not read", rule.todo))
         elif in_file:
-            more = f" (and {len(in_file) - 1} more {rule.keys[0]} key(s))" if len(in_file) > 1 else ""
+            more = f" (nor {len(in_file) - 1} more such key(s))" if len(in_file) > 1 else ""
             what = f"{rule.why(ctx.cfg)}: the preset's key is not read{more}"
             out.append(warn(in_file[0], _value(ctx.cfg, in_file[0]), what, rule.todo))
     return out
@@ -267,7 +282,7 @@ def check_servers(ctx: Context) -> list[Finding]:
         return []
     why = launch_blocker(ctx.cfg)
     if why:
-        return [Finding("error", "rollout.backend", why)]
+        return [Finding("error", "rollout.backend", f"{why}; or use rollout.backend=torch (the embedded engine)")]
     return [ok("rollout.backend", ctx.cfg.rollout.backend, "its servers can start here (or are attached to)")]
 
 
@@ -334,9 +349,9 @@ RUN_CHECKS = (
     check_servers,
     check_dataset,
     check_eval_data,
+    check_model_files,
     check_plugins,
     check_model,
-    check_ref,
     check_template,
     check_disk,
 )

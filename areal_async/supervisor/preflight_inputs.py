@@ -17,7 +17,6 @@ from pathlib import Path
 from areal_async.base.plugins import REWARD_SIGNATURE, WORKFLOW_SIGNATURE, contract_problem
 from areal_async.data.prompts import read_jsonl_head, tiny_arith
 from areal_async.data.templates import render_prompt_ids
-from areal_async.models.tokenizer import build_char_tokenizer, load_tokenizer
 from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
 
 OFFLINE = "nothing is downloaded: no network is attempted"
@@ -27,54 +26,74 @@ JSONL_LINE = '{"prompt": str, "solutions": [str, ...]}'
 # ---- the model ---------------------------------------------------------------------------------
 
 
+def check_model_files(ctx: Context) -> list[Finding]:
+    """Cheap first: model.path (and a loaded ref.path) are directories holding a config.json."""
+    out = []
+    if ctx.cfg.model.path:
+        out.append(model_files("model.path", ctx.cfg.model.path))
+    if ctx.cfg.actor.kl_ctl > 0 and ctx.cfg.ref.path:
+        out.append(model_files("ref.path", ctx.cfg.ref.path))
+    return [f for f in out if f is not None]
+
+
 def check_model(ctx: Context) -> list[Finding]:
+    """The policy's config and tokenizer load (the reference model's config too, when it is loaded)."""
+    from areal_async.models.tokenizer import build_char_tokenizer  # transformers: after the cheap checks
+
     m = ctx.cfg.model
     if not m.path:
         ctx.tokenizer = build_char_tokenizer()
         shape = f"h={m.hidden_size}, {m.num_hidden_layers} layers, {m.max_position_embeddings} positions"
         return [ok("model.path", None, f"a tiny {m.arch} built locally ({shape}) with the character tokenizer")]
-    found = model_dir("model.path", m.path)
+    found = model_config("model.path", m.path) or _tokenizer(ctx, m.path)
     if found:
         return [found]
+    out = [ok("model.path", m.path, f"config and {type(ctx.tokenizer).__name__} load from the local directory")]
+    if ctx.cfg.actor.kl_ctl > 0 and ctx.cfg.ref.path:
+        out.append(model_config("ref.path", ctx.cfg.ref.path) or ok("ref.path", ctx.cfg.ref.path, "its config loads"))
+    return out
+
+
+def _tokenizer(ctx: Context, path: str) -> Finding | None:
+    from areal_async.models.tokenizer import load_tokenizer
+
     try:
-        ctx.tokenizer = load_tokenizer(m.path)
+        ctx.tokenizer = load_tokenizer(path)
     except Exception as e:  # any failure of a local load: the message says which
-        return [
-            error(
-                "model.path",
-                m.path,
-                f"its tokenizer does not load ({first_line(e)}; {OFFLINE})",
-                "point model.path at an HF model directory with its tokenizer files",
-                e,
-            )
-        ]
-    return [ok("model.path", m.path, f"config and {type(ctx.tokenizer).__name__} load from the local directory")]
+        what = f"its tokenizer does not load ({first_line(e)}; {OFFLINE})"
+        return error("model.path", path, what, "point model.path at an HF model directory with its tokenizer files", e)
+    return None
 
 
-def check_ref(ctx: Context) -> list[Finding]:
-    """The reference model (loaded only when actor.kl_ctl > 0 and ref.path is set)."""
-    if ctx.cfg.actor.kl_ctl <= 0 or not ctx.cfg.ref.path:
-        return []
-    return [model_dir("ref.path", ctx.cfg.ref.path) or ok("ref.path", ctx.cfg.ref.path, "its config loads")]
+def _todo(key: str) -> str:
+    return f"point {key} at a local HF model directory (config.json + tokenizer files)"
 
 
-def model_dir(key: str, path: str) -> Finding | None:
-    """An error when ``path`` is not a local HF model directory whose config loads; None when it is."""
-    p, todo = Path(path), f"point {key} at a local HF model directory (config.json + tokenizer files)"
+def model_files(key: str, path: str) -> Finding | None:
+    """An error when ``path`` is not a directory holding a config.json that parses; None when it is."""
+    p = Path(path)
     if not p.exists():
-        return error(key, path, f"no such directory ({OFFLINE})", todo)
+        return error(key, path, f"no such directory ({OFFLINE})", _todo(key))
     if not p.is_dir():
-        return error(key, path, f"is a file, not a model directory ({OFFLINE})", todo)
+        return error(key, path, f"is a file, not a model directory ({OFFLINE})", _todo(key))
     if not (p / "config.json").is_file():
-        return error(key, path, f"the directory holds no config.json ({OFFLINE})", todo)
+        return error(key, path, f"the directory holds no config.json ({OFFLINE})", _todo(key))
     try:
         json.loads((p / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        return error(key, path, f"its config.json is not JSON ({first_line(e)})", _todo(key), e)
+    return None
+
+
+def model_config(key: str, path: str) -> Finding | None:
+    """An error when transformers cannot load the directory's config (locally); None when it can."""
+    try:
         _offline()
         from transformers import AutoConfig  # imports torch: only for a directory that may hold a model
 
-        AutoConfig.from_pretrained(str(p), local_files_only=True)
-    except Exception as e:  # a broken config.json, an unknown model_type ...
-        return error(key, path, f"its config.json does not load ({first_line(e)}; {OFFLINE})", todo, e)
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # an unknown model_type, a missing field ...
+        return error(key, path, f"its config.json does not load ({first_line(e)}; {OFFLINE})", _todo(key), e)
     return None
 
 
