@@ -2,8 +2,9 @@
 outside its YAML is looked at before any process starts.
 
 Checks, in order (cheap first; ``run`` stops at the first error, ``--dry-run`` runs them all):
-keys set for a type or backend that does not read them; the run directory; the placement on the
-declared cluster and this machine (``supervisor/placement.py``), pinned CPUs, the inference servers;
+keys set for a type or backend that does not read them; the run directory; pinned CPUs, the
+inference servers, the placement on the declared cluster and this machine (``supervisor/placement.py``;
+the order of ``LocalSupervisor.prepare``, which checks them again);
 the dataset files; the plug-ins; the model directory and its tokenizer; the template on a first
 prompt; free disk for the configured checkpoints. Model, data, template and plug-in checks live
 in ``preflight_inputs.py``.
@@ -32,7 +33,7 @@ from typing import Any, Callable, Iterable
 import yaml
 
 from areal_async.base.affinity import check_available
-from areal_async.config import ExperimentConfig, parse_override
+from areal_async.config import ExperimentConfig, ModelConfig, parse_override
 from areal_async.supervisor.local import worker_specs
 from areal_async.supervisor.placement import (
     PlacementError,
@@ -58,19 +59,8 @@ __all__ = ["Context", "Finding", "preflight", "set_keys", "report", "context_for
 
 # ---- keys the chosen type or backend does not read -------------------------------------------
 
-MODEL_SHAPE = tuple(
-    f"model.{k}"
-    for k in (
-        "arch",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "tie_word_embeddings",
-    )
-)
+# the built tiny model's shape: every model.* key but the two a loaded model reads too
+MODEL_SHAPE = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig) if f.name not in ("path", "dtype"))
 
 
 @dataclass(frozen=True)
@@ -344,9 +334,9 @@ def _size(n: float) -> str:
 RUN_CHECKS = (
     check_unread,
     check_run_dir,
-    check_placement,
     check_cpus,
     check_servers,
+    check_placement,
     check_dataset,
     check_eval_data,
     check_model_files,
