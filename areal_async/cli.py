@@ -9,6 +9,7 @@
     areal-async eval CONFIG [--model DIR] [--data FILE] [--out DIR] [-k K | --greedy] [key=value ...]
     areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
     areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
+    areal-async verify RUN_DIR [--all] [--eta N]  # the books against the trainer's and rollouts' records
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. ``run`` and ``sft`` then run the
@@ -28,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from areal_async.app.verify import verify_run
 from areal_async.config import ConfigError, describe, load_config, to_yaml
 from areal_async.supervisor.local import LaunchError, run_local
 from areal_async.supervisor.ray_launcher import RayLaunchError, ray_launcher
@@ -55,7 +57,24 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="a live fleet: workers, versions, throughput, the scheduler's counts")
     st.add_argument("run_dir", help="the run directory of a running fleet")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the scheduler's answer")
+    v = sub.add_parser("verify", help="check a finished run's books against the trainer's and the rollouts' records")
+    v.add_argument("run_dir", help="a run directory")
+    v.add_argument("--all", action="store_true", help="every disagreement (default: the first 50 of each kind)")
+    v.add_argument("--eta", type=int, default=None, help="staleness bound (default: the run's config)")
     return p
+
+
+def _verify(args) -> int:
+    """Exit 0 and one summary line when the three sources agree; else 1 and one line per disagreement."""
+    try:
+        rep = verify_run(args.run_dir, args.eta)
+    except FileNotFoundError as e:
+        print(f"areal-async verify: error: {e}", file=sys.stderr)
+        return 2
+    for line in rep.lines(0 if args.all else 50):
+        print(line)
+    print(f"areal-async verify: {rep.summary()}", file=sys.stdout if rep.ok else sys.stderr)
+    return 0 if rep.ok else 1
 
 
 def _eval_parser(sub) -> None:
@@ -171,6 +190,7 @@ NO_CONFIG = {
     "check-plugin": lambda args: _check_plugin(args),
     "plot": _plot,
     "status": _status,
+    "verify": _verify,
 }
 
 

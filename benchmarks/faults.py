@@ -12,9 +12,13 @@ newest complete checkpoint (``recover.retries``, counted in a row without progre
 
 Reported (JSON rows, ``metric``/``value``/``unit``): completed (1/0), kills by role, worker
 restarts, fleet recoveries, samples re-issued, ``samples_lost``, ids trained twice (must be 0),
-steps whose trained sample count is not exactly batch x n (must be 0), and the wall-time
-overhead of the faulty run over the fault-free one (a ratio). On a shared machine the ratio
-moves with other load; ``loadavg_before`` is in every row.
+steps whose trained sample count is not exactly batch x n (must be 0), the disagreements
+``areal-async verify`` finds between the scheduler's books, the trainer's record and the
+rollouts' records (must be 0; ``areal_async.app.verify``), and the wall-time overhead of the
+faulty run over the fault-free one (a ratio). Ids trained twice and bad steps are counted from the
+trainer's own record (the books' counts ride along as ``books_*``: a scheduler cannot vouch for
+itself). On a shared machine the ratio moves with other load; ``loadavg_before`` is in every row.
+The exit code is 0 only when the faulty run completed and both runs verify clean.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from areal_async.app.verify import Report, verify_run
 from benchmarks.common.cpu import count_lines
 from benchmarks.common.fleet import stop
 from benchmarks.common.rows import Col, print_table, write_rows
@@ -137,8 +142,13 @@ def run(run_dir: Path, ovr: list[str], plan: list, seed: int, timeout_s: float) 
     return {"rc": rc, "wall_s": time.monotonic() - t0, "kills": kills}
 
 
+def verify_row(rep: Report) -> dict:
+    """``areal-async verify``'s verdict as row fields: its counts, its disagreements by kind, the first lines."""
+    return {"counts": rep.counts, "kinds": dict(rep.kinds()), "problems": rep.lines(10), "summary": rep.summary()}
+
+
 def books(run_dir: Path, steps: int) -> dict:
-    """What the run's books say: summary counts, ids trained twice, steps with a wrong count."""
+    """What the scheduler's books say: summary counts, ids trained twice, steps with a wrong count."""
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     lines = (
         [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines() if x.strip()]
@@ -168,6 +178,9 @@ def measure(args) -> list[dict]:
     b = books(root / "faulty", args.steps)
     s = b["summary"]
     completed = int(faulty["rc"] == 0 and s.get("steps") == args.steps)
+    rep, rep_clean = verify_run(root / "faulty"), verify_run(root / "clean")
+    per_step = rep.trained_per_step
+    bad_steps = sum(1 for k in range(args.steps) if per_step.get(k, 0) != B * N)
     common = {
         "seed": args.seed,
         "kills_planned": args.kills,
@@ -194,8 +207,23 @@ def measure(args) -> list[dict]:
             prompts_dropped=s.get("prompts_dropped"),
         ),
         row("faults_samples_lost", s.get("samples_lost"), "samples"),
-        row("faults_ids_trained_twice", b["ids_trained_twice"], "ids", ids_repeated=b["ids_repeated"]),
-        row("faults_bad_steps", b["bad_steps"], "steps", note=f"steps whose trained samples != {B}x{N}"),
+        row(
+            "faults_ids_trained_twice",
+            rep.kinds()["trained_twice"],
+            "ids",
+            source="trainer_steps.jsonl",
+            books_ids_trained_twice=b["ids_trained_twice"],
+            books_ids_repeated=b["ids_repeated"],
+        ),
+        row(
+            "faults_bad_steps",
+            bad_steps,
+            "steps",
+            note=f"steps whose trained samples != {B}x{N} in the trainer's record",
+            books_bad_steps=b["bad_steps"],
+        ),
+        row("faults_verify_disagreements", len(rep.problems), "problems", **verify_row(rep)),
+        row("faults_verify_clean_run", len(rep_clean.problems), "problems", **verify_row(rep_clean)),
         row(
             "faults_wall_overhead",
             faulty["wall_s"] / clean["wall_s"] if clean["rc"] == 0 else None,
@@ -228,7 +256,12 @@ def main(argv=None) -> int:
     )
     if args.json:
         write_rows(args.json, rows)
-    return 0 if rows[0]["value"] == 1 else 1
+    for r in rows:
+        if r["metric"].startswith("faults_verify"):
+            print(f"{r['metric']}: {r['summary']}")
+            print("".join(f"  {x}\n" for x in r["problems"]), end="")
+    verified = all(r["value"] == 0 for r in rows if r["metric"].startswith("faults_verify"))
+    return 0 if rows[0]["value"] == 1 and verified else 1
 
 
 if __name__ == "__main__":

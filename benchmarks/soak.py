@@ -10,7 +10,12 @@ first sample at or after step ``--early`` and at the last sample before the fina
 step of each is in the row; after the final step the fleet shuts down), and the growth
 between them in percent. Bounded memory means flat rows. RSS does not depend on how busy the
 machine is, but the run's wall time does: it is in the ``soak_wall_s`` row with the load
-average before the run.
+average before and after the run, the CPU seconds of the fleet and of this sampler
+(``own_cpu_s``: every process of the run, reaped) and the ``cluster.retained_heap_mb`` the
+workers ran with (freed heap each keeps: part of its RSS).
+The ``soak_verify_disagreements`` row is ``areal-async verify`` on the run (the scheduler's books
+against the trainer's and the rollouts' own records; must be 0); the exit code is 0 only when the
+run exited 0 and verified clean.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common.cpu import count_lines
+import yaml
+
+from areal_async.app.verify import verify_run
+from benchmarks.common.cpu import count_lines, own_cpu_s
 from benchmarks.common.fleet import stop
 from benchmarks.common.rows import Col, print_table, write_rows
 
@@ -88,7 +96,7 @@ def soak(steps: int, run_dir: Path, timeout_s: float) -> tuple[list[tuple[int, d
         "--no-progress",
         f"total_train_steps={steps}",
     ]
-    load, t0, samples = os.getloadavg()[0], time.monotonic(), []
+    load, t0, samples, cpu0 = os.getloadavg()[0], time.monotonic(), [], own_cpu_s()
     with open(run_dir.with_suffix(".log"), "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True
@@ -103,7 +111,15 @@ def soak(steps: int, run_dir: Path, timeout_s: float) -> tuple[list[tuple[int, d
         except BaseException:
             stop(proc)
             raise
-    return samples, {"exit_code": proc.returncode, "wall_s": time.monotonic() - t0, "loadavg_before": load}
+    info = {
+        "exit_code": proc.returncode,
+        "wall_s": time.monotonic() - t0,
+        "cpu_s": own_cpu_s() - cpu0,
+        "loadavg_before": load,
+        "loadavg_after": os.getloadavg()[0],
+        "retained_heap_mb": yaml.safe_load((run_dir / "config.yaml").read_text())["cluster"]["retained_heap_mb"],
+    }
+    return samples, info
 
 
 def rows_from(samples: list[tuple[int, dict]], early: int, info: dict, steps: int) -> list[dict]:
@@ -144,6 +160,17 @@ def main(argv=None) -> int:
     samples, info = soak(args.steps, run_dir, args.timeout_s)
     (run_dir.parent / "rss_samples.json").write_text(json.dumps(samples))
     rows = rows_from(samples, args.early, info, args.steps)
+    rep = verify_run(run_dir)
+    rows.append(
+        {
+            "metric": "soak_verify_disagreements",
+            "value": len(rep.problems),
+            "unit": "problems",
+            "counts": rep.counts,
+            "kinds": dict(rep.kinds()),
+            "problems": rep.lines(10),
+        }
+    )
     print_table(
         rows,
         [
@@ -157,7 +184,9 @@ def main(argv=None) -> int:
     )
     if args.json:
         write_rows(args.json, rows)
-    return 0 if info["exit_code"] == 0 else 1
+    print(f"verify: {rep.summary()}")
+    print("".join(f"  {x}\n" for x in rep.lines(10)), end="")
+    return 0 if info["exit_code"] == 0 and rep.ok else 1
 
 
 if __name__ == "__main__":

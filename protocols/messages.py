@@ -459,6 +459,9 @@ class TrainStepDone(Message):
     version: int
     metrics: dict = field(default_factory=dict)
     checkpoint: str = ""  # path of a checkpoint saved after this step, if any
+    # planned samples whose minibatch's optimizer step was skipped (grad norm not finite, or no
+    # token kept): not trained; the scheduler books them aborted, not trained
+    skipped_ids: list[str] = field(default_factory=list)
 
 
 @message

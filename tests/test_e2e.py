@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.app.verify import verify_run
 from tests.admission_gate import admission_gate
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,15 @@ def check_books(run_dir: Path, eta: int, steps: int = 6) -> list[dict]:
     for t in trained:
         assert t["version_min"] >= t["train_step"] - eta, t
         assert t["version_min"] <= t["version_max"] <= t["train_step"], t
+    assert_verified(run_dir, steps)
     return trained
+
+
+def assert_verified(run_dir: Path, steps: int) -> None:
+    """The books agree with the trainer's record and the rollouts' (``areal-async verify``)."""
+    rep = verify_run(run_dir)
+    assert rep.ok, "\n".join(rep.lines(20))
+    assert rep.counts["steps"] == steps and rep.counts["trained"] == rep.counts["booked_trained"] == steps * 4 * 4
 
 
 def test_async_run_keeps_staleness_bound_and_books(tmp_path):
@@ -257,6 +266,10 @@ def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ra
     # nothing trained before the checkpoint was touched
     kept = [t for t in before if t["status"] == "trained" and t["train_step"] <= resumed_step]
     assert all(t in final for t in kept)
+    # the trainer rolled its own record back to the same checkpoint: the three sources agree
+    assert_verified(run_dir, 12)
+    undone = {json.loads(x)["step"] for x in (run_dir / "trainer_steps.rolled_back.jsonl").read_text().splitlines()}
+    assert set(range(resumed_step + 1, last_trained + 1)) <= undone and min(undone) == resumed_step + 1
 
 
 @pytest.mark.parametrize("trajectories, weights, ranks", [("shm", "zmq", 1), ("gloo", "gloo", 2)])
@@ -392,4 +405,5 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
     assert sum(t["status"] == "trained" for t in trajs) == summary["samples_trained"] == steps * 4 * 4
     reasons = " ".join(t["reason"] for t in trajs if t["status"] == "aborted")
     assert "restarted" in reasons  # the scheduler saw the new incarnations and re-issued their work
+    assert_verified(run_dir, steps)
     assert leaked_segments(run_dir) == []

@@ -71,10 +71,10 @@ if "workers.scheduler" in getattr(sys, "orig_argv", []):
 
     _orig = core.SchedulerCore.on_step_done
 
-    def on_step_done(self, step, version):
+    def on_step_done(self, step, version, *rest):
         if step == 2:
             raise RuntimeError("injected: not a refusal, a bug in the scheduler")
-        return _orig(self, step, version)
+        return _orig(self, step, version, *rest)
 
     core.SchedulerCore.on_step_done = on_step_done
 """

@@ -107,6 +107,30 @@ def test_bounded_staleness_and_exactly_once(eta):
     assert any(r.version_min < step for step, recs in trained.items() for r in recs)  # asynchrony happened
 
 
+def test_samples_of_a_skipped_optimizer_step_are_booked_aborted_not_trained():
+    """The trainer says step 0's optimizer step skipped two samples' minibatch: the books say
+    aborted for them (with the reason), trained for the four others."""
+    logged = []
+    core = make_core(eta=0, B=2, n=3, steps=3, logged=logged)
+    for _, req in core.admit():
+        finish_group(core, req, 0, 0)
+    plan, _ = core.plan()
+    with pytest.raises(ValueError, match=r"skipped \['nope'\], which step 0 did not plan"):
+        core.on_step_done(0, 1, ["nope"])
+    skipped = [plan.sample_ids[1], plan.sample_ids[4]]
+    trained = core.on_step_done(0, 1, skipped)
+    assert sorted(r.sample_id for r in trained) == sorted(set(plan.sample_ids) - set(skipped))
+    lines = {r.sample_id: sample_line(r) for r in logged}
+    assert sorted(lines) == sorted(plan.sample_ids)
+    for sid in skipped:
+        assert lines[sid]["status"] == "aborted" and lines[sid]["train_step"] is None
+        assert (
+            lines[sid]["reason"]
+            == "optimizer_step_skipped: step 0's optimizer step was not applied to this sample's minibatch"
+        )
+    assert core.ledger.counts()["trained"] == 4 and core.ledger.counts()["aborted"] == 2
+
+
 def test_stale_group_is_aborted_and_its_prompt_reissued():
     logged = []
     core = make_core(eta=1, B=1, n=2, steps=10, logged=logged)

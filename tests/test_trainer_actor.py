@@ -249,9 +249,23 @@ def test_all_rejected_minibatch_takes_no_step():
     for t in trajs:
         t.behav_logp = t.behav_logp - 3.0
     before = [p.detach().clone() for p in model.parameters()]
-    m = PPOActor(model, boba_cfg(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1)), 1.0, 10).train_step(trajs)
-    assert m["rejected_frac"] == 1.0 and m["skipped_steps"] == 1.0
+    actor = PPOActor(model, boba_cfg(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1)), 1.0, 10)
+    m = actor.train_step(trajs)
+    assert m["rejected_frac"] == 1.0 and m["skipped_steps"] == 1.0 and m["optimizer_steps"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert sorted(actor.skipped_indices) == [0, 1, 2, 3]  # none of them trained (the trainer's record says so)
+
+
+def test_skipped_indices_name_the_samples_of_each_skipped_minibatch():
+    model = tiny_model()
+    actor = PPOActor(model, boba_cfg(ppo_n_minibatches=2), 1.0, 10)
+    m = actor.train_step(make_trajs(model))
+    assert (m["optimizer_steps"], m["skipped_steps"], actor.skipped_indices) == (2.0, 0.0, [])
+    trajs = make_trajs(model)
+    for t in trajs:
+        t.behav_logp = t.behav_logp - 3.0  # every token rejected: both minibatches skip their step
+    m = actor.train_step(trajs)
+    assert (m["optimizer_steps"], m["skipped_steps"]) == (0.0, 2.0) and sorted(actor.skipped_indices) == [0, 1, 2, 3]
 
 
 def test_decoupled_needs_recompute():

@@ -21,9 +21,11 @@ from protocols.messages import decode
 from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.base.control import ControlClient
+from areal_async.base.records import read_jsonl
 from areal_async.rollout.engine import PackedSamples, SampleOutput
 from areal_async.rollout.service import group_tensors, trajectory_messages
 from areal_async.trainer.actor import PPOActor
+from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.service import TrainerService, TrajectoryBuffer, split_group
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
@@ -337,3 +339,32 @@ def test_forward_ahead_samples_need_an_actor_that_can_run_a_forward_ahead():
     actor = PPOActor(tiny_model(), boba_cfg(ppo_n_minibatches=2), 1.0, total_steps=2)
     with pytest.raises(ValueError, match="forward_ahead_samples=3 but this actor cannot"):
         TrainerService(None, actor, None, None, forward_ahead_samples=3)
+
+
+async def test_the_trainer_records_each_step_before_its_step_done_and_names_skipped_samples(tmp_path):
+    """Step 0 trains; step 1's behaviour logprobs are 3 nats below the model's (every token
+    rejected: the optimizer step is skipped). The record holds both steps, read from the tensors,
+    when each TrainStepDone arrives; step 1's TrainStepDone names its samples as skipped."""
+    run_dir = tmp_path / "run"
+    async with running_trainer(tmp_path, 2, record=TrainerRecord(run_dir)) as rig:
+        for step in range(2):
+            gid, samples, trajs = batch(rig.replay.model, step)
+            if step == 1:
+                samples = [Sample(s.output_ids.tolist(), s.logprobs - 3.0, 1) for s in samples]
+            sids = [t.sample_id for t in trajs]
+            rig.traj_tx.send(
+                gid, group_tensors(PROMPT, PackedSamples.of_samples(samples)), {"group_id": gid, "sample_ids": sids}
+            )
+            plan = M.BatchPlan(step=step, sample_ids=sids, group_ids=[gid] * 3, scores=list(SCORES), aborted_ids=[])
+            await send_message(rig.sock, plan, to=rig.ident)
+            _, done = await rig.sched.next_of(M.TrainStepDone)
+            rows = read_jsonl(run_dir / "trainer_steps.jsonl")[0]
+            assert len(rows) == step + 1 and done.skipped_ids == ([] if step == 0 else sids)
+    want = [
+        dict(step=0, version=1, vmin=[0, 0, 0], vmax=[0, 0, 0], applied=True, skipped_ids=[], n_loss_tokens=9),
+        dict(step=1, version=2, vmin=[1, 1, 1], vmax=[1, 1, 1], applied=False, skipped_ids=["g1.0", "g1.1", "g1.2"]),
+    ]
+    for row, w in zip(rows, want):
+        assert row["ids"] == [f"g{row['step']}.{i}" for i in range(3)] and row["n_tokens"] == [4, 2, 3]
+        assert {k: row[k] for k in w} == w
+    assert rows[1]["n_loss_tokens"] == 0 and rows[1]["optimizer_steps"] == 0

@@ -20,6 +20,7 @@ from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import batch_decoder, load_tokenizer
 from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.reward.pool import RewardPool
+from areal_async.rollout.record import RolloutRecord
 from areal_async.rollout.service import RolloutService, message_bytes
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
@@ -55,6 +56,7 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
         max_active,
         **workflow_parts(cfg, tok),
         message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
+        record=RolloutRecord(run_dir, worker_id),
     )
 
 

@@ -29,6 +29,7 @@ from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import prune
 from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, init_data_parallel, trainer_backend
 from areal_async.trainer.packing import select_attn_implementation
+from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
 
@@ -86,6 +87,7 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
         total_steps=cfg.total_train_steps,
         forward_ahead_samples=_forward_ahead_samples(cfg, actor),
+        record=TrainerRecord(run_dir, start_step),  # rank 0 holds the whole batch: it alone writes
     )
 
 

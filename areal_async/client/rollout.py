@@ -11,6 +11,7 @@ from protocols.sockets import run_async
 
 from areal_async.client import connect, join, load_run
 from areal_async.rollout.engine import RolloutEngine
+from areal_async.rollout.record import RolloutRecord
 from areal_async.rollout.service import RolloutService, message_bytes
 from areal_async.transport import make_tensor_channel, make_weight_channel
 
@@ -58,6 +59,7 @@ class RolloutWorker:
             ep.rewards,
             max_active_groups,
             message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
+            record=RolloutRecord(run_dir, worker_id),
         )
 
     def run(self) -> int:

@@ -51,6 +51,7 @@ from protocols.sockets import make_socket, send_message
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine
 from areal_async.rollout.episodes import EpisodeError, ScoreFn, SubRequest, WorkerEngine, run_group
+from areal_async.rollout.record import RolloutRecord
 from areal_async.workflows.base import Episode, RolloutWorkflow
 from areal_async.base.control import ControlClient
 from areal_async.base.aio import TaskSet
@@ -174,12 +175,14 @@ class RolloutService:
         tokenizer=None,
         score: Optional[ScoreFn] = None,
         message_bytes: int = MESSAGE_BYTES,
+        record: Optional[RolloutRecord] = None,
     ):
         """``decode``: completions' token ids -> their texts, many at once (``models.tokenizer.batch_decoder``).
         ``workflow`` (with the ``tokenizer`` and the ``score`` coroutine it needs): run its
         episodes instead of plain sampling; their rewards go to the scheduler from here.
         ``message_bytes``: groups finished in one engine step share a trajectory message up to this
-        many payload bytes (a larger group travels alone)."""
+        many payload bytes (a larger group travels alone). ``record``: this worker's own record of
+        the groups it produced (``rollout/record.py``), each written before its tensors go out."""
         self.worker_id, self.control, self.decode = worker_id, control, decode
         self.traj, self.weights = traj_channel, weight_channel
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
@@ -194,6 +197,7 @@ class RolloutService:
         self.tasks: Optional[TaskSet] = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="traj-send")  # one thread: sends in order
         self.message_bytes = message_bytes
+        self.record = record
 
     # ---- thread -> loop ------------------------------------------------------------------
     def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
@@ -224,6 +228,8 @@ class RolloutService:
             for ch in (self.traj, self.weights):
                 ch.close()
             self.reward_sock.close(0)
+            if self.record is not None:
+                self.record.close()
         if self.error:
             log.error("%s: exiting non-zero: %s", self.worker_id, self.error)
         return 1 if self.error else 0
@@ -294,6 +300,9 @@ class RolloutService:
         tensors while the rewards are scored (``actor.forward_ahead``): the tensors go first."""
         if not items:
             return
+        groups = [self._trajectory(group, req) for group, req in items]
+        if self.record is not None:  # before the tensors: whatever the trainer gets was recorded produced
+            self.record.groups(groups)
         # built and sent from the sender thread: a gloo/NCCL send blocks until the trainer takes it, and
         # the loop (heartbeats) must not
         sent = asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
@@ -310,7 +319,7 @@ class RolloutService:
         for batch in reward_batches(requests, self.n_reward_peers):
             await send_message(self.reward_sock, batch)
         await sent  # before TrajectoryReady: the trainer may be asked for the group next
-        await self._trajectories_ready(items)
+        await self._trajectories_ready(groups)
 
     def _send_all(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
         """The groups' tensors as few messages as ``message_bytes`` allows (``trajectory_messages``)."""
@@ -318,9 +327,8 @@ class RolloutService:
         for key, tensors, meta in trajectory_messages(groups, self.message_bytes):
             self.traj.send(key, tensors, meta)
 
-    async def _trajectories_ready(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
+    async def _trajectories_ready(self, groups: list[TrajectoryReady]) -> None:
         """The groups of one engine step in one TrajectoriesReady (a lone group: a TrajectoryReady)."""
-        groups = [self._trajectory(group, req) for group, req in items]
         await self.control.send(groups[0] if len(groups) == 1 else TrajectoriesReady.of(groups))
         self.n_samples += sum(len(g.sample_ids) for g in groups)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
@@ -354,21 +362,22 @@ class RolloutService:
     async def _publish_episodes(self, req: GenerateRequest, episodes: list[Episode]) -> None:
         """Tensors (with the loss mask) to the trainer, then TrajectoryReady and the episodes' rewards."""
         sids = list(req.sample_ids)
-        self.traj.send(req.group_id, episode_tensors(episodes), {"group_id": req.group_id, "sample_ids": sids})
         trained = [ep.model_versions for ep in episodes]
-        await self.control.send(
-            TrajectoryReady(
-                group_id=req.group_id,
-                worker_id=self.worker_id,
-                n_prompt_tokens=len(req.prompt_ids),
-                sample_ids=sids,
-                n_output_tokens=[len(ep.output_ids) for ep in episodes],
-                version_min=[min(v) for v in trained],
-                version_max=[max(v) for v in trained],
-                finish_reasons=[ep.finish_reason for ep in episodes],
-                turns=[ep.turns for ep in episodes],
-            )
+        ready = TrajectoryReady(
+            group_id=req.group_id,
+            worker_id=self.worker_id,
+            n_prompt_tokens=len(req.prompt_ids),
+            sample_ids=sids,
+            n_output_tokens=[len(ep.output_ids) for ep in episodes],
+            version_min=[min(v) for v in trained],
+            version_max=[max(v) for v in trained],
+            finish_reasons=[ep.finish_reason for ep in episodes],
+            turns=[ep.turns for ep in episodes],
         )
+        if self.record is not None:
+            self.record.groups([ready])
+        self.traj.send(req.group_id, episode_tensors(episodes), {"group_id": req.group_id, "sample_ids": sids})
+        await self.control.send(ready)
         await self.control.send(
             RewardResult(
                 group_id=req.group_id,

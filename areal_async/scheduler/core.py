@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from protocols.messages import BatchPlan, GenerateRequest, RewardResult, TrajectoryReady
 
@@ -258,13 +258,22 @@ class SchedulerCore:
             out += self._abort(gid, why, reissue=True)
         return out
 
-    def on_step_done(self, step: int, version: int) -> list[SampleRecord]:
+    def on_step_done(self, step: int, version: int, skipped_ids: Sequence[str] = ()) -> list[SampleRecord]:
+        """Book the planned batch trained; ``skipped_ids`` (samples of a minibatch whose optimizer step
+        the trainer skipped) are booked aborted, not trained. Returns the trained records."""
         if not self.trainer_busy or step != self.next_step:
             planned = self.next_step if self.trainer_busy else None
             raise ValueError(f"TrainStepDone for step {step}, but the trainer was planned step {planned}")
-        trained = self.ledger.mark_trained(self.batch_groups)
-        for rec in trained:
+        planned_ids = {s for g in self.batch_groups for s in self.ledger.groups[g].sample_ids}
+        unknown = [s for s in skipped_ids if s not in planned_ids]
+        if unknown:
+            raise ValueError(f"TrainStepDone for step {step} skipped {unknown[:3]}, which step {step} did not plan")
+        why = f"optimizer_step_skipped: step {step}'s optimizer step was not applied to this sample's minibatch"
+        ended = self.ledger.mark_trained(self.batch_groups, frozenset(skipped_ids), why)
+        trained = [r for r in ended if r.status == SampleState.TRAINED]
+        for rec in ended:
             self.log_sample(rec)
+        for rec in trained:
             self.reissues.pop(rec.prompt_id, None)  # a trained prompt starts a fresh re-issue count
         # a batch planned ahead is the trainer's next step: it stays busy
         self.batch_groups, self.ahead_groups = self.ahead_groups or [], None

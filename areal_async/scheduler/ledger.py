@@ -226,14 +226,21 @@ class Ledger:
                 self._advance(sid, SampleState.BATCHED)
                 self.samples[sid].train_step = step
 
-    def mark_trained(self, gids: list[str]) -> list[SampleRecord]:
+    def mark_trained(self, gids: list[str], skipped: frozenset = frozenset(), reason: str = "") -> list[SampleRecord]:
+        """The batch's groups trained; a sample in ``skipped`` (its minibatch's optimizer step was
+        not applied) ends aborted with ``reason`` instead: it was not trained. Returns every record."""
         out = []
         for gid in gids:
             self._advance_group(gid, GroupState.BATCHED, GroupState.TRAINED)
             for sid in self.groups[gid].sample_ids:
-                self._advance(sid, SampleState.TRAINED)
-                self.n_trained += 1
-                out.append(self.samples[sid])
+                rec = self.samples[sid]
+                self._advance(sid, SampleState.TRAINED)  # checks that it was batched
+                if sid in skipped:
+                    rec.status, rec.reason = SampleState.ABORTED, reason
+                    self.n_aborted += 1
+                else:
+                    self.n_trained += 1
+                out.append(rec)
         return out
 
     def abort_group(self, gid: str, reason: str) -> list[SampleRecord]:

@@ -441,7 +441,7 @@ class SchedulerService:
         log.error("worker %s reported %s: %s", wid, m.code, m.detail)
 
     async def _step_done(self, wid: str, m: TrainStepDone) -> None:
-        trained = self.core.on_step_done(m.step, m.version)
+        trained = self.core.on_step_done(m.step, m.version, m.skipped_ids)
         self.runlog.metrics(self._metrics_row(m, trained))
         self.core.ledger.forget_final()
         if self.core.finished:

@@ -154,6 +154,7 @@ class PPOActor:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps, cfg.optimizer)
         self.step = 0
+        self.skipped_indices: list[int] = []  # of the last train_step's trajectories: not trained
         # boba runs kl_ctl = 0: keep no reference model around at all then
         self._ref_source = ref_model if cfg.kl_ctl > 0 else None
         self._ref: Optional[torch.nn.Module] = None
@@ -212,7 +213,9 @@ class PPOActor:
 
     def train_step(self, trajs: Sequence[Trajectory], ahead: Optional[ForwardAhead] = None) -> dict[str, float]:
         """One trainer step; returns its metrics (means over tokens unless named otherwise).
-        ``ahead``: this step's ``forward_ahead`` on the same samples in the same order."""
+        ``ahead``: this step's ``forward_ahead`` on the same samples in the same order.
+        ``skipped_indices`` then holds the indices (into ``trajs``) of the samples whose
+        minibatch's optimizer step was skipped (``_update``): they were not trained."""
         if not trajs:
             raise ValueError("train_step got no trajectories; expected a non-empty batch")
         if ahead is not None:
@@ -225,16 +228,20 @@ class PPOActor:
                 )
         batch = self._prepare(trajs, ahead.batch if ahead is not None else None)
         stats, grad_norms, n_mb, skipped = LossStats(), [], 0, 0
+        self.skipped_indices = []
         for idx in minibatches_by_tokens(batch.lengths, self.cfg.ppo_n_minibatches):
             mb_stats, grad_norm, n, stepped = self._update(batch, idx, ahead.micro_batches if ahead else None)
             stats, n_mb, skipped = stats.merge(mb_stats), n_mb + n, skipped + (not stepped)
             grad_norms.append(grad_norm)
+            if not stepped:  # this minibatch's samples moved no weight: not trained
+                self.skipped_indices += idx
         stats = self.dp.sum_stats(stats)
         lr = self.optimizer.param_groups[0]["lr"]
         self._advance_schedule()
         self.step += 1
         m = self._metrics(trajs, batch, stats, grad_norms, n_mb, lr)
         m["skipped_steps"] = float(skipped)
+        m["optimizer_steps"] = float(len(grad_norms) - skipped)
         m["masked_tokens"] = float((~batch.mask).sum())  # workflow env tokens, not trained
         return m
 

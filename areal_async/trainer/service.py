@@ -66,6 +66,7 @@ from protocols.messages import (
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
+from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.types import Trajectory
 from areal_async.base.aio import TaskSet
 
@@ -81,13 +82,26 @@ class TrajectoryBuffer:
 
     Bounded: an aborted sample's tensors are freed when it is dropped, or refused once when they
     arrive later (the id is then forgotten); ids whose tensors never come (their worker died)
-    are kept at most ``max_dropped``, oldest first out."""
+    are kept at most ``max_dropped``, oldest first out.
 
-    def __init__(self, channel, max_dropped: int = MAX_DROPPED):
+    A sample id that arrives again (while its first copy waits here, after a step took it, or
+    twice in one message) is an error, not an overwrite: the first copy stays, the new one is
+    refused, logged, counted in ``duplicates`` and handed to ``on_duplicate(id, message)`` (the
+    trainer's record). Taken ids are remembered up to ``max_dropped`` too, oldest first out."""
+
+    def __init__(
+        self,
+        channel,
+        max_dropped: int = MAX_DROPPED,
+        on_duplicate: Optional[Callable[[str, str], None]] = None,
+    ):
         self.channel = channel
         self.items: dict[str, tuple[dict, dict]] = {}
         self.dropped: OrderedDict[str, None] = OrderedDict()
+        self.taken: OrderedDict[str, None] = OrderedDict()
         self.max_dropped = max_dropped
+        self.on_duplicate = on_duplicate
+        self.duplicates = 0
         self.cond = threading.Condition()
         self.stopping = threading.Event()
         self._watch: Optional[tuple[int, Callable[[], None]]] = None
@@ -106,22 +120,41 @@ class TrajectoryBuffer:
                 continue
             key, meta, tensors = got
             try:
-                samples = split_group(key, meta, tensors)
+                samples, repeated = _first_copies(key, meta, tensors)
             except (KeyError, TypeError, ValueError) as e:
                 log.error("trajectory group %r refused: %s", key, e)
                 continue
-            call = None
-            with self.cond:
-                for sid, item in samples.items():
-                    if sid in self.dropped:  # an aborted sample's late tensors: refused, and the id forgotten
-                        del self.dropped[sid]
-                    else:
-                        self.items[sid] = item
-                self.cond.notify_all()
-                if self._watch is not None and len(self.items) >= self._watch[0]:
-                    (_, call), self._watch = self._watch, None
+            call = self._add(key, samples, repeated)
             if call is not None:  # in this thread, the buffer unlocked: nothing else arrives meanwhile
                 call()
+
+    def _add(self, key: str, samples: dict, repeated: list[str]) -> Optional[Callable[[], None]]:
+        """Buffer a message's samples; returns the watch's call if they complete it."""
+        dups, call = [(sid, "in the same message") for sid in repeated], None
+        with self.cond:
+            for sid, item in samples.items():
+                if sid in self.dropped:  # an aborted sample's late tensors: refused, and the id forgotten
+                    del self.dropped[sid]
+                elif sid in self.items or sid in self.taken:
+                    dups.append((sid, "waiting in the buffer" if sid in self.items else "already taken by a step"))
+                else:
+                    self.items[sid] = item
+            self.cond.notify_all()
+            if self._watch is not None and len(self.items) >= self._watch[0]:
+                (_, call), self._watch = self._watch, None
+        for sid, where in dups:
+            self._duplicate(key, sid, where)
+        return call
+
+    def _duplicate(self, key: str, sid: str, where: str) -> None:
+        self.duplicates += 1
+        msg = (
+            f"sample id {sid!r} arrived again at the trainer buffer (message {key!r}; its first copy is "
+            f"{where}): the new copy is refused, the first kept; expected every id once"
+        )
+        log.error("%s", msg)
+        if self.on_duplicate is not None:
+            self.on_duplicate(sid, msg)
 
     def watch(self, n: int, call: Optional[Callable[[], None]]) -> bool:
         """Have the receiver thread ``call()`` once, after the message that brings the buffer to ``n``
@@ -151,7 +184,14 @@ class TrajectoryBuffer:
         with self.cond:
             if any(i not in self.items for i in ids):
                 return None
-            return {i: self.items.pop(i) for i in ids}
+            return self._pop(ids)
+
+    def _pop(self, ids: list[str]) -> dict[str, tuple[dict, dict]]:
+        """Take ``ids`` out (the lock held), remembering them: a later copy is a duplicate."""
+        self.taken.update(dict.fromkeys(ids))
+        while len(self.taken) > self.max_dropped:
+            self.taken.popitem(last=False)
+        return {i: self.items.pop(i) for i in ids}
 
     def take(self, ids: list[str], timeout_s: float) -> dict[str, tuple[dict, dict]]:
         """Block until every id arrived; raise naming the missing ones after timeout_s."""
@@ -163,7 +203,7 @@ class TrajectoryBuffer:
                     missing = [i for i in ids if i not in self.items]
                     raise TimeoutError(f"{len(missing)} planned trajectories never arrived, e.g. {missing[:3]}")
                 self.cond.wait(min(left, 0.5))
-            return {i: self.items.pop(i) for i in ids}
+            return self._pop(ids)
 
 
 class TrainerService:
@@ -183,13 +223,15 @@ class TrainerService:
         overlap_publish: bool = True,
         total_steps: Optional[int] = None,
         forward_ahead_samples: int = 0,
+        record: Optional[TrainerRecord] = None,
     ):
         """``overlap_publish``: TrainStepDone before the weights are published, except after step
         ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
         step's publication. ``forward_ahead_samples``: the samples of a step at eta = 0; while the
         trainer waits for a BatchPlan, once that many trajectories are in, the update's first
         forward runs on them (``PPOActor.forward_ahead``) as their rewards are scored; the plan's
-        step uses it when it names the same samples (0: never)."""
+        step uses it when it names the same samples (0: never). ``record``: the trainer's own record
+        of each step (``trainer/record.py``), written before its TrainStepDone; None: none."""
         if forward_ahead_samples and not actor.can_forward_ahead:
             raise ValueError(
                 f"forward_ahead_samples={forward_ahead_samples} but this actor cannot run a forward ahead "
@@ -205,7 +247,8 @@ class TrainerService:
         self._publishing: Optional[asyncio.Task] = None
         self.publish_s = 0.0
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
-        self.buffer = TrajectoryBuffer(traj_channel)
+        self.record = record
+        self.buffer = TrajectoryBuffer(traj_channel, on_duplicate=record.duplicate if record is not None else None)
         self.weights = weight_channel
         self.checkpointer = checkpointer
         self.next_step, self.version = start_step, start_version
@@ -242,6 +285,8 @@ class TrainerService:
             self.buffer.thread.join(timeout=5)
         for ch in (self.buffer.channel, self.weights):
             ch.close()
+        if self.record is not None:
+            self.record.close()
         if self.evaluator is not None:
             self.evaluator.close()
 
@@ -393,8 +438,14 @@ class TrainerService:
             wait_data_s=t1 - t_ahead, train_s=t2 - t1 + t_ahead - t0, ahead_s=ahead_s, publish_s=self.publish_s
         )
         await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
+        skipped = [trajs[i].sample_id for i in sorted(self.actor.skipped_indices)]
         await self.control.send(
-            TrainStepDone(step=plan.step, version=self.version, metrics={k: float(v) for k, v in metrics.items()})
+            TrainStepDone(
+                step=plan.step,
+                version=self.version,
+                metrics={k: float(v) for k, v in metrics.items()},
+                skipped_ids=skipped,
+            )
         )
 
     def _train_ranks(
@@ -406,6 +457,9 @@ class TrainerService:
         c0 = time.thread_time()
         self.actor.dp.command(CMD_TRAIN, step)
         metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs), ahead=ahead)
+        if self.record is not None:  # before TrainStepDone: a step the scheduler books is in the record
+            steps = (int(metrics["optimizer_steps"]), int(metrics["skipped_steps"]))
+            self.record.step(step, step + 1, trajs, self.actor.skipped_indices, steps)
         metrics["train_cpu_s"] = time.thread_time() - c0
         return metrics
 
@@ -428,6 +482,24 @@ class TrainerService:
         path = await loop.run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
         log.info("checkpoint after step %d saved to %s", req.step, path)
         await self.control.send(CheckpointSaved(step=req.step, path=str(path)))
+
+
+def _first_copies(key: str, meta: dict, t: dict) -> tuple[dict[str, tuple[dict, dict]], list[str]]:
+    """``split_group``, keeping the first copy of an id named twice in the message; (samples, the
+    repeated ids' later copies, refused)."""
+    sids = meta.get("sample_ids") if isinstance(meta, dict) else None
+    if not isinstance(sids, list) or len(set(sids)) == len(sids):
+        return split_group(key, meta, t), []
+    seen, repeated, renamed = set(), [], []
+    for i, sid in enumerate(sids):  # a later copy gets a name no real id has, and is dropped after the split
+        if sid in seen:
+            repeated.append(sid)
+            renamed.append(("\x00repeat", i))
+        else:
+            seen.add(sid)
+            renamed.append(sid)
+    samples = split_group(key, {**meta, "sample_ids": renamed}, t)
+    return {sid: item for sid, item in samples.items() if isinstance(sid, str)}, repeated
 
 
 def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:

@@ -1,0 +1,99 @@
+"""The workers' own records in the run directory: what the trainer trained, what each rollout produced.
+
+The scheduler keeps the run's books (``trajectories.jsonl``, ``metrics.jsonl``, ``summary.json``);
+these records are written by the other side of each hand-over, in other processes, so that
+``areal-async verify RUN_DIR`` (``areal_async.app.verify``) can check the books against them:
+
+- ``trainer_steps.jsonl`` (trainer rank 0, which holds the whole batch; the other ranks train
+  their shares of the same broadcast batch and write nothing): one line per trainer step
+  (``kind`` "step") with the sample ids in the order trained, each one's min/max per-token
+  policy version and loss-token count as read from the tensors the step used, and whether the
+  optimizer step was applied; and one line (``kind`` "duplicate") per sample id that arrived
+  twice at the trainer's buffer (the second copy refused). A resumed trainer moves the lines of
+  steps at or after its checkpoint's next step to ``trainer_steps.rolled_back.jsonl`` (as the
+  scheduler rolls its books back to the same checkpoint).
+- ``rollout_records/<worker id>.jsonl`` (each rollout worker): one line per group it produced,
+  written and flushed before the group's tensors leave for the trainer: sample ids, per-sample
+  min/max version and output-token count. Nothing is rolled back here: a sample produced after
+  the checkpoint a run resumed from may be in no book (its prompt was re-issued under an id of
+  the resumed run's prefix, ``r<k>-``).
+
+Lines are flushed as written: a SIGKILL loses at most the line being written (the reader drops
+a torn last line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+TRAINER_STEPS = "trainer_steps.jsonl"
+TRAINER_ROLLED_BACK = "trainer_steps.rolled_back.jsonl"
+ROLLOUT_DIR = "rollout_records"
+
+
+class JsonlRecord:
+    """An append-only jsonl file, one flushed line per ``write`` (thread-safe)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, *rows: dict) -> None:
+        """The rows, one line each, flushed together."""
+        text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+        with self._lock:
+            self._f.write(text)
+            self._f.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+def read_jsonl(path: str | Path) -> tuple[list[dict], list[str]]:
+    """(rows, problems): every parsable line; a torn last line (a writer killed mid-line) is
+    skipped silently, any other bad line is a problem naming its line number."""
+    rows, problems = [], []
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.split("\n")
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                continue  # torn last line
+            problems.append(f"{path}:{i}: not JSON ({e.msg})")
+    return rows, problems
+
+
+def roll_back_steps(run_dir: str | Path, start_step: int) -> int:
+    """Move the trainer's lines of steps >= ``start_step`` (and a torn last line) from
+    ``trainer_steps.jsonl`` to ``trainer_steps.rolled_back.jsonl``; returns how many moved.
+    A resumed trainer calls it before it trains: its record then continues from its checkpoint."""
+    path = Path(run_dir) / TRAINER_STEPS
+    if not path.exists():
+        return 0
+    keep, cut = [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            row = json.loads(line) if line.endswith("\n") else None
+        except json.JSONDecodeError:
+            row = None
+        if row is None or (row.get("kind") == "step" and int(row.get("step", -1)) >= start_step):
+            cut.append(line if line.endswith("\n") else line + "\n")
+        else:
+            keep.append(line)
+    if cut:
+        with open(Path(run_dir) / TRAINER_ROLLED_BACK, "a", encoding="utf-8") as f:
+            f.writelines(cut)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)
+    return len(cut)
