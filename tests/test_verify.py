@@ -84,6 +84,11 @@ def clean() -> dict:
             line("g1.0", "trained", 1, 0, 1),
             line("g1.1", "trained", 1, 1, 1),
         ],
+        "metrics": [
+            {"step": 0, "version": 1, "samples_trained": 2},
+            {"kind": "eval", "step": 1, "version": 1, "pass@1": 0.5},  # the evaluator's row: not a step
+            {"step": 1, "version": 2, "samples_trained": 2},
+        ],
         "summary": {"steps": 2, "samples_issued": 6, "samples_trained": 4, "samples_lost": 0},
     }
 
@@ -96,6 +101,7 @@ def write(run_dir: Path, src: dict, eta: int = 1) -> Path:
     (run_dir / "rollout_records" / "rollout-0.jsonl").write_text(jsonl(src["rollout"]))
     (run_dir / "trainer_steps.jsonl").write_text(jsonl(src["trainer"]))
     (run_dir / "trajectories.jsonl").write_text(jsonl(src["books"]))
+    (run_dir / "metrics.jsonl").write_text(jsonl(src["metrics"]))
     (run_dir / "summary.json").write_text(json.dumps(src["summary"]))
     return run_dir
 
@@ -121,7 +127,8 @@ def test_a_sample_the_trainer_dropped_is_booked_but_not_trained(tmp_path):
     src = clean()
     src["trainer"][1] = step(1, ["g1.0"], [0], [1], [4])
     assert check(tmp_path, src) == [
-        Problem("booked_not_trained", "sample 'g1.1' booked trained at step 1; the trainer never trained it")
+        Problem("step_count", "step 1: metrics.jsonl books 2 samples trained; the trainer's record trained 1"),
+        Problem("booked_not_trained", "sample 'g1.1' booked trained at step 1; the trainer never trained it"),
     ]
 
 
@@ -145,7 +152,9 @@ def test_a_group_booked_but_never_trained(tmp_path):
         {"group_id": "g3", "ids": ["g3.0", "g3.1"], "vmin": [1, 1], "vmax": [1, 1], "n_tokens": [2, 2]}
     )
     src["books"] += [line("g3.0", "trained", 1, 1, 1), line("g3.1", "trained", 1, 1, 1)]
+    src["metrics"][2]["samples_trained"] = 4
     assert check(tmp_path, src) == [
+        Problem("step_count", "step 1: metrics.jsonl books 4 samples trained; the trainer's record trained 2"),
         Problem("booked_not_trained", "sample 'g3.0' booked trained at step 1; the trainer never trained it"),
         Problem("booked_not_trained", "sample 'g3.1' booked trained at step 1; the trainer never trained it"),
     ]
@@ -155,12 +164,14 @@ def test_a_skipped_optimizer_step_booked_as_trained(tmp_path):
     src = clean()
     src["trainer"][1] = step(1, ["g1.0", "g1.1"], [0, 1], [1, 1], [4, 3], skipped=["g1.0", "g1.1"])
     assert check(tmp_path, src) == [
+        Problem("step_count", "step 1: metrics.jsonl books 2 samples trained; the trainer's record trained 0"),
         Problem("skipped_booked", "sample 'g1.0' booked trained at step 1, whose optimizer step skipped it"),
         Problem("skipped_booked", "sample 'g1.1' booked trained at step 1, whose optimizer step skipped it"),
     ]
     # booked as the scheduler now books them (aborted, not trained): the sources agree
     why = "optimizer_step_skipped: step 1's optimizer step was not applied to this sample's minibatch"
     src["books"][4:6] = [line("g1.0", "aborted", None, 0, 1, why), line("g1.1", "aborted", None, 1, 1, why)]
+    src["metrics"][2]["samples_trained"] = 0
     rep = verify_run(write(tmp_path / "run2", src))
     assert rep.ok and rep.counts["skipped_steps"] == 1 and rep.counts["trained"] == 2
     assert rep.trained_per_step == {0: 2, 1: 0}
@@ -173,6 +184,7 @@ def stale_run() -> dict:
     )
     src["trainer"].append(step(2, ["g4.0", "g4.1"], [0, 1], [2, 2], [5, 5]))
     src["books"] += [line("g4.0", "trained", 2, 0, 2), line("g4.1", "trained", 2, 1, 2)]
+    src["metrics"].append({"step": 2, "version": 3, "samples_trained": 2})
     return src
 
 
@@ -209,6 +221,7 @@ def test_a_sample_trained_twice(tmp_path):
     src["trainer"][1] = step(1, ["g1.0", "g1.1", "g0.0"], [0, 1, 0], [1, 1, 0], [4, 3, 3])
     assert check(tmp_path, src) == [
         Problem("trained_twice", "sample 'g0.0' trained in steps 0, 1"),
+        Problem("step_count", "step 1: metrics.jsonl books 2 samples trained; the trainer's record trained 3"),
         Problem("trained_not_booked", "sample 'g0.0' trained at step 1; the books say trained at step 0"),
     ]
 
@@ -251,6 +264,18 @@ def test_a_sample_trained_that_no_rollout_produced(tmp_path):
     ]
 
 
+def test_per_step_counts_in_metrics_jsonl_that_disagree_with_the_trainer(tmp_path):
+    src = clean()
+    src["metrics"][0]["samples_trained"] = 3
+    del src["metrics"][2]
+    src["metrics"].append({"step": 5, "samples_trained": 0})
+    assert check(tmp_path, src) == [
+        Problem("step_count", "step 0: metrics.jsonl books 3 samples trained; the trainer's record trained 2"),
+        Problem("step_count", "step 1: metrics.jsonl has no row; the trainer's record trained 2"),
+        Problem("step_count", "step 5: metrics.jsonl books 0 samples trained; the trainer's record has no step 5"),
+    ]
+
+
 def test_samples_of_an_epoch_a_resume_rolled_back_are_not_lost(tmp_path):
     src = clean()
     src["rollout"].append(
@@ -272,6 +297,7 @@ def test_a_step_recorded_twice_and_a_wrong_version(tmp_path):
         Problem("step_record", "trainer_steps.jsonl holds step 1 2 times; expected once"),
         Problem("step_record", "step 1 produced version 7; expected 2"),
         Problem("trained_twice", "sample 'g1.0' trained in steps 1, 1"),
+        Problem("step_count", "step 1: metrics.jsonl books 2 samples trained; the trainer's record trained 3"),
     ]
 
 
@@ -284,6 +310,7 @@ def test_missing_sources_are_named(tmp_path):
             f"{run_dir} has no trajectories.jsonl (the scheduler's books per sample (written with "
             "rollout.dump_to_file=true))",
         ),
+        Problem("source", f"{run_dir} has no metrics.jsonl (the scheduler's books per step)"),
         Problem("source", f"{run_dir} has no trainer_steps.jsonl (the trainer's record)"),
         Problem("source", f"{run_dir} has no rollout_records/*.jsonl (the rollout workers' records)"),
     ]
@@ -409,6 +436,9 @@ def traj(sid: str, versions: list[int], mask=None) -> Trajectory:
 def test_the_step_line_reads_versions_and_loss_tokens_from_the_tensors():
     trajs = [traj("a", [3, 1, 2]), traj("b", [4]), traj("c", [5, 5])]
     assert sample_versions(trajs) == ([1, 4, 5], [3, 4, 5], [3, 1, 2])
+    wire = traj("d", [8, 6, 7])  # as received: int32 views of the message (the others are int64)
+    wire.versions = wire.versions.to(torch.int32)
+    assert sample_versions([*trajs, wire]) == ([1, 4, 5, 6], [3, 4, 5, 8], [3, 1, 2, 3])
     line = step_line(4, 5, trajs, skipped=[1], steps=(1, 1))
     assert line == {
         "kind": "step",

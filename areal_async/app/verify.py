@@ -3,7 +3,8 @@
 Three sources, written by three kinds of process (formats: ``base/records.py``, ``scheduler/runlog.py``):
 
     scheduler  trajectories.jsonl      one line per sample as it ended: trained at step k, or aborted
-               summary.json            samples_lost, recoveries
+               metrics.jsonl           one row per step: samples_trained
+               summary.json            samples_lost
     trainer    trainer_steps.jsonl     per step: the ids it trained, each one's min/max token version
                                        read from the tensors it used, the ids whose optimizer step
                                        was skipped; ids that arrived twice at its buffer
@@ -24,6 +25,8 @@ Each disagreement is one ``Problem`` (kind, message):
                          from what the books say
     booked_twice         an id with two lines in trajectories.jsonl
     step_record          the trainer's record has a step twice, or its version is not step + 1
+    step_count           metrics.jsonl's samples_trained of a step (or the step itself) differs from
+                         the trainer's record
     source               a source is missing or has a line that is not JSON
 
 A resumed run (in-run recovery or a rerun with recover.mode=auto) rolls the books back to its
@@ -103,6 +106,7 @@ class _Sources:
     duplicates: list[dict]
     produced: dict[str, list[tuple[int, int, int, str]]]  # id -> [(vmin, vmax, n_tokens, worker)]
     eta: Optional[int]
+    metrics: list[dict]  # metrics.jsonl's step rows (not the evaluator's)
 
 
 def verify_run(run_dir: str | Path, eta: Optional[int] = None) -> Report:
@@ -116,6 +120,7 @@ def verify_run(run_dir: str | Path, eta: Optional[int] = None) -> Report:
     if src is None:
         return rep
     trained, skipped = _trained_by_trainer(src, rep)
+    _check_step_counts(src, rep)
     booked = _booked(src, rep)
     _compare_books_and_trainer(trained, skipped, booked, rep)
     _check_staleness(src, trained, rep)
@@ -134,6 +139,7 @@ def verify_run(run_dir: str | Path, eta: Optional[int] = None) -> Report:
 def _load(run_dir: Path, rep: Report, eta: Optional[int]) -> Optional[_Sources]:
     need = {
         "trajectories.jsonl": "the scheduler's books per sample (written with rollout.dump_to_file=true)",
+        "metrics.jsonl": "the scheduler's books per step",
         TRAINER_STEPS: "the trainer's record",
     }
     missing = [f"{name} ({why})" for name, why in need.items() if not (run_dir / name).exists()]
@@ -144,6 +150,7 @@ def _load(run_dir: Path, rep: Report, eta: Optional[int]) -> Optional[_Sources]:
         rep.problems += [Problem("source", f"{run_dir} has no {m}") for m in missing]
         return None
     books = _read(run_dir / "trajectories.jsonl", rep)
+    metrics = [r for r in _read(run_dir / "metrics.jsonl", rep) if "kind" not in r]
     trainer = _read(run_dir / TRAINER_STEPS, rep)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
     if not summary:
@@ -161,6 +168,7 @@ def _load(run_dir: Path, rep: Report, eta: Optional[int]) -> Optional[_Sources]:
         duplicates=[r for r in trainer if r.get("kind") == "duplicate"],
         produced=dict(produced),
         eta=rep.counts["eta"],
+        metrics=metrics,
     )
 
 
@@ -215,6 +223,22 @@ def _trained_by_trainer(src: _Sources, rep: Report) -> tuple[dict[str, list[tupl
         skipped_steps=sum(1 for r in src.steps if not r.get("applied", True)),
     )
     return dict(out), skipped_at
+
+
+def _check_step_counts(src: _Sources, rep: Report) -> None:
+    """metrics.jsonl's samples trained per step against the trainer's record (``trained_per_step``)."""
+    booked = Counter()
+    for row in src.metrics:
+        k = int(row["step"])
+        if k in booked:
+            rep.problems.append(Problem("step_count", f"step {k}: metrics.jsonl has more than one row"))
+        booked[k] = int(row.get("samples_trained", 0))
+    trained = rep.trained_per_step
+    for k in sorted(set(booked) | set(trained)):
+        a = f"books {booked[k]} samples trained" if k in booked else "has no row"
+        b = f"trained {trained[k]}" if k in trained else f"has no step {k}"
+        if booked.get(k) != trained.get(k):
+            rep.problems.append(Problem("step_count", f"step {k}: metrics.jsonl {a}; the trainer's record {b}"))
 
 
 def _booked(src: _Sources, rep: Report) -> dict[str, dict]:

@@ -26,7 +26,7 @@ def sample_versions(trajs: Sequence[Trajectory]) -> tuple[list[int], list[int], 
         vs = [t.model_versions for t in trajs]
         return [int(v.min()) for v in vs], [int(v.max()) for v in vs], [v.numel() for v in vs]
     lens = [t.versions.numel() for t in trajs]
-    flat = torch.cat([t.versions.to(torch.int64) for t in trajs]).numpy()
+    flat = torch.cat([t.versions for t in trajs]).numpy()  # int32 or int64 (torch.cat promotes a mix)
     starts = np.concatenate(([0], np.cumsum(lens[:-1]))).astype(np.int64)
     return np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist(), lens
 
