@@ -49,7 +49,7 @@ def shown(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
+def first_line(exc: BaseException, limit: int = 200) -> str:
     """``Type: message`` of an exception, on one line; the hub's repo-id wording never reaches the user
     (the preflight looks at local directories only)."""
     msg = " ".join(str(exc).split())

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from areal_async.base.plugins import REWARD_SIGNATURE, WORKFLOW_SIGNATURE, contract_problem
+from areal_async.base.plugins import contract_problem
 from areal_async.data.prompts import read_jsonl_head, tiny_arith
 from areal_async.data.templates import render_prompt_ids
 from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
@@ -141,7 +141,7 @@ def jsonl_file(key: str, path: str, need_answer: bool = False, n: int = 5) -> Fi
     try:
         head = read_jsonl_head(p, n)
     except (ValueError, OSError) as e:
-        return error(key, path, str(e), f"fix that line, or {todo}", e)
+        return error(key, path, str(e), f"fix the file there, or {todo}", e)
     if need_answer:
         lacking = [lineno for lineno, prob in head if not prob.answer]
         if lacking:
@@ -201,21 +201,19 @@ def check_plugins(ctx: Context) -> list[Finding]:
     """reward.fn and rollout.workflow import and have the right signature (nothing is run)."""
     _on_workers_path()
     cfg, out = ctx.cfg, []
-    for key, path, kind, need in (
-        ("reward.fn", cfg.reward.fn, "reward", REWARD_SIGNATURE),
-        ("rollout.workflow", cfg.rollout.workflow, "workflow", f"a class with {WORKFLOW_SIGNATURE}"),
+    for key, path, kind in (
+        ("reward.fn", cfg.reward.fn, "reward"),
+        ("rollout.workflow", cfg.rollout.workflow, "workflow"),
     ):
         if not path:
             continue
-        _, problem = contract_problem(path, kind)
-        fix = "fix the dotted path 'module:name' (it must import from here and PYTHONPATH)"
-        todo = (fix if problem and problem.startswith("cannot load") else f"expected {need}") + (
-            f"; check it with `areal-async check-plugin {path}`"
-        )
-        if problem:
-            out.append(error(key, path, problem, todo))
-        else:
+        _, problem = contract_problem(path, kind)  # the problem says what was expected
+        if problem is None:
             out.append(ok(key, path, f"imports and has the {kind} signature"))
+            continue
+        fix = "fix the dotted path 'module:name' (it must import from here and PYTHONPATH)"
+        todo = fix if problem.startswith("cannot load") else f"fix the {kind} plug-in"
+        out.append(error(key, path, problem, f"{todo}; check it with `areal-async check-plugin {path}`"))
     return out
 
 
