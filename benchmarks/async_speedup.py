@@ -2,7 +2,8 @@
 
     python -m benchmarks.async_speedup [--json PATH] [--etas 0 1 2 4] [--steps N] [--quick]
                                        [--config configs/tiny_arith.yaml] [--out DIR]
-                                       [--rollout-workers N] [key=value overrides ...]
+                                       [--rollout-workers N] [--sync NAME ...] [--sync-sweep]
+                                       [key=value overrides ...]
 
 Each η is one real run (``areal-async run CONFIG --no-progress``, run directory under ``--out`` or a
 temp dir), same config, seed and fleet shape; only ``rollout.max_head_offpolicyness=η`` differs.
@@ -19,36 +20,42 @@ decoding, transfer, rewards, planning: exactly what an async pipeline may hide);
 (engines' busy s) cross-checks the decode share. ideal limit = (t_gen + t_train - t_ahead) /
 max(t_gen, t_train), the η = 0 step over the longer phase;
 speedup(η) = samples_per_s(η) / samples_per_s(0); fraction_of_limit = speedup / limit. Not a hard
-ceiling: pinned, the async runs measured here needed ~12 % less trainer CPU per step than η = 0
-(0.22 vs 0.25 CPU-s: a core that never idles), so fraction_of_limit can exceed 1.
+ceiling: a trainer whose core never idles can need less CPU per step than at η = 0, so
+fraction_of_limit can exceed 1.
 CPU: a sampler reads each fleet process's CPU time from /proc twice a second by role (scheduler,
 trainer, rollout-i, reward-i, reward-pool, supervisor; ``benchmarks/common/cpu.py``): CPU-s per
 step. A step cannot be shorter than fleet CPU-s per step / cores, so ``limit_cpu`` = (t_gen +
 t_train) / max(t_gen, t_train, cpu_s_per_step(η=0) / cores) shows how much of the gap is the machine.
 
-Fleet shape: 1 rollout worker by default, so generation and training each get a core, as each gets
-its own devices on a GPU cluster (80 steps, seed 1: 2 workers η=0 400 samples/s, η=2 453, 68 % of
-its 1.66x limit; 1 worker η=0 340, η=2 486, 78 % of 1.85x). It measures what asynchrony buys at a
-fixed fleet, not best-sync (2 workers; 1-worker η=2 is ~1.2x it) vs best-async. Placement: with 2+
-CPUs every run pins the trainer to this process's first CPU and the other roles to the rest
-(``--no-pin``; a ``cluster.cpu_affinity.*`` override replaces it). Unpinned, the async trainer (the
-bottleneck) lost time slices to decoding, rewards and messages: 0.25 s steps (η=0) became 0.31-0.32 s
-(η=2); pinned they stay at 0.22-0.24 s.
+Two baselines, two framings. ``speedup`` (and the limit) divide by the η = 0 run of the same fleet
+as the async runs: what asynchrony buys at a fixed fleet (1 rollout worker by default, so
+generation and training each get a core, as each gets its own devices on a GPU cluster).
+``speedup_vs_best_sync`` divides by the fastest synchronous run of the session: the fixed fleet's
+η = 0 run or an η = 0 run in one of ``SYNC_CONFIGS`` (the knobs that move an η = 0 run here:
+rollout workers, placement, the forward run ahead), by default ``BEST_SYNC``, the configuration
+that was fastest in a sweep of all of them (``--sync-sweep``; the sweep and its figures are in
+``benchmarks/RESULTS.md``). A skeptic's question is the second: how much faster than the best the
+project can do without asynchrony. Placement: with 2+ CPUs the async runs pin the trainer to this
+process's first CPU and the other roles to the rest (``--no-pin``; a ``cluster.cpu_affinity.*``
+override replaces it); the sync configurations place themselves as their names say.
 
-Defaults: η 0 1 2 4, 300 steps each (~8 min on 2 cores); ``--quick``: η 0 and 2, 30 steps (~70 s),
-too short for time to 0.8 or a stable final reward. Not covered: GPU engines, several trainer
-ranks, generations long enough for interruptible generation to pay. One run per η, no repeats:
-each run records the 1-minute load average before it and ``foreign_cpu_frac`` (CPU of processes
-outside the benchmark, share of one core); ``--quiet-wait S`` waits up to S s for a quiet machine.
+Defaults: η 0 1 2 4, 300 steps each (~8 min on 2 cores, plus the best-sync run); ``--quick``: η 0
+and 2, 30 steps, too short for time to 0.8 or a stable final reward. Not covered: GPU engines,
+several trainer ranks, generations long enough for interruptible generation to pay. One run per η,
+no repeats: each run records the 1-minute load average before it and ``foreign_cpu_frac`` (CPU of
+processes outside the benchmark, share of one core); ``--quiet-wait S`` waits up to S s for a
+quiet machine.
 
 JSON: one row per η: ``metric`` ("trained_samples_per_s"), ``value``, ``unit`` ("samples/s"),
-``eta``, ``samples_per_s``, ``speedup``, ``limit``, ``fraction_of_limit``, ``final_reward``,
+``eta``, ``samples_per_s``, ``speedup``, ``speedup_vs_best_sync``,
+``best_sync_config``, ``limit``, ``fraction_of_limit``, ``final_reward``,
 ``time_to_0.8`` (s or null), ``steps_to_0.8``, ``staleness_max``, ``t_gen``, ``t_train``, ``t_ahead``,
 ``t_gen_engine`` (s per step, of the η = 0 run), ``limit_cpu``, ``fraction_of_cpu_limit``,
 ``cpu_s_per_step`` ({role: CPU s per step} of that run), ``n_cores``, ``samples_per_s_median``,
 ``steps``, ``n_rollout_workers``, ``seed``, ``loadavg_before``, ``foreign_cpu_frac``,
 ``meets_target`` (η = 2 target below; null at η = 0), ``bound`` (how the figure is bounded),
-``run_dir``. Target on the 2-core CPU machine: at η = 2, fraction_of_limit >= 0.8 with a
+``run_dir``; and one ``sync_trained_samples_per_s`` row per sync configuration run
+(``sync_config``, ``overrides``). Target on the 2-core CPU machine: at η = 2, fraction_of_limit >= 0.8 with a
 final reward no more than 0.05 below the η = 0 run's.
 """
 
@@ -79,6 +86,19 @@ FINAL_WINDOW = 10
 WARMUP_STEPS = 5
 TARGET_ETA, TARGET_FRACTION, TARGET_REWARD_DROP = 2, 0.80, 0.05
 DEFAULT_STEPS, QUICK_STEPS = 300, 30  # 300: the preset's run length
+# η = 0 configurations the best synchronous baseline is chosen from: name -> (rollout workers,
+# placement: "own" = the trainer on a CPU of its own and the other roles on the rest, "trainer" =
+# the trainer pinned and the others anywhere, "none" = nothing pinned; further overrides)
+SYNC_CONFIGS = {
+    "fixed": (None, "own", []),  # the async runs' fleet (--rollout-workers, the placement below)
+    "2rollout_own": (2, "own", []),
+    "1rollout_trainer": (1, "trainer", []),
+    "2rollout_trainer": (2, "trainer", []),
+    "1rollout_none": (1, "none", []),
+    "2rollout_none": (2, "none", []),
+    "1rollout_own_no_ahead": (1, "own", ["actor.forward_ahead=false"]),
+}
+BEST_SYNC = "2rollout_trainer"  # the fastest in the sweep recorded in benchmarks/RESULTS.md
 
 
 # --- configure --------------------------------------------------------------------------------
@@ -100,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not pin the trainer to a CPU of its own (see the docstring, 'Placement')",
     )
+    ap.add_argument(
+        "--sync",
+        nargs="+",
+        default=None,
+        choices=sorted(SYNC_CONFIGS),
+        help=f"η = 0 configurations besides the fixed fleet's, the fastest of which is the best-sync baseline "
+        f"(default: {BEST_SYNC}; see SYNC_CONFIGS)",
+    )
+    ap.add_argument("--sync-sweep", action="store_true", help="run every SYNC_CONFIGS entry at η = 0")
     ap.add_argument(
         "--quiet-wait",
         type=float,
@@ -131,36 +160,56 @@ def configure(argv: list[str]) -> argparse.Namespace:
         *pins,
         *overrides,
     ]
+    names = sorted(SYNC_CONFIGS) if args.sync_sweep else (args.sync or [BEST_SYNC])
+    args.sync_runs = {n: sync_overrides(n, args, overrides) for n in names if n != "fixed"}
     args.meta = {**fleet_meta(args.config, args.base), "steps_requested": args.steps}
     args.out_dir = Path(args.out or tempfile.mkdtemp(prefix="async_speedup-")).resolve()
-    taken = [str(args.out_dir / f"eta{eta}") for eta in args.etas if (args.out_dir / f"eta{eta}").exists()]
+    dirs = [f"eta{eta}" for eta in args.etas] + [f"sync_{n}" for n in args.sync_runs]
+    taken = [str(args.out_dir / d) for d in dirs if (args.out_dir / d).exists()]
     if taken:
         ap.error(f"run directories already exist: {', '.join(taken)}; use a new --out")
     return args
 
 
+def sync_overrides(name: str, args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The overrides of an η = 0 run in configuration ``name`` (``SYNC_CONFIGS``); the user's
+    overrides stay, and a ``cluster.cpu_affinity`` one among them replaces the placement."""
+    workers, where, extra = SYNC_CONFIGS[name]
+    pins = [] if args.no_pin else placement(sorted(os.sched_getaffinity(0)), overrides)
+    pins = {"own": pins, "trainer": pins[:1], "none": []}[where]
+    return [
+        f"total_train_steps={args.steps}",
+        f"cluster.n_rollout_workers={workers or args.rollout_workers}",
+        *pins,
+        *extra,
+        *overrides,
+    ]
+
+
 # --- measure ----------------------------------------------------------------------------------
 
 
-def measure(args: argparse.Namespace) -> list[dict]:
-    """One fleet run per η, summarized."""
+def measure(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """One fleet run per η, then one η = 0 run per synchronous configuration, summarized."""
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for eta in args.etas:
-        if args.quiet_wait > 0:
-            wait_quiet(args.quiet_wait)
-        run_dir = args.out_dir / f"eta{eta}"
-        print(f"[async_speedup] η={eta}: {run_dir}", flush=True)
-        res = run_fleet(args.config, args.base + [f"rollout.max_head_offpolicyness={eta}"], run_dir)
-        runs.append(
-            {
-                **summarize_run(eta, res.pop("rows")),
-                "run_dir": str(run_dir),
-                "cpu_s_per_step": cpu_per_step(res.pop("cpu_samples"), WARMUP_STEPS),
-                **res,
-            }
-        )
-    return runs
+    runs = [one_run(args, f"eta{eta}", eta, args.base) for eta in args.etas]
+    sync = [one_run(args, f"sync_{n}", 0, ovr) | {"sync_config": n} for n, ovr in args.sync_runs.items()]
+    return runs, sync
+
+
+def one_run(args: argparse.Namespace, name: str, eta: int, overrides: list[str]) -> dict:
+    if args.quiet_wait > 0:
+        wait_quiet(args.quiet_wait)
+    run_dir = args.out_dir / name
+    print(f"[async_speedup] {name}: {run_dir}", flush=True)
+    res = run_fleet(args.config, overrides + [f"rollout.max_head_offpolicyness={eta}"], run_dir)
+    return {
+        **summarize_run(eta, res.pop("rows")),
+        "run_dir": str(run_dir),
+        "overrides": overrides,
+        "cpu_s_per_step": cpu_per_step(res.pop("cpu_samples"), WARMUP_STEPS),
+        **res,
+    }
 
 
 def summarize_run(eta: int, rows: list[dict], skip: int = WARMUP_STEPS) -> dict:
@@ -182,8 +231,9 @@ def summarize_run(eta: int, rows: list[dict], skip: int = WARMUP_STEPS) -> dict:
     }
 
 
-def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
-    """Add speedup, limit and fraction_of_limit to every run, against the η = 0 run's phases.
+def compare(runs: list[dict], n_cores: Optional[int] = None, sync: list[dict] = ()) -> dict:
+    """Add speedup, limit and fraction_of_limit to every run, against the η = 0 run's phases, and
+    ``speedup_vs_best_sync`` against the fastest η = 0 run of all (that one, or one of ``sync``).
 
     With n_cores and the η = 0 run's ``cpu_s_per_step``, also the CPU-capacity limit."""
     base = next((r for r in runs if r["eta"] == 0), None)
@@ -194,7 +244,9 @@ def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
     limit = ideal_limit(ph["t_gen"], ph["t_train"], ahead)
     cpu = base.get("cpu_s_per_step") or {}
     lim_cpu = cpu_limit(ph["t_gen"], ph["t_train"], sum(cpu.values()), n_cores, ahead) if cpu and n_cores else None
+    best = max([base, *sync], key=lambda r: r["samples_per_s"])
     for r in runs:
+        r["speedup_vs_best_sync"] = r["samples_per_s"] / best["samples_per_s"]
         r["speedup"] = r["samples_per_s"] / base["samples_per_s"]
         r["fraction_of_limit"] = r["speedup"] / limit
         r["fraction_of_cpu_limit"] = None if lim_cpu is None else r["speedup"] / lim_cpu
@@ -209,6 +261,9 @@ def compare(runs: list[dict], n_cores: Optional[int] = None) -> dict:
         "cpu_s_per_step": sum(cpu.values()) if cpu else None,
         "n_cores": n_cores,
         "base_final_reward": base["final_reward"],
+        "best_sync_config": best.get("sync_config", "fixed"),
+        "best_sync_samples_per_s": best["samples_per_s"],
+        "best_sync_final_reward": best["final_reward"],
     }
 
 
@@ -219,7 +274,7 @@ def target_met(run: dict) -> bool:
 # --- rows -------------------------------------------------------------------------------------
 
 
-def to_rows(runs: list[dict], cmp: dict, meta: dict) -> list[dict]:
+def to_rows(runs: list[dict], cmp: dict, meta: dict, sync: list[dict] = ()) -> list[dict]:
     bound = (
         f"ideal overlap limit {cmp['limit']:.3f}x from the η=0 run (t_gen {cmp['t_gen']:.3f}s, "
         f"t_train {cmp['t_train']:.3f}s per step); steady window from step {WARMUP_STEPS}"
@@ -233,6 +288,9 @@ def to_rows(runs: list[dict], cmp: dict, meta: dict) -> list[dict]:
             "eta": r["eta"],
             "samples_per_s": r["samples_per_s"],
             "speedup": r["speedup"],
+            "speedup_vs_best_sync": r["speedup_vs_best_sync"],
+            "best_sync_config": cmp["best_sync_config"],
+            "best_sync_samples_per_s": cmp["best_sync_samples_per_s"],
             "limit": cmp["limit"],
             "fraction_of_limit": r["fraction_of_limit"],
             "final_reward": r["final_reward"],
@@ -261,7 +319,23 @@ def to_rows(runs: list[dict], cmp: dict, meta: dict) -> list[dict]:
         )
         row.update(meta)
         out.append(row)
-    return out
+    return out + [sync_row(r, meta) for r in sync]
+
+
+def sync_row(r: dict, meta: dict) -> dict:
+    """An η = 0 run in one of ``SYNC_CONFIGS``: what the best-sync baseline was chosen from."""
+    keys = ("final_reward", "steps", "samples_per_s_median", "loadavg_before", "foreign_cpu_frac", "run_dir")
+    return {
+        "metric": "sync_trained_samples_per_s",
+        "value": r["samples_per_s"],
+        "unit": "samples/s",
+        "eta": 0,
+        "sync_config": r["sync_config"],
+        "overrides": r.get("overrides"),
+        "cpu_s_per_step": r.get("cpu_s_per_step"),
+        **{k: r.get(k) for k in keys},
+        **meta,
+    }
 
 
 # --- table ------------------------------------------------------------------------------------
@@ -276,6 +350,7 @@ COLUMNS = [
     Col("samples/s", 10, lambda r: r["samples_per_s"], ".1f"),
     Col("(median)", 9, lambda r: r["samples_per_s_median"], ".1f"),
     Col("speedup", 8, lambda r: r["speedup"], ".3f"),
+    Col("vs best sync", 12, lambda r: r.get("speedup_vs_best_sync"), ".3f"),
     Col("of limit", 9, lambda r: r["fraction_of_limit"], ".1%"),
     Col("of cpu lim", 10, lambda r: r["fraction_of_cpu_limit"], ".1%"),
     Col("t->0.8 s", 9, lambda r: r["time_to_0.8"], ".1f"),
@@ -288,7 +363,7 @@ COLUMNS = [
 ]
 
 
-def show(runs: list[dict], cmp: dict, meta: dict) -> None:
+def show(runs: list[dict], cmp: dict, meta: dict, sync: list[dict] = ()) -> None:
     print(
         f"\nasync speedup: {meta['config']}, {meta['n_rollout_workers']} rollout worker(s), "
         f"{meta['steps_requested']} steps, batch {meta['batch_samples']} samples, seed {meta['seed']}, "
@@ -309,6 +384,12 @@ def show(runs: list[dict], cmp: dict, meta: dict) -> None:
             f"-> CPU-capacity limit {cmp['limit_cpu']:.3f}x"
         )
     print_table(runs, COLUMNS)
+    for r in sync:
+        print(f"  η=0 as {r['sync_config']}: {r['samples_per_s']:.1f} samples/s, final reward {r['final_reward']:.3f}")
+    print(
+        f"best synchronous configuration: {cmp['best_sync_config']} ({cmp['best_sync_samples_per_s']:.1f} samples/s); "
+        "'vs best sync' divides by it"
+    )
     tgt = next((r for r in runs if r["eta"] == TARGET_ETA), None)
     if tgt is not None:
         print(
@@ -330,10 +411,11 @@ def show(runs: list[dict], cmp: dict, meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = configure(sys.argv[1:] if argv is None else list(argv))
-    runs = measure(args)
-    cmp = compare(runs, os.cpu_count())
-    rows = to_rows(runs, cmp, {k: args.meta[k] for k in ("n_rollout_workers", "seed", "batch_samples", "placement")})
-    show(runs, cmp, args.meta)
+    runs, sync = measure(args)
+    cmp = compare(runs, os.cpu_count(), sync)
+    meta = {k: args.meta[k] for k in ("n_rollout_workers", "seed", "batch_samples", "placement")}
+    rows = to_rows(runs, cmp, meta, sync)
+    show(runs, cmp, args.meta, sync)
     if args.json:
         write_rows(args.json, rows)
         print(f"rows written to {args.json}")

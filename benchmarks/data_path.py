@@ -2,6 +2,7 @@
 
     python -m benchmarks.data_path [--json PATH] [--prompts 512] [--samples 16] [--max-len 27000]
                                    [--transports shm zmq] [--mb-tokens 32768] [--workers 64] [--seconds 5]
+                                   [--service-seconds 10] [--mix-from RUN_DIR] [--no-service]
 
 (1) One synthetic boba batch (512 prompts x 16 samples; output lengths lognormal, median 4K,
     capped at 27K; prompts 256 tokens; token ids int32, logprobs float32, versions int32) goes the
@@ -13,38 +14,48 @@
     ``pack``, ``--mb-tokens`` each), packed one after the other, each dropped before the next as
     the trainer does (``trainer.logprobs.iter_micro_batches``: pack, forward/backward, next).
     Timed from the first send to the last micro-batch packed, over one channel pair three
-    times: the figure is the faster of the second and third batches
-    (steady state: the shm slab pool is warm, as from a fleet's second batch on; best of two as
-    the bound is best of three); the first is in ``first_batch_seconds``.
+    times: the figure is the faster of the second and third batches (steady state: the shm slab
+    pool is warm, as from a fleet's second batch on); the first is in ``first_batch_seconds``.
     torch runs one intra-op thread, as a fleet worker does (``cluster.torch_threads``).
-    The bound, measured in the same run just after: one single-threaded copy between two warm
-    buffers (``dst.copy_(src)``) of every byte the path has to write once: the payload (into the
-    channel) plus the packed micro-batches (int64 ids and position ids, ``cu_seqlens``), which
-    do not exist before packing. (Until 2026-11-30 the bound copied the payload bytes alone, a
-    volume ~2.3x smaller than what the path writes; that ratio is still reported, as
-    ``fraction_payload_only_bound``.) ``boba_batch_fraction_of_memcpy`` = memcpy seconds / path
-    seconds, per transport. On a shared machine the wall figure moves with other processes'
-    load; ``cpu_fraction`` is the same ratio in CPU seconds (the bound's thread; the path's whole
-    process, sender thread and ZeroMQ I/O threads included), which load does not inflate.
-(2) The scheduler's control plane on one core: a ROUTER socket in this process (pinned to one
-    CPU) draining the backlog that ``--workers`` simulated DEALER workers in a child process (the
-    other CPUs) sent (all encoded first, so their speed does not bound the figure), each message
-    decoded (``protocols``) and applied to a real ``SchedulerCore``
-    (``TrajectoryReady`` and ``RewardResult`` of issued groups of 16, plus ``Heartbeat``s).
-    ``scheduler_messages_per_s`` counts messages handled per second over ``--seconds``.
+    Two bounds, each one single-threaded copy between two warm buffers (``dst.copy_(src)``, best
+    of three, measured in the same run just after the path), each its own row:
+    - ``boba_batch_fraction_of_memcpy``: the copy of every byte the path has to write once, the
+      payload (into the channel) plus the packed micro-batches (int64 ids and position ids,
+      ``cu_seqlens``), which do not exist before packing;
+    - ``boba_batch_fraction_of_payload_memcpy``: the copy of the payload bytes alone, the volume
+      a skeptic would call the data (about 2.3x smaller: the ratio is smaller by as much).
+    Both are memcpy seconds / path seconds, per transport; ``cpu_fraction`` is the same ratio in
+    CPU seconds (the bound's thread; the path's whole process, sender thread and ZeroMQ I/O
+    threads included), which load does not inflate the way it inflates wall time.
+(2) The scheduler's control plane on one core, two ways, each its own row:
+    - ``scheduler_service_messages_per_s``: the real ``SchedulerService`` (its event loop, identity
+      and role checks, ledger, run-log and status writes, replies and forwards) driven by a null
+      fleet replaying a real run's message mix (``benchmarks.common.scheduler_load``; the mix is
+      ``DEFAULT_MIX``, counted from a default run's ``summary.json``, or ``--mix-from RUN_DIR``),
+      ``--service-seconds`` after 5 warm-up steps. This is the figure an extrapolation to a large
+      fleet should rest on; it carries messages per CPU second and trainer steps per second.
+    - ``scheduler_messages_per_s`` (the earlier figure, kept as it was defined): a bare ROUTER
+      socket in this process draining a backlog that ``--workers`` simulated DEALERs in a child
+      sent, each message decoded and applied to a ``SchedulerCore`` (``TrajectoryReady`` and
+      ``RewardResult`` of groups of 16, plus one ``Heartbeat`` a group): no event loop, no
+      identity check, no reply, no log write, and a third of the messages no-op heartbeats.
 
-JSON rows: ``boba_batch_fraction_of_memcpy`` (``transport``, seconds, GB/s, bound GB/s, bytes),
-``scheduler_messages_per_s``. Everything runs on this machine's CPUs; on a busy machine the
-figures move with the load (the row records the 1-minute load average).
+JSON rows: ``boba_batch_fraction_of_memcpy`` and ``boba_batch_fraction_of_payload_memcpy``
+(``transport``, seconds, GB/s, bound GB/s, bytes), ``scheduler_service_messages_per_s``,
+``scheduler_messages_per_s``. Every row records the 1-minute load average before and after. Dated
+figures: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import threading
 import time
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,13 +68,33 @@ from areal_async.trainer.packing import allocate_micro_batches, pack
 from areal_async.trainer.service import split_group
 from areal_async.trainer.types import Trajectory
 from areal_async.transport import make_tensor_channel
-from benchmarks.common import write_rows
+from benchmarks.common import scheduler_load, write_rows
+from benchmarks.common.scheduler_load import Mix
 from benchmarks.common.timing import Copier
 from protocols.messages import Heartbeat, RewardResult, TrajectoryReady, decode, encode
 from protocols.sockets import free_tcp_port
 
 PROMPT_LEN = 256
 MESSAGES_TARGET = 50_000
+SERVICE_CONFIG = "configs/tiny_arith.yaml"
+# what a default run's workers sent its scheduler per trainer step (summary.json of
+# `areal-async run configs/tiny_arith.yaml`, see benchmarks/RESULTS.md for the run)
+DEFAULT_MIX = Mix(
+    heartbeats=1.39,  # 139 in 100 steps; per step they grow with the step's wall time (1 a worker a heartbeat_s)
+    traj_groups=11,  # (3158 groups in 233 TrajectoriesReady + 74 TrajectoryReady) / 307 messages
+    reward_groups=12,  # 3232 groups in 262 RewardResults
+    n_metrics=24,  # the trainer's metrics in a TrainStepDone (a metrics row less the scheduler's 15)
+    source="areal-async run configs/tiny_arith.yaml total_train_steps=100 at b179fa4 (2026-12-01)",
+    per_step={  # that run's summary.json messages_received / 100 steps (4 registers and a TrainerReady left out)
+        "heartbeat": 1.39,
+        "reward_results": 2.62,
+        "train_step_done": 1.0,
+        "trajectories_ready": 2.33,
+        "trajectory_ready": 0.74,
+        "weights_loaded": 2.0,
+        "weights_published": 1.01,
+    },
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,34 +201,51 @@ def transfer_rows(transports: list[str], groups, mb_tokens: int) -> list[dict]:
         per_batch, n_mb, packed = move_batch(kind, groups, mb_tokens)
         # steady state (warm slabs, as from a fleet's second batch on): best of 2, as the bound is of 3
         secs, cpu = min(w for w, _ in per_batch[1:]), min(c for _, c in per_batch[1:])
-        copier = Copier(size + packed, "cpu")  # every byte the path writes: the payload once, the micro-batches once
-        bound = min(copier.sample() for _ in range(3))
-        bound_cpu = min(_cpu_seconds(copier.sample) for _ in range(3))
-        payload_bound = bound * size / (size + packed)
-        del copier
-        rows.append(
-            {
-                "metric": "boba_batch_fraction_of_memcpy",
-                "value": bound / secs,
-                "unit": "fraction",
-                "transport": kind,
-                "seconds": secs,
-                "first_batch_seconds": per_batch[0][0],
-                "cpu_seconds": cpu,
-                "cpu_fraction": bound_cpu / cpu,
-                "gbps": size / secs / 1e9,
-                "bound_gbps": (size + packed) / bound / 1e9,
-                "bytes": size,
-                "packed_bytes": packed,
-                "bound_bytes": size + packed,
-                "fraction_payload_only_bound": payload_bound / secs,
-                "n_groups": len(groups),
-                "n_micro_batches": n_mb,
-                "target": 0.5,
-                "meets_target": bound / secs >= 0.5 if kind == "shm" else None,
-            }
-        )
+        common = {
+            "transport": kind,
+            "seconds": secs,
+            "first_batch_seconds": per_batch[0][0],
+            "cpu_seconds": cpu,
+            "gbps": size / secs / 1e9,
+            "bytes": size,
+            "packed_bytes": packed,
+            "n_groups": len(groups),
+            "n_micro_batches": n_mb,
+        }
+        for metric, nbytes in (
+            ("boba_batch_fraction_of_memcpy", size + packed),  # the payload once, the micro-batches once
+            ("boba_batch_fraction_of_payload_memcpy", size),  # the payload alone
+        ):
+            bound, bound_cpu = memcpy_bound(nbytes)
+            rows.append(bound_row(metric, kind, bound, bound_cpu, nbytes, common))
+        rows[-2]["fraction_payload_only_bound"] = rows[-2]["value"] * size / (size + packed)  # the earlier field
     return rows
+
+
+def memcpy_bound(nbytes: int) -> tuple[float, float]:
+    """(wall s, CPU s) of one warm single-threaded copy of ``nbytes``, each the best of three."""
+    copier = Copier(nbytes, "cpu")
+    try:
+        return min(copier.sample() for _ in range(3)), min(_cpu_seconds(copier.sample) for _ in range(3))
+    finally:
+        del copier
+
+
+def bound_row(metric: str, kind: str, bound: float, bound_cpu: float, nbytes: int, common: dict) -> dict:
+    """A fraction-of-memcpy row: the bound's seconds over the path's (wall and CPU); target on shm."""
+    value = bound / common["seconds"]
+    target = 0.5 if metric == "boba_batch_fraction_of_memcpy" else None  # met or not on shm only
+    return {
+        "metric": metric,
+        "value": value,
+        "unit": "fraction",
+        **common,
+        "cpu_fraction": bound_cpu / common["cpu_seconds"],
+        "bound_gbps": nbytes / bound / 1e9,
+        "bound_bytes": nbytes,
+        "target": target,
+        "meets_target": value >= target if target is not None and kind == "shm" else None,
+    }
 
 
 def _cpu_seconds(fn) -> float:
@@ -302,10 +350,7 @@ def scheduler_rows(n_workers: int, seconds: float) -> list[dict]:
     finally:
         os.sched_setaffinity(0, cpus)
         done.set()
-        child.join(30)
-        if child.is_alive():
-            child.terminate()
-            child.join()
+        scheduler_load.reap(child)
         router.close(0)
         ctx.term()
     rate = n / secs
@@ -320,6 +365,26 @@ def scheduler_rows(n_workers: int, seconds: float) -> list[dict]:
             "cpu_seconds": cpu,
             "messages_per_cpu_s": n / cpu,
             "mix": "TrajectoryReady + RewardResult (16 samples each) + Heartbeat",
+            "target": MESSAGES_TARGET,
+            "meets_target": rate >= MESSAGES_TARGET,
+        }
+    ]
+
+
+def service_rows(config: str, overrides: list[str], mix: Mix, seconds: float) -> list[dict]:
+    """``scheduler_service_messages_per_s``: the real SchedulerService under the mix
+    (``benchmarks.common.scheduler_load.measure``)."""
+    m = scheduler_load.measure(config, overrides, mix, seconds)
+    rate = m.pop("value")
+    return [
+        {
+            "metric": "scheduler_service_messages_per_s",
+            "value": rate,
+            "unit": "messages/s",
+            **m,
+            "config": config,
+            "overrides": overrides,
+            "mix": asdict(mix),
             "target": MESSAGES_TARGET,
             "meets_target": rate >= MESSAGES_TARGET,
         }
@@ -342,6 +407,35 @@ class _Prompts:
 # --------------------------------------------------------------------------------------------
 
 
+def mix_of(run_dir: str | None) -> Mix:
+    """The message mix of a real run (its summary.json), or ``DEFAULT_MIX``."""
+    if not run_dir:
+        return DEFAULT_MIX
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    if "messages_received" not in summary:
+        raise SystemExit(f"{run_dir}/summary.json has no messages_received (a run of an earlier version?)")
+    return Mix.of_summary(summary, source=str(run_dir))
+
+
+def describe(r: dict) -> str:
+    """The printed line's detail for a row."""
+    if "transport" in r:
+        return (
+            f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s "
+            f"of {r['bound_bytes'] / 1e9:.2f} GB; CPU-time fraction {r['cpu_fraction']:.3f}"
+        )
+    if r["metric"] == "scheduler_service_messages_per_s":
+        return (
+            f"real service, {r['messages']} messages in {r['seconds']:.1f} s, {r['messages_per_cpu_s']:.0f} per "
+            f"CPU-s, {r['steps_per_s']:.1f} steps/s, {r['samples_trained_per_s']:.0f} samples/s; bound: {r['bound']} "
+            f"(null fleet CPU {r['null_fleet_cpu_frac']:.2f} core)"
+        )
+    return (
+        f"bare socket, {r['workers']} simulated workers, {r['messages']} messages, "
+        f"{r['messages_per_cpu_s']:.0f} per CPU-s"
+    )
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
@@ -350,26 +444,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-len", type=int, default=27000)
     ap.add_argument("--transports", nargs="+", default=["shm", "zmq"])
     ap.add_argument("--mb-tokens", type=int, default=32768)
-    ap.add_argument("--workers", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--workers", type=int, default=64, help="bare-socket figure: simulated workers")
+    ap.add_argument("--seconds", type=float, default=5.0, help="bare-socket figure: seconds")
+    ap.add_argument("--service-seconds", type=float, default=10.0, help="real-service figure: seconds")
+    ap.add_argument("--mix-from", default=None, help="a run dir whose summary.json gives the message mix")
+    ap.add_argument("--no-service", action="store_true", help="skip the real-service figure")
+    ap.add_argument("--no-batch", action="store_true", help="skip the boba batch (scheduler figures only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as a fleet worker (cluster.torch_threads = 1); the bound is one thread too
     load0 = os.getloadavg()[0]
-    groups = boba_groups(args.prompts, args.samples, args.max_len)
-    rows = transfer_rows(args.transports, groups, args.mb_tokens)
-    del groups
+    rows = []
+    if not args.no_batch:
+        groups = boba_groups(args.prompts, args.samples, args.max_len)
+        rows += transfer_rows(args.transports, groups, args.mb_tokens)
+        del groups
+    if not args.no_service:
+        rows += service_rows(SERVICE_CONFIG, [], mix_of(args.mix_from), args.service_seconds)
     rows += scheduler_rows(args.workers, args.seconds)
     for r in rows:
         r.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())
-    for r in rows:
-        extra = (
-            f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s; "
-            f"CPU-time fraction {r['cpu_fraction']:.3f}, payload-only bound {r['fraction_payload_only_bound']:.3f}"
-            if "transport" in r
-            else f"{r['workers']} simulated workers, {r['messages']} messages, {r['messages_per_cpu_s']:.0f} per CPU-s"
-        )
         print(
-            f"{r['metric']:<32} {r['value']:>12.3f} {r['unit']:<11} {extra}  (target {r['target']}, "
+            f"{r['metric']:<38} {r['value']:>12.3f} {r['unit']:<11} {describe(r)}  (target {r['target']}, "
             f"{'met' if r['meets_target'] else 'NOT met' if r['meets_target'] is False else '-'})"
         )
     print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")

@@ -9,21 +9,32 @@ per process, each process pinned to a CPU of its own when the machine allows. Th
 in turn ``--rounds`` times, each timed as the median of its ``--repeats`` steps (after a warm-up
 step) over all rounds:
 
-- ``plain_1``: one process, no process group, no FSDP (the default trainer, K = 1);
+- ``plain_1``: one process, no process group, no FSDP (the trainer at K = 1);
 - ``fsdp_1``: FSDP2 on a gloo group of one rank (what sharding costs with nobody to share with);
-- ``fsdp_2``: FSDP2 on 2 gloo ranks, each pinned to its own CPU when the machine allows 2.
+- ``fsdp_2``: FSDP2 on 2 gloo ranks, each pinned to its own CPU when the machine allows 2;
+- ``plain_1_fused``: the default K = 1 trainer, whose proximal logprobs come from the update's
+  own forward (``PPOActor.prox_from_update``): one forward fewer per step than the others.
+
+Equal work: K > 1 ranks cannot take the proximal logprobs from the update's forward (each rank
+needs the others' shares first), so ``fsdp_2`` runs a forward of its own for them; ``plain_1``
+and ``fsdp_1`` are made to run it too (``prox_from_update`` off), so the three compared set-ups run
+the same forwards and backward per step. Each process counts the packed forwards it runs
+(``forwards_per_step`` in the rows, per rank) and the benchmark refuses to compare set-ups whose
+counts differ. ``plain_1_fused`` is there to show what the fused forward saves at K = 1.
 
 tokens/s counts every token of the batch (prompt + output) per wall second of ``train_step``
 (the slowest rank's). The ratio ``fsdp_2 / plain_1`` is what a second rank buys here; the
 ``cores`` column says how many CPUs the ranks had and ``load_avg_1m`` (mean over the set-up's
 starts) how busy the machine was: on a shared machine the ratio is noisy either way.
 Not measured: GPUs/NCCL, weight publication, models big enough that compute dwarfs the collectives.
-Each JSON row: metric, value, unit, setup, cores, load_avg_1m.
+Each JSON row: metric, value, unit, setup, cores, load_avg_1m, forwards_per_step. Dated
+figures: ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -77,17 +88,39 @@ def actor_cfg() -> ActorConfig:
     )
 
 
-def time_steps(actor: PPOActor, trajs: list[Trajectory], repeats: int) -> list[float]:
+def time_steps(actor: PPOActor, trajs: list[Trajectory], repeats: int) -> tuple[list[float], float]:
+    """(seconds per timed step, packed forwards per step) after one warm-up step."""
     actor.train_step(trajs)  # warm-up
     out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        actor.train_step(trajs)
-        out.append(time.perf_counter() - t)
-    return out
+    with counting_forwards() as forwards:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            actor.train_step(trajs)
+            out.append(time.perf_counter() - t)
+    return out, forwards() / repeats
 
 
-def _rank(rank: int, world: int, port: int, args: dict, q, fsdp: bool) -> None:
+@contextlib.contextmanager
+def counting_forwards():
+    """Count every packed forward inside the block (the trainer's forwards all go through
+    ``packing.forward_packed``: from ``logprobs`` and from the actor's padding passes); yields a
+    function giving the count so far. Patches those two modules' names for the block's duration."""
+    from areal_async.trainer import actor as actor_mod, logprobs as logprobs_mod
+
+    n, real = [0], (actor_mod.forward_packed, logprobs_mod.forward_packed)
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return real[1](*a, **kw)
+
+    actor_mod.forward_packed = logprobs_mod.forward_packed = counted
+    try:
+        yield lambda: n[0]
+    finally:
+        actor_mod.forward_packed, logprobs_mod.forward_packed = real
+
+
+def _rank(rank: int, world: int, port: int, args: dict, q, fsdp: bool, fused: bool) -> None:
     """One process: pinned to its own CPU (rank r -> the r-th allowed CPU), one torch thread."""
     import torch.distributed as dist
 
@@ -107,26 +140,42 @@ def _rank(rank: int, world: int, port: int, args: dict, q, fsdp: bool) -> None:
         )
     else:
         actor = PPOActor(model(args["hidden"], args["layers"]), actor_cfg(), 1.0, 100)
-    times = time_steps(actor, batch(args["seqs"], args["prompt_len"], args["out_len"]), args["repeats"])
-    q.put((rank, times))
+    if not fused:
+        actor.prox_from_update = False  # the proximal logprobs' own forward, as K > 1 ranks run it
+    trajs = batch(args["seqs"], args["prompt_len"], args["out_len"])
+    q.put((rank, *time_steps(actor, trajs, args["repeats"])))
     if fsdp:
         dist.destroy_process_group()
 
 
-def rank_times(world: int, args: dict, fsdp: bool = True) -> list[float]:
-    """Per repeat, the slowest rank's step time."""
+def rank_times(world: int, args: dict, fsdp: bool = True, fused: bool = False) -> tuple[list[float], list[float]]:
+    """(per repeat, the slowest rank's step time; per rank, packed forwards per step)."""
     ctx = mp.get_context("spawn")
     q, port = ctx.Queue(), free_tcp_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, q, fsdp)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, args, q, fsdp, fused)) for r in range(world)]
     for p in procs:
         p.start()
-    got = dict(q.get(timeout=1200) for _ in procs)
+    got = {rank: (times, fwd) for rank, times, fwd in (q.get(timeout=1200) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
-    return [max(ts) for ts in zip(*got.values())]
+    return [max(ts) for ts in zip(*(t for t, _ in got.values()))], [got[r][1] for r in sorted(got)]
 
 
-SETUPS = (("plain_1", 1, False), ("fsdp_1", 1, True), ("fsdp_2", 2, True))
+# (name, ranks, FSDP2, proximal logprobs from the update's forward)
+SETUPS = (
+    ("plain_1", 1, False, False),
+    ("fsdp_1", 1, True, False),
+    ("fsdp_2", 2, True, False),
+    ("plain_1_fused", 1, False, True),
+)
+COMPARED = ("plain_1", "fsdp_1", "fsdp_2")  # the set-ups whose forwards must be equal
+
+
+def check_equal_forwards(forwards: dict[str, list[float]]) -> None:
+    """Refuse a comparison of set-ups whose ranks ran different numbers of forwards per step."""
+    counts = {s: sorted(set(forwards[s])) for s in COMPARED if s in forwards}
+    if len({tuple(c) for c in counts.values()}) > 1 or any(len(c) > 1 for c in counts.values()):
+        raise RuntimeError(f"forwards per step differ between the compared set-ups (per rank): {counts}")
 
 
 def rows(args: dict) -> list[dict]:
@@ -134,18 +183,27 @@ def rows(args: dict) -> list[dict]:
     each set-up's figure is the median over all its steps."""
     tokens = args["seqs"] * (args["prompt_len"] + args["out_len"])
     n_cpu = len(os.sched_getaffinity(0))
-    times: dict[str, list[float]] = {s: [] for s, _, _ in SETUPS}
-    loads: dict[str, list[float]] = {s: [] for s, _, _ in SETUPS}
+    times: dict[str, list[float]] = {s[0]: [] for s in SETUPS}
+    loads: dict[str, list[float]] = {s[0]: [] for s in SETUPS}
+    forwards: dict[str, list[float]] = {s[0]: [] for s in SETUPS}
     for _ in range(args["rounds"]):
-        for setup, world, fsdp in SETUPS:
+        for setup, world, fsdp, fused in SETUPS:
             loads[setup].append(os.getloadavg()[0])
-            times[setup] += rank_times(world, args, fsdp)
+            step_s, fwd = rank_times(world, args, fsdp, fused)
+            times[setup] += step_s
+            forwards[setup] += fwd
+    check_equal_forwards(forwards)
     out, rate = [], {}
     load = statistics.mean(x for v in loads.values() for x in v)
-    for setup, world, _ in SETUPS:
+    for setup, world, _, _ in SETUPS:
         med = statistics.median(times[setup])
         rate[setup] = tokens / med
-        common = {"setup": setup, "cores": min(world, n_cpu), "load_avg_1m": statistics.mean(loads[setup])}
+        common = {
+            "setup": setup,
+            "cores": min(world, n_cpu),
+            "load_avg_1m": statistics.mean(loads[setup]),
+            "forwards_per_step": statistics.mean(forwards[setup]),
+        }
         out.append({"metric": f"train_step_s_{setup}", "value": med, "unit": "s", **common})
         out.append({"metric": f"tokens_per_s_{setup}", "value": rate[setup], "unit": "tokens/s", **common})
     out.append(
@@ -156,6 +214,7 @@ def rows(args: dict) -> list[dict]:
             "setup": "fsdp_2 / plain_1",
             "cores": min(2, n_cpu),
             "load_avg_1m": load,
+            "forwards_per_step": statistics.mean(forwards["fsdp_2"]),
         }
     )
     out.append(
@@ -166,6 +225,7 @@ def rows(args: dict) -> list[dict]:
             "setup": "fsdp_2 / fsdp_1",
             "cores": min(2, n_cpu),
             "load_avg_1m": load,
+            "forwards_per_step": statistics.mean(forwards["fsdp_2"]),
         }
     )
     return out
@@ -175,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True, help="where to write the JSON list of rows")
     ap.add_argument("--repeats", type=int, default=5, help="timed steps per set-up and round")
-    ap.add_argument("--rounds", type=int, default=2, help="times the three set-ups run in turn")
+    ap.add_argument("--rounds", type=int, default=2, help="times the set-ups run in turn")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seqs", type=int, default=128)
@@ -192,9 +252,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "out_len": a.out_len,
     }
     out = rows(args)
-    print(f"{'metric':32s} {'value':>12s}  unit      cores  load")
+    print(f"{'metric':32s} {'value':>12s}  unit      cores  load  forwards/step")
     for r in out:
-        print(f"{r['metric']:32s} {r['value']:>12.4g}  {r['unit']:8s}  {r['cores']:>5}  {r['load_avg_1m']:.1f}")
+        print(
+            f"{r['metric']:32s} {r['value']:>12.4g}  {r['unit']:8s}  {r['cores']:>5}  {r['load_avg_1m']:4.1f}  "
+            f"{r['forwards_per_step']:.1f}"
+        )
     write_rows(a.json, out)
     return out
 

@@ -135,3 +135,48 @@ def test_median_throughput_ignores_a_burst():
     run = bench.summarize_run(2, rows, skip=5)
     assert run["samples_per_s_median"] == pytest.approx(128 / 0.5)
     assert run["samples_per_s"] < 0.8 * run["samples_per_s_median"]  # the mean-based headline pays for it
+
+
+def test_speedup_vs_best_sync_divides_by_the_fastest_synchronous_run():
+    """The fixed fleet's η = 0 run trains 128 samples a 1.0 s step; a 2-rollout η = 0 run one a 0.8 s
+    step (160 samples/s), the fastest sync run: η = 2 (0.65 s steps, 196.9 samples/s) is 1 / 0.65 =
+    1.54x the fixed fleet's but 0.8 / 0.65 = 1.23x the best sync. The limit stays the fixed fleet's."""
+    runs = _runs()
+    faster = bench.summarize_run(0, make_rows(40, step_s=0.8, train_s=0.6, rewards=[0.88] * 40))
+    slower = bench.summarize_run(0, make_rows(40, step_s=1.25, train_s=0.6, rewards=[0.9] * 40))
+    sync = [faster | {"sync_config": "2rollout_own"}, slower | {"sync_config": "1rollout_none"}]
+    cmp = bench.compare(runs, sync=sync)
+    by_eta = {r["eta"]: r for r in runs}
+    assert cmp["best_sync_config"] == "2rollout_own" and cmp["best_sync_samples_per_s"] == pytest.approx(160.0)
+    assert by_eta[2]["speedup"] == pytest.approx(1 / 0.65)
+    assert by_eta[2]["speedup_vs_best_sync"] == pytest.approx(0.8 / 0.65)
+    assert by_eta[0]["speedup_vs_best_sync"] == pytest.approx(0.8)  # the fixed fleet's own η = 0 run
+    assert cmp["limit"] == pytest.approx(1 / 0.6)
+    rows = bench.to_rows(runs, cmp, {"n_rollout_workers": 1, "seed": 1}, sync)
+    json.dumps(rows)
+    sync_rows = [r for r in rows if r["metric"] == "sync_trained_samples_per_s"]
+    assert [r["sync_config"] for r in sync_rows] == ["2rollout_own", "1rollout_none"]
+    assert sync_rows[1]["value"] == pytest.approx(128 / 1.25)
+    assert all(r["best_sync_config"] == "2rollout_own" for r in rows if r["metric"] == "trained_samples_per_s")
+
+
+def test_a_fixed_fleet_faster_than_every_sync_configuration_stays_the_baseline():
+    runs = _runs()
+    slower = bench.summarize_run(0, make_rows(40, step_s=2.0, train_s=0.6))
+    cmp = bench.compare(runs, sync=[slower | {"sync_config": "1rollout_none"}])
+    assert cmp["best_sync_config"] == "fixed"
+    assert {r["eta"]: r for r in runs}[2]["speedup_vs_best_sync"] == pytest.approx(1 / 0.65)
+
+
+def test_sync_configurations_place_and_size_the_fleet_as_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1})
+    args = bench.configure(["--out", str(tmp_path), "--sync-sweep", "--steps", "40", "seed=2"])
+    assert set(args.sync_runs) == set(bench.SYNC_CONFIGS) - {"fixed"}
+    both = args.sync_runs["2rollout_own"]
+    assert "cluster.n_rollout_workers=2" in both and "cluster.cpu_affinity.trainer=0" in both
+    assert "cluster.cpu_affinity.rollout=1" in both and both[-1] == "seed=2"
+    trainer = args.sync_runs["2rollout_trainer"]
+    assert "cluster.cpu_affinity.trainer=0" in trainer and not any("affinity.rollout" in o for o in trainer)
+    assert not any("affinity" in o for o in args.sync_runs["1rollout_none"])
+    assert "actor.forward_ahead=false" in args.sync_runs["1rollout_own_no_ahead"]
+    assert bench.configure(["--out", str(tmp_path / "b")]).sync_runs.keys() == {bench.BEST_SYNC}

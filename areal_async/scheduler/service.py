@@ -186,6 +186,10 @@ class SchedulerService:
         # samples accepted from rollout / reward workers, aborted as stale; groups admitted
         self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0}
         self.registrations: dict[str, int] = {}  # worker_id -> times registered (a lost worker's entry stays)
+        # frames taken, by message type, and the groups the batched ones carried (summary.json: the
+        # run's traffic, the mix benchmarks.data_path replays through this service)
+        self.received: dict[str, int] = {}
+        self.received_groups: dict[str, int] = {}
         self.latest_weights: Optional[WeightsPublished] = None
         self.done = asyncio.Event()
         self.exit_code = 0
@@ -247,6 +251,9 @@ class SchedulerService:
         ident, msg = decode_logged(frames, routed=True, where="scheduler")
         if msg is None:
             return await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
+        self.received[msg.TYPE] = self.received.get(msg.TYPE, 0) + 1
+        if isinstance(msg, (TrajectoriesReady, RewardResults)):
+            self.received_groups[msg.TYPE] = self.received_groups.get(msg.TYPE, 0) + len(msg.group_ids)
         try:
             await self.handle(ident, msg)
         except (ValueError, KeyError) as e:
@@ -580,6 +587,8 @@ class SchedulerService:
             "prompts_dropped": self.core.n_reissued["dropped"],
             "recoveries": self.recoveries,
             "wall_s": time.time() - self.t0,
+            "messages_received": dict(sorted(self.received.items())),
+            "groups_in_batched_messages": dict(sorted(self.received_groups.items())),
         }
         self.runlog.summary(summary)
         log.info("run finished: %s", summary)

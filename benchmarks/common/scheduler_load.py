@@ -1,0 +1,351 @@
+"""Scheduler messages/s through the real ``SchedulerService``, driven by a null fleet.
+
+The service is the one a run uses (``scheduler/service.py``: its event loop on uvloop, the drain of
+queued frames, per-message identity and role checks, the ledger, ``metrics.jsonl`` and
+``trajectories.jsonl`` written through ``RunLog``, ``status.json`` every heartbeat, replies and
+forwards: ``GenerateRequests``, ``BatchPlan``, ``WeightsPublished`` to every rollout worker),
+built from a real config (default ``configs/tiny_arith.yaml``) on an ipc control socket, in this
+process, pinned to one CPU. Its peers are a null fleet in a child process on the other CPUs: the
+config's trainer, rollout and reward workers as DEALER sockets that register and then answer at
+once, with no model and no compute, in the protocol's order: a rollout worker answers its
+``GenerateRequests`` with ``TrajectoriesReady`` (``traj_groups`` groups a message) and the
+reward worker scores those groups in ``RewardResults`` (``reward_groups`` a message); every
+rollout worker answers ``WeightsPublished`` with ``WeightsLoaded``; the trainer answers each
+``BatchPlan`` with ``WeightsPublished`` (a real shm manifest of the config's model) and
+``TrainStepDone`` (``n_metrics`` metrics); ``heartbeats`` per step come round-robin from the
+workers. The mix (``Mix``) is what a real run sent: ``Mix.of_summary`` reads it from a run's
+``summary.json`` (``messages_received`` by type, ``groups_in_batched_messages``, per step).
+
+Measured over ``seconds`` after ``warmup_steps`` trainer steps: messages the service took per
+wall second and per CPU second of this process (the service's thread and ZeroMQ's I/O thread),
+trainer steps and groups per second, and the null fleet's CPU share: near a whole core, the
+fleet may have been what bounded the rate (``bound`` says which). Not measured: CURVE on tcp
+(the default control plane is ipc), workers on other hosts, checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import zmq
+
+from areal_async.base.control import routing_identity
+from areal_async.base.endpoints import Endpoints
+from areal_async.base.runkeys import Roster, write_run_keys
+from areal_async.config import load_config
+from areal_async.data.prompts import prompt_encoder
+from areal_async.models.tokenizer import load_tokenizer
+from areal_async.scheduler.service import SchedulerService
+from benchmarks.common.cpu import proc_cpu_s
+from protocols import messages as M
+from protocols.sockets import ipc_endpoint, make_socket, run_async
+
+WARMUP_STEPS = 5
+WARMUP_TIMEOUT_S = float(os.environ.get("AREAL_BENCH_WARMUP_TIMEOUT_S", 120))
+FLEET_LIMIT_S = 900.0  # the null fleet's own way out, should the service never shut it down
+FLEET_BUSY = 0.9  # the null fleet's CPU share (of one core) above which it may have bounded the rate
+
+
+@dataclass
+class Mix:
+    """Per trainer step, what a run's workers send the scheduler (see the module docstring)."""
+
+    heartbeats: float
+    traj_groups: int  # groups per TrajectoriesReady (1: TrajectoryReady)
+    reward_groups: int  # groups per RewardResults (1: RewardResult)
+    n_metrics: int = 30  # metrics per TrainStepDone
+    source: str = ""
+    per_step: dict = field(default_factory=dict)  # the run's messages per step, by type (to compare with)
+
+    @classmethod
+    def of_summary(cls, summary: dict, n_metrics: int = 30, source: str = "") -> "Mix":
+        """From a run's summary.json: heartbeats per step, groups per trajectory and reward message."""
+        got, groups, steps = summary["messages_received"], summary["groups_in_batched_messages"], summary["steps"]
+
+        def per_message(batched: str, single: str) -> int:
+            n_msgs = got.get(batched, 0) + got.get(single, 0)
+            return max(1, round((groups.get(batched, 0) + got.get(single, 0)) / max(1, n_msgs)))
+
+        return cls(
+            heartbeats=got.get("heartbeat", 0) / max(1, steps),
+            traj_groups=per_message("trajectories_ready", "trajectory_ready"),
+            reward_groups=per_message("reward_results", "reward_result"),
+            n_metrics=n_metrics,
+            source=source,
+            per_step=per_step(got, steps),
+        )
+
+
+def per_step(received: dict[str, int], steps: int) -> dict[str, float]:
+    """Messages by type per trainer step."""
+    return {k: v / max(1, steps) for k, v in sorted(received.items())}
+
+
+# --------------------------------------------------------------------------------------------
+# the null fleet (child process)
+# --------------------------------------------------------------------------------------------
+
+
+class NullFleet:
+    """The config's workers as DEALERs answering the scheduler at once (see the module docstring)."""
+
+    def __init__(self, control: str, roles: dict[str, str], tokens: dict[str, str], mix: Mix, manifest: dict):
+        self.ctx, self.mix, self.manifest = zmq.Context(), mix, manifest
+        self.socks = {
+            wid: make_socket(self.ctx, zmq.DEALER, connect=control, identity=routing_identity(wid)) for wid in roles
+        }
+        self.roles, self.tokens, self.wid_of = roles, tokens, {s: w for w, s in self.socks.items()}
+        self.reward = next(w for w, r in roles.items() if r == "reward")
+        self.beat_debt, self.beat_next, self.errors, self.ended = 0.0, 0, [], False
+        self.pending: dict[str, list[tuple[str, list[str], int]]] = {}  # rollout worker -> groups not yet answered
+        self.metrics = {f"metric_{i}": 0.5 for i in range(mix.n_metrics)}
+
+    def send(self, wid: str, msg: M.Message) -> None:
+        self.socks[wid].send(M.encode(msg))
+
+    def start(self) -> None:
+        for wid, role in self.roles.items():
+            self.send(wid, M.Register(role=role, worker_id=wid, pid=os.getpid(), token=self.tokens[wid]))
+        for wid in self.roles:
+            if not self.socks[wid].poll(30_000):
+                raise TimeoutError(f"null fleet: no RegisterAck for {wid} within 30 s")
+            ack = M.decode(self.socks[wid].recv())
+            if not isinstance(ack, M.RegisterAck):
+                raise RuntimeError(f"null fleet: {wid} got {ack!r} instead of a RegisterAck")
+        self.send("trainer", M.WeightsPublished(version=0, manifest=self.manifest))
+        self.send("trainer", M.TrainerReady(version=0, next_step=0))
+
+    def serve(self, stop, limit_s: float) -> None:
+        """Answer until the trainer's Shutdown, ``stop`` is set, or ``limit_s`` passes."""
+        poller = zmq.Poller()
+        for s in self.socks.values():
+            poller.register(s, zmq.POLLIN)
+        deadline = time.monotonic() + limit_s
+        while not self.ended and not stop.is_set() and time.monotonic() < deadline:
+            for sock, _ in poller.poll(100):
+                while not self.ended:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.on_message(self.wid_of[sock], M.decode(frame))
+            self.flush()
+
+    def on_message(self, wid: str, msg: M.Message) -> None:
+        if isinstance(msg, (M.GenerateRequests, M.GenerateRequest)):
+            self.pending.setdefault(wid, []).extend(_groups(msg))
+        elif isinstance(msg, M.WeightsPublished):
+            self.send(wid, M.WeightsLoaded(worker_id=wid, version=msg.version))
+        elif isinstance(msg, M.BatchPlan):
+            self.send(wid, M.WeightsPublished(version=msg.step + 1, manifest=self.manifest))
+            self.send(wid, M.TrainStepDone(step=msg.step, version=msg.step + 1, metrics=self.metrics))
+            self.beats(self.mix.heartbeats)
+        elif isinstance(msg, M.Shutdown):
+            self.ended = self.ended or wid == "trainer"
+        elif isinstance(msg, M.Error):
+            self.errors.append(f"{wid}: {msg.code}: {msg.detail}")
+
+    def flush(self) -> None:
+        """The groups every rollout worker was given since the last flush (all the frames that had
+        arrived by then): finished together, as an engine step finishes the groups it decoded."""
+        for wid, groups in self.pending.items():
+            self.generated(wid, groups)
+        self.pending = {}
+
+    def generated(self, wid: str, groups: list[tuple[str, list[str], int]]) -> None:
+        for chunk in _chunks(groups, self.mix.traj_groups):
+            ready = [_ready(gid, sids, wid, version) for gid, sids, version in chunk]
+            self.send(wid, ready[0] if len(ready) == 1 else M.TrajectoriesReady.of(ready))
+        for chunk in _chunks(groups, self.mix.reward_groups):  # a reward worker always sends RewardResults
+            self.send(self.reward, _scored(chunk, self.reward))
+
+    def beats(self, n: float) -> None:
+        self.beat_debt += n
+        wids = list(self.socks)
+        while self.beat_debt >= 1:
+            wid = wids[self.beat_next % len(wids)]
+            self.send(wid, M.Heartbeat(worker_id=wid, ts=time.time(), stats=_stats(self.roles[wid])))
+            self.beat_next, self.beat_debt = self.beat_next + 1, self.beat_debt - 1
+
+    def close(self) -> None:
+        for s in self.socks.values():
+            s.close(0)
+        self.ctx.term()
+
+
+def _groups(msg) -> list[tuple[str, list[str], int]]:
+    """(group id, sample ids, the version its tokens come from: the request's min_version)."""
+    if isinstance(msg, M.GenerateRequest):
+        return [(msg.group_id, list(msg.sample_ids), msg.min_version)]
+    return [(g, list(s), msg.min_version) for g, s in zip(msg.group_ids, msg.sample_ids)]
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[i : i + n] for i in range(0, len(items), max(1, n))]
+
+
+def _ready(gid: str, sids: list[str], wid: str, version: int) -> M.TrajectoryReady:
+    n = len(sids)
+    return M.TrajectoryReady(
+        group_id=gid,
+        worker_id=wid,
+        n_prompt_tokens=8,
+        sample_ids=sids,
+        n_output_tokens=[8] * n,
+        version_min=[version] * n,
+        version_max=[version] * n,
+        finish_reasons=["stop"] * n,
+    )
+
+
+def _scored(groups: list[tuple[str, list[str], int]], wid: str) -> M.RewardResults:
+    """As ``reward.service.RewardService._results`` builds it: every sample scored 1.0, ok."""
+    return M.RewardResults(
+        worker_id=wid,
+        group_ids=[g[0] for g in groups],
+        sample_ids=[list(g[1]) for g in groups],
+        scores=[[1.0] * len(g[1]) for g in groups],
+        statuses=[["ok"] * len(g[1]) for g in groups],
+        details=[[""] * len(g[1]) for g in groups],
+    )
+
+
+def _stats(role: str) -> dict:
+    return {"samples": 1000, "busy_s": 1.5, "waiting_for": f"the {role}'s next message"}
+
+
+def _null_fleet_main(control: str, roles: dict, tokens: dict, mix: dict, manifest: dict, cpus: list, stop, q) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    fleet = NullFleet(control, roles, tokens, Mix(**mix), manifest)
+    try:
+        fleet.start()
+        fleet.serve(stop, FLEET_LIMIT_S)
+    finally:
+        q.put(fleet.errors)
+        fleet.close()
+
+
+def shm_manifest(cfg) -> dict:
+    """A real shm weight manifest (``transport.buckets``) for the config's model: what the trainer's
+    ``WeightsPublished`` carries and the scheduler forwards to every rollout worker."""
+    from areal_async.models.tiny import build_model
+    from areal_async.transport import buckets
+
+    sd = build_model(cfg.model, len(load_tokenizer(cfg.model.path)), cfg.seed).state_dict()
+    layout = buckets.plan(sd, int(cfg.tensor_channel.bucket_mb * (1 << 20)))
+    handle = {"segment": "areal-null-fleet", "size": layout.total}
+    return buckets.manifest("shm", 0, layout, "none", None, handle)
+
+
+# --------------------------------------------------------------------------------------------
+# the service (this process) and the measurement
+# --------------------------------------------------------------------------------------------
+
+
+def reap(child, grace_s: float = 30.0) -> None:
+    """Join a child process told to stop; terminate it after ``grace_s``."""
+    child.join(grace_s)
+    if child.is_alive():
+        child.terminate()
+        child.join()
+
+
+def roles_of(cfg) -> dict[str, str]:
+    """Worker id -> role of the config's fleet (the ids the supervisor gives them)."""
+    roles = {"trainer": "trainer"}
+    roles.update({f"rollout-{i}": "rollout" for i in range(cfg.cluster.n_rollout_workers)})
+    roles.update({f"reward-{i}": "reward" for i in range(cfg.cluster.n_reward_workers)})
+    return roles
+
+
+def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_steps: int = WARMUP_STEPS) -> dict:
+    """One measurement (see the module docstring); returns the row's fields."""
+    cfg = load_config(config, ["total_train_steps=1000000000", *overrides])
+    cpus = sorted(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="sched-") as tmp:
+        ep = Endpoints(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        roles = roles_of(cfg)
+        tokens = write_run_keys(run_dir, roles)  # registrations are checked against a real roster
+        spawn = mp.get_context("spawn")
+        stop, q = spawn.Event(), spawn.Queue()
+        args = (ep.control, roles, tokens, asdict(mix), shm_manifest(cfg), cpus[1:], stop, q)
+        child = spawn.Process(target=_null_fleet_main, args=args, daemon=True)
+        if cpus:
+            os.sched_setaffinity(0, cpus[:1])
+        try:
+            child.start()
+            out = run_async(_serve_and_watch(cfg, ep, run_dir, child.pid, seconds, warmup_steps))
+        finally:
+            os.sched_setaffinity(0, cpus)
+            stop.set()
+            reap(child)
+        errors = q.get(timeout=5) if not q.empty() else ["the null fleet reported nothing"]
+    return out | {"fleet_errors": errors[:5], "n_fleet_errors": len(errors)}
+
+
+async def _serve_and_watch(cfg, ep: Endpoints, run_dir: Path, fleet_pid: int, seconds: float, warmup: int) -> dict:
+    encode = prompt_encoder(load_tokenizer(cfg.model.path), cfg.train_dataset.template)
+    svc = SchedulerService(cfg, ep, run_dir, t0=time.time(), tokenize=encode, roster=Roster.of_run(run_dir))
+    task = asyncio.create_task(svc.run())
+    try:
+        start = await _when(svc, lambda: svc.core.next_step >= warmup, timeout_s=WARMUP_TIMEOUT_S, fleet_pid=fleet_pid)
+        await asyncio.sleep(seconds)
+        end = _snapshot(svc, fleet_pid)
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 10)
+    return _window(start, end, svc)
+
+
+async def _when(svc, cond, timeout_s: float, fleet_pid: int) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if proc_cpu_s(fleet_pid) is None:
+            raise RuntimeError("the null fleet exited before the scheduler reached its warm-up steps (see above)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the scheduler reached step {svc.core.next_step} in {timeout_s} s; it waits for {svc.waiting_for()}"
+            )
+        await asyncio.sleep(0.01)
+    return _snapshot(svc, fleet_pid)
+
+
+def _snapshot(svc, fleet_pid: int) -> dict:
+    return {
+        "t": time.perf_counter(),
+        "cpu": time.process_time(),
+        "fleet_cpu": proc_cpu_s(fleet_pid) or 0.0,
+        "received": dict(svc.received),
+        "step": svc.core.next_step,
+        "samples": svc.core.ledger.n_trained,
+    }
+
+
+def _window(a: dict, b: dict, svc) -> dict:
+    wall, cpu = b["t"] - a["t"], b["cpu"] - a["cpu"]
+    received = {k: v - a["received"].get(k, 0) for k, v in b["received"].items()}
+    n, steps = sum(received.values()), b["step"] - a["step"]
+    fleet_frac = (b["fleet_cpu"] - a["fleet_cpu"]) / wall
+    return {
+        "value": n / wall,
+        "messages": n,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "messages_per_cpu_s": n / cpu if cpu > 0 else None,
+        "service_cpu_frac": cpu / wall,
+        "null_fleet_cpu_frac": fleet_frac,
+        "bound": "null fleet (it used ~a core)" if fleet_frac >= FLEET_BUSY else "scheduler service",
+        "steps": steps,
+        "steps_per_s": steps / wall,
+        "samples_trained_per_s": (b["samples"] - a["samples"]) / wall,
+        "mix_per_step": per_step(received, steps),
+    }
