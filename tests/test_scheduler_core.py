@@ -11,6 +11,7 @@ from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.ledger import GroupState, Ledger, LedgerError, SampleState
 from areal_async.scheduler.runlog import sample_line
+from areal_async.scheduler.service import next_attempt, save_attempt
 
 
 def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
@@ -426,3 +427,31 @@ def test_plan_ahead_keeps_bounded_staleness_and_exactly_once(eta):
     assert len(ids) == len(set(ids)) == core.ledger.n_samples_issued
     assert {r.status for r in logged} <= {"trained", "aborted"}
     assert ahead > 0  # plan ahead happened
+
+
+def test_two_attempts_resumed_from_one_checkpoint_issue_different_ids(tmp_path):
+    """A recovery that fails again before a newer checkpoint resumes from the same one: its ids
+    must not repeat the failed attempt's (the trainer's buffer and areal-async verify key on them)."""
+    core = make_core(eta=1)
+    first = [r.sample_ids[0] for _, r in core.admit()]
+    state = json.loads(json.dumps(core.state()))
+    ids = []
+    save_attempt(tmp_path, 0)  # the first start
+    for attempt in (1, 2):  # the scheduler's start count in the run directory
+        assert next_attempt(tmp_path) == attempt
+        again = make_core(eta=1)
+        again.restore(state, at_least=attempt)
+        save_attempt(tmp_path, again.resumes)
+        ids.append([r.sample_ids[0] for _, r in again.admit()])
+    assert ids[0] and ids[1] and [i.split("-", 1)[1] for i in ids[0]] == [i.split("-", 1)[1] for i in ids[1]]
+    assert not set(ids[0]) & set(ids[1]) and not set(first) & set(ids[0])
+    assert all(i.startswith("r1-") for i in ids[0]) and all(i.startswith("r2-") for i in ids[1])
+
+
+def test_a_restart_without_a_checkpoint_gets_fresh_ids(tmp_path):
+    assert next_attempt(tmp_path) == 0
+    save_attempt(tmp_path, 0)  # the first start
+    assert next_attempt(tmp_path) == 1
+    core = make_core(eta=1)
+    core.restart_ids(next_attempt(tmp_path))
+    assert {r.sample_ids[0] for _, r in core.admit()} >= {"r1-g0.0"}

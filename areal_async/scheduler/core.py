@@ -356,6 +356,12 @@ class SchedulerCore:
         return out
 
     # ---- checkpoint ----------------------------------------------------------------------
+    def restart_ids(self, attempt: int) -> None:
+        """A run restarted without a checkpoint (attempt k >= 1 in this run directory): its ids get
+        the prefix ``r<k>-``, so they differ from those the attempts before it issued."""
+        self.resumes = attempt
+        self.ledger.id_prefix = f"r{attempt}-"
+
     def state(self) -> dict:
         """Everything a resumed run needs to continue the same books (JSON-able). Taken between
         steps only: the trainer saves it before its next step, so no batch may be planned then."""
@@ -372,14 +378,17 @@ class SchedulerCore:
             "n_reissued": dict(self.n_reissued),
         }
 
-    def restore(self, state: dict) -> list[SampleRecord]:
+    def restore(self, state: dict, at_least: int = 0) -> list[SampleRecord]:
         """Continue from a checkpoint's state. Groups that were open at the checkpoint (their
         samples neither trained nor aborted then) are aborted now with a reason and their
-        prompts re-issued first; returns those records (already logged)."""
+        prompts re-issued first; returns those records (already logged). New ids get the prefix
+        ``r<k>-``, k = the checkpoint's resumes + 1, or ``at_least`` if more: two attempts resumed
+        from the same checkpoint (a recovery that failed again before a newer one) must not
+        issue the same ids."""
         self.version, self.next_step = int(state["version"]), int(state["next_step"])
         c = self.cursor
         self.cursor = type(c).from_state(c.n, c.seed, c.shuffle, state["cursor"])
-        self.resumes = int(state.get("resumes", 0)) + 1
+        self.resumes = max(int(state.get("resumes", 0)) + 1, at_least)
         self.ledger = Ledger.from_state(state["ledger"])
         self.ledger.id_prefix = f"r{self.resumes}-"
         self.reissue = deque(tuple(x) for x in state["reissue"])

@@ -135,6 +135,21 @@ _SENDERS = {
 }
 
 
+def next_attempt(run_dir: Path) -> int:
+    """How many times a scheduler started in ``run_dir`` before (``RUN_DIR/resumes.json``, 0 when
+    none): the id prefix of a resumed or restarted run is at least this, so ids never repeat."""
+    path = Path(run_dir) / "resumes.json"
+    if not path.exists():
+        return 0
+    return int(json.loads(path.read_text())["resumes"]) + 1
+
+
+def save_attempt(run_dir: Path, resumes: int) -> None:
+    tmp = Path(run_dir) / "resumes.json.tmp"
+    tmp.write_text(json.dumps({"resumes": resumes}) + "\n")
+    tmp.replace(Path(run_dir) / "resumes.json")
+
+
 def _checkpoint_state(path: str) -> dict:
     state = json.loads((Path(path) / "extra.json").read_text())
     missing = {"version", "next_step", "cursor", "ledger", "offsets", "n_sample_lines"} - set(state)
@@ -164,15 +179,19 @@ class SchedulerService:
             log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
         self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file, sinks_from_config(cfg, run_dir))
         self.core, self.prompts = build_core(cfg, tokenize, self.runlog)
+        attempt = next_attempt(self.run_dir)
+        if ckpt_state is None and attempt:
+            self.core.restart_ids(attempt)  # a restart from nothing: the books were cut to empty
         if ckpt_state is not None:
             self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
-            recovered = self.core.restore(ckpt_state)
+            recovered = self.core.restore(ckpt_state, at_least=attempt)
             log.info(
                 "restored step %d, version %d; %d in-flight samples aborted and re-issued",
                 self.core.next_step,
                 self.core.version,
                 len(recovered),
             )
+        save_attempt(self.run_dir, self.core.resumes)  # before any id is issued
         self._last_save = time.monotonic()
         # checkpoints: the newest one confirmed saved (the resumed one counts), one asked for and not yet confirmed
         self._ckpt_saved = self.core.next_step - 1 if ckpt_state is not None else -1
