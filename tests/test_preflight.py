@@ -20,7 +20,7 @@ import pytest
 
 from areal_async import cli
 from areal_async.config import load_config
-from areal_async.supervisor.preflight import context_for, preflight, set_keys
+from areal_async.supervisor.preflight import context_for, preflight, report, set_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs/tiny_arith.yaml")
@@ -337,6 +337,23 @@ def test_a_preset_key_made_unread_by_the_command_line_is_a_warning_not_a_refusal
     levels = {f.key: f.level for f in found}
     assert levels["model.arch"] == "warn" and levels["model.path"] == "error"
     assert set_keys({"a": {"b": 1, "c": {}}, "d": 2}) == {"a.b", "a.c", "d"}
+
+
+def test_keys_a_shipped_preset_sets_on_purpose_are_warned_and_refused_when_given_on_the_command_line(bad_files):
+    """boba_grpo.yaml carries vllm.* (the other server backend) and ref.* (kl_ctl 0) on purpose."""
+    boba = str(ROOT / "configs/boba_grpo.yaml")
+    ctx = context_for(load_config(boba), boba, [], "run", bad_files / "runs" / "boba")
+    ctx.gpus_here = 0
+    found = preflight(ctx, stop_at_error=False)
+    assert {f.key: f.level for f in found if f.level == "warn"} == {
+        "vllm.gpu_memory_utilization": "warn",
+        "ref.dtype": "warn",
+    }
+    overrides = ["vllm.max_model_len=32768"]
+    ctx = context_for(load_config(boba, overrides), boba, overrides, "run", bad_files / "runs" / "boba")
+    first = next(f for f in preflight(ctx) if f.level == "error")
+    assert first.line.startswith("vllm.max_model_len=32768: rollout.backend='sglang:d4'")
+    assert "node 0 needs 8 GPUs" in report(ctx, preflight(ctx, stop_at_error=False), "run")  # 4 rollout + 4 ranks
 
 
 def test_a_good_jsonl_run_passes_every_check(bad_files):

@@ -403,20 +403,31 @@ def role_loads(cfg: ExperimentConfig) -> dict[str, str]:
     return out
 
 
+def _cluster_words(ctx: Context) -> str:
+    """The cluster as declared, and on GPU runs what the placement needs of each node vs this machine."""
+    cl = ctx.cfg.cluster
+    if cl.device != "cuda" or not ctx.placement:
+        return f"cluster.device={cl.device}, launcher {cl.launcher}"
+    need = ", ".join(f"node {n}: {gpus_needed_on(ctx.placement, n)}" for n in range(cl.n_nodes))
+    here = local_gpu_count() if ctx.gpus_here is None else ctx.gpus_here
+    return (
+        f"cluster.device=cuda, {cl.n_nodes} node(s) x {cl.n_gpus_per_node} GPU(s), launcher {cl.launcher}; "
+        f"GPUs needed per node: {need}; this machine has {here}"
+    )
+
+
+def _where(slot) -> str:
+    if slot is None:
+        return "-"
+    return f"node {slot.node}" + (f" GPU {','.join(map(str, slot.gpus))}" if slot.gpus else "")
+
+
 def report(ctx: Context, findings: list[Finding], cmd: str) -> str:
     """The dry run's account, as YAML comment lines (the printed config above them stays valid YAML)."""
     n = {lv: sum(f.level == lv for f in findings) for lv in ("ok", "warn", "error")}
     lines = [f"# preflight of `areal-async {cmd}`: {n['ok']} ok, {n['warn']} warning(s), {n['error']} error(s)"]
     lines += [f"#   {f.level:5s} {f.line}" for f in findings]
-    cl = ctx.cfg.cluster
-    gpus = f"{cl.n_nodes} node(s) x {cl.n_gpus_per_node} GPU(s)" if cl.device == "cuda" else "CPU only"
-    lines.append(f"# placement (cluster.device={cl.device}, {gpus}, launcher {cl.launcher}):")
+    lines.append(f"# placement ({_cluster_words(ctx)}):")
     for wid, what in ctx.loads.items():
-        slot = ctx.placement.get(wid)
-        where = (
-            f"node {slot.node}" + (f" GPU {','.join(map(str, slot.gpus))}" if slot and slot.gpus else "")
-            if slot
-            else "-"
-        )
-        lines.append(f"#   {wid:12s} {where:16s} loads {what}")
+        lines.append(f"#   {wid:12s} {_where(ctx.placement.get(wid)):16s} loads {what}")
     return "\n".join(lines) + "\n"
