@@ -44,6 +44,7 @@ import torch
 import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_async.trainer import actor as actor_mod, logprobs as logprobs_mod
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.dp import DataParallel
 from areal_async.trainer.types import Trajectory
@@ -105,8 +106,6 @@ def counting_forwards():
     """Count every packed forward inside the block (the trainer's forwards all go through
     ``packing.forward_packed``: from ``logprobs`` and from the actor's padding passes); yields a
     function giving the count so far. Patches those two modules' names for the block's duration."""
-    from areal_async.trainer import actor as actor_mod, logprobs as logprobs_mod
-
     n, real = [0], (actor_mod.forward_packed, logprobs_mod.forward_packed)
 
     def counted(*a, **kw):

@@ -40,8 +40,10 @@ from areal_async.base.endpoints import Endpoints
 from areal_async.base.runkeys import Roster, write_run_keys
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
+from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.scheduler.service import SchedulerService
+from areal_async.transport import buckets
 from benchmarks.common.cpu import proc_cpu_s
 from protocols import messages as M
 from protocols.sockets import ipc_endpoint, make_socket, run_async
@@ -235,9 +237,6 @@ def _null_fleet_main(control: str, roles: dict, tokens: dict, mix: dict, manifes
 def shm_manifest(cfg) -> dict:
     """A real shm weight manifest (``transport.buckets``) for the config's model: what the trainer's
     ``WeightsPublished`` carries and the scheduler forwards to every rollout worker."""
-    from areal_async.models.tiny import build_model
-    from areal_async.transport import buckets
-
     sd = build_model(cfg.model, len(load_tokenizer(cfg.model.path)), cfg.seed).state_dict()
     layout = buckets.plan(sd, int(cfg.tensor_channel.bucket_mb * (1 << 20)))
     handle = {"segment": "areal-null-fleet", "size": layout.total}
