@@ -30,13 +30,14 @@ Each disagreement is one ``Problem`` (kind, message):
     source               a source is missing or has a line that is not JSON
 
 A resumed run (in-run recovery or a rerun with recover.mode=auto) rolls the books back to its
-checkpoint and issues ids with the prefix ``r<k>-`` (k: resumes so far; ``scheduler/ledger.py``).
-A sample of an earlier epoch than the last one that is in no book was issued after that
-checkpoint (its prompt re-issued under a new id): it is counted as ``rolled_back``, not lost.
-Not checked: that such a sample really was issued after the checkpoint (the pruned checkpoints'
-ledgers would say). ``verify_run`` is
-the Python API (tests, ``benchmarks.faults``, ``benchmarks.soak``); exit 0 when the sources
-agree, 1 naming each disagreement, 2 when RUN_DIR is not a directory.
+checkpoint and issues ids with the prefix ``r<k>-`` (k: the scheduler's starts in the run
+directory, ``RUN_DIR/resumes.json``, so no two attempts share an id). A sample of an earlier
+epoch than the last one that is in no book was issued after that checkpoint (its prompt
+re-issued under a new id): it is counted as ``rolled_back``, not lost. Not checked: that such a
+sample really was issued after the checkpoint (the pruned checkpoints' ledgers would say).
+
+``verify_run`` is the Python API (tests, ``benchmarks.faults``, ``benchmarks.soak``); the CLI
+exits 0 when the sources agree, 1 naming each disagreement, 2 when RUN_DIR is not a directory.
 """
 
 from __future__ import annotations
@@ -304,7 +305,6 @@ def _check_staleness(src: _Sources, trained: dict, rep: Report) -> None:
 
 def _check_production(src: _Sources, trained: dict, booked: dict, rep: Report) -> None:
     """Every trained id was produced, with the versions trained; every product is in the books."""
-    final_epoch = max(map(_epoch, [*src.produced, *booked, *trained]), default=0)
     for sid, hits in trained.items():
         made = src.produced.get(sid)
         if not made:
@@ -313,23 +313,24 @@ def _check_production(src: _Sources, trained: dict, booked: dict, rep: Report) -
             )
             continue
         for step, lo, hi in hits:
-            if not any((m[0], m[1]) == (lo, hi) for m in made):
-                got = ", ".join(f"[{m[0]}, {m[1]}] by {m[3]}" for m in made)
-                rep.problems.append(
-                    Problem(
-                        "version_mismatch",
-                        f"sample {sid!r} trained at step {step} with versions [{lo}, {hi}]; produced {got}",
-                    )
-                )
-            line = booked.get(sid)
-            if line is not None and (line.get("version_min"), line.get("version_max")) != (lo, hi):
-                rep.problems.append(
-                    Problem(
-                        "version_mismatch",
-                        f"sample {sid!r} trained at step {step} with versions [{lo}, {hi}]; the books say "
-                        f"[{line.get('version_min')}, {line.get('version_max')}]",
-                    )
-                )
+            _check_versions(sid, step, (lo, hi), made, booked.get(sid), rep)
+    _check_lost(src, trained, booked, rep)
+
+
+def _check_versions(sid: str, step: int, used: tuple, made: list, line: Optional[dict], rep: Report) -> None:
+    """The versions the trainer ``used`` against each production of the id and its line in the books."""
+    what = f"sample {sid!r} trained at step {step} with versions [{used[0]}, {used[1]}]"
+    if not any((m[0], m[1]) == used for m in made):
+        got = ", ".join(f"[{m[0]}, {m[1]}] by {m[3]}" for m in made)
+        rep.problems.append(Problem("version_mismatch", f"{what}; produced {got}"))
+    if line is not None and (line.get("version_min"), line.get("version_max")) != used:
+        says = f"[{line.get('version_min')}, {line.get('version_max')}]"
+        rep.problems.append(Problem("version_mismatch", f"{what}; the books say {says}"))
+
+
+def _check_lost(src: _Sources, trained: dict, booked: dict, rep: Report) -> None:
+    """A produced id in no book is lost, unless an epoch before the last produced it (rolled back)."""
+    final_epoch = max(map(_epoch, [*src.produced, *booked, *trained]), default=0)
     rolled_back = 0
     for sid, made in src.produced.items():
         if sid in booked:
