@@ -20,7 +20,7 @@ and the engine is compared with the faster of the two:
 
 The process keeps freed heap as a rollout worker does (``--retained-heap-mb``, from
 ``cluster.retained_heap_mb``), so neither generator pays page faults for blocks it frees and takes
-again (unset, the engine's rate spread 1.88-2.16x HF over three runs here, set 2.14-2.18x).
+again (how much that moves the ratio: ``benchmarks/RESULTS.md``).
 
 Timing: one warm-up batch each, then ``--repeats`` rounds, each timing one batch of every
 generator back to back (the order rotates by round), so all see the same load on a shared

@@ -173,3 +173,17 @@ def test_hf_shared_prefill_baseline_samples_what_per_sample_prefill_samples():
         news.append(gen())
     assert news[0].shape == (12, 5)
     assert torch.equal(news[0], news[1])
+
+
+def test_results_md_tabulates_the_rows_it_is_given():
+    """The RESULTS.md generator's overhead table: one line per η and loop, the rows' own ratios (110 / 95,
+    110 / 90 from the legs 90 and 100 around the run), '-' where a framing has no row (no null run)."""
+    from benchmarks import results_md
+
+    legs = {"plain": {"legs": [_leg(90.0, 60.0), _leg(100.0, 70.0)]}}
+    out = bench.to_rows(legs, {0: _fleet(110.0, 78.0)}, None, {"loadavg_before": 1.5, "loadavg_after": 2.5})
+    md = results_md.render(out, "hand", "abc1234", "x.json")
+    assert md[0] == "### benchmarks.overhead: hand" and "load average 1.5-2.5" in md[2]
+    (line,) = [x for x in md if x.startswith("| 0 | plain")]
+    assert line.split(" | ")[2:7] == ["1.158", "1.222", "1.200", "1.300", "-"]
+    assert not any(x.startswith("| 0 | matched |") and "1." in x for x in md)  # no matched rows: dashes only
