@@ -356,6 +356,18 @@ def test_keys_a_shipped_preset_sets_on_purpose_are_warned_and_refused_when_given
     assert "node 0 needs 8 GPUs" in report(ctx, preflight(ctx, stop_at_error=False), "run")  # 4 rollout + 4 ranks
 
 
+def test_a_generation_longer_than_the_model_context_is_warned(bad_files):
+    overrides = ["gconfig.max_new_tokens=60"]  # '5+3=' is [bos] + 4 characters: 5 + 60 > 64 positions
+    cfg = load_config(TINY, overrides)
+    found = preflight(context_for(cfg, TINY, overrides, "run", bad_files / "runs" / "long"), stop_at_error=False)
+    warned = [f.line for f in found if f.level == "warn"]
+    expected = (
+        "gconfig.max_new_tokens=60: the first prompt (5 tokens) + 60 new tokens = 65 positions, more than the model's "
+        "max_position_embeddings=64; lower it, or use a model with a longer context"
+    )
+    assert warned == [expected]
+
+
 def test_a_good_jsonl_run_passes_every_check(bad_files):
     overrides = ["train_dataset.type=jsonl", f"train_dataset.path={bad_files / 'good.jsonl'}"]
     cfg = load_config(TINY, overrides)

@@ -191,7 +191,22 @@ def check_template(ctx: Context) -> list[Finding]:
                 "raise it if they should train",
             )
         )
-    return out
+    return out + _positions(ctx, len(ids))
+
+
+def _positions(ctx: Context, prompt_len: int) -> list[Finding]:
+    """A warning when the first prompt + gconfig.max_new_tokens outruns the model's positions."""
+    m, new = ctx.cfg.model, ctx.cfg.gconfig.max_new_tokens
+    limit = m.max_position_embeddings
+    if m.path:
+        limit = json.loads((Path(m.path) / "config.json").read_text()).get("max_position_embeddings") or 0
+    if not limit or prompt_len + new <= limit:
+        return []
+    what = (
+        f"the first prompt ({prompt_len} tokens) + {new} new tokens = {prompt_len + new} positions, more than the "
+        f"model's max_position_embeddings={limit}"
+    )
+    return [warn("gconfig.max_new_tokens", new, what, "lower it, or use a model with a longer context")]
 
 
 # ---- plug-ins ----------------------------------------------------------------------------------
