@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.app.verify import verify_run
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.tokenizer import load_tokenizer
@@ -67,9 +68,17 @@ def check_books(metrics, trajs, summary, eta: int = 1) -> list[dict]:
     return trained
 
 
+def assert_verified(run_dir: Path) -> None:
+    """The books agree with the trainer's and the rollouts' records (masked tokens: the trained
+    ones' versions on both sides)."""
+    rep = verify_run(run_dir)
+    assert rep.ok and rep.counts["trained"] == 6 * 4 * 4, "\n".join(rep.lines(20))
+
+
 def test_multi_turn_math_preset(tmp_path):
     metrics, trajs, summary = run("configs/multi_turn_math.yaml", tmp_path / "run")
     trained = check_books(metrics, trajs, summary)
+    assert_verified(tmp_path / "run")
     assert all("turns" in t for t in trajs)
     assert {t["turns"] for t in trained} <= {1, 2} and any(t["turns"] == 2 for t in trained)
     for t in trained:  # a right first answer scores 1, a right second one 0.5, none 0
@@ -87,6 +96,7 @@ def test_multi_turn_math_preset(tmp_path):
 def test_calculator_tool_preset(tmp_path):
     metrics, trajs, summary = run("configs/calculator_tool.yaml", tmp_path / "run")
     trained = check_books(metrics, trajs, summary)
+    assert_verified(tmp_path / "run")
     assert all(1 <= t["turns"] <= 3 for t in trained)
     for m in metrics:  # tool tokens are trained nowhere: a step with a tool call has masked tokens, others none
         calls = sum(t["turns"] - 1 for t in trained if t["train_step"] == m["step"])
