@@ -37,7 +37,7 @@ def test_one_node_of_eight_boba_1_5b():
         Slot(0, (7,), 3),
     ]
     assert p["scheduler"] == Slot(0) and p["reward-0"] == Slot(0)
-    assert p["trainer-2"].env() == {"CUDA_VISIBLE_DEVICES": "6", "LOCAL_RANK": "2"}
+    assert p["trainer-2"].env() == {"CUDA_VISIBLE_DEVICES": "6", "LOCAL_RANK": "0"}  # its one GPU is cuda:0
     assert p["reward-0"].env() == {"CUDA_VISIBLE_DEVICES": ""}
     assert gpus_needed_on(p, 0) == 8
 
@@ -91,30 +91,6 @@ def test_cpu_runs_get_no_gpus():
         place(shape(1, 0, 0, device="cpu"))
 
 
-@pytest.mark.parametrize("nodes, dp, ranks", [(1, 4, 4), (2, 8, 8), (16, 64, 64)])
-def test_boba_preset_layouts(nodes, dp, ranks):
-    """configs/boba_grpo.yaml as shipped (1x8: sglang:d4 + 4 ranks) and scaled to 2x8 and 16x8;
-    the supervisor refuses each before starting anything on a machine with 2 GPUs."""
-    from areal_async.config import load_config
-    from areal_async.supervisor.local import LaunchError, device_placement
-
-    cfg = load_config(
-        "configs/boba_grpo.yaml",
-        [
-            f"cluster.n_nodes={nodes}",
-            f"rollout.backend=sglang:d{dp}",
-            f"cluster.n_rollout_workers={dp}",
-            f"cluster.n_trainer_ranks={ranks}",
-        ],
-    )
-    p = device_placement(cfg, gpus_here=8)
-    trainers = [s for w, s in p.items() if w.startswith("trainer")]
-    assert len(trainers) == ranks and all(len(s.gpus) == 1 for s in trainers)
-    assert sorted((s.node, g) for s in p.values() for g in s.gpus) == [(n, g) for n in range(nodes) for g in range(8)]
-    with pytest.raises(LaunchError, match="needs 8 GPUs for this placement but this machine has 2"):
-        device_placement(cfg, gpus_here=2)
-
-
 def test_local_gpu_count_reads_visible_devices_or_device_nodes(tmp_path):
     from areal_async.supervisor.placement import local_gpu_count
 
@@ -133,3 +109,126 @@ def test_a_cpu_run_deals_its_processes_over_the_nodes_in_start_order():
     assert p["trainer"].local_rank == 0 and p["trainer-1"].local_rank == 0  # first trainer rank of its node
     assert all(s.gpus == () for s in p.values())
     assert {s.node for s in place(shape(1, 0, 2, device="cpu")).values()} == {0}
+
+
+# ---- issue 23 (items 2, 6, 7): layouts NCCL, the servers or CUDA IPC refuse --------------------------------
+def gpu_cfg(name="boba_grpo.yaml", *over):
+    from areal_async.config import load_config
+
+    return load_config(f"configs/{name}", list(over))
+
+
+def test_a_parent_cuda_visible_devices_list_is_where_workers_and_servers_go(tmp_path):
+    """Under CUDA_VISIBLE_DEVICES=4,5,6,7 (Slurm) node-local GPU k is physical 4+k for workers AND servers;
+    on main the workers got 0..3 while SGLang's --base-gpu-id j, read inside the parent's list, meant 4+j."""
+    from areal_async.supervisor.placement import shape_of
+    from areal_async.supervisor.servers import server_commands
+
+    cfg = gpu_cfg(
+        "gsm8k_grpo.yaml",
+        "cluster.n_gpus_per_node=4",
+        "rollout.backend=sglang:d2",
+        "cluster.n_rollout_workers=2",
+        "cluster.n_trainer_ranks=2",
+    )
+    env = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    p = place(shape_of(cfg, env))
+    got = {w: s.env()["CUDA_VISIBLE_DEVICES"] for w, s in p.items() if s.gpus}
+    assert got == {
+        "sglang-0": "4",
+        "sglang-1": "5",
+        "rollout-0": "4",
+        "rollout-1": "5",
+        "trainer": "6",
+        "trainer-1": "7",
+    }
+    cmds = dict(server_commands(cfg, tmp_path, ["http://127.0.0.1:1", "http://127.0.0.1:2"]))
+    assert all(c[c.index("--base-gpu-id") + 1] == "0" for c in cmds.values())  # inside its own one-GPU list
+    with pytest.raises(PlacementError, match="n_gpus_per_node=8 but the supervisor's CUDA_VISIBLE_DEVICES=4,5,6,7"):
+        place(shape_of(gpu_cfg(), env))
+    with pytest.raises(PlacementError, match="set and empty"):
+        place(shape_of(cfg, {"CUDA_VISIBLE_DEVICES": ""}))
+    with pytest.raises(PlacementError, match="UUID"):
+        place(shape_of(cfg, {"CUDA_VISIBLE_DEVICES": "GPU-8a1b,GPU-99"}))
+
+
+def test_vllm_servers_beyond_the_worker_count_keep_their_gpus_from_the_trainer():
+    """vllm:d4 over 2 workers: four servers on GPUs 0-3 (vllm-j), trainer ranks on 4-7; main gave the
+    rollout fleet 2 GPUs and put trainer ranks on GPUs 2 and 3, under vLLM's gpu_memory_utilization 0.9."""
+    from areal_async.supervisor.placement import shape_of
+
+    p = place(shape_of(gpu_cfg("boba_grpo.yaml", "rollout.backend=vllm:d4", "cluster.n_rollout_workers=2"), {}))
+    assert [p[f"vllm-{j}"].physical for j in range(4)] == [(0,), (1,), (2,), (3,)]
+    assert p["rollout-0"].physical == (0, 2) and p["rollout-1"].physical == (1, 3)  # its servers j = i mod 2
+    assert [p[t].physical[0] for t in ("trainer", "trainer-1", "trainer-2", "trainer-3")] == [4, 5, 6, 7]
+
+
+def test_two_ranks_of_one_nccl_group_on_one_gpu_or_a_trainer_on_a_server_gpu_are_refused():
+    from areal_async.supervisor.placement import ClusterShape, check_layout
+
+    colocated = dict(
+        n_nodes=1,
+        n_gpus_per_node=1,
+        device="cuda",
+        n_trainer_ranks=1,
+        n_rollout_workers=2,
+        rollout_gpus=0,
+        colocate=True,
+    )
+    with pytest.raises(PlacementError, match="'trajectories-channel'.*Duplicate GPU detected"):
+        place(ClusterShape(**colocated, nccl_channels=("trajectories",)))
+    servers = ClusterShape(
+        n_nodes=1,
+        n_gpus_per_node=8,
+        device="cuda",
+        n_trainer_ranks=2,
+        n_rollout_workers=2,
+        rollout_gpus=2,
+        servers="sglang",
+    )
+    bad = dict(place(servers), **{"trainer-1": Slot(0, (1,), 1)})  # a hand-made layout: a rank on sglang-1's GPU
+    with pytest.raises(PlacementError, match="trainer-1 would share GPU 1 with sglang-1"):
+        check_layout(bad, servers)
+    with pytest.raises(PlacementError, match="sglang:d9 starts 9 servers.*on node 0"):
+        place(ClusterShape(**{**servers.__dict__, "n_nodes": 2, "rollout_gpus": 9, "n_rollout_workers": 9}))
+
+
+def test_a_one_gpu_box_colocates_the_torch_engine_with_cuda_ipc_weights_or_says_why_not():
+    """One GPU: rollout engines on trainer rank 0's GPU (cuda_ipc weights: the receiver opens memory on
+    the GPU it sees; trajectories over zmq), else a refusal that names the colocated layout."""
+    from areal_async.supervisor.placement import nccl_groups, shape_of
+
+    cfg = gpu_cfg(
+        "tiny_arith.yaml",
+        "cluster.device=cuda",
+        "cluster.n_gpus_per_node=1",
+        "tensor_channel.weights=cuda_ipc",
+        "tensor_channel.trajectories=zmq",
+    )
+    shape = shape_of(cfg, {})
+    p = place(shape)
+    assert p["trainer"].physical == p["rollout-0"].physical == p["rollout-1"].physical == (0,)
+    assert nccl_groups(p, shape) == {}
+    with pytest.raises(PlacementError, match="the 1-GPU layout colocates: tensor_channel.weights=cuda_ipc"):
+        place(shape_of(gpu_cfg("tiny_arith.yaml", "cluster.device=cuda", "cluster.n_gpus_per_node=1"), {}))
+    with pytest.raises(PlacementError, match="'trajectories-channel'.*Duplicate GPU"):
+        place(
+            shape_of(
+                gpu_cfg(
+                    "tiny_arith.yaml",
+                    "cluster.device=cuda",
+                    "cluster.n_gpus_per_node=1",
+                    "tensor_channel.weights=cuda_ipc",
+                    "tensor_channel.trajectories=nccl",
+                ),
+                {},
+            )
+        )
+
+
+def test_the_supervisor_refuses_the_boba_layout_on_a_machine_with_too_few_gpus():
+    from areal_async.supervisor.local import LaunchError, device_placement
+
+    assert len(device_placement(gpu_cfg(), gpus_here=8, environ={})) == 4 + 4 + 4 + 2  # servers, workers, ranks
+    with pytest.raises(LaunchError, match="needs 8 GPUs for this placement but this machine has 2"):
+        device_placement(gpu_cfg(), gpus_here=2, environ={})

@@ -14,7 +14,7 @@ from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints
 from areal_async.base.process import setup_torch_process
-from areal_async.config import ExperimentConfig
+from areal_async.config import ExperimentConfig, server_addresses
 from areal_async.base.plugins import load_callable
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import batch_decoder, load_tokenizer
@@ -26,6 +26,7 @@ from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.rollout.vllm_client import VLLMClient
 from areal_async.rollout.vllm_server import SERVED_NAME
+from areal_async.supervisor.placement import place, server_group_backend, shape_of
 
 PROBE_TEXT = "7+8=\\boxed{15}"  # the fixed sequence whose logprobs check a vLLM server's weights
 
@@ -102,7 +103,7 @@ def sglang_engine(
             name=f"{worker_id}-s{j}",
             pause_mode=s.pause_mode,
             weight_sync=s.weight_sync,
-            group_backend="gloo" if cfg.cluster.device == "cpu" else "nccl",
+            group_backend=server_group_backend_of(cfg, worker_id, j, index),
             group_host=os.environ.get(NODE_HOST_ENV) or cfg.cluster.host,  # this worker's node
             bucket_mb=cfg.tensor_channel.bucket_mb,
             request_timeout_s=s.request_timeout_s,
@@ -115,6 +116,16 @@ def sglang_engine(
     return RemoteEngine(
         clients, max_in_flight=max_in_flight, down_timeout_s=s.server_down_timeout_s, ready_timeout_s=s.update_timeout_s
     )
+
+
+def server_group_backend_of(cfg: ExperimentConfig, worker_id: str, j: int, index: int) -> str:
+    """gloo on CPU; on CUDA the placement's choice for this worker and its j-th server (gloo when they share
+    a GPU, which NCCL refuses; attached servers: gloo, their GPUs are unknown)."""
+    if cfg.cluster.device != "cuda" or server_addresses(cfg):
+        return "gloo"
+    placement = place(shape_of(cfg, environ={}))  # pure; the GPU overlap is the same under any visible-list mapping
+    server = f"{cfg.rollout.backend.split(':')[0]}-{index + j * cfg.cluster.n_rollout_workers}"  # servers_of
+    return server_group_backend(placement[worker_id], placement[server])
 
 
 def vllm_engine(

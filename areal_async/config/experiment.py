@@ -86,14 +86,14 @@ class SGLangConfig(Section):
     )
     weight_sync: str = _f(
         "distributed",
-        "'distributed': a torch.distributed group per server (gloo on CPU, NCCL "
-        "on GPU) and /update_weights_from_distributed; 'disk': safetensors + "
-        "/update_weights_from_disk.",
+        "'distributed': a torch.distributed group per server (gloo, also on GPU where the rollout worker "
+        "shares its server's GPU, which NCCL refuses; see supervisor/placement.py) and "
+        "/update_weights_from_distributed; 'disk': safetensors + /update_weights_from_disk.",
     )
     weight_update_session: bool = _f(
-        False,
-        "Bracket each update with /begin_weight_update and /end_weight_update "
-        "(SGLang releases that pack weights in place need it).",
+        True,
+        "Bracket each distributed update with /begin_weight_update and /end_weight_update (sglang 0.5.23 "
+        "refuses an update outside a session); false only for releases without these endpoints.",
     )
     request_timeout_s: float = _f(3600.0, "A /generate call taking longer marks its server down (work re-issued).")
     update_timeout_s: float = _f(300.0, "Timeout of a weight update (group set-up, each bucket).")

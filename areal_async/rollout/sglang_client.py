@@ -12,15 +12,24 @@ here against the pinned release's own schema::
 
 Weights (``weight_sync="distributed"``): this process is rank 0 of a group with the server
 (``weight_group.init_custom_group``; the server joins through ``POST /init_weights_update_group``
-with ``rank_offset`` 1, world size 2, a group name unique per worker, process, server and epoch). Per
-bucket, ``POST /update_weights_from_distributed`` (names, dtypes, shapes, ``load_format:
-"flattened_bucket"``, ``flush_cache``; ``weight_version`` on the last bucket only, so the server's
-version moves once the whole set is in) runs on a helper thread while this thread broadcasts
-the bucket. Optionally ``/begin_weight_update`` / ``/end_weight_update`` bracket the buckets
-(SGLang releases that pack weights in place need them). Afterwards ``GET /model_info`` must
-report the new ``weight_version``, or the update counts as failed. Any failure tears the group
-down (a new epoch's group is built next time) and raises ``ServerDown``; the server is left
-paused (``RemoteEngine`` never resumes a server whose update failed).
+with ``rank_offset`` 1 and world size ``1 + tp_size``, ``tp_size`` read from ``GET /server_info``;
+a group name unique per worker, process, server and epoch). ``/begin_weight_update`` opens a
+session (0.5.23 refuses a distributed update outside one, see ``sglang_rules.py``), then per
+bucket ``POST /update_weights_from_distributed`` (names, dtypes, shapes, ``load_format:
+"flattened_bucket"``, ``flush_cache`` false under ``in_place``, whose running batch 0.5.23 will not
+flush; ``weight_version`` on the last bucket only, so the server's version moves once the whole set
+is in) runs on a helper thread while this thread broadcasts the bucket; ``/end_weight_update``
+closes the session, on failure too (a session left open refuses every later begin). Afterwards
+``GET /model_info`` must report the new ``weight_version``, or the update counts as failed. Any
+failure tears the group down (a new epoch's group is built next time) and raises ``ServerDown``;
+the server is left paused (``RemoteEngine`` never resumes a server whose update failed).
+``weight_update_session=False`` is for SGLang releases that predate the session endpoints (404).
+
+The group's backend (``group_backend``): NCCL refuses two ranks of one communicator on one GPU
+(``init.cc`` "Duplicate GPU detected"), and the placement puts a rollout worker on its servers'
+GPUs, so on CUDA the group is ``gloo`` (``supervisor/placement.py`` ``server_group_backend``): the
+sender broadcasts a CPU bucket, SGLang receives into a CUDA tensor (gloo handles CUDA tensors);
+``nccl`` only when the sender's GPU is none of the server's.
 
 ``weight_sync="disk"``: the state dict is written as ``model.safetensors`` under ``disk_dir`` and
 loaded with ``POST /update_weights_from_disk``; the simple fallback, no group needed.
@@ -39,6 +48,7 @@ import torch
 
 from protocols.sockets import free_tcp_port
 
+from areal_async.rollout import sglang_rules as R
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import HTTPStatusError
@@ -68,7 +78,7 @@ class SGLangClient(HTTPServerClient):
         request_timeout_s: float = 3600.0,
         control_timeout_s: float = 60.0,
         update_timeout_s: float = 300.0,
-        weight_update_session: bool = False,
+        weight_update_session: bool = True,
         disk_dir: Optional[str] = None,
     ):
         if pause_mode not in PAUSE_MODES:
@@ -143,15 +153,27 @@ class SGLangClient(HTTPServerClient):
         buckets = W.flattened_buckets(sd, self.bucket_bytes)
         if self.session:
             self._call("POST", "/begin_weight_update", {})
-        for i, b in enumerate(buckets):
-            body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
-            flat = b.flat().to("cuda" if self.group_backend == "nccl" else "cpu")
-            post = (self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s)
-            with _Background(*post) as req:
-                dist.broadcast(flat, src=0, group=self.group)
-            req.result()
+        try:
+            for i, b in enumerate(buckets):
+                body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
+                flat = b.flat().to("cuda" if self.group_backend == "nccl" else "cpu")
+                post = (self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s)
+                with _Background(*post) as req:
+                    dist.broadcast(flat, src=0, group=self.group)
+                req.result()
+        except BaseException:
+            if self.session:
+                self._end_quietly()
+            raise
         if self.session:
             self._call("POST", "/end_weight_update", {})
+
+    def _end_quietly(self) -> None:
+        """Close the session of a failed update (the update's own error is the one raised)."""
+        try:
+            self._call("POST", "/end_weight_update", {}, self.control_timeout_s)
+        except (ServerDown, HTTPStatusError, RuntimeError) as e:
+            log.warning("%s: /end_weight_update after a failed update: %s", self.address, e)
 
     def update_body(self, b: W.Bucket, weight_version: Optional[str]) -> dict:
         body = {
@@ -159,19 +181,19 @@ class SGLangClient(HTTPServerClient):
             "dtypes": b.dtypes,
             "shapes": b.shapes,
             "group_name": self.group_name,
-            "flush_cache": True,
+            "flush_cache": R.flush_after_update(self.pause_mode),
             "load_format": "flattened_bucket",
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
         return body
 
-    def init_body(self, port: int) -> dict:
+    def init_body(self, port: int, world_size: int) -> dict:
         return {
             "master_address": self.group_host,
             "master_port": port,
             "rank_offset": 1,
-            "world_size": 2,
+            "world_size": world_size,
             "group_name": self.group_name,
             "backend": self.group_backend,
         }
@@ -179,12 +201,14 @@ class SGLangClient(HTTPServerClient):
     def _init_group(self) -> None:
         """Rank 0 waits in the rendezvous on a helper thread while the server is asked to join: a
         server that refuses or cannot be reached fails this at once (the helper times out alone)."""
+        world = R.group_world_size(self._call("GET", "/server_info"))
         port = free_tcp_port(self.group_host)
         self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}"  # a restarted worker's are new names
         with _Background(
-            W.init_custom_group, self.group_backend, self.group_host, port, 0, 2, self.group_name, self.update_timeout_s
+            W.init_custom_group, self.group_backend, self.group_host, port, 0, world, self.group_name,
+            self.update_timeout_s,
         ) as rank0:
-            self._call("POST", "/init_weights_update_group", self.init_body(port), self.update_timeout_s)
+            self._call("POST", "/init_weights_update_group", self.init_body(port, world), self.update_timeout_s)
         try:
             self.group = rank0.result()
         except Exception as e:  # the rendezvous failed although the server said it joined

@@ -16,7 +16,14 @@ exactly as SGLang takes them over NCCL::
                                             load_format ("flattened_bucket" or per tensor)
     POST /begin_weight_update, /end_weight_update, /destroy_weights_update_group
     POST /update_weights_from_disk          model_path (an HF directory with safetensors)
-    GET  /health, /model_info, /flush_cache;  POST /abort_request {rid | abort_all}
+    GET  /health, /model_info, /server_info;  GET|POST /flush_cache;  POST /abort_request {rid | abort_all}
+
+Refusals, with SGLang 0.5.23's own words and status (``sglang_rules.py`` cites the lines): a
+distributed update outside a ``/begin_weight_update`` ... ``/end_weight_update`` session (400,
+before joining the broadcast, as the real one does), a second begin, an end without begin, a
+flush while requests are in the running batch (``/flush_cache`` 400, and an update with
+``flush_cache: true`` answers 400 after loading), a group whose world size is not
+``rank_offset + tp_size`` (the real server would wait out its rendezvous timeout instead).
 
 Pause modes, as SGLang defines them: ``abort`` returns every running request now with
 finish_reason abort and the tokens it has (the client resubmits prompt + tokens); ``retract``
@@ -55,6 +62,7 @@ from areal_async.base.affinity import pin_self
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import load_tokenizer
+from areal_async.rollout import sglang_rules as R
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest, GroupOutput
 from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
@@ -110,6 +118,8 @@ class CpuSGLangServer:
         self.paused: Optional[str] = None  # the pause mode while paused
         self.broken: Optional[str] = None  # why the weights are unusable (a failed update)
         self.groups: dict[str, Any] = {}
+        self.session = False  # a /begin_weight_update session is open
+        self.info_version = DEFAULT_VERSION  # /model_info's: moves only on a successful update (tokenizer side)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
 
@@ -261,6 +271,11 @@ class CpuSGLangServer:
             return {"success": False, "message": f"backend={backend!r}: the CPU server joins 'gloo' groups only"}
         try:
             rank = int(body["rank_offset"])  # + tp_rank 0
+            if int(body["world_size"]) != rank + TP_SIZE:
+                raise ValueError(
+                    f"world_size={body['world_size']} but this server's ranks are rank_offset + tp_rank = "
+                    f"{rank}..{rank + TP_SIZE - 1} (tp_size={TP_SIZE}): the rendezvous would wait for absent ranks"
+                )
             pg = W.init_custom_group(
                 "gloo",
                 body["master_address"],
@@ -282,9 +297,29 @@ class CpuSGLangServer:
         W.destroy_group(pg)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
+    def begin_update(self, body: dict) -> dict:
+        with self.mu:
+            if self.session:
+                return {"success": False, "message": R.BEGIN_TWICE}
+            self.session = True
+        return {"success": True, "message": "Success"}
+
+    def end_update(self, body: dict) -> dict:
+        with self.mu:
+            if not self.session:
+                return {"success": False, "message": R.END_WITHOUT}
+            self.session = False
+        return {"success": True, "message": "Success"}
+
+    def flush(self) -> bool:
+        with self.mu:
+            return R.flush_allowed(self.engine.has_work(), self.paused)
+
     def update_from_distributed(self, body: dict) -> dict:
         import torch.distributed as dist
 
+        if not self.session:  # checked before the group and the broadcast, as 0.5.23 does
+            return {"success": False, "message": R.OUTSIDE_SESSION}
         name = body.get("group_name", "weight_update_group")
         if name not in self.groups:
             return {
@@ -343,6 +378,9 @@ class CpuSGLangServer:
             else:  # loads, then recomputes every running request's KV under the new weights
                 self.engine.update_weights(index, merged)
             self.mu.notify_all()
+            if body.get("flush_cache", True) and not R.flush_allowed(self.engine.has_work(), self.paused):
+                return {"success": False, "message": R.FLUSH_REFUSED}  # loaded, version recorded, 400
+            self.info_version = self.labels[index]
         msg = "Succeeded to update model weights." + (f" Weight version updated to {version}." if version else "")
         return {"success": True, "message": msg}
 
@@ -360,7 +398,7 @@ class CpuSGLangServer:
             "tokenizer_path": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": self.labels[self.engine.version],
+            "weight_version": self.info_version,
             "load_format": "auto",
             "reasoning_parser": None,
             "tool_call_parser": None,
@@ -394,8 +432,10 @@ _POST = {
     "/destroy_weights_update_group": "destroy_group",
     "/update_weights_from_distributed": "update_from_distributed",
     "/update_weights_from_disk": "update_from_disk",
+    "/begin_weight_update": "begin_update",
+    "/end_weight_update": "end_update",
 }
-_OK = {"success": True, "message": "ok"}
+TP_SIZE = 1  # this server is one rank (no tensor parallelism); /server_info says so
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -413,7 +453,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif path in ("/model_info", "/get_model_info"):
             self._send(200, self.state.model_info())
         elif path == "/flush_cache":
-            self._send(200, "Cache flushed.\n")
+            self._flush()
+        elif path in ("/server_info", "/get_server_info"):
+            self._send(200, {"tp_size": TP_SIZE, "dp_size": 1, "pp_size": 1, "version": "0.5.23 (areal CPU twin)"})
         else:
             self._send(404, {"error": {"message": f"no route GET {path}", "code": 404}})
 
@@ -421,10 +463,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = urlparse(self.path).path
         try:
             body = self._body()
-            if path in ("/begin_weight_update", "/end_weight_update"):
-                return self._send(200, _OK)
             if path == "/flush_cache":
-                return self._send(200, "Cache flushed.\n")
+                return self._flush()
             if path == "/abort_request":
                 self.state.abort_request(body)
                 return self._send(200, None)
@@ -440,6 +480,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(504, {"error": {"message": str(e), "code": 504}})
         except Unavailable as e:
             self._send(503, {"error": {"message": str(e), "code": 503}})
+
+    def _flush(self) -> None:
+        ok = self.state.flush()
+        self._send(200 if ok else R.BAD_REQUEST, R.FLUSHED if ok else R.FLUSH_FAILED)
 
     def _body(self) -> dict:
         n = int(self.headers.get("Content-Length") or 0)

@@ -112,13 +112,16 @@ def check_placement(cfg: ExperimentConfig) -> None:
                 raise LaunchError(str(e)) from None
 
 
-def device_placement(cfg: ExperimentConfig, gpus_here: Optional[int] = None) -> dict[str, Slot]:
-    """Every process's devices (supervisor/placement.py); LaunchError before anything starts when
-    the cluster or this machine (node 0, the local launcher's) has fewer GPUs than asked."""
+def device_placement(
+    cfg: ExperimentConfig, gpus_here: Optional[int] = None, environ: Optional[dict] = None
+) -> dict[str, Slot]:
+    """Every process's devices (supervisor/placement.py), mapped through this process's
+    CUDA_VISIBLE_DEVICES; LaunchError before anything starts when the cluster or this machine (node 0,
+    the local launcher's) has fewer GPUs than asked or the layout is one NCCL or the servers refuse."""
     try:
-        placement = place(shape_of(cfg))
+        placement = place(shape_of(cfg, environ))
         if cfg.cluster.device == "cuda":
-            check_gpus_present(placement, 0, local_gpu_count() if gpus_here is None else gpus_here)
+            check_gpus_present(placement, 0, local_gpu_count(environ) if gpus_here is None else gpus_here)
     except PlacementError as e:
         raise LaunchError(str(e)) from None
     return placement
@@ -247,7 +250,8 @@ class LocalSupervisor:
         """The rollout backend's inference servers (sglang, vllm), before the workers that use them."""
         for name, cmd in server_commands(self.cfg, self.run_dir, self.endpoints.extra["servers"]):
             log_path = self.run_dir / "logs" / f"{name}.log"
-            self.children.append(Child(name, self._spawn(cmd, log_path, env), log_path, cmd))
+            server_env = env | device_env(self.cfg, self.placement.get(name))  # its own GPUs (--base-gpu-id 0)
+            self.children.append(Child(name, self._spawn(cmd, log_path, server_env), log_path, cmd, env=server_env))
 
     def _stop_servers(self) -> None:
         """Servers never exit by themselves: stop them once every worker has finished."""

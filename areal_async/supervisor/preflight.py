@@ -39,6 +39,7 @@ from areal_async.supervisor.placement import (
     PlacementError,
     check_gpus_present,
     gpus_needed_on,
+    group_report,
     local_gpu_count,
     place,
     shape_of,
@@ -419,7 +420,7 @@ def _cluster_words(ctx: Context) -> str:
 def _where(slot) -> str:
     if slot is None:
         return "-"
-    return f"node {slot.node}" + (f" GPU {','.join(map(str, slot.gpus))}" if slot.gpus else "")
+    return f"node {slot.node}" + (f" GPU {','.join(map(str, slot.physical))}" if slot.gpus else "")
 
 
 def report(ctx: Context, findings: list[Finding], cmd: str) -> str:
@@ -430,4 +431,6 @@ def report(ctx: Context, findings: list[Finding], cmd: str) -> str:
     lines.append(f"# placement ({_cluster_words(ctx)}):")
     for wid, what in ctx.loads.items():
         lines.append(f"#   {wid:12s} {_where(ctx.placement.get(wid)):16s} loads {what}")
+    if ctx.cfg.cluster.device == "cuda" and ctx.placement:
+        lines += group_report(ctx.placement, shape_of(ctx.cfg))
     return "\n".join(lines) + "\n"

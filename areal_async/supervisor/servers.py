@@ -8,7 +8,9 @@ requests. With ``sglang.addresses`` / ``vllm.addresses`` the servers are already
   (``python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml``), random init:
   the weights arrive over the weight group before any request;
 - ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path``, server
-  ``j`` on GPU ``j`` (``--base-gpu-id``; the rollout GPUs come first, see ``placement.py``);
+  ``j`` started with ``CUDA_VISIBLE_DEVICES`` = its placement slot's GPU (``sglang-j``, rollout GPU
+  ``j`` mapped through the supervisor's own ``CUDA_VISIBLE_DEVICES``, see ``placement.py``) and
+  ``--base-gpu-id 0`` inside it, so the server and the rollout worker name the same physical GPU;
 - ``vllm``: ``python -m areal_async.rollout.vllm_server`` (this environment) writes the model directory once
   and then becomes vLLM's OpenAI server from ``vllm.python``'s environment (exec, same pid).
 
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 
 from areal_async.config import ExperimentConfig, n_servers, server_addresses
+from areal_async.supervisor.placement import place, shape_of
 from protocols.sockets import free_tcp_port
 
 SERVER_ROLES = ("sglang", "vllm")  # child names "sglang-0", "vllm-1", ...
@@ -118,8 +121,12 @@ def _vllm_command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) ->
         str(vllm_python(cfg)),
     ]
     if cfg.cluster.device == "cuda":
-        cmd += ["--gpu", str(j)]  # server j on GPU j: the rollout GPUs come first (placement.py)
+        cmd += ["--gpu", _server_gpus(cfg, f"vllm-{j}")]  # its placement slot's physical GPU(s)
     return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
+
+
+def _server_gpus(cfg: ExperimentConfig, name: str) -> str:
+    return ",".join(str(g) for g in place(shape_of(cfg))[name].physical)
 
 
 def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list[str]:
@@ -158,7 +165,7 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
         "--port",
         port,
         "--base-gpu-id",
-        str(j),
+        "0",  # inside the CUDA_VISIBLE_DEVICES the supervisor gives server j (its placement slot)
         "--dtype",
         cfg.model.dtype,
         "--mem-fraction-static",
