@@ -332,10 +332,8 @@ def shape_of(cfg: ExperimentConfig, environ: Optional[dict] = None) -> ClusterSh
 def visible_devices(environ: dict) -> tuple[int, ...]:
     """The supervisor's CUDA_VISIBLE_DEVICES as integers; () when unset (every GPU of the node)."""
     raw = environ.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return ()
-    if not raw.strip():
-        raise PlacementError("CUDA_VISIBLE_DEVICES is set and empty: the supervisor sees no GPU (cluster.device=cuda)")
+    if raw is None or not raw.strip():
+        return ()  # unset: every GPU of the node; empty: none, which check_gpus_present reports as 0 GPUs here
     items = [v.strip() for v in raw.split(",") if v.strip()]
     if not all(v.isdigit() for v in items):
         raise PlacementError(
