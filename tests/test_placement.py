@@ -162,33 +162,19 @@ def test_vllm_servers_beyond_the_worker_count_keep_their_gpus_from_the_trainer()
 
 
 def test_two_ranks_of_one_nccl_group_on_one_gpu_or_a_trainer_on_a_server_gpu_are_refused():
-    from areal_async.supervisor.placement import ClusterShape, check_layout
+    from dataclasses import replace
 
-    colocated = dict(
-        n_nodes=1,
-        n_gpus_per_node=1,
-        device="cuda",
-        n_trainer_ranks=1,
-        n_rollout_workers=2,
-        rollout_gpus=0,
-        colocate=True,
-    )
+    from areal_async.supervisor.placement import check_layout
+
+    colocated = replace(shape(1, 0, 1, rollout_workers=2), n_gpus_per_node=1, colocate=True)
     with pytest.raises(PlacementError, match="'trajectories-channel'.*Duplicate GPU detected"):
-        place(ClusterShape(**colocated, nccl_channels=("trajectories",)))
-    servers = ClusterShape(
-        n_nodes=1,
-        n_gpus_per_node=8,
-        device="cuda",
-        n_trainer_ranks=2,
-        n_rollout_workers=2,
-        rollout_gpus=2,
-        servers="sglang",
-    )
+        place(replace(colocated, nccl_channels=("trajectories",)))
+    servers = replace(shape(1, 2, 2, rollout_workers=2), servers="sglang")
     bad = dict(place(servers), **{"trainer-1": Slot(0, (1,), 1)})  # a hand-made layout: a rank on sglang-1's GPU
     with pytest.raises(PlacementError, match="trainer-1 would share GPU 1 with sglang-1"):
         check_layout(bad, servers)
     with pytest.raises(PlacementError, match="sglang:d9 starts 9 servers.*on node 0"):
-        place(ClusterShape(**{**servers.__dict__, "n_nodes": 2, "rollout_gpus": 9, "n_rollout_workers": 9}))
+        place(replace(servers, n_nodes=2, rollout_gpus=9, n_rollout_workers=9))
 
 
 def test_a_one_gpu_box_colocates_the_torch_engine_with_cuda_ipc_weights_or_says_why_not():
