@@ -13,7 +13,7 @@ import time
 import pytest
 
 from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from tests.test_e2e import ROOT, cli, finish_ok, read_jsonl, wait_for_metrics
+from tests.test_e2e import ROOT, assert_verified, cli, finish_ok, read_jsonl, wait_for_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -58,6 +58,7 @@ def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(t
     assert len(trained) == summary["samples_trained"] == steps * 4 * 4
     for t in trained:
         assert t["train_step"] - eta <= t["version_min"] <= t["version_max"] <= t["train_step"], t
+    assert_verified(run_dir, steps)  # the trainer's and the rollouts' records agree with the books
     # the surviving server went through the versions in order (those it was polled at), up to the last steps
     versions = [int(v) for v in seen if v != "default"]
     assert versions == sorted(versions) and versions[-1] >= steps - 1, seen
