@@ -31,4 +31,6 @@ def weight_channel(cfg: ExperimentConfig, ep: Endpoints, role: str, rank: int):
         kw["bucket_mb"] = cfg.tensor_channel.bucket_mb
         if kind == "zmq":
             kw["endpoint"] = ep.extra["weights_endpoint"]
+    if kind == "cuda_ipc":  # one IPC reference per receiver (transport/cuda_ipc.py)
+        kw |= {"n_receivers": cfg.cluster.n_rollout_workers} if role == "publisher" else {"rank": rank}
     return make_weight_channel(kind, role=role, **kw, **_group(cfg, ep, kind, rank, "weight_store"))

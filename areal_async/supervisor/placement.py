@@ -95,7 +95,7 @@ class ClusterShape:
     servers: str = ""  # "sglang" / "vllm" when the supervisor starts rollout_gpus servers, one GPU each
     visible: tuple[int, ...] = ()  # the parent's CUDA_VISIBLE_DEVICES (physical ids); () = 0..n_gpus_per_node-1
     nccl_channels: tuple[str, ...] = ()  # "weights", "trajectories": trainer rank 0 + rollout workers over NCCL
-    colocate: bool = False  # tensor_channel.weights=cuda_ipc: rollout workers on trainer rank 0's GPU
+    colocate: bool = False  # a cuda_ipc tensor channel: rollout workers on trainer rank 0's GPU
 
 
 def rollout_gpu_count(backend: str, device: str, n_rollout_workers: int, dp_degree: int, colocate=False) -> int:
@@ -311,7 +311,7 @@ def shape_of(cfg: ExperimentConfig, environ: Optional[dict] = None) -> ClusterSh
     cl, tc = cfg.cluster, cfg.tensor_channel
     extra = ("scheduler",) + tuple(f"reward-{i}" for i in range(cl.n_reward_workers))
     backend = cfg.rollout.backend
-    colocate = cl.device == "cuda" and tc.weights == "cuda_ipc"
+    colocate = cl.device == "cuda" and "cuda_ipc" in (tc.weights, tc.trajectories)  # receiver beside its sender
     gpus = rollout_gpu_count(backend, cl.device, cl.n_rollout_workers, rollout_dp_degree(backend), colocate)
     started = backend.startswith(("sglang", "vllm")) and not server_addresses(cfg) and cl.device == "cuda"
     return ClusterShape(

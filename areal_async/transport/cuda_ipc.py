@@ -12,6 +12,19 @@ until every receiver has dropped its views (the sender must stay alive that long
 ``torch.cuda.ipc_collect()`` to reclaim blocks receivers are done with). CUDA cannot open an IPC
 handle in the process that made it, so both ends must be different processes.
 
+References: each ``_share_cuda_()`` puts the storage behind a new ``CudaIPCSentData`` whose counter
+starts at one reference (torch ``csrc/StorageSharing.cpp`` ``THPStorage_shareCuda``,
+``csrc/CudaIPCTypes.cpp``), and each receiver gives back exactly one when its storage dies (the
+``IpcDeleterContext`` deleter of ``_new_shared_cuda``, or ``_release_ipc_counter`` when it already
+holds that storage: ``torch/multiprocessing/reductions.py`` ``rebuild_cuda_tensor``). torch's own
+queues therefore share once per message sent. One handle handed to N receivers would be released N
+times against one reference: the block is freed while N - 1 receivers still read it. So the weight
+publisher shares once per receiver (``n_receivers``) and receiver ``rank`` r (1..N) opens share r.
+
+Placement: the receiver must see the sender's GPU, and inside one-GPU processes that means the same
+GPU; ``supervisor/placement.py`` colocates every rollout worker with trainer rank 0 when
+``tensor_channel.weights`` is ``cuda_ipc`` and refuses any other layout. Never run on a GPU yet.
+
 Not covered: CPU machines (``TransportUnavailable`` at construction), different GPUs (use nccl).
 """
 
@@ -130,10 +143,22 @@ class CudaIpcTensorChannel(TensorChannel):
 
 
 class CudaIpcWeightChannel(WeightChannel):
-    def __init__(self, *, role: str, bucket_mb: float = 64.0, checksum: str = "sum64", device: Optional[int] = None):
+    def __init__(
+        self,
+        *,
+        role: str,
+        bucket_mb: float = 64.0,
+        checksum: str = "sum64",
+        device: Optional[int] = None,
+        n_receivers: int = 1,
+        rank: int = 1,
+    ):
         self.device = require_cuda(device)
         if role not in ("publisher", "receiver"):
             raise ValueError(f"role={role!r}: expected 'publisher' or 'receiver'")
+        if n_receivers < 1 or rank < 1:
+            raise ValueError(f"n_receivers={n_receivers!r}, rank={rank!r}: expected integers >= 1 (receivers are 1..N)")
+        self.n_receivers, self.rank = n_receivers, rank
         if checksum not in ("sum64", "none"):
             raise ValueError(f"checksum={checksum!r}: CUDA buffers support 'sum64' or 'none'")
         self.role, self.algo = role, checksum
@@ -148,7 +173,8 @@ class CudaIpcWeightChannel(WeightChannel):
             B.pack(lay, state_dict, k, buf)
         values = None if self.algo == "none" else [B.checksum(b, self.algo) for b in bufs]
         self._buffers[version] = flat
-        return B.manifest("cuda_ipc", version, lay, self.algo, values, {"ipc": share(flat)})
+        shares = [share(flat) for _ in range(self.n_receivers)]  # one torch IPC reference per receiver
+        return B.manifest("cuda_ipc", version, lay, self.algo, values, {"ipc": shares})
 
     def publish_end(self) -> None:
         """Receivers map the buffer themselves; nothing moves here."""
@@ -159,7 +185,13 @@ class CudaIpcWeightChannel(WeightChannel):
 
     def receive(self, manifest: dict) -> Tensors:
         lay, m = B.parse_manifest(manifest, "cuda_ipc")
-        flat = open_shared(m["handle"].get("ipc"))
+        shares = m["handle"].get("ipc")
+        if not isinstance(shares, list) or not 1 <= self.rank <= len(shares):
+            raise B.ManifestError(
+                f"cuda_ipc manifest carries {len(shares) if isinstance(shares, list) else shares!r} share(s); "
+                f"receiver rank {self.rank} needs its own (the publisher's n_receivers is too small)"
+            )
+        flat = open_shared(shares[self.rank - 1])
         if flat.numel() != max(lay.total, ALIGN):
             raise B.ManifestError(f"cuda_ipc buffer is {flat.numel()} bytes, the manifest's buckets need {lay.total}")
         bufs = [flat[o : o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]

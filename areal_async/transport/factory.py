@@ -11,7 +11,8 @@ zmq        endpoint, max_message_bytes (receiver)           bucket_mb, checksum,
 gloo       endpoint, rank, world_size, store, dst=0,        rank, world_size, store, bucket_mb,
            max_message_bytes (receiver)                     checksum, pipeline=True
 nccl       as gloo, + device, rendezvous                    as gloo, + device, rendezvous
-cuda_ipc   endpoint, device                                 bucket_mb, checksum='sum64', device
+cuda_ipc   endpoint, device                                 bucket_mb, checksum='sum64', device,
+                                                            n_receivers=1 (publisher), rank=1 (receiver)
 =========  ==========================================================================================
 
 ``endpoint``: the ZeroMQ address the trajectory *receiver* binds and senders connect to
