@@ -168,7 +168,7 @@ def test_nccl_on_cpu_names_what_is_missing(make, kw):
     try:
         import cupy  # noqa: F401
     except ImportError:
-        assert "cupy (pip install cupy-cuda12x" in msg
+        assert "cupy (pip install cupy-cuda13x" in msg  # a CPU torch: the gpu extra's CUDA 13 wheels
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-machine error")

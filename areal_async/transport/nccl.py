@@ -56,17 +56,30 @@ UID_BYTES = 128
 Rendezvous = Callable[[Optional[bytes]], bytes]
 
 
+# The CUDA major of the gpu extra's stack (pyproject.toml `gpu-cu13`: sglang 0.5.2x pins torch 2.14.1, CUDA 13)
+DEFAULT_CUDA_MAJOR = 13
+
+
+def cuda_wheels(cuda_version: Optional[str]) -> tuple[str, str]:
+    """(CuPy wheel, NCCL wheel) for a torch built for CUDA ``cuda_version`` (``torch.version.cuda``, e.g.
+    "13.0"); without one (a CPU torch) those of the gpu extra's CUDA major."""
+    major = int(str(cuda_version).split(".")[0]) if cuda_version else DEFAULT_CUDA_MAJOR
+    return f"cupy-cuda{major}x", f"nvidia-nccl-cu{major}"
+
+
 def require_nccl() -> Any:
-    """The ``cupy.cuda.nccl`` module, or ``TransportUnavailable`` listing every missing piece."""
+    """The ``cupy.cuda.nccl`` module, or ``TransportUnavailable`` listing every missing piece (the wheels
+    named for this torch's CUDA major)."""
     missing, nccl = [], None
+    cupy_wheel, nccl_wheel = cuda_wheels(torch.version.cuda)
     try:
         import cupy  # noqa: F401
         from cupy.cuda import nccl
 
         if not getattr(nccl, "available", False):
-            missing.append("the NCCL library for CuPy (pip install nvidia-nccl-cu12)")
+            missing.append(f"the NCCL library for CuPy (pip install {nccl_wheel})")
     except ImportError as e:
-        missing.append(f"cupy (pip install cupy-cuda12x; import said: {e})")
+        missing.append(f"cupy (pip install {cupy_wheel}; import said: {e})")
     if not torch.cuda.is_available():
         missing.append(
             f"a CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
