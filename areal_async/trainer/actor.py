@@ -48,7 +48,7 @@ from areal_async.trainer.dp import (
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, ranges
 from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from areal_async.trainer.packing import PackedBatch, forward_packed, pack
+from areal_async.trainer.packing import PackedBatch, forward_packed, one_device_cat, pack
 from areal_async.trainer.types import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -74,16 +74,18 @@ class _Batch:
         self.n_out = [t.output_ids.numel() for t in trajs]
         self.lengths = [p + o for p, o in zip(self.n_prompt, self.n_out)]
         self.out_start = np.cumsum([0] + self.n_out[:-1], dtype=np.int64)
-        self.behav = torch.cat([t.behav_logp for t in trajs]).to(device=device, dtype=torch.float32)
+        # one concatenation on the trajectories' device (the host, as the trainer keeps them), one move
+        self.behav = one_device_cat([t.behav_logp for t in trajs], "behaviour logprobs").to(device, torch.float32)
         # trained output tokens (a workflow's environment tokens are not): bool per output token
         if all(t.loss_mask is None for t in trajs):
             self.mask = torch.ones(self.behav.numel(), dtype=torch.bool, device=device)
         else:
-            self.mask = torch.cat(
+            self.mask = one_device_cat(
                 [
-                    torch.ones(n, dtype=torch.bool) if t.loss_mask is None else t.loss_mask.cpu()
+                    torch.ones(n, dtype=torch.bool, device=t.output_ids.device) if t.loss_mask is None else t.loss_mask
                     for n, t in zip(self.n_out, trajs)
-                ]
+                ],
+                "loss masks",
             ).to(device)
         self.prox: Optional[torch.Tensor] = None
         self.adv: Optional[torch.Tensor] = None

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from areal_async.trainer.loss import LossStats
-from areal_async.trainer.packing import allocate_micro_batches, karmarkar_karp
+from areal_async.trainer.packing import allocate_micro_batches, karmarkar_karp, one_device_cat
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.buckets import plan
 
@@ -374,12 +374,18 @@ def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
     for t in trajs:
         head += [t.prompt_ids.numel(), t.output_ids.numel(), groups.setdefault(t.group_id, len(groups))]
     masks = [
-        t.loss_mask if t.loss_mask is not None else torch.ones(t.output_ids.numel(), dtype=torch.bool) for t in trajs
+        t.loss_mask
+        if t.loss_mask is not None
+        else torch.ones(t.output_ids.numel(), dtype=torch.bool, device=t.output_ids.device)
+        for t in trajs
     ]
-    body = [x.to(torch.int64) for t, m in zip(trajs, masks) for x in (t.prompt_ids, t.output_ids, t.versions, m)]
+    # one kernel on the trajectories' device and one copy to the host per part (gloo sends host tensors)
+    body = one_device_cat(
+        [x for t, m in zip(trajs, masks) for x in (t.prompt_ids, t.output_ids, t.versions, m)], "trajectory tensors"
+    )
     return [
-        torch.cat([torch.tensor(head, dtype=torch.int64), *body]),
-        torch.cat([t.behav_logp.to(torch.float32) for t in trajs]),
+        torch.cat([torch.tensor(head, dtype=torch.int64), body.to(device="cpu", dtype=torch.int64)]),
+        one_device_cat([t.behav_logp for t in trajs], "behaviour logprobs").to(device="cpu", dtype=torch.float32),
         torch.tensor([t.score for t in trajs], dtype=torch.float64),
     ]
 

@@ -73,6 +73,8 @@ Seq = Union[Sequence[int], torch.Tensor, tuple[torch.Tensor, ...]]
 
 def pack(seqs: Sequence[Seq]) -> PackedBatch:
     """Concatenate token-id sequences with no padding: one copy of each token into the packed buffer.
+    The packed batch is on the host; sequences on one device are concatenated there and copied once
+    (``forward_packed`` moves the packed batch to the model's device once); mixed devices are refused.
 
     A sequence is a 1D integer tensor (int32 or int64: kept as is until that copy), a list of
     ints, or a tuple of 1D tensors laid end to end (a trajectory's prompt and output, so they
@@ -95,14 +97,23 @@ def pack(seqs: Sequence[Seq]) -> PackedBatch:
     ids_T = torch.empty(sum(lengths), dtype=torch.long)
     if host:  # numpy widens int32 -> int64 ~2x faster than torch.cat
         np.concatenate([p.numpy() for p in pieces], out=ids_T.numpy())
-    else:
-        torch.cat([p.cpu() for p in pieces], out=ids_T)
+    else:  # one kernel on their device, one copy to the host (the packed batch is built on the host)
+        ids_T.copy_(one_device_cat(pieces, "the sequences' token ids"))
     longest = max(lengths)
     ramp = _ramp(longest)
     position_ids_T = torch.empty_like(ids_T)
     np.concatenate([ramp[:n] for n in lengths], out=position_ids_T.numpy())
     cu_seqlens = torch.from_numpy(np.array([0, *itertools.accumulate(lengths)], dtype=np.int32))
     return PackedBatch(ids_T, position_ids_T, cu_seqlens, longest)
+
+
+def one_device_cat(pieces: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """``torch.cat`` (dtypes promoted) of tensors that share one device; ``ValueError`` naming the devices
+    when they do not (the trainer keeps trajectories on the host: ``transport.frames.to_host``)."""
+    devices = {p.device for p in pieces}
+    if len(devices) > 1:
+        raise ValueError(f"{what} are on {sorted(map(str, devices))}; expected all on one device")
+    return torch.cat(list(pieces))
 
 
 def seq_len(s: Seq) -> int:

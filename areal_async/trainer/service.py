@@ -68,6 +68,7 @@ from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.types import Trajectory
+from areal_async.transport.frames import to_host
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.trainer")
@@ -120,7 +121,10 @@ class TrajectoryBuffer:
                 continue
             key, meta, tensors = got
             try:
-                samples, repeated = _first_copies(key, meta, tensors)
+                # the trainer keeps trajectories on the host (packing, the batch's broadcast over gloo and the
+                # per-sequence bookkeeping are host work): a message received into GPU memory (nccl) is copied
+                # once, as one buffer; the packed micro-batch goes to the device once per forward
+                samples, repeated = _first_copies(key, meta, to_host(tensors))
             except (KeyError, TypeError, ValueError) as e:
                 log.error("trajectory group %r refused: %s", key, e)
                 continue

@@ -117,3 +117,24 @@ def tensor_views(
             raise ProtocolError(f"tensor message {key!r}: tensor name {name!r} appears twice")
         out[name] = np_view_as(flat, off, n, dtype, shape) if host else view_as(flat[off : off + n], dtype, shape)
     return out
+
+
+def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` on the host with one device-to-host copy per device buffer they view: a message received
+    into GPU memory (its tensors are views of one flat buffer, ``tensor_views``) costs one copy in all, not
+    one per tensor. Host tensors are returned as they are (no copy)."""
+    if all(t.is_cpu for t in tensors.values()):
+        return tensors
+    host: dict[tuple, torch.Tensor] = {}  # (device, buffer address, bytes) -> the buffer's bytes on the host
+    out = {}
+    for name, t in tensors.items():
+        if t.is_cpu:
+            out[name] = t
+            continue
+        s = t.untyped_storage()
+        key = (t.device, s.data_ptr(), s.nbytes())
+        if key not in host:
+            host[key] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s).to("cpu")
+        out[name] = torch.empty(0, dtype=t.dtype).set_(host[key].untyped_storage(), t.storage_offset(), t.size(),
+                                                       t.stride())
+    return out
