@@ -70,6 +70,10 @@ class Group(ABC):
     def alloc(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def recv_buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer that ``recv`` (or a broadcast from another rank) writes into (NCCL: on its own stream)."""
+        return self.alloc(nbytes)
+
     def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Tear the group down."""
 
@@ -163,7 +167,7 @@ class CollectiveTensorChannel(TensorChannel):
         offsets, total = layout(sizes)
         if total > self.max_message_bytes:  # refused before allocating (the sender's send is then never matched)
             raise ProtocolError(f"tensor note announces {total} bytes, more than the bound {self.max_message_bytes}")
-        flat = self.group.alloc(total)
+        flat = self.group.recv_buffer(total)
         bufs = [flat[o : o + n] for o, n in zip(offsets, sizes) if n]
         self.group.wait(self.group.recv(bufs, src))
         header = parse_header(note.header)  # checked after draining: a bad one cannot desync the pair
@@ -245,10 +249,10 @@ class CollectiveWeightChannel(WeightChannel):
                 f"{self.root} and world_size {self.group.world_size}"
             )
         algo = m["checksum"]["algo"]
-        flat = self.group.alloc(lay.total)
+        flat = self.group.recv_buffer(lay.total)
         bufs = [flat[o : o + n] for o, n in zip(lay.bucket_offsets(), lay.bucket_sizes)]
         handles = [self.group.broadcast(b, self.root) if b.numel() else None for b in bufs]
-        trailer = self.group.alloc(8 * len(bufs))
+        trailer = self.group.recv_buffer(8 * len(bufs))
         trailer_h = self.group.broadcast(trailer, self.root) if bufs else None
         got = []
         for buf, h in zip(bufs, handles):  # checksum bucket k while k+1.. are still arriving

@@ -4,9 +4,18 @@ The same channels as gloo (``collective.py``: notes over ZeroMQ + payload by sen
 trajectories, pipelined bucket broadcast with an in-band checksum trailer for weights); only the
 ``Group`` differs. Payload is received straight into CUDA memory allocated by torch on this
 rank's device; the returned tensors are views of it (no host staging, no extra copy). NCCL calls
-run on a dedicated stream that first waits for the caller's current stream, so tensors produced
-by queued kernels are sent only once they are ready; ``wait`` blocks the host until the call is
-done (a send returns once the receiver has the bytes, like gloo's).
+run on the group's own stream. A send (or a broadcast from this rank) first makes that stream wait
+for the work the caller has queued so far on its current stream (its bytes come from those kernels);
+a receive does not wait for the caller at all: its buffer comes from ``recv_buffer``, allocated on
+the group's stream, so a trainer's trajectory receive never queues behind its training kernels. The
+caller's stream is recorded on a receive buffer, so freeing it later waits for the caller's kernels
+that read it. ``wait`` blocks the host until the call is done (a send returns once the receiver has
+the bytes, like gloo's). CuPy's API (cupy/cuda/nccl.pyx, ``NcclCommunicator.send/recv(buf pointer,
+count, datatype, peer, stream pointer)``, ``bcast(buf pointer, int count, datatype, root, stream
+pointer)``: a C ``int`` count, so one call moves < 2 GiB - buckets are far below) takes the stream as
+``torch.cuda.Stream.cuda_stream``. This stream handling has not run on a GPU (no GPU was lent to the
+session that wrote it); its order of calls is checked on CPU with a recording stand-in for
+``torch.cuda`` (tests/test_nccl_streams.py), and ``scripts/gpu_check.sh`` runs it on one GPU.
 
 Rendezvous: rank 0 creates the NCCL unique id (``nccl.get_unique_id()``, 128 bytes) and the other
 ranks need it before the (collective) communicator init. Either pass ``rendezvous``, a callable
@@ -124,6 +133,25 @@ def communicator(nccl, world_size: int, uid: bytes, rank: int):
             raise TypeError(f"NcclCommunicator took the unique id neither as a tuple ({first}) nor as bytes") from None
 
 
+class CudaStreams:
+    """What ``NcclGroup`` asks of CUDA streams: ``torch.cuda``'s stream API, one method per use."""
+
+    def new(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def use(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Any:
+        return torch.cuda.Event()
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+
 class NcclGroup(Group):
     name = "nccl"
 
@@ -148,7 +176,12 @@ class NcclGroup(Group):
 
         with cupy.cuda.Device(self.device.index):
             self.comm = communicator(self.nccl, world_size, uid, rank)
-        self.stream = torch.cuda.Stream(self.device)
+        self.use_streams(CudaStreams())
+
+    def use_streams(self, streams: "CudaStreams") -> None:
+        """The stream API (``torch.cuda``'s, or a recording stand-in in CPU tests) and this group's own stream."""
+        self.streams = streams
+        self.stream = streams.new(self.device)
 
     def _unique_id(self, store: Optional[str], rendezvous: Optional[Rendezvous], name: str, timeout_s: float) -> bytes:
         mine = uid_to_bytes(self.nccl.get_unique_id()) if self.rank == 0 else None
@@ -163,45 +196,51 @@ class NcclGroup(Group):
             return mine
         return s.get(key)
 
-    def _launch(self, bufs: list[torch.Tensor], call: Callable[[int], None]) -> torch.cuda.Event:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+    def _launch(self, bufs: list[torch.Tensor], call: Callable[[int], None], after_caller: bool) -> Any:
+        """``call(stream pointer)`` on this group's stream; the returned event marks its end. ``after_caller``:
+        the op reads bytes that the caller's queued kernels produce (a send, a broadcast from this rank)."""
+        if after_caller:
+            self.stream.wait_stream(self.streams.current(self.device))
         for b in bufs:  # the caching allocator must not hand these out while NCCL still uses them
-            b.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
+            self.streams.record(b, self.stream)
+        with self.streams.use(self.stream):
             call(self.stream.cuda_stream)
-            done = torch.cuda.Event()
+            done = self.streams.event()
             done.record(self.stream)
         return done
 
-    def send(self, bufs: list[torch.Tensor], dst: int) -> torch.cuda.Event:
-        return self._launch(
-            bufs,
-            lambda s: self._grouped(
-                bufs, lambda b: self.comm.send(b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, dst, s)
-            ),
-        )
+    def recv_buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer to receive into, allocated on this group's stream (so the receive need not wait for the
+        caller's stream); the caller's stream is recorded on it, as the caller reads what arrives."""
+        with self.streams.use(self.stream):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.streams.record(buf, self.streams.current(self.device))
+        return buf
 
-    def recv(self, bufs: list[torch.Tensor], src: int) -> torch.cuda.Event:
-        return self._launch(
-            bufs,
-            lambda s: self._grouped(
-                bufs, lambda b: self.comm.recv(b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, src, s)
-            ),
-        )
+    def send(self, bufs: list[torch.Tensor], dst: int) -> Any:
+        return self._launch(bufs, lambda s: self._grouped(bufs, self.comm.send, dst, s), after_caller=True)
 
-    def _grouped(self, bufs: list[torch.Tensor], one: Callable[[torch.Tensor], None]) -> None:
+    def recv(self, bufs: list[torch.Tensor], src: int) -> Any:
+        """Into buffers from ``recv_buffer`` (not ordered after the caller's stream)."""
+        return self._launch(bufs, lambda s: self._grouped(bufs, self.comm.recv, src, s), after_caller=False)
+
+    def _grouped(self, bufs: list[torch.Tensor], op: Callable, peer: int, stream: int) -> None:
+        """``op(buf pointer, count, NCCL_UINT8, peer, stream pointer)`` for each buffer, in one NCCL group."""
         self.nccl.groupStart()  # one fused launch for all tensors of a message
         try:
             for b in bufs:
-                one(b)
+                op(b.data_ptr(), b.numel(), self.nccl.NCCL_UINT8, peer, stream)
         finally:
             self.nccl.groupEnd()
 
-    def broadcast(self, buf: torch.Tensor, root: int) -> torch.cuda.Event:
+    def broadcast(self, buf: torch.Tensor, root: int) -> Any:
+        """From ``buf`` at ``root`` (after the caller's queued work), into ``buf`` (a ``recv_buffer``) elsewhere."""
         u8 = self.nccl.NCCL_UINT8
-        return self._launch([buf], lambda s: self.comm.bcast(buf.data_ptr(), buf.numel(), u8, root, s))
+        return self._launch(
+            [buf], lambda s: self.comm.bcast(buf.data_ptr(), buf.numel(), u8, root, s), after_caller=self.rank == root
+        )
 
-    def wait(self, handle: torch.cuda.Event) -> None:
+    def wait(self, handle: Any) -> None:
         handle.synchronize()
 
     def close(self) -> None:
