@@ -25,6 +25,7 @@ def test_gpu_check_sh_on_cpu_skips_cuda_checks_and_passes_the_rest():
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["name"] for r in rows] == [c.name for c in CHECKS]
+    assert len(rows) >= 8
     for row, check in zip(rows, CHECKS):
         assert set(row) == {"name", "status", "detail", "seconds", "data"}
         if check.needs_cuda:

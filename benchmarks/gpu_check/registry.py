@@ -46,6 +46,11 @@ CHECKS: list[Check] = [
     Check("environment", "env_checks:environment", False, 60, isolate=False),
     Check("flash_attn_choice", "attention_checks:flash_attn_choice", False, 60, isolate=False),
     Check("trainer_group_backend", "trainer_checks:trainer_group_backend", False, 120, isolate=False, cpu_twin=True),
+    Check("nccl_group_loopback", "transport_checks:nccl_group_loopback", True, 90),
+    Check("nccl_weight_publish", "transport_checks:nccl_weight_publish", True, 90),
+    Check("trajectories_to_host", "transport_checks:trajectories_to_host", True, 60),
+    Check("fsdp2_step_vs_plain", "fsdp_checks:fsdp2_step_vs_plain", True, 150, cpu_twin=True),
+    Check("dcp_roundtrip_hf_export", "fsdp_checks:dcp_roundtrip_hf_export", True, 120, cpu_twin=True),
 ]
 
 
@@ -140,7 +145,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         print(f"unknown check(s) {unknown}; expected names from --list", file=sys.stderr)
         return 2
-    import torch
-
+    try:
+        import torch
+    except ImportError as e:  # nothing can run: said as the environment check's line
+        print(json.dumps(_row(CHECKS[0], "fail", f"torch is not importable ({e})", {}, time.monotonic())))
+        return 1
     rows = run_all([c for c in CHECKS if not names or c.name in names], torch.cuda.is_available(), a.cpu_twins)
     return 1 if any(r["status"] == "fail" for r in rows) else 0
