@@ -10,6 +10,8 @@ field map), so no peer sees a change but the stricter checks.
 - ``ShmTensors``, ``ShmRetire``, ``GroupTensors``, ``IpcTensors``: the notes the shm, gloo/nccl
   and cuda_ipc channels push while the payload moves out of band (``transport.notify``).
 - ``WeightFetch``: a rollout worker asks the zmq weight publisher for one bucket.
+- ``StoreRequest``, ``StoreReply``: a gloo/NCCL group's rendezvous store, served by its rank 0 over
+  the run's (CURVE-authenticated) sockets (``transport.store``).
 - ``RewardInit``, ``RewardReady``, ``RewardTasks``, ``RewardReply``: the reward pool <-> child pipe
   (length-prefixed frames, ``areal_async.reward._wire``).
 
@@ -123,6 +125,47 @@ class WeightFetch(SideMessage):
     MAX_BYTES: ClassVar[int] = 4096
     version: int
     bucket: int
+
+
+# ---- rendezvous store ------------------------------------------------------------------------
+
+STORE_OPS = ("set", "get", "add", "check", "wait", "compare_set", "delete_key", "num_keys")
+_STORE_BYTES = 16 << 20  # a store value is an address, a unique id or a counter: kilobytes at most
+
+
+@side_message
+class StoreRequest(SideMessage):
+    """group member -> its store server: ``op`` on ``keys`` (``value``/``expected``/``n`` as ``op`` needs);
+    ``get`` and ``wait`` are answered once every key exists, or with an error after ``timeout_ms``."""
+
+    TYPE: ClassVar[str] = "store_request"
+    MAX_BYTES: ClassVar[int] = _STORE_BYTES
+    id: int
+    op: str
+    keys: list[str]
+    value: bytes = b""
+    expected: bytes = b""
+    n: int = 0
+    timeout_ms: int = 0
+
+    def validate(self) -> Optional[str]:
+        if self.op not in STORE_OPS:
+            return f"op {self.op!r}: expected one of {STORE_OPS}"
+        if self.op != "num_keys" and not self.keys:
+            return f"op {self.op!r} names no key"
+        return None
+
+
+@side_message
+class StoreReply(SideMessage):
+    """store server -> member: the answer to request ``id`` (``error`` non-empty: refused or timed out)."""
+
+    TYPE: ClassVar[str] = "store_reply"
+    MAX_BYTES: ClassVar[int] = _STORE_BYTES
+    id: int
+    value: bytes = b""
+    n: int = 0
+    error: str = ""
 
 
 # ---- reward pool <-> child (bare field maps: the pipe is private to one pool and its children) --

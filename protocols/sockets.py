@@ -24,7 +24,8 @@ Nodes: a process given its node's address (``use_source_host``, from ``cluster.n
 connects every ``tcp://`` socket from that address, as it binds on it.
 
 Receivers never die on a bad frame: ``recv_message`` turns any undecodable frame into a logged
-``ProtocolError`` and returns None, and the caller goes on serving.
+``ProtocolError`` and returns None, and the caller goes on serving. The log is rate-limited with a
+periodic count per receiver, peer and reason (``protocols.rejections``), so a flood cannot fill the disk.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ import zmq.asyncio
 
 from protocols.curve import CURVE_FRAME_OVERHEAD, secure
 from protocols.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
+from protocols.rejections import RejectionLog
 
 log = logging.getLogger("areal_async.protocols")
+REJECTIONS = RejectionLog(log, max_lines=100)  # the bad frames of this process's receivers without a log of their own
 
 HWM = 100_000
 
@@ -52,6 +55,11 @@ def use_source_host(host: Optional[str]) -> None:
     let the kernel choose). A fleet's node k binds and connects on its own address."""
     global _SOURCE_HOST
     _SOURCE_HOST = host or None
+
+
+def source_host() -> Optional[str]:
+    """This process's node address, as ``use_source_host`` set it (None: not placed on a named node)."""
+    return _SOURCE_HOST
 
 
 def connect_address(endpoint: str) -> str:
@@ -144,14 +152,21 @@ async def recv_message(
 
 
 def decode_logged(
-    frames: list, routed: bool = False, expect: Optional[tuple] = None, where: str = ""
+    frames: list,
+    routed: bool = False,
+    expect: Optional[tuple] = None,
+    where: str = "",
+    rejections: Optional[RejectionLog] = None,
 ) -> tuple[Optional[bytes], Optional[Message]]:
-    """``decode_frames``, with a bad frame logged and returned as (sender, None)."""
+    """``decode_frames``, with a bad frame logged (rate-limited: ``rejections``, else this process's
+    ``REJECTIONS``) and returned as (sender, None)."""
     try:
         return decode_frames(frames, routed, expect)
     except ProtocolError as e:
         sender = bytes(frames[0]) if routed and frames else None
-        log.error("%s: rejected a frame from %r: %s", where or "receiver", sender, e)
+        where = where or "receiver"
+        text = "%s: rejected a frame from %r: %s"
+        (rejections or REJECTIONS).reject(where, sender, "bad frame", text, where, sender, e)
         return sender, None
 
 

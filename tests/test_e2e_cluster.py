@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -57,14 +58,7 @@ def _ip(hex_addr: str) -> str:
 def tcp_sockets(pid: int) -> list[tuple[str, int, str, int, str]]:
     """(local ip, local port, remote ip, remote port, state hex) of every TCP socket process ``pid`` holds,
     read from /proc (the kernel's view, independent of the code under test); IPv6 sockets as 'v6'."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+    inodes = _socket_inodes(pid)
     out = []
     for table in ("tcp", "tcp6"):
         for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
@@ -75,6 +69,33 @@ def tcp_sockets(pid: int) -> list[tuple[str, int, str, int, str]]:
                     continue
                 out.append((_ip(f[1]), int(f[1][-4:], 16), _ip(f[2]), int(f[2][-4:], 16), f[3]))
     return out
+
+
+def listeners(pid: int) -> list[tuple[str, int]]:
+    """(local address, port) of every listening TCP socket of process ``pid``, from /proc: IPv4 dotted,
+    IPv6 as '::' (any), '::1' or the hex of the address; '0.0.0.0' and '::' are the wildcards."""
+    inodes = _socket_inodes(pid)
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes and f[3] == "0A":
+                addr, port = f[1].split(":")
+                ip = _ip(f[1]) if table == "tcp" else {"0" * 32: "::", "0" * 24 + "01000000": "::1"}.get(addr, addr)
+                out.append((ip, int(port, 16)))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    return inodes
 
 
 def _port(endpoint: str) -> int:
@@ -137,3 +158,40 @@ def test_fleet_across_two_loopback_nodes(tmp_path):
     log = (run_dir / "logs" / "scheduler.log").read_text()
     assert "refused a registration" not in log
     assert all(f"registered {w.split('-')[0]} {w} " in log for w in nodes if w != "scheduler")
+
+
+# ---- no open door: every listener of a gloo fleet on the node's address --------------------------
+GLOO_RANKS = ["cluster.control=tcp", "tensor_channel.trajectories=gloo", "cluster.n_trainer_ranks=2"]
+
+
+def test_gloo_fleet_with_two_trainer_ranks_listens_on_no_wildcard(tmp_path):
+    """torch's TCPStore listened on '*' for the trajectory group and the trainer ranks (seen with ss on the
+    code before): now each group's store is served by the trainer over the run's CURVE sockets on the node's
+    address, and gloo's pairs bind it too. Every listening socket of every process of the run, sampled from
+    /proc while it runs, is on 127.0.0.1; the books are exact."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        cli(run_dir, *GLOO_RANKS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: set[tuple[str, int]] = set()
+    try:
+        wait_for(lambda: (run_dir / "pids.json").exists(), 120, "the fleet")
+        pids = {w: p for w, p in json.loads((run_dir / "pids.json").read_text()).items() if isinstance(p, int)}
+        while proc.poll() is None:
+            for pid in pids.values():
+                try:
+                    seen |= set(listeners(pid))
+                except OSError:
+                    pass  # exited between the listing and the read
+            time.sleep(0.2)
+        finish_ok(proc, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=120)
+    extra = json.loads((run_dir / "endpoints.json").read_text())["extra"]
+    stores = {extra[k] for k in ("traj_store", "weight_store", "trainer_store")}
+    assert all(s.startswith("tcp://127.0.0.1:") for s in stores) and len(stores) == 3, stores
+    assert {("127.0.0.1", _port(extra["traj_store"])), ("127.0.0.1", _port(extra["trainer_store"]))} <= seen
+    assert seen and {ip for ip, _ in seen} == {"127.0.0.1"}, sorted(seen)
+    check_books(run_dir, eta=1)

@@ -19,6 +19,10 @@ from typing import Optional
 
 from protocols.sockets import free_tcp_port, ipc_endpoint
 
+# the rendezvous stores of the trajectory group, the weight group and the trainer ranks, each served by the
+# trainer (rank 0) over the run's sockets (transport/store.py): ipc:// in the private socket directory, or
+# tcp:// on the trainer's node address with CURVE; never a torch TCPStore (no authentication, listens on *)
+STORES = ("traj_store", "weight_store", "trainer_store")
 NODE_HOST_ENV = "AREAL_NODE_HOST"  # the address of a worker's node (cluster.node_hosts), set by the supervisor
 
 
@@ -56,14 +60,10 @@ def plan_endpoints(n_reward_workers: int, host: str, control: str, hosts: Option
     endpoints are advertised with the address it binds; a process not named binds on ``host``."""
     at = lambda who: (hosts or {}).get(who, host)  # noqa: E731
     tcp = lambda who: f"tcp://{at(who)}:{plan_port(at(who))}"  # noqa: E731
-    extra = {
-        "run_id": uuid.uuid4().hex[:10],
-        "traj_store": f"{at('trainer')}:{plan_port(at('trainer'))}",
-        "weight_store": f"{at('trainer')}:{plan_port(at('trainer'))}",
-        "weights_endpoint": tcp("trainer"),
-    }
+    extra = {"run_id": uuid.uuid4().hex[:10], "weights_endpoint": tcp("trainer")}
     if control == "ipc":
         d = tempfile.mkdtemp(prefix="areal-")  # short path: ipc paths are limited to ~100 chars
+        extra |= {name: ipc_endpoint(d, name) for name in STORES}
         return Endpoints(
             ipc_endpoint(d, "control"),
             ipc_endpoint(d, "traj"),
@@ -71,4 +71,5 @@ def plan_endpoints(n_reward_workers: int, host: str, control: str, hosts: Option
             d,
             extra,
         )
+    extra |= {name: tcp("trainer") for name in STORES}
     return Endpoints(tcp("scheduler"), tcp("trainer"), [tcp(f"reward-{i}") for i in range(n_reward_workers)], "", extra)

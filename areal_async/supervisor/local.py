@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_async.base.affinity import check_available
-from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints, plan_port
+from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
@@ -181,8 +181,6 @@ class LocalSupervisor:
         )
         self.endpoints.extra["resume_from"] = str(resume) if resume else None
         self.endpoints.extra["servers"] = plan_server_addresses(self.cfg)
-        host = self.node_host("trainer")
-        self.endpoints.extra["trainer_store"] = f"{host}:{plan_port(host)}"  # the trainer ranks' group
         # keys before endpoints.json: whoever finds the endpoints finds the keys (bring-your-own workers)
         self.tokens = write_run_keys(
             self.run_dir, {wid: module.rsplit(".", 1)[-1] for wid, module, _ in worker_specs(self.cfg)}

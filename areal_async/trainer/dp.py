@@ -40,6 +40,7 @@ from areal_async.trainer.loss import LossStats
 from areal_async.trainer.packing import allocate_micro_batches, karmarkar_karp, one_device_cat
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.buckets import plan
+from areal_async.transport.store import group_store
 
 # commands rank 0 broadcasts to the other ranks before each collective phase
 CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP = 1, 2, 3, 4
@@ -210,7 +211,8 @@ def trainer_backend(device: str | torch.device) -> str:
 
 
 def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_s: float = 3600.0) -> DataParallel:
-    """Join the trainer ranks' default process group (``store`` = 'host:port', hosted by rank 0);
+    """Join the trainer ranks' default process group (``store``: ``tcp://host:port`` or ``ipc://path``, served
+    by rank 0 over the run's sockets, ``transport.store``; the gloo pairs bind the host name's address);
     ``backend`` as ``trainer_backend`` gives it.
 
     Also for one rank: FSDP2 (the mixed-precision path) needs a group. The long timeout is for
@@ -223,7 +225,7 @@ def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_
 
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{store}",
+        store=group_store(store, rank, timeout_s),
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout_s),

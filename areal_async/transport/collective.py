@@ -1,9 +1,10 @@
 """Channels over a collective library: gloo here (CPU), NCCL in ``nccl.py`` (GPU), one code path.
 
 Set-up (both): a transport group of ``world_size`` processes, rank 0 = the trainer, ranks
-1..N = rollout workers, rendezvous through a ``torch.distributed.TCPStore`` at ``store``
-("host:port", hosted by rank 0). Constructing a channel is itself collective: it returns once
-every rank of its group has constructed its own. The trajectory and the weight channel are
+1..N = rollout workers, rendezvous through the store at ``store`` (``transport.store``: served
+by rank 0 over the run's authenticated sockets, ``tcp://host:port`` or ``ipc://path``).
+Constructing a channel is itself collective: it returns once every rank of its group has
+constructed its own. The trajectory and the weight channel are
 separate groups (``name``), so a broadcast never interleaves with point-to-point traffic.
 
 Trajectories: the sender pushes a msgpack note (the ``protocols.tensors`` header plus the byte
@@ -38,11 +39,12 @@ from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, WeightChannel
 from areal_async.transport.frames import flat_bytes, header_bytes, layout, parse_header, tensor_views
 from areal_async.transport.notify import Pipe, deadline_of
+from areal_async.transport.store import gloo_host, group_store
 from protocols.messages import ProtocolError
 from protocols.side import GroupTensors
+from protocols.sockets import source_host
 
 MAX_MESSAGE_BYTES = 1 << 30  # default bound of one trajectory message (tensor_channel.max_message_mb)
-_STORES: dict[tuple[str, int], Any] = {}
 
 
 class Group(ABC):
@@ -85,19 +87,16 @@ def check_rank(rank: int, world_size: int) -> None:
         raise ValueError(f"rank={rank!r}: expected an int in [0, {world_size})")
 
 
-def tcp_store(address: str, rank: int, timeout_s: float):
-    """The rendezvous store at ``host:port`` (rank 0 hosts it); one per address per process."""
+def gloo_options(store: str, timeout_s: float):
+    """Gloo's options with its pairs bound to ``gloo_host`` (loopback for a group on one host)."""
     import torch.distributed as dist
 
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"store={address!r}: expected 'host:port' (rank 0 listens there)")
-    key = (host, int(port))
-    if key not in _STORES:
-        _STORES[key] = dist.TCPStore(
-            host, int(port), None, rank == 0, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-        )
-    return _STORES[key]
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    host = gloo_host(store, source_host())
+    gloo = dist.ProcessGroupGloo
+    opts._devices = [gloo.create_device(hostname=host) if host else gloo.create_default_device()]
+    return opts
 
 
 class GlooGroup(Group):
@@ -109,8 +108,8 @@ class GlooGroup(Group):
 
         check_rank(rank, world_size)
         self.rank, self.world_size = rank, world_size
-        prefixed = dist.PrefixStore(f"areal/{name}", tcp_store(store, rank, timeout_s))
-        self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        prefixed = dist.PrefixStore(f"areal/{name}", group_store(store, rank, timeout_s))
+        self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_options(store, timeout_s))
 
     def send(self, bufs: list[torch.Tensor], dst: int) -> list:
         return [self.pg.send([b], dst, 0) for b in bufs]

@@ -17,7 +17,7 @@ cuda_ipc   endpoint, device                                 bucket_mb, checksum=
 
 ``endpoint``: the ZeroMQ address the trajectory *receiver* binds and senders connect to
 (``tcp://host:port`` or ``ipc:///path``); a receiver bound to port ``*`` reports the real one in
-its ``.endpoint``. ``store``: ``host:port`` of the rendezvous TCPStore hosted by rank 0.
+its ``.endpoint``. ``store``: the rendezvous store rank 0 serves (``transport.store``: ``tcp://host:port``, ``ipc://path``).
 Implementations are imported on first use, so asking for ``shm`` never imports CUDA code and
 asking for ``nccl`` on a CPU machine fails with ``TransportUnavailable`` naming what is missing.
 """

@@ -21,7 +21,7 @@ Rendezvous: rank 0 creates the NCCL unique id (``nccl.get_unique_id()``, 128 byt
 ranks need it before the (collective) communicator init. Either pass ``rendezvous``, a callable
 that the caller routes over the control plane - rank 0 calls ``rendezvous(uid_bytes)``, the
 others ``rendezvous(None)``, and every call returns the id as bytes - or pass ``store="host:port"``
-and the id travels through the same ``TCPStore`` the gloo channels use.
+and the id travels through the same store the gloo channels use (``transport.store``).
 
 Environment knobs that matter (read by NCCL at communicator init; set them in the launcher):
 
@@ -58,8 +58,8 @@ from areal_async.transport.collective import (
     CollectiveWeightChannel,
     Group,
     check_rank,
-    tcp_store,
 )
+from areal_async.transport.store import group_store
 
 UID_BYTES = 128
 Rendezvous = Callable[[Optional[bytes]], bytes]
@@ -188,8 +188,8 @@ class NcclGroup(Group):
         if rendezvous is not None:
             return rendezvous(mine)
         if store is None:
-            raise ValueError("the nccl channel needs store='host:port' or a rendezvous callable to share its unique id")
-        s = tcp_store(store, self.rank, timeout_s)
+            raise ValueError("the nccl channel needs store='tcp://host:port' (or ipc://) or a rendezvous callable")
+        s = group_store(store, self.rank, timeout_s)
         key = f"areal/{name}/nccl_unique_id"
         if mine is not None:
             s.set(key, mine)
