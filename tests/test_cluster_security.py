@@ -256,3 +256,77 @@ def test_a_node_address_is_the_source_of_every_tcp_connection():
         use_source_host(None)
         listener.close()
         ctx.destroy(linger=0)
+
+
+async def test_a_flood_of_bad_frames_writes_a_bounded_log_with_counts_that_add_up(keyed_run, tmp_path):
+    """2000 undecodable frames from one keyed peer, 2 from each of 100 peers with fresh identities and
+    50 messages from an unregistered peer: every one answered with an Error, the scheduler's log holds
+    at most one window's cap of lines (20 in full + 10 count lines + 1 for the rest; two windows if one
+    closed meanwhile), and its count lines add up to every frame sent. (Before: one ERROR line each.)"""
+    run_dir, tokens = keyed_run
+    svc = scheduler(run_dir, free_tcp_port())
+    handler = logging.FileHandler(tmp_path / "scheduler.log")
+    logger = logging.getLogger("areal_async.scheduler")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    task = asyncio.create_task(svc.run())
+    ctx = zmq.asyncio.Context()
+    try:
+        endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        flood = make_socket(ctx, zmq.DEALER, connect=endpoint, identity="fuzz/0")
+        for k in range(2000):
+            await flood.send(os.urandom(1 + k % 64))
+        for _ in range(2000):
+            assert isinstance(await recv(flood), M.Error)
+        for j in range(100):
+            rotating = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=f"fuzz/{j + 1}")
+            for _ in range(2):
+                await rotating.send(b"\xc1")  # never valid msgpack
+                assert (await recv(rotating)).code == "bad_frame"
+            rotating.close(0)
+        stranger = make_socket(ctx, zmq.DEALER, connect=endpoint, identity="nobody/1")
+        for _ in range(50):
+            await send_message(stranger, M.Heartbeat(worker_id="nobody", ts=0.0))
+            assert (await recv(stranger)).code == "refused"
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 5)  # flushes the window's count lines
+        ctx.destroy(linger=0)
+        logger.removeHandler(handler)
+        handler.close()
+    lines = [ln for ln in (tmp_path / "scheduler.log").read_text().splitlines() if "rejected" in ln or "refused" in ln]
+    counts = [ln for ln in lines if " logged above" in ln]
+    assert len(lines) <= 2 * 31, len(lines)
+    assert sum(int(ln.split(": ", 1)[1].split(" ")[0]) for ln in counts) == 2000 + 200 + 50, counts
+    assert any("2000 rejected (bad frame) from b'fuzz/0'" in ln for ln in counts), counts
+    assert any("50 rejected (refused heartbeat) from b'nobody/1'" in ln for ln in counts), counts
+
+
+def test_rejection_log_caps_lines_per_peer_and_window_and_counts_every_one():
+    """By hand: burst 2 per key, 3 lines a window, 1 key named in the counts, windows of 10 s."""
+    from protocols.rejections import RejectionLog
+
+    now, out = [0.0], []
+    logger = logging.getLogger("test.rejections")
+    logger.addHandler(handler := logging.Handler())
+    handler.emit = lambda r: out.append(r.getMessage())
+    try:
+        rl = RejectionLog(logger, burst=2, max_lines=3, max_keys=1, period_s=10.0, clock=lambda: now[0])
+        for k in range(5):
+            rl.reject("s", b"a", "bad frame", "A%d", k)
+        rl.reject("s", b"b", "bad frame", "B")
+        rl.reject("s", b"c", "bad frame", "C")  # over the window's 3 lines: counted only
+        assert out == ["A0", "A1", "B"]
+        now[0] = 10.0
+        rl.reject("s", b"a", "bad frame", "A%d", 5)  # closes the first window, opens the next
+        assert out[3:] == [
+            "s: 5 rejected (bad frame) from b'a' in 10.0 s; 2 of them logged above",
+            "(others): 2 rejected (any) from 2 other (receiver, peer, reason) in 10.0 s; 1 of them logged above",
+            "A5",
+        ]
+        now[0] = 12.5
+        rl.flush()
+        rl.flush()  # an empty window writes nothing
+        assert out[6:] == ["s: 1 rejected (bad frame) from b'a' in 2.5 s; 1 of them logged above"]
+    finally:
+        logger.removeHandler(handler)

@@ -70,6 +70,7 @@ from protocols.messages import (
     WeightsLoaded,
     WeightsPublished,
 )
+from protocols.rejections import RejectionLog
 from protocols.sockets import decode_logged, make_socket, send_message
 
 from areal_async.config import ExperimentConfig
@@ -201,6 +202,7 @@ class SchedulerService:
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
         self.queued = zmq.Socket.shadow(self.sock.underlying)  # the same socket, read without a Future per frame
+        self.rejections = RejectionLog(log)  # bad frames and refusals: rate-limited lines, a count per peer a minute
         self.workers: dict[str, dict] = {}  # worker_id -> {role, ident, last_seen, pid, host, samples, ...}
         # samples accepted from rollout / reward workers, aborted as stale; groups admitted
         self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0}
@@ -241,6 +243,7 @@ class SchedulerService:
         finally:
             loop.remove_signal_handler(signal.SIGUSR1)
             tasks.cancel()
+            self.rejections.flush()
             self.runlog.close()
             self.sock.close(0)
             self.ctx.term()
@@ -267,7 +270,7 @@ class SchedulerService:
             return None
 
     async def _take(self, frames: list) -> None:
-        ident, msg = decode_logged(frames, routed=True, where="scheduler")
+        ident, msg = decode_logged(frames, routed=True, where="scheduler", rejections=self.rejections)
         if msg is None:
             return await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
         self.received[msg.TYPE] = self.received.get(msg.TYPE, 0) + 1
@@ -276,7 +279,8 @@ class SchedulerService:
         try:
             await self.handle(ident, msg)
         except (ValueError, KeyError) as e:
-            log.error("message %s from %r refused: %s", msg.TYPE, ident, e)
+            why = f"refused {msg.TYPE}"
+            self.rejections.reject("scheduler", ident, why, "message %s from %r refused: %s", msg.TYPE, ident, e)
             await self._reply_error(ident, "refused", str(e))
 
     async def _reply_error(self, ident: Optional[bytes], code: str, detail: str) -> None:
@@ -381,7 +385,8 @@ class SchedulerService:
         if worker_of(ident) != m.worker_id:
             raise ValueError(f"register: socket identity {ident!r} differs from worker_id {m.worker_id!r}")
         if self.roster is not None and (why := self.roster.check(m.role, m.worker_id, m.token)):
-            log.error("refused a registration as %s %s (pid %d, host %r): %s", m.role, m.worker_id, m.pid, m.host, why)
+            text = "refused a registration as %s %s (pid %d, host %r): %s"
+            self.rejections.reject("scheduler", ident, "registration", text, m.role, m.worker_id, m.pid, m.host, why)
             raise ValueError(f"register: {why}")
         old = self.workers.get(m.worker_id)
         if old is not None:
@@ -619,6 +624,7 @@ class SchedulerService:
     async def _watchdog(self) -> None:
         while True:
             self._write_status()
+            self.rejections.flush_due()
             await asyncio.sleep(self.cfg.cluster.heartbeat_s)
             await self._check_heartbeats()
             await self._expire_groups()
