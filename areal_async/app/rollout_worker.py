@@ -57,7 +57,7 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
         max_active,
         **workflow_parts(cfg, tok),
         message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
-        record=RolloutRecord(run_dir, worker_id),
+        record=RolloutRecord(run_dir, worker_id) if cfg.rollout.dump_to_file else None,  # as the books per sample
     )
 
 

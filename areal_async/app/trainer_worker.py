@@ -87,7 +87,8 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
         total_steps=cfg.total_train_steps,
         forward_ahead_samples=_forward_ahead_samples(cfg, actor),
-        record=TrainerRecord(run_dir, start_step),  # rank 0 holds the whole batch: it alone writes
+        # rank 0 holds the whole batch: it alone writes; with the books per sample (areal-async verify)
+        record=TrainerRecord(run_dir, start_step) if cfg.rollout.dump_to_file else None,
     )
 
 

@@ -18,6 +18,9 @@ these records are written by the other side of each hand-over, in other processe
   the checkpoint a run resumed from may be in no book (its prompt was re-issued under an id of
   the resumed run's prefix, ``r<k>-``).
 
+Both are written when the scheduler writes its books per sample (``rollout.dump_to_file``): the
+check needs all three, and a run without them has nothing to check against.
+
 Lines are flushed as written: a SIGKILL loses at most the line being written (the reader drops
 a torn last line).
 """

@@ -137,7 +137,11 @@ class RolloutConfig(Section):
         2, "η: trainer step v consumes only samples whose oldest token version >= v - η; 0 = synchronous on-policy."
     )
     max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout workers.")
-    dump_to_file: bool = _f(False, "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample).")
+    dump_to_file: bool = _f(
+        False,
+        "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample), and the trainer's and the "
+        "rollout workers' own records beside it (trainer_steps.jsonl, rollout_records/): areal-async verify.",
+    )
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
     workflow: str = _f(
         "",
