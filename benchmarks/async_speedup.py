@@ -98,7 +98,7 @@ SYNC_CONFIGS = {
     "2rollout_none": (2, "none", []),
     "1rollout_own_no_ahead": (1, "own", ["actor.forward_ahead=false"]),
 }
-BEST_SYNC = "2rollout_trainer"  # the fastest in the sweep recorded in benchmarks/RESULTS.md
+BEST_SYNC = "1rollout_none"  # the fastest in the sweep recorded in benchmarks/RESULTS.md (a loaded machine)
 
 
 # --- configure --------------------------------------------------------------------------------
