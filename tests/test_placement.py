@@ -216,3 +216,15 @@ def test_the_supervisor_refuses_the_boba_layout_on_a_machine_with_too_few_gpus()
     assert len(device_placement(gpu_cfg(), gpus_here=8, environ={})) == 4 + 4 + 4 + 2  # servers, workers, ranks
     with pytest.raises(LaunchError, match="needs 8 GPUs for this placement but this machine has 2"):
         device_placement(gpu_cfg(), gpus_here=2, environ={})
+
+
+def test_a_shared_gpu_is_asked_of_ray_once():
+    """Ray's bundles: boba's servers hold GPUs 0-3, the rollout workers beside them ask for none, the four
+    trainer ranks one each: 8 GPUs for an 8-GPU node (counting the workers too would ask for 12)."""
+    from areal_async.supervisor.placement import exclusive_gpu_counts, shape_of
+
+    p = place(shape_of(gpu_cfg(), {}))
+    order = [f"sglang-{j}" for j in range(4)] + ["scheduler", "reward-0", "trainer", "trainer-1", "trainer-2"]
+    got = exclusive_gpu_counts(p, order + ["trainer-3"] + [f"rollout-{i}" for i in range(4)])
+    assert sum(got.values()) == 8 and [got[f"rollout-{i}"] for i in range(4)] == [0] * 4
+    assert [got[w] for w in ("sglang-0", "trainer-3", "scheduler")] == [1, 1, 0]

@@ -26,6 +26,7 @@ from typing import Optional
 from areal_async.config import ExperimentConfig, n_servers, server_addresses
 from areal_async.supervisor.launchers import Launched, Launcher, popen_logged
 from areal_async.supervisor.local import device_placement, worker_specs
+from areal_async.supervisor.placement import exclusive_gpu_counts
 from areal_async.supervisor.servers import server_role, uses_servers
 
 CALL_TIMEOUT_S = 30.0  # an actor call unanswered this long is asked again later (poll) or times out (wait)
@@ -277,7 +278,7 @@ def ray_launcher(cfg: ExperimentConfig) -> RayLauncher:
     ours = uses_servers(cfg) and not server_addresses(cfg)  # servers the supervisor starts itself
     names = [f"{server_role(cfg)}-{j}" for j in range(n_servers(cfg) if ours else 0)]
     names += [wid for wid, _, _ in worker_specs(cfg)]
-    gpus = {w: len(slot.gpus) for w, slot in device_placement(cfg, gpus_here=10**6).items()}
+    gpus = exclusive_gpu_counts(device_placement(cfg, gpus_here=10**6), names)  # a shared GPU asked for once
     if cfg.cluster.n_nodes > 1 and cfg.cluster.control != "tcp":
         raise RayLaunchError(
             f"cluster.n_nodes={cfg.cluster.n_nodes} with cluster.control={cfg.cluster.control!r}: workers on "
