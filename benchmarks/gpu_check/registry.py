@@ -51,6 +51,7 @@ CHECKS: list[Check] = [
     Check("trajectories_to_host", "transport_checks:trajectories_to_host", True, 60),
     Check("fsdp2_step_vs_plain", "fsdp_checks:fsdp2_step_vs_plain", True, 150, cpu_twin=True),
     Check("dcp_roundtrip_hf_export", "fsdp_checks:dcp_roundtrip_hf_export", True, 120, cpu_twin=True),
+    Check("placement_refusals", "placement_checks:placement_refusals", False, 60, isolate=False),
 ]
 
 
