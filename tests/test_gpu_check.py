@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_sh_on_cpu_skips_cuda_checks_and_passes_the_rest():
     env = {**os.environ, "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [r["name"] for r in rows] == [c.name for c in CHECKS]

@@ -62,9 +62,14 @@ def test_every_gpu_extra_holds_one_cuda_major_the_one_of_its_sglang():
     assert [r.name for r in table["flash-attn"]] == ["flash-attn"]
 
 
-@pytest.mark.parametrize(("cuda", "wheels"), [("13.0", ("cupy-cuda13x", "nvidia-nccl-cu13")),
-                                              ("12.8", ("cupy-cuda12x", "nvidia-nccl-cu12")),
-                                              (None, ("cupy-cuda13x", "nvidia-nccl-cu13"))])
+@pytest.mark.parametrize(
+    ("cuda", "wheels"),
+    [
+        ("13.0", ("cupy-cuda13x", "nvidia-nccl-cu13")),
+        ("12.8", ("cupy-cuda12x", "nvidia-nccl-cu12")),
+        (None, ("cupy-cuda13x", "nvidia-nccl-cu13")),
+    ],
+)
 def test_require_nccl_names_the_wheel_of_the_torch_cuda_major(monkeypatch, cuda, wheels):
     monkeypatch.setattr(torch.version, "cuda", cuda)
     monkeypatch.setitem(sys.modules, "cupy", None)  # as on a box without CuPy

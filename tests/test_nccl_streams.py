@@ -117,9 +117,14 @@ def test_a_receive_is_not_ordered_after_the_callers_stream():
     s.log.clear()
     g.wait(g.recv([buf[:16], buf[16:]], src=1))
     assert s.log == [
-        ("record", 16, "nccl"), ("record", 48, "nccl"),
-        ("groupStart",), ("recv", 16, 1, 1004, "nccl"), ("recv", 48, 1, 1004, "nccl"), ("groupEnd",),
-        ("event", "nccl"), ("host waits",),
+        ("record", 16, "nccl"),
+        ("record", 48, "nccl"),
+        ("groupStart",),
+        ("recv", 16, 1, 1004, "nccl"),
+        ("recv", 48, 1, 1004, "nccl"),
+        ("groupEnd",),
+        ("event", "nccl"),
+        ("host waits",),
     ]  # no ("wait", "nccl", "caller"): a training step queued on the caller's stream does not delay it
 
 
@@ -127,15 +132,24 @@ def test_a_send_waits_for_the_callers_queued_work_first():
     g, s = group(rank=1)
     g.send([torch.empty(8, device="meta")], dst=0)
     assert s.log[0] == ("wait", "nccl", "caller")
-    assert s.log[1:] == [("record", 8, "nccl"), ("groupStart",), ("send", 8, 0, 1004, "nccl"), ("groupEnd",),
-                         ("event", "nccl")]
+    assert s.log[1:] == [
+        ("record", 8, "nccl"),
+        ("groupStart",),
+        ("send", 8, 0, 1004, "nccl"),
+        ("groupEnd",),
+        ("event", "nccl"),
+    ]
 
 
 def test_a_broadcast_waits_for_the_caller_at_the_root_only():
     root, s0 = group(rank=0)
     root.broadcast(torch.empty(32, device="meta"), root=0)
-    assert s0.log == [("wait", "nccl", "caller"), ("record", 32, "nccl"), ("bcast", 32, 0, 1004, "nccl"),
-                      ("event", "nccl")]
+    assert s0.log == [
+        ("wait", "nccl", "caller"),
+        ("record", 32, "nccl"),
+        ("bcast", 32, 0, 1004, "nccl"),
+        ("event", "nccl"),
+    ]
     other, s1 = group(rank=1)
     other.broadcast(other.recv_buffer(32), root=0)
     assert ("wait", "nccl", "caller") not in s1.log and ("bcast", 32, 0, 1004, "nccl") in s1.log

@@ -47,8 +47,17 @@ def _trajs(device: str, n: int = 6) -> list[Trajectory]:
     out = []
     for i in range(n):
         ids = torch.arange(3 + i, dtype=torch.int32, device=device)
-        out.append(Trajectory(f"s{i}", f"g{i // 2}", ids[:2], ids, torch.zeros(3 + i, device=device),
-                              torch.zeros(3 + i, dtype=torch.int32, device=device), float(i % 2)))
+        out.append(
+            Trajectory(
+                f"s{i}",
+                f"g{i // 2}",
+                ids[:2],
+                ids,
+                torch.zeros(3 + i, device=device),
+                torch.zeros(3 + i, dtype=torch.int32, device=device),
+                float(i % 2),
+            )
+        )
     return out
 
 
@@ -82,14 +91,19 @@ def test_tensors_on_two_devices_are_refused_by_name():
 
 def test_to_host_copies_one_message_buffer_once():
     flat = torch.empty(64, dtype=torch.uint8, device=DEV)
-    msg = {"output_ids": flat[:16].view(torch.int32), "logprobs": flat[16:48].view(torch.float32),
-           "lengths": flat[48:56].view(torch.int64)}
+    msg = {
+        "output_ids": flat[:16].view(torch.int32),
+        "logprobs": flat[16:48].view(torch.float32),
+        "lengths": flat[48:56].view(torch.int64),
+    }
     with HostCopies() as copies:
         got = to_host(msg)
     assert copies.n == 1
     assert {k: (v.device.type, v.dtype, tuple(v.shape)) for k, v in got.items()} == {
-        "output_ids": ("cpu", torch.int32, (4,)), "logprobs": ("cpu", torch.float32, (8,)),
-        "lengths": ("cpu", torch.int64, (1,))}
+        "output_ids": ("cpu", torch.int32, (4,)),
+        "logprobs": ("cpu", torch.float32, (8,)),
+        "lengths": ("cpu", torch.int64, (1,)),
+    }
     # views of one host buffer, at the offsets they had on the device
     assert got["logprobs"].untyped_storage().data_ptr() == got["output_ids"].untyped_storage().data_ptr()
     assert got["logprobs"].storage_offset() == 4 and got["lengths"].storage_offset() == 6
@@ -113,10 +127,17 @@ class OneMessage:
         self.sent = True
         flat = torch.empty(128, dtype=torch.uint8, device=DEV)  # the message's one receive buffer
         lengths = torch.tensor([2, 3], dtype=torch.int64)  # sizes travel as host values in the real header
-        return "grp", {"sample_ids": ["a", "b"], "group_id": "g"}, {
-            "prompt_ids": flat[:8].view(torch.int32), "output_ids": flat[8:28].view(torch.int32),
-            "logprobs": flat[28:48].view(torch.float32), "versions": flat[48:68].view(torch.int32),
-            "lengths": lengths}
+        return (
+            "grp",
+            {"sample_ids": ["a", "b"], "group_id": "g"},
+            {
+                "prompt_ids": flat[:8].view(torch.int32),
+                "output_ids": flat[8:28].view(torch.int32),
+                "logprobs": flat[28:48].view(torch.float32),
+                "versions": flat[48:68].view(torch.int32),
+                "lengths": lengths,
+            },
+        )
 
 
 def test_trajectory_buffer_keeps_received_groups_on_the_host():

@@ -135,6 +135,7 @@ def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         key = (t.device, s.data_ptr(), s.nbytes())
         if key not in host:
             host[key] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s).to("cpu")
-        out[name] = torch.empty(0, dtype=t.dtype).set_(host[key].untyped_storage(), t.storage_offset(), t.size(),
-                                                       t.stride())
+        out[name] = torch.empty(0, dtype=t.dtype).set_(
+            host[key].untyped_storage(), t.storage_offset(), t.size(), t.stride()
+        )
     return out

@@ -21,8 +21,13 @@ def flash_attn_choice() -> Result:
     want = "flash_attention_2" if dev == "cuda" and fa2 else VARLEN_IMPL
     got = select_attn_implementation(dev, torch.bfloat16)
     fp32 = select_attn_implementation(dev, torch.float32)
-    data = {"device": dev, "transformers_fa2": fa2, "find_spec_flash_attn": importlib.util.find_spec("flash_attn")
-            is not None, "chosen_bf16": got, "chosen_fp32": fp32}
+    data = {
+        "device": dev,
+        "transformers_fa2": fa2,
+        "find_spec_flash_attn": importlib.util.find_spec("flash_attn") is not None,
+        "chosen_bf16": got,
+        "chosen_fp32": fp32,
+    }
     if got != want or fp32 != VARLEN_IMPL:
         return Result(False, f"chose {got!r} (bf16) / {fp32!r} (fp32); expected {want!r} / {VARLEN_IMPL!r}", data)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -35,8 +40,15 @@ def flash_attn_choice() -> Result:
 
 def _against_dense_mask(impl: str, dev: str, dtype: torch.dtype) -> float:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg).to(device=dev, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(1)
     packed = pack([torch.randint(1, 64, (n,), generator=gen) for n in (7, 19, 3, 12)])

@@ -16,8 +16,12 @@ NEEDED = {"zmq": "pyzmq", "msgpack": "msgpack", "yaml": "pyyaml", "safetensors":
 
 def environment() -> Result:
     """Versions and devices; fails when a package the checks import is missing (named with its wheel)."""
-    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "devices": torch.cuda.device_count(),
-            "transformers": transformers.__version__}
+    info = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "devices": torch.cuda.device_count(),
+        "transformers": transformers.__version__,
+    }
     if torch.cuda.is_available():
         info["device_name"] = torch.cuda.get_device_name(0)
     info.update(_cupy())

@@ -37,15 +37,26 @@ LR = 1e-4
 
 def tiny_model(seed: int = 0) -> transformers.LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def trajectories() -> list[Trajectory]:
-    return [Trajectory(f"s{i}", f"g{i // 4}", [1, 2, 3 + i % 3], [4 + i, 5, 6, 7 + i % 5, 9], [-4.0] * 5, [0] * 5,
-                       float(i % 2)) for i in range(16)]
+    return [
+        Trajectory(
+            f"s{i}", f"g{i // 4}", [1, 2, 3 + i % 3], [4 + i, 5, 6, 7 + i % 5, 9], [-4.0] * 5, [0] * 5, float(i % 2)
+        )
+        for i in range(16)
+    ]
 
 
 def actor(dev: str, compute_dtype, dp: DataParallel) -> PPOActor:
@@ -63,8 +74,7 @@ def one_rank_group(dev: str) -> str:
     backend = trainer_backend(dev)
     if dev == "cuda":
         torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_tcp_port('127.0.0.1')}", rank=0,
-                            world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_tcp_port('127.0.0.1')}", rank=0, world_size=1)
     return backend
 
 
@@ -88,11 +98,21 @@ def fsdp2_step_vs_plain(dev: str) -> Result:
     frac = float(((plain - fp32).abs() > 1e-3 * LR).float().mean())
     cos = float(torch.nn.functional.cosine_similarity(plain, bf16, dim=0))
     moved = float((plain != 0).float().mean())
-    data = {"backend": backend, "fp32_frac_off": frac, "bf16_cos": cos, "moved": moved, "grad_norm": {
-        "plain": m_plain["grad_norm"], "fsdp_fp32": m_fp32["grad_norm"]}, "sharded_publish_bytes_equal": same_bytes}
+    data = {
+        "backend": backend,
+        "fp32_frac_off": frac,
+        "bf16_cos": cos,
+        "moved": moved,
+        "grad_norm": {"plain": m_plain["grad_norm"], "fsdp_fp32": m_fp32["grad_norm"]},
+        "sharded_publish_bytes_equal": same_bytes,
+    }
     ok = frac < 1e-3 and cos > 0.8 and moved > 0.5 and same_bytes
-    return Result(ok, f"fp32: {frac:.1e} of elements off by > 1e-3*lr (< 1e-3); bf16: cos {cos:.4f} (> 0.8); "
-                      f"{moved:.0%} moved; sharded publish bytes equal: {same_bytes}", data)
+    return Result(
+        ok,
+        f"fp32: {frac:.1e} of elements off by > 1e-3*lr (< 1e-3); bf16: cos {cos:.4f} (> 0.8); "
+        f"{moved:.0%} moved; sharded publish bytes equal: {same_bytes}",
+        data,
+    )
 
 
 def _sharded_publish_matches(a: PPOActor, bucket: int = 64 << 10) -> bool:

@@ -115,8 +115,13 @@ def run_check(check: Check, cuda: bool, cpu_twins: bool = False, timeout_s: Opti
 
 
 def _row(check: Check, status: str, detail: str, data: dict, t0: float) -> dict:
-    return {"name": check.name, "status": status, "detail": detail, "seconds": round(time.monotonic() - t0, 2),
-            "data": data}
+    return {
+        "name": check.name,
+        "status": status,
+        "detail": detail,
+        "seconds": round(time.monotonic() - t0, 2),
+        "data": data,
+    }
 
 
 def run_all(checks: list[Check], cuda: bool, cpu_twins: bool = False, budget_s: float = BUDGET_S) -> list[dict]:

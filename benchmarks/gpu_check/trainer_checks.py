@@ -38,8 +38,15 @@ def served_devices(backend: str) -> set[str]:
 
 def control_trajectories() -> list[Trajectory]:
     return [
-        Trajectory(f"s{i}", f"g{i % 2}", [1, 2, 3][: 1 + i % 3], [4, 5, 6, 7][: 1 + i], [-1.5] * (i + 1), [i] * (i + 1),
-                   float(i))
+        Trajectory(
+            f"s{i}",
+            f"g{i % 2}",
+            [1, 2, 3][: 1 + i % 3],
+            [4, 5, 6, 7][: 1 + i],
+            [-1.5] * (i + 1),
+            [i] * (i + 1),
+            float(i),
+        )
         for i in range(4)
     ]
 
@@ -109,19 +116,26 @@ def control_problems(ranks: list[dict], backend: str) -> list[str]:
     """What is wrong with two ranks' records: results unlike the hand-computed ones, unserved devices."""
     g0, g1 = ranks[0]["got"], ranks[1]["got"]
     want = [(t.output_ids.tolist(), t.versions.tolist(), t.score) for t in control_trajectories()]
-    bad = [name for name, ok in (
-        ("broadcast_module", torch.equal(g0["weight"], g1["weight"])),
-        ("command", g1["command"] == (2, 7, "save here")),
-        ("broadcast_batch", g0["batch"] == want and g1["batch"] == want),
-        ("all_gather_per_seq", g0["gathered"] == g1["gathered"] == GATHERED),
-        ("sum_stats", g0["stats"] == g1["stats"] == STATS),
-    ) if not ok]
+    bad = [
+        name
+        for name, ok in (
+            ("broadcast_module", torch.equal(g0["weight"], g1["weight"])),
+            ("command", g1["command"] == (2, 7, "save here")),
+            ("broadcast_batch", g0["batch"] == want and g1["batch"] == want),
+            ("all_gather_per_seq", g0["gathered"] == g1["gathered"] == GATHERED),
+            ("sum_stats", g0["stats"] == g1["stats"] == STATS),
+        )
+        if not ok
+    ]
     seen = {s for r in ranks for s in r["seen"]}
     if {s[0] for s in seen} != set(PHASES):
         bad.append(f"phases seen {sorted({s[0] for s in seen})}, expected {sorted(PHASES)}")
     served = served_devices(backend)
-    bad += [f"{p}: {op} got a {d} tensor; {backend!r} serves {sorted(served)}" for p, op, d in sorted(seen)
-            if d not in served]
+    bad += [
+        f"{p}: {op} got a {d} tensor; {backend!r} serves {sorted(served)}"
+        for p, op, d in sorted(seen)
+        if d not in served
+    ]
     return bad
 
 
@@ -134,5 +148,6 @@ def trainer_group_backend(dev: str) -> Result:
     data = {"backend": backend, "serves": sorted(served_devices(backend)), "cuda_backend": cuda_backend}
     if bad:
         return Result(False, "; ".join(bad), data)
-    return Result(True, f"{backend!r}: the five control collectives ran on 2 ranks, every tensor on a served device",
-                  data)
+    return Result(
+        True, f"{backend!r}: the five control collectives ran on 2 ranks, every tensor on a served device", data
+    )

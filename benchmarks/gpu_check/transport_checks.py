@@ -73,8 +73,11 @@ def nccl_group_loopback() -> Result:
 def nccl_weight_publish() -> Result:
     pub = make_weight_channel("nccl", role="publisher", rank=0, world_size=1, store=_store(), bucket_mb=1)
     g = torch.Generator().manual_seed(1)
-    host = {**{f"w{i}": torch.randn(1024, 700, generator=g).to(torch.bfloat16) for i in range(3)},
-            "norm": torch.randn(300, generator=g), "steps": torch.arange(5)}
+    host = {
+        **{f"w{i}": torch.randn(1024, 700, generator=g).to(torch.bfloat16) for i in range(3)},
+        "norm": torch.randn(300, generator=g),
+        "steps": torch.arange(5),
+    }
     computed: list[int] = []
     send_buckets = pub._send_buckets
 
@@ -100,22 +103,40 @@ def nccl_weight_publish() -> Result:
 
 
 def trajectories_to_host() -> Result:
-    msg = {"output_ids": torch.arange(7, dtype=torch.int32), "logprobs": torch.linspace(-3, 0, 7),
-           "versions": torch.full((7,), 4, dtype=torch.int32), "lengths": torch.tensor([3, 4])}
+    msg = {
+        "output_ids": torch.arange(7, dtype=torch.int32),
+        "logprobs": torch.linspace(-3, 0, 7),
+        "versions": torch.full((7,), 4, dtype=torch.int32),
+        "lengths": torch.tensor([3, 4]),
+    }
     offsets, total = layout([flat_bytes(t).numel() for t in msg.values()])
     flat = torch.zeros(total, dtype=torch.uint8, device="cuda")
     for off, t in zip(offsets, msg.values()):
         b = flat_bytes(t)
         flat[off : off + b.numel()] = b.cuda()
-    on_gpu = {k: view_as(flat[o : o + flat_bytes(t).numel()], t.dtype, list(t.shape))
-              for (k, t), o in zip(msg.items(), offsets)}
+    on_gpu = {
+        k: view_as(flat[o : o + flat_bytes(t).numel()], t.dtype, list(t.shape))
+        for (k, t), o in zip(msg.items(), offsets)
+    }
     back = to_host(on_gpu)
     equal = all(back[k].is_cpu and torch.equal(back[k], msg[k]) for k in msg)
     one_copy = len({t.untyped_storage().data_ptr() for t in back.values()}) == 1
-    cpu = [Trajectory(f"s{i}", "g", [1, 2], torch.arange(3 + i, dtype=torch.int32), [-1.0] * (3 + i), [0] * (3 + i),
-                      1.0) for i in range(4)]
-    gpu = [Trajectory(t.sample_id, t.group_id, t.prompt_ids.cuda(), t.output_ids.cuda(), t.behav_logp.cuda(),
-                      t.versions.cuda(), t.score) for t in cpu]
+    cpu = [
+        Trajectory(f"s{i}", "g", [1, 2], torch.arange(3 + i, dtype=torch.int32), [-1.0] * (3 + i), [0] * (3 + i), 1.0)
+        for i in range(4)
+    ]
+    gpu = [
+        Trajectory(
+            t.sample_id,
+            t.group_id,
+            t.prompt_ids.cuda(),
+            t.output_ids.cuda(),
+            t.behav_logp.cuda(),
+            t.versions.cuda(),
+            t.score,
+        )
+        for t in cpu
+    ]
     same_pack = torch.equal(pack([t.seq_parts for t in gpu]).ids_T, pack([t.seq_parts for t in cpu]).ids_T)
     same_enc = all(torch.equal(a, b) for a, b in zip(encode_batch(gpu), encode_batch(cpu)))
     ok = equal and one_copy and same_pack and same_enc
