@@ -83,3 +83,17 @@ def test_the_runner_and_environment_check_import_without_pyzmq(missing):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().startswith("fail missing ['pyzmq']"), out.stdout + out.stderr
+
+
+def test_tests_gpu_collect_without_pyzmq_and_msgpack():
+    """The bare GPU box has neither: tests/gpu still collects (the gpu_check tests), the rest skip saying why."""
+    code = (
+        "import sys\n"
+        "sys.modules['zmq'] = sys.modules['msgpack'] = None\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '--co', '-m', 'gpu', 'tests/gpu', '-p', 'no:cacheprovider', '-rs']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    n_cuda = sum(c.needs_cuda for c in CHECKS)
+    assert f"{n_cuda} tests collected" in out.stdout and "needs pyzmq" in out.stdout

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytest.importorskip("zmq", reason="the project's modules need pyzmq (see scripts/gpu_check.sh)")
+
 from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model, save_policy
 from areal_async.models.tokenizer import build_char_tokenizer

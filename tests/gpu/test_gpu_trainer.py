@@ -12,6 +12,9 @@ import multiprocessing as mp
 import pytest
 import torch
 
+pytest.importorskip("zmq", reason="protocols.sockets needs pyzmq (see scripts/gpu_check.sh)")
+pytest.importorskip("msgpack", reason="the project's modules need msgpack (see scripts/gpu_check.sh)")
+
 from protocols.sockets import free_tcp_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -23,12 +26,12 @@ def _step(port: int, out_path: str) -> None:
 
     from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
     from areal_async.trainer.actor import PPOActor
-    from areal_async.trainer.dp import DataParallel, full_tensor
+    from areal_async.trainer.dp import DataParallel, full_tensor, trainer_backend
     from areal_async.trainer.packing import select_attn_implementation
     from areal_async.trainer.types import Trajectory
 
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(trainer_backend("cuda"), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         vocab_size=64,
