@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import transformers
 from transformers.utils import is_flash_attn_2_available
 
 from areal_async.trainer.packing import VARLEN_IMPL, forward_packed, pack, select_attn_implementation
+from benchmarks.gpu_check.models import tiny_model
 from benchmarks.gpu_check.registry import Result
 
 
@@ -39,17 +39,7 @@ def flash_attn_choice() -> Result:
 
 
 def _against_dense_mask(impl: str, dev: str, dtype: torch.dtype) -> float:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(cfg).to(device=dev, dtype=dtype).eval()
+    model = tiny_model(0).to(device=dev, dtype=dtype).eval()
     gen = torch.Generator().manual_seed(1)
     packed = pack([torch.randint(1, 64, (n,), generator=gen) for n in (7, 19, 3, 12)])
     with torch.no_grad():

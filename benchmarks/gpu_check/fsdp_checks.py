@@ -29,25 +29,11 @@ from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.sharded_ckpt import export_full, load_shards, save_shards
 from areal_async.trainer.types import Trajectory
 from areal_async.transport import buckets as B
+from benchmarks.gpu_check.models import tiny_model
 from benchmarks.gpu_check.registry import Result
 from protocols.sockets import free_tcp_port
 
 LR = 1e-4
-
-
-def tiny_model(seed: int = 0) -> transformers.LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def trajectories() -> list[Trajectory]:

@@ -22,27 +22,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _step(port: int, out_path: str) -> None:
     import torch.distributed as dist
-    import transformers
 
     from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
     from areal_async.trainer.actor import PPOActor
     from areal_async.trainer.dp import DataParallel, full_tensor, trainer_backend
     from areal_async.trainer.packing import select_attn_implementation
     from areal_async.trainer.types import Trajectory
+    from benchmarks.gpu_check.models import tiny_model
 
     torch.cuda.set_device(0)
     dist.init_process_group(trainer_backend("cuda"), init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
+    model = tiny_model(0)
     model.set_attn_implementation(select_attn_implementation("cuda", torch.bfloat16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     actor = PPOActor(
