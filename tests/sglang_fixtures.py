@@ -2,13 +2,16 @@
 
 ``start_cpu_server(config)`` runs ``python -m areal_async.rollout.sglang_server`` on a free port
 and returns (process, "http://127.0.0.1:PORT"); ``stop(proc)`` kills it by pid.
-``pinned_sglang_file(path)`` returns the text of one file of the pinned sglang release, read out
-of its wheel (``pip download --no-deps`` once into ``$AREAL_CACHE`` or ``~/.cache/areal-async``);
-the test skips, saying why, only when the package index cannot be reached.
+``pinned_sglang_file(path)`` returns the text of one file of the pinned sglang release: the copy
+vendored in ``tests/data/sglang-<pin>/`` (checked against its ``SHA256SUMS``; see ``SOURCE.md`` there),
+so the schema tests never need the network; a file not vendored is read out of the release's wheel
+(``pip download --no-deps`` once into ``$AREAL_CACHE`` or ``~/.cache/areal-async``), and the test
+skips, saying why, when the package index cannot be reached (under CI, ``AREAL_MUST_RUN``, it fails).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -22,6 +25,7 @@ from protocols.sockets import free_tcp_port
 SGLANG_PIN = "0.5.23"  # the release whose HTTP contract the client is built against
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_arith.yaml"
+VENDORED = REPO / "tests" / "data" / f"sglang-{SGLANG_PIN}"  # schema files of the pinned release, with SHA256SUMS
 
 
 def start_cpu_server(config: Path = TINY, port: int | None = None, extra: list[str] = ()):
@@ -70,6 +74,24 @@ def pinned_wheel() -> Path:
     return found[0]
 
 
+def vendored_sglang_file(inner: str) -> str | None:
+    """The vendored copy of ``inner`` (a path inside the wheel), its sha256 checked; None if not vendored."""
+    sums = {}
+    for line in (VENDORED / "SHA256SUMS").read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        sums[name] = digest
+    if inner not in sums:
+        return None
+    path = VENDORED / f"{inner}.txt"
+    got = hashlib.sha256(path.read_bytes()).hexdigest()
+    if got != sums[inner]:
+        raise AssertionError(f"{path}: sha256 {got}, but SHA256SUMS says {sums[inner]}: the vendored copy changed")
+    return path.read_text()
+
+
 def pinned_sglang_file(inner: str) -> str:
+    text = vendored_sglang_file(inner)
+    if text is not None:
+        return text
     with zipfile.ZipFile(pinned_wheel()) as z:
         return z.read(inner).decode()
