@@ -530,6 +530,27 @@ class Shutdown(Message):
 
 
 @message
+class GroupAborted(Message):
+    """rollout worker -> scheduler: a group it holds cannot be generated (a workflow episode raised,
+    timed out or returned a bad episode): abort it with ``reason`` and re-issue its prompt."""
+
+    TYPE: ClassVar[str] = "group_aborted"
+    group_id: str
+    worker_id: str
+    reason: str
+
+
+@message
+class AbortGroups(Message):
+    """scheduler -> rollout worker: these groups were aborted (``reason``: e.g. past their deadline);
+    stop their work (a workflow's episodes are cancelled)."""
+
+    TYPE: ClassVar[str] = "abort_groups"
+    group_ids: list[str]
+    reason: str = ""
+
+
+@message
 class Error(Message):
     """Any direction: the peer sent something we refused, or a worker hit a fatal error."""
 
@@ -584,6 +605,7 @@ class StatusReport(Message):
     samples_trained: int
     samples_aborted: int
     workers: list[dict] = field(default_factory=list)
+    overdue: str = ""  # whose work is oldest and what it is stuck in (areal_async/scheduler/overdue.py)
 
     def validate(self) -> Optional[str]:
         for w in self.workers:

@@ -7,8 +7,11 @@ exactly-once accounting as for plain sampling."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -101,3 +104,54 @@ def test_calculator_tool_preset(tmp_path):
     for m in metrics:  # tool tokens are trained nowhere: a step with a tool call has masked tokens, others none
         calls = sum(t["turns"] - 1 for t in trained if t["train_step"] == m["step"])
         assert (m["masked_tokens"] > 0) == (calls > 0), (m["step"], m["masked_tokens"], calls)
+
+
+def test_a_hanging_workflow_fails_the_run_within_the_episode_bound_naming_it(tmp_path):
+    """rollout.workflow=...:Hang (arun_episode never returns): each episode is cancelled at
+    rollout.episode_timeout_s, its group aborted with the workflow's reason; the second failure is
+    more than max_workflow_errors=1, so the run fails naming the workflow. While it hangs, status.json
+    names the rollout's workflow as the holder of the oldest work (never the idle reward worker or
+    trainer). Nothing leaks: every episode task is gone at exit."""
+    run_dir, bound = tmp_path / "run", 2.0
+    wf = "tests.workflow_fixtures:Hang"
+    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml")]
+    cmd += ["--run-dir", str(run_dir), "--no-progress", "total_train_steps=3", "train_dataset.batch_size=2"]
+    cmd += ["sft_warmup.steps=0", "rollout.max_concurrent_rollouts=2"]
+    cmd += ["gconfig.n_samples=2", "cluster.n_rollout_workers=1", "cluster.heartbeat_s=0.25", f"rollout.workflow={wf}"]
+    cmd += [f"rollout.episode_timeout_s={bound:g}", "rollout.max_workflow_errors=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = set()
+    try:
+        while proc.poll() is None:
+            st = _status(run_dir / "status.json")
+            if st and ((st.get("work") or {}).get("generate") or {}).get("age_s", 0) >= 1.0:  # heartbeats since
+                seen.add(st["overdue"].split(" (")[0] + " | " + st["overdue"].split("stuck in ")[-1][:60])
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out[-2000:] + err[-3000:]
+    failed = re.search(rf"workflow {wf}: (\d+) of its last (\d+) episodes failed \(rollout.max_workflow_errors=1 ", err)
+    assert failed and 2 <= int(failed[1]) == int(failed[2]) <= 4, err[-3000:]  # both groups' episodes timed out
+    assert f"last error: workflow {wf}, sample " in err and f"no episode within {bound:g}s" in err
+    assert seen and all(s.startswith(f"rollout | its workflow {wf}") for s in seen), seen
+    books = [json.loads(x) for x in (run_dir / "trajectories.jsonl").read_text().splitlines()]
+    assert len(books) >= 4 and all(t["status"] == "aborted" for t in books)
+    assert all(t["reason"].startswith(f"workflow_error: workflow {wf}, sample ") for t in books[:4])
+    sched = (run_dir / "logs" / "scheduler.log").read_text()
+    t_ready = _log_time(sched, "trainer ready at version 0")
+    t_fail = _log_time(sched, "reported workflow_failed")
+    assert bound - 0.5 <= t_fail - t_ready <= bound + 5.0, (t_ready, t_fail)
+    assert "0 still live (leaked)" in (run_dir / "logs" / "rollout-0.log").read_text()
+
+
+def _status(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _log_time(log: str, marker: str) -> float:
+    line = next(x for x in log.splitlines() if marker in x)
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()

@@ -284,6 +284,7 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
                     "trainer_ready": True,
                     "trainer_busy": True,
                     "waiting_for": "the trainer to finish step 1 (planned 2s ago)",
+                    "work": {"generate": None, "score": None, "train": {"step": 1, "age_s": 2.0}},
                     "workers": {
                         "trainer": {"role": "trainer", "silent_s": 2.0, "waiting_for": "its own train_step (step 1)"},
                         "rollout-0": {"role": "rollout", "silent_s": 0.1, "waiting_for": "generating 0 group(s)"},
@@ -299,8 +300,8 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
     assert 1.4 <= time.monotonic() - t0 < 10
     err = capsys.readouterr().err
     assert (
-        "(cluster.step_timeout_s=1.5): silent role: trainer (waiting for its own train_step (step 1); last "
-        "heartbeat 2.0s ago)"
+        "(cluster.step_timeout_s=1.5): overdue: trainer (step 1 planned 2s ago, not finished; trainer silent for "
+        "2s, waiting for its own train_step (step 1))"
     ) in err
     assert "The scheduler waits for the trainer to finish step 1" in err and "the run failed" in err
     assert sched.proc.poll() is not None
@@ -308,16 +309,22 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
 
 def test_silence_report_names_the_scheduler_when_its_status_is_stale():
     cfg = from_dict({}, ["cluster.step_timeout_s=30"])
-    assert "silent role: scheduler (its status.json is 40s old)" in silence_report({"workers": {}}, 40.0, 31, cfg)
-    assert "silent role: scheduler (its status.json is missing)" in silence_report(None, None, 31, cfg)
+    assert "overdue: scheduler (its status.json is 40s old)" in silence_report({"workers": {}}, 40.0, 31, cfg)
+    assert "overdue: scheduler (its status.json is missing)" in silence_report(None, None, 31, cfg)
     st = {
         "trainer_busy": False,
+        "trainer_ready": True,
         "waiting_for": "1/4 groups ready for step 3",
+        "work": {"generate": None, "score": {"group": "g7", "worker": "rollout-0", "age_s": 25.0}, "train": None},
         "workers": {
             "trainer": {"role": "trainer", "silent_s": 0.5, "waiting_for": "a BatchPlan for step 3"},
+            "rollout-0": {"role": "rollout", "silent_s": 0.2, "waiting_for": "generating 0 group(s)"},
             "reward-0": {"role": "reward", "silent_s": 25.0, "waiting_for": "scoring 2 group(s)"},
         },
     }
     report = silence_report(st, 1.0, 31, cfg)
-    assert "silent role: reward (reward-0: last heartbeat 25.0s ago, waiting for scoring 2 group(s))" in report
+    assert (
+        "overdue: reward (group g7 generated 25s ago and not scored; reward-0 silent for 25s, stuck in scoring "
+        "2 group(s))"
+    ) in report
     assert "The scheduler waits for 1/4 groups ready for step 3" in report

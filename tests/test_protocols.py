@@ -130,6 +130,8 @@ SAMPLES = {
     "checkpoint_saved": M.CheckpointSaved(step=3, path="/run/checkpoints/step_3"),
     "shutdown": M.Shutdown(reason="lost: no heartbeat for 9s", lost=True),
     "error": M.Error(code="bad", detail="why", worker_id="x"),
+    "group_aborted": M.GroupAborted(group_id="g1", worker_id="rollout-0", reason="workflow m:W, sample g1.0: boom"),
+    "abort_groups": M.AbortGroups(group_ids=["g1", "g2"], reason="deadline"),
     "ping": M.Ping(nonce=1),
     "pong": M.Pong(nonce=1),
 }

@@ -248,3 +248,38 @@ async def test_plan_ahead_at_eta_one_stops_before_a_due_checkpoint(tmp_path):
         assert groups[more[0].group_id] == "ready" and "batched" not in groups.values()
         p2 = await _next(trainer, M.BatchPlan)
         assert p2.step == 2 and p2.sample_ids == more[0].sample_ids
+
+
+async def test_a_workflow_failure_aborts_its_group_and_too_many_fail_the_run(tmp_path):
+    """GroupAborted from the holder: the group is aborted with the workflow's reason and its prompt
+    re-issued (a new group, same prompt); from another worker it is refused; Error(workflow_failed)
+    ends the run non-zero with the message, telling every worker."""
+    over = ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_concurrent_rollouts=2"]
+    async with _fleet(tmp_path, over) as (svc, rollout, reward, trainer):
+        first = await _next(rollout, M.GenerateRequests)
+        g0, p0 = first.group_ids[0], first.prompt_keys[0]
+        why = "workflow m:Flaky, sample %s.1: RuntimeError: sandbox down" % g0
+        await send_message(reward, M.GroupAborted(group_id=g0, worker_id="reward-0", reason=why))
+        err = await _next(reward, M.Error)
+        assert err.code == "refused" and "a reward worker may not send 'group_aborted'" in err.detail
+        await send_message(rollout, M.GroupAborted(group_id=g0, worker_id="rollout-0", reason=why))
+        again = await _next(rollout, M.GenerateRequest)  # the freed slot: the same prompt, re-issued
+        assert again.prompt_id == p0 and again.group_id != g0
+        recs = [svc.core.ledger.samples.get(f"{g0}.{k}") for k in range(2)]
+        assert all(r.status == "aborted" and r.reason == f"workflow_error: {why}" for r in recs)
+        await send_message(rollout, M.GroupAborted(group_id="g77", worker_id="rollout-0", reason=why))
+        assert "does not hold" in (await _next(rollout, M.Error)).detail
+        await send_message(rollout, M.Error(code="workflow_failed", detail="workflow m:Flaky: 21 of ...; last: x"))
+        down = await _next(trainer, M.Shutdown)
+        assert down.reason == "run failed: rollout-0: workflow m:Flaky: 21 of ...; last: x" and not down.lost
+        assert svc.done.is_set() and svc.exit_code == 1
+
+
+async def test_a_group_past_its_deadline_is_aborted_at_its_holder(tmp_path):
+    over = ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_concurrent_rollouts=1"]
+    over += ["rollout.gen_deadline_s=0.3", "cluster.heartbeat_s=0.1"]
+    async with _fleet(tmp_path, over) as (svc, rollout, reward, trainer):
+        req = await _next(rollout, M.GenerateRequest)
+        abort = await _next(rollout, M.AbortGroups, timeout=5.0)
+        assert abort == M.AbortGroups(group_ids=[req.group_id], reason="deadline")
+        assert svc.core.ledger.samples[f"{req.group_id}.0"].reason.startswith("deadline: not generated")

@@ -1,8 +1,13 @@
-"""Rollout workflows broken on purpose (and a good one), for ``check-plugin`` (tests/test_check_plugin.py)."""
+"""Rollout workflows broken on purpose (and a good one), for ``check-plugin`` (tests/test_check_plugin.py)
+and the workflow liveness runs (a hanging one, flaky ones: tests/test_e2e_workflows.py)."""
 
+import asyncio
+import os
+import random
 import time
 
 from areal_async.workflows.base import EpisodeBuilder, RolloutWorkflow
+from areal_async.workflows.multi_turn_math import MultiTurnMath
 
 
 class GoodWorkflow(RolloutWorkflow):
@@ -37,3 +42,28 @@ class MaskTooShort(RolloutWorkflow):
 class HangsInGenerate(RolloutWorkflow):
     async def arun_episode(self, engine, prompt):
         time.sleep(3600)  # blocks the event loop: only a kill ends it
+
+
+class Hang(RolloutWorkflow):
+    """An episode that never returns (awaits for ever, cancellable): rollout.episode_timeout_s ends it."""
+
+    async def arun_episode(self, engine, prompt):
+        await asyncio.Event().wait()
+
+
+class FlakyMultiTurn(MultiTurnMath):
+    """Multi-turn math that raises on about ``rate`` of its episodes (a tool or sandbox error), seeded."""
+
+    rate = 0.1
+
+    def __init__(self):
+        self.rng = random.Random(os.getpid())
+
+    async def arun_episode(self, engine, prompt):
+        if self.rng.random() < self.rate:
+            raise ConnectionError("sandbox unreachable (injected)")
+        return await super().arun_episode(engine, prompt)
+
+
+class AlwaysRaises(FlakyMultiTurn):
+    rate = 1.0

@@ -18,6 +18,7 @@ from areal_async.config import ExperimentConfig, server_addresses
 from areal_async.base.plugins import load_callable
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import batch_decoder, load_tokenizer
+from areal_async.rollout.episodes import Episodes, ErrorWindow
 from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.reward.pool import RewardPool
 from areal_async.rollout.record import RolloutRecord
@@ -66,13 +67,15 @@ def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
     processes); nothing for plain sampling."""
     if not cfg.rollout.workflow:
         return {}
-    workflow = load_callable(cfg.rollout.workflow)()
+    r = cfg.rollout
+    errors = ErrorWindow(r.workflow, r.max_workflow_errors, r.workflow_error_window)
+    episodes = Episodes(load_callable(r.workflow)(), r.workflow, r.episode_timeout_s, errors)
     pool = RewardPool.from_config(cfg.reward)
 
     async def score(completion: str, solutions: list) -> float:
         return (await pool.score(completion, solutions)).score
 
-    return {"workflow": workflow, "tokenizer": tok, "score": score}
+    return {"episodes": episodes, "tokenizer": tok, "score": score}
 
 
 def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:

@@ -78,4 +78,5 @@ def render(r: StatusReport) -> str:
         f"{w['version']:7d} {w['samples']:8d} {w['samples_per_s']:9.1f} {w['restarts']:8d}"
         for w in r.workers
     ]
-    return "\n".join([head, cols, *lines])
+    tail = [f"oldest unfinished work: {r.overdue}"] if r.overdue else []
+    return "\n".join([head, cols, *lines, *tail])

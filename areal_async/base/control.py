@@ -16,7 +16,7 @@ import os
 import secrets
 import socket
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import zmq
 import zmq.asyncio
@@ -34,6 +34,7 @@ class ControlClient:
         self.role, self.worker_id, self.heartbeat_s, self.token = role, worker_id, heartbeat_s, token
         self.sock = make_socket(ctx, zmq.DEALER, connect=endpoint, identity=routing_identity(worker_id))
         self.stats: dict = {}
+        self.live_stats: Optional[Callable[[], dict]] = None  # merged into every heartbeat's stats (ages now)
         self._hb: Optional[asyncio.Task] = None
         self._lock = asyncio.Lock()
 
@@ -76,7 +77,8 @@ class ControlClient:
 
     async def _heartbeat(self) -> None:
         while True:
-            await self.send(Heartbeat(worker_id=self.worker_id, ts=time.time(), stats=dict(self.stats)))
+            live = self.live_stats() if self.live_stats is not None else {}
+            await self.send(Heartbeat(worker_id=self.worker_id, ts=time.time(), stats={**self.stats, **live}))
             await asyncio.sleep(self.heartbeat_s)
 
     def close(self) -> None:

@@ -159,6 +159,19 @@ class RolloutConfig(Section):
         "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
         "trained is dropped on its next abort, with the reason in the books; -1 = never dropped.",
     )
+    episode_timeout_s: float = _f(
+        300.0,
+        "A workflow episode still running this many seconds after it started is cancelled and its "
+        "group aborted (the reason names the workflow and this timeout) and re-issued; 0 = no bound.",
+    )
+    max_workflow_errors: int = _f(
+        50,
+        "More than this many failed workflow episodes (raised, timed out, malformed) among a rollout "
+        "worker's last workflow_error_window episodes (in start order) fail the run, naming the workflow "
+        "and its last error; fewer are aborted and re-issued. The default fails a workflow that fails "
+        "more than half its episodes, not one with routine tool errors; -1 = never fail.",
+    )
+    workflow_error_window: int = _f(100, "Episodes (the most recent ones) that max_workflow_errors counts over.")
 
     def check(self) -> None:
         require(
@@ -178,6 +191,9 @@ class RolloutConfig(Section):
         )
         require(self.gen_deadline_s >= 0, "gen_deadline_s", self.gen_deadline_s, ">= 0 (0 = no deadline)")
         require(self.max_reissues >= -1, "max_reissues", self.max_reissues, "an integer >= -1 (-1 = never dropped)")
+        require(self.episode_timeout_s >= 0, "episode_timeout_s", self.episode_timeout_s, ">= 0 (0 = no bound)")
+        require(self.max_workflow_errors >= -1, "max_workflow_errors", self.max_workflow_errors, "an integer >= -1")
+        at_least(self, "workflow_error_window", 1)
 
 
 @dataclass

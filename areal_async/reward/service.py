@@ -64,9 +64,11 @@ class RewardService:
         self.tasks: TaskSet | None = None
         self.exit_code = 0
         self.scoring = 0  # groups being scored now
+        self._started: dict[int, float] = {}  # id(batch) -> monotonic start of its scoring
 
     async def run(self) -> int:
         await self.control.register(info={"n_procs": self.n_procs})
+        self.control.live_stats = self._live_stats
         self.tasks = TaskSet()
         self.tasks.adopt(self.control.heartbeat_task, forever=True)
         self.tasks.spawn(self._work(), "reward.work", forever=True)
@@ -79,6 +81,11 @@ class RewardService:
             self.pool.close()  # kill and reap the checking processes before the worker exits
             self.pull.close(0)
         return self.exit_code
+
+    def _live_stats(self) -> dict:
+        """The age of the oldest batch being scored now, as of each heartbeat (0: none)."""
+        oldest = min(self._started.values(), default=None)
+        return {"scoring_oldest_s": 0.0 if oldest is None else round(time.monotonic() - oldest, 1)}
 
     def _note_waiting(self) -> None:
         """What this worker waits for (heartbeat stats, read by the step watchdog)."""
@@ -122,12 +129,14 @@ class RewardService:
     async def _score(self, batch: list[RewardRequest]) -> None:
         """Score the batch's groups in one pool call; their scores go out in one RewardResults."""
         self._busy(+1)
+        self._started[id(batch)] = time.monotonic()
         self.scoring += len(batch)
         self._note_waiting()
         try:
             outs = await self.pool.score_many([(c, req.solutions) for req in batch for c in req.completions])
         finally:
             self.slots.release()
+            self._started.pop(id(batch), None)
             self._busy(-1)
             self.scoring -= len(batch)
             self._note_waiting()

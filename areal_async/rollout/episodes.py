@@ -3,15 +3,19 @@
 ``WorkerEngine.generate`` turns one call into a one-sample request on the worker's
 ``EngineThread`` (the same engine, batching and weight switches as plain sampling; so a
 generation interrupted by new weights continues under them and its tokens carry both
-versions) and awaits its ``SampleOutput``. ``run_group`` runs a ``GenerateRequest``'s n
-episodes concurrently and returns them in sample order, each checked (``Episode.problem``).
+versions) and awaits its ``SampleOutput``. ``Episodes`` owns the worker's episodes: it runs a
+``GenerateRequest``'s n episodes as tasks it counts, bounds and cancels, and returns them in
+sample order, each checked (``episode_problem``). ``ErrorWindow`` counts the failed ones.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Awaitable, Callable
+import time
+import traceback
+from collections import deque
+from typing import Awaitable, Callable, Optional
 
 from protocols.messages import GenerateRequest
 
@@ -19,10 +23,6 @@ from areal_async.rollout.engine import GenRequest
 from areal_async.workflows.base import EngineHandle, Episode, Generation, Prompt, RolloutWorkflow, Sampling
 
 ScoreFn = Callable[[str, list], Awaitable[float]]
-
-
-class EpisodeError(RuntimeError):
-    """A workflow returned something that is not a well-formed episode."""
 
 
 class SubRequest:
@@ -74,21 +74,161 @@ def prompt_of(req: GenerateRequest) -> Prompt:
     )
 
 
-async def run_group(workflow: RolloutWorkflow, engine: WorkerEngine, req: GenerateRequest) -> list[Episode]:
-    """The group's episodes, one per sample id; ``EpisodeError`` names the first bad one."""
-    prompt = prompt_of(req)
-    episodes = await asyncio.gather(*(workflow.arun_episode(engine, prompt) for _ in req.sample_ids))
-    for sid, ep in zip(req.sample_ids, episodes):
-        if not isinstance(ep, Episode):
-            raise EpisodeError(
-                f"workflow {type(workflow).__name__} returned {type(ep).__name__} for sample {sid}; expected an Episode"
-            )
-        why = ep.problem()
-        if why:
-            raise EpisodeError(f"workflow {type(workflow).__name__}, sample {sid}: {why}")
-        if ep.prompt_ids != list(req.prompt_ids):
-            raise EpisodeError(
-                f"workflow {type(workflow).__name__}, sample {sid}: the episode's prompt_ids differ "
-                "from the request's (an episode continues its prompt)"
-            )
-    return list(episodes)
+class EpisodeFailed(Exception):
+    """One episode of a group raised, timed out or returned a bad episode: the group is aborted with
+    ``reason`` (which names the workflow and the sample); ``trace``: the traceback, for the log."""
+
+    def __init__(self, reason: str, trace: str = ""):
+        super().__init__(reason)
+        self.reason, self.trace = reason, trace
+
+
+def episode_problem(ep, req: GenerateRequest) -> Optional[str]:
+    """What is wrong with a workflow's return value for one sample of ``req``, or None."""
+    if not isinstance(ep, Episode):
+        return f"returned {type(ep).__name__}; expected an Episode"
+    if why := ep.problem():
+        return why
+    if ep.prompt_ids != list(req.prompt_ids):
+        return "the episode's prompt_ids differ from the request's (an episode continues its prompt)"
+    return None
+
+
+class Episodes:
+    """The workflow episodes of one rollout worker, each an ``asyncio`` task owned and counted here.
+
+    ``start`` runs a ``GenerateRequest``'s n episodes as one group task (kept by group id, so
+    ``cancel`` stops a group the scheduler aborted); each episode is bounded by ``timeout_s`` (0:
+    none). The first episode that fails ends its group with ``EpisodeFailed`` and cancels its
+    siblings; every episode's outcome goes to ``errors``. ``stats`` (heartbeat): episodes running,
+    the oldest one's age, the workflow's name; ``close`` cancels everything and says how many tasks
+    outlived the cancellation (leaked)."""
+
+    def __init__(
+        self,
+        workflow: RolloutWorkflow,
+        name: str,
+        timeout_s: float,
+        errors: Optional["ErrorWindow"] = None,
+        clock=time.monotonic,
+    ):
+        self.workflow, self.name, self.timeout_s, self.clock = workflow, name, timeout_s, clock
+        self.errors = errors or ErrorWindow(name, -1, 1)  # every episode's outcome, in start order
+        self.started: dict[asyncio.Task, float] = {}  # live episode task -> when it started
+        self.groups: dict[str, asyncio.Task] = {}  # group id -> its group task
+
+    def start(self, group_id: str, coro) -> asyncio.Task:
+        """Run ``coro`` (which calls ``run_group``) as the task of group ``group_id``."""
+        task = asyncio.create_task(coro, name=f"workflow group {group_id}")
+        self.groups[group_id] = task
+        task.add_done_callback(lambda t: self.groups.pop(group_id, None) if self.groups.get(group_id) is t else None)
+        return task
+
+    def cancel(self, group_ids: list[str]) -> int:
+        """Cancel these groups' tasks (and with them their episodes); returns how many were running."""
+        tasks = [self.groups[g] for g in group_ids if g in self.groups]
+        for t in tasks:
+            t.cancel()
+        return len(tasks)
+
+    def stats(self) -> dict:
+        oldest = min(self.started.values(), default=None)
+        return {
+            "workflow": self.name,
+            "episodes": len(self.started),
+            "episode_oldest_s": 0.0 if oldest is None else round(self.clock() - oldest, 1),
+        }
+
+    async def run_group(self, engine: WorkerEngine, req: GenerateRequest) -> list[Episode]:
+        """The group's episodes in sample order; ``EpisodeFailed`` for the first that failed."""
+        prompt = prompt_of(req)
+        tasks = [self._spawn(self._episode(engine, prompt, req, sid), sid) for sid in req.sample_ids]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # one failed (or the group was cancelled): its siblings stop too
+                t.cancel()
+
+    def _spawn(self, coro, sid: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=f"episode {sid}")
+        self.started[task] = self.clock()
+        seq = self.errors.start()
+        task.add_done_callback(lambda t: self._ended(t, seq))
+        return task
+
+    def _ended(self, task: asyncio.Task, seq: int) -> None:
+        self.started.pop(task, None)
+        if task.cancelled():
+            return self.errors.end(seq, None)
+        exc = task.exception()  # retrieved here: the group reports a failure once
+        self.errors.end(seq, exc is not None, getattr(exc, "reason", repr(exc)))
+
+    async def _episode(self, engine: WorkerEngine, prompt: Prompt, req: GenerateRequest, sid: str) -> Episode:
+        where = f"workflow {self.name}, sample {sid}"
+        try:
+            ep = await asyncio.wait_for(self.workflow.arun_episode(engine, prompt), self.timeout_s or None)
+        except asyncio.TimeoutError:
+            raise EpisodeFailed(
+                f"{where}: episode_timeout: no episode within {self.timeout_s:g}s (rollout.episode_timeout_s)"
+            ) from None
+        except Exception as e:  # the workflow's own error: this group is aborted, the worker goes on
+            raise EpisodeFailed(f"{where}: {type(e).__name__}: {e}", traceback.format_exc()) from None
+        if why := episode_problem(ep, req):
+            raise EpisodeFailed(f"{where}: {why}")
+        return ep
+
+    async def close(self, timeout_s: float = 2.0) -> int:
+        """Cancel every group and episode; wait up to ``timeout_s`` for them to end. Returns the number
+        of tasks still live then (an episode that ignores cancellation: leaked)."""
+        live = [*self.groups.values(), *self.started]
+        for t in live:
+            t.cancel()
+        if live:
+            await asyncio.wait(live, timeout=timeout_s)
+        return sum(1 for t in live if not t.done())
+
+
+class ErrorWindow:
+    """Failed episodes among the last ``window`` episode outcomes, in the order the episodes started;
+    ``verdict`` says when there were more than ``max_errors`` (-1: never), naming the workflow and its
+    last error.
+
+    Start order, not end order: an episode that fails at once ends long before a good one of the same
+    moment finishes generating, so judged as they end, a 10 % failure rate would look like 100 % at the
+    start of a run. An outcome counts once every episode started before it has one; a cancelled
+    episode (a sibling of a failed one, or of a group the scheduler aborted) has none and counts not."""
+
+    def __init__(self, name: str, max_errors: int, window: int):
+        self.name, self.max_errors, self.window = name, max_errors, window
+        self.pending: dict[int, Optional[bool]] = {}  # started episode -> failed?, None while running
+        self.outcomes: deque[bool] = deque(maxlen=window)  # True: failed
+        self.n_started, self.last_error = 0, ""
+
+    def start(self) -> int:
+        self.n_started += 1
+        self.pending[self.n_started] = None
+        return self.n_started
+
+    def end(self, seq: int, failed: Optional[bool], reason: str = "") -> None:
+        """Episode ``seq`` ended: failed (True, with ``reason``), succeeded (False), cancelled (None)."""
+        if failed is None:
+            self.pending.pop(seq, None)
+        else:
+            self.pending[seq] = failed
+        if failed:
+            self.last_error = reason
+        while self.pending:  # the prefix of started episodes that all have an outcome now counts
+            first = next(iter(self.pending))
+            if self.pending[first] is None:
+                break
+            self.outcomes.append(self.pending.pop(first))
+
+    def verdict(self) -> Optional[str]:
+        n = sum(self.outcomes)
+        if self.max_errors < 0 or n <= self.max_errors:
+            return None
+        return (
+            f"workflow {self.name}: {n} of its last {len(self.outcomes)} episodes failed "
+            f"(rollout.max_workflow_errors={self.max_errors} in rollout.workflow_error_window={self.window}); "
+            f"last error: {self.last_error}"
+        )

@@ -36,11 +36,14 @@ import zmq
 import zmq.asyncio
 
 from protocols.messages import (
+    AbortGroups,
+    Error,
     GenerateRequest,
     GenerateRequests,
     RewardRequest,
     RewardRequests,
     RewardResult,
+    GroupAborted,
     Shutdown,
     TrajectoriesReady,
     TrajectoryReady,
@@ -50,9 +53,9 @@ from protocols.messages import (
 from protocols.sockets import make_socket, send_message
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine
-from areal_async.rollout.episodes import EpisodeError, ScoreFn, SubRequest, WorkerEngine, run_group
+from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRequest, WorkerEngine
 from areal_async.rollout.record import RolloutRecord
-from areal_async.workflows.base import Episode, RolloutWorkflow
+from areal_async.workflows.base import Episode
 from areal_async.base.control import ControlClient
 from areal_async.base.aio import TaskSet
 
@@ -94,6 +97,7 @@ class EngineThread(threading.Thread):
         self._wake = threading.Event()
         self.stopping = threading.Event()
         self.busy_s = 0.0
+        self.step_t0: Optional[float] = None  # monotonic start of the engine step running now
 
     def submit(self, req: GenerateRequest) -> None:
         self.inbox.put(req)
@@ -111,8 +115,9 @@ class EngineThread(threading.Thread):
                 self._apply_weights()
                 self._admit()
                 if self.engine.has_work():
-                    t = time.perf_counter()
+                    t = self.step_t0 = time.perf_counter()
                     done = self.engine.step()
+                    self.step_t0 = None
                     self.busy_s += time.perf_counter() - t
                     if done:
                         self.on_groups(done, self.requests)
@@ -138,6 +143,8 @@ class EngineThread(threading.Thread):
                 break
         keep = []
         for req in self.waiting:
+            if isinstance(req, SubRequest) and req.future.done():
+                continue  # its episode was cancelled (group aborted, timed out): never started
             if req.min_version <= self.engine.version and len(self.requests) < self.max_active:
                 self.requests[req.group_id] = req
                 self.engine.add_request(req.gen if isinstance(req, SubRequest) else _gen_request(req))
@@ -171,15 +178,16 @@ class RolloutService:
         weight_channel,
         reward_endpoints: list[str],
         max_active_groups: int,
-        workflow: Optional[RolloutWorkflow] = None,
+        episodes: Optional[Episodes] = None,
         tokenizer=None,
         score: Optional[ScoreFn] = None,
         message_bytes: int = MESSAGE_BYTES,
         record: Optional[RolloutRecord] = None,
     ):
         """``decode``: completions' token ids -> their texts, many at once (``models.tokenizer.batch_decoder``).
-        ``workflow`` (with the ``tokenizer`` and the ``score`` coroutine it needs): run its
-        episodes instead of plain sampling; their rewards go to the scheduler from here.
+        ``episodes`` (a workflow's, with the ``tokenizer`` and the ``score`` coroutine it needs; its
+        error window ends the run when it fails too often): run its episodes instead of plain sampling;
+        their rewards go to the scheduler from here.
         ``message_bytes``: groups finished in one engine step share a trajectory message up to this
         many payload bytes (a larger group travels alone). ``record``: this worker's own record of
         the groups it produced (``rollout/record.py``), each written before its tensors go out."""
@@ -193,7 +201,8 @@ class RolloutService:
         self.stop = asyncio.Event()
         self.error: Optional[str] = None
         self.n_samples = 0
-        self.workflow, self.tokenizer, self.score = workflow, tokenizer, score
+        self.episodes, self.tokenizer, self.score = episodes, tokenizer, score
+        self._reported = False  # the error window's verdict went to the scheduler
         self.tasks: Optional[TaskSet] = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="traj-send")  # one thread: sends in order
         self.message_bytes = message_bytes
@@ -216,10 +225,12 @@ class RolloutService:
         self.tasks.adopt(self.control.heartbeat_task, forever=True)
         self.tasks.spawn(self._recv_loop(), "rollout.recv", forever=True)
         self.tasks.spawn(self._out_loop(), "rollout.out", forever=True)
+        self.control.live_stats = self._live_stats
         try:
             await self.tasks.wait(self.stop)  # raises if a loop failed
         finally:
             self.tasks.cancel()
+            await self._close_episodes()
             self.engine.stopping.set()
             self.engine.join(timeout=10)
             if hasattr(self.engine.engine, "close"):  # a remote engine: stop its request threads
@@ -233,6 +244,21 @@ class RolloutService:
         if self.error:
             log.error("%s: exiting non-zero: %s", self.worker_id, self.error)
         return 1 if self.error else 0
+
+    async def _close_episodes(self) -> None:
+        """Run end (or failure): every workflow episode still running is cancelled; the log says how many
+        outlived the cancellation (0: nothing leaked)."""
+        if self.episodes is None:
+            return
+        n = len(self.episodes.started) + len(self.episodes.groups)
+        leaked = await self.episodes.close()
+        log.info("%s: at exit %d workflow task(s) cancelled, %d still live (leaked)", self.worker_id, n, leaked)
+
+    def _live_stats(self) -> dict:
+        """Ages as of each heartbeat: the engine step running now (0: none), the workflow's episodes."""
+        t0 = self.engine.step_t0
+        out = {"engine_step_s": 0.0 if t0 is None else round(time.perf_counter() - t0, 1)}
+        return out | (self.episodes.stats() if self.episodes is not None else {})
 
     def _note_waiting(self) -> None:
         """What this worker waits for (heartbeat stats, read by the step watchdog)."""
@@ -248,6 +274,8 @@ class RolloutService:
             msg = await self.control.recv()
             if isinstance(msg, (GenerateRequest, GenerateRequests)):
                 self._take_requests(msg.requests() if isinstance(msg, GenerateRequests) else [msg])
+            elif isinstance(msg, AbortGroups):
+                self._abort_groups(msg)
             elif isinstance(msg, WeightsPublished):
                 self.tasks.spawn(self._fetch_weights(msg), f"rollout.fetch_weights.v{msg.version}")
             elif isinstance(msg, Shutdown) and msg.lost:
@@ -260,10 +288,16 @@ class RolloutService:
                 log.debug("%s: ignoring %s", self.worker_id, msg.TYPE)
             self._note_waiting()
 
+    def _abort_groups(self, m: AbortGroups) -> None:
+        """The scheduler aborted these groups (past a deadline): their workflow episodes are cancelled
+        (plain sampling finishes what the engine holds; the scheduler refuses its late trajectory)."""
+        n = self.episodes.cancel(m.group_ids) if self.episodes is not None else 0
+        log.warning("%s: %d group(s) aborted (%s); %d cancelled here", self.worker_id, len(m.group_ids), m.reason, n)
+
     def _take_requests(self, reqs: list[GenerateRequest]) -> None:
         for req in reqs:
-            if self.workflow is not None:
-                asyncio.create_task(self._run_workflow(req))
+            if self.episodes is not None:  # a group that fails is aborted; an error here ends the worker
+                self.tasks.adopt(self.episodes.start(req.group_id, self._run_workflow(req)))
             else:
                 self.engine.submit(req)
 
@@ -351,13 +385,22 @@ class RolloutService:
     async def _run_workflow(self, req: GenerateRequest) -> None:
         handle = WorkerEngine(self.engine.submit, self.tokenizer, self.score, req.group_id, req.min_version)
         try:
-            episodes = await run_group(self.workflow, handle, req)
-        except Exception as e:  # a broken workflow must end the worker loudly, not stall its group
-            log.exception("%s: workflow episode of group %s failed", self.worker_id, req.group_id)
-            self.error = f"{type(e).__name__}: {e}" if isinstance(e, EpisodeError) else repr(e)
-            self.stop.set()
-            return
+            episodes = await self.episodes.run_group(handle, req)
+        except EpisodeFailed as e:  # this group is aborted (and re-issued); the worker goes on
+            trace = "\n" + e.trace if e.trace else ""
+            log.error("%s: group %s aborted: %s%s", self.worker_id, req.group_id, e.reason, trace)
+            await self.control.send(GroupAborted(group_id=req.group_id, worker_id=self.worker_id, reason=e.reason))
+            return await self._judge_workflow()
         await self._publish_episodes(req, episodes)
+        await self._judge_workflow()
+
+    async def _judge_workflow(self) -> None:
+        """Failing too often (``ErrorWindow``): the scheduler ends the run with the verdict (sent once)."""
+        verdict = self.episodes.errors.verdict()
+        if verdict and not self._reported:
+            self._reported = True
+            log.error("%s: %s", self.worker_id, verdict)
+            await self.control.send(Error(code="workflow_failed", detail=verdict, worker_id=self.worker_id))
 
     async def _publish_episodes(self, req: GenerateRequest, episodes: list[Episode]) -> None:
         """Tensors (with the loss mask) to the trainer, then TrajectoryReady and the episodes' rewards."""

@@ -127,6 +127,13 @@ class SchedulerCore:
                 out += self._abort(g.group_id, f"reward_worker_lost: {worker_id} ({why})", reissue=True)
         return out
 
+    def abort_running(self, gid: str, reason: str) -> list[SampleRecord]:
+        """Its rollout worker gave up on a running group (a workflow failed): abort it, re-issue its
+        prompt. A group no longer running (already aborted, e.g. past its deadline) changes nothing."""
+        if self.ledger.groups[gid].status != GroupState.RUNNING:
+            return []
+        return self._abort(gid, reason, reissue=True)
+
     # ---- admission -----------------------------------------------------------------------
     @property
     def running(self) -> int:

@@ -24,7 +24,12 @@ Liveness (never hang silently):
   it the group is aborted with a reason and its prompt re-issued, at most
   ``rollout.max_reissues`` times;
 - ``RUN_DIR/status.json`` (rewritten every heartbeat) says what the scheduler and each worker
-  wait for: the supervisor's step watchdog names the silent role from it;
+  wait for, the open work and whose work is overdue (``scheduler/overdue.py``): the supervisor's
+  step watchdog names that role from it;
+- a group past its deadline is aborted at its rollout worker too (``AbortGroups``: a workflow's
+  episodes are cancelled); a rollout worker that gives up on a group (``GroupAborted``: its workflow
+  failed) has it aborted and re-issued; ``Error(workflow_failed)`` (its workflow fails too often)
+  fails the run with the workflow's message;
 - SIGUSR1 (sent by the supervisor on SIGTERM): stop planning, have the trainer checkpoint the
   last finished step, then shut the fleet down.
 """
@@ -45,6 +50,7 @@ import zmq
 import zmq.asyncio
 
 from protocols.messages import (
+    AbortGroups,
     BatchPlan,
     CheckpointRequest,
     CheckpointSaved,
@@ -52,6 +58,7 @@ from protocols.messages import (
     EvalDone,
     GenerateRequest,
     GenerateRequests,
+    GroupAborted,
     Heartbeat,
     Message,
     Ping,
@@ -79,6 +86,7 @@ from areal_async.base.control import worker_of
 from areal_async.base.endpoints import Endpoints
 from areal_async.base.runkeys import Roster
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
+from areal_async.scheduler.overdue import open_work, overdue
 from areal_async.scheduler.runlog import RunLog
 from areal_async.scheduler.sinks import sinks_from_config
 from areal_async.base.aio import TaskSet
@@ -121,11 +129,14 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
 
 
+# heartbeat stats copied into status.json for the overdue attribution (scheduler/overdue.py)
+_STATUS_STATS = ("engine_step_s", "episodes", "episode_oldest_s", "workflow", "scoring_oldest_s")
 DRAIN_MAX = 256  # frames handled per wakeup before the core is driven (admit, plan) once
 _SENDERS = {
     TrajectoryReady: ("rollout",),
     TrajectoriesReady: ("rollout",),
     WeightsLoaded: ("rollout",),
+    GroupAborted: ("rollout",),
     RewardResult: ("reward", "rollout"),
     RewardResults: ("reward",),
     WeightsPublished: ("trainer",),
@@ -214,6 +225,7 @@ class SchedulerService:
         self.latest_weights: Optional[WeightsPublished] = None
         self.done = asyncio.Event()
         self.exit_code = 0
+        self.failure = ""  # why the run failed (Error workflow_failed), logged last
         self._step_t = time.time()
         self._plan_at: dict[int, float] = {}  # step -> time its BatchPlan was sent (two with plan ahead)
 
@@ -247,6 +259,8 @@ class SchedulerService:
             self.runlog.close()
             self.sock.close(0)
             self.ctx.term()
+        if self.failure:
+            log.error("run failed: %s", self.failure)  # the last line: what the supervisor shows first
         return self.exit_code
 
     async def _serve(self) -> None:
@@ -328,6 +342,7 @@ class SchedulerService:
             TrainerReady: self._trainer_ready,
             TrainStepDone: self._step_done,
             Error: self._worker_error,
+            GroupAborted: self._group_aborted,
             EvalDone: self._eval_done,
             CheckpointSaved: self._checkpoint_saved,
         }
@@ -355,6 +370,7 @@ class SchedulerService:
             samples_trained=c.ledger.n_trained,
             samples_aborted=c.ledger.n_aborted,
             workers=[self._worker_status(w, now) for w in sorted(self.workers)],
+            overdue=self._status_doc()["overdue"],
         )
         try:
             await send_message(self.sock, report, to=ident)
@@ -470,6 +486,24 @@ class SchedulerService:
 
     async def _worker_error(self, wid: str, m: Error) -> None:
         log.error("worker %s reported %s: %s", wid, m.code, m.detail)
+        if m.code == "workflow_failed" and self.workers[wid]["role"] == "rollout" and not self.done.is_set():
+            await self._fail(f"{wid}: {m.detail}")
+
+    async def _fail(self, why: str) -> None:
+        """End the run non-zero with ``why`` (the supervisor prints this log's tail): every worker is told."""
+        log.error("run failed: %s", why)
+        self.exit_code, self.failure = 1, why
+        for w in list(self.workers):
+            await self.send(w, Shutdown(reason=f"run failed: {why}"))
+        self.done.set()
+
+    async def _group_aborted(self, wid: str, m: GroupAborted) -> None:
+        """A rollout worker could not generate a group it holds (its workflow failed): abort, re-issue."""
+        g = self.core.ledger.groups.get(m.group_id)
+        if g is None or g.worker != wid:
+            raise ValueError(f"rollout worker {wid!r} aborted group {m.group_id!r}, which it does not hold")
+        recs = self.core.abort_running(m.group_id, f"workflow_error: {m.reason}")
+        log.warning("group %s aborted by %s (%d samples): %s", m.group_id, wid, len(recs), m.reason[:300])
 
     async def _step_done(self, wid: str, m: TrainStepDone) -> None:
         trained = self.core.on_step_done(m.step, m.version, m.skipped_ids)
@@ -644,6 +678,12 @@ class SchedulerService:
         if expired:
             reasons = sorted({r.reason for r in expired})
             log.warning("%d samples past their deadline aborted: %s", len(expired), "; ".join(reasons)[:500])
+            by_worker: dict[str, list[str]] = {}  # their holders stop the work (a workflow's episodes)
+            for r in expired:
+                if r.worker in self.workers and r.group_id not in by_worker.get(r.worker, []):
+                    by_worker.setdefault(r.worker, []).append(r.group_id)
+            for worker, gids in by_worker.items():
+                await self.send(worker, AbortGroups(group_ids=gids, reason="deadline"))
             await self._drive()
 
     async def _lose(self, wid: str, why: str, tell: bool = True) -> None:
@@ -673,12 +713,19 @@ class SchedulerService:
 
     def _write_status(self) -> None:
         """What everyone waits for, for the supervisor's step watchdog (atomic rewrite)."""
+        tmp = self._status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._status_doc()))
+        os.replace(tmp, self._status_path)
+
+    def _status_doc(self) -> dict:
+        """status.json: what the scheduler and each worker wait for, the open work, whose work is overdue."""
         now = time.monotonic()
         workers = {
             wid: {
                 "role": w["role"],
                 "silent_s": round(now - w["last_seen"], 1),
                 "waiting_for": w.get("stats", {}).get("waiting_for", ""),
+                "stats": {k: v for k, v in w.get("stats", {}).items() if k in _STATUS_STATS},
             }
             for wid, w in self.workers.items()
         }
@@ -689,11 +736,18 @@ class SchedulerService:
             "trainer_ready": self.core.trainer_ready,
             "trainer_busy": self.core.trainer_busy,
             "waiting_for": self.waiting_for(),
+            "work": self._open_work(),
             "workers": workers,
         }
-        tmp = self._status_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(status))
-        os.replace(tmp, self._status_path)
+        status["overdue"] = overdue(status, self.cfg.cluster.heartbeat_s)
+        return status
+
+    def _open_work(self) -> dict:
+        """The oldest unfinished work of each kind (``scheduler/overdue.py``); the step in training counts
+        from its plan or the previous step's end, whichever is later (a step planned ahead waits for it)."""
+        c = self.core
+        plan_t = max(self._plan_at.get(c.next_step, self._step_t), self._step_t) if c.trainer_busy else None
+        return open_work(c, c.clock(), plan_t)
 
     def waiting_for(self) -> str:
         """The scheduler's view of what the next trainer step waits for."""

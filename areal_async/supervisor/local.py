@@ -13,7 +13,8 @@ its own process group, logging to ``RUN_DIR/logs/<worker>.log``), and then watch
 - a worker the scheduler declared lost (``RUN_DIR/lost.jsonl``)  -> it was told to exit; if it
   still runs LOST_KILL_GRACE_S later it is killed, and then handled as dead (above);
 - no trainer step for ``cluster.step_timeout_s`` (the step watchdog) -> a failure that names the
-  silent role and what it waited for (from the scheduler's ``RUN_DIR/status.json``);
+  role whose work is overdue (the oldest unfinished work and its holder, ``scheduler/overdue.py``)
+  and what everyone waited for (from the scheduler's ``RUN_DIR/status.json``);
 - a worker that exits BUILD_FAILED_EXIT_CODE (its build failed on an import, a config value, a
   missing file: base/process.py)                               -> never restarted nor recovered: the
   run fails at once with the worker's one-line reason;
@@ -62,6 +63,7 @@ from areal_async.supervisor.placement import (
     shape_of,
     trainer_names,
 )
+from areal_async.scheduler.overdue import overdue
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, latest_complete_checkpoint
 
 GRACE_S = 5.0
@@ -603,29 +605,18 @@ def read_status(path: Path) -> tuple[Optional[dict], Optional[float]]:
 
 
 def silence_report(status: Optional[dict], age: Optional[float], silent_s: float, cfg: ExperimentConfig) -> str:
-    """Which role is silent and what it was waiting for, from the scheduler's status."""
+    """Whose work is overdue (the oldest unfinished work and its holder, ``scheduler/overdue.py``) and what
+    every worker waits for, from the scheduler's status; the scheduler itself when its status is stale."""
     head = f"no trainer step for {silent_s:.0f}s (cluster.step_timeout_s={cfg.cluster.step_timeout_s:g})"
     if status is None or age is None or age > max(5.0, 3 * cfg.cluster.heartbeat_s):
-        return f"{head}: silent role: scheduler (its status.json is {'missing' if age is None else f'{age:.0f}s old'})"
+        return f"{head}: overdue: scheduler (its status.json is {'missing' if age is None else f'{age:.0f}s old'})"
     workers = status.get("workers", {})
-    trainer = next((w for w in workers.values() if w.get("role") == "trainer"), None)
-    if trainer is None:
-        role = "trainer (not registered, or lost)"
-    elif status.get("trainer_busy"):
-        role = (
-            f"trainer (waiting for {trainer.get('waiting_for') or '?'}; last heartbeat {trainer.get('silent_s')}s ago)"
-        )
-    else:
-        wid, w = max(workers.items(), key=lambda kv: kv[1].get("silent_s", 0), default=("?", {}))
-        role = (
-            f"{w.get('role', '?')} ({wid}: last heartbeat {w.get('silent_s')}s ago, waiting for "
-            f"{w.get('waiting_for') or '?'})"
-        )
     others = "; ".join(
         f"{wid} waits for {w.get('waiting_for') or '?'} (heartbeat {w.get('silent_s')}s ago)"
         for wid, w in sorted(workers.items())
     )
-    return f"{head}: silent role: {role}. The scheduler waits for {status.get('waiting_for')}. {others}"
+    who = overdue(status, cfg.cluster.heartbeat_s)
+    return f"{head}: overdue: {who}. The scheduler waits for {status.get('waiting_for')}. {others}"
 
 
 def _size(path: Path) -> int:
