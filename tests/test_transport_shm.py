@@ -13,6 +13,7 @@ from areal_async.transport import ManifestError, ProtocolError, TransportError, 
 from areal_async.transport.buckets import state_checksum
 from areal_async.transport.frames import header_bytes
 from areal_async.transport.shm import CTRL, SHM_DIR
+from areal_async.transport.shm_weights import HEAD
 from protocols.messages import PROTOCOL_VERSION
 from protocols.sockets import make_socket
 from test_transport_helpers import Peer, ask, assert_bit_exact, no_shm_leaks, reply, sample_tensors  # noqa: F401
@@ -227,20 +228,50 @@ def test_weights_checksum_truncation_release_and_private_writes():
     got = sub.receive(m)
     assert_bit_exact(got, sd)
     got["w"].zero_()  # copy-on-write: our write never reaches the publisher or other receivers
-    assert_bit_exact(sub.receive(m), sd)
+    assert_bit_exact(make_weight_channel("shm", role="receiver").receive(m), sd)
     del got
+    assert_bit_exact(sub.receive(m), sd)  # the kept mapping holds our write: read again through a fresh one
     with open(SHM_DIR / m["handle"]["segment"], "r+b") as f:  # corrupt one byte of bucket 0
-        f.seek(m["tensors"][0]["offset"])
+        f.seek(HEAD + m["tensors"][0]["offset"])
         f.write(b"\x7f")
     with pytest.raises(TransportError, match="bucket 0 .* sum64 .* corrupt"):
         sub.receive(m)
-    with pytest.raises(ManifestError, match="expected .*'size'"):
-        sub.receive({**m, "handle": {**m["handle"], "size": m["handle"]["size"] - 64}})
+    with pytest.raises(ManifestError, match="expected .*'size': at least"):
+        sub.receive({**m, "handle": {**m["handle"], "size": HEAD}})
+    with pytest.raises(TransportError, match="truncated or mislabelled"):
+        sub.receive({**m, "handle": {**m["handle"], "size": m["handle"]["size"] + 64}})
     with pytest.raises(ManifestError, match="is for channel 'shm', this receiver is 'zmq'"):
         make_weight_channel("zmq", role="receiver").receive(m)
     pub.release(7)
+    with pytest.raises(TransportError, match="holds no version: v7 was released or superseded"):
+        sub.receive(m)
+    pub.close()
     with pytest.raises(TransportError, match="does not exist"):
         sub.receive(m)
+
+
+def test_weight_segments_are_reused_but_never_under_a_reader():
+    """A version's segment is rewritten only once it is released and no receiver holds its tensors."""
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
+    sub = make_weight_channel("shm", role="receiver")
+    sds = [_weights(seed) for seed in range(4)]
+    m0 = pub.publish_begin(0, sds[0])
+    held = sub.receive(m0)
+    pub.release(0)
+    m1 = pub.publish_begin(1, sds[1])  # v0's tensors are alive: its segment is not touched
+    assert m1["handle"]["segment"] != m0["handle"]["segment"]
+    assert_bit_exact(held, sds[0])
+    assert_bit_exact(sub.receive(m1), sds[1])  # dropped at once
+    del held
+    gc.collect()
+    pub.release(1)
+    m2 = pub.publish_begin(2, sds[2])  # both free now: one of the two is reused, no third one made
+    assert m2["handle"]["segment"] in (m0["handle"]["segment"], m1["handle"]["segment"])
+    assert len(list(SHM_DIR.glob(pub._prefix + "_*"))) == 2
+    assert_bit_exact(sub.receive(m2), sds[2])
+    stale = m0 if m2["handle"]["segment"] == m0["handle"]["segment"] else m1
+    with pytest.raises(TransportError, match=f"now holds version 2: v{stale['version']} was released or superseded"):
+        sub.receive(stale)  # a late reader of the old version is refused, never served v2's bytes
     pub.close()
 
 

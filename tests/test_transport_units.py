@@ -59,6 +59,24 @@ def test_pack_unflatten_round_trip_and_manifest_is_msgpack_data():
     assert torch.equal(again, flat)
 
 
+@pytest.mark.parametrize("piece", [64, 1 << 20])
+def test_fused_pack_sum_writes_the_same_bytes_and_sums_every_word_once(monkeypatch, piece):
+    """The fused pass (partial sums every ``piece`` bytes, tails summed after their padding is zeroed)
+    against pack + a word sum in numpy (uint64 wraps modulo 2**64)."""
+    monkeypatch.setattr(B, "PIECE", piece)
+    sd = _sd()
+    sd["odd"] = torch.arange(333, dtype=torch.int16)  # 666 bytes: a word holds tail and padding
+    lay = B.plan(sd, 1024)
+    for k, n in enumerate(lay.bucket_sizes):
+        fused = torch.full((n,), 0xCD, dtype=torch.uint8)  # garbage padding
+        plain = torch.zeros(n, dtype=torch.uint8)
+        got = B.pack_sum(lay, sd, k, fused, "sum64")
+        B.pack(lay, sd, k, plain)
+        assert torch.equal(fused, plain)
+        assert got == int(plain.numpy().view("uint64").sum(dtype="uint64"))
+        assert B.pack_sum(lay, sd, k, fused, "none") == 0
+
+
 @pytest.mark.parametrize("algo", ["sum64", "crc32"])
 def test_checksums_see_a_single_flipped_bit(algo):
     buf = torch.randint(0, 256, (4096,), dtype=torch.uint8)
@@ -215,3 +233,22 @@ def test_publish_end_waits_only_where_receivers_take_part():
     finally:
         for ch in (shm, alone, awaited):
             ch.close()
+
+
+def test_receiver_buffer_pool_reuses_only_what_nobody_holds():
+    from areal_async.transport.collective import BufferPool
+
+    pool = BufferPool()
+    a = pool.take(4096)
+    a.fill_(7)
+    view = a[100:200]  # a tensor made from the buffer keeps it lent
+    del a
+    b = pool.take(1024)  # the first is still held through ``view``: a new array
+    assert b.data_ptr() != view.data_ptr() - 100 and view.eq(7).all()
+    b_ptr = b.data_ptr()
+    del b
+    c = pool.take(1000)  # the second is free again: reused (the smallest that fits)
+    assert c.data_ptr() == b_ptr and c.numel() == 1000
+    del view
+    d = pool.take(2048)  # the first is free now
+    assert d.numel() == 2048 and len(pool.free) == 0

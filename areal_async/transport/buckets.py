@@ -108,6 +108,46 @@ def pack(layout: Layout, state_dict: dict[str, torch.Tensor], k: int, out: torch
         out[end:].zero_()
 
 
+def pack_sum(layout: Layout, state_dict: dict[str, torch.Tensor], k: int, out: torch.Tensor, algo: str) -> int:
+    """``pack`` then ``checksum`` of bucket ``k`` (0 for ``none``), in one pass where it can (sum64, CPU).
+
+    The fused pass sums each ~``PIECE`` bytes right after writing them, while they are still in
+    cache: measured here the checksum then costs ~0.2 of the copy instead of ~0.45 as a second
+    pass over a bucket (64 MiB, 1 thread). Same value as ``checksum`` after ``pack``: the sum of
+    int64 words modulo 2**64 does not depend on how the words are grouped."""
+    srcs = [state_dict[s.name] for s in layout.slots_in(k)]
+    if algo != "sum64" or out.device.type != "cpu" or not all(t.device.type == "cpu" for t in srcs):
+        pack(layout, state_dict, k, out)
+        return checksum(out, algo) if algo != "none" else 0
+    return _pack_sum64(layout.slots_in(k), srcs, out)
+
+
+PIECE = 1 << 20  # bytes written between two partial sums of the fused pack (fits the L2 cache)
+
+
+def _pack_sum64(slots: list[Slot], srcs: list[torch.Tensor], out: torch.Tensor) -> int:
+    words, sums = out.view(torch.int64), []
+    end = done = 0  # end of what is written; what is summed (a multiple of 8: a word is summed once written)
+    with torch.no_grad():
+        for s, t in zip(slots, srcs):
+            if s.offset > end:
+                out[end : s.offset].zero_()
+            src = flat_bytes(t)
+            for a in range(0, s.nbytes, PIECE):
+                b = min(a + PIECE, s.nbytes)
+                out[s.offset + a : s.offset + b].copy_(src[a:b])
+                upto = (s.offset + b) // 8 * 8  # the word holding the tail also holds padding: summed later
+                if upto - done >= PIECE:
+                    sums.append(words[done // 8 : upto // 8].sum())
+                    done = upto
+            end = s.offset + s.nbytes
+        if end < out.numel():
+            out[end:].zero_()
+        if done < out.numel():
+            sums.append(words[done // 8 :].sum())
+    return int(torch.stack(sums).sum().item()) & _MASK64 if sums else 0
+
+
 def checksum(buf: torch.Tensor, algo: str) -> int:
     """Checksum of a uint8 bucket buffer (length a multiple of 8 for sum64)."""
     if algo == "sum64":

@@ -38,7 +38,7 @@ _TENSOR = {
     "cuda_ipc": "cuda_ipc:CudaIpcTensorChannel",
 }
 _WEIGHT = {
-    "shm": "shm:ShmWeightChannel",
+    "shm": "shm_weights:ShmWeightChannel",
     "zmq": "zmq_channel:ZmqWeightChannel",
     "gloo": "collective:GlooWeightChannel",
     "nccl": "nccl:NcclWeightChannel",

@@ -12,11 +12,7 @@ which the sender reads before reuse (one writer at a time: the sender writes BUS
 FREE, the receiver FREE only over BUSY). Past ``pool_mb`` of slabs the sender falls back to
 one-shot slabs that are never reused.
 
-Weights (``ShmWeightChannel``): one segment per version holding every bucket back to back,
-written (and checksummed) in ``publish_begin``; ``publish_end`` has nothing left to do. Receivers
-map it copy-on-write (``MAP_PRIVATE``): reads share the publisher's pages, an in-place write by
-one receiver stays private to it. ``release(version)`` unlinks the segment; receivers that still
-hold tensors keep the memory until they drop them.
+Weights: ``shm_weights.py`` (a few persistent segments, reused across versions), on ``Segment``.
 
 Not covered: other hosts (use zmq/gloo/nccl), non-Linux systems (no ``/dev/shm``), a receiver
 that dies while holding slabs (its slabs stay BUSY until the sender closes).
@@ -37,9 +33,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from areal_async.transport import buckets as B
-from areal_async.transport.base import TensorChannel, Tensors, TransportError, WeightChannel
-from areal_async.transport.frames import ALIGN, header_bytes, layout, np_view_as, parse_header, tensor_views
+from areal_async.transport.base import TensorChannel, Tensors, TransportError
+from areal_async.transport.frames import header_bytes, layout, np_view_as, parse_header, tensor_views
 from areal_async.transport.notify import Pipe, deadline_of
 from protocols.messages import ProtocolError
 from protocols.side import ShmRetire, ShmTensors
@@ -335,69 +330,3 @@ def _fill(data: np.ndarray, srcs: list[torch.Tensor], offsets: list[int], sizes:
         else:
             for d, t in pairs:
                 d.copy_(t)
-
-
-# --------------------------------------------------------------------------------------------
-# weights
-# --------------------------------------------------------------------------------------------
-
-
-class ShmWeightChannel(WeightChannel):
-    def __init__(self, *, role: str, bucket_mb: float = 64.0, checksum: str = "sum64", run_id: Optional[str] = None):
-        if role not in ("publisher", "receiver"):
-            raise ValueError(f"role={role!r}: expected 'publisher' or 'receiver'")
-        if checksum not in B.CHECKSUMS:
-            raise ValueError(f"checksum={checksum!r}: expected one of {B.CHECKSUMS}")
-        self.role, self.algo = role, checksum
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self._prefix = new_prefix(run_id)
-        self._segments: dict[int, Segment] = {}
-        self._finalizer = weakref.finalize(self, _unlink_names, self._prefix)
-
-    def publish_begin(self, version: int, state_dict: Tensors) -> dict:
-        layout_ = B.plan(state_dict, self.bucket_bytes)
-        self.release(version)  # republishing a version replaces it
-        seg = Segment.create(f"{self._prefix}_w{version}", max(layout_.total, ALIGN))
-        self._segments[version] = seg
-        bufs = _buckets(torch.from_numpy(seg.array()), layout_)
-        values = []
-        for k, buf in enumerate(bufs):
-            B.pack(layout_, state_dict, k, buf)
-            if self.algo != "none":
-                values.append(B.checksum(buf, self.algo))
-        handle = {"segment": seg.name, "size": seg.size}
-        return B.manifest("shm", version, layout_, self.algo, values if self.algo != "none" else None, handle)
-
-    def publish_end(self) -> None:
-        """Nothing moves after ``publish_begin``: the receivers map the segment themselves."""
-
-    @property
-    def publish_end_waits(self) -> bool:
-        return False
-
-    def receive(self, manifest: dict) -> Tensors:
-        layout_, m = B.parse_manifest(manifest, "shm")
-        h = m["handle"]
-        if set(h) != {"segment", "size"} or not isinstance(h["size"], int) or h["size"] != max(layout_.total, ALIGN):
-            raise B.ManifestError(
-                f"shm manifest handle {h!r}: expected {{'segment': name, 'size': "
-                f"{max(layout_.total, ALIGN)}}} for {len(layout_.bucket_sizes)} buckets"
-            )
-        seg = Segment.open(h["segment"], h["size"], private=True)
-        bufs = _buckets(torch.from_numpy(seg.array()), layout_)
-        B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
-        return B.unflatten(layout_, bufs)
-
-    def release(self, version: int) -> None:
-        seg = self._segments.pop(version, None)
-        if seg is not None:
-            seg.unlink()  # the mapping itself goes when the last view of it does
-
-    def close(self) -> None:
-        for v in list(self._segments):
-            self.release(v)
-        self._finalizer()
-
-
-def _buckets(flat: torch.Tensor, layout_: B.Layout) -> list[torch.Tensor]:
-    return [flat[o : o + n] for o, n in zip(layout_.bucket_offsets(), layout_.bucket_sizes)]
