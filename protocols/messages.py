@@ -480,6 +480,8 @@ class WeightsPublished(Message):
     TYPE: ClassVar[str] = "weights_published"
     version: int
     manifest: dict
+    t_ready: float = 0.0  # wall time (time.time) of the optimizer step's end that made them; 0: none (initial)
+    t_sent: float = 0.0  # wall time this message left the trainer (its payload is on the channel by then)
 
 
 @message
@@ -489,6 +491,10 @@ class WeightsLoaded(Message):
     TYPE: ClassVar[str] = "weights_loaded"
     worker_id: str
     version: int
+    # wall times (time.time) of this update on the worker: 'manifest' (WeightsPublished in), 'received'
+    # (off the channel, verified), 'load_start' (the engine thread took it between two steps), 'loaded'
+    # (generating with it); and seconds 'load_s' / 'recompute_s' of the engine's own split, when it has one
+    times: dict = field(default_factory=dict)
 
 
 @message
@@ -606,6 +612,7 @@ class StatusReport(Message):
     samples_aborted: int
     workers: list[dict] = field(default_factory=list)
     overdue: str = ""  # whose work is oldest and what it is stuck in (areal_async/scheduler/overdue.py)
+    weight_update: dict = field(default_factory=dict)  # the last update every rollout loaded (see WeightUpdates)
 
     def validate(self) -> Optional[str]:
         for w in self.workers:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.scheduler.weight_updates import PHASES
 from areal_async.app.plot import PlotError, moving_average, plot_run, rates
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +61,18 @@ def fake_run(run_dir: Path, steps: int = 40) -> None:
                 "grad_norm": rng.uniform(0.5, 2),
                 "behav_approx_kl": rng.uniform(0, 0.004),
                 "approx_kl": rng.uniform(0, 0.01),
+                **({} if s < 2 else _weight_update(s, rng)),
             }
         )
         trajs += [{"status": "trained", "train_step": s, "version_min": s - rng.randint(0, 2)} for _ in range(4)]
     run_dir.mkdir(parents=True)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run_dir / "trajectories.jsonl").write_text("".join(json.dumps(t) + "\n" for t in trajs))
+
+
+def _weight_update(step: int, rng) -> dict:
+    phases = {f"weight_update_{p}": rng.uniform(0.001, 0.05) for p in PHASES}
+    return {"weight_update_version": step, "weight_update_s": sum(phases.values()), **phases}
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -84,6 +91,7 @@ def test_plot_writes_every_figure_as_a_valid_png(tmp_path):
         "loss.png",
         "kl.png",
         "eval.png",
+        "weights.png",
     ]
     for p in paths:
         width, height = png_size(p)
@@ -110,4 +118,4 @@ def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path):
     done = subprocess.run(
         cmd + [str(tmp_path / "run"), "--out", str(tmp_path / "figs")], capture_output=True, text=True, cwd=ROOT
     )
-    assert done.returncode == 0 and done.stdout.count("KiB)") == 6 and (tmp_path / "figs" / "kl.png").exists()
+    assert done.returncode == 0 and done.stdout.count("KiB)") == 7 and (tmp_path / "figs" / "kl.png").exists()

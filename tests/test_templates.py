@@ -138,7 +138,9 @@ async def test_rl_issues_r1_ids_to_the_engine_and_filters_a_long_prompt(tmp_path
     rollout = make_socket(ctx, zmq.DEALER, connect=ep.control, identity="rollout-0")
     trainer = make_socket(ctx, zmq.DEALER, connect=ep.control, identity="trainer")
     engine = RecordingEngine()
-    thread = EngineThread(engine, on_groups=lambda groups, reqs: None, on_loaded=lambda v: None, max_active_groups=8)
+    thread = EngineThread(
+        engine, on_groups=lambda groups, reqs: None, on_loaded=lambda v, times: None, max_active_groups=8
+    )
     thread.start()
     try:
         await send_message(trainer, M.Register(role="trainer", worker_id="trainer", pid=os.getpid()))

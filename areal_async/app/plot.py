@@ -14,6 +14,8 @@ and ``trajectories.jsonl`` when the run dumped it; writes into ``RUN_DIR/plots``
                      proximal-current approx KL, per step
     eval.png         periodic evaluation: pass@1 with its 95 % interval per policy version
                      (only when the run has evaluation rows)
+    weights.png      weight updates: seconds from the optimizer step's end to every rollout
+                     generating with the new weights, stacked by phase, per version (when timed)
 
 Each figure has labelled axes with units; raw series are drawn thin, moving averages bold
 (window: about a twentieth of the run, at least 1). A run directory without any step row is an
@@ -25,6 +27,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from areal_async.scheduler.weight_updates import PHASES
 
 
 class PlotError(ValueError):
@@ -97,6 +101,8 @@ def plot_run(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[
         ("loss.png", lambda ax: _loss(ax, steps)),
         ("kl.png", lambda ax: _kl(ax, steps)),
     ] + ([("eval.png", lambda ax: _eval(ax, evals))] if evals else [])
+    if any("weight_update_s" in r for r in steps):
+        figures.append(("weights.png", lambda ax: _weights(ax, steps)))
     paths = []
     for name, draw in figures:
         paths.append(_save(plt, out / name, draw, _layout(name), _title(run_dir, name)))
@@ -126,6 +132,7 @@ def _title(run_dir: Path, name: str) -> str:
         "loss.png": "Loss statistics",
         "kl.png": "KL",
         "eval.png": "Evaluation",
+        "weights.png": "Weight updates",
     }[name]
     return f"{what} - {run_dir.name}"
 
@@ -261,3 +268,18 @@ def _eval(ax, evals: list[dict]) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
+
+
+def _weights(ax, steps: list[dict]) -> None:
+    """One stacked bar per weight version (the phases of the rollout that loaded last)."""
+    by_version = {r["weight_update_version"]: r for r in steps if "weight_update_s" in r}
+    xs = sorted(by_version)
+    bottom = [0.0] * len(xs)
+    for phase, color in zip(PHASES, ("tab:blue", "tab:gray", "tab:green", "tab:olive", "tab:orange", "tab:red")):
+        ys = [max(0.0, float(by_version[v].get(f"weight_update_{phase}", 0.0))) for v in xs]
+        ax.bar(xs, ys, bottom=bottom, color=color, label=phase[:-2])
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    ax.plot(xs, [by_version[v]["weight_update_s"] for v in xs], "k.", label="total")
+    ax.set(xlabel="weight version", ylabel="seconds (optimizer step end -> all rollouts on it)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=7)

@@ -19,6 +19,7 @@ import zmq
 
 from areal_async.base.endpoints import Endpoints
 from areal_async.base.runkeys import install_run_keys
+from areal_async.scheduler.weight_updates import PHASES
 from protocols.messages import ProtocolError, StatusReport, StatusRequest, decode, encode
 from protocols.sockets import make_socket
 
@@ -79,4 +80,13 @@ def render(r: StatusReport) -> str:
         for w in r.workers
     ]
     tail = [f"oldest unfinished work: {r.overdue}"] if r.overdue else []
-    return "\n".join([head, cols, *lines, *tail])
+    return "\n".join([head, *_weight_update(r.weight_update), cols, *lines, *tail])
+
+
+def _weight_update(w: dict) -> list[str]:
+    """One line: the last weight update every rollout loaded, its total and phases (seconds)."""
+    if not w:
+        return []
+    phases = ", ".join(f"{k[:-2]} {w[k]:.3f}" for k in PHASES if isinstance(w.get(k), (int, float)))
+    head = f"weights v{w['weight_update_version']}: every rollout generating {w['weight_update_s']:.3f}s"
+    return [f"{head} after the optimizer step ({phases}; slowest {w.get('slowest_worker', '?')})"]

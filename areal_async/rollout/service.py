@@ -74,6 +74,7 @@ def message_bytes(max_message_mb: float) -> int:
 class _Pending:
     version: int
     state_dict: dict
+    times: dict  # WeightsLoaded.times so far: 'manifest', 'received'
 
 
 class EngineThread(threading.Thread):
@@ -83,7 +84,7 @@ class EngineThread(threading.Thread):
         self,
         engine: RolloutEngine,
         on_groups: Callable[[list, dict], None],
-        on_loaded: Callable[[int], None],
+        on_loaded: Callable[[int, dict], None],
         max_active_groups: int,
     ):
         super().__init__(name="engine", daemon=True)
@@ -103,10 +104,10 @@ class EngineThread(threading.Thread):
         self.inbox.put(req)
         self._wake.set()
 
-    def offer_weights(self, version: int, state_dict: dict) -> None:
+    def offer_weights(self, version: int, state_dict: dict, times: Optional[dict] = None) -> None:
         with self._lock:  # newest wins: an older pending update is dropped unseen
             if self._weights is None or version > self._weights.version:
-                self._weights = _Pending(version, state_dict)
+                self._weights = _Pending(version, state_dict, dict(times or {}))
         self._wake.set()
 
     def run(self) -> None:
@@ -132,8 +133,12 @@ class EngineThread(threading.Thread):
         with self._lock:
             pending, self._weights = self._weights, None
         if pending is not None and pending.version > self.engine.version:
+            times = pending.times
+            times["load_start"] = time.time()
             self.engine.update_weights(pending.version, pending.state_dict)
-            self.on_loaded(pending.version)
+            times["loaded"] = time.time()
+            times.update(getattr(self.engine, "update_split", None) or {})  # load_s / recompute_s, if it says
+            self.on_loaded(pending.version, times)
 
     def _admit(self) -> None:
         while True:
@@ -213,8 +218,8 @@ class RolloutService:
         items = None if groups is None else [(g, requests.pop(g.group_id)) for g in groups]
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("groups", items))
 
-    def _loaded_from_thread(self, version: int) -> None:
-        self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("loaded", version))
+    def _loaded_from_thread(self, version: int, times: dict) -> None:
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("loaded", (version, times)))
 
     # ---- main ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -302,19 +307,22 @@ class RolloutService:
                 self.engine.submit(req)
 
     async def _fetch_weights(self, m: WeightsPublished) -> None:
+        times = {"manifest": time.time()}
         try:
             sd = await asyncio.get_running_loop().run_in_executor(None, self.weights.receive, m.manifest)
         except Exception as e:  # a bad or vanished payload must not kill generation
             log.error("%s: weights v%d not loaded: %s", self.worker_id, m.version, e)
             return
-        self.engine.offer_weights(m.version, sd)
+        times["received"] = time.time()
+        self.engine.offer_weights(m.version, sd, times)
 
     async def _out_loop(self) -> None:
         while True:
             kind, payload = await self.outbox.get()
             if kind == "loaded":
-                await self.control.send(WeightsLoaded(worker_id=self.worker_id, version=payload))
-                self.control.stats["version"] = payload
+                version, times = payload
+                await self.control.send(WeightsLoaded(worker_id=self.worker_id, version=version, times=times))
+                self.control.stats["version"] = version
             elif payload is None:
                 self.error = "engine thread failed"
                 self.stop.set()

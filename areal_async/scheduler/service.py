@@ -89,6 +89,7 @@ from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.overdue import open_work, overdue
 from areal_async.scheduler.runlog import RunLog
 from areal_async.scheduler.sinks import sinks_from_config
+from areal_async.scheduler.weight_updates import WeightUpdates, metrics_columns
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.scheduler")
@@ -223,6 +224,7 @@ class SchedulerService:
         self.received: dict[str, int] = {}
         self.received_groups: dict[str, int] = {}
         self.latest_weights: Optional[WeightsPublished] = None
+        self.weight_updates = WeightUpdates()
         self.done = asyncio.Event()
         self.exit_code = 0
         self.failure = ""  # why the run failed (Error workflow_failed), logged last
@@ -371,6 +373,7 @@ class SchedulerService:
             samples_aborted=c.ledger.n_aborted,
             workers=[self._worker_status(w, now) for w in sorted(self.workers)],
             overdue=self._status_doc()["overdue"],
+            weight_update=self.weight_updates.last,
         )
         try:
             await send_message(self.sock, report, to=ident)
@@ -467,11 +470,19 @@ class SchedulerService:
 
     async def _weights_published(self, wid: str, m: WeightsPublished) -> None:
         self.latest_weights = m
+        self.weight_updates.published(m.version, m.t_ready, m.t_sent)
         for r in self.role("rollout"):
             await self.send(r, m)
 
     async def _weights_loaded(self, wid: str, m: WeightsLoaded) -> None:
         self.core.on_weights_loaded(wid, m.version)
+        done = self.weight_updates.loaded(wid, m.version, m.times, self.role("rollout"))
+        if done:
+            log.info(
+                "weights v%d: every rollout generates with them %.3fs after the optimizer step",
+                m.version,
+                done["weight_update_s"],
+            )
 
     async def _trainer_ready(self, wid: str, m: TrainerReady) -> None:
         log.info("trainer ready at version %d, next step %d", m.version, m.next_step)
@@ -589,6 +600,7 @@ class SchedulerService:
             "reward_busy_s_total": self._busy_s_total("reward"),
         }
         self._step_t = now
+        row.update(metrics_columns(self.weight_updates.last))
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row
 

@@ -250,6 +250,7 @@ class TrainerService:
         self.overlap_publish, self.total_steps = overlap_publish, total_steps
         self._publishing: Optional[asyncio.Task] = None
         self.publish_s = 0.0
+        self._t_ready: dict[int, float] = {}  # version -> wall time its optimizer step ended
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
         self.record = record
         self.buffer = TrajectoryBuffer(traj_channel, on_duplicate=record.duplicate if record is not None else None)
@@ -398,7 +399,9 @@ class TrainerService:
             manifest = self.weights.publish_begin(version, sd)
         else:
             manifest = await loop.run_in_executor(None, self.weights.publish_begin, version, sd)
-        await self.control.send(WeightsPublished(version=version, manifest=manifest))
+        t_ready = self._t_ready.pop(version, 0.0)
+        msg = WeightsPublished(version=version, manifest=manifest, t_ready=t_ready, t_sent=time.time())
+        await self.control.send(msg)
         if inline and not self.weights.publish_end_waits:
             self.weights.publish_end()
         else:
@@ -430,6 +433,7 @@ class TrainerService:
         self.waiting(f"its own train_step (step {plan.step})")
         metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs, ahead)
         t2 = time.perf_counter()
+        self._t_ready = {plan.step + 1: time.time()}  # the update's clock starts at the optimizer step's end
         self.next_step, self.version = plan.step + 1, plan.step + 1
         last = self.total_steps is not None and self.next_step >= self.total_steps
         due = self.evaluator is not None and self.evaluator.due(self.version)
