@@ -21,7 +21,15 @@ the trainer side / rollout receiver):
   the ratio says what the channel costs beyond the one copy any hand-off needs.
 - weight sync: from ``publish_begin`` on the trainer to ``receive`` returning (verified) on
   the rollout side, for synthetic Qwen2-shaped bf16 state dicts from a tiny model (0.6M params)
-  up to 1.5B; gloo/nccl also with ``pipeline=False`` to show the pack/broadcast overlap.
+  up to 1.5B; gloo/nccl also with ``pipeline=False`` to show the pack/broadcast overlap. Each
+  weight row carries the phases of its last sample: the publisher's (``pub_phases``: plan,
+  segment, pack_checksum for shm; pack_checksum, send for gloo) and the receiver's
+  (``recv_phases``: lock, verify, unflatten for shm; alloc, wire_wait, checksum for gloo).
+- weight sync end to end (``weight_sync_e2e``, CPU; ``--no-e2e`` skips it): the same channel into
+  an embedded engine (``TorchEngine`` over a Qwen2 model of that shape, with kv heads that divide
+  its heads: ``payloads.engine_shape``) holding 4 groups x 2 samples mid-generation, from
+  ``publish_begin`` to the engine generating with the new weights: received, copied into its
+  parameters (``load_s``) and every running KV cache recomputed (``recompute_s``).
 
 p50/p99 are over ``repeats`` samples after one warm-up (with few repeats p99 is ~ the max).
 JSON rows: ``metric``, ``value``, ``unit`` always; transfer and weight rows also ``transport``,
@@ -37,7 +45,15 @@ from typing import Optional
 
 import torch
 
-from benchmarks.common.payloads import MODELS, boba_batch, n_params, nbytes, pack_batch, synthetic_state_dict
+from benchmarks.common.payloads import (
+    MODELS,
+    boba_batch,
+    engine_shape,
+    n_params,
+    nbytes,
+    pack_batch,
+    synthetic_state_dict,
+)
 from benchmarks.common.channels import (
     CHANNEL_OPS,
     GPU_KINDS,
@@ -74,6 +90,8 @@ class Opts:
     boba: tuple[int, int, int]  # prompts, samples per prompt, max length
     models: list[str]
     notes: list[str]
+    weight_reps: int = 2
+    e2e: bool = True
 
     def reps(self, size: int) -> int:
         if self.repeats:
@@ -95,6 +113,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--boba-samples", type=int, default=16, help="samples per prompt")
     p.add_argument("--boba-max-len", type=int, default=27000, help="cap of the lognormal sequence lengths")
     p.add_argument("--weights-max-params", type=float, help="largest synthetic model for weight sync")
+    p.add_argument("--weight-repeats", type=int, help="weight versions timed per case (default 1 quick, else 2)")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows (into an embedded engine)")
     return p.parse_args(argv)
 
 
@@ -114,6 +134,8 @@ def build_opts(a: argparse.Namespace) -> Opts:
         (prompts, a.boba_samples, a.boba_max_len),
         models,
         notes,
+        a.weight_repeats or (1 if a.quick else 2),
+        not a.no_e2e,
     )
 
 
@@ -223,15 +245,32 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
             sd = synthetic_state_dict(*MODELS[model], device=opts.device)
             for pipeline in [True, False] if kind in ("gloo", "nccl") else [True]:
                 ch.pipeline = pipeline
-                samples, pub, ref = time_weights(peer, ch, sd, version, 1 if opts.quick else 2, bound)
+                samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
                 version += 10
-                rows.append(weight_row(kind, model, sd, samples, pub, pipeline, bound.gbps(ref), opts.device))
+                rows.append(weight_row(kind, model, sd, samples, pub, pipeline, bound.gbps(ref), opts.device, last))
+            ch.pipeline = True
             del sd
+            if opts.e2e and opts.device == "cpu":
+                rows.append(run_e2e(peer, ch, kind, model, opts, bound, version))
+                version += 10
             bar.update(1)
     finally:
         ch.close()
         peer.call("close", what="weights")
     return rows
+
+
+def run_e2e(peer: Peer, ch, kind: str, model: str, opts: Opts, bound: Copier, version: int) -> dict:
+    """The same channel into the peer's embedded engine: publish -> weights loaded, KV caches recomputed."""
+    shape = engine_shape(model)
+    if peer.call("engine", shape=list(shape), groups=4, samples=2, prompt_len=64, steps=8)["params"] == 0:
+        raise RuntimeError(f"engine of {model}: no parameters")
+    sd = synthetic_state_dict(*shape, device=opts.device)
+    samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound, op="weights_e2e")
+    row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
+    row.update(metric="weight_sync_e2e", load_s=last["load_s"], recompute_s=last["recompute_s"])
+    row["receive_end_s"] = last["t_recv"] - (last["t1"] - samples[-1])  # publish_begin -> receive returned
+    return row
 
 
 # --- rows ---------------------------------------------------------------------------------------
@@ -267,8 +306,10 @@ def weight_row(
     pipeline: bool,
     bound_gbps: float,
     device: str,
+    last: Optional[dict] = None,
 ) -> dict:
-    size, st = nbytes(sd), stats(samples)
+    """``last``: the last sample's answer, for its phases (the publisher's and the receiver's, seconds)."""
+    size, st, last = nbytes(sd), stats(samples), last or {}
     gbps = size / st["p50_s"] / 1e9
     return {
         "metric": "weight_sync",
@@ -286,6 +327,9 @@ def weight_row(
         "bound_gbps": bound_gbps,
         "ratio": gbps / bound_gbps,
         "device": device,
+        "pub_phases": last.get("pub_phases", {}),
+        "recv_phases": last.get("phases", {}),
+        "pub_cpu_s": last.get("pub_cpu_s"),
     }
 
 
@@ -293,7 +337,8 @@ def weight_row(
 
 
 def _what(r: dict) -> str:
-    return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial")
+    e2e = " e2e" if r["metric"] == "weight_sync_e2e" else ""
+    return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial") + e2e
 
 
 COLUMNS = [
@@ -310,9 +355,23 @@ COLUMNS = [
 
 def show(rows: list[dict]) -> None:
     print()
-    print_table(rows, COLUMNS, where=lambda r: r["metric"] in ("transfer_latency", "weight_sync"))
+    print_table(rows, COLUMNS, where=lambda r: r["metric"] in ("transfer_latency", "weight_sync", "weight_sync_e2e"))
     for note in rows[0].get("notes", []):
         print("note:", note)
+    for r in rows:
+        if r["metric"] in ("weight_sync", "weight_sync_e2e") and (r["pub_phases"] or r["recv_phases"]):
+            print(f"phases {r['transport']} {_what(r)} (ms): publisher {_ms(r['pub_phases'])}; "
+                  f"receiver {_ms(r['recv_phases'])}" + _engine_ms(r))  # fmt: skip
+
+
+def _ms(phases: dict) -> str:
+    return ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in phases.items()) or "-"
+
+
+def _engine_ms(r: dict) -> str:
+    if r["metric"] != "weight_sync_e2e":
+        return ""
+    return f"; engine load {r['load_s'] * 1e3:.1f}, KV recompute {r['recompute_s'] * 1e3:.1f}"
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:

@@ -57,7 +57,38 @@ def _expect(state: dict, cmd: dict) -> dict:
 def _weights(state: dict, cmd: dict) -> dict:
     sd = state["weights"].receive(cmd["manifest"])
     sync(state["device"])
-    return {"t1": time.perf_counter(), "params": sum(t.numel() for t in sd.values())}
+    t1 = time.perf_counter()
+    return {"t1": t1, "params": sum(t.numel() for t in sd.values()), "phases": getattr(state["weights"], "phases", {})}
+
+
+def _engine(state: dict, cmd: dict) -> dict:
+    """An embedded engine (``TorchEngine``) of the model's shape, with ``groups`` groups mid-generation
+    (so a weight update recomputes their KV caches, as in a fleet at eta >= 1)."""
+    from benchmarks.common.payloads import engine_model
+    from areal_async.rollout.engine import GenRequest
+    from areal_async.rollout.torch_engine import TorchEngine
+
+    model = engine_model(cmd["shape"], dtype=torch.bfloat16)
+    eng = TorchEngine(model, 0, device=state["device"], max_batch_groups=cmd["groups"], version=0)
+    for g in range(cmd["groups"]):
+        prompt = [(7 * g + i) % 97 + 1 for i in range(cmd["prompt_len"])]
+        eng.add_request(GenRequest(f"g{g}", prompt, n=cmd["samples"], max_new_tokens=1000, temperature=1.0))
+    for _ in range(cmd["steps"]):
+        eng.step()
+    state["engine"] = eng
+    return {"ok": True, "params": sum(p.numel() for p in model.parameters())}
+
+
+def _weights_e2e(state: dict, cmd: dict) -> dict:
+    """Receive a version and load it into the engine (its KV caches recomputed): the update's end."""
+    sd = state["weights"].receive(cmd["manifest"])
+    t_recv = time.perf_counter()
+    state["engine"].update_weights(cmd["manifest"]["version"], sd)
+    del sd
+    sync(state["device"])
+    t1 = time.perf_counter()
+    return {"t1": t1, "t_recv": t_recv, "phases": getattr(state["weights"], "phases", {}),
+            **state["engine"].update_split}  # fmt: skip
 
 
 def _close(state: dict, cmd: dict) -> dict:
@@ -67,7 +98,14 @@ def _close(state: dict, cmd: dict) -> dict:
     return {"ok": True}
 
 
-CHANNEL_OPS: dict[str, Op] = {"open": _open, "expect": _expect, "weights": _weights, "close": _close}
+CHANNEL_OPS: dict[str, Op] = {
+    "open": _open,
+    "expect": _expect,
+    "weights": _weights,
+    "engine": _engine,
+    "weights_e2e": _weights_e2e,
+    "close": _close,
+}
 
 
 def endpoints(kind: str) -> tuple[dict, dict]:
@@ -148,21 +186,22 @@ def time_stream(peer: Peer, ch, seqs: list[dict], repeats: int, bound: Copier) -
     return out, ref[1:]
 
 
-def time_weights(peer: Peer, ch, sd: dict, version: int, repeats: int, bound: Copier):
-    """(latencies, publisher-side times, bound samples) of ``repeats`` versions after a warm-up:
-    from ``publish_begin`` to the peer's ``receive`` returning."""
-    lat, pub, ref = [], [], []
+def time_weights(peer: Peer, ch, sd: dict, version: int, repeats: int, bound: Copier, op: str = "weights"):
+    """(latencies, publisher-side times, bound samples, the last answer with the publisher's phases)
+    of ``repeats`` versions after a warm-up: from ``publish_begin`` to the peer's ``op`` returning
+    (``weights``: ``receive``; ``weights_e2e``: its engine loaded them, KV caches recomputed)."""
+    lat, pub, ref, last = [], [], [], {}
     for i in range(repeats + 1):
         ref.append(bound.sample())
         sync(str(next(iter(sd.values())).device))
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         manifest = ch.publish_begin(version + i, sd)
-        peer.ask("weights", manifest=manifest)  # the control plane's WeightsPublished
+        peer.ask(op, manifest=manifest)  # the control plane's WeightsPublished
         ch.publish_end()
         t_pub = time.perf_counter() - t0
-        t1 = peer.answer()["t1"]
+        last = {**peer.answer(), "pub_phases": dict(getattr(ch, "phases", {})), "pub_cpu_s": time.process_time() - c0}
         ch.release(version + i)
         if i:
-            lat.append(t1 - t0)
+            lat.append(last["t1"] - t0)
             pub.append(t_pub)
-    return lat, pub, ref[1:]
+    return lat, pub, ref[1:], last

@@ -53,6 +53,31 @@ def synthetic_state_dict(
     }
 
 
+def engine_shape(model: str) -> tuple:
+    """``MODELS[model]`` with key/value heads that divide the attention heads, so a real model runs
+    (the synthetic 0.13B has 6 heads and 4 kv heads: fine for shapes, not for attention)."""
+    hidden, inter, layers, vocab, kv_heads, tied = MODELS[model]
+    heads = max(1, hidden // 128)
+    while heads % kv_heads:
+        kv_heads -= 1
+    return hidden, inter, layers, vocab, kv_heads, tied
+
+
+def engine_model(shape: tuple, dtype: torch.dtype = torch.bfloat16):
+    """A Qwen2 causal LM of ``shape`` (see ``synthetic_state_dict``), randomly initialised: its state
+    dict has the synthetic one's names and shapes."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, inter, layers, vocab, kv_heads, tied = shape
+    heads = max(1, hidden // 128)
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied,
+        max_position_embeddings=4096,
+    )  # fmt: skip
+    return Qwen2ForCausalLM(cfg).to(dtype).eval()
+
+
 def n_params(model: str) -> int:
     """Parameters of the named synthetic model (shapes only, nothing allocated)."""
     return sum(t.numel() for t in synthetic_state_dict(*MODELS[model], device="meta").values())
