@@ -99,9 +99,8 @@ class ZmqWeightChannel(WeightChannel):
     def publish_begin(self, version: int, state_dict: Tensors) -> dict:
         layout = B.plan(state_dict, self.bucket_bytes)
         bufs = [torch.empty(n, dtype=torch.uint8) for n in layout.bucket_sizes]
-        for k, buf in enumerate(bufs):
-            B.pack(layout, state_dict, k, buf)
-        values = None if self.algo == "none" else [B.checksum(b, self.algo) for b in bufs]
+        values = [B.pack_sum(layout, state_dict, k, buf, self.algo) for k, buf in enumerate(bufs)]  # one pass
+        values = None if self.algo == "none" else values
         self._server.add(version, bufs)
         self._last = version
         return B.manifest("zmq", version, layout, self.algo, values, {"endpoint": self._server.endpoint})
