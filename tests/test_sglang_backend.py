@@ -183,9 +183,10 @@ def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights
         n_groups = 4
         for g in range(n_groups):
             engine.add_request(GenRequest(f"g{g}", prompt, 8, 48))
-        engine.step()  # dispatches every sample; the kill follows at once (~0.1 s of generation left here)
+        first = engine.step()  # dispatches every sample; the kill follows at once (~0.1 s of generation left here)
         os.kill(p0.pid, signal.SIGKILL)
-        groups, t = {}, time.monotonic()
+        groups = {g.group_id: SimpleNamespace(samples=[plain(s) for s in g.samples]) for g in first}  # done already
+        t = time.monotonic()
         while engine.servers[0].up:  # the in-flight requests fail: the server is marked down
             assert time.monotonic() - t < 120, "the killed server was not marked down"
             if not engine.has_work():  # all done before the kill (a faster server): one more group meets it
