@@ -43,6 +43,15 @@ FLUSHED = (
 )
 FLUSH_FAILED = "Flush cache failed.\n"
 BAD_REQUEST = 400  # http.HTTPStatus.BAD_REQUEST, every refusal above
+TP_SIZE = 1  # the CPU server is one rank (no tensor parallelism); its /server_info says so
+
+
+class BadRequest(ValueError):
+    """Answered 400 with the message (SGLang answers a contract violation the same way)."""
+
+
+class Unavailable(RuntimeError):
+    """Answered 503: the server cannot serve now (weights unusable after a failed update)."""
 
 
 def flush_allowed(has_requests: bool, pause_mode: str | None) -> bool:

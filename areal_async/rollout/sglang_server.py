@@ -46,15 +46,12 @@ min-p / penalties / grammars (refused with 400 naming the key), a radix cache ac
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
-from urllib.parse import urlparse
 
 import torch
 
@@ -63,6 +60,8 @@ from areal_async.config import load_config
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.rollout import sglang_rules as R
+from areal_async.rollout.sglang_http import make_http_server
+from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest, GroupOutput
 from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
@@ -85,14 +84,6 @@ SUPPORTED_SAMPLING = {
     "sampling_seed",
 }
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class BadRequest(ValueError):
-    """Answered 400 with the message (SGLang answers a contract violation the same way)."""
-
-
-class Unavailable(RuntimeError):
-    """Answered 503: the server cannot serve now (weights unusable after a failed update)."""
 
 
 @dataclass
@@ -420,100 +411,6 @@ def _as_list(x) -> list:
 def _rest(engine: TorchEngine, sd: dict) -> dict:
     """The model's other tensors, so one bucket checks against the whole state dict."""
     return {k: v for k, v in engine.model.state_dict().items() if k not in sd}
-
-
-# ---- HTTP ------------------------------------------------------------------------------------
-
-_POST = {
-    "/generate": "generate",
-    "/pause_generation": "pause",
-    "/continue_generation": "resume",
-    "/init_weights_update_group": "init_group",
-    "/destroy_weights_update_group": "destroy_group",
-    "/update_weights_from_distributed": "update_from_distributed",
-    "/update_weights_from_disk": "update_from_disk",
-    "/begin_weight_update": "begin_update",
-    "/end_weight_update": "end_update",
-}
-TP_SIZE = 1  # this server is one rank (no tensor parallelism); /server_info says so
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a client reuses its connection
-    server_version = "areal-cpu-sglang/1"
-    state: CpuSGLangServer  # set on the subclass made by make_http_server
-
-    def log_message(self, fmt: str, *args) -> None:  # one line per request is too much at 1000s of requests/s
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    def do_GET(self) -> None:
-        path = urlparse(self.path).path
-        if path in ("/health", "/health_generate"):  # the process serves; /generate says if the weights do
-            self._send(200, None)
-        elif path in ("/model_info", "/get_model_info"):
-            self._send(200, self.state.model_info())
-        elif path == "/flush_cache":
-            self._flush()
-        elif path in ("/server_info", "/get_server_info"):
-            self._send(200, {"tp_size": TP_SIZE, "dp_size": 1, "pp_size": 1, "version": "0.5.23 (areal CPU twin)"})
-        else:
-            self._send(404, {"error": {"message": f"no route GET {path}", "code": 404}})
-
-    def do_POST(self) -> None:
-        path = urlparse(self.path).path
-        try:
-            body = self._body()
-            if path == "/flush_cache":
-                return self._flush()
-            if path == "/abort_request":
-                self.state.abort_request(body)
-                return self._send(200, None)
-            if path not in _POST:
-                return self._send(404, {"error": {"message": f"no route POST {path}", "code": 404}})
-            out = getattr(self.state, _POST[path])(body)
-            self._send(400 if out.get("success") is False else 200, out)
-        except BadRequest as e:
-            self._send(400, {"error": {"message": str(e), "code": 400}})
-        except (KeyError, TypeError, ValueError) as e:
-            self._send(400, {"error": {"message": f"bad request body for {path}: {e!r}", "code": 400}})
-        except TimeoutError as e:
-            self._send(504, {"error": {"message": str(e), "code": 504}})
-        except Unavailable as e:
-            self._send(503, {"error": {"message": str(e), "code": 503}})
-
-    def _flush(self) -> None:
-        ok = self.state.flush()
-        self._send(200 if ok else R.BAD_REQUEST, R.FLUSHED if ok else R.FLUSH_FAILED)
-
-    def _body(self) -> dict:
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b"{}"
-        try:
-            body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as e:
-            raise BadRequest(f"body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest(f"body {body!r}: expected a JSON object")
-        return body
-
-    def _send(self, code: int, payload) -> None:
-        if payload is None:
-            data, ctype = b"", "text/plain"
-        elif isinstance(payload, str):
-            data, ctype = payload.encode(), "text/plain"
-        else:
-            data, ctype = json.dumps(payload).encode(), "application/json"
-        self.send_response(code)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-def make_http_server(state: CpuSGLangServer, host: str, port: int) -> ThreadingHTTPServer:
-    handler = type("Handler", (_Handler,), {"state": state})
-    server_cls = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 4096, "daemon_threads": True})
-    return server_cls((host, port), handler)  # a deep backlog: a worker opens hundreds of connections at once
 
 
 def build_state(args) -> CpuSGLangServer:
