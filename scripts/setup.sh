@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with the CPU build of torch and this package (+ test, bench and tb extras).
+# Create .venv with the CPU build of torch and this package (+ test, bench, tb and ray extras).
 # torch is installed first and pinned: the package's own range (torch>=2.5) is then already
 # satisfied, so pip never pulls a multi-GB CUDA build on a CPU machine.
 # GPU machines: .venv/bin/pip install -e '.[gpu]' afterwards (brings sglang, cupy, nccl).
@@ -11,5 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e '.[test,bench,tb]'
+# ray: the README's test command collects tests/test_ray_launcher.py, which needs a real local Ray (the
+# extra adds ~240 MB; measured 70 s wall on 2 shared cores at load 13, .ci/run saw 12 s from a warm pip cache)
+.venv/bin/python -m pip install -q -e '.[test,bench,tb,ray]'
 echo "areal-async: environment ready in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

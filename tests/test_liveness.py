@@ -3,6 +3,8 @@ re-issue, the trainer's bounded drop list, the supervisor's lost-worker kill and
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 
@@ -20,6 +22,7 @@ from areal_async.base.aio import RoleLoopError, TaskSet
 from tests.test_scheduler_core import reward_msg, traj_msg
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
+GRACE = local.GRACE_S + 3.0  # a SIGTERMed sleep exits at once; the SIGKILL after GRACE_S is not needed
 
 
 # ---- TaskSet -----------------------------------------------------------------------------
@@ -328,3 +331,19 @@ def test_silence_report_names_the_scheduler_when_its_status_is_stale():
         "2 group(s))"
     ) in report
     assert "The scheduler waits for 1/4 groups ready for step 3" in report
+
+
+def test_follower_trainer_ranks_die_with_their_leader(tmp_path, capsys):
+    """2 ranks: the leader (worker 'trainer') is SIGKILLed; the follower (trainer-1, blocked in its
+    collective for ever here) is stopped at once with the rest of the fleet, not left running."""
+    sup = supervisor(tmp_path, "cluster.n_trainer_ranks=2")
+    child(sup, "scheduler", SLEEP)
+    leader, follower = child(sup, "trainer", SLEEP), child(sup, "trainer-1", SLEEP)
+    os.kill(leader.proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        assert sup.watch(poll_s=0.05) == 1
+    finally:
+        sup.stop_all()
+    assert follower.proc.poll() is not None and time.monotonic() - t0 < GRACE
+    assert "worker trainer (pid" in capsys.readouterr().err
