@@ -11,6 +11,7 @@ from typing import Optional
 
 import pytest
 
+from areal_async.config.objective import ObjectiveConfig
 from areal_async.config import (
     ActorConfig,
     ClusterConfig,
@@ -74,6 +75,7 @@ BAD = [
     (MicroBatchSpec, {"oversize": "split"}, "oversize='split'", "error | own_mb"),
     (ActorConfig, {"eps_clip": 0.0}, "eps_clip=0.0", "> 0"),
     (ActorConfig, {"discount": 1.5}, "discount=1.5", "[0, 1]"),
+    (ObjectiveConfig, {"c_clip": 0.5}, "c_clip=0.5", "> 1 or None"),  # the objective keys: tests/test_objectives.py
     (ActorConfig, {"mb_spec": {"max_tokens_per_mb": 8}}, "mb_spec={", "a MicroBatchSpec"),
     (RewardConfig, {"fn": "no_colon"}, "fn='no_colon'", "'module:function'"),
     (RewardConfig, {"memory_limit_mb": 100}, "memory_limit_mb=100", "0 (no limit) or >= 256"),
@@ -126,8 +128,16 @@ def test_optional_fields_take_none_or_their_type_in_either_spelling(name):
         _Optionals(**{name: "3"})
 
 
+def _sections(cls: type = Section) -> set[str]:
+    """Every class deriving from ``cls``, at any depth (ActorConfig derives from ObjectiveConfig)."""
+    out: set[str] = set()
+    for sub in cls.__subclasses__():
+        out |= {sub.__name__} | _sections(sub)
+    return out
+
+
 def test_every_section_has_a_refusal_above():
-    assert {s.__name__ for s in Section.__subclasses__()} - {"_Optionals"} == {b[0].__name__ for b in BAD}
+    assert _sections() - {"_Optionals"} == {b[0].__name__ for b in BAD}
 
 
 CROSS = [  # rules that join sections live on ExperimentConfig and name the full dotted key

@@ -59,6 +59,8 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         dp=dp,
         compute_dtype=dtype if sharded else None,
         ref_model=lambda: _reference(cfg),
+        max_new_tokens=cfg.gconfig.max_new_tokens,
+        eos_token_ids=[i for i in [getattr(tok, "eos_token_id", None), *cfg.gconfig.stop_token_ids] if i is not None],
     )
     start_step = start_version = 0
     if ckpt is not None:

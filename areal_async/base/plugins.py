@@ -15,10 +15,11 @@ import functools
 import importlib
 import inspect
 
-__all__ = ["load_callable", "contract_problem", "REWARD_SIGNATURE", "WORKFLOW_SIGNATURE"]
+__all__ = ["load_callable", "contract_problem", "REWARD_SIGNATURE", "WORKFLOW_SIGNATURE", "FILTER_SIGNATURE"]
 
 REWARD_SIGNATURE = "f(completion: str, solutions: list[str], **kwargs) -> float"
 WORKFLOW_SIGNATURE = "'async def arun_episode(self, engine, prompt)'"
+FILTER_SIGNATURE = "f(scores: list[float], **kwargs) -> bool (True keeps the group)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,9 +75,22 @@ def contract_problem(path: str, kind: str = "auto") -> tuple[str, str | None]:
         return "unknown", f"cannot load: {e}"
     if kind == "auto":
         kind = "workflow" if inspect.isclass(obj) else "reward"
+    if kind == "dynamic_filter":
+        return kind, _filter_problem(path, obj)
     if kind not in ("reward", "workflow"):
-        raise ValueError(f"kind={kind!r}: expected auto | reward | workflow")
+        raise ValueError(f"kind={kind!r}: expected auto | reward | workflow | dynamic_filter")
     return kind, (_workflow_problem(path, obj) if kind == "workflow" else _reward_problem(path, obj))
+
+
+def _filter_problem(path: str, fn) -> str | None:
+    """rollout.dynamic_filter: called as f(scores, prompt_id=..., n_output_tokens=[...])."""
+    try:
+        inspect.signature(fn).bind([1.0, 0.0], prompt_id="p", n_output_tokens=[1, 1])
+    except TypeError as e:
+        return f"wrong signature: dynamic filter {path!r} ({e}); it must be callable as {FILTER_SIGNATURE}"
+    except ValueError:  # a builtin without a signature
+        return None
+    return None
 
 
 def _reward_problem(path: str, fn) -> str | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areal_async.config.base import Section, _f, _sub, above, at_least, one_of, require, within
+from areal_async.config.objective import check_objective_fleet
 from areal_async.config.sections import (
     DTYPES,
     ActorConfig,
@@ -365,6 +366,7 @@ class ExperimentConfig(Section):
             f"<= samples per step ({per_step})",
         )
         self._check_server_fleet()
+        check_objective_fleet(self)
         one_host = sorted({self.tensor_channel.trajectories, self.tensor_channel.weights} & {"shm", "cuda_ipc"})
         require(
             len(set(self.cluster.hosts())) == 1 or not one_host,

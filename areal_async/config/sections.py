@@ -12,6 +12,7 @@ from typing import Optional
 
 from areal_async.base.affinity import parse_cpu_list
 from areal_async.config.base import CpuList, Section, _f, _sub, above, at_least, one_of, require, within
+from areal_async.config.objective import ObjectiveConfig, check_objective_actor
 from protocols.channels import CHANNEL_KINDS
 
 TEMPLATES = ("none", "chat", "r1")  # train_dataset.template; data/templates.py renders them
@@ -154,6 +155,12 @@ class RolloutConfig(Section):
         "A group not generated this many seconds after it was issued is aborted "
         "(reason 'deadline') and its prompt re-issued; 0 = no deadline.",
     )
+    dynamic_filter: str = _f(
+        "",
+        "Dynamic sampling: '' (off), 'nonzero_std' (drop a scored group whose rewards are all equal) or a "
+        "plug-in 'module:function', f(scores: list[float], **kwargs) -> bool, True keeps the group. A dropped "
+        "group is booked aborted ('dynamic_filter: ...') and its place refilled under the same eta.",
+    )
     max_reissues: int = _f(
         8,
         "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
@@ -190,6 +197,12 @@ class RolloutConfig(Section):
             "'' (plain sampling) or a dotted path 'module:Class'",
         )
         require(self.gen_deadline_s >= 0, "gen_deadline_s", self.gen_deadline_s, ">= 0 (0 = no deadline)")
+        require(
+            self.dynamic_filter in ("", "nonzero_std") or ":" in self.dynamic_filter,
+            "dynamic_filter",
+            self.dynamic_filter,
+            "'' (off), 'nonzero_std' or a plug-in 'module:function'",
+        )
         require(self.max_reissues >= -1, "max_reissues", self.max_reissues, "an integer >= -1 (-1 = never dropped)")
         require(self.episode_timeout_s >= 0, "episode_timeout_s", self.episode_timeout_s, ">= 0 (0 = no bound)")
         require(self.max_workflow_errors >= -1, "max_workflow_errors", self.max_workflow_errors, "an integer >= -1")
@@ -203,9 +216,13 @@ class RejectionSamplingConfig(Section):
     metric: str = _f("ratio", "'ratio' (exp(prox_logp - behav_logp)) or 'none'.")
     upper: float = _f(5.0, "Tokens whose importance weight exceeds this are rejected.")
     mode: str = _f("mask", "'mask' drops rejected tokens from the loss; 'clamp' clips their weight to 'upper'.")
+    level: str = _f(
+        "token", "'token' or 'sequence' (a sequence judged by exp(mean log weight), its tokens share that weight)."
+    )
 
     def check(self) -> None:
         one_of(self, "metric", ("ratio", "none"))
+        one_of(self, "level", ("token", "sequence"))
         above(self, "upper", 1)
         one_of(self, "mode", ("mask", "clamp"))
 
@@ -265,8 +282,8 @@ class MicroBatchSpec(Section):
 
 
 @dataclass
-class ActorConfig(Section):
-    """The trained policy and its PPO objective (GRPO-style: no critic)."""
+class ActorConfig(ObjectiveConfig):
+    """The trained policy and its PPO objective (GRPO-style: no critic; objective keys: objective.py)."""
 
     mb_spec: MicroBatchSpec = _sub(MicroBatchSpec, "Micro-batch packing.")
     optimizer: OptimizerConfig = _sub(OptimizerConfig, "Optimizer and schedule.")
@@ -300,6 +317,8 @@ class ActorConfig(Section):
         within(self, "discount", "[0, 1]")
         within(self, "gae_lambda", "[0, 1]")
         at_least(self, "ppo_n_minibatches", 1)
+        super().check()
+        check_objective_actor(self)
 
 
 @dataclass

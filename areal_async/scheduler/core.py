@@ -35,6 +35,7 @@ from typing import Callable, Optional, Sequence
 
 from protocols.messages import BatchPlan, GenerateRequest, RewardResult, TrajectoryReady
 
+from areal_async.scheduler.group_filter import GroupFilter
 from areal_async.scheduler.ledger import GroupState, Ledger, SampleRecord, SampleState
 from areal_async.scheduler.staleness import can_admit, is_fresh_enough
 
@@ -57,6 +58,7 @@ class SchedulerParams:
     gen_deadline_s: float = 0.0  # a group not generated this long after issue is aborted (0: no deadline)
     reward_deadline_s: float = 0.0  # a generated group not scored this long after is aborted (0: no deadline)
     max_reissues: int = -1  # a prompt re-issued this many times is dropped on its next abort (-1: never)
+    group_filter: Optional[GroupFilter] = None  # rollout.dynamic_filter: judges each group once it is scored
 
 
 class SchedulerCore:
@@ -199,8 +201,25 @@ class SchedulerCore:
             if worker is not None:
                 worker.groups.discard(gid)
             self._forget_times(gid)
+            if self._filtered_out(gid):
+                return
             self.accepted += 1
             self.ready.append(gid)
+
+    def _filtered_out(self, gid: str) -> bool:
+        """Dynamic sampling: a group the filter drops is booked aborted, its prompt not re-issued (the
+        cursor supplies the next one). It was never accepted, so admission refills its place within
+        the same bound (accepted + running < (eta + v + 1) B) and staleness is judged at plan as ever."""
+        f = self.p.group_filter
+        if f is None:
+            return False
+        recs = [self.ledger.samples[s] for s in self.ledger.groups[gid].sample_ids]
+        g = self.ledger.groups[gid]
+        why = f.judge([r.score for r in recs], prompt_id=g.prompt_id, n_output_tokens=[r.n_output_tokens for r in recs])
+        if why is None:
+            return False
+        self._abort(gid, why, reissue=False)
+        return True
 
     # ---- training ------------------------------------------------------------------------
     def plan(self, ahead: bool = False) -> tuple[Optional[BatchPlan], list[SampleRecord]]:

@@ -86,6 +86,7 @@ from areal_async.base.control import worker_of
 from areal_async.base.endpoints import Endpoints
 from areal_async.base.runkeys import Roster
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
+from areal_async.scheduler.group_filter import build_group_filter
 from areal_async.scheduler.overdue import open_work, overdue
 from areal_async.scheduler.runlog import RunLog
 from areal_async.scheduler.sinks import sinks_from_config
@@ -125,6 +126,7 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
         gen_deadline_s=cfg.rollout.gen_deadline_s,
         reward_deadline_s=cfg.reward.deadline_s,
         max_reissues=cfg.rollout.max_reissues,
+        group_filter=build_group_filter(cfg.rollout.dynamic_filter),
     )
     cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
@@ -229,6 +231,7 @@ class SchedulerService:
         self.exit_code = 0
         self.failure = ""  # why the run failed (Error workflow_failed), logged last
         self._step_t = time.time()
+        self._filter_last = {"groups": 0, "samples": 0, "errors": 0}  # rollout.dynamic_filter's counts at the last row
         self._plan_at: dict[int, float] = {}  # step -> time its BatchPlan was sent (two with plan ahead)
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -601,8 +604,25 @@ class SchedulerService:
         }
         self._step_t = now
         row.update(metrics_columns(self.weight_updates.last))
+        row.update(self._filter_counts())
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row
+
+    def _filter_counts(self) -> dict:
+        """rollout.dynamic_filter's drops since the last row and in total (nothing without a filter)."""
+        f = self.core.p.group_filter
+        if f is None:
+            return {}
+        now, last = f.counts(), self._filter_last
+        self._filter_last = now
+        if now["errors"] > last["errors"]:
+            log.warning("%d dynamic filter error(s) this step, last: %s", now["errors"] - last["errors"], f.last_error)
+        return {
+            "dynamic_filter_groups_dropped": now["groups"] - last["groups"],
+            "dynamic_filter_samples_dropped": now["samples"] - last["samples"],
+            "dynamic_filter_groups_dropped_total": now["groups"],
+            "dynamic_filter_errors_total": now["errors"],
+        }
 
     def _busy_s_total(self, role: str) -> float:
         return sum(float(w.get("stats", {}).get("busy_s", 0.0)) for w in self.workers.values() if w["role"] == role)

@@ -213,12 +213,15 @@ def _positions(ctx: Context, prompt_len: int) -> list[Finding]:
 
 
 def check_plugins(ctx: Context) -> list[Finding]:
-    """reward.fn and rollout.workflow import and have the right signature (nothing is run)."""
+    """reward.fn, rollout.workflow and a plug-in rollout.dynamic_filter import and have the right signature
+    (nothing is run)."""
     _on_workers_path()
     cfg, out = ctx.cfg, []
+    dyn = cfg.rollout.dynamic_filter if ":" in cfg.rollout.dynamic_filter else ""  # '' or a built-in: no plug-in
     for key, path, kind in (
         ("reward.fn", cfg.reward.fn, "reward"),
         ("rollout.workflow", cfg.rollout.workflow, "workflow"),
+        ("rollout.dynamic_filter", dyn, "dynamic_filter"),
     ):
         if not path:
             continue

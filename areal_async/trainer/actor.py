@@ -46,7 +46,7 @@ from areal_async.trainer.dp import (
     split_over_ranks,
 )
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, ranges
-from areal_async.trainer.loss import LossStats, count_kept_tokens, policy_loss
+from areal_async.trainer.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from areal_async.trainer.packing import PackedBatch, forward_packed, one_device_cat, pack
 from areal_async.trainer.types import Trajectory
@@ -87,8 +87,11 @@ class _Batch:
                 ],
                 "loss masks",
             ).to(device)
+        self.versions = torch.cat([t.versions for t in trajs])  # per output token (prox_logp_method=loglinear)
         self.prox: Optional[torch.Tensor] = None
         self.adv: Optional[torch.Tensor] = None
+        self.ref: Optional[torch.Tensor] = None  # reference logprobs, kept for kl_in='loss'
+        self.scale: Optional[torch.Tensor] = None  # per-token loss coefficients (loss_agg_mode other than token-mean)
         self._all = list(range(len(trajs)))
         self._packed: dict[tuple[int, ...], PackedBatch] = {}
 
@@ -131,11 +134,15 @@ class PPOActor:
         ref_model: Optional[ModelOrLoader] = None,
         dp: Optional[DataParallel] = None,
         compute_dtype: Optional[torch.dtype] = None,
+        max_new_tokens: Optional[int] = None,
+        eos_token_ids: Sequence[int] = (),
     ):
         """``dp``: this process's trainer rank (default: the only one). ``compute_dtype``: shard the
         policy with FSDP2 (needs an initialised process group, even of one rank) and keep float32
         master weights and optimizer state while forward/backward run in this dtype; None keeps
-        the model as given (and is only allowed with one rank)."""
+        the model as given (and is only allowed with one rank). ``max_new_tokens`` (gconfig's) and
+        ``eos_token_ids``: what the length-aware objective keys judge an output by (a sample of
+        max_new_tokens tokens not ending in one of ``eos_token_ids`` was cut: no eos)."""
         if temperature <= 0:
             raise ValueError(f"temperature={temperature}: expected > 0 (the rollout's sampling temperature)")
         if cfg.use_decoupled_loss and not cfg.recompute_logprob:
@@ -145,6 +152,13 @@ class PPOActor:
             )
         if cfg.kl_ctl > 0 and ref_model is None:
             raise ValueError(f"kl_ctl={cfg.kl_ctl} > 0 needs a reference model (or a loader); got None")
+        uses_length = cfg.overlong_reward_penalty or cfg.mask_no_eos_with_zero or cfg.loss_agg_mode.endswith("-norm")
+        if uses_length and not max_new_tokens:
+            raise ValueError(
+                "overlong_reward_penalty, mask_no_eos_with_zero and loss_agg_mode=seq-mean-token-sum-norm need "
+                f"max_new_tokens (gconfig.max_new_tokens); got {max_new_tokens!r}"
+            )
+        self.max_new_tokens, self.eos_token_ids = max_new_tokens, frozenset(int(i) for i in eos_token_ids)
         self.device = torch.device(device)
         self.dp = dp or DataParallel.single()
         if self.dp.active and compute_dtype is None:
@@ -171,6 +185,8 @@ class PPOActor:
         mode (no dropout)."""
         if not self.cfg.recompute_logprob or self.cfg.ppo_n_minibatches != 1 or self.cfg.kl_ctl > 0:
             return False
+        if self.cfg.prox_logp_method == "loglinear":  # the proximal logprobs are approximated instead
+            return False
         cfg = getattr(self.model, "config", None)
         dropout = float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0 or any(
             isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()
@@ -191,8 +207,13 @@ class PPOActor:
             self.cfg.ppo_n_minibatches == 1
             and self.cfg.kl_ctl == 0
             and not self.dp.active
-            and (self.prox_from_update or not self.cfg.recompute_logprob)
+            and not self._prox_forward
         )
+
+    @property
+    def _prox_forward(self) -> bool:
+        """Whether the step runs a proximal forward of its own (not from the update, not approximated)."""
+        return self.cfg.recompute_logprob and not self.prox_from_update and self.cfg.prox_logp_method == "recompute"
 
     def forward_ahead(self, trajs: Sequence[Trajectory]) -> ForwardAhead:
         """The update's first micro-batch forward on ``trajs`` (their scores are not read), for
@@ -291,16 +312,24 @@ class PPOActor:
     def _prepare(self, trajs: Sequence[Trajectory], batch: Optional[_Batch] = None) -> _Batch:
         """``batch``: these trajectories' (built ahead); its advantages are set here from their scores."""
         batch = _Batch(trajs, self.device) if batch is None else batch
-        if self.cfg.recompute_logprob and not self.prox_from_update:
+        if self._prox_forward:
             batch.prox = self._output_logprobs(self.model, batch)
         ref = self._output_logprobs(self.ref_model, batch) if self.cfg.kl_ctl > 0 else None
-        if self.cfg.kl_ctl > 0:  # per-token penalties: the advantages take per-trajectory logprobs
+        lengths = dict(max_new_tokens=self.max_new_tokens, truncated=[self._truncated(t) for t in trajs])
+        if self.cfg.kl_ctl > 0 and self.cfg.kl_in == "reward":  # per-token penalties: per-trajectory logprobs
             old = batch.prox if batch.prox is not None else batch.behav
             old_seq, ref_seq = (list(x.cpu().split(batch.n_out)) for x in (old, ref))
-            batch.adv = advantages_flat(trajs, self.cfg, old_seq, ref_seq).to(self.device)
+            batch.adv = advantages_flat(trajs, self.cfg, old_seq, ref_seq, **lengths).to(self.device)
         else:
-            batch.adv = advantages_flat(trajs, self.cfg).to(self.device)
+            batch.ref = ref
+            batch.adv = advantages_flat(trajs, self.cfg, **lengths).to(self.device)
         return batch
+
+    def _truncated(self, t: Trajectory) -> bool:
+        """Cut by the generation budget: max_new_tokens tokens, the last not an eos (unknown budget: False)."""
+        if not self.max_new_tokens or t.output_ids.numel() < self.max_new_tokens:
+            return False
+        return int(t.output_ids[-1]) not in self.eos_token_ids
 
     @torch.no_grad()
     def _output_logprobs(self, model: torch.nn.Module, batch: _Batch) -> torch.Tensor:
@@ -380,14 +409,20 @@ class PPOActor:
         where = batch.token_index(idx)
         mask = batch.cat("mask", idx, where)
         n_tokens = int(mask.sum())  # the loss denominator: rejected tokens stay in it
-        if batch.prox is not None or not self.cfg.recompute_logprob:
-            n_kept = count_kept_tokens(batch.cat("prox", idx, where), batch.cat("behav", idx, where), self.cfg, mask)
+        seq_lens = [batch.n_out[i] for i in idx]
+        if self.cfg.loss_agg_mode != "token-mean":
+            self._set_scale(batch, where, agg_scale(mask, seq_lens, self.cfg.loss_agg_mode, self.max_new_tokens))
+        prox_in_update = batch.prox is None and self.cfg.recompute_logprob
+        if not prox_in_update:
+            n_kept = count_kept_tokens(
+                batch.cat("prox", idx, where), batch.cat("behav", idx, where), self.cfg, mask, seq_lens
+            )
         stats, n_mb = LossStats(), 0
         for mb in micro_batches if micro_batches is not None else self._update_micro_batches(batch, idx):
             loss, s = self._micro_loss(batch, mb.indices, mb, n_tokens)
             loss.backward()
             stats, n_mb = stats.merge(s), n_mb + 1
-        if batch.prox is None and self.cfg.recompute_logprob:  # proximal logprobs from this update's forwards
+        if prox_in_update:  # proximal logprobs from this update's forwards (or approximated from them)
             n_kept = int(stats.n_loss_tokens)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optimizer.gradient_clipping)
         stepped = n_kept > 0 and math.isfinite(grad_norm)
@@ -403,18 +438,34 @@ class PPOActor:
         logp, entropy = mb.tails([batch.n_prompt[i] - 1 for i in traj_idx])
         where = batch.token_index(traj_idx)
         prox = batch.cat("prox", traj_idx, where)
-        if prox is None and self.cfg.recompute_logprob:  # prox_from_update: these weights are the proximal policy
+        behav = batch.cat("behav", traj_idx, where)
+        if prox is None and self.cfg.recompute_logprob and self.cfg.prox_logp_method == "loglinear":
+            prox = loglinear_prox(behav, logp, batch.cat("versions", traj_idx, where), self.step)
+        elif prox is None and self.cfg.recompute_logprob:  # prox_from_update: these weights are the proximal policy
             prox = logp.detach().float()
         return policy_loss(
             logp,
             prox,
-            batch.cat("behav", traj_idx, where),
+            behav,
             batch.cat("adv", traj_idx, where),
             self.cfg,
             n_tokens=n_tokens,
             entropy=entropy,
             loss_mask=batch.cat("mask", traj_idx, where),
+            scale=batch.cat("scale", traj_idx, where),
+            seq_lens=[batch.n_out[i] for i in traj_idx],
+            ref_logp=batch.cat("ref", traj_idx, where),
         )
+
+    @staticmethod
+    def _set_scale(batch: _Batch, where: Optional[torch.Tensor], scale: torch.Tensor) -> None:
+        """Store a minibatch's per-token loss coefficients at its tokens (``where``; None = all of them)."""
+        if where is None:
+            batch.scale = scale
+            return
+        if batch.scale is None:
+            batch.scale = torch.zeros(batch.behav.numel(), dtype=scale.dtype, device=scale.device)
+        batch.scale.index_copy_(0, where.to(scale.device), scale)
 
     def _metrics(
         self, trajs, batch: _Batch, stats: LossStats, grad_norms: list[float], n_mb: int, lr: float

@@ -10,7 +10,19 @@ Covered:
   with gamma = lambda = 1 every token's advantage is the sequence reward;
 - advantage normalization (group | batch | none) over all output tokens.
 
-Not covered: a learned critic, reward clipping, length penalties.
+- the advantage estimators of ``actor.adv_estimator`` as sequence-reward baselines before the GAE:
+  grpo (the reward normalization above), rloo (r_i - mean of the other samples of its group =
+  G/(G-1) (r_i - group mean)), reinforce_pp (no baseline; the advantages whitened over the batch
+  by adv_norm batch/batch, verl's ``compute_reinforce_plus_plus_outcome_advantage``) and
+  reinforce_pp_baseline (r_i - group mean, then whitened alike, verl's
+  ``compute_rf_baseline_outcome_advantage``);
+- DAPO's soft overlong punishment on the score, min(-(len - (max_new_tokens - overlong_tokens)) /
+  overlong_tokens * factor, 0) (AReaL's ``reward_overlong_penalty``), and ``mask_no_eos_with_zero``
+  (a sample cut at max_new_tokens gets sequence reward 0 after normalization, as AReaL leaves its
+  reward out);
+- the KL penalty with the k1/k2/k3 estimator of ``actor.kl_estimator`` (kl_in='reward').
+
+Not covered: a learned critic, reward clipping.
 
 Std convention: the unbiased (Bessel-corrected) std, as ``torch.std`` and AReaL use; a set of a
 single value has std 0 (only ``eps`` remains in the denominator).
@@ -23,6 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from areal_async.config import NORM_LEVELS, ActorConfig, NormConfig
+from areal_async.trainer.loss import kl_estimate
 from areal_async.trainer.types import Trajectory
 
 
@@ -102,15 +115,42 @@ def token_rewards(
     kl_ctl: float = 0.0,
     logp_T: Optional[torch.Tensor] = None,
     ref_logp_T: Optional[torch.Tensor] = None,
+    kl_estimator: str = "k1",
 ) -> torch.Tensor:
-    """Per-token rewards of one output: the sequence reward on the last token, minus the KL penalty."""
+    """Per-token rewards of one output: the sequence reward on the last token, minus the KL penalty
+    kl_ctl * k(logp, ref) with the estimator k of ``loss.kl_estimate``."""
     r_T = torch.zeros(n_tokens, dtype=torch.float64)
     r_T[-1] = seq_reward
     if kl_ctl > 0:
         if logp_T is None or ref_logp_T is None:
             raise ValueError(f"kl_ctl={kl_ctl} > 0 needs logp_T and ref_logp_T; got None")
-        r_T = r_T - kl_ctl * (logp_T.double() - ref_logp_T.double())
+        r_T = r_T - kl_ctl * kl_estimate(logp_T.double(), ref_logp_T.double(), kl_estimator)
     return r_T
+
+
+def overlong_penalty(lengths: Sequence[int], max_new_tokens: int, overlong_tokens: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment of each output length: 0 up to max_new_tokens - overlong_tokens,
+    then falling linearly to -factor at max_new_tokens (float64)."""
+    exceed = torch.tensor(list(lengths), dtype=torch.float64) - (max_new_tokens - overlong_tokens)
+    return torch.clamp(-exceed / overlong_tokens * factor, max=0.0)
+
+
+def estimator_baseline(rewards: torch.Tensor, group_ids: Sequence[str], estimator: str) -> torch.Tensor:
+    """Sequence rewards after ``adv_estimator``'s own baseline: grpo and reinforce_pp none (grpo's is the
+    reward normalization), rloo r_i - mean_{j != i} r_j within the group, reinforce_pp_baseline r_i -
+    group mean. A group of one sample has no leave-one-out baseline: refused."""
+    if estimator in ("grpo", "reinforce_pp"):
+        return rewards
+    codes, k = _codes("group", group_ids)
+    means, counts = _pool_means(rewards, codes, k)
+    if estimator == "reinforce_pp_baseline":
+        return rewards - means[codes]
+    if estimator != "rloo":
+        raise ValueError(f"adv_estimator={estimator!r}: expected grpo, rloo, reinforce_pp or reinforce_pp_baseline")
+    if bool((counts < 2).any()):
+        raise ValueError("adv_estimator=rloo: a group with one sample has no leave-one-out baseline; expected >= 2")
+    n = counts[codes]
+    return rewards - (means[codes] * n - rewards) / (n - 1)
 
 
 def gae(rewards_T: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
@@ -131,13 +171,41 @@ def compute_advantages(
     cfg: ActorConfig,
     logp: Optional[list[torch.Tensor]] = None,
     ref_logp: Optional[list[torch.Tensor]] = None,
+    **length_info,
 ) -> list[torch.Tensor]:
     """Per-token advantages (float32, one tensor per trajectory's output) following cfg.
 
     logp / ref_logp: per-output-token logprobs of the old policy and the reference model; only
-    read when cfg.kl_ctl > 0.
+    read when cfg.kl_ctl > 0 with kl_in='reward'. ``length_info``: see ``sequence_rewards``.
     """
-    return list(advantages_flat(trajs, cfg, logp, ref_logp).split([t.output_ids.numel() for t in trajs]))
+    flat = advantages_flat(trajs, cfg, logp, ref_logp, **length_info)
+    return list(flat.split([t.output_ids.numel() for t in trajs]))
+
+
+def sequence_rewards(
+    trajs: Sequence[Trajectory],
+    cfg: ActorConfig,
+    max_new_tokens: Optional[int] = None,
+    truncated: Optional[Sequence[bool]] = None,
+) -> torch.Tensor:
+    """Each trajectory's sequence reward (float64): the score (+ DAPO overlong penalty, needing
+    ``max_new_tokens``), scaled, normalized (reward_norm), minus the estimator's baseline; 0 for the
+    ``truncated`` ones (no eos) under mask_no_eos_with_zero."""
+    scores = torch.tensor([t.score for t in trajs], dtype=torch.float64)
+    if cfg.overlong_reward_penalty:
+        if not max_new_tokens:
+            raise ValueError("overlong_reward_penalty needs max_new_tokens (gconfig.max_new_tokens); got None")
+        lengths = [t.output_ids.numel() for t in trajs]
+        scores = scores + overlong_penalty(lengths, max_new_tokens, cfg.overlong_tokens, cfg.overlong_penalty_factor)
+    group_ids = [t.group_id for t in trajs]
+    rewards = (scores + cfg.reward_bias) * cfg.reward_scaling
+    seq_r = normalize_flat(rewards, torch.arange(len(trajs)), group_ids, cfg.reward_norm)
+    seq_r = estimator_baseline(seq_r, group_ids, cfg.adv_estimator)
+    if cfg.mask_no_eos_with_zero:
+        if truncated is None:
+            raise ValueError("mask_no_eos_with_zero needs each trajectory's truncated flag; got None")
+        seq_r = torch.where(torch.tensor(list(truncated), dtype=torch.bool), 0.0, seq_r)
+    return seq_r
 
 
 def advantages_flat(
@@ -145,14 +213,16 @@ def advantages_flat(
     cfg: ActorConfig,
     logp: Optional[list[torch.Tensor]] = None,
     ref_logp: Optional[list[torch.Tensor]] = None,
+    max_new_tokens: Optional[int] = None,
+    truncated: Optional[Sequence[bool]] = None,
 ) -> torch.Tensor:
     """``compute_advantages`` laid end to end: (total output tokens,) float32, trajectory order."""
     group_ids = [t.group_id for t in trajs]
     lengths = [t.output_ids.numel() for t in trajs]
-    rewards = scaled_rewards([t.score for t in trajs], cfg.reward_bias, cfg.reward_scaling)
-    seq_r = normalize_flat(rewards, torch.arange(len(trajs)), group_ids, cfg.reward_norm)
+    seq_r = sequence_rewards(trajs, cfg, max_new_tokens, truncated)
     seq_X = _seq_index(lengths)
-    if cfg.kl_ctl == 0 and cfg.discount * cfg.gae_lambda == 1.0:
+    kl_ctl = cfg.kl_ctl if cfg.kl_in == "reward" else 0.0
+    if kl_ctl == 0 and cfg.discount * cfg.gae_lambda == 1.0:
         # the boba case: every output token's advantage is its sequence's reward (gae of a
         # reward on the last token alone, exactly)
         advs = seq_r[seq_X]
@@ -160,7 +230,7 @@ def advantages_flat(
         advs = torch.cat(
             [
                 gae(
-                    token_rewards(float(seq_r[i]), n, cfg.kl_ctl, _at(logp, i), _at(ref_logp, i)),
+                    token_rewards(float(seq_r[i]), n, kl_ctl, _at(logp, i), _at(ref_logp, i), cfg.kl_estimator),
                     cfg.discount,
                     cfg.gae_lambda,
                 )
