@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
+from areal_async.base.private import private_dir
 from areal_async.config import ExperimentConfig, load_config, to_yaml
 
 __all__ = ["Fleet", "FleetError"]
@@ -64,7 +65,7 @@ class Fleet:
     def start(self) -> "Fleet":
         if self.proc is not None:
             raise FleetError(f"fleet in {self.run_dir} was already started (pid {self.proc.pid})")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)  # 0700, as the supervisor makes it (base/private.py)
         cfg_path = self.run_dir / "fleet_config.yaml"
         cfg_path.write_text(to_yaml(self.cfg))
         cmd = [sys.executable, "-m", "areal_async.cli", "run", str(cfg_path), "--run-dir", str(self.run_dir)]

@@ -127,3 +127,34 @@ def test_extra_must_be_json(tmp_path):
     with pytest.raises(ValueError, match="JSON"):
         save(tmp_path, 0, trained_actor(), extra={"bad": object()})
     assert not any(tmp_path.iterdir())  # rejected before anything was written
+
+
+def test_checkpoints_are_private_and_one_others_could_write_is_refused(tmp_path):
+    """DCP's .metadata is unpickled on load: checkpoints are written 0700, and load_shards refuses one
+    that group/others may write or (as root, where the test can chown) another user owns."""
+    import os
+    import stat
+
+    from areal_async.trainer.sharded_ckpt import DCP_DIR, load_shards, save_shards
+
+    actor = trained_actor()
+    root = tmp_path / "checkpoints"
+    path = save_checkpoint(
+        root, 0, version=1, model=actor.model, tokenizer=None, actor_state=actor.state_dict(), extra={},
+        write_model=lambda d: save_shards(d, actor.model, actor.optimizer),
+    )  # fmt: skip
+    assert stat.S_IMODE(root.stat().st_mode) == stat.S_IMODE(path.stat().st_mode) == 0o700
+    fresh = PPOActor(tiny_model(), actor.cfg, 1.0, total_steps=10)
+    load_shards(path, fresh.model, fresh.optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), actor.model.state_dict().values()))
+    meta = path / DCP_DIR / ".metadata"
+    for target, mode in ((meta, 0o664), (path / DCP_DIR, 0o757), (path, 0o770)):
+        before = stat.S_IMODE(target.stat().st_mode)
+        os.chmod(target, mode)
+        with pytest.raises(PermissionError, match="writable by group or others"):
+            load_shards(path, fresh.model, fresh.optimizer)
+        os.chmod(target, before)
+    if os.getuid() == 0:
+        os.chown(meta, 65534, 65534)
+        with pytest.raises(PermissionError, match="owned by uid 65534"):
+            load_shards(path, fresh.model, fresh.optimizer)

@@ -194,4 +194,5 @@ def test_gloo_fleet_with_two_trainer_ranks_listens_on_no_wildcard(tmp_path):
     assert all(s.startswith("tcp://127.0.0.1:") for s in stores) and len(stores) == 3, stores
     assert {("127.0.0.1", _port(extra["traj_store"])), ("127.0.0.1", _port(extra["trainer_store"]))} <= seen
     assert seen and {ip for ip, _ in seen} == {"127.0.0.1"}, sorted(seen)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700  # checkpoints in it are unpickled on resume
     check_books(run_dir, eta=1)

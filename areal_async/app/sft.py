@@ -46,6 +46,7 @@ from typing import Iterator, Sequence
 import torch
 
 from areal_async.app.evaluate import Sampling, sample_completions, torch_eval_engine
+from areal_async.base.private import private_dir
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.data.prompts import Problem, load_problems, prompt_encoder, sft_examples
@@ -141,7 +142,7 @@ def _train_and_evaluate(
     cfg: ExperimentConfig, run_dir: Path, model, tok, data: SFTData, pool, ckpt: dict | None = None
 ) -> tuple[torch.nn.Module, dict]:
     """(the trained model, the summary); when resuming, the model is the checkpoint's, trained on."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)  # 0700: its checkpoints are unpickled on resume (base/private.py)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     saved_before = run_dir / "eval_before.json"
     if ckpt is not None and saved_before.exists():

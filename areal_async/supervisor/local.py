@@ -49,6 +49,7 @@ from typing import Optional
 
 from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints
+from areal_async.base.private import private_dir
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
 from areal_async.config import ExperimentConfig, to_yaml
@@ -175,6 +176,7 @@ class LocalSupervisor:
             raise LaunchError(why)
         self.placement = device_placement(self.cfg)
         resume = self.resume_point()
+        private_dir(self.run_dir)  # 0700: checkpoints in it are unpickled on resume (base/private.py)
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         cl = self.cfg.cluster  # built-in reward workers bind the first endpoints, bring-your-own ones the rest

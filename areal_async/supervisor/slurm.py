@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from areal_async.base.private import private_dir
 from areal_async.config import ExperimentConfig
 from areal_async.supervisor.launchers import Launched, Launcher, LocalProcess, popen_logged
 
@@ -192,6 +193,7 @@ def run_slurm(
             launcher = SlurmLauncher.from_env(cfg)
             return run_fleet(with_allocation_hosts(cfg, launcher.nodes), run_dir, progress, launcher)
         run_dir = Path(run_dir)
+        private_dir(run_dir)  # 0700, as the local launcher makes it
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         script = run_dir / "sbatch.sh"
         script.write_text(render_sbatch(cfg, config_path, run_dir, overrides))

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from areal_async.base.private import private_dir
 from areal_async.trainer.checkpoint_dirs import COMPLETE
 
 
@@ -149,11 +150,10 @@ def save_checkpoint(
         json.dumps(extra)
     except TypeError as e:
         raise ValueError(f"extra must be JSON-serializable (scheduler ledger, dataset cursor ...): {e}") from e
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    root = private_dir(root)  # 0700: a checkpoint's DCP metadata is a pickle (base/private.py)
     final, tmp = root / f"step_{step}", root / f".tmp-step_{step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # leftover of a crashed save by a previous process
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)
     _write_payload(tmp, step, version, model, tokenizer, actor_state, extra, write_model)
     _mark_complete(tmp)
     _replace_dir(tmp, final)

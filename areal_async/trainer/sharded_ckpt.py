@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from areal_async.base.private import check_private
+
 DCP_DIR = "dcp"
 
 
@@ -48,6 +50,8 @@ def load_shards(checkpoint: str | Path, model: torch.nn.Module, optimizer: torch
             f"checkpoint {str(checkpoint)!r} has no {DCP_DIR}/.metadata; expected a trainer checkpoint "
             "written with distributed checkpoint shards"
         )
+    for part in (Path(checkpoint), Path(checkpoint) / DCP_DIR, Path(checkpoint) / DCP_DIR / ".metadata"):
+        check_private(part, "checkpoint")  # dcp.load unpickles .metadata: only this user may have written it
     msd, osd = get_state_dict(model, optimizer)  # also materialises empty optimizer state to load into
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(Path(checkpoint) / DCP_DIR))
