@@ -174,3 +174,18 @@ def test_in_place_updates_never_ask_for_a_flush_and_the_group_size_follows_tp(se
         },
     )
     assert status == 400 and "tp_size=1" in body["message"]
+
+
+def test_a_bucket_the_server_refuses_ends_the_broadcast_at_once(server):
+    """A client without the session (an SGLang release before them, pointed at 0.5.23): the server refuses
+    the bucket before joining the broadcast; the client stops waiting at its answer, not at the group's
+    timeout (main sat in dist.broadcast for update_timeout_s), and the next update, with the session, works."""
+    sd = build_model(CFG.model, len(TOK), 8).state_dict()
+    client = SGLangClient(server, name="t-nosession", weight_update_session=False, update_timeout_s=120)
+    t0 = time.monotonic()
+    with pytest.raises(ServerDown, match="must run between begin_weight_update"):
+        client.load_weights(4, sd)
+    assert time.monotonic() - t0 < 30 and client.group is None
+    client.session = True
+    client.load_weights(5, sd)
+    assert call(server, "GET", "/model_info")["weight_version"] == "5"

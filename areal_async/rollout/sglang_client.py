@@ -41,6 +41,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -62,6 +63,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 WEIGHT_SYNCS = ("distributed", "disk")
 FINISH_TYPES = ("stop", "length", "abort")
 _EPOCHS = itertools.count()
+_ABANDONED: list = []  # groups whose last broadcast the server never joined: kept, not destroyed (see _broadcast)
 
 
 class SGLangClient(HTTPServerClient):
@@ -146,7 +148,6 @@ class SGLangClient(HTTPServerClient):
             raise ServerDown(f"{self.address} reports weight_version {got!r} after loading v{version}")
 
     def _load_distributed(self, version: int, sd: dict[str, torch.Tensor]) -> None:
-        import torch.distributed as dist
 
         if self.group is None:
             self._init_group()
@@ -159,7 +160,7 @@ class SGLangClient(HTTPServerClient):
                 flat = b.flat().to("cuda" if self.group_backend == "nccl" else "cpu")
                 post = (self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s)
                 with _Background(*post) as req:
-                    dist.broadcast(flat, src=0, group=self.group)
+                    self._broadcast(flat, req)
                 req.result()
         except BaseException:
             if self.session:
@@ -167,6 +168,24 @@ class SGLangClient(HTTPServerClient):
             raise
         if self.session:
             self._call("POST", "/end_weight_update", {})
+
+    def _broadcast(self, flat: torch.Tensor, req: "_Background") -> None:
+        """Broadcast one bucket while the server's HTTP call runs; a server that answers without joining (a
+        refusal: 0.5.23 checks the session before the broadcast) ends the wait at once instead of after the
+        group's timeout. The unjoined group is set aside, never destroyed (its pending op could block that)."""
+        import torch.distributed as dist
+
+        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+        deadline = time.monotonic() + self.update_timeout_s
+        while not work.is_completed():
+            if req.failed():
+                _ABANDONED.append(self.group)
+                self.group = None
+                req.result()  # raises the server's answer
+            if time.monotonic() > deadline:
+                raise ServerDown(f"{self.address}: bucket broadcast not joined in {self.update_timeout_s:.0f} s")
+            time.sleep(0.002)
+        work.wait()
 
     def _end_quietly(self) -> None:
         """Close the session of a failed update (the update's own error is the one raised)."""
@@ -256,6 +275,10 @@ class _Background:
     def __exit__(self, exc_type, *exc) -> None:
         # the collective failed: the peer's call may now wait out its own timeout, so don't wait for it
         self.thread.join(timeout=5.0 if exc_type is not None else None)
+
+    def failed(self) -> bool:
+        """The call has returned with an error (the thread is done)."""
+        return self.err is not None and not self.thread.is_alive()
 
     def result(self):
         if self.err is not None:
