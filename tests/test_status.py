@@ -95,6 +95,9 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
     )
     assert cli.returncode == 0, cli.stderr
     assert "groups: admitted" in cli.stdout and cli.stdout.count(" alive ") == 4 and "rollout-1" in cli.stdout
+    for r in (first, second):  # a healthy run: the oldest open work is held by a worker, named with its role
+        assert r.overdue.split(" (")[0] in ("rollout", "reward", "trainer"), r.overdue
+    assert "oldest unfinished work: " in cli.stdout
     with pytest.raises(StatusError, match="no status from the scheduler at .* within 1s"):
         query_status(run_dir, timeout_s=1.0)  # the run is over
     assert "samples/s" in render(second)
