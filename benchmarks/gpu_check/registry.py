@@ -87,14 +87,14 @@ def _in_child(check: Check, dev: Optional[str], timeout_s: float) -> Result:
     proc = ctx.Process(target=_child, args=(check, dev, q))  # not a daemon: a check may spawn ranks
     proc.start()
     try:
-        return Result(**q.get(timeout=timeout_s))
+        res, grace = Result(**q.get(timeout=timeout_s)), 10.0  # answered: let it tear down (process groups)
     except queue.Empty:
-        return Result(False, f"no answer in {timeout_s:.0f} s (child exit code {proc.exitcode})")
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=5)
+        res, grace = Result(False, f"no answer in {timeout_s:.0f} s (child exit code {proc.exitcode})"), 0.0
+    proc.join(timeout=grace)
+    if proc.is_alive():
+        proc.kill()  # the ranks a killed check spawned die with their parent's pipes (their own timeouts)
+        proc.join(timeout=5)
+    return res
 
 
 def run_check(check: Check, cuda: bool, cpu_twins: bool = False, timeout_s: Optional[float] = None) -> dict:
