@@ -149,6 +149,7 @@ class ZapHandler(threading.Thread):
             )
             return [version, request_id, b"400", b"unknown client key", b"", b""]
         self.admitted += 1
+        log.info("admitted a CURVE connection from %s (client key of %s)", who, name)  # the peer address seen
         return [version, request_id, b"200", b"OK", str(name).encode(), b""]
 
     def stop(self) -> None:

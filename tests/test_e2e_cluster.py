@@ -35,6 +35,7 @@ def test_tcp_curve_fleet_keeps_exact_books(tmp_path):
     for wid in ("reward-0", "rollout-0", "rollout-1", "trainer"):
         assert f"registered {wid.split('-')[0]} {wid} " in logs["scheduler"]
     assert "refused a registration" not in logs["scheduler"]
+    assert "admitted a CURVE connection from 127.0.0.1 (client key of " in logs["scheduler"]  # peer addresses seen
     # every binding process ran a ZAP handler with the run's allow list
     assert all("CURVE on" in logs[w] for w in ("scheduler", "reward-0", "trainer")), sorted(logs)
 

@@ -425,7 +425,7 @@ class SchedulerService:
             "since": time.monotonic(),
         }
         self.registrations[m.worker_id] = self.registrations.get(m.worker_id, 0) + 1  # restarts = this - 1
-        log.info("registered %s %s (pid %d)", m.role, m.worker_id, m.pid)
+        log.info("registered %s %s (pid %d, host %r, by its own account)", m.role, m.worker_id, m.pid, m.host)
         await self.send(m.worker_id, RegisterAck(worker_id=m.worker_id, version=self.core.version))
         if self.done.is_set():  # a worker restarted just as the run ended: nothing left for it
             await self.send(m.worker_id, Shutdown(reason="run finished"))
