@@ -28,6 +28,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_expected_presets_exist():
     names = {p.name for p in PRESETS}
     assert {"tiny_arith.yaml", "tiny_sft.yaml", "boba_sft.yaml", "boba_grpo.yaml", "gsm8k_grpo.yaml"} <= names
+    assert {f"tiny_{r}.yaml" for r in ("grpo", "dapo", "drgrpo", "gspo", "rloo")} <= names  # issue 26's recipes
 
 
 # presets whose model.path and data are placeholders for files of a GPU machine: their dry run here

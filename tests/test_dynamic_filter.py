@@ -96,6 +96,9 @@ def test_nonzero_std_drops_equal_reward_groups_books_them_and_keeps_eta(eta):
     # with p = 0.5 and n = 4, 2 * 0.5^4 = 1/8 of the groups have equal rewards: some must have been dropped
     assert dropped and len(dropped) == filt.dropped_samples == 4 * filt.dropped_groups
     assert all(len({r.score for r in by_group[r.group_id]}) == 1 for r in dropped)
+    # core.scored: every sample of every scored group, dropped ones included (metrics' reward_mean_scored)
+    scored = [r.score for r in logged if r.score is not None]
+    assert core.scored[1] == len(scored) and core.scored[0] == pytest.approx(sum(scored))
     # exactly once: every issued sample has one final line, and none is still open
     assert len(logged) == len({r.sample_id for r in logged}) == len(core.ledger.samples)
     assert all(

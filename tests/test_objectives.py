@@ -340,3 +340,27 @@ def test_loglinear_runs_no_proximal_forward_and_the_objectives_train_through_the
     # recompute: a proximal forward per micro-batch, then the update's; loglinear: the update's only
     assert n_loglinear == m_ll["n_microbatches"] and n_recompute > n_loglinear
     assert m_re["optimizer_steps"] == m_ll["optimizer_steps"] == 2 and math.isfinite(m_ll["loss"])
+
+
+RECIPES = {  # preset -> the keys its recipe is made of (the comment block of each file cites the source)
+    "tiny_grpo.yaml": dict(adv_estimator="grpo", loss_agg_mode="token-mean", reward_norm=("group", "group")),
+    "tiny_dapo.yaml": dict(eps_clip=0.2, eps_clip_higher=0.28, loss_agg_mode="token-mean", overlong_tokens=4),
+    "tiny_drgrpo.yaml": dict(loss_agg_mode="seq-mean-token-sum-norm", reward_norm=("group", "none")),
+    "tiny_gspo.yaml": dict(importance_sampling_level="sequence", eps_clip=3e-4, eps_clip_higher=4e-4),
+    "tiny_rloo.yaml": dict(adv_estimator="rloo", reward_norm=("none", "none")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_recipe_presets_spell_their_recipe(name):
+    from pathlib import Path
+
+    from areal_async.config import load_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    cfg = load_config(path)
+    for key, want in RECIPES[name].items():
+        got = getattr(cfg.actor, key)
+        assert ((got.mean_level, got.std_level) if isinstance(want, tuple) else got) == want, (name, key)
+    assert (cfg.rollout.dynamic_filter == "nonzero_std") == (name == "tiny_dapo.yaml")
+    assert path.read_text().startswith("# ") and "arXiv" in path.read_text().split("\n\n")[0]

@@ -95,6 +95,8 @@ class SchedulerCore:
         self.generated_at: dict[str, float] = {}  # running group -> clock() when its trajectory was reported
         self.reissues: dict[str, int] = {}  # prompt id -> times re-issued since it was last trained
         self.n_reissued = {"prompts": 0, "samples": 0, "dropped": 0}
+        # [sum of scores, samples] of every group scored (trained later, dropped by the filter or waiting)
+        self.scored = [0.0, 0]
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -201,6 +203,8 @@ class SchedulerCore:
             if worker is not None:
                 worker.groups.discard(gid)
             self._forget_times(gid)
+            scores = [self.ledger.samples[s].score for s in self.ledger.groups[gid].sample_ids]
+            self.scored[0], self.scored[1] = self.scored[0] + sum(scores), self.scored[1] + len(scores)
             if self._filtered_out(gid):
                 return
             self.accepted += 1

@@ -232,6 +232,7 @@ class SchedulerService:
         self.failure = ""  # why the run failed (Error workflow_failed), logged last
         self._step_t = time.time()
         self._filter_last = {"groups": 0, "samples": 0, "errors": 0}  # rollout.dynamic_filter's counts at the last row
+        self._scored_last = [0.0, 0]  # core.scored at the last row
         self._plan_at: dict[int, float] = {}  # step -> time its BatchPlan was sent (two with plan ahead)
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -605,6 +606,10 @@ class SchedulerService:
         self._step_t = now
         row.update(metrics_columns(self.weight_updates.last))
         row.update(self._filter_counts())
+        (total, n), (total0, n0) = self.core.scored, self._scored_last
+        self._scored_last = list(self.core.scored)
+        if n > n0:  # every sample scored since the last row, kept or dropped: what the policy generates now
+            row["reward_mean_scored"] = (total - total0) / (n - n0)
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row
 
