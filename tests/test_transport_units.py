@@ -252,3 +252,8 @@ def test_receiver_buffer_pool_reuses_only_what_nobody_holds():
     del view
     d = pool.take(2048)  # the first is free now
     assert d.numel() == 2048 and len(pool.free) == 0
+    c_ptr, d_ptr = c.data_ptr(), d.data_ptr()
+    del c, d  # two free arrays of different sizes: taking the larger passes over the smaller
+    e = pool.take(3000)
+    assert e.data_ptr() == d_ptr and [a.size for a in pool.free] == [1024]
+    assert pool.take(16).data_ptr() == c_ptr

@@ -302,10 +302,9 @@ class BufferPool:
         self.free: list[np.ndarray] = []  # by size, ascending
 
     def take(self, nbytes: int) -> torch.Tensor:
-        fits = [a for a in self.free if a.size >= nbytes]
+        fits = [i for i, a in enumerate(self.free) if a.size >= nbytes]  # by index: == on arrays is elementwise
         if fits:
-            arr = min(fits, key=lambda a: a.size)
-            self.free.remove(arr)
+            arr = self.free.pop(min(fits, key=lambda i: self.free[i].size))
         else:
             arr = np.empty(nbytes, dtype=np.uint8)  # its pages fault in once, as the first version lands
         lease = arr[:nbytes]

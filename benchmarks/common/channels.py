@@ -68,6 +68,9 @@ def _engine(state: dict, cmd: dict) -> dict:
     from areal_async.rollout.engine import GenRequest
     from areal_async.rollout.torch_engine import TorchEngine
 
+    if state.get("engine_shape") == cmd["shape"]:  # one engine per shape, across transports
+        return {"ok": True, "params": sum(p.numel() for p in state["engine"].model.parameters())}
+    state.pop("engine", None)
     model = engine_model(cmd["shape"], dtype=torch.bfloat16)
     eng = TorchEngine(model, 0, device=state["device"], max_batch_groups=cmd["groups"], version=0)
     for g in range(cmd["groups"]):
@@ -75,7 +78,7 @@ def _engine(state: dict, cmd: dict) -> dict:
         eng.add_request(GenRequest(f"g{g}", prompt, n=cmd["samples"], max_new_tokens=1000, temperature=1.0))
     for _ in range(cmd["steps"]):
         eng.step()
-    state["engine"] = eng
+    state["engine"], state["engine_shape"] = eng, cmd["shape"]
     return {"ok": True, "params": sum(p.numel() for p in model.parameters())}
 
 
