@@ -272,7 +272,12 @@ def test_weight_segments_are_reused_but_never_under_a_reader():
     stale = m0 if m2["handle"]["segment"] == m0["handle"]["segment"] else m1
     with pytest.raises(TransportError, match=f"now holds version 2: v{stale['version']} was released or superseded"):
         sub.receive(stale)  # a late reader of the old version is refused, never served v2's bytes
-    pub.close()
+    assert set(sub._maps) == {m0["handle"]["segment"], m1["handle"]["segment"]}
+    pub.close()  # unlinks both: the receiver forgets its mappings of them at its next receive
+    pub2 = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
+    assert_bit_exact(sub.receive(pub2.publish_begin(3, sds[3])), sds[3])
+    assert list(sub._maps) == [SHM_DIR.joinpath(pub2._prefix + "_w0").name]
+    pub2.close()
 
 
 def test_publisher_close_unlinks_every_version():

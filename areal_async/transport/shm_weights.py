@@ -189,10 +189,17 @@ class ShmWeightChannel(WeightChannel):
         seg = Segment.open(name, size, private=True)
         lease, bufs = _views(seg, layout_)
         B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
+        self._keep(name, seg)
+        return lease, bufs
+
+    def _keep(self, name: str, seg: Segment) -> None:
+        """Keep ``seg``'s mapping; forget those whose segment the publisher unlinked (a kept mapping
+        would hold its memory) and the oldest beyond ``POOL + 1``."""
         self._maps[name] = seg
+        for gone in [n for n in self._maps if not (SHM_DIR / n).exists()]:
+            del self._maps[gone]
         while len(self._maps) > POOL + 1:
             self._maps.popitem(last=False)
-        return lease, bufs
 
 
 def _handle(h: dict, layout_: B.Layout) -> tuple[str, int]:
