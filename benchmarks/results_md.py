@@ -80,22 +80,22 @@ def data_path(rows: list[dict]) -> list[str]:
 def async_speedup(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
-        if r["metric"] == "trained_samples_per_s":
-            lines.append(
-                [
-                    f"η={r['eta']}",
-                    _f(r["value"], ".1f"),
-                    _f(r["speedup"]),
-                    _f(r.get("speedup_vs_best_sync")),
-                    _f(r["fraction_of_limit"]),
-                    _f(r["final_reward"]),
-                ]
-            )
-        else:
-            lines.append([f"η=0 {r['sync_config']}", _f(r["value"], ".1f"), "", "", "", _f(r["final_reward"])])
+        eta = r["metric"] == "trained_samples_per_s"
+        lines.append(
+            [
+                f"η={r['eta']}" if eta else f"η=0 {r['sync_config']}",
+                _f(r["value"], ".1f"),
+                _f(r["speedup"]) if eta else "",
+                _f(r.get("speedup_vs_best_sync")) if eta else "",
+                _f(r["fraction_of_limit"]) if eta else "",
+                _f(r["final_reward"]),
+                _f(r.get("loadavg_before"), ".1f"),
+                _f(r.get("foreign_cpu_frac"), ".2f"),
+            ]
+        )
     best = next((r.get("best_sync_config") for r in rows if "best_sync_config" in r), None)
-    head = ["run", "samples/s", "speedup (fixed fleet)", "vs best sync", "of limit", "final reward"]
-    return md_table(head, lines) + [f"- best synchronous configuration: {best}"]
+    head = ["run", "samples/s", "speedup (fixed fleet)", "vs best sync", "of limit", "final reward", "load1"]
+    return md_table(head + ["others (cores)"], lines) + [f"- best synchronous configuration: {best}"]
 
 
 def trainer_ranks(rows: list[dict]) -> list[str]:
