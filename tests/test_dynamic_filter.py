@@ -154,3 +154,19 @@ def test_nonzero_std_by_hand_and_the_key_refuses_bad_values():
     assert kind == "dynamic_filter" and problem is None
     _, problem = contract_problem("areal_async.scheduler.group_filter:build_group_filter", "dynamic_filter")
     assert problem.startswith("wrong signature: dynamic filter")
+
+
+def test_a_filter_that_drops_everything_stops_the_run_after_the_limit_saying_why():
+    filt = build_group_filter("nonzero_std")
+    logged = []
+    core = make_core(1, 2, 4, 5, filt, logged)
+    core.p.filter_max_gen_batches = 3  # 3 batches of B = 2 groups
+    for k in range(6):
+        assert core.filter_starved() is None
+        (_, req), *_ = core.admit()
+        finish(core, req, 0, [4] * 4, [1.0] * 4)  # every sample solved it: dropped
+    why = core.filter_starved()
+    assert why.startswith("rollout.dynamic_filter='nonzero_std' dropped 6 groups while step 0 waited for 2")
+    assert "rollout.dynamic_filter_max_gen_batches=3" in why
+    core.p.filter_max_gen_batches = 0  # 0: no limit
+    assert core.filter_starved() is None

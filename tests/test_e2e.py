@@ -111,6 +111,25 @@ def test_async_run_keeps_staleness_bound_and_books(tmp_path):
     assert any(t["version_min"] < t["train_step"] for t in trained)  # asynchrony really happened
 
 
+def test_dynamic_filter_refills_under_eta_and_books_every_drop(tmp_path):
+    """Issue 26: groups of equal rewards dropped after scoring, refilled under the same eta, booked with the
+    filter's name and counted once; the objective keys reach the trainer (max_new_tokens, eos ids); verify agrees."""
+    keys = ["actor.loss_agg_mode=seq-mean-token-mean", "actor.mask_no_eos_with_zero=true", "actor.eps_clip_higher=0.28"]
+    # the preset's warm-up (FAST's 10 steps leave nearly every group all-wrong: the filter would drop them all)
+    keys.append("sft_warmup.steps=80")
+    run_ok(tmp_path / "run", "rollout.max_head_offpolicyness=1", "rollout.dynamic_filter=nonzero_std", *keys)
+    trained = check_books(tmp_path / "run", eta=1)
+    groups: dict[str, list] = {}
+    for t in read_jsonl(tmp_path / "run" / "trajectories.jsonl"):
+        groups.setdefault(t["group_id"], []).append(t)
+    assert all(len({t["reward"] for t in groups[g]}) > 1 for g in {t["group_id"] for t in trained})
+    dropped = {g for g, ts in groups.items() if (ts[0]["reason"] or "").startswith("dynamic_filter: nonzero_std")}
+    assert all(len({t["reward"] for t in groups[g]}) == 1 for g in dropped)
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    total = metrics[-1]["dynamic_filter_groups_dropped_total"]
+    assert sum(m["dynamic_filter_groups_dropped"] for m in metrics) == total == len(dropped)
+
+
 def test_eta_zero_is_on_policy(tmp_path):
     run_ok(tmp_path / "run", "rollout.max_head_offpolicyness=0")
     trained = check_books(tmp_path / "run", eta=0)

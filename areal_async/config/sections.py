@@ -161,6 +161,11 @@ class RolloutConfig(Section):
         "plug-in 'module:function', f(scores: list[float], **kwargs) -> bool, True keeps the group. A dropped "
         "group is booked aborted ('dynamic_filter: ...') and its place refilled under the same eta.",
     )
+    dynamic_filter_max_gen_batches: int = _f(
+        10,
+        "The dynamic filter dropping this many batches (train_dataset.batch_size groups each) while one step "
+        "waits fails the run, saying so (verl's max_num_gen_batches); 0 = no limit.",
+    )
     max_reissues: int = _f(
         8,
         "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
@@ -203,6 +208,7 @@ class RolloutConfig(Section):
             self.dynamic_filter,
             "'' (off), 'nonzero_std' or a plug-in 'module:function'",
         )
+        at_least(self, "dynamic_filter_max_gen_batches", 0)
         require(self.max_reissues >= -1, "max_reissues", self.max_reissues, "an integer >= -1 (-1 = never dropped)")
         require(self.episode_timeout_s >= 0, "episode_timeout_s", self.episode_timeout_s, ">= 0 (0 = no bound)")
         require(self.max_workflow_errors >= -1, "max_workflow_errors", self.max_workflow_errors, "an integer >= -1")

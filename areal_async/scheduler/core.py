@@ -59,6 +59,7 @@ class SchedulerParams:
     reward_deadline_s: float = 0.0  # a generated group not scored this long after is aborted (0: no deadline)
     max_reissues: int = -1  # a prompt re-issued this many times is dropped on its next abort (-1: never)
     group_filter: Optional[GroupFilter] = None  # rollout.dynamic_filter: judges each group once it is scored
+    filter_max_gen_batches: int = 0  # the filter dropping this many batches for one step fails the run (0: never)
 
 
 class SchedulerCore:
@@ -97,6 +98,7 @@ class SchedulerCore:
         self.n_reissued = {"prompts": 0, "samples": 0, "dropped": 0}
         # [sum of scores, samples] of every group scored (trained later, dropped by the filter or waiting)
         self.scored = [0.0, 0]
+        self.dropped_since_plan = 0  # groups the dynamic filter dropped since the last batch was planned
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -223,7 +225,21 @@ class SchedulerCore:
         if why is None:
             return False
         self._abort(gid, why, reissue=False)
+        self.dropped_since_plan += 1
         return True
+
+    def filter_starved(self) -> Optional[str]:
+        """Why the run must stop: the dynamic filter dropped filter_max_gen_batches batches of groups while
+        one step waited (every group solved, or failed, by all its samples: verl's max_num_gen_batches)."""
+        limit = self.p.filter_max_gen_batches * self.p.batch_size
+        if limit <= 0 or self.dropped_since_plan < limit or self.p.group_filter is None:
+            return None
+        return (
+            f"rollout.dynamic_filter={self.p.group_filter.name!r} dropped {self.dropped_since_plan} groups while step "
+            f"{self.next_step} waited for {self.p.batch_size} (rollout.dynamic_filter_max_gen_batches="
+            f"{self.p.filter_max_gen_batches}): the prompts are all solved or all failed by every sample; use "
+            "easier/harder data, more samples per prompt, or raise the limit (0 = none)"
+        )
 
     # ---- training ------------------------------------------------------------------------
     def plan(self, ahead: bool = False) -> tuple[Optional[BatchPlan], list[SampleRecord]]:
@@ -265,6 +281,7 @@ class SchedulerCore:
 
     def _batch_plan(self, gids: list[str], step: int) -> BatchPlan:
         self.ledger.mark_batched(gids, step)
+        self.dropped_since_plan = 0
         sids, owners, scores = [], [], []
         for gid in gids:
             for sid in self.ledger.groups[gid].sample_ids:

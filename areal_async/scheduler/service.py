@@ -127,6 +127,7 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
         reward_deadline_s=cfg.reward.deadline_s,
         max_reissues=cfg.rollout.max_reissues,
         group_filter=build_group_filter(cfg.rollout.dynamic_filter),
+        filter_max_gen_batches=cfg.rollout.dynamic_filter_max_gen_batches,
     )
     cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
@@ -636,6 +637,9 @@ class SchedulerService:
     async def _drive(self) -> None:
         if self.stopping:
             return await self._drive_stop()
+        starved = self.core.filter_starved()
+        if starved and not self.done.is_set():
+            return await self._fail(starved)
         for _ in range(2):  # the trainer's next step, then (η >= 1) the one after it, planned ahead
             plan, stale = self.core.plan(ahead=self._may_plan_ahead())
             if stale:
