@@ -161,9 +161,9 @@ def test_a_filter_that_drops_everything_stops_the_run_after_the_limit_saying_why
     logged = []
     core = make_core(1, 2, 4, 5, filt, logged)
     core.p.filter_max_gen_batches = 3  # 3 batches of B = 2 groups
-    for k in range(6):
+    for _ in range(6):
         assert core.filter_starved() is None
-        (_, req), *_ = core.admit()
+        req = core.admit()[0][1]
         finish(core, req, 0, [4] * 4, [1.0] * 4)  # every sample solved it: dropped
     why = core.filter_starved()
     assert why.startswith("rollout.dynamic_filter='nonzero_std' dropped 6 groups while step 0 waited for 2")
