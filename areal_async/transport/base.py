@@ -68,7 +68,12 @@ class TensorChannel(ABC):
 
 
 class WeightChannel(ABC):
-    """Versioned state dicts from one publisher to any number of receivers."""
+    """Versioned state dicts from one publisher to any number of receivers.
+
+    ``phases``: seconds of the last publish's (publisher) or receive's (receiver) steps by name,
+    for the channels that time them (shm, gloo/nccl); empty otherwise."""
+
+    phases: dict[str, float] = {}  # instances assign their own dict; never mutated in place
 
     @abstractmethod
     def publish_begin(self, version: int, state_dict: Tensors) -> dict:
