@@ -12,7 +12,9 @@ import time
 
 import pytest
 
+from areal_async.base.runkeys import load_server_key
 from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.server_auth import API_KEY_ENV
 from tests.test_e2e import ROOT, assert_verified, cli, finish_ok, read_jsonl, wait_for_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -30,7 +32,7 @@ def watch_versions(url: str, stop: threading.Event, seen: list) -> None:
         time.sleep(0.05)
 
 
-def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(tmp_path):
+def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(tmp_path, monkeypatch):
     run_dir, steps, eta = tmp_path / "run", 40, 2
     proc = subprocess.Popen(
         cli(run_dir, "rollout.backend=sglang", f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={eta}"),
@@ -41,6 +43,10 @@ def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(t
     )
     wait_for_metrics(run_dir, proc, timeout=300)
     servers = json.loads((run_dir / "endpoints.json").read_text())["extra"]["servers"]
+    with pytest.raises(HTTPStatusError) as refused:  # the servers serve only the run's key (server_auth.py)
+        call(servers[1], "GET", "/model_info", timeout_s=5.0)
+    assert refused.value.status == 401
+    monkeypatch.setenv(API_KEY_ENV, load_server_key(run_dir))  # the watcher calls with the run's key
     seen: list = []
     stop = threading.Event()
     watcher = threading.Thread(target=watch_versions, args=(servers[1], stop, seen), daemon=True)

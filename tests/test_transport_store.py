@@ -163,3 +163,44 @@ def test_a_gloo_group_forms_through_the_keyed_store(keyed):
         t.join(timeout=60)
     assert errors == [] and bufs[1].tolist() == [1.0] * 4
     assert [s for s in listeners(os.getpid()) if s[0] != "127.0.0.1"] == []
+
+
+RANK1 = """
+import os, sys, torch, torch.distributed as dist
+from areal_async.rollout.weight_group import destroy_group, init_custom_group
+pg = init_custom_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timeout_s=60)
+buf = torch.zeros(3)
+dist.broadcast(buf, src=0, group=pg)
+dist.barrier(group=pg)  # leave together: a rank whose peer still talks to it aborts in gloo's threads
+destroy_group(pg)
+print(buf.tolist(), flush=True)
+os._exit(0)
+"""
+
+
+def test_sglang_weight_group_store_listens_only_on_the_master_address():
+    """The SGLang weight group keeps torch's tcp:// rendezvous (SGLang's server joins it so; here another
+    process, through the same function the CPU server uses), but rank 0's store serves a socket bound to
+    the master address: the kernel shows 127.0.0.1, not '*' (torch's TCPStore on 127.0.0.1 listens on '*')."""
+    import subprocess
+    import sys
+
+    from areal_async.rollout.weight_group import destroy_group, init_custom_group
+    from tests.test_e2e import ROOT
+
+    port, name = free_tcp_port(), "areal-test-" + os.urandom(8).hex()
+    peer = subprocess.Popen(
+        [sys.executable, "-c", RANK1, str(port), name], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        pg = init_custom_group("gloo", "127.0.0.1", port, 0, 2, name, timeout_s=60)
+        assert [s for s in listeners(os.getpid()) if s[1] == port] == [("127.0.0.1", port)]
+        dist.broadcast(torch.full((3,), 7.0), src=0, group=pg)
+        dist.barrier(group=pg)
+        out, err = peer.communicate(timeout=60)
+        assert peer.returncode == 0 and out.decode().strip() == "[7.0, 7.0, 7.0]", err.decode()[-2000:]
+        destroy_group(pg)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()

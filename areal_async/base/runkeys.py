@@ -6,7 +6,8 @@ The supervisor calls ``write_run_keys(run_dir, roster)`` before starting anyone.
 - ``server.key``: the server key pair (every socket that binds a ``tcp://`` endpoint);
 - ``client.key``: the client key pair of the run's workers (the only key the ZAP handlers admit,
   besides those listed in ``clients.json``, e.g. an external worker's);
-- ``roster.json``: ``worker id -> {role, token_sha256}``: what the supervisor launched.
+- ``roster.json``: ``worker id -> {role, token_sha256}``: what the supervisor launched;
+- ``server_api.key``: the inference servers' key, when the supervisor starts servers (``rollout/server_auth.py``).
 
 Each launched process gets its token in its environment (``AREAL_LAUNCH_TOKEN``, the same for a
 restart of the same worker), never in a file; it sends the token in its ``Register``, and the
@@ -29,6 +30,7 @@ from protocols.curve import CurveKeys, new_key_pair, use_curve
 
 KEYS_DIR = "keys"
 TOKEN_ENV = "AREAL_LAUNCH_TOKEN"
+SERVER_KEY_FILE = "server_api.key"
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -98,6 +100,17 @@ def load_curve_keys(run_dir: str | Path) -> CurveKeys:
 def install_run_keys(run_dir: str | Path) -> None:
     """Make every ``tcp://`` socket of this process use the run's CURVE keys."""
     use_curve(load_curve_keys(run_dir))
+
+
+def write_server_key(run_dir: str | Path, key: str) -> None:
+    """``RUN_DIR/keys/server_api.key`` (0600): the inference servers' key, for what runs beside the fleet
+    (a bring-your-own rollout worker, a test watching the servers); the fleet gets it in its environment."""
+    _write_private(Path(run_dir) / KEYS_DIR / SERVER_KEY_FILE, key)
+
+
+def load_server_key(run_dir: str | Path) -> str:
+    path = Path(run_dir) / KEYS_DIR / SERVER_KEY_FILE
+    return path.read_text() if path.exists() else ""
 
 
 def launch_token() -> str:

@@ -3,7 +3,8 @@
 ``call(base, "POST", "/generate", body, timeout_s)`` returns the decoded JSON (or text) of a 2xx
 answer; a non-2xx answer raises ``HTTPStatusError`` carrying the status and body; a refused,
 reset or timed-out connection raises ``ServerUnreachable``. Nothing is retried here: the
-callers (the remote engine) decide what a failure means.
+callers (the remote engine) decide what a failure means. Every request carries the run's server key
+(``server_auth``: ``Authorization: Bearer``) when this process has one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import socket
 import threading
 from typing import Any, Optional
 from urllib.parse import urlparse
+
+from areal_async.rollout.server_auth import auth_headers
 
 
 class ServerUnreachable(ConnectionError):
@@ -54,7 +57,7 @@ def _drop(base: str) -> None:
 def call(base: str, method: str, path: str, body: Optional[dict] = None, timeout_s: float = 30.0) -> Any:
     """One request; see the module docstring for what it raises."""
     data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if data is not None else {}
+    headers = auth_headers() | ({"Content-Type": "application/json"} if data is not None else {})
     for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile is reopened once
         c = _conn(base, timeout_s)
         try:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -222,7 +223,9 @@ class SGLangClient(HTTPServerClient):
         server that refuses or cannot be reached fails this at once (the helper times out alone)."""
         world = R.group_world_size(self._call("GET", "/server_info"))
         port = free_tcp_port(self.group_host)
-        self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}"  # a restarted worker's are new names
+        # new for each group (a restarted worker's too); the random part keeps a blind joiner of the store off
+        # the group's keys (weight_group.bound_store): the name travels only in the key-authenticated request
+        self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}-{secrets.token_hex(16)}"
         with _Background(
             W.init_custom_group, self.group_backend, self.group_host, port, 0, world, self.group_name,
             self.update_timeout_s,

@@ -10,6 +10,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from areal_async.rollout import sglang_rules as R
+from areal_async.rollout.server_auth import UNAUTHORIZED, refusal
 from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
 
 log = logging.getLogger("areal_async.sglang_server")
@@ -35,8 +36,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args) -> None:  # one line per request is too much at 1000s of requests/s
         log.debug("%s " + fmt, self.address_string(), *args)
 
+    def _refused(self, path: str) -> bool:
+        """Without the run's key (``server_auth``, as SGLang's --api-key): 401 and nothing else done."""
+        code = refusal(self.command, path, self.headers.get("Authorization"), self.state.api_key)
+        if code is not None:
+            self._send(code, UNAUTHORIZED, close=True)  # its body is never read (nor allocated): the connection ends
+        return code is not None
+
     def do_GET(self) -> None:
         path = urlparse(self.path).path
+        if self._refused(path):
+            return
         if path in ("/health", "/health_generate"):  # the process serves; /generate says if the weights do
             self._send(200, None)
         elif path in ("/model_info", "/get_model_info"):
@@ -50,6 +60,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = urlparse(self.path).path
+        if self._refused(path):
+            return
         try:
             body = self._body()
             if path == "/flush_cache":
@@ -85,7 +97,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"body {body!r}: expected a JSON object")
         return body
 
-    def _send(self, code: int, payload) -> None:
+    def _send(self, code: int, payload, close: bool = False) -> None:
         if payload is None:
             data, ctype = b"", "text/plain"
         elif isinstance(payload, str):
@@ -95,6 +107,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")  # and BaseHTTPRequestHandler closes it after this answer
         self.end_headers()
         self.wfile.write(data)
 

@@ -64,6 +64,7 @@ from areal_async.rollout.sglang_http import make_http_server
 from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest, GroupOutput
+from areal_async.rollout.server_auth import server_key
 from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
 
 log = logging.getLogger("areal_async.sglang_server")
@@ -113,6 +114,7 @@ class CpuSGLangServer:
         self.info_version = DEFAULT_VERSION  # /model_info's: moves only on a successful update (tokenizer side)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.api_key = server_key()  # the run's key (AREAL_SERVER_API_KEY): sglang_http refuses requests without it
 
     # ---- engine thread -----------------------------------------------------------------
     def _loop(self) -> None:
@@ -318,6 +320,8 @@ class CpuSGLangServer:
                 "message": f"Group {name} not in {list(self.groups)}. Please call `init_weights_update_group` first.",
             }
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        if why := _beyond_model(self.engine.model, names, dtypes, shapes):  # before allocating what the body declares
+            return {"success": False, "message": f"Failed to update parameter online: {why}"}
         try:
             if body.get("load_format") == "flattened_bucket":
                 flat = torch.empty(W.bucket_size(dtypes, shapes), dtype=torch.uint8)
@@ -406,6 +410,29 @@ class _Aborted:
 def _as_list(x) -> list:
     """A SampleOutput field (a 1D tensor, or a list) as plain Python numbers for JSON."""
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
+
+
+def _beyond_model(model: torch.nn.Module, names: list, dtypes: list, shapes: list) -> Optional[str]:
+    """Why a declared update cannot be this model's weights by size, or None; checked before any buffer is
+    allocated. sglang 0.5.23's ``update_weights_from_distributed`` allocates ``torch.empty(shape, dtype)`` for
+    whatever the request declares, receives, and only then fails on a wrong name or shape: a client could
+    make it allocate any amount. Here a declaration fits the model (each tensor at most its largest
+    parameter, all of them at most all its parameters, floating-point dtypes) or is refused without joining
+    the broadcast (the sender then times out: a well-formed update never gets here). A wrong name or shape
+    within those bounds is received and refused at load, as SGLang does (the group stays in step)."""
+    if not (isinstance(names, list) and len(names) == len(dtypes) == len(shapes)):
+        lens = f"{len(names)}/{len(dtypes)}/{len(shapes)}"
+        return f"names, dtypes, shapes: expected three lists of one length, got lengths {lens}"
+    sizes = [p.numel() for p in model.state_dict().values()]
+    declared = [int(torch.Size(s).numel()) for s in shapes]
+    for name, dtype, n in zip(names, dtypes, declared):
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype) or not getattr(torch, dtype).is_floating_point:
+            return f"{name!r} declared with dtype {dtype!r}: expected a floating-point torch dtype name"
+        if n > max(sizes):
+            return f"{name!r} declared with {n} elements, more than the model's largest parameter ({max(sizes)})"
+    if sum(declared) > sum(sizes):
+        return f"the update declares {sum(declared)} elements, more than the model's {sum(sizes)} in all"
+    return None
 
 
 def _rest(engine: TorchEngine, sd: dict) -> dict:

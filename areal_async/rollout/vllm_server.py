@@ -35,6 +35,7 @@ from areal_async.base.affinity import pin_self
 from areal_async.config import ExperimentConfig, load_config
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
+from areal_async.rollout.server_auth import API_KEY_ENV
 
 SERVED_NAME = "areal"  # --served-model-name; the client sends it as "model"
 
@@ -109,6 +110,8 @@ def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
         HF_HUB_OFFLINE="1",
     )
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
+    if base.get(API_KEY_ENV):  # the run's key: vLLM checks it on /v1 routes only (see rollout/server_auth.py)
+        env["VLLM_API_KEY"] = base[API_KEY_ENV]
     if cfg.cluster.device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the default binds to cores other servers use
     return env

@@ -3,10 +3,11 @@
 SGLang's ``POST /init_weights_update_group`` makes the server call
 ``sglang.srt.utils.init_custom_process_group(backend, init_method="tcp://addr:port",
 world_size, rank=rank_offset + tp_rank, group_name)``: a TCP rendezvous at the master address
-(rank 0 hosts the store), the store wrapped in ``PrefixStore(group_name, store)``, and a process
-group made by torch's ``_new_process_group_helper``, outside the default group. The party that
-sends weights (rank 0) must build its side the same way: a plain ``init_process_group`` uses
-other store keys, never meets the server, and both sides hang until their timeouts.
+(rank 0 hosts the store: here bound to that address only, ``bound_store``), the store wrapped in
+``PrefixStore(group_name, store)``, and a process group made by torch's ``_new_process_group_helper``,
+outside the default group. The party that sends weights (rank 0) must build its side the same way:
+a plain ``init_process_group`` uses other store keys, never meets the server, and both sides hang
+until their timeouts.
 
 ``init_custom_group`` below repeats those steps (read from sglang 0.5.23,
 ``srt/utils/common.py``), so rank 0 here and a real SGLang server (NCCL) or the CPU server
@@ -41,8 +42,11 @@ def init_custom_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r}: expected an int in [0, world_size={world_size})")
     timeout = datetime.timedelta(seconds=timeout_s)
-    init_method = f"tcp://{_host(master_address)}:{int(master_port)}"
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    if rank == 0:  # the store's server: on master_address only (rendezvous' TCPStore would listen on '*')
+        store = bound_store(master_address, int(master_port), world_size, timeout)
+    else:
+        init_method = f"tcp://{_host(master_address)}:{int(master_port)}"
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
@@ -50,6 +54,32 @@ def init_custom_group(
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def bound_store(host: str, port: int, world_size: int, timeout: datetime.timedelta):
+    """Rank 0's side of the ``tcp://host:port`` rendezvous SGLang's server joins: the TCPStore that torch's
+    ``rendezvous`` makes (``_create_c10d_store``: world_size, waits for the workers), but serving a socket
+    bound to ``host`` here (``master_listen_fd``; the store takes the descriptor over and closes it), since
+    ``TCPStore(host, port, is_master=True)`` listens on every interface. SGLang's side cannot authenticate
+    (torch's protocol has none); the group name, which prefixes every key of the group, is a per-group
+    secret sent only in the key-authenticated ``/init_weights_update_group``, so a blind joiner of the
+    store cannot take a rank (it can still count itself into the wait or fill the port: loopback by default)."""
+    import socket
+
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    return dist.TCPStore(
+        host, port, world_size, True, timeout, wait_for_workers=True, master_listen_fd=fd, use_libuv=True
+    )
 
 
 def destroy_group(pg) -> None:

@@ -51,10 +51,17 @@ from areal_async.base.affinity import check_available
 from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints
 from areal_async.base.private import private_dir
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
-from areal_async.base.runkeys import TOKEN_ENV, write_run_keys
+from areal_async.base.runkeys import TOKEN_ENV, write_run_keys, write_server_key
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
-from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, plan_server_addresses, server_commands
+from areal_async.rollout.server_auth import API_KEY_ENV
+from areal_async.supervisor.servers import (
+    SERVER_ROLES,
+    launch_blocker,
+    plan_server_addresses,
+    server_commands,
+    server_key_env,
+)
 from areal_async.supervisor.placement import (
     PlacementError,
     Slot,
@@ -189,6 +196,9 @@ class LocalSupervisor:
         self.tokens = write_run_keys(
             self.run_dir, {wid: module.rsplit(".", 1)[-1] for wid, module, _ in worker_specs(self.cfg)}
         )
+        self.server_env = server_key_env(self.cfg)  # the servers' per-fleet key: theirs and the rollout workers'
+        if self.server_env:
+            write_server_key(self.run_dir, self.server_env[API_KEY_ENV])
         self.endpoints.extra["recoveries"] = self.recoveries
         self.endpoints.save(self.run_dir)
         if resume:
@@ -244,15 +254,18 @@ class LocalSupervisor:
             if cpus := getattr(self.cfg.cluster.cpu_affinity, module.rsplit(".", 1)[-1]):
                 cmd += ["--cpus", cpus]
             child_env = env | device_env(self.cfg, self.placement.get(wid)) | self._token_env(wid) | self._host_env(wid)
+            if module.endswith(".rollout"):
+                child_env |= self.server_env
             self.children.append(Child(wid, self._spawn(cmd, log_path, child_env), log_path, cmd, env=child_env))
         self._env = env
         self._write_pids()
 
     def _start_servers(self, env: dict) -> None:
         """The rollout backend's inference servers (sglang, vllm), before the workers that use them."""
-        for name, cmd in server_commands(self.cfg, self.run_dir, self.endpoints.extra["servers"]):
+        key = self.server_env.get(API_KEY_ENV, "")
+        for name, cmd in server_commands(self.cfg, self.run_dir, self.endpoints.extra["servers"], key):
             log_path = self.run_dir / "logs" / f"{name}.log"
-            server_env = env | device_env(self.cfg, self.placement.get(name))  # its own GPUs (--base-gpu-id 0)
+            server_env = env | self.server_env | device_env(self.cfg, self.placement.get(name))  # its own GPUs
             self.children.append(Child(name, self._spawn(cmd, log_path, server_env), log_path, cmd, env=server_env))
 
     def _stop_servers(self) -> None:

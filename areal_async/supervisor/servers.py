@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from areal_async.config import ExperimentConfig, n_servers, server_addresses
+from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
 from areal_async.supervisor.placement import place, shape_of
 from protocols.sockets import free_tcp_port
 
@@ -92,13 +93,26 @@ def plan_server_addresses(cfg: ExperimentConfig) -> list[str]:
     return [f"http://{host}:{free_tcp_port(host)}" for _ in range(n_servers(cfg))]
 
 
-def server_commands(cfg: ExperimentConfig, run_dir: Path, addresses: list[str]) -> list[tuple[str, list[str]]]:
-    """(child name, command) of each server the supervisor starts; [] when attaching."""
+def server_key_env(cfg: ExperimentConfig) -> dict:
+    """A fresh per-fleet key for the servers the supervisor starts (``rollout/server_auth.py``), as the
+    environment of those servers and of the rollout workers; {} when attaching (the caller's own
+    ``AREAL_SERVER_API_KEY``, if any, passes through)."""
+    if not uses_servers(cfg) or server_addresses(cfg):
+        return {}
+    return {API_KEY_ENV: new_server_key()}
+
+
+def server_commands(
+    cfg: ExperimentConfig, run_dir: Path, addresses: list[str], api_key: str = ""
+) -> list[tuple[str, list[str]]]:
+    """(child name, command) of each server the supervisor starts; [] when attaching. Our CPU server and
+    the vLLM wrapper read ``api_key`` from the environment; SGLang's launch_server takes ``--api-key``."""
     if not uses_servers(cfg) or server_addresses(cfg):
         return []
     if server_role(cfg) == "vllm":
         return [(f"vllm-{j}", _vllm_command(cfg, run_dir, j, a)) for j, a in enumerate(addresses)]
-    return [(f"sglang-{j}", _command(cfg, run_dir, j, a)) for j, a in enumerate(addresses)]
+    key = ["--api-key", api_key] if api_key and cfg.cluster.device != "cpu" else []
+    return [(f"sglang-{j}", _command(cfg, run_dir, j, a) + key) for j, a in enumerate(addresses)]
 
 
 def _vllm_command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list[str]:
