@@ -34,7 +34,10 @@ generation and training each get a core, as each gets its own devices on a GPU c
 η = 0 run or an η = 0 run in one of ``SYNC_CONFIGS`` (the knobs that move an η = 0 run here:
 rollout workers, placement, the forward run ahead), by default ``BEST_SYNC``, the configuration
 that was fastest in a sweep of all of them (``--sync-sweep``; the sweep and its figures are in
-``benchmarks/RESULTS.md``). A skeptic's question is the second: how much faster than the best the
+``benchmarks/RESULTS.md``). Which one is fastest depends on the machine's load (on a contended
+machine unpinned roles win; in a quiet one, per the earlier figures, 2 rollout workers pinned), so
+``--sync A B ...`` runs several and the fastest measured in the session is the baseline. A
+skeptic's question is the second: how much faster than the best the
 project can do without asynchrony. Placement: with 2+ CPUs the async runs pin the trainer to this
 process's first CPU and the other roles to the rest (``--no-pin``; a ``cluster.cpu_affinity.*``
 override replaces it); the sync configurations place themselves as their names say.
