@@ -23,8 +23,11 @@ from typing import Optional
 
 import torch
 
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.transport import make_tensor_channel, make_weight_channel
 from areal_async.transport.nccl import require_nccl
+from benchmarks.common.payloads import engine_model
 from benchmarks.common.peers import Op, Peer, reply
 from benchmarks.common.timing import Copier, sync
 from protocols.sockets import free_tcp_port
@@ -64,10 +67,6 @@ def _weights(state: dict, cmd: dict) -> dict:
 def _engine(state: dict, cmd: dict) -> dict:
     """An embedded engine (``TorchEngine``) of the model's shape, with ``groups`` groups mid-generation
     (so a weight update recomputes their KV caches, as in a fleet at eta >= 1)."""
-    from benchmarks.common.payloads import engine_model
-    from areal_async.rollout.engine import GenRequest
-    from areal_async.rollout.torch_engine import TorchEngine
-
     if state.get("engine_shape") == cmd["shape"]:  # one engine per shape, across transports
         return {"ok": True, "params": sum(p.numel() for p in state["engine"].model.parameters())}
     state.pop("engine", None)
