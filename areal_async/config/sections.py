@@ -310,6 +310,14 @@ class ActorConfig(ObjectiveConfig):
         RejectionSamplingConfig, "Importance-weight rejection (decoupled loss)."
     )
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    logits_chunk_tokens: int = _f(
+        1024,
+        "The lm head and log-softmax run this many tokens at a time (no micro-batch-sized tokens x vocab "
+        "float32 tensor; trainer/chunked_head.py); 0 = the whole micro-batch's logits at once.",
+    )
+    gradient_checkpointing: bool = _f(
+        False, "Recompute each decoder layer's activations in backward instead of keeping them (less memory)."
+    )
     forward_ahead: bool = _f(
         True,
         "At eta = 0: run the update's first micro-batch forward once the step's trajectories are in, while "
@@ -323,6 +331,7 @@ class ActorConfig(ObjectiveConfig):
         within(self, "discount", "[0, 1]")
         within(self, "gae_lambda", "[0, 1]")
         at_least(self, "ppo_n_minibatches", 1)
+        at_least(self, "logits_chunk_tokens", 0)
         super().check()
         check_objective_actor(self)
 

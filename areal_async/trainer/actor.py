@@ -121,6 +121,18 @@ class _Batch:
         return values if where is None else values.index_select(0, where.to(values.device))
 
 
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """``actor.gradient_checkpointing``: HF's per-layer activation checkpointing (non-reentrant), which
+    the lean forward honours too (``lean_forward.lean_hidden``); ``ValueError`` for a model without it."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"actor.gradient_checkpointing=true: {type(model).__name__} does not support it")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (the old name warns there)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class PPOActor:
     """Owns the policy's optimizer and schedule; ``train_step`` is one RL trainer step."""
 
@@ -164,6 +176,8 @@ class PPOActor:
         if self.dp.active and compute_dtype is None:
             raise ValueError(f"{self.dp.world} trainer ranks need compute_dtype (FSDP2 sharding); got None")
         self.sharded, self.compute_dtype = compute_dtype is not None, compute_dtype
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(model)
         self.model = shard_model(model, compute_dtype, self.device) if self.sharded else model.to(self.device)
         self.cfg = cfg
         self.temperature = temperature
@@ -373,6 +387,7 @@ class PPOActor:
             entropy_grad=self.cfg.entropy_coef != 0,
             allocation=alloc,
             packer=lambda mb: batch.packed([share[j] for j in mb]),
+            chunk_tokens=self.cfg.logits_chunk_tokens,
         ):
             yield MicroBatchOut([share[j] for j in out.indices], out.logp_T, out.entropy_T, out.cu_seqlens)
         for _ in range(n_mb - len(own)):

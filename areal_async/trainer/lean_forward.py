@@ -27,6 +27,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from areal_async.models.lean_ops import STATIC_ROPE_TYPES
 from areal_async.models.lean_ops import linear as _linear
 from areal_async.models.lean_ops import rms_norm as _norm
@@ -64,15 +65,33 @@ def _is_fsdp(model: torch.nn.Module) -> bool:
 def lean_logits(model: torch.nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, plan) -> torch.Tensor:
     """(T, V) logits of the packed tokens ``ids_T`` at positions ``pos_T``; ``plan`` is the
     batch's ``packing.varlen_plan`` (sequences grouped into length buckets)."""
+    return _linear(model.lm_head, lean_hidden(model, ids_T, pos_T, plan))
+
+
+def lean_hidden(model: torch.nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor, plan) -> torch.Tensor:
+    """(T, E) final-normed hidden states, the lm head's input (``lean_logits`` without the head).
+
+    With HF's activation checkpointing on (``actor.enable_checkpointing``, for the config's
+    ``actor.gradient_checkpointing``: it sets the base model's ``gradient_checkpointing``) and grad on,
+    each decoder layer runs under ``torch.utils.checkpoint`` (non-reentrant): only its input is
+    kept, its activations are recomputed in backward."""
     m = model.model
     x_TE = m.embed_tokens(ids_T)
     cos_T1D, sin_T1D = _rope_table(model, x_TE.dtype, x_TE.device).lookup(pos_T)
+    ckpt = torch.is_grad_enabled() and getattr(m, "gradient_checkpointing", False)  # set by HF's enable
     for layer in m.layers:
-        x_TE = x_TE + _attention(layer.self_attn, _norm(layer.input_layernorm, x_TE), cos_T1D, sin_T1D, plan)
-        mlp = layer.mlp
-        h_TE = _norm(layer.post_attention_layernorm, x_TE)
-        x_TE = x_TE + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h_TE)) * _linear(mlp.up_proj, h_TE))
-    return _linear(model.lm_head, _norm(m.norm, x_TE))
+        if ckpt:
+            x_TE = checkpoint(_layer, layer, x_TE, cos_T1D, sin_T1D, plan, use_reentrant=False)
+        else:
+            x_TE = _layer(layer, x_TE, cos_T1D, sin_T1D, plan)
+    return _norm(m.norm, x_TE)
+
+
+def _layer(layer: torch.nn.Module, x_TE: torch.Tensor, cos_T1D, sin_T1D, plan) -> torch.Tensor:
+    x_TE = x_TE + _attention(layer.self_attn, _norm(layer.input_layernorm, x_TE), cos_T1D, sin_T1D, plan)
+    mlp = layer.mlp
+    h_TE = _norm(layer.post_attention_layernorm, x_TE)
+    return x_TE + _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_proj, h_TE)) * _linear(mlp.up_proj, h_TE))
 
 
 def _attention(attn, h_TE: torch.Tensor, cos_T1D, sin_T1D, plan) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS
 from areal_async.trainer.packing import PackedBatch, Seq, allocate_micro_batches, forward_packed, pack, seq_len, unpack
 
 
@@ -74,6 +75,7 @@ def iter_micro_batches(
     entropy_grad: bool = True,
     allocation: Optional[list[list[int]]] = None,
     packer: Optional[Callable[[list[int]], PackedBatch]] = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> Iterator[MicroBatchOut]:
     """Run the model on balanced packed micro-batches, yielding each before computing the next,
     so a caller can backward and free one micro-batch's graph at a time.
@@ -81,12 +83,15 @@ def iter_micro_batches(
     ``allocation``: the micro-batches (lists of indices into ``seqs``) when the caller planned
     them (data-parallel ranks plan theirs together); default: allocated here under the budget.
     ``packer``: indices -> their ``pack``ed sequences, when the caller keeps packed micro-batches
-    (the actor packs once for the proximal recompute and the update); default ``pack``."""
+    (the actor packs once for the proximal recompute and the update); default ``pack``.
+    ``chunk_tokens``: ``forward_packed``'s (the lm head in chunks of that many tokens; 0: whole logits)."""
     if allocation is None:
         allocation = allocate_micro_batches([seq_len(s) for s in seqs], max_tokens_per_mb, oversize)
     for indices in allocation:
         packed = packer(indices) if packer is not None else pack([seqs[i] for i in indices])
-        logp_T, entropy_T = forward_packed(model, packed, temperature, with_entropy, entropy_grad)
+        logp_T, entropy_T = forward_packed(
+            model, packed, temperature, with_entropy, entropy_grad, chunk_tokens=chunk_tokens
+        )
         yield MicroBatchOut(indices, logp_T, entropy_T, packed.cu_seqlens)
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_async.trainer import lean_forward
+from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
 
 _FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 _MASK_IMPLS = ("eager", "sdpa")
@@ -337,12 +338,40 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def _logits(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
     """(T, V) logits of a packed batch (on the model's device)."""
-    impl = getattr(model.config, "_attn_implementation", None)
-    if lean and impl == VARLEN_IMPL and lean_forward.supports(model):
+    if _lean(model, lean):
         return lean_forward.lean_logits(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.cu_seqlens))
     kwargs = _attention_kwargs(model, packed, _model_dtype(model))
     out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
     return out.logits[0]
+
+
+def _lean(model: torch.nn.Module, lean: bool) -> bool:
+    impl = getattr(model.config, "_attn_implementation", None)
+    return lean and impl == VARLEN_IMPL and lean_forward.supports(model)
+
+
+PLAIN_HEAD_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(final norm's output), nothing after
+
+
+def _head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
+    """The lm head when the chunked head can replace it (``chunked_head``'s docstring): a plain
+    ``nn.Linear`` of a model whose logits are exactly its output, not FSDP-sharded; else None."""
+    head = getattr(model, "lm_head", None)
+    cfg = getattr(model, "config", None)
+    if type(head) is not torch.nn.Linear or getattr(cfg, "model_type", None) not in PLAIN_HEAD_TYPES:
+        return None
+    if not hasattr(model, "model") or lean_forward._is_fsdp(model):
+        return None
+    return head
+
+
+def _hidden(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
+    """(T, E) hidden states entering the lm head (HF's base model, or the lean forward)."""
+    if _lean(model, lean):
+        return lean_forward.lean_hidden(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.cu_seqlens))
+    kwargs = _attention_kwargs(model, packed, _model_dtype(model))
+    out = model.model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
+    return out.last_hidden_state[0]
 
 
 def forward_packed(
@@ -352,11 +381,16 @@ def forward_packed(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     lean: bool = True,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logp_T, entropy_T or None) for every packed position; position t scores token t+1.
 
     lean: with the 'packed_sdpa' attention, compute Llama/Qwen2 logits with ``lean_forward``
     (the same arithmetic without HF's forward; other models always take HF's forward).
+
+    chunk_tokens: a micro-batch of more tokens than this goes through ``chunked_head`` (the lm
+    head and log-softmax ``chunk_tokens`` tokens at a time: no (T, V) tensor), when the model's head
+    allows it (``_head``); 0, a smaller micro-batch or another head: the whole (T, V) logits.
 
     entropy_grad=False computes the entropy as a statistic only (no (T, V) softmax kept for
     backward).
@@ -365,10 +399,21 @@ def forward_packed(
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: expected > 0")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens={chunk_tokens}: expected >= 0 (0: whole logits)")
     device = next(model.parameters()).device
     packed = packed.to(device)
-    logits_TV = _logits(model, packed, lean).float() / temperature
     next_T = torch.roll(packed.ids_T, -1)
+    head = _head(model) if 0 < chunk_tokens < packed.ids_T.numel() else None
+    if head is not None:
+        h_TE = _hidden(model, packed, lean)
+        w, b = head.weight, head.bias
+        return head_logprobs(h_TE, w, b, next_T, temperature, chunk_tokens, with_entropy, entropy_grad)
+    return _whole_logprobs(_logits(model, packed, lean), next_T, temperature, with_entropy, entropy_grad)
+
+
+def _whole_logprobs(logits_TV, next_T, temperature: float, with_entropy: bool, entropy_grad: bool):
+    logits_TV = logits_TV.float() / temperature
     # gather - logsumexp instead of log_softmax: no second (T, V) tensor for the whole vocab
     lse_T = torch.logsumexp(logits_TV, dim=-1)
     logp_T = logits_TV.gather(-1, next_T[:, None])[:, 0] - lse_T

@@ -1,0 +1,179 @@
+"""The chunked lm head (trainer/chunked_head.py) and activation checkpointing against the whole-logits
+computation written out here (plain log_softmax / softmax over the full (T, V) logits), in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from areal_async.config.sections import ActorConfig
+from areal_async.trainer.actor import enable_checkpointing
+from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
+from areal_async.trainer.packing import VARLEN_IMPL, forward_packed, pack, use_varlen_attention
+
+torch.set_num_threads(1)
+VOCAB = 53
+
+
+def model64(attn: str, tie: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+    cfg._attn_implementation = "sdpa"
+    model = transformers.Qwen2ForCausalLM(cfg).double().train()
+    return use_varlen_attention(model) if attn == VARLEN_IMPL else model
+
+
+def packed_batch():
+    g = torch.Generator().manual_seed(3)
+    return pack([torch.randint(0, VOCAB, (n,), generator=g) for n in (9, 4, 12)])  # T = 25
+
+
+def whole(model, packed, temperature):
+    """Written out: the model's full logits, log_softmax, softmax, in float64."""
+    out = model(
+        input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **_kwargs(packed)
+    )
+    z = out.logits[0] / temperature
+    logq = torch.log_softmax(z, -1)
+    nxt = torch.roll(packed.ids_T, -1)
+    return logq[torch.arange(z.shape[0]), nxt], -(logq.exp() * logq).sum(-1)
+
+
+def _kwargs(packed):
+    cu = packed.cu_seqlens
+    return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+
+
+def loss_of(logp, ent):
+    g = torch.Generator().manual_seed(5)
+    w1, w2 = (torch.randn(logp.shape[0], generator=g, dtype=torch.float64) for _ in range(2))
+    return (w1 * logp).sum() + (w2 * ent).sum()
+
+
+def grads(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_rel_close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-6):
+    assert (a - b).norm() <= rel * b.norm(), (a - b).norm() / b.norm()
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("tie", [False, True])
+def test_chunked_gradient_equals_whole_logits_float64(lean, tie):
+    model, packed = model64(VARLEN_IMPL, tie), packed_batch()
+    ref_logp, ref_ent = whole(model, packed, 0.7)
+    ref = grads(model, loss_of(ref_logp, ref_ent))
+    logp, ent = forward_packed(model, packed, 0.7, with_entropy=True, lean=lean, chunk_tokens=4)  # 25 = 6 x 4 + 1
+    assert_rel_close(logp, ref_logp)
+    assert_rel_close(ent, ref_ent)
+    got = grads(model, loss_of(logp, ent))
+    assert got.keys() == ref.keys() and len(got) == len(list(model.parameters()))
+    for name in ref:
+        assert_rel_close(got[name], ref[name])
+
+
+def test_entropy_as_statistic_carries_no_gradient():
+    model, packed = model64(VARLEN_IMPL), packed_batch()
+    ref_logp, _ = whole(model, packed, 1.0)
+    ref = grads(model, (ref_logp * 2).sum())
+    logp, ent = forward_packed(model, packed, with_entropy=True, entropy_grad=False, chunk_tokens=5)
+    assert not ent.requires_grad
+    got = grads(model, (logp * 2).sum())
+    for name in ref:
+        assert_rel_close(got[name], ref[name])
+
+
+def test_head_logprobs_alone_with_bias_and_no_entropy():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(29, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(29, generator=g, dtype=torch.float64, requires_grad=True)
+    nxt = torch.randint(0, 29, (11,), generator=g)
+    logp, ent = head_logprobs(h, w, b, nxt, 1.3, chunk=3)
+    assert ent is None
+    ref = torch.log_softmax((h @ w.T + b) / 1.3, -1)[torch.arange(11), nxt]
+    assert_rel_close(logp, ref.float(), rel=1e-6)  # logp is float32, as forward_packed's always was
+    got = torch.autograd.grad(logp.double().sum(), (h, w, b))
+    want = torch.autograd.grad(ref.sum(), (h, w, b))
+    for x, y in zip(got, want):
+        assert_rel_close(x, y, rel=1e-6)
+
+
+def test_refuses_bad_chunk_and_temperature():
+    h, w, nxt = torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk=0"):
+        head_logprobs(h, w, None, nxt, 1.0, chunk=0)
+    with pytest.raises(ValueError, match="temperature=0"):
+        head_logprobs(h, w, None, nxt, 0.0, chunk=2)
+    with pytest.raises(ValueError, match="chunk_tokens=-1"):
+        forward_packed(model64(VARLEN_IMPL), packed_batch(), chunk_tokens=-1)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """The largest tensor any op produces while active (numel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_no_tokens_by_vocab_tensor_when_chunked(chunk):
+    """Invariant 8: no op of forward + backward produces a (T, V) tensor; with chunk 0 (whole) one does."""
+    model, packed = model64(VARLEN_IMPL), packed_batch()
+    T = packed.ids_T.numel()
+    with _LargestTensor() as seen:
+        logp, ent = forward_packed(model, packed, with_entropy=True, chunk_tokens=chunk)
+        (logp.sum() + ent.sum()).backward()
+    if chunk:  # the largest is a chunk's logits (4 x V) or a weight (V x hidden 16)
+        assert seen.largest == max(4, 16) * VOCAB < T * VOCAB
+    else:
+        assert seen.largest == T * VOCAB
+
+
+@pytest.mark.parametrize("attn", [VARLEN_IMPL, "sdpa"])
+def test_gradient_checkpointing_same_gradient_and_recomputes(attn):
+    model, packed = model64(attn), packed_batch()
+    ref = grads(model, loss_of(*forward_packed(model, packed, with_entropy=True, chunk_tokens=8)))
+    enable_checkpointing(model)
+    calls = []
+    hook = model.model.layers[0].mlp.act_fn.register_forward_hook(lambda *a: calls.append(1))
+    got = grads(model, loss_of(*forward_packed(model, packed, with_entropy=True, chunk_tokens=8)))
+    hook.remove()
+    assert len(calls) == 2  # the layer ran in forward and again in backward
+    for name in ref:
+        assert_rel_close(got[name], ref[name], rel=1e-12)
+
+
+def test_checkpointing_refused_for_a_model_without_it():
+    with pytest.raises(ValueError, match="does not support it"):
+        enable_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_config_default_and_validation():
+    assert ActorConfig().logits_chunk_tokens == DEFAULT_CHUNK_TOKENS
+    cfg = ActorConfig()
+    cfg.logits_chunk_tokens = -1
+    with pytest.raises(ValueError, match="logits_chunk_tokens"):
+        cfg.check()
