@@ -67,7 +67,7 @@ class Fleet:
             raise FleetError(f"fleet in {self.run_dir} was already started (pid {self.proc.pid})")
         private_dir(self.run_dir)  # 0700, as the supervisor makes it (base/private.py)
         cfg_path = self.run_dir / "fleet_config.yaml"
-        cfg_path.write_text(to_yaml(self.cfg))
+        cfg_path.write_text(to_yaml(self.cfg, changed_only=True))  # the keys set, as a user writes them
         cmd = [sys.executable, "-m", "areal_async.cli", "run", str(cfg_path), "--run-dir", str(self.run_dir)]
         cmd += [] if self.progress else ["--no-progress"]
         with open(self.run_dir / "fleet.log", "ab") as log:

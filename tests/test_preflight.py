@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import yaml
 
 from areal_async import cli
 from areal_async.config import load_config
@@ -409,3 +410,25 @@ def test_the_cli_refuses_in_one_line_without_a_traceback_within_seconds(name, ba
     assert "Traceback" not in proc.stderr and "Repo id" not in proc.stderr
     assert not run_dir.exists()  # no run directory: no worker was started
     assert took < 60, took  # seconds on a quiet machine (the note has the figures); bounded for a busy one
+
+
+def test_the_python_api_writes_only_the_keys_set_so_the_preflight_refuses_none_it_never_set(bad_files):
+    """Fleet (the Python API) runs the CLI on a file it writes: a dump of every key, defaults included,
+    made train_dataset.path: null beside type tiny_arith read as a key set for nothing (exit 2)."""
+    from areal_async.config.loading import to_yaml
+
+    cfg = load_config(TINY, ["total_train_steps=4"])
+    full = yaml.safe_load(to_yaml(cfg))
+    assert full["train_dataset"]["path"] is None  # the whole dump carries it
+    dumped = bad_files / "fleet_config.yaml"
+    dumped.write_text(to_yaml(cfg, changed_only=True))
+    data = yaml.safe_load(dumped.read_text())
+    assert data["total_train_steps"] == 4 and "path" not in data.get("train_dataset", {})
+    assert load_config(str(dumped)) == cfg  # nothing lost: the defaults fill the rest
+    ctx = context_for(load_config(str(dumped)), str(dumped), [], "run", bad_files / "runs" / "dumped")
+    assert [f for f in preflight(ctx, stop_at_error=False) if f.level == "error"] == []
+    # a key the user did set away from its default is still in the file and still refused
+    cfg = load_config(TINY, ["total_train_steps=4", "train_dataset.path=/x.jsonl"])
+    dumped.write_text(to_yaml(cfg, changed_only=True))
+    ctx = context_for(load_config(str(dumped)), str(dumped), [], "run", bad_files / "runs" / "dumped2")
+    assert {f.key for f in preflight(ctx, stop_at_error=False) if f.level == "error"} == {"train_dataset.path"}

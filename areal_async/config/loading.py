@@ -95,8 +95,24 @@ def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def to_yaml(cfg: ExperimentConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def to_yaml(cfg: ExperimentConfig, changed_only: bool = False) -> str:
+    """The config as YAML; ``changed_only``: only the keys whose values differ from the defaults (what a
+    user would have written: the preflight reads every key a file sets as set on purpose)."""
+    data = to_dict(cfg)
+    return yaml.safe_dump(_changed(data, to_dict(ExperimentConfig())) if changed_only else data, sort_keys=False)
+
+
+def _changed(data: dict, default: dict) -> dict:
+    out = {}
+    for k, v in data.items():
+        d = default.get(k)
+        if isinstance(v, dict) and isinstance(d, dict):
+            v = _changed(v, d)
+            if v:
+                out[k] = v
+        elif v != d:
+            out[k] = v
+    return out
 
 
 def describe(cls: type = ExperimentConfig, prefix: str = "", note: str = "") -> list[tuple[str, str]]:
