@@ -11,8 +11,11 @@ counter) with generous deadlines, so a quiet machine and a loaded one take the s
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import time
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.remote import RemoteEngine, ServerDown
+from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
 from areal_async.rollout.vllm_client import VLLMClient, write_version
 from tests.vllm_fixtures import STARTS, TINY, generation_tokens, start_vllm, stop, vllm_python_or_skip, wait_until
 
@@ -39,13 +43,16 @@ def policy(seed: int):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    """Keyed as the supervisor keys it: the server and every client call here read AREAL_SERVER_API_KEY."""
     vllm_python_or_skip()
     d = tmp_path_factory.mktemp("vllm")
-    proc, url, start_s = start_vllm(d / "model", d / "server.log")
-    print(f"\nvLLM server healthy after {start_s:.1f} s")
-    box = {"proc": proc, "url": url, "dir": d}
-    yield box
-    stop(box["proc"])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(API_KEY_ENV, new_server_key())
+        proc, url, start_s = start_vllm(d / "model", d / "server.log")
+        print(f"\nvLLM server healthy after {start_s:.1f} s")
+        box = {"proc": proc, "url": url, "dir": d}
+        yield box
+        stop(box["proc"])
     print(f"\nvLLM server starts in this module: {len(STARTS)} ({', '.join(f'{x:.1f}' for x in STARTS)} s)")
 
 
@@ -142,6 +149,37 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
     with pytest.raises(ServerDown, match="probe after loading v13"):
         liar.load_weights(13, a.state_dict())
     liar.resume()
+
+
+def status(url: str, method: str, path: str, authorization: str | None, body: dict | None = None):
+    """(status, JSON body) of one raw request with exactly this Authorization header (None: no header)."""
+    c = http.client.HTTPConnection(urlsplit(url).hostname, urlsplit(url).port, timeout=120)
+    try:
+        headers = {"Content-Type": "application/json"} | ({"Authorization": authorization} if authorization else {})
+        c.request(method, path, body=None if body is None else json.dumps(body), headers=headers)
+        r = c.getresponse()
+        raw = r.read()
+        return r.status, json.loads(raw) if raw else None
+    finally:
+        c.close()
+
+
+def test_every_route_needs_the_runs_key_the_dev_routes_included(server):
+    """vLLM's own check covers /v1 only: without areal_vllm_auth, /pause and /collective_rpc answered anyone."""
+    url, key = server["url"], os.environ[API_KEY_ENV]
+    refused = (401, {"error": "Unauthorized"})
+    for bad in (None, "Bearer wrong", f"Basic {key}"):
+        assert status(url, "POST", "/pause", bad) == refused
+        assert status(url, "POST", "/collective_rpc", bad, {"method": "reload_weights"}) == refused
+        assert status(url, "GET", "/v1/models", bad) == refused
+        assert status(url, "GET", "/health", bad) == refused
+    ok = f"Bearer {key}"
+    code, models = status(url, "GET", "/v1/models", ok)
+    assert code == 200 and [m["id"] for m in models["data"]] == ["areal"]
+    code, err = status(url, "POST", "/collective_rpc", ok, {})  # reached the route: its own 400, no RPC made
+    assert code == 400 and "Missing 'method'" in json.dumps(err)
+    assert status(url, "POST", "/reset_prefix_cache", "bearer " + key)[0] == 200
+    assert status(url, "GET", "/health", ok)[0] == 200
 
 
 def test_write_version_is_atomic_shared_and_pruned(tmp_path):

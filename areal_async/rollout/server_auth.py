@@ -9,9 +9,9 @@ request. Attaching to servers someone else runs (``sglang.addresses``): export t
 (``srt/utils/auth.py``, ``decide_request_auth``, vendored in ``tests/data``): OPTIONS and paths under
 ``/health``, ``/ready``, ``/metrics`` are open; every other request needs ``Bearer <key>`` (the scheme
 case-insensitive, the key compared in constant time), else 401 ``{"error": "Unauthorized"}``.
-vLLM checks its key (``VLLM_API_KEY``) only on paths under ``/v1`` (``api_server.py``, its
-``authentication`` middleware): its dev-mode routes (``/collective_rpc``, weight updates) stay open to
-whoever reaches the port, so a vLLM server must stay where only the run reaches it (loopback by default).
+vLLM checks its key (``VLLM_API_KEY``) only on paths under ``/v1`` (``serve/middleware/authenticate.py``), so
+the vLLM servers the supervisor starts also load ``vllm_path/areal_vllm_auth.py``, which refuses every route
+without the key (``/health`` and the dev-mode weight routes included; see ``vllm_server.py``).
 """
 
 from __future__ import annotations

