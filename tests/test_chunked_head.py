@@ -177,3 +177,57 @@ def test_config_default_and_validation():
     cfg.logits_chunk_tokens = -1
     with pytest.raises(ValueError, match="logits_chunk_tokens"):
         cfg.check()
+
+
+class _LargestVocabRow(TorchDispatchMode):
+    """The most elements of any tensor an op produces whose last dimension is the vocabulary."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == VOCAB:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """The trainer's one-rank FSDP2 group (``dp.shard_model`` needs a default group)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fsdp_sharded_model_takes_the_chunked_head_with_the_whole_logits_gradient(gloo_world_of_one, tie):
+    """The FSDP2 trainer (boba's 4 ranks) had the whole (T, V) logits: ``_head`` refused sharded models.
+    Now the fused head runs inside the root's forward: values and gradients (reduced by FSDP, float32)
+    equal the written-out float64 computation on the same float32 master weights, and no op makes a
+    tensor of T x V elements (the whole path, chunk 0, does: the check can fail)."""
+    import copy
+
+    from areal_async.trainer.dp import full_tensor, shard_model
+
+    base = model64(VARLEN_IMPL, tie).float()
+    ref, packed = copy.deepcopy(base).double(), packed_batch()
+    ref_logp, ref_ent = whole(ref, packed, 0.7)
+    expected = grads(ref, loss_of(ref_logp, ref_ent))
+    sharded = shard_model(use_varlen_attention(copy.deepcopy(base)), torch.float64, torch.device("cpu"))
+    T = packed.ids_T.numel()
+    for chunk in (4, 0):
+        sharded.zero_grad()  # before forward: after it, the root's registered parameters are the gathered ones
+        with _LargestVocabRow() as seen:
+            logp, ent = forward_packed(sharded, packed, 0.7, with_entropy=True, chunk_tokens=chunk)
+            got = grads(sharded, loss_of(logp, ent))
+        assert seen.largest == (max(4, 16) * VOCAB if chunk else T * VOCAB)  # a chunk's logits or W.T (16 x V)
+        assert_rel_close(logp.double(), ref_logp.detach())
+        assert_rel_close(ent.double(), ref_ent.detach())
+        assert sorted(got) == sorted(expected)
+        for name, g in got.items():
+            assert_rel_close(full_tensor(g).double(), expected[name])

@@ -355,14 +355,42 @@ PLAIN_HEAD_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # logits = lm_head(fi
 
 def _head(model: torch.nn.Module) -> Optional[torch.nn.Linear]:
     """The lm head when the chunked head can replace it (``chunked_head``'s docstring): a plain
-    ``nn.Linear`` of a model whose logits are exactly its output, not FSDP-sharded; else None."""
+    ``nn.Linear`` of a model whose logits are exactly its output; else None. FSDP-sharded models
+    too: ``_through_root`` calls it inside the root's forward, where its weight is gathered."""
     head = getattr(model, "lm_head", None)
     cfg = getattr(model, "config", None)
     if type(head) is not torch.nn.Linear or getattr(cfg, "model_type", None) not in PLAIN_HEAD_TYPES:
         return None
-    if not hasattr(model, "model") or lean_forward._is_fsdp(model):
-        return None
-    return head
+    return head if hasattr(model, "model") else None
+
+
+def _through_root(model: torch.nn.Module, head: torch.nn.Linear, packed: PackedBatch, fused) -> tuple:
+    """``fused(h_TE, weight, bias)`` on the head's input, called inside the FSDP2 root's forward.
+
+    Under ``fully_shard`` the head (and the embedding tied to it) belong to the root unit: the
+    root's forward pre-hook gathers them and its hooks reduce-scatter their gradients after
+    backward. Taking the hidden states from ``model.model`` would skip both (a sharded DTensor
+    weight, gradients never reduced), so the whole model runs as usual and, for this one call,
+    the head's ``forward`` is replaced by the fused head (HF's causal LMs end with
+    ``logits = self.lm_head(hidden_states)``, transformers 5.x ``Qwen2ForCausalLM.forward``).
+    Its results leave as the model's output ((1, T, 2): logp, entropy), so FSDP's hooks on the
+    output see the graph as they see the logits'."""
+    results = {}
+
+    def fused_forward(h_1TE: torch.Tensor) -> torch.Tensor:
+        logp_T, ent_T = fused(h_1TE[0], head.weight, head.bias)
+        results["has_entropy"] = ent_T is not None
+        ent_T = logp_T.detach() * 0 if ent_T is None else ent_T
+        return torch.stack([logp_T[None], ent_T[None]], -1)  # (1, T, 2), not a view
+
+    head.forward = fused_forward
+    try:
+        kwargs = _attention_kwargs(model, packed, _model_dtype(model))
+        out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
+    finally:
+        del head.forward  # the class's forward again
+    both_T2 = out.logits[0]
+    return both_T2[:, 0], both_T2[:, 1] if results["has_entropy"] else None
 
 
 def _hidden(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
@@ -406,9 +434,12 @@ def forward_packed(
     next_T = torch.roll(packed.ids_T, -1)
     head = _head(model) if 0 < chunk_tokens < packed.ids_T.numel() else None
     if head is not None:
-        h_TE = _hidden(model, packed, lean)
-        w, b = head.weight, head.bias
-        return head_logprobs(h_TE, w, b, next_T, temperature, chunk_tokens, with_entropy, entropy_grad)
+        def fused(h_TE, w, b):
+            return head_logprobs(h_TE, w, b, next_T, temperature, chunk_tokens, with_entropy, entropy_grad)
+
+        if lean_forward._is_fsdp(model):
+            return _through_root(model, head, packed, fused)
+        return fused(_hidden(model, packed, lean), head.weight, head.bias)
     return _whole_logprobs(_logits(model, packed, lean), next_T, temperature, with_entropy, entropy_grad)
 
 
