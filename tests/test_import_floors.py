@@ -2,13 +2,21 @@
 
 A module may import its own room (package) and any room on a lower floor; never a room on its
 own floor or above. A project import inside a function (the old way to dodge a cycle) is refused
-unless ``LAZY`` lists it with the reason it must stay lazy. Third-party imports are not checked.
+unless ``LAZY`` lists it with the reason it must stay lazy. Third-party imports are not checked by
+the ``ast`` walk; what the light entry points actually LOAD is checked in a fresh interpreter
+(``NEVER_LOADS``): a re-export in a package's ``__init__`` can pull torch in through a module that
+itself imports nothing heavy, which no reading of the importing file shows.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protocols", "areal_async", "workers", "benchmarks")
@@ -54,6 +62,31 @@ LAZY: dict[tuple[str, str], str] = {
         for r in ("scheduler", "reward", "rollout", "trainer")
     },
 }
+
+
+# light entry point -> heavy third-party packages it must never load. The supervisor process and the
+# command line (``--help``, ``knobs``, ``--dry-run``) stay fast; the scheduler needs the tokenizer
+# (transformers) for the prompts but never torch; the reward side never loads a model library.
+_SUPERVISOR_NEVER = ("torch", "transformers", "numpy", "matplotlib", "ray")
+NEVER_LOADS: dict[str, tuple[str, ...]] = {
+    "areal_async.cli": _SUPERVISOR_NEVER,
+    "areal_async.supervisor.local": _SUPERVISOR_NEVER,
+    "areal_async.supervisor.slurm": _SUPERVISOR_NEVER,
+    "areal_async.supervisor.ray_launcher": _SUPERVISOR_NEVER,
+    "areal_async.config": _SUPERVISOR_NEVER,
+    "workers.scheduler": ("torch",),
+    "areal_async.app.scheduler_worker": ("torch",),
+    "areal_async.app.reward_worker": ("torch", "transformers"),
+    "areal_async.client.reward": ("torch", "transformers"),
+}
+
+
+def loaded_by(code: str, packages) -> list[str]:
+    """Which of ``packages`` a fresh interpreter has in ``sys.modules`` after running ``code``."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(p for p in {list(packages)!r} if p in sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def room_of(module: str) -> tuple[int, str]:
@@ -144,6 +177,32 @@ def test_project_imports_inside_functions_are_only_the_listed_lazy_ones():
         "move these imports to the top of the module, or list them in LAZY with the reason "
         "they must stay lazy:\n" + "\n".join(bad)
     )
+
+
+def test_import_areal_async_cli_leaves_torch_out():
+    """The issue's own probe, verbatim: the command line's import never loads torch."""
+    code = "import sys, areal_async.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "False\n"), done.stderr
+
+
+@pytest.mark.parametrize("module", sorted(NEVER_LOADS))
+def test_light_entry_points_never_load_heavy_packages(module):
+    assert loaded_by(f"import {module}", NEVER_LOADS[module]) == []
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["knobs"], ["run", "configs/tiny_arith.yaml", "--dry-run", "--run-dir", "RUN"]]
+)
+def test_cli_commands_that_start_nothing_never_load_torch(argv, tmp_path):
+    argv = [str(tmp_path / "run") if a == "RUN" else a for a in argv]
+    code = f"from areal_async.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
+    assert loaded_by(code, ("torch",)) == []
+
+
+def test_the_load_probe_sees_what_is_loaded():
+    """The probe itself can fail: a loaded package is reported (else the tests above prove nothing)."""
+    assert loaded_by("import areal_async.config", ("yaml", "torch")) == ["yaml"]
 
 
 def test_the_checker_catches_what_it_should(tmp_path):
