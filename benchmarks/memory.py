@@ -17,14 +17,10 @@ exhaust the shared machine fails in its own process instead.
 
 Formula for the logits term (float32, V vocabulary, T tokens of the micro-batch, C chunk):
   whole:   5 T V 4 B: in backward the logits (kept by logsumexp), logsumexp's x - lse and its exp,
-           the gather's scattered gradient and the sum of the two gradients (first written as 3 T V
-           from the forward alone; the first measurement, 12.47 GB added at T 4,096, V 151,936,
-           hidden 64, is 5.0 T V 4 B, and the backward accounts for it)
+           the gather's scattered gradient and the sum of the two gradients
   chunked: 3 min(C, T) V 4 B (one chunk's log p, p and gradient) + V E 4 B (the head's weight
            gradient accumulated in float32; for a float32 model that is the gradient itself)
-Measured at 996aeac (2 shared cores, load 12-18; vocab x hidden 64, 1 layer; GB = 1e9 B; added / formula):
-  V 151,936, T 4,096: whole 12.47 / 12.45, chunk 1024 1.95 / 1.91 (ratio 0.156), chunk + ckpt 1.93;
-  V 151,936, T 2,048: whole 6.24 / 6.22, chunk 1.91 / 1.91;  V 32,000, T 4,096: whole 2.65 / 2.62, chunk 0.42 / 0.40.
+Measured figures against the formula, with commit and load: ``benchmarks/RESULTS.md``.
 ``predict_boba`` states the per-rank GPU peak of ``configs/boba_grpo.yaml`` (1.5B, 16384 tokens
 per micro-batch, 4 FSDP ranks) by the same formula plus parameter, optimizer and activation terms.
 """

