@@ -4,74 +4,49 @@
                                   [--out DIR] [--no-fleet] [--no-null] [--gen-repeats R] [--no-pin]
                                   [key=value ...]
 
-One model, dataset and batch, run three ways:
+One model, dataset and batch, run four ways:
 
-(a) in-process: the project's own ``TorchEngine``, reward function and ``PPOActor`` called in
-    one Python loop (no processes, no sockets; torch threads as the fleet's workers): per step
-    publish (``engine.update_weights`` with the trainer's tensors), generate the batch, score
-    every sample, one ``train_step``. Two loops, both measured in every leg, in alternating order:
-    - ``plain``: the loop as first written (one ``decode`` per sample, trajectories from the
-      engine's per-sample views with the prompt as a list, no ``gc.freeze``);
-    - ``matched``: the loop with every optimisation the fleet's roles have that one thread can
-      use (``MATCHED`` lists them, with those that do not apply and why).
-    Each loop runs in legs: one before the first fleet run and one after each (each leg a fresh
-    loop from the same weights).
-(b) the fleet (``areal-async run``) at η = 0, 1, 2 with the same config: one rollout worker,
-    one reward worker, the trainer, the scheduler.
-(c) the embedded engine's tokens/s against ``transformers`` ``generate`` (KV cache, sampling) on
-    the same model and prompts, HF with the engine's shared prompt prefill or with
-    ``num_return_sequences``, whichever is faster (``benchmarks.engine_vs_hf.measure``).
-(d) a null run (``--no-null`` skips it), after the fleet runs: the legs again, back to back, with
-    a stand-in leg of the same loop where each fleet run was and no fleet anywhere between them.
+(a) in-process: the project's own ``TorchEngine``, reward function and ``PPOActor`` in one Python loop
+    (no processes, no sockets; torch threads as the fleet's workers): per step publish
+    (``engine.update_weights``), generate, score, one ``train_step``. Two loops, measured in
+    alternating order in every leg: ``plain`` (as first written: one ``decode`` per sample, per-sample
+    trajectory views, no ``gc.freeze``) and ``matched`` (every optimisation of the fleet's roles one
+    thread can use; ``MATCHED`` lists them and why the others do not apply). A leg runs before the
+    first fleet run and after each (a fresh loop each).
+(b) the fleet (``areal-async run``) at η = 0, 1, 2: one rollout worker, one reward worker, the trainer,
+    the scheduler.
+(c) the engine's tokens/s against ``transformers`` ``generate`` (``benchmarks.engine_vs_hf.measure``).
+(d) a null run (``--no-null`` skips it): the legs again with a stand-in leg of the same loop where each
+    fleet run was: how far its ratios are from 1 is how far the legs alone move a ratio.
 
-How the comparison is framed (``benchmarks.common.legs``): for each fleet run, each loop and each
-η, four ratios: wall ms per step over the mean of the two legs around the run, and over the first
-leg alone (measured before any fleet run could change the machine's state); CPU ms per step
-(every process of the fleet, by role, over the loop's one process) over the same two
-denominators. The null run's stand-ins get the same four ratios: they are the baseline itself,
-so how far they are from 1 is how far the legs move a ratio with no fleet at all. On a shared
-machine wall time follows the share of the CPU a run gets; CPU time per step does not, so the CPU
-ratio is the figure that does not depend on the neighbours (it does depend on cache and frequency
-effects of the load). Dated figures, with the commit, machine and load they were measured at:
-``benchmarks/RESULTS.md``.
+Ratios (``benchmarks.common.legs``): per fleet run, loop and η, wall and CPU ms per step (CPU: every
+process of the fleet, by role, over the loop's one process), each over the mean of the two legs around
+the run and over the first leg alone. How to read them: ``benchmarks/README.md``; dated figures with
+commit, machine and load: ``benchmarks/RESULTS.md``.
 
-Default setup (the issue's small case, built here, nothing downloaded): Llama, hidden 64,
-2 layers, a 16-token character vocabulary (digits, '+', '=', 4 specials) saved as an HF
-directory and loaded with ``model.path``; a jsonl a+b task (100 problems, exact-match reward);
-32 prompts x 8 samples per step, 3 new tokens, lr 1e-3, no SFT warm-up. ``--model-path`` runs
-another local HF model instead (its tokenizer must encode the prompts).
+Setup (the issue's small case, built here, nothing downloaded): Llama, hidden 64, 2 layers, a 16-token
+character vocabulary saved as an HF directory and loaded with ``model.path``; a jsonl a+b task (100
+problems, exact-match reward); 32 prompts x 8 samples per step, 3 new tokens, lr 1e-3, no SFT warm-up.
+``--model-path`` runs another local HF model (its tokenizer must encode the prompts).
 
-Phases per step (ms, means over the steady window after ``--warmup`` steps):
-- gen: rollout engine busy time (fleet: the rollout worker's ``busy_s`` heartbeat counter);
-- reward: scoring (fleet: wall time the reward worker had a group in its pool; in-process it
-  includes decoding the completions and building the trajectories);
-- train: ``train_step`` incl. the proximal-logprob recompute (fleet: the trainer's ``train_s`` plus
-  ``ahead_s``, its first forward run ahead while the rewards were scored, at η = 0);
-- publish: weights to the engine (fleet: the trainer's ``publish_s``, until the channel
-  released the publisher; the rollout side's load is inside gen);
-- wait: the trainer idle between two steps (fleet: step - train - publish, which understates
-  it by the overlapped parts of publish and ahead; in-process 0);
-- step: wall time per step;
-- cpu: CPU time per step (in-process: this process; fleet: every process of the run, by role
-  in ``cpu_ms_by_role``).
-In the fleet the phases of different steps overlap at η > 0, so they need not sum to the step.
-Placement: with 2+ CPUs the fleet's trainer is pinned to one CPU and the in-process loops (one
-thread) run on that CPU. At η >= 1 every other role is pinned to the rest (the CPU is the
-trainer's own; ``benchmarks.common.fleet.placement``); at η = 0 the other roles stay unpinned
-(the phases run one after another, so they may use the trainer's CPU while it waits).
-``--no-pin`` pins nothing; a ``cluster.cpu_affinity.*`` override replaces the placement in every
-run.
+Phases per step (ms, means over the steady window after ``--warmup`` steps): gen (fleet: the rollout
+worker's ``busy_s``), reward (fleet: wall time the reward worker had a group in its pool; in-process it
+includes decoding and building trajectories), train (``train_step`` with the proximal recompute; fleet:
+``train_s`` + ``ahead_s``, the first forward run ahead at η = 0), publish (fleet: ``publish_s``, until
+the channel released the publisher; the rollout side's load is inside gen), wait
+(fleet: step - train - publish, understated by the overlapped parts; in-process 0), step (wall), cpu
+(by role in ``cpu_ms_by_role``). At η > 0 the phases of different steps overlap.
+Placement: with 2+ CPUs the trainer is pinned to one CPU and the in-process loops run there; at η >= 1
+the other roles are pinned to the rest (``benchmarks.common.fleet.placement``), at η = 0 (serial
+phases) they stay unpinned. ``--no-pin`` pins nothing; ``cluster.cpu_affinity.*`` overrides win.
 
-JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess|fleet;
-in-process rows per ``baseline`` plain|matched with ``legs_ms``, ``legs_cpu_ms``,
-``null_legs_ms`` and ``null_stand_in_ms``; fleet rows per ``eta`` with ``cpu_ms_by_role``), the
-ratio rows of ``benchmarks.common.legs`` (``fleet_vs_inprocess_*`` and ``null_vs_inprocess_*``,
-each with ``eta``, ``baseline``, ``framing``, ``numerator``, ``denominator``; the wall ratios of
-the fleet judged against ``target``), and ``engine_vs_hf_generate_tokens_per_s_ratio``.
-``fleet_vs_inprocess_ms_per_step_ratio`` with ``baseline`` plain is the ratio this benchmark
-reported before it had the other framings. Targets: fleet η = 0 <= 1.25 x in-process, η = 1 <=
-0.8 x; engine >= 2 x HF generate. Every row carries the 1-minute load average before and after
-the whole benchmark.
+JSON rows (``metric``, ``value``, ``unit`` always): ``ms_per_step`` (``mode`` inprocess per ``baseline``
+with ``legs_ms``, ``legs_cpu_ms``, ``null_legs_ms``, ``null_stand_in_ms``; fleet per ``eta`` with
+``cpu_ms_by_role``), the ratio rows ``fleet_vs_inprocess_*`` and ``null_vs_inprocess_*`` (``eta``,
+``baseline``, ``framing``, ``numerator``, ``denominator``; fleet wall ratios judged against ``target``)
+and ``engine_vs_hf_generate_tokens_per_s_ratio``; every row the load average before and after. The wall
+ratio over the legs around with ``baseline`` plain is the one this benchmark reported before the others.
+Targets: fleet η = 0 <= 1.25 x in-process, η = 1 <= 0.8 x; engine >= 2 x HF generate.
 """
 
 from __future__ import annotations
