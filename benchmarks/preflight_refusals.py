@@ -1,4 +1,4 @@
-"""Every bad input of tests/test_preflight.py's table through the real command line, one fresh
+"""Every bad input of tests/unit/config/test_preflight.py's table through the real command line, one fresh
 ``python -m areal_async.cli`` each: the one line it prints, its exit code and the seconds it took to
 refuse (interpreter start included). Prints a Markdown table; ``--json`` one JSON object per case.
 
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.test_preflight import BAD, Bad, _files
+from tests.unit.config.test_preflight import BAD, Bad, _files
 
 ROOT = Path(__file__).resolve().parents[1]
 

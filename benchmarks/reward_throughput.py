@@ -6,7 +6,7 @@ For each pool size, scores ``n`` completions (half right, half wrong, a fixed se
 ``RewardPool.score_many`` after a warm-up (children started, math-verify imported), and reports
 checks/s, p50/p99 check latency (send to reply in the parent, queueing excluded), start-up time
 and the number of wrong verdicts (must be 0). Not measured: long chains of thought, hard
-symbolic answers, timeouts (see tests/test_reward_pool.py for those).
+symbolic answers, timeouts (see tests/unit/reward/test_reward_pool.py for those).
 Each JSON row: metric, value, unit, bound (what limits the figure), n_procs, n.
 """
 

@@ -4,5 +4,5 @@
 ``<role>_worker`` builds that role's service from the run directory, importing only what the
 role needs (the scheduler and reward workers never import torch); ``wiring`` and ``channels``
 are the parts they share; ``sft`` is the one-process ``areal-async sft`` application.
-Nothing below this floor imports it (tests/test_import_floors.py).
+Nothing below this floor imports it (tests/unit/house/test_import_floors.py).
 """

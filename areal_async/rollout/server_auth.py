@@ -6,7 +6,7 @@ the servers it starts and to the rollout workers that call them; ``http_json.cal
 request. Attaching to servers someone else runs (``sglang.addresses``): export their key in that variable.
 
 ``refusal`` is the CPU server's check, as sglang 0.5.23 decides it with only ``--api-key`` set
-(``srt/utils/auth.py``, ``decide_request_auth``, vendored in ``tests/data``): OPTIONS and paths under
+(``srt/utils/auth.py``, ``decide_request_auth``, vendored in ``tests/support/data``): OPTIONS and paths under
 ``/health``, ``/ready``, ``/metrics`` are open; every other request needs ``Bearer <key>`` (the scheme
 case-insensitive, the key compared in constant time), else 401 ``{"error": "Unauthorized"}``.
 vLLM checks its key (``VLLM_API_KEY``) only on paths under ``/v1`` (``serve/middleware/authenticate.py``), so

@@ -1,7 +1,7 @@
 """``SGLangClient``: one SGLang server (or the CPU twin, ``sglang_server.py``) behind ``ServerClient``.
 
 The HTTP contract, as read from sglang 0.5.23 (``api/v1/api_types.py``, ``srt/managers/io_struct.py``,
-``srt/entrypoints/http_server.py``); ``tests/test_sglang_contract.py`` checks every body built
+``srt/entrypoints/http_server.py``); ``tests/contract/test_sglang_contract.py`` checks every body built
 here against the pinned release's own schema::
 
     POST /generate {rid, input_ids, sampling_params{max_new_tokens, temperature, top_p,

@@ -3,7 +3,7 @@
 The HTTP contract, as read from vLLM 0.32.0's own source (``entrypoints/openai/completion/protocol.py``,
 ``entrypoints/rl/online/api_router.py``: /pause?mode=abort aborts running requests and holds new ones until
 /resume; ``entrypoints/serve/dev/``: /collective_rpc, /reset_prefix_cache) and run against a real server
-(``tests/test_vllm_backend.py``)::
+(``tests/contract/test_vllm_backend.py``)::
 
     POST /v1/completions {model, prompt: [token ids], max_tokens, n: 1, temperature, top_p, logprobs: 0,
                           stop_token_ids, return_tokens_as_token_ids: true, skip_special_tokens: false}

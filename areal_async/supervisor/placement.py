@@ -37,7 +37,7 @@ rollout GPUs that do not divide over the rollout workers; a process whose GPUs w
 two ranks of one NCCL group on one GPU; a trainer rank on a server's GPU; a cuda_ipc receiver on
 another GPU than the sender; a machine that has fewer GPUs than the node asks of it
 (``check_gpus_present``). None of this has run on a GPU yet: the rules are read from NCCL, torch
-and SGLang sources and checked on CPU (tests/test_placement.py).
+and SGLang sources and checked on CPU (tests/unit/supervisor/test_placement.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ count, datatype, peer, stream pointer)``, ``bcast(buf pointer, int count, dataty
 pointer)``: a C ``int`` count, so one call moves < 2 GiB - buckets are far below) takes the stream as
 ``torch.cuda.Stream.cuda_stream``. This stream handling has not run on a GPU (no GPU was lent to the
 session that wrote it); its order of calls is checked on CPU with a recording stand-in for
-``torch.cuda`` (tests/test_nccl_streams.py), and ``scripts/gpu_check.sh`` runs it on one GPU.
+``torch.cuda`` (tests/unit/transport/test_nccl_streams.py), and ``scripts/gpu_check.sh`` runs it on one GPU.
 
 Rendezvous: rank 0 creates the NCCL unique id (``nccl.get_unique_id()``, 128 bytes) and the other
 ranks need it before the (collective) communicator init. Either pass ``rendezvous``, a callable

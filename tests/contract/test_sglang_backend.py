@@ -1,0 +1,217 @@
+"""The SGLang backend against real CPU servers (separate processes, real HTTP, real gloo groups).
+
+Expected tokens and logprobs come from plain full-sequence forwards of an HF model in this
+process (no KV cache, no engine code), so a wrong weight, a stale KV cache or a mislabelled
+version shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from areal_async.config import load_config
+from areal_async.models.tiny import build_model
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.http_json import call
+from areal_async.rollout.remote import RemoteEngine, ServerDown
+from areal_async.rollout.sglang_client import SGLangClient
+from areal_async.models.tokenizer import load_tokenizer
+from tests.support.sglang_fixtures import TINY, start_cpu_server, stop
+
+pytestmark = pytest.mark.timeout(300)
+
+CFG = load_config(TINY)
+TOK = load_tokenizer(CFG.model.path)
+
+
+def policy(seed: int):
+    return build_model(CFG.model, len(TOK), seed).eval()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_cpu_server()
+    yield url
+    stop(proc)
+
+
+def run_all(engine: RemoteEngine, deadline_s: float = 120.0) -> dict:
+    """group id -> its samples as plain lists, once every queued group finished."""
+    out, t = {}, time.monotonic()
+    while engine.has_work():
+        assert time.monotonic() - t < deadline_s, "generation did not finish"
+        for g in engine.step():
+            out[g.group_id] = SimpleNamespace(samples=[plain(s) for s in g.samples])
+    return out
+
+
+def plain(s) -> SimpleNamespace:
+    ids, logps, versions = (torch.as_tensor(x).tolist() for x in (s.output_ids, s.logprobs, s.versions))
+    return SimpleNamespace(output_ids=ids, logprobs=logps, versions=versions, finish_reason=s.finish_reason)
+
+
+@torch.no_grad()
+def logprobs_under(model, prompt: list[int], out: list[int], temperature: float = 1.0) -> list[float]:
+    """log_softmax(logits / T)[token] of each output token, one full forward (independent of the engines)."""
+    ids = torch.tensor([prompt + out])
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].float() / temperature, -1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(out)]
+
+
+@torch.no_grad()
+def greedy_under(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_weights_arrive_over_the_gloo_group_with_each_weight_version(server):
+    a, b = policy(11), policy(12)
+    client = SGLangClient(server, name="t-weights", bucket_mb=0.05)  # several buckets per update
+    engine = RemoteEngine([client])
+    prompt = TOK.encode("3+4=")
+    for version, model in ((0, a), (1, b), (2, a)):
+        engine.update_weights(version, model.state_dict())
+        assert call(server, "GET", "/model_info")["weight_version"] == str(version)
+        engine.add_request(GenRequest(f"g{version}", prompt, 1, 8, greedy=True))
+        s = run_all(engine)[f"g{version}"].samples[0]
+        assert s.output_ids == greedy_under(model, prompt, len(s.output_ids)) and s.versions == [version] * 8
+        assert s.logprobs == pytest.approx(logprobs_under(model, prompt, s.output_ids), abs=1e-4)
+
+
+def test_a_failed_update_fails_loudly_and_the_half_updated_server_serves_nothing(server):
+    """The last bucket has a wrong shape: earlier buckets already loaded, so the server refuses
+    /generate (503) until a complete update succeeds; the client raises ServerDown."""
+    a, b = policy(51), policy(52)
+    client = SGLangClient(server, name="t-fail", bucket_mb=0.05)
+    client.wait_ready(120)
+    client.load_weights(0, a.state_dict())
+    bad = dict(b.state_dict())
+    last = list(bad)[-1]
+    bad[last] = torch.zeros(3, 3)
+    with pytest.raises(ServerDown, match=f"{last}.*shape"):
+        client.load_weights(1, bad)
+    prompt = TOK.encode("1+1=")
+    with pytest.raises(ServerDown, match="503.*weights unusable after a failed update"):
+        client.generate("after-bad", prompt, 4, GenRequest("x", prompt, 1, 4, greedy=True))
+    assert call(server, "GET", "/model_info")["weight_version"] == "0"
+    client.load_weights(2, b.state_dict())
+    c = client.generate("after-good", prompt, 4, GenRequest("x", prompt, 1, 4, greedy=True))
+    assert c.versions == [2] * 4 and c.output_ids == greedy_under(b, prompt, 4)
+
+
+ATTEMPTS = 9
+
+
+def interrupt_delay(attempt: int) -> float:
+    """Seconds between dispatch and the weight update: 2 ms doubling to ~0.5 s, so the update lands
+    mid-generation on a quiet machine (48 tokens take tens of ms) and on a loaded one alike."""
+    return 0.002 * 2**attempt
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_interrupted_samples_carry_two_versions_and_new_tokens_match_the_new_weights(server, mode):
+    """Pause mid-generation, load v1, resume: a sample's first tokens carry v0 with v0's
+    logprobs, the rest v1 with logprobs recomputed under v1 (abort: resubmitted prompt + tokens;
+    retract: the server recomputed its KV cache)."""
+    a, b = policy(21), policy(22)
+    engine = RemoteEngine([SGLangClient(server, name=f"t-int-{mode}", pause_mode=mode)])
+    prompt = TOK.encode("12+30=")
+    mixed = []
+    for attempt in range(ATTEMPTS):  # timing: the update must land while tokens are being generated
+        engine.update_weights(2 * attempt, a.state_dict())
+        engine.add_request(GenRequest(f"g{attempt}", prompt, 16, 48))
+        engine.step()  # dispatches every sample
+        time.sleep(interrupt_delay(attempt))
+        engine.update_weights(2 * attempt + 1, b.state_dict())
+        groups = run_all(engine)
+        mixed = [s for s in groups[f"g{attempt}"].samples if len(set(s.versions)) == 2]
+        if mixed:
+            break
+    assert mixed, f"no sample was interrupted mid-generation in {ATTEMPTS} tries"
+    old, new = 2 * attempt, 2 * attempt + 1
+    for s in mixed:
+        k = s.versions.index(new)
+        assert 0 < k < len(s.output_ids) and s.versions == [old] * k + [new] * (len(s.versions) - k)
+        assert s.logprobs[:k] == pytest.approx(logprobs_under(a, prompt, s.output_ids[:k]), abs=1e-4)
+        want_new = logprobs_under(b, prompt, s.output_ids)[k:]
+        assert s.logprobs[k:] == pytest.approx(want_new, abs=1e-4)
+    if mode == "abort":
+        assert engine.resubmitted >= len(mixed)
+
+
+def test_in_place_pause_keeps_the_old_kv_cache_as_sglang_does(server):
+    """in_place (selectable, not the default): running requests resume on KV computed by the old
+    weights, so their new-version tokens do NOT match a recomputation under the new weights."""
+    a, b = policy(41), policy(42)
+    engine = RemoteEngine([SGLangClient(server, name="t-inplace", pause_mode="in_place")])
+    prompt = TOK.encode("7+8=")
+    for attempt in range(ATTEMPTS):
+        engine.update_weights(2 * attempt, a.state_dict())
+        engine.add_request(GenRequest(f"p{attempt}", prompt, 16, 48))
+        engine.step()
+        time.sleep(interrupt_delay(attempt))
+        engine.update_weights(2 * attempt + 1, b.state_dict())
+        mixed = [s for s in run_all(engine)[f"p{attempt}"].samples if len(set(s.versions)) == 2]
+        if mixed:
+            break
+    assert mixed, f"no sample was interrupted mid-generation in {ATTEMPTS} tries"
+    for s in mixed:
+        k = s.versions.index(2 * attempt + 1)
+        stale = torch.tensor(s.logprobs[k:]) - torch.tensor(logprobs_under(b, prompt, s.output_ids)[k:])
+        assert stale.abs().max() > 1e-2
+
+
+def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights(tmp_path):
+    """SIGKILL one of two servers mid-generation: its samples finish on the other; the server,
+    started again on the same port, is revived with the newest weights over a new group."""
+    (p0, u0), (p1, u1) = start_cpu_server(), start_cpu_server()
+    try:
+        a = policy(31)
+        engine = RemoteEngine(
+            [SGLangClient(u0, name="t-kill-0"), SGLangClient(u1, name="t-kill-1")], revive_every_s=0.2
+        )
+        engine.update_weights(0, a.state_dict())
+        prompt = TOK.encode("5+5=")
+        n_groups = 4
+        for g in range(n_groups):
+            engine.add_request(GenRequest(f"g{g}", prompt, 8, 48))
+        first = engine.step()  # dispatches every sample; the kill follows at once (~0.1 s of generation left here)
+        os.kill(p0.pid, signal.SIGKILL)
+        groups = {g.group_id: SimpleNamespace(samples=[plain(s) for s in g.samples]) for g in first}  # done already
+        t = time.monotonic()
+        while engine.servers[0].up:  # the in-flight requests fail: the server is marked down
+            assert time.monotonic() - t < 120, "the killed server was not marked down"
+            if not engine.has_work():  # all done before the kill (a faster server): one more group meets it
+                engine.add_request(GenRequest(f"g{n_groups}", prompt, 8, 48))
+                n_groups += 1
+            groups.update((g.group_id, SimpleNamespace(samples=[plain(s) for s in g.samples])) for g in engine.step())
+        groups.update(run_all(engine))
+        assert sorted(groups) == sorted(f"g{g}" for g in range(n_groups))
+        for grp in groups.values():
+            for s in grp.samples:
+                assert s.finish_reason in ("stop", "length") and s.versions == [0] * len(s.output_ids)
+                assert len(s.output_ids) == 48 or s.finish_reason == "stop"
+                assert s.logprobs == pytest.approx(logprobs_under(a, prompt, s.output_ids), abs=1e-4)
+        assert not engine.servers[0].up and engine.resubmitted > 0
+        p0.wait(timeout=30)
+        p0, _ = start_cpu_server(port=int(u0.rsplit(":", 1)[1]))
+        t, n = time.monotonic(), 0
+        while not engine.servers[0].up:  # revival is checked while the engine has work
+            assert time.monotonic() - t < 120, "the restarted server was never revived"
+            if not engine.has_work():
+                engine.add_request(GenRequest(f"x{n}", prompt, 1, 2))
+                n += 1
+            engine.step()
+        assert call(u0, "GET", "/model_info")["weight_version"] == "0"
+        run_all(engine)
+    finally:
+        stop(p0)
+        stop(p1)

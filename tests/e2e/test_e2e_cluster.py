@@ -1,0 +1,199 @@
+"""End-to-end over the TCP control plane with CURVE: the tiny fleet with every socket on tcp://
+(control, reward queues, trajectory and weight tensors over zmq), keys 0600, exact books; and the
+same fleet over two loopback "nodes" (127.0.0.1, 127.0.0.2) with the kernel's view of its sockets.
+(A restart's admission with the same launch token: tests/unit/base/test_cluster_security.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.e2e.test_e2e import ROOT, check_books, cli, finish_ok, run_ok
+from tests.e2e.test_external_worker import wait_for
+
+pytestmark = pytest.mark.slow
+
+TCP = ["cluster.control=tcp", "tensor_channel.trajectories=zmq", "tensor_channel.weights=zmq"]
+
+
+def test_tcp_curve_fleet_keeps_exact_books(tmp_path):
+    run_dir = tmp_path / "run"
+    run_ok(run_dir, *TCP)
+    check_books(run_dir, eta=1)
+    endpoints = json.loads((run_dir / "endpoints.json").read_text())
+    assert all(e.startswith("tcp://") for e in [endpoints["control"], endpoints["trajectories"], *endpoints["rewards"]])
+    for name in ("server.key", "client.key", "roster.json"):
+        assert stat.S_IMODE((run_dir / "keys" / name).stat().st_mode) == 0o600
+    logs = {p.stem: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    for wid in ("reward-0", "rollout-0", "rollout-1", "trainer"):
+        assert f"registered {wid.split('-')[0]} {wid} " in logs["scheduler"]
+    assert "refused a registration" not in logs["scheduler"]
+    assert "admitted a CURVE connection from 127.0.0.1 (client key of " in logs["scheduler"]  # peer addresses seen
+    # every binding process ran a ZAP handler with the run's allow list
+    assert all("CURVE on" in logs[w] for w in ("scheduler", "reward-0", "trainer")), sorted(logs)
+
+
+# ---- two loopback nodes -----------------------------------------------------------------------
+NODE = {0: "127.0.0.1", 1: "127.0.0.2"}
+TWO_NODES = [
+    *TCP,
+    "cluster.n_nodes=2",
+    "cluster.node_hosts=['127.0.0.1','127.0.0.2']",
+    "cluster.n_reward_workers=0",  # the test's own reward worker (below) scores: the fleet waits for it
+    "cluster.n_external_reward_workers=1",
+]
+
+
+def _ip(hex_addr: str) -> str:
+    """'0200007F:1F90' (/proc/net/tcp, little-endian IPv4) -> '127.0.0.2'."""
+    return ".".join(str(b) for b in reversed(bytes.fromhex(hex_addr.split(":")[0])))
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, int, str, int, str]]:
+    """(local ip, local port, remote ip, remote port, state hex) of every TCP socket process ``pid`` holds,
+    read from /proc (the kernel's view, independent of the code under test); IPv6 sockets as 'v6'."""
+    inodes = _socket_inodes(pid)
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes:
+                if table == "tcp6":
+                    out.append(("v6", 0, "v6", 0, f[3]))
+                    continue
+                out.append((_ip(f[1]), int(f[1][-4:], 16), _ip(f[2]), int(f[2][-4:], 16), f[3]))
+    return out
+
+
+def listeners(pid: int) -> list[tuple[str, int]]:
+    """(local address, port) of every listening TCP socket of process ``pid``, from /proc: IPv4 dotted,
+    IPv6 as '::' (any), '::1' or the hex of the address; '0.0.0.0' and '::' are the wildcards."""
+    inodes = _socket_inodes(pid)
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
+            f = line.split()
+            if f[9] in inodes and f[3] == "0A":
+                addr, port = f[1].split(":")
+                ip = _ip(f[1]) if table == "tcp" else {"0" * 32: "::", "0" * 24 + "01000000": "::1"}.get(addr, addr)
+                out.append((ip, int(port, 16)))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    return inodes
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def test_fleet_across_two_loopback_nodes(tmp_path):
+    """cluster.n_nodes=2 on 127.0.0.1 and 127.0.0.2: the processes are dealt over the nodes (scheduler 0,
+    trainer 1, rollout-0 0, rollout-1 1), every endpoint is advertised with its binder's node address,
+    and the kernel shows each process's sockets bound and connected on its own node's address (no
+    0.0.0.0, no fallback to 127.0.0.1 on node 1); the run over CURVE keeps exact books."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        cli(run_dir, *TWO_NODES), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        wait_for(lambda: (run_dir / "pids.json").exists() and (run_dir / "endpoints.json").exists(), 120, "the fleet")
+        pids = json.loads((run_dir / "pids.json").read_text())
+        ep = json.loads((run_dir / "endpoints.json").read_text())
+        nodes = {w: s["node"] for w, s in pids["placement"].items()}
+        assert nodes == {"scheduler": 0, "trainer": 1, "rollout-0": 0, "rollout-1": 1}
+        assert ep["control"].startswith("tcp://127.0.0.1:") and ep["rewards"][0].startswith("tcp://127.0.0.1:")
+        assert ep["trajectories"].startswith("tcp://127.0.0.2:")
+        assert ep["extra"]["weights_endpoint"].startswith("tcp://127.0.0.2:")
+        control, traj = _port(ep["control"]), _port(ep["trajectories"])
+
+        def linked() -> bool:  # node 1 reached node 0's scheduler; node 0's rollout reached node 1's trainer
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            socks = {w: tcp_sockets(pids[w]) for w in nodes}
+            return (
+                any(s[:2] == ("127.0.0.2", traj) and s[4] == "0A" for s in socks["trainer"])
+                and all(any(s[2:] == ("127.0.0.1", control, "01") for s in socks[w]) for w in ("trainer", "rollout-1"))
+                and any(s[2:] == ("127.0.0.2", traj, "01") for s in socks["rollout-0"])
+            )
+
+        wait_for(linked, 240, "connections across the two nodes")
+        for w, node in nodes.items():
+            socks = tcp_sockets(pids[w])
+            assert socks and {s[0] for s in socks} == {NODE[node]}, (w, socks)
+        # only now may the fleet score: the test's reward worker (on node 0) joins
+        with open(tmp_path / "ext.log", "wb") as log:
+            scorer = subprocess.Popen(
+                [sys.executable, "-m", "workers.external_reward", str(run_dir)],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            finish_ok(proc, timeout=300)
+            assert scorer.wait(timeout=60) == 0
+        finally:
+            if scorer.poll() is None:
+                scorer.kill()
+                scorer.wait()
+    finally:
+        if proc.poll() is None:  # a failed check: the supervisor stops every worker it started on SIGTERM
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=120)
+    check_books(run_dir, eta=1)
+    log = (run_dir / "logs" / "scheduler.log").read_text()
+    assert "refused a registration" not in log
+    assert all(f"registered {w.split('-')[0]} {w} " in log for w in nodes if w != "scheduler")
+
+
+# ---- no open door: every listener of a gloo fleet on the node's address --------------------------
+GLOO_RANKS = ["cluster.control=tcp", "tensor_channel.trajectories=gloo", "cluster.n_trainer_ranks=2"]
+
+
+def test_gloo_fleet_with_two_trainer_ranks_listens_on_no_wildcard(tmp_path):
+    """torch's TCPStore listened on '*' for the trajectory group and the trainer ranks (seen with ss on the
+    code before): now each group's store is served by the trainer over the run's CURVE sockets on the node's
+    address, and gloo's pairs bind it too. Every listening socket of every process of the run, sampled from
+    /proc while it runs, is on 127.0.0.1; the books are exact."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        cli(run_dir, *GLOO_RANKS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: set[tuple[str, int]] = set()
+    try:
+        wait_for(lambda: (run_dir / "pids.json").exists(), 120, "the fleet")
+        pids = {w: p for w, p in json.loads((run_dir / "pids.json").read_text()).items() if isinstance(p, int)}
+        while proc.poll() is None:
+            for pid in pids.values():
+                try:
+                    seen |= set(listeners(pid))
+                except OSError:
+                    pass  # exited between the listing and the read
+            time.sleep(0.2)
+        finish_ok(proc, timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=120)
+    extra = json.loads((run_dir / "endpoints.json").read_text())["extra"]
+    stores = {extra[k] for k in ("traj_store", "weight_store", "trainer_store")}
+    assert all(s.startswith("tcp://127.0.0.1:") for s in stores) and len(stores) == 3, stores
+    assert {("127.0.0.1", _port(extra["traj_store"])), ("127.0.0.1", _port(extra["trainer_store"]))} <= seen
+    assert seen and {ip for ip, _ in seen} == {"127.0.0.1"}, sorted(seen)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700  # checkpoints in it are unpickled on resume
+    check_books(run_dir, eta=1)

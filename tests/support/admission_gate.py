@@ -1,0 +1,67 @@
+"""A gate the test controls, for end-to-end tests that act on a live run: the scheduler admits no
+group past the first ``steps * batch_size`` until the test opens the gate (creates a file), so the
+fleet can train at most ``steps`` steps before the test acts, however fast the machine.
+
+It is a ``sitecustomize`` on PYTHONPATH that patches the scheduler process only (as the fault
+injections of tests/e2e/test_e2e_liveness.py do). The bound comes from the staleness books:
+``SchedulerCore.accepted`` counts every group that finished generating and was not aborted as
+stale (trained ones included), ``running`` the groups still out, and a trainer step takes
+``batch_size`` accepted groups; so with ``accepted + running <= steps * batch_size`` no more than
+``steps`` steps can be trained. Aborted groups (deadline, lost worker) free their slot, so their
+prompts are still re-issued while the gate is shut. Once the gate is open the scheduler admits
+as usual (and is driven once, since an idle fleet sends it nothing but heartbeats); a fleet
+relaunched by recovery runs the same patch and finds the gate open.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SITECUSTOMIZE = """
+import os
+import sys
+if "workers.scheduler" in getattr(sys, "orig_argv", []):
+    sys.path.insert(0, os.getcwd())  # the checkout the fleet runs from (as `python -m` would put first)
+    from areal_async.scheduler import core, service
+
+    GATE, LIMIT = {gate!r}, {limit}
+    _may_admit = core.SchedulerCore._may_admit
+
+    def may_admit(self):
+        if self.accepted + self.running >= LIMIT and not os.path.exists(GATE):
+            return False
+        return _may_admit(self)
+
+    core.SchedulerCore._may_admit = may_admit
+    _expire_groups = service.SchedulerService._expire_groups
+
+    async def expire_groups(self):  # called every heartbeat_s by the scheduler's watchdog
+        await _expire_groups(self)
+        if not getattr(self, "_gate_driven", False) and os.path.exists(GATE):
+            self._gate_driven = True
+            if not self.stopping and not self.done.is_set():
+                await self._drive()
+
+    service.SchedulerService._expire_groups = expire_groups
+"""
+
+
+@dataclass
+class Gate:
+    env: dict  # the environment to start the fleet with
+    path: Path  # the gate: open once it exists
+
+    def open(self) -> None:
+        self.path.touch()
+
+
+def admission_gate(tmp_path: Path, steps: int, batch_size: int = 4) -> Gate:
+    """A shut gate letting the fleet train at most ``steps`` steps of ``batch_size`` groups."""
+    d = tmp_path / "gate"
+    d.mkdir()
+    path = d / "open"
+    (d / "sitecustomize.py").write_text(SITECUSTOMIZE.format(gate=str(path), limit=steps * batch_size))
+    pythonpath = os.pathsep.join(p for p in (str(d), os.environ.get("PYTHONPATH", "")) if p)
+    return Gate(env=dict(os.environ, PYTHONPATH=pythonpath), path=path)

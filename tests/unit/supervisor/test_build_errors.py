@@ -1,0 +1,73 @@
+"""An error no restart can fix is never retried: a worker whose build fails on an import, a config
+value or a missing file exits BUILD_FAILED_EXIT_CODE with the reason as its last log line, and the
+supervisor stops the run at once (no restart, no in-run recovery) and says why. Real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
+from areal_async.config import load_config
+from areal_async.supervisor.local import LocalSupervisor
+
+ROOT = Path(__file__).resolve().parents[3]
+WORKER = "from areal_async.app.worker import run_worker\ndef build():\n    raise {exc}\nrun_worker('w', build)\n"
+
+
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        ("ValueError('reward.fn: no such module')", BUILD_FAILED_EXIT_CODE),
+        ("FileNotFoundError('/data/x.jsonl')", BUILD_FAILED_EXIT_CODE),
+        ("ModuleNotFoundError('nomodule')", BUILD_FAILED_EXIT_CODE),
+        ("ConnectionRefusedError('scheduler not up yet')", 70),  # may pass on a retry: restartable as before
+    ],
+)
+def test_a_build_error_exits_with_its_own_code_and_says_why_last(exc, code):
+    proc = subprocess.run(
+        [sys.executable, "-c", WORKER.format(exc=exc)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert proc.returncode == code, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    if code == BUILD_FAILED_EXIT_CODE:
+        assert last.endswith(BUILD_FAILED_MARK + exc.replace("('", ": ").replace("')", "")), last
+    else:
+        assert BUILD_FAILED_MARK not in proc.stderr
+
+
+def test_the_supervisor_neither_restarts_nor_recovers_a_worker_that_failed_to_build(tmp_path, capsys):
+    """reward.fn names a module that does not exist (the preflight would refuse it; here the fleet is
+    started directly): with restarts and a recovery allowed, the reward worker still runs only once
+    and the run fails at once with the worker's one-line reason."""
+    cfg = load_config(
+        ROOT / "configs/tiny_arith.yaml",
+        ["reward.fn=nomodule:f", "cluster.max_restarts=2", "recover.retries=1", "cluster.n_rollout_workers=1"],
+    )
+    sup = LocalSupervisor(cfg, tmp_path / "run", progress=False)
+    t = time.monotonic()
+    try:
+        sup.prepare()
+        sup.start_all()
+        code = sup.watch(poll_s=0.1)
+    finally:
+        sup.stop_all()
+        sup.cleanup()
+    took = time.monotonic() - t
+    reward = next(c for c in sup.children if c.name == "reward-0")
+    assert code == 1 and reward.proc.returncode == BUILD_FAILED_EXIT_CODE
+    assert (reward.restarts, sup.restarts_total, sup.recoveries) == (0, 0, 0)
+    err = capsys.readouterr().err
+    assert "restarting it" not in err and "recovering the run" not in err
+    assert (
+        "worker reward-0" in err
+        and "the run failed at once (no restart: it failed to build (ValueError: plug-in 'nomodule:f': cannot import "
+        "module 'nomodule'"
+        in err
+        and "which no restart can fix" in err
+    ), err
+    assert took < 90, took  # the fleet's start on a busy machine; no restart delay is added
