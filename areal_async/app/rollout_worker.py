@@ -86,6 +86,7 @@ def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:
         device=cfg.cluster.device,
         seed=cfg.seed * 1000 + index,
         max_batch_groups=cfg.rollout.max_batch_groups,
+        kv_cache_bytes=int(cfg.rollout.kv_cache_mb * (1 << 20)),
     )
 
 

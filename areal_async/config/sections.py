@@ -144,6 +144,11 @@ class RolloutConfig(Section):
         "rollout workers' own records beside it (trainer_steps.jsonl, rollout_records/): areal-async verify.",
     )
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
+    kv_cache_mb: float = _f(
+        0.0,
+        "KV cache budget of each embedded (torch) engine, MiB: groups start only while the live caches fit, "
+        "and a group that could not fit alone is refused, naming its need; 0 = no bound (rollout/kv_budget.py).",
+    )
     workflow: str = _f(
         "",
         "Dotted path 'module:Class' of a rollout workflow (areal_async.workflows.RolloutWorkflow: "
@@ -195,6 +200,7 @@ class RolloutConfig(Section):
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)
+        at_least(self, "kv_cache_mb", 0)
         require(
             self.workflow == "" or ":" in self.workflow,
             "workflow",

@@ -70,6 +70,16 @@ class KVCache:
         return self.k.shape[0] - self.T
 
     @property
+    def nbytes(self) -> int:
+        """Keys and values, every column (filled or room)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def merged_nbytes(self, other: "KVCache") -> int:
+        """``nbytes`` of ``self.merge(other)``."""
+        columns = max(self.T, other.T) + max(self.room, other.room)
+        return self.nbytes // self.k.shape[0] // self.n_rows * columns * (self.n_rows + other.n_rows)
+
+    @property
     def n_rows(self) -> int:
         return self.k.shape[self.rows_dim]
 

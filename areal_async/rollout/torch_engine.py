@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
+from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
 from areal_async.rollout.kv_decoder import KVCache, make_decoder
 
 # Per-row tensors of a cohort and how each is padded when two cohorts merge:
@@ -212,6 +213,7 @@ class TorchEngine(RolloutEngine):
     from the trainer yet" (tokens generated before the first ``update_weights`` carry -1).
     ``lean``: compute Llama/Qwen2 models with ``kv_decoder.LeanLlama`` (False: always through the
     model's own HF ``forward``, ``kv_decoder.HFDecoder``; other architectures always use that).
+    ``kv_cache_bytes``: the KV cache budget (``kv_budget``; 0 = no bound).
     """
 
     def __init__(
@@ -223,9 +225,12 @@ class TorchEngine(RolloutEngine):
         max_batch_groups: int = 16,
         version: int = -1,
         lean: bool = True,
+        kv_cache_bytes: int = 0,
     ):
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
+        if kv_cache_bytes < 0:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r}: expected >= 0 (0: no bound)")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.eos_id = _eos_id(tokenizer_or_eos_id)
@@ -239,6 +244,9 @@ class TorchEngine(RolloutEngine):
         self.decoder = make_decoder(self.model, lean)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = model.config.max_position_embeddings
+        dtype_size = next(self.model.parameters()).element_size()
+        self.kv_budget = KVBudget(bytes_per_position(model.config, dtype_size), kv_cache_bytes)
+        self.kv_peak_bytes = 0  # the most bytes the live KV caches held between two steps
         self.update_split: dict[str, float] = {}  # the last update_weights: load_s (copy), recompute_s (KV)
 
     # ---- the seam ------------------------------------------------------------------------------
@@ -305,23 +313,43 @@ class TorchEngine(RolloutEngine):
                 f"GenRequest {req.group_id!r}: prompt ({len(req.prompt_ids)}) + max_new_tokens "
                 f"({req.max_new_tokens}) > the model's max_position_embeddings={limit}"
             )
+        self.kv_budget.check_group(req.group_id, len(req.prompt_ids), req.n, req.max_new_tokens)
+
+    def kv_bytes(self) -> int:
+        """Bytes the running cohorts' KV caches hold."""
+        return sum(c.cache.nbytes for c in self.cohorts)
 
     def _admit_pending(self) -> list[GroupOutput]:
         """Prefill queued groups in chunks of max_batch_groups (each row's first token is sampled
-        from the prefill), then merge what still runs into running cohorts."""
+        from the prefill), then merge what still runs into running cohorts. With a KV budget, a
+        chunk is cut to what fits beside the live caches; the rest waits for rows to finish."""
         cap, pending, self.pending = self.max_batch_groups, self.pending, []
         finished: list[GroupOutput] = []
-        for i in range(0, len(pending), cap):
-            new, done = self._new_cohort(pending[i : i + cap])
+        while pending:
+            chunk = pending[: self._admissible(pending[:cap])]
+            if not chunk:
+                break
+            pending = pending[len(chunk) :]
+            new, done = self._new_cohort(chunk)
             finished += done
-            if not new.rows:
-                continue
-            host = next((c for c in self.cohorts if c.n_groups + new.n_groups <= cap), None)
-            if host is None:
-                self.cohorts.append(new)
-            else:
-                host.merge(new)
+            if new.rows:
+                self._place(new, cap)
+        self.pending = pending + self.pending
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self.kv_bytes())
         return finished
+
+    def _admissible(self, groups: list[_Group]) -> int:
+        shapes = [(len(g.req.prompt_ids), g.req.n, g.req.max_new_tokens) for g in groups]
+        return self.kv_budget.admissible(self.kv_bytes(), shapes)
+
+    def _place(self, new: _Cohort, cap: int) -> None:
+        """Into a running cohort with room for its groups (when the merged copy fits the budget), else alone."""
+        used = self.kv_bytes() + new.cache.nbytes
+        host = next((c for c in self.cohorts if c.n_groups + new.n_groups <= cap), None)
+        if host is not None and self.kv_budget.can_merge(used, host.cache.merged_nbytes(new.cache)):
+            host.merge(new)
+        else:
+            self.cohorts.append(new)
 
     def _new_cohort(self, groups: list[_Group]) -> tuple[_Cohort, list[GroupOutput]]:
         """Prefill each group's prompt once, repeat that cache row for its n samples and sample

@@ -13,13 +13,17 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from areal_async.base.plugins import contract_problem
 from areal_async.data.prompts import read_jsonl_head, tiny_arith
 from areal_async.data.templates import render_prompt_ids
+from areal_async.rollout.kv_budget import MIB, KVBudget, bytes_per_position
+from areal_async.rollout.kv_budget import TODO as KV_TODO
 from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
 
 OFFLINE = "nothing is downloaded: no network is attempted"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 JSONL_LINE = '{"prompt": str, "solutions": [str, ...]}'
 
 
@@ -191,7 +195,7 @@ def check_template(ctx: Context) -> list[Finding]:
                 "raise it if they should train",
             )
         )
-    return out + _positions(ctx, len(ids))
+    return out + _positions(ctx, len(ids)) + _kv_cache(ctx)
 
 
 def _positions(ctx: Context, prompt_len: int) -> list[Finding]:
@@ -207,6 +211,21 @@ def _positions(ctx: Context, prompt_len: int) -> list[Finding]:
         f"model's max_position_embeddings={limit}"
     )
     return [warn("gconfig.max_new_tokens", new, what, "lower it, or use a model with a longer context")]
+
+
+def _kv_cache(ctx: Context) -> list[Finding]:
+    """An error when the longest admitted request (train_dataset.max_prompt_len + gconfig.max_new_tokens,
+    gconfig.n_samples samples) cannot fit rollout.kv_cache_mb: the engine would refuse every such group."""
+    c = ctx.cfg
+    if not c.rollout.kv_cache_mb or not c.rollout.backend.startswith("torch"):
+        return []
+    m = c.model
+    shape = SimpleNamespace(**json.loads((Path(m.path) / "config.json").read_text())) if m.path else m
+    budget = KVBudget(bytes_per_position(shape, DTYPE_BYTES[m.dtype]), int(c.rollout.kv_cache_mb * MIB))
+    d, g = c.train_dataset, c.gconfig
+    problem = budget.refusal(d.max_prompt_len, g.n_samples, g.max_new_tokens)
+    what = f"the longest request (train_dataset.max_prompt_len={d.max_prompt_len}): {problem}"
+    return [error("rollout.kv_cache_mb", c.rollout.kv_cache_mb, what, KV_TODO)] if problem else []
 
 
 # ---- plug-ins ----------------------------------------------------------------------------------

@@ -122,6 +122,11 @@ BAD = [
         lambda t: "sft_warmup.lr=0.1: sft_warmup.steps=0: no warm-up runs",
     ),
     Bad(
+        "kv cache budget below one group",
+        lambda t: ["rollout.kv_cache_mb=0.01"],
+        lambda t: "rollout.kv_cache_mb=0.01: the longest request (train_dataset.max_prompt_len=",
+    ),
+    Bad(
         "config range",
         lambda t: ["rollout.max_head_offpolicyness=-1"],
         lambda t: "config error: rollout.max_head_offpolicyness=-1: expected an integer >= 0",

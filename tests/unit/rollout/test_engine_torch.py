@@ -470,3 +470,60 @@ def test_kv_cache_row_gathers_equal_index_select_of_the_filled_columns(rows_last
         assert got.T == 3 - first and got.k.shape[0] == 5 - first and got.n_rows == 4
         for mine, full in ((got.k, k), (got.v, v)):
             assert torch.equal(mine[: got.T], full[first:3].index_select(d, rows))
+
+
+# ---- the KV cache budget (rollout/kv_budget.py) ----------------------------------------------
+
+# SMALL by hand: 2 layers x 2 KV heads x head_dim 32/4 = 8 x (keys, values) x 4 bytes (float32) = 256 bytes
+SMALL_POSITION_BYTES = 2 * 2 * 8 * 2 * 4
+
+
+def test_kv_cache_bytes_by_hand():
+    model = _model()
+    eng = TorchEngine(model, TOK, kv_cache_bytes=10_000)
+    assert eng.kv_budget.per_position == SMALL_POSITION_BYTES
+    cache = KVCache.empty(model, 3, 10)
+    assert cache.nbytes == 3 * 10 * SMALL_POSITION_BYTES
+    other = KVCache.empty(model, 2, 14)
+    other.T = 5  # 5 filled + 9 room; cache: 0 filled + 10 room -> merged: 5 + 10 columns, 5 rows
+    assert cache.merged_nbytes(other) == cache.merge(other).nbytes == 5 * 15 * SMALL_POSITION_BYTES
+
+
+def test_a_group_that_cannot_fit_alone_is_refused_naming_its_need():
+    prompt = TOK.encode("what is 12+30? ")  # 15 tokens
+    need = (3 + 1) * (len(prompt) + 8) * SMALL_POSITION_BYTES  # 3 samples + the prefill row, 8 new tokens
+    eng = TorchEngine(_model(), TOK, kv_cache_bytes=need - 1)
+    with pytest.raises(ValueError, match=r"needs 0\.0 MiB \(\(3 samples \+ 1 prefill row\) x \(15 prompt \+ 8 new"):
+        eng.add_request(GenRequest("g", prompt, n=3, max_new_tokens=8))
+    assert not eng.has_work()  # nothing was queued
+    eng = TorchEngine(_model(), TOK, kv_cache_bytes=need)
+    eng.add_request(GenRequest("g", prompt, n=3, max_new_tokens=8))
+    assert len(_run(eng)["g"].samples) == 3
+    with pytest.raises(ValueError, match="kv_cache_bytes=-1"):
+        TorchEngine(_model(), TOK, kv_cache_bytes=-1)
+
+
+def test_the_budget_bounds_the_live_caches_and_changes_no_token():
+    """Greedy (float64): the same tokens as without a bound, while the live caches never exceed a
+    budget of one and a half of the largest group; unbounded, all four groups run at once."""
+    model = _model().double()
+    reqs = [_req(f"g{i}", p, greedy=True) for i, p in enumerate(PROMPTS)]
+    largest = max((3 + 1) * (len(r.prompt_ids) + 8) for r in reqs) * 2 * SMALL_POSITION_BYTES  # float64
+    budget = largest * 3 // 2
+    outs, peaks = {}, {}
+    for bound in (0, budget):
+        eng = TorchEngine(model, TOK, kv_cache_bytes=bound)
+        for r in reqs:
+            eng.add_request(r)
+        outs[bound], most = {}, 0
+        while eng.has_work():
+            outs[bound].update({o.group_id: o for o in eng.step()})
+            assert not bound or eng.kv_bytes() <= bound
+            most = max(most, sum(len(c.rows) for c in eng.cohorts))
+        peaks[bound] = (most, eng.kv_peak_bytes)
+    assert peaks[0][0] == 4 * 3 and peaks[0][1] > budget  # unbounded: every row at once, over the budget
+    assert peaks[budget][0] < 4 * 3 and peaks[budget][1] <= budget
+    def tokens(out):
+        return [s.output_ids.tolist() for s in out.samples]
+
+    assert {g: tokens(o) for g, o in outs[budget].items()} == {g: tokens(o) for g, o in outs[0].items()}
