@@ -31,7 +31,8 @@ from pathlib import Path
 
 from areal_async.app.verify import verify_run
 from areal_async.config import ConfigError, describe, load_config, to_yaml
-from areal_async.supervisor.local import LaunchError, run_local
+from areal_async.supervisor.fleet import run_fleet
+from areal_async.supervisor.plan import LaunchError
 from areal_async.supervisor.ray_launcher import RayLaunchError, ray_launcher
 from areal_async.supervisor.slurm import run_slurm
 
@@ -281,15 +282,15 @@ def main(argv: list[str] | None = None) -> int:
         return run_sft(cfg, run_dir)
     progress = False if args.no_progress else None
     if cfg.cluster.launcher == "slurm":
-        return run_slurm(cfg, args.config, run_dir, list(args.overrides), progress, run_local)
+        return run_slurm(cfg, args.config, run_dir, list(args.overrides), progress)
     if cfg.cluster.launcher == "ray":
         try:
             launcher = ray_launcher(cfg)
         except (RayLaunchError, LaunchError) as e:
             print(f"areal-async: {e}", file=sys.stderr)
             return 2
-        return run_local(cfg, run_dir, progress=progress, launcher=launcher)
-    return run_local(cfg, run_dir, progress=progress)
+        return run_fleet(cfg, run_dir, progress=progress, launcher=launcher)
+    return run_fleet(cfg, run_dir, progress=progress)
 
 
 if __name__ == "__main__":

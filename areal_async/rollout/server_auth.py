@@ -1,9 +1,10 @@
 """The per-run key of the inference servers (``Authorization: Bearer KEY``), on both sides.
 
-The supervisor makes one key per fleet (``supervisor/local.py``) and hands it, in the environment
-(``AREAL_SERVER_API_KEY``; never on a command line ``ps`` shows, except SGLang's own ``--api-key``), to
-the servers it starts and to the rollout workers that call them; ``http_json.call`` sends it on every
-request. Attaching to servers someone else runs (``sglang.addresses``): export their key in that variable.
+The supervisor makes one key per fleet (``supervisor/servers.py``, written by ``supervisor/rundir.py``) and
+hands it, in the environment (``AREAL_SERVER_API_KEY``; never on a command line ``ps`` shows, except
+SGLang's own ``--api-key``), to the servers it starts and to the rollout workers that call them;
+``http_json.call`` sends it on every request. Attaching to servers someone else runs
+(``sglang.addresses``): export their key in that variable.
 
 ``refusal`` is the CPU server's check, as sglang 0.5.23 decides it with only ``--api-key`` set
 (``srt/utils/auth.py``, ``decide_request_auth``, vendored in ``tests/support/data``): OPTIONS and paths under

@@ -4,7 +4,7 @@ outside its YAML is looked at before any process starts.
 Checks, in order (cheap first; ``run`` stops at the first error, ``--dry-run`` runs them all):
 keys set for a type or backend that does not read them; the run directory; pinned CPUs, the
 inference servers, the placement on the declared cluster and this machine (``supervisor/placement.py``;
-the order of ``LocalSupervisor.prepare``, which checks them again);
+the order of ``fleet.Supervisor.prepare``, which checks them again);
 the dataset files; the plug-ins; the model directory and its tokenizer; the template on a first
 prompt; free disk for the configured checkpoints. Model, data, template and plug-in checks live
 in ``preflight_inputs.py``.
@@ -34,7 +34,7 @@ import yaml
 
 from areal_async.base.affinity import check_available
 from areal_async.config import ExperimentConfig, ModelConfig, parse_override
-from areal_async.supervisor.local import worker_specs
+from areal_async.supervisor.plan import worker_specs
 from areal_async.supervisor.placement import (
     PlacementError,
     check_gpus_present,

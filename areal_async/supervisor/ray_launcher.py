@@ -25,7 +25,7 @@ from typing import Optional
 
 from areal_async.config import ExperimentConfig, n_servers, server_addresses
 from areal_async.supervisor.launchers import Launched, Launcher, popen_logged
-from areal_async.supervisor.local import device_placement, worker_specs
+from areal_async.supervisor.plan import device_placement, worker_specs
 from areal_async.supervisor.placement import exclusive_gpu_counts
 from areal_async.supervisor.servers import server_role, uses_servers
 

@@ -29,6 +29,7 @@ from typing import Optional
 
 from areal_async.base.private import private_dir
 from areal_async.config import ExperimentConfig
+from areal_async.supervisor.fleet import run_fleet
 from areal_async.supervisor.launchers import Launched, Launcher, LocalProcess, popen_logged
 
 
@@ -184,9 +185,8 @@ def run_slurm(
     run_dir: str | Path,
     overrides: list[str],
     progress: Optional[bool],
-    run_fleet,
 ) -> int:
-    """Inside an allocation: the supervisor with srun steps (``run_fleet(cfg, run_dir, progress, launcher)``).
+    """Inside an allocation: the supervisor with srun steps (``fleet.run_fleet`` with a ``SlurmLauncher``).
     Outside: write RUN_DIR/sbatch.sh and submit it (or say how, with cluster.slurm.submit=false)."""
     try:
         if inside_allocation():

@@ -70,7 +70,7 @@ LAZY: dict[tuple[str, str], str] = {
 _SUPERVISOR_NEVER = ("torch", "transformers", "numpy", "matplotlib", "ray")
 NEVER_LOADS: dict[str, tuple[str, ...]] = {
     "areal_async.cli": _SUPERVISOR_NEVER,
-    "areal_async.supervisor.local": _SUPERVISOR_NEVER,
+    "areal_async.supervisor.fleet": _SUPERVISOR_NEVER,
     "areal_async.supervisor.slurm": _SUPERVISOR_NEVER,
     "areal_async.supervisor.ray_launcher": _SUPERVISOR_NEVER,
     "areal_async.config": _SUPERVISOR_NEVER,

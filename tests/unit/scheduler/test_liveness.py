@@ -14,15 +14,16 @@ import torch
 from areal_async.config import from_dict
 from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
-from areal_async.supervisor import local
-from areal_async.supervisor.local import Child, LocalSupervisor, silence_report
+from areal_async.supervisor import fleet
+from areal_async.supervisor.fleet import Child, Supervisor
+from areal_async.supervisor.watchdog import silence_report
 from areal_async.trainer.service import TrajectoryBuffer
 from areal_async.base.aio import RoleLoopError, TaskSet
 
 from tests.unit.scheduler.test_scheduler_core import reward_msg, traj_msg
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
-GRACE = local.GRACE_S + 3.0  # a SIGTERMed sleep exits at once; the SIGKILL after GRACE_S is not needed
+GRACE = fleet.GRACE_S + 3.0  # a SIGTERMed sleep exits at once; the SIGKILL after GRACE_S is not needed
 
 
 # ---- TaskSet -----------------------------------------------------------------------------
@@ -241,8 +242,7 @@ def test_trajectory_buffer_drop_list_is_bounded_and_late_tensors_are_refused_onc
 
 
 def supervisor(tmp_path, *overrides):
-    sup = LocalSupervisor(from_dict({}, list(overrides)), tmp_path, progress=False)
-    sup._env = {}
+    sup = Supervisor(from_dict({}, list(overrides)), tmp_path, progress=False)
     (tmp_path / "logs").mkdir(exist_ok=True)
     return sup
 
@@ -255,7 +255,7 @@ def child(sup, name, cmd):
 
 
 def test_a_lost_trainer_that_does_not_exit_is_killed_and_fails_the_run(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(local, "LOST_KILL_GRACE_S", 0.3)
+    monkeypatch.setattr(fleet, "LOST_KILL_GRACE_S", 0.3)
     sup = supervisor(tmp_path)
     child(sup, "scheduler", SLEEP)
     trainer = child(sup, "trainer", SLEEP)
@@ -296,8 +296,8 @@ def test_step_watchdog_fails_the_run_and_names_the_silent_trainer(tmp_path, caps
             )
         )
 
-    orig = sup._watchdog
-    sup._watchdog = lambda: (status(), orig())[1]
+    orig = sup.watchdog.check
+    sup.watchdog.check = lambda: (status(), orig())[1]
     t0 = time.monotonic()
     assert sup.watch(poll_s=0.05) == 1
     assert 1.4 <= time.monotonic() - t0 < 10

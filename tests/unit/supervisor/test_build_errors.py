@@ -13,7 +13,7 @@ import pytest
 
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.config import load_config
-from areal_async.supervisor.local import LocalSupervisor
+from areal_async.supervisor.fleet import Supervisor
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = "from areal_async.app.worker import run_worker\ndef build():\n    raise {exc}\nrun_worker('w', build)\n"
@@ -48,7 +48,7 @@ def test_the_supervisor_neither_restarts_nor_recovers_a_worker_that_failed_to_bu
         ROOT / "configs/tiny_arith.yaml",
         ["reward.fn=nomodule:f", "cluster.max_restarts=2", "recover.retries=1", "cluster.n_rollout_workers=1"],
     )
-    sup = LocalSupervisor(cfg, tmp_path / "run", progress=False)
+    sup = Supervisor(cfg, tmp_path / "run", progress=False)
     t = time.monotonic()
     try:
         sup.prepare()

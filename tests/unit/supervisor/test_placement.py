@@ -211,7 +211,7 @@ def test_a_one_gpu_box_colocates_the_torch_engine_with_cuda_ipc_weights_or_says_
 
 
 def test_the_supervisor_refuses_the_boba_layout_on_a_machine_with_too_few_gpus():
-    from areal_async.supervisor.local import LaunchError, device_placement
+    from areal_async.supervisor.plan import LaunchError, device_placement
 
     assert len(device_placement(gpu_cfg(), gpus_here=8, environ={})) == 4 + 4 + 4 + 2  # servers, workers, ranks
     with pytest.raises(LaunchError, match="needs 8 GPUs for this placement but this machine has 2"):

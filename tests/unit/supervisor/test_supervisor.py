@@ -1,4 +1,4 @@
-"""The local supervisor's watch loop on real (stand-in) child processes: restart policy, loud
+"""The supervisor's watch loop on real (stand-in) child processes: restart policy, loud
 failure, and the end of a run when a worker outlives the scheduler."""
 
 import sys
@@ -6,16 +6,16 @@ import time
 
 
 from areal_async.config import from_dict
-from areal_async.supervisor import local
-from areal_async.supervisor.local import Child, LocalSupervisor, restart_blocker
+from areal_async.supervisor import fleet
+from areal_async.supervisor.fleet import Child, Supervisor
+from areal_async.supervisor.plan import restart_blocker
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(60)"]
 EXIT0 = [sys.executable, "-c", "pass"]
 
 
 def supervisor(tmp_path, *overrides):
-    sup = LocalSupervisor(from_dict({}, list(overrides)), tmp_path, progress=False)
-    sup._env = {}
+    sup = Supervisor(from_dict({}, list(overrides)), tmp_path, progress=False)
     (tmp_path / "logs").mkdir(exist_ok=True)
     return sup
 
@@ -60,7 +60,7 @@ def test_trainer_is_never_restarted_and_gloo_channels_block_restarts(tmp_path, c
 def test_workers_outliving_a_finished_run_are_stopped(tmp_path, capsys, monkeypatch):
     """A worker restarted just as the run ended never hears Shutdown; once the scheduler has
     exited 0 the supervisor waits RUN_END_GRACE_S, then stops it and the run still succeeds."""
-    monkeypatch.setattr(local, "RUN_END_GRACE_S", 0.5)
+    monkeypatch.setattr(fleet, "RUN_END_GRACE_S", 0.5)
     sup = supervisor(tmp_path)
     child(sup, "scheduler", EXIT0)
     late = child(sup, "rollout-1", SLEEP)

@@ -1,0 +1,62 @@
+"""What the supervisor tells the user: a dead worker (how it ended, why it is not restarted, the last
+lines of its log) on stderr, and at the end of a good run the supervisor's counts (worker restarts,
+fleet recoveries) added to the trainer's ``summary.json``, which is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from areal_async.base.process import BUILD_FAILED_MARK
+
+
+def how_it_ended(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError as e:
+        return [f"(cannot read log: {e})"]
+
+
+def build_failure(log_path: Path) -> str:
+    """Why a worker that exited BUILD_FAILED_EXIT_CODE failed: its log's last BUILD_FAILED_MARK line."""
+    marked = [line.split(BUILD_FAILED_MARK, 1)[1] for line in tail(log_path, 40) if BUILD_FAILED_MARK in line]
+    why = marked[-1] if marked else "see its log"
+    return f"it failed to build ({why}), which no restart can fix"
+
+
+def tell_dead(name: str, pid: int, code: int, what: str, log_path: Path, n_lines: int) -> None:
+    """``worker NAME (pid P) exited with code C; WHAT. Last lines of LOG:`` and the lines, on stderr."""
+    print(
+        f"\n[areal-async] worker {name} (pid {pid}) {how_it_ended(code)}; {what}. Last lines of {log_path}:",
+        file=sys.stderr,
+    )
+    for line in tail(log_path, n_lines):
+        print("  | " + line, file=sys.stderr)
+
+
+def annotate_summary(run_dir: Path, restarts: int, recoveries: int) -> None:
+    """Add the supervisor's counts to summary.json (nothing when the trainer wrote none)."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    summary.update(restarts=restarts, recoveries=recoveries)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def finish(run_dir: Path, code: int, restarts: int, recoveries: int) -> None:
+    """A good run's last word: the annotated summary.json."""
+    summary = run_dir / "summary.json"
+    if code == 0 and summary.exists():
+        annotate_summary(run_dir, restarts, recoveries)
+        print(f"[areal-async] done: {summary.read_text().strip()}")
