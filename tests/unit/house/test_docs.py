@@ -136,3 +136,19 @@ def test_results_groups_runs_newest_first_with_their_readings(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"benchmark": "b", "metric": "m", "value": 1, "unit": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:1: a recorded line lacks \['run', 'commit'"):
         results.read_lines([tmp_path / "bad.jsonl"])
+
+
+def test_readme_names_every_command_of_the_cli():
+    """A new `areal-async` subcommand cannot go unmentioned: each one appears as `areal-async <cmd>` in the
+    README's command list and in docs/running.md."""
+    import argparse
+
+    from areal_async.cli import _parser
+
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    commands = sorted(sub.choices)
+    assert {"run", "sft", "knobs", "verify"} <= set(commands)
+    for page in ("README.md", "docs/running.md"):
+        text = (ROOT / page).read_text()
+        missing = [c for c in commands if f"areal-async {c} " not in text]
+        assert not missing, f"{page} does not name: {missing}"
