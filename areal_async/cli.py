@@ -10,6 +10,7 @@
     areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
     areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
     areal-async verify RUN_DIR [--all] [--eta N]  # the books against the trainer's and rollouts' records
+    areal-async replay RUN_DIR --steps A:B  # the trainer alone on its recording; exit 0 iff bit-identical
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. ``run`` and ``sft`` then run the
@@ -62,7 +63,51 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("run_dir", help="a run directory")
     v.add_argument("--all", action="store_true", help="every disagreement (default: the first 50 of each kind)")
     v.add_argument("--eta", type=int, default=None, help="staleness bound (default: the run's config)")
+    r = sub.add_parser(
+        "replay", help="train recorded steps again from a checkpoint; exit 0 iff the weights are bit-identical"
+    )
+    r.add_argument("run_dir", help="a run directory recorded with rollout.dump_tensors=true")
+    r.add_argument(
+        "--steps",
+        required=True,
+        help="A:B, steps A..B-1 as in metrics.jsonl: from the checkpoint of version A to that of version B",
+    )
     return p
+
+
+def _replay(args) -> int:
+    """Exit 0 when the replayed weights and optimizer state equal the run's checkpoint bit for bit, 1 naming the
+    first tensor that differs, 2 when the replay cannot start."""
+    import warnings
+
+    from areal_async.app.replay import RecordingError, ReplayError, parse_steps, replay
+
+    # torch's DCP says it loads "in a single process" at every checkpoint: replay is one process by design
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # from_pretrained's loading bar, twice, between the step lines
+
+    def line(step: int, m: dict) -> None:
+        print(f"replay: step {step}: loss {m['loss']:.6g}, grad_norm {m['grad_norm']:.6g}", flush=True)
+
+    try:
+        rep = replay(args.run_dir, *parse_steps(args.steps), on_step=line)
+    except (ReplayError, RecordingError) as e:
+        print(f"areal-async replay: error: {e}", file=sys.stderr)
+        return 2
+    for w in rep.warnings:
+        print(f"areal-async replay: warning: this machine differs from the recording's, {w}", file=sys.stderr)
+    print(f"replay: {rep.n_tensors} tensors; replayed sha256 {rep.replayed_sha256}")
+    print(f"replay: {rep.end.name} sha256 {rep.checkpoint_sha256}")
+    if rep.identical:
+        print(f"areal-async replay: steps {args.steps}: bit-identical to {rep.end}")
+        return 0
+    print(
+        f"areal-async replay: steps {args.steps}: differs from {rep.end}; first tensor: {rep.first_diff}",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _verify(args) -> int:
@@ -192,6 +237,7 @@ NO_CONFIG = {
     "plot": _plot,
     "status": _status,
     "verify": _verify,
+    "replay": _replay,
 }
 
 
@@ -247,7 +293,21 @@ def _preflight(args, cfg, run_dir: Path) -> int | None:
     if errors:
         print(f"areal-async: {errors[0].line}", file=sys.stderr)
         return 2
+    for f in findings:  # the recording's size, printed as the run starts
+        if f.key == "rollout.dump_tensors" and f.level == "ok" and not args.dry_run:
+            print(f"areal-async: {f.line}", file=sys.stderr)
     return 0 if args.dry_run else None
+
+
+def _train_only(cfg, run_dir: Path) -> int:
+    """``mode=train_only``: the trainer alone on a recording, in this process (app/train_only.py)."""
+    from areal_async.app.train_only import RecordingError, run_train_only
+
+    try:
+        return run_train_only(cfg, run_dir)
+    except RecordingError as e:
+        print(f"areal-async: solo.recording={cfg.solo.recording!r}: {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         from areal_async.app.sft import run_sft
 
         return run_sft(cfg, run_dir)
+    if cfg.mode == "train_only":
+        return _train_only(cfg, run_dir)
     progress = False if args.no_progress else None
     if cfg.cluster.launcher == "slurm":
         return run_slurm(cfg, args.config, run_dir, list(args.overrides), progress)

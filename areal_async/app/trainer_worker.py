@@ -27,9 +27,11 @@ from areal_async.reward.pool import RewardPool
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import prune
+from areal_async.trainer.frozen import FrozenActor, weight_schedule
 from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, init_data_parallel, trainer_backend
 from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.record import TrainerRecord
+from areal_async.trainer.recording import Recorder, machine_header
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
 
@@ -41,6 +43,8 @@ UNGATED_WEIGHT_CHANNELS = ("shm", "zmq")
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
     cfg, ep = load_run(run_dir)
     setup_torch_process(cfg.cluster)
+    if cfg.mode == "rollout_only":
+        return _frozen_trainer(cfg, ep, run_dir, worker_id)
     resume = ep.extra.get("resume_from")
     dtype = to_dtype(cfg.model.dtype)
     dp = _join_ranks(cfg, ep.extra.get("trainer_store", ""), rank, dtype)
@@ -48,9 +52,77 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
     model, tok, ckpt = _trainer_policy(cfg, resume, rank, sharded)
     if dp.active and ckpt is None:
         broadcast_module(model)  # the warm-up ran on rank 0 only
+    actor = make_actor(cfg, model, tok, dp, sharded)
+    start_step = start_version = 0
+    if ckpt is not None:
+        restore_actor(actor, ckpt)
+        start_step, start_version = ckpt["step"] + 1, ckpt["version"]
+    write_shards = _shard_writer(actor, dtype)
+    if rank > 0:
+        return FollowerRank(actor, write_shards, dtype, _bucket_bytes(cfg))
+    return _service(
+        cfg,
+        ep,
+        run_dir,
+        worker_id,
+        actor,
+        tok,
+        checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards),
+        start=(start_step, start_version),
+    )
+
+
+def _bucket_bytes(cfg: ExperimentConfig) -> int:
+    return int(cfg.tensor_channel.bucket_mb * (1 << 20))
+
+
+def _service(cfg, ep, run_dir, worker_id: str, actor, tok, checkpointer, start: tuple[int, int]) -> TrainerService:
+    """Rank 0's service around ``actor``: its channels, evaluator and records; ``start``: (step, version)."""
+    ctx = zmq.asyncio.Context()
+    return TrainerService(
+        control_client(ctx, cfg, ep, "trainer", worker_id),
+        actor,
+        trajectory_channel(cfg, ep, "receiver", rank=0),
+        weight_channel(cfg, ep, "publisher", rank=0),
+        checkpointer=checkpointer,
+        start_step=start[0],
+        start_version=start[1],
+        publish_dtype=to_dtype(cfg.model.dtype),
+        bucket_bytes=_bucket_bytes(cfg),
+        evaluator=_evaluator(cfg, tok),
+        overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
+        total_steps=cfg.total_train_steps,
+        forward_ahead_samples=_forward_ahead_samples(cfg, actor),
+        # rank 0 holds the whole batch: it alone writes; with the books per sample (areal-async verify)
+        record=TrainerRecord(run_dir, start[0]) if cfg.rollout.dump_to_file else None,
+        recorder=_recorder(cfg, run_dir, start[0]),
+    )
+
+
+def _frozen_trainer(cfg: ExperimentConfig, ep, run_dir: str | Path, worker_id: str) -> TrainerService:
+    """``mode: rollout_only``: version 0 built (and warmed up) as a fleet's, then fixed or scheduled weights
+    (``trainer/frozen.py``); no checkpoints (nothing learns)."""
+    model, tok, _ = _trainer_policy(cfg, None, 0, False)
+    schedule = weight_schedule(cfg.solo.weights) if cfg.solo.weights else []
+    actor = FrozenActor(model, schedule, cfg.model.dtype)
+    return _service(cfg, ep, run_dir, worker_id, actor, tok, checkpointer=None, start=(0, 0))
+
+
+def _recorder(cfg: ExperimentConfig, run_dir: str | Path, start_step: int) -> Recorder | None:
+    """``rollout.dump_tensors``: every trained batch with its tensors into RUN_DIR/recording (trainer/recording.py)."""
+    if not cfg.rollout.dump_tensors:
+        return None
+    return Recorder(
+        run_dir, start_step, machine_header(cfg.cluster.device, cfg.cluster.n_trainer_ranks, cfg.model.dtype)
+    )
+
+
+def make_actor(cfg: ExperimentConfig, model, tok, dp: DataParallel, sharded: bool) -> PPOActor:
+    """The PPO actor of a run's trainer (also what ``replay`` and ``mode: train_only`` train)."""
+    dtype = to_dtype(cfg.model.dtype)
     # packed training: per-sequence attention (flash-attn varlen on CUDA) instead of a dense mask
     model.set_attn_implementation(select_attn_implementation(cfg.cluster.device, dtype))
-    actor = PPOActor(
+    return PPOActor(
         model,
         cfg.actor,
         temperature=cfg.gconfig.temperature if not cfg.gconfig.greedy else 1.0,
@@ -62,36 +134,14 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         max_new_tokens=cfg.gconfig.max_new_tokens,
         eos_token_ids=[i for i in [getattr(tok, "eos_token_id", None), *cfg.gconfig.stop_token_ids] if i is not None],
     )
-    start_step = start_version = 0
-    if ckpt is not None:
-        if has_shards(ckpt["path"]):
-            load_shards(ckpt["path"], actor.model, actor.optimizer)
-        actor.load_state_dict(ckpt["actor_state"])
-        start_step, start_version = ckpt["step"] + 1, ckpt["version"]
-    bucket_bytes = int(cfg.tensor_channel.bucket_mb * (1 << 20))
-    write_shards = _shard_writer(actor, dtype)
-    if rank > 0:
-        return FollowerRank(actor, write_shards, dtype, bucket_bytes)
-    ctx = zmq.asyncio.Context()
-    traj = trajectory_channel(cfg, ep, "receiver", rank=0)
-    weights = weight_channel(cfg, ep, "publisher", rank=0)
-    return TrainerService(
-        control_client(ctx, cfg, ep, "trainer", worker_id),
-        actor,
-        traj,
-        weights,
-        checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards),
-        start_step=start_step,
-        start_version=start_version,
-        publish_dtype=dtype,
-        bucket_bytes=bucket_bytes,
-        evaluator=_evaluator(cfg, tok),
-        overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
-        total_steps=cfg.total_train_steps,
-        forward_ahead_samples=_forward_ahead_samples(cfg, actor),
-        # rank 0 holds the whole batch: it alone writes; with the books per sample (areal-async verify)
-        record=TrainerRecord(run_dir, start_step) if cfg.rollout.dump_to_file else None,
-    )
+
+
+def restore_actor(actor: PPOActor, ckpt: dict) -> None:
+    """Weights (fp32 master, from the DCP shards when present) and optimizer, lr schedule and step of a checkpoint
+    (``load_checkpoint``'s dict) into ``actor``."""
+    if has_shards(ckpt["path"]):
+        load_shards(ckpt["path"], actor.model, actor.optimizer)
+    actor.load_state_dict(ckpt["actor_state"])
 
 
 def _forward_ahead_samples(cfg: ExperimentConfig, actor: PPOActor) -> int:

@@ -35,6 +35,17 @@ from pathlib import Path
 TRAINER_STEPS = "trainer_steps.jsonl"
 TRAINER_ROLLED_BACK = "trainer_steps.rolled_back.jsonl"
 ROLLOUT_DIR = "rollout_records"
+# rollout.dump_tensors: the trainer's batches with their tensors, one file per step (trainer/recording.py)
+RECORDING_DIR = "recording"
+RECORDING_HEADER = "header.json"
+
+
+def recorded_steps(run_dir: str | Path) -> list[int]:
+    """Steps with a file in the run's recording (``recording/step_<k>.safetensors``), ascending."""
+    d = Path(run_dir) / RECORDING_DIR
+    if not d.is_dir():
+        return []
+    return sorted(int(p.stem[5:]) for p in d.glob("step_*.safetensors") if p.stem[5:].isdigit())
 
 
 class JsonlRecord:

@@ -330,6 +330,25 @@ class StatsLoggerConfig(Section):
         )
 
 
+MODES = ("fleet", "rollout_only", "train_only")
+
+
+@dataclass
+class SoloConfig(Section):
+    """One role at a time (``mode``): where the other role's side comes from."""
+
+    recording: str = _f(
+        "",
+        "mode=train_only: the run directory whose recording (rollout.dump_tensors) is trained, step by step; its "
+        "checkpoint of the first recorded step's version is the start when it has one, else this config's version 0.",
+    )
+    weights: str = _f(
+        "",
+        "mode=rollout_only: '' = the weights stay version 0 of this config; else a run directory whose "
+        "checkpoints give the weights of each version (the newest checkpoint of version <= v).",
+    )
+
+
 @dataclass
 class ExperimentConfig(Section):
     """A whole run: what `areal-async run CONFIG` builds a fleet from."""
@@ -337,6 +356,12 @@ class ExperimentConfig(Section):
     experiment_name: str = _f("areal-async", "Name shown in logs.")
     seed: int = _f(1, "Global seed (data order, model init, sampling).")
     total_train_steps: int = _f(100, "RL trainer steps; the run ends after this many.")
+    mode: str = _f(
+        "fleet",
+        "fleet (rollouts and trainer) | rollout_only (no trainer: generation and reward under fixed or scheduled "
+        "weights, solo.weights) | train_only (no rollout: the trainer on a recording, solo.recording); the same "
+        "metrics.jsonl columns, to see which side is slow.",
+    )
     model: ModelConfig = _sub(ModelConfig, "Policy model.")
     train_dataset: DatasetConfig = _sub(DatasetConfig, "Training prompts.")
     gconfig: GenerationConfig = _sub(GenerationConfig, "Sampling.")
@@ -354,10 +379,12 @@ class ExperimentConfig(Section):
     saver: SaverConfig = _sub(SaverConfig, "Checkpointing.")
     recover: RecoverConfig = _sub(RecoverConfig, "Resuming.")
     stats_logger: StatsLoggerConfig = _sub(StatsLoggerConfig, "Progress output, TensorBoard, wandb.")
+    solo: SoloConfig = _sub(SoloConfig, "One role at a time: mode=rollout_only / train_only.")
 
     def check(self) -> None:
         """Rules joining sections (each section checked its own fields when it was built)."""
         at_least(self, "total_train_steps", 1)
+        self._check_mode()
         per_step = self.train_dataset.batch_size * self.gconfig.n_samples
         require(
             self.actor.ppo_n_minibatches <= per_step,
@@ -382,6 +409,26 @@ class ExperimentConfig(Section):
             "0 with a sharded trainer (cluster.n_trainer_ranks > 1 or model.dtype != float32): the periodic "
             "evaluator copies unsharded weights; evaluate its checkpoints with `areal-async eval`",
         )
+
+    def _check_mode(self) -> None:
+        one_of(self, "mode", MODES)
+        if self.mode == "fleet":
+            return
+        require(
+            self.cluster.n_trainer_ranks == 1,
+            "mode",
+            self.mode,
+            "fleet with cluster.n_trainer_ranks > 1: one role at a time runs one trainer process",
+        )
+        if self.mode == "train_only":
+            require(bool(self.solo.recording), "solo.recording", self.solo.recording, "a run directory")
+            require(
+                self.model.dtype == "float32",
+                "mode",
+                self.mode,
+                f"fleet or rollout_only with model.dtype={self.model.dtype} (a sharded trainer): train_only runs "
+                "one unsharded float32 trainer",
+            )
 
     def _check_server_fleet(self) -> None:
         b, cl = self.rollout.backend, self.cluster

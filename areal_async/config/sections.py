@@ -143,6 +143,12 @@ class RolloutConfig(Section):
         "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample), and the trainer's and the "
         "rollout workers' own records beside it (trainer_steps.jsonl, rollout_records/): areal-async verify.",
     )
+    dump_tensors: bool = _f(
+        False,
+        "Record every trained step's batch with its tensors (ids, per-token versions, behaviour logprobs, "
+        "loss masks, scores, the trainer's RNG state) to RUN_DIR/recording, one safetensors file per step: "
+        "`areal-async replay RUN_DIR --steps A:B` and mode=train_only read it. The preflight prints its size.",
+    )
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
     kv_cache_mb: float = _f(
         0.0,

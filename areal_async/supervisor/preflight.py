@@ -44,7 +44,7 @@ from areal_async.supervisor.placement import (
     place,
     shape_of,
 )
-from areal_async.supervisor.preflight_findings import Context, Finding, error, ok, warn
+from areal_async.supervisor.preflight_findings import Context, Finding, error, ok, size_text as _size, warn
 from areal_async.supervisor.preflight_inputs import (
     check_dataset,
     check_eval_data,
@@ -53,6 +53,7 @@ from areal_async.supervisor.preflight_inputs import (
     check_plugins,
     check_template,
 )
+from areal_async.supervisor.preflight_solo import check_recording, check_solo
 from areal_async.supervisor.servers import launch_blocker, uses_servers
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
@@ -150,6 +151,34 @@ UNREAD = (
         lambda c: c.cfg.cluster.launcher != "ray",
         lambda c: f"cluster.launcher={c.cluster.launcher!r} connects to no Ray cluster",
         "set cluster.launcher=ray to use it, or drop the key",
+    ),
+    Unread(
+        ("solo.recording",),
+        ("mode",),
+        lambda c: c.cfg.mode != "train_only",
+        lambda c: f"mode={c.mode!r} trains no recording",
+        "set mode=train_only to train it, or drop the key",
+    ),
+    Unread(
+        ("solo.weights",),
+        ("mode",),
+        lambda c: c.cfg.mode != "rollout_only",
+        lambda c: f"mode={c.mode!r}: the trainer makes the weights",
+        "set mode=rollout_only to schedule the weights from that run's checkpoints, or drop the key",
+    ),
+    Unread(
+        ("rollout.dump_tensors",),
+        ("mode",),
+        lambda c: c.cfg.mode == "train_only",
+        lambda c: "mode='train_only' trains a recording and records nothing",
+        "drop the key, or set mode=fleet",
+    ),
+    Unread(
+        ("saver.freq_steps", "saver.freq_secs", "recover.mode"),
+        ("mode",),
+        lambda c: c.cfg.mode == "rollout_only",
+        lambda c: "mode='rollout_only': nothing learns, nothing is saved or resumed",
+        "drop the key, or set mode=fleet",
     ),
     Unread(
         ("stats_logger.wandb_mode",),
@@ -322,14 +351,6 @@ def check_disk(ctx: Context) -> list[Finding]:
     return [ok("saver.keep_last", s.keep_last, f"{what}; {_size(free)} free")]
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 # ---- running the checks ------------------------------------------------------------------------
 
 RUN_CHECKS = (
@@ -345,8 +366,12 @@ RUN_CHECKS = (
     check_model,
     check_template,
     check_disk,
+    check_solo,
+    check_recording,
 )
-SFT_CHECKS = tuple(c for c in RUN_CHECKS if c not in (check_placement, check_cpus, check_servers))
+SFT_CHECKS = tuple(
+    c for c in RUN_CHECKS if c not in (check_placement, check_cpus, check_servers, check_solo, check_recording)
+)
 
 
 def preflight(ctx: Context, stop_at_error: bool = True) -> list[Finding]:

@@ -59,6 +59,15 @@ def first_line(exc: BaseException, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def size_text(n: float) -> str:
+    """Bytes in B / KiB / MiB / GiB / TiB, one decimal."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def _trace(exc: Optional[BaseException]) -> str:
     return "".join(traceback.format_exception(exc)) if exc is not None else ""
 

@@ -67,6 +67,7 @@ from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.record import TrainerRecord
+from areal_async.trainer.recording import Recorder
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.frames import to_host
 from areal_async.base.aio import TaskSet
@@ -228,6 +229,7 @@ class TrainerService:
         total_steps: Optional[int] = None,
         forward_ahead_samples: int = 0,
         record: Optional[TrainerRecord] = None,
+        recorder: Optional[Recorder] = None,
     ):
         """``overlap_publish``: TrainStepDone before the weights are published, except after step
         ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
@@ -253,6 +255,7 @@ class TrainerService:
         self._t_ready: dict[int, float] = {}  # version -> wall time its optimizer step ended
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
         self.record = record
+        self.recorder = recorder  # rollout.dump_tensors: each step's batch to RUN_DIR/recording (replay)
         self.buffer = TrajectoryBuffer(traj_channel, on_duplicate=record.duplicate if record is not None else None)
         self.weights = weight_channel
         self.checkpointer = checkpointer
@@ -464,7 +467,12 @@ class TrainerService:
         less it: waiting for a core or the GIL)."""
         c0 = time.thread_time()
         self.actor.dp.command(CMD_TRAIN, step)
+        rng = self.recorder.rng_state() if self.recorder is not None else None
         metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs), ahead=ahead)
+        if self.recorder is not None:  # the batch as trained, in its order; replay runs it again
+            t = time.perf_counter()
+            metrics["record_bytes"] = self.recorder.step(step, step + 1, trajs, rng)
+            metrics["record_s"] = time.perf_counter() - t
         if self.record is not None:  # before TrainStepDone: a step the scheduler books is in the record
             steps = (int(metrics["optimizer_steps"]), int(metrics["skipped_steps"]))
             self.record.step(step, step + 1, trajs, self.actor.skipped_indices, steps)

@@ -50,6 +50,8 @@ LAZY: dict[tuple[str, str], str] = {
     ("areal_async.cli", "areal_async.app.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.app.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
     ("areal_async.cli", "areal_async.app.data_filter"): "torch: `run`, `knobs` and `--help` never import it",
+    ("areal_async.cli", "areal_async.app.replay"): "torch: `run`, `knobs` and `--help` never import it",
+    ("areal_async.cli", "areal_async.app.train_only"): "torch: only mode=train_only trains in the CLI's process",
     ("areal_async.cli", "areal_async.app.plot"): "matplotlib: `run`, `knobs` and `--help` never need it",
     ("areal_async.cli", "areal_async.app.data_prepare"): "math-verify: `run`, `knobs` and `--help` never need it",
     ("areal_async.cli", "areal_async.app.check_plugin"): "its reward pool and workflow checks load only for "
