@@ -573,7 +573,7 @@ class SchedulerService:
         if self.core.trainer_busy or self._ckpt_pending is not None or self.done.is_set():
             return  # the step in progress ends first; a requested checkpoint is confirmed first
         last = self.core.next_step - 1
-        if last > self._ckpt_saved and self.role("trainer"):
+        if last > self._ckpt_saved and self.role("trainer") and self.cfg.mode != "rollout_only":  # nothing learnt
             await self._request_checkpoint(last)
             return
         log.info("stopping: last finished step %d is checkpointed (or none was trained)", last)

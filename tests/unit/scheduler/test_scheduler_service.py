@@ -7,6 +7,7 @@ import logging
 import os
 
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -283,3 +284,21 @@ async def test_a_group_past_its_deadline_is_aborted_at_its_holder(tmp_path):
         abort = await _next(rollout, M.AbortGroups, timeout=5.0)
         assert abort == M.AbortGroups(group_ids=[req.group_id], reason="deadline")
         assert svc.core.ledger.samples[f"{req.group_id}.0"].reason.startswith("deadline: not generated")
+
+
+@pytest.mark.parametrize("mode, first", [("fleet", M.CheckpointRequest), ("rollout_only", M.Shutdown)])
+async def test_stop_asks_a_final_checkpoint_only_of_a_trainer_that_learns(tmp_path, mode, first):
+    """A stop after step 0: a fleet's trainer saves first; mode=rollout_only's saves nothing (it never
+    answers a CheckpointRequest), so the fleet is told to shut down at once instead of waiting its grace."""
+    async with _fleet(
+        tmp_path,
+        ["train_dataset.batch_size=1", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0", f"mode={mode}"],
+    ) as (svc, rollout, reward, trainer):
+        reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        await _complete(rollout, reward, reqs, 0)
+        await _next(trainer, M.BatchPlan)
+        await send_message(trainer, M.TrainStepDone(step=0, version=1, metrics={}))
+        await send_message(trainer, M.Ping(nonce=1))
+        await _next(trainer, M.Pong)
+        svc.request_stop()
+        assert isinstance(await _next(trainer, (M.CheckpointRequest, M.Shutdown)), first)
