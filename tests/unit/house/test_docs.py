@@ -152,3 +152,10 @@ def test_readme_names_every_command_of_the_cli():
         text = (ROOT / page).read_text()
         missing = [c for c in commands if f"areal-async {c} " not in text]
         assert not missing, f"{page} does not name: {missing}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    """A page added to docs/ is reachable: the README's documentation list links it."""
+    text = (ROOT / "README.md").read_text()
+    unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name})" not in text]
+    assert not unlinked, f"README.md links no docs/ page named {unlinked}: add it to its Documentation list"
