@@ -17,7 +17,8 @@ from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, server_addresses
 from areal_async.base.plugins import load_callable
 from areal_async.models.tiny import build_model, load_model
-from areal_async.models.tokenizer import batch_decoder, load_tokenizer
+from areal_async.models.policy_tokenizer import policy_tokenizer
+from areal_async.models.tokenizer import batch_decoder
 from areal_async.rollout.episodes import Episodes, ErrorWindow
 from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.reward.pool import RewardPool
@@ -35,7 +36,7 @@ PROBE_TEXT = "7+8=\\boxed{15}"  # the fixed sequence whose logprobs check a vLLM
 def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutService:
     cfg, ep = load_run(run_dir)
     setup_torch_process(cfg.cluster)
-    tok = load_tokenizer(cfg.model.path)
+    tok = policy_tokenizer(cfg.model)
     max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
     if cfg.rollout.backend.startswith("sglang"):
         engine = sglang_engine(cfg, ep, run_dir, worker_id, index, max_in_flight=max_active * cfg.gconfig.n_samples)

@@ -45,10 +45,20 @@ class ModelConfig(Section):
     max_position_embeddings: int = _f(256, "Context length of the built model.")
     dtype: str = _f("float32", "Parameter dtype: float32 | bfloat16 | float16.")
     tie_word_embeddings: bool = _f(False, "Tie input and output embeddings of the built model.")
+    tokenizer: str = _f(
+        "char",
+        "Tokenizer of the built model: 'char' (one token a character) or 'bpe' (byte-level BPE trained "
+        "locally with an R1-style chat template, models/bpe.py); a model.path brings its own.",
+    )
+    vocab_size: int = _f(0, "Embedding rows of the built model; 0 = the tokenizer's length (a real model has more).")
+    rope_theta: float = _f(10000.0, "RoPE base of the built model (Qwen2.5: 1e6).")
 
     def check(self) -> None:
         one_of(self, "arch", ("llama", "qwen2"))
         one_of(self, "dtype", DTYPES)
+        one_of(self, "tokenizer", ("char", "bpe"))
+        at_least(self, "vocab_size", 0)
+        above(self, "rope_theta")
         for name in (
             "hidden_size",
             "intermediate_size",

@@ -25,7 +25,8 @@ from transformers import (
 )
 
 from areal_async.config import ModelConfig
-from areal_async.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer
+from areal_async.models.policy_tokenizer import policy_tokenizer
+from areal_async.models.tokenizer import BOS_ID, EOS_ID, PAD_ID
 
 _ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,8 +46,11 @@ def _hf_config(cfg: ModelConfig, vocab_size: int):
     if cfg.arch not in _ARCHS:
         raise ValueError(f"model.arch={cfg.arch!r}: expected one of {sorted(_ARCHS)}")
     config_cls, _ = _ARCHS[cfg.arch]
+    if cfg.vocab_size and cfg.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size={cfg.vocab_size}: fewer embedding rows than the tokenizer's {vocab_size}")
     return config_cls(
-        vocab_size=vocab_size,
+        vocab_size=cfg.vocab_size or vocab_size,
+        rope_theta=cfg.rope_theta,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers,
@@ -84,7 +88,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "float32") -> PreTra
 def load_policy(cfg: ModelConfig, seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer): built (char tokenizer + tiny model) when ``cfg.path`` is None, else loaded."""
     if cfg.path is None:
-        tokenizer = build_char_tokenizer()
+        tokenizer = policy_tokenizer(cfg)
         return build_model(cfg, len(tokenizer), seed), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
     return load_model(cfg.path, cfg.dtype), tokenizer

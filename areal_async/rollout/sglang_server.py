@@ -58,6 +58,7 @@ import torch
 from areal_async.base.affinity import pin_self
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model, load_model
+from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.rollout import sglang_rules as R
 from areal_async.rollout.sglang_http import make_http_server
@@ -446,7 +447,7 @@ def build_state(args) -> CpuSGLangServer:
         tok = load_tokenizer(args.model_path)
     else:
         cfg = load_config(args.config)
-        tok = load_tokenizer(cfg.model.path)
+        tok = policy_tokenizer(cfg.model)
         model = build_model(cfg.model, len(tok), cfg.seed)  # random init: weights arrive by update
     engine = TorchEngine(model, tok, seed=args.random_seed, max_batch_groups=args.max_running_requests)
     return CpuSGLangServer(

@@ -38,7 +38,7 @@ from pathlib import Path
 from areal_async.base.affinity import pin_self
 from areal_async.config import ExperimentConfig, load_config
 from areal_async.models.tiny import build_model
-from areal_async.models.tokenizer import build_char_tokenizer
+from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.rollout.server_auth import API_KEY_ENV
 
 SERVED_NAME = "areal"  # --served-model-name; the client sends it as "model"
@@ -52,7 +52,7 @@ def write_model_dir(cfg: ExperimentConfig, model_dir: Path) -> Path:
         return Path(cfg.model.path)
     if (model_dir / "config.json").exists():
         return model_dir
-    tok = build_char_tokenizer()
+    tok = policy_tokenizer(cfg.model)
     model = build_model(cfg.model, len(tok), cfg.seed)
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.", dir=model_dir.parent))

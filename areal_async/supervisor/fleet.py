@@ -50,6 +50,7 @@ from typing import Optional
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE
 from areal_async.config import ExperimentConfig
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
+from areal_async.supervisor.memory import PeakRss
 from areal_async.supervisor.placement import Slot
 from areal_async.supervisor.plan import (
     RESTARTABLE,
@@ -114,6 +115,7 @@ class Supervisor:
         self.restarts_total = 0
         self.lost = LostLog(self.run_dir / "lost.jsonl")
         self.watchdog = StepWatchdog(cfg, self.run_dir, self._scheduler_done)
+        self.rss = PeakRss()
         show = cfg.stats_logger.progress if progress is None else progress
         self.progress = ProgressLine(self.run_dir / "metrics.jsonl", cfg.total_train_steps, self.t0, show)
 
@@ -180,6 +182,7 @@ class Supervisor:
                 self.progress.done()
                 return 0
             self.progress.draw()
+            self.rss.sample(self.children)
             time.sleep(poll_s)
 
     def _scheduler_done(self) -> bool:
@@ -378,5 +381,5 @@ def run_fleet(
         sup.launcher.close()
         for s, h in old.items():
             signal.signal(s, h)
-    finish(sup.run_dir, code, sup.restarts_total, sup.recoveries)
+    finish(sup.run_dir, code, sup.restarts_total, sup.recoveries, sup.rss.mb())
     return code

@@ -42,13 +42,14 @@ def check_model_files(ctx: Context) -> list[Finding]:
 
 def check_model(ctx: Context) -> list[Finding]:
     """The policy's config and tokenizer load (the reference model's config too, when it is loaded)."""
-    from areal_async.models.tokenizer import build_char_tokenizer  # transformers: after the cheap checks
+    from areal_async.models.policy_tokenizer import policy_tokenizer  # transformers: after the cheap checks
 
     m = ctx.cfg.model
     if not m.path:
-        ctx.tokenizer = build_char_tokenizer()
+        ctx.tokenizer = policy_tokenizer(m)
         shape = f"h={m.hidden_size}, {m.num_hidden_layers} layers, {m.max_position_embeddings} positions"
-        return [ok("model.path", None, f"a tiny {m.arch} built locally ({shape}) with the character tokenizer")]
+        kind = "the character tokenizer" if m.tokenizer == "char" else f"a local BPE of {len(ctx.tokenizer)} tokens"
+        return [ok("model.path", None, f"a {m.arch} built locally ({shape}) with {kind}")]
     found = model_config("model.path", m.path) or _tokenizer(ctx, m.path)
     if found:
         return [found]

@@ -45,7 +45,7 @@ LAZY: dict[tuple[str, str], str] = {
     ): "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
     ("areal_async.cli", "areal_async.supervisor.preflight"): "tokenizers/transformers: `knobs`, `--help` and the "
     "other commands never need them",
-    ("areal_async.supervisor.preflight_inputs", "areal_async.models.tokenizer"): "transformers (~2.5 s): a run "
+    ("areal_async.supervisor.preflight_inputs", "areal_async.models.policy_tokenizer"): "transformers (~2.5 s): a run "
     "refused by an earlier, cheaper check never loads it",
     ("areal_async.cli", "areal_async.app.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.app.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
