@@ -31,7 +31,17 @@ from typing import AsyncIterator, Iterator, Optional, Sequence
 from areal_async.base.private import private_dir
 from areal_async.config import ExperimentConfig, load_config, to_yaml
 
-__all__ = ["Fleet", "FleetError"]
+__all__ = ["Fleet", "FleetError", "run_command"]
+
+
+def run_command(
+    config: str | Path, run_dir: str | Path, overrides: Sequence[str] = (), progress: bool = False
+) -> list[str]:
+    """The argv of ``areal-async run CONFIG --run-dir RUN_DIR [--no-progress] OVERRIDES...`` as this interpreter
+    runs it (``python -m areal_async.cli``: the checkout that builds the command is the one that runs). The one
+    builder of the command: ``Fleet`` here, the tests (tests/support/fleet.py) and the benchmarks use it."""
+    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(config), "--run-dir", str(run_dir)]
+    return cmd + ([] if progress else ["--no-progress"]) + [str(o) for o in overrides]
 
 
 class FleetError(RuntimeError):
@@ -68,8 +78,7 @@ class Fleet:
         private_dir(self.run_dir)  # 0700, as the supervisor makes it (base/private.py)
         cfg_path = self.run_dir / "fleet_config.yaml"
         cfg_path.write_text(to_yaml(self.cfg, changed_only=True))  # the keys set, as a user writes them
-        cmd = [sys.executable, "-m", "areal_async.cli", "run", str(cfg_path), "--run-dir", str(self.run_dir)]
-        cmd += [] if self.progress else ["--no-progress"]
+        cmd = run_command(cfg_path, self.run_dir, progress=self.progress)
         with open(self.run_dir / "fleet.log", "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, env=_env()

@@ -33,6 +33,7 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
+from areal_async.api import run_command
 from areal_async.client import connect, join, load_run
 from benchmarks.common import write_rows
 from protocols.curve import use_curve
@@ -79,19 +80,8 @@ async def probe(run_dir: Path, interval_s: float) -> list[float]:
 
 def measure(curve: bool, steps: int, interval_s: float, work: Path) -> list[float]:
     run_dir = work / f"curve-{curve}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        str(ROOT / "configs/tiny_arith.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        f"total_train_steps={steps}",
-        "cluster.control=tcp",
-        f"cluster.curve={str(curve).lower()}",
-    ]
+    ovr = [f"total_train_steps={steps}", "cluster.control=tcp", f"cluster.curve={str(curve).lower()}"]
+    cmd = run_command(ROOT / "configs/tiny_arith.yaml", run_dir, ovr)
     use_curve(None)  # this process takes the run's keys (or none) in load_run
     with open(work / f"curve-{curve}.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -45,6 +45,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Optional
 
+from areal_async.api import run_command
 from areal_async.app.verify import Report, verify_run
 from areal_async.config import load_config
 from benchmarks.common.cpu import count_lines
@@ -118,17 +119,7 @@ def victim(run_dir: Path, role: str, rng: random.Random, proc: subprocess.Popen,
 
 
 def start(run_dir: Path, ovr: list[str], log: Path, config: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        config,
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *ovr,
-    ]
+    cmd = run_command(config, run_dir, ovr)
     with open(log, "wb") as f:
         return subprocess.Popen(
             cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, start_new_session=True

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from areal_async.api import run_command
 from areal_async.app.verify import verify_run
 from benchmarks.common.cpu import count_lines, own_cpu_s
 from benchmarks.common.fleet import stop
@@ -85,17 +86,7 @@ def sample(run_dir: Path) -> dict[str, int]:
 
 
 def soak(steps: int, run_dir: Path, timeout_s: float) -> tuple[list[tuple[int, dict]], dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        str(ROOT / "configs/tiny_arith.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        f"total_train_steps={steps}",
-    ]
+    cmd = run_command(ROOT / "configs/tiny_arith.yaml", run_dir, [f"total_train_steps={steps}"])
     load, t0, samples, cpu0 = os.getloadavg()[0], time.monotonic(), [], own_cpu_s()
     with open(run_dir.with_suffix(".log"), "wb") as log:
         proc = subprocess.Popen(

@@ -13,10 +13,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from areal_async.api import run_command
 from areal_async.config import ConfigError, load_config
 from benchmarks.common.cpu import TreeCPU, count_lines, cpu_busy_s, own_cpu_s
 
@@ -32,17 +32,7 @@ def read_metrics(path: Path) -> list[dict]:
 def run_fleet(config: str, overrides: list[str], run_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """One `areal-async run`; returns its metrics ``rows``, ``cpu_samples`` (for ``cpu.cpu_per_step``),
     ``loadavg_before``, ``foreign_cpu_frac`` and ``run_wall_s``. Raises naming the log on a failed run."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        config,
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *overrides,
-    ]
+    cmd = run_command(config, run_dir, overrides)
     log_path = run_dir.with_suffix(".log")
     load = os.getloadavg()[0]
     busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.monotonic()

@@ -12,97 +12,27 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from areal_async.app.verify import verify_run
+from areal_async.api import run_command
 from tests.support.admission_gate import admission_gate
+from tests.support.fleet import (
+    ROOT,
+    assert_verified,
+    check_books,
+    cli,
+    finish_ok,
+    leaked_segments,
+    read_jsonl,
+    run_ok,
+    wait_for_metrics,
+)
+from tests.support.procs import alive, descendants
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-FAST = [
-    "total_train_steps=6",
-    "sft_warmup.steps=10",
-    "train_dataset.batch_size=4",
-    "gconfig.n_samples=4",
-    "rollout.dump_to_file=true",
-    "cluster.heartbeat_s=0.5",
-]
-
-
-def cli(run_dir: Path, *overrides: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        str(ROOT / "configs/tiny_arith.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *FAST,
-        *overrides,
-    ]
-
-
-def run_ok(run_dir: Path, *overrides: str, timeout: float = 240) -> None:
-    """Run to completion; every process the run started (workers and their own children, such
-    as reward-checking processes) must be gone shortly after the supervisor exits."""
-    proc = subprocess.Popen(
-        cli(run_dir, *overrides), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
-    )
-    finish_ok(proc, timeout)
-
-
-def finish_ok(proc: subprocess.Popen, timeout: float = 240) -> str:
-    """Wait for a started run to exit 0 and leave no process behind; returns its stderr."""
-    seen: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        seen |= descendants(proc.pid)
-        assert time.monotonic() < deadline, "run did not finish in time"
-        time.sleep(0.3)
-    out, err = proc.communicate()
-    assert proc.returncode == 0, out[-2000:] + err[-4000:]
-    time.sleep(1.0)
-    assert [p for p in seen if alive(p)] == [], "processes outlived the run"
-    return err
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def check_books(run_dir: Path, eta: int, steps: int = 6) -> list[dict]:
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    trajs = read_jsonl(run_dir / "trajectories.jsonl")
-    assert [m["step"] for m in metrics] == list(range(steps))
-    for m in metrics:
-        assert {"step", "version", "reward_mean", "staleness_max", "samples_trained", "wall_s"} <= set(m)
-        assert m["version"] == m["step"] + 1 and 0 <= m["reward_mean"] <= 1 and m["staleness_max"] <= eta
-    ids = [t["id"] for t in trajs]
-    assert len(ids) == len(set(ids)) == summary["samples_issued"]  # every sample appears exactly once
-    assert summary["samples_lost"] == 0 and summary["steps"] == steps
-    trained = [t for t in trajs if t["status"] == "trained"]
-    assert len(trained) == summary["samples_trained"] == steps * 4 * 4
-    assert all(t["status"] == "aborted" and t["reason"] for t in trajs if t["status"] != "trained")
-    for t in trained:
-        assert t["version_min"] >= t["train_step"] - eta, t
-        assert t["version_min"] <= t["version_max"] <= t["train_step"], t
-    assert_verified(run_dir, steps)
-    return trained
-
-
-def assert_verified(run_dir: Path, steps: int) -> None:
-    """The books agree with the trainer's record and the rollouts' (``areal-async verify``)."""
-    rep = verify_run(run_dir)
-    assert rep.ok, "\n".join(rep.lines(20))
-    assert rep.counts["steps"] == steps and rep.counts["trained"] == rep.counts["booked_trained"] == steps * 4 * 4
 
 
 def test_async_run_keeps_staleness_bound_and_books(tmp_path):
@@ -137,45 +67,6 @@ def test_eta_zero_is_on_policy(tmp_path):
     # the step's first forward ran while its rewards were scored (actor.forward_ahead), in most steps
     ahead = [m["ahead_s"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
     assert sum(a > 0 for a in ahead) >= 3, ahead
-
-
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def leaked_segments(run_dir: Path) -> list[str]:
-    run_id = json.loads((run_dir / "endpoints.json").read_text())["extra"]["run_id"]
-    return [p.name for p in Path("/dev/shm").glob(f"areal_{run_id}_*")]
-
-
-def wait_for_metrics(run_dir: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no trainer step within the deadline"
-        time.sleep(0.2)
 
 
 def test_sigterm_stops_every_process_it_started(tmp_path):
@@ -319,15 +210,7 @@ def test_gpu_sglang_backend_without_sglang_is_refused_clearly(tmp_path):
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed here: the GPU preset would start real servers")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_async.cli",
-            "run",
-            str(ROOT / "configs/boba_grpo.yaml"),
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
+        run_command(ROOT / "configs/boba_grpo.yaml", tmp_path / "run", progress=True),
         capture_output=True,
         text=True,
         timeout=60,

@@ -6,7 +6,6 @@ same fleet over two loopback "nodes" (127.0.0.1, 127.0.0.2) with the kernel's vi
 from __future__ import annotations
 
 import json
-import os
 import signal
 import stat
 import subprocess
@@ -14,9 +13,9 @@ import sys
 import time
 
 import pytest
+from tests.support.fleet import ROOT, check_books, cli, finish_ok, run_ok, wait_for
+from tests.support.procs import listeners, tcp_sockets
 
-from tests.e2e.test_e2e import ROOT, check_books, cli, finish_ok, run_ok
-from tests.e2e.test_external_worker import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,54 +48,6 @@ TWO_NODES = [
     "cluster.n_reward_workers=0",  # the test's own reward worker (below) scores: the fleet waits for it
     "cluster.n_external_reward_workers=1",
 ]
-
-
-def _ip(hex_addr: str) -> str:
-    """'0200007F:1F90' (/proc/net/tcp, little-endian IPv4) -> '127.0.0.2'."""
-    return ".".join(str(b) for b in reversed(bytes.fromhex(hex_addr.split(":")[0])))
-
-
-def tcp_sockets(pid: int) -> list[tuple[str, int, str, int, str]]:
-    """(local ip, local port, remote ip, remote port, state hex) of every TCP socket process ``pid`` holds,
-    read from /proc (the kernel's view, independent of the code under test); IPv6 sockets as 'v6'."""
-    inodes = _socket_inodes(pid)
-    out = []
-    for table in ("tcp", "tcp6"):
-        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
-            f = line.split()
-            if f[9] in inodes:
-                if table == "tcp6":
-                    out.append(("v6", 0, "v6", 0, f[3]))
-                    continue
-                out.append((_ip(f[1]), int(f[1][-4:], 16), _ip(f[2]), int(f[2][-4:], 16), f[3]))
-    return out
-
-
-def listeners(pid: int) -> list[tuple[str, int]]:
-    """(local address, port) of every listening TCP socket of process ``pid``, from /proc: IPv4 dotted,
-    IPv6 as '::' (any), '::1' or the hex of the address; '0.0.0.0' and '::' are the wildcards."""
-    inodes = _socket_inodes(pid)
-    out = []
-    for table in ("tcp", "tcp6"):
-        for line in open(f"/proc/net/{table}").read().splitlines()[1:]:
-            f = line.split()
-            if f[9] in inodes and f[3] == "0A":
-                addr, port = f[1].split(":")
-                ip = _ip(f[1]) if table == "tcp" else {"0" * 32: "::", "0" * 24 + "01000000": "::1"}.get(addr, addr)
-                out.append((ip, int(port, 16)))
-    return out
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    return inodes
 
 
 def _port(endpoint: str) -> int:

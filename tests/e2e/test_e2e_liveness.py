@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.admission_gate import admission_gate
-from tests.e2e.test_e2e import ROOT, alive, cli, descendants, finish_ok, leaked_segments, read_jsonl
-from tests.e2e.test_external_worker import wait_for
+from tests.support.fleet import ROOT, cli, finish_ok, leaked_segments, read_jsonl, wait_for
+from tests.support.procs import alive, descendants
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 from areal_async.base.runkeys import load_server_key
 from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
 from areal_async.rollout.server_auth import API_KEY_ENV
-from tests.e2e.test_e2e import ROOT, assert_verified, cli, finish_ok, read_jsonl, wait_for_metrics
+from tests.support.fleet import ROOT, assert_verified, cli, finish_ok, read_jsonl, wait_for_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
+from areal_async.api import run_command
 from areal_async.app.verify import verify_run
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
@@ -36,18 +36,7 @@ FAST = [
 
 def run(preset: str, run_dir: Path, *extra: str) -> tuple[list[dict], list[dict], dict]:
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "areal_async.cli",
-            "run",
-            str(ROOT / preset),
-            "--run-dir",
-            str(run_dir),
-            "--no-progress",
-            *FAST,
-            *extra,
-        ],
+        run_command(ROOT / preset, run_dir, [*FAST, *extra]),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -114,8 +103,7 @@ def test_a_hanging_workflow_fails_the_run_within_the_episode_bound_naming_it(tmp
     trainer). Nothing leaks: every episode task is gone at exit."""
     run_dir, bound = tmp_path / "run", 2.0
     wf = "tests.support.workflow_fixtures:Hang"
-    cmd = [sys.executable, "-m", "areal_async.cli", "run", str(ROOT / "configs/tiny_arith.yaml")]
-    cmd += ["--run-dir", str(run_dir), "--no-progress", "total_train_steps=3", "train_dataset.batch_size=2"]
+    cmd = run_command(ROOT / "configs/tiny_arith.yaml", run_dir, ["total_train_steps=3", "train_dataset.batch_size=2"])
     cmd += ["sft_warmup.steps=0", "rollout.max_concurrent_rollouts=2"]
     cmd += ["gconfig.n_samples=2", "cluster.n_rollout_workers=1", "cluster.heartbeat_s=0.25", f"rollout.workflow={wf}"]
     cmd += [f"rollout.episode_timeout_s={bound:g}", "rollout.max_workflow_errors=1"]

@@ -19,15 +19,12 @@ from workers.external_reward import score
 
 from areal_async.base.runkeys import write_run_keys
 from tests.support.admission_gate import admission_gate
+from tests.support import fleet
+from tests.support.fleet import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = [
-    "total_train_steps=6",
-    "sft_warmup.steps=10",
-    "train_dataset.batch_size=4",
-    "gconfig.n_samples=4",
-    "rollout.dump_to_file=true",
-    "cluster.heartbeat_s=0.5",
+FAST = [  # the fleet's short run, with its one reward worker outside it
+    *fleet.FAST,
     "cluster.worker_timeout_s=3",
     "cluster.n_reward_workers=0",
     "cluster.n_external_reward_workers=1",
@@ -42,13 +39,6 @@ def external(run_dir: Path, worker_id: str, cmd: list[str] | None = None, *extra
     else:
         args = [*cmd, str(run_dir), worker_id, *extra]
     return subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def steps(run_dir: Path) -> int:

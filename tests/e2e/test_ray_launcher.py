@@ -15,7 +15,7 @@ import pytest
 
 from areal_async.supervisor.ray_launcher import bundle_addresses, bundles_of
 from tests.support.admission_gate import admission_gate
-from tests.e2e.test_e2e import ROOT, check_books, cli, finish_ok, wait_for_metrics
+from tests.support.fleet import ROOT, check_books, cli, finish_ok, wait_for_metrics
 
 
 def test_bundles_give_each_worker_a_cpu_and_its_gpus():

@@ -18,7 +18,7 @@ import pytest
 from areal_async.config import from_dict
 from areal_async.supervisor.slurm import SlurmError, SlurmLauncher, render_sbatch, srun_command, with_allocation_hosts
 from protocols.sockets import free_tcp_port
-from tests.e2e.test_e2e import FAST, ROOT, check_books
+from tests.support.fleet import ROOT, check_books, cli
 
 SLURM_BINS = ("slurmctld", "slurmd", "munged", "sbatch", "squeue", "scontrol")
 
@@ -176,18 +176,7 @@ def slurm(tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_fleet_runs_as_srun_steps_of_a_real_slurm_job(slurm, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        str(ROOT / "configs/tiny_arith.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *FAST,
-        "cluster.launcher=slurm",
-    ]
+    cmd = cli(run_dir, "cluster.launcher=slurm")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=slurm, timeout=60)
     assert out.returncode == 0, out.stderr
     job = out.stdout.split("Slurm job ")[1].split(";")[0].split()[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.api import run_command
 from areal_async.app.status import StatusError, query_status, render
 from protocols import messages as M
 
@@ -45,17 +46,7 @@ def wait_for_steps(proc, run_dir: Path, n: int, timeout: float = 240) -> None:
 
 def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
-        "run",
-        str(ROOT / "configs/tiny_arith.yaml"),
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-        *ARGS,
-    ]
+    cmd = run_command(ROOT / "configs/tiny_arith.yaml", run_dir, ARGS)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_steps(proc, run_dir, 3)

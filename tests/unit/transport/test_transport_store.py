@@ -20,7 +20,7 @@ from protocols.sockets import free_tcp_port
 from areal_async.base.runkeys import install_run_keys, write_run_keys
 from areal_async.transport.collective import GlooGroup
 from areal_async.transport.store import StoreServer, ZmqStore, gloo_host, store_endpoint
-from tests.e2e.test_e2e_cluster import listeners
+from tests.support.procs import listeners
 
 
 @pytest.fixture
