@@ -1,0 +1,76 @@
+"""The test tiers (tests/README.md) hold: every test file sits in a tier (unit tests in the folder of a room of
+``areal_async``), helpers hold no tests, base names are unique (pytest imports test files by base name), and CI
+(``.ci/run``) runs every tier but gpu and names only must-run files that exist. A test file added to tests/ itself
+would be run by the README's command but by no CI tier: this test fails first, naming it."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+TESTS = ROOT / "tests"
+FLAT_TIERS = {"contract", "e2e", "bench", "gpu"}
+
+
+def rooms(package: Path) -> set[str]:
+    """The rooms a unit test may live in: each subpackage of areal_async, and ``house`` for the package's
+    whole-tree rules (import floors, docs, these tiers)."""
+    return {p.name for p in package.iterdir() if (p / "__init__.py").exists()} | {"house"}
+
+
+def misplaced(tests: Path, room_names: set[str]) -> list[str]:
+    """Test files outside tests/unit/<room>/ and the flat tiers (a file in support/ or tests/ itself included)."""
+    out = []
+    for path in sorted(tests.rglob("test_*.py")):
+        parts = path.relative_to(tests).parts
+        unit_ok = len(parts) == 3 and parts[0] == "unit" and parts[1] in room_names
+        if not (unit_ok or (len(parts) == 2 and parts[0] in FLAT_TIERS)):
+            out.append(str(path.relative_to(tests.parent)))
+    return out
+
+
+def ci_tiers(script: str) -> list[str]:
+    return re.search(r"^TIERS=\(([^)]*)\)", script, re.M).group(1).split()
+
+
+def test_every_test_file_is_in_a_tier():
+    assert misplaced(TESTS, rooms(ROOT / "areal_async")) == []
+
+
+def test_test_file_base_names_are_unique():
+    names = Counter(p.name for p in TESTS.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
+
+
+def test_ci_runs_every_tier_but_gpu_and_its_must_run_files_exist():
+    script = (ROOT / ".ci" / "run").read_text()
+    assert sorted(ci_tiers(script)) == sorted(f"tests/{t}" for t in ({"unit"} | FLAT_TIERS) - {"gpu"})
+    must = re.search(r'^export AREAL_MUST_RUN="([^"]*)"', script, re.M).group(1).split(",")
+    assert must and [m for m in must if not (ROOT / m).is_file()] == []
+
+
+def test_the_checks_catch_a_stray_file(tmp_path):
+    """A hand-made tree: each misplaced file is named, the well-placed ones are not."""
+    for rel in [
+        "test_root.py",
+        "support/test_helper.py",
+        "unit/test_roomless.py",
+        "unit/nowhere/test_x.py",
+        "unit/trainer/deeper/test_y.py",
+        "unit/trainer/test_ok.py",
+        "e2e/test_ok2.py",
+        "e2e/sub/test_z.py",
+    ]:
+        (tmp_path / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tests" / rel).touch()
+    assert misplaced(tmp_path / "tests", {"trainer", "house"}) == [
+        "tests/e2e/sub/test_z.py",
+        "tests/support/test_helper.py",
+        "tests/test_root.py",
+        "tests/unit/nowhere/test_x.py",
+        "tests/unit/test_roomless.py",
+        "tests/unit/trainer/deeper/test_y.py",
+    ]
+    assert ci_tiers("x=1\nTIERS=(tests/unit tests/e2e)\n") == ["tests/unit", "tests/e2e"]
