@@ -11,7 +11,7 @@ from pathlib import Path
 
 from areal_async.api import run_command
 from areal_async.app.verify import verify_run
-from tests.support.procs import alive, descendants
+from tests.support.procs import descendants, survivors
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny_arith.yaml"
@@ -49,8 +49,7 @@ def finish_ok(proc: subprocess.Popen, timeout: float = 240) -> str:
         time.sleep(0.3)
     out, err = proc.communicate()
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
-    time.sleep(1.0)
-    assert [p for p in seen if alive(p)] == [], "processes outlived the run"
+    assert survivors(seen, within_s=1.0) == [], "processes outlived the run"
     return err
 
 

@@ -1,9 +1,10 @@
 """What the kernel says about a test's processes (read from /proc, independent of the code under test):
-a process tree, whether a pid is alive, the TCP sockets a process holds."""
+a process tree, whether a pid is alive (or gone within a bound), the TCP sockets a process holds."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 
@@ -31,6 +32,14 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def survivors(pids: set[int], within_s: float) -> list[int]:
+    """The pids still alive ``within_s`` seconds from now ([] as soon as none is: no fixed sleep)."""
+    deadline = time.monotonic() + within_s
+    while (left := sorted(p for p in pids if alive(p))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def _ip(hex_addr: str) -> str:
