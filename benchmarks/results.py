@@ -219,9 +219,15 @@ def render_run(key: tuple, rows: list[dict], readings: list[str]) -> list[str]:
     return head + table_for(rows) + [""] + [f"*Reading.* {text}\n" for text in readings]
 
 
+def anchor(name: str) -> str:
+    """GitHub's anchor of a "## name" heading (lower case, punctuation but '-' and '_' dropped)."""
+    return "".join(c for c in name.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+
+
 def render(rows: list[dict], readings: list[dict]) -> str:
-    out = [HEADER]
-    for name, runs in runs_of(rows).items():
+    grouped = runs_of(rows)
+    out = [HEADER, "Benchmarks: " + ", ".join(f"[{n}](#{anchor(n)}) ({len(r)} runs)" for n, r in grouped.items()), ""]
+    for name, runs in grouped.items():
         out += [f"## {name}", ""]
         for key, run_rows in runs.items():
             said = [r["reading"] for r in readings if (r["benchmark"], r["run"]) == (name, key[1])]
