@@ -6,10 +6,10 @@
 
 (1) One synthetic boba batch (512 prompts x 16 samples; output lengths lognormal, median 4K,
     capped at 27K; prompts 256 tokens; token ids int32, logprobs float32, versions int32) goes the
-    way the fleet moves it: per group, the rollout side's one tensor message
-    (``rollout.service.group_tensors``) plus its ``TrajectoryReady`` control message (encoded), sent
-    from a thread over the real channel; on the trainer side each group is received, split into
-    per-sample views (``trainer.service.split_group``), the control message decoded, and the
+    way the fleet moves it: per group, the rollout side's one tensor message (``PackedSamples.to_batch``,
+    ``protocols.trajectories``) plus its ``TrajectoryReady`` control message (encoded), sent from a
+    thread over the real channel; on the trainer side each group is received, split into
+    per-sample views (``TrajectoryBatch.decode(...).samples()``), the control message decoded, and the
     batch becomes ``Trajectory`` objects and packed micro-batches (``allocate_micro_batches`` +
     ``pack``, ``--mb-tokens`` each), packed one after the other, each dropped before the next as
     the trainer does (``trainer.logprobs.iter_micro_batches``: pack, forward/backward, next).
@@ -62,10 +62,8 @@ import torch
 import zmq
 
 from areal_async.rollout.engine import PackedSamples, SampleOutput
-from areal_async.rollout.service import group_tensors
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.trainer.packing import allocate_micro_batches, pack
-from areal_async.trainer.service import split_group
 from areal_async.trainer.types import Trajectory
 from areal_async.transport import make_tensor_channel
 from benchmarks.common import scheduler_load, write_rows
@@ -73,6 +71,7 @@ from benchmarks.common.scheduler_load import Mix
 from benchmarks.common.timing import Copier
 from protocols.messages import Heartbeat, RewardResult, TrajectoryReady, decode, encode
 from protocols.sockets import free_tcp_port
+from protocols.trajectories import TrajectoryBatch
 
 PROMPT_LEN = 256
 MESSAGES_TARGET = 50_000
@@ -102,8 +101,8 @@ DEFAULT_MIX = Mix(
 # --------------------------------------------------------------------------------------------
 
 
-def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> list[tuple[str, dict, dict, bytes]]:
-    """Per group: (key, tensors, meta, encoded TrajectoryReady), as a rollout worker sends them."""
+def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> list[tuple[TrajectoryBatch, bytes]]:
+    """Per group: (its trajectory batch, its encoded TrajectoryReady), as a rollout worker sends them."""
     rng = np.random.default_rng(seed)
     lens = np.minimum(rng.lognormal(np.log(4000), 1.0, size=(n_prompts, n_samples)), max_len).astype(int).clip(1)
     g = torch.Generator().manual_seed(seed)
@@ -132,13 +131,12 @@ def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> 
                 finish_reasons=["stop"] * n_samples,
             )
         )
-        msg = group_tensors(prompt, PackedSamples.of_samples(samples))
-        out.append((gid, msg, {"group_id": gid, "sample_ids": sids}, ready))
+        out.append((PackedSamples.of_samples(samples).to_batch(gid, sids, prompt), ready))
     return out
 
 
 def payload_bytes(groups) -> int:
-    return sum(t.numel() * t.element_size() for _, tensors, _, _ in groups for t in tensors.values())
+    return sum(batch.nbytes for batch, _ in groups)
 
 
 def move_batch(kind: str, groups, mb_tokens: int, batches: int = 3) -> tuple[list[tuple[float, float]], int, int]:
@@ -165,8 +163,8 @@ def _one_batch(tx, rx, groups, mb_tokens: int) -> tuple[tuple[float, float], int
     ctl: list[bytes] = []
 
     def send() -> None:
-        for key, tensors, meta, ready in groups:
-            tx.send(key, tensors, meta)
+        for batch, ready in groups:
+            tx.send(*batch.encode())
             ctl.append(ready)  # the control message travels beside (its cost is the decode below)
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -178,10 +176,7 @@ def _one_batch(tx, rx, groups, mb_tokens: int) -> tuple[tuple[float, float], int
         while len(ctl) <= i:
             time.sleep(0)
         decode(ctl[i], (TrajectoryReady,))
-        for sid, (m, t) in split_group(key, meta, tensors).items():
-            trajs.append(
-                Trajectory(sid, m["group_id"], t["prompt_ids"], t["output_ids"], t["logprobs"], t["versions"], 1.0)
-            )
+        trajs += [Trajectory.of(v, 1.0) for v in TrajectoryBatch.decode(key, meta, tensors).samples()]
     mbs = allocate_micro_batches(
         [t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens, oversize="own_mb"
     )

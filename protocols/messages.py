@@ -669,6 +669,14 @@ def decode(data: bytes | memoryview, expect: Optional[tuple[type, ...]] = None) 
     return _build(cls, body)
 
 
+def build(cls: type, body: Any) -> Message:
+    """The message of type ``cls`` from a body already unpacked (a side format carried inside another
+    frame, as a tensor header's ``meta``): the same field, type and consistency checks as ``decode``."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{cls.TYPE}: body is {type(body).__name__} {_short(body)}, expected a map")
+    return _build(cls, body)
+
+
 def _is_side(expect: Optional[tuple[type, ...]]) -> bool:
     kinds = {issubclass(c, SideMessage) for c in expect or ()}
     if len(kinds) > 1:

@@ -7,6 +7,7 @@ one they had before they were typed (flat ``{"v", "t", <fields>}``; the reward p
 field map), so no peer sees a change but the stricter checks.
 
 - ``TensorHeader``: first frame of a tensor message (``protocols.tensors``, ``transport.frames``).
+- ``TrajectoryMeta``: the meta of a trajectory tensor message (``protocols.trajectories``).
 - ``ShmTensors``, ``ShmRetire``, ``GroupTensors``, ``IpcTensors``: the notes the shm, gloo/nccl
   and cuda_ipc channels push while the payload moves out of band (``transport.notify``).
 - ``WeightFetch``: a rollout worker asks the zmq weight publisher for one bucket.
@@ -54,6 +55,41 @@ class TensorHeader(SideMessage):
         if len(self.specs) > MAX_TENSORS:
             return f"header lists {len(self.specs)} tensors (limit {MAX_TENSORS})"
         return None
+
+
+@side_message
+class TrajectoryMeta(SideMessage):
+    """The ``meta`` of a trajectory tensor message (``protocols.trajectories``): group ``group_ids[j]``
+    holds the next ``group_sizes[j]`` samples of ``sample_ids`` and a prompt of ``prompt_lengths[j]``
+    tokens; sample ``sample_ids[i]`` has ``lengths[i]`` output tokens."""
+
+    TYPE: ClassVar[str] = "trajectory_meta"
+    group_ids: list[str]
+    group_sizes: list[int]
+    prompt_lengths: list[int]
+    sample_ids: list[str]
+    lengths: list[int]
+
+    def validate(self) -> Optional[str]:
+        return trajectory_counts_problem(self)
+
+
+def trajectory_counts_problem(m) -> Optional[str]:
+    """What is inconsistent in the five lists of a ``TrajectoryMeta`` (or of anything that has them,
+    as ``TrajectoryBatch``), or None."""
+    g, n = len(m.group_ids), len(m.sample_ids)
+    if not g:
+        return "no groups: expected at least one"
+    if len(m.group_sizes) != g or len(m.prompt_lengths) != g:
+        return (
+            f"{g} group ids, {len(m.group_sizes)} group sizes, {len(m.prompt_lengths)} prompt lengths: "
+            "expected one size and one prompt length a group"
+        )
+    if len(m.lengths) != n:
+        return f"{n} sample ids but {len(m.lengths)} lengths: expected one length a sample"
+    if sum(m.group_sizes) != n:
+        return f"group sizes {m.group_sizes[:8]} sum to {sum(m.group_sizes)}, not to the {n} sample ids"
+    return _negative(m, "group_sizes", "prompt_lengths", "lengths")
 
 
 _NOTE_BYTES = 8 * 1024 * 1024

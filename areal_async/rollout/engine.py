@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from protocols.trajectories import TrajectoryBatch
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -96,7 +98,7 @@ class PackedSamples:
     """A group's samples laid end to end: sample i's ids, logprobs and versions are the i-th
     ``lengths`` slices of ``output_ids`` (int64), ``logprobs`` (float32) and ``versions`` (int64).
     The form an engine that decodes many rows at once produces without a tensor view per sample,
-    and the one a group message (``rollout.service.group_tensors``) sends."""
+    and the one a trajectory message (``to_batch``, ``protocols.trajectories``) carries."""
 
     output_ids: torch.Tensor
     logprobs: torch.Tensor
@@ -113,6 +115,12 @@ class PackedSamples:
             cat("versions"),
             [s.output_ids.numel() for s in samples],
             [s.finish_reason for s in samples],
+        )
+
+    def to_batch(self, group_id: str, sample_ids: list[str], prompt_ids) -> TrajectoryBatch:
+        """This group as a trajectory batch (its wire dtypes: one conversion of each tensor)."""
+        return TrajectoryBatch.group(
+            group_id, sample_ids, prompt_ids, self.lengths, self.output_ids, self.logprobs, self.versions
         )
 
     def split(self) -> list[SampleOutput]:

@@ -13,7 +13,7 @@ Two threads of control::
                 tensors -> trainer (tensor channel), one TrajectoriesReady -> scheduler
     <── WeightsLoaded(version) ─────────────────── after each weight switch
 
-The engine thread is the only one that touches the engine, so generation and weight loads
+The engine thread is the only one that touches the engine, so generation and weight updates
 never race; the event loop stays free to receive while a step runs. Trajectory tensors are sent
 from one sender thread (a gloo/NCCL send blocks until the trainer receives it): the loop, and
 with it the heartbeat, never waits on a peer. An exception in any loop ends the process
@@ -51,8 +51,9 @@ from protocols.messages import (
     WeightsPublished,
 )
 from protocols.sockets import make_socket, send_message
+from protocols.trajectories import TrajectoryBatch
 
-from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine
+from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
 from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRequest, WorkerEngine
 from areal_async.rollout.record import RolloutRecord
 from areal_async.workflows.base import Episode
@@ -365,9 +366,9 @@ class RolloutService:
 
     def _send_all(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
         """The groups' tensors as few messages as ``message_bytes`` allows (``trajectory_messages``)."""
-        groups = [(req.group_id, req.sample_ids[: g.n_samples], req.prompt_ids, g.packed) for g, req in items]
-        for key, tensors, meta in trajectory_messages(groups, self.message_bytes):
-            self.traj.send(key, tensors, meta)
+        groups = [g.packed.to_batch(req.group_id, req.sample_ids[: g.n_samples], req.prompt_ids) for g, req in items]
+        for batch in trajectory_messages(groups, self.message_bytes):
+            self.traj.send(*batch.encode())
 
     async def _trajectories_ready(self, groups: list[TrajectoryReady]) -> None:
         """The groups of one engine step in one TrajectoriesReady (a lone group: a TrajectoryReady)."""
@@ -427,7 +428,7 @@ class RolloutService:
         )
         if self.record is not None:
             self.record.groups([ready])
-        self.traj.send(req.group_id, episode_tensors(episodes), {"group_id": req.group_id, "sample_ids": sids})
+        self.traj.send(*episode_batch(req.group_id, sids, episodes).encode())
         await self.control.send(ready)
         await self.control.send(
             RewardResult(
@@ -443,45 +444,20 @@ class RolloutService:
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
 
-def trajectory_messages(groups: list[tuple[str, list, list, list]], max_bytes: int) -> list[tuple[str, dict, dict]]:
-    """(key, tensors, meta) messages for ``groups`` of (group id, sample ids, prompt ids, ``PackedSamples``),
-    in order: consecutive groups share one ``groups_tensors`` message while its payload stays within
-    ``max_bytes`` (one group over it travels alone); the key is the message's first group id."""
+def trajectory_messages(batches: list[TrajectoryBatch], max_bytes: int) -> list[TrajectoryBatch]:
+    """``batches`` (one group each, in order) as few messages as ``max_bytes`` allows: consecutive
+    groups share one message while its payload stays within ``max_bytes`` (a group over it travels alone)."""
     out, chunk, size = [], [], 0
-    for g in groups:
-        n = 4 * (len(g[2]) + 3 * g[3].output_ids.numel() + len(g[3].lengths) + 1)  # int32/float32 entries
+    for b in batches:
+        n = b.nbytes
         if chunk and size + n > max_bytes:
-            out.append(_groups_message(chunk))
+            out.append(TrajectoryBatch.join(chunk))
             chunk, size = [], 0
-        chunk.append(g)
+        chunk.append(b)
         size += n
     if chunk:
-        out.append(_groups_message(chunk))
+        out.append(TrajectoryBatch.join(chunk))
     return out
-
-
-def _groups_message(groups: list[tuple[str, list, list, list]]) -> tuple[str, dict, dict]:
-    meta = {
-        "group_ids": [g[0] for g in groups],
-        "group_sizes": [len(g[1]) for g in groups],
-        "sample_ids": [sid for g in groups for sid in g[1]],
-    }
-    return groups[0][0], groups_tensors([(g[2], g[3]) for g in groups]), meta
-
-
-def groups_tensors(groups: list[tuple[list, PackedSamples]]) -> dict[str, torch.Tensor]:
-    """Several groups, (prompt ids, ``PackedSamples``) each, as one tensor message: ``group_tensors``'
-    layout with the prompts laid end to end too, ``prompt_lengths[j]`` tokens of group j (see
-    ``areal_async.trainer.service.split_group``: meta ``group_ids``, ``group_sizes``, ``sample_ids``)."""
-    cat = lambda name, dtype: torch.cat([getattr(p, name) for _, p in groups]).to(dtype)  # noqa: E731
-    return {
-        "prompt_ids": torch.tensor([t for p, _ in groups for t in p], dtype=torch.int32),
-        "prompt_lengths": torch.tensor([len(p) for p, _ in groups], dtype=torch.int32),
-        "lengths": torch.tensor([n for _, p in groups for n in p.lengths], dtype=torch.int32),
-        "output_ids": cat("output_ids", torch.int32),
-        "logprobs": cat("logprobs", torch.float32),
-        "versions": cat("versions", torch.int32),
-    }
 
 
 def reward_batches(requests: list[RewardRequest], n_peers: int) -> list[RewardRequests]:
@@ -490,21 +466,6 @@ def reward_batches(requests: list[RewardRequest], n_peers: int) -> list[RewardRe
     k = min(n_peers, len(requests))
     bounds = [len(requests) * i // k for i in range(k + 1)]
     return [RewardRequests.of(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def group_tensors(prompt_ids, packed: PackedSamples) -> dict[str, torch.Tensor]:
-    """One group's samples as one tensor message: the prompt once, outputs laid end to end.
-
-    ``lengths[i]`` output tokens of sample i; its ids, logprobs and versions are the i-th slices
-    of ``output_ids``, ``logprobs``, ``versions`` (see ``areal_async.trainer.service.split_group``).
-    """
-    return {
-        "prompt_ids": torch.as_tensor(prompt_ids, dtype=torch.int32),
-        "lengths": torch.tensor(packed.lengths, dtype=torch.int32),
-        "output_ids": packed.output_ids.to(torch.int32),
-        "logprobs": packed.logprobs.to(torch.float32),
-        "versions": packed.versions.to(torch.int32),
-    }
 
 
 def _split_list(x: torch.Tensor, lengths: list[int]) -> list[list]:
@@ -516,15 +477,14 @@ def _split_list(x: torch.Tensor, lengths: list[int]) -> list[list]:
     return out
 
 
-def episode_tensors(episodes: list[Episode]) -> dict[str, torch.Tensor]:
-    """A group's episodes as one tensor message, laid out as ``group_tensors`` plus the loss mask
-    (int8 per output token, end to end like the outputs)."""
-    cat = lambda name, dtype: torch.tensor([x for ep in episodes for x in getattr(ep, name)], dtype=dtype)  # noqa: E731
-    return {
-        "prompt_ids": torch.as_tensor(episodes[0].prompt_ids, dtype=torch.int32),
-        "lengths": torch.tensor([len(ep.output_ids) for ep in episodes], dtype=torch.int32),
-        "output_ids": cat("output_ids", torch.int32),
-        "logprobs": cat("logprobs", torch.float32),
-        "versions": cat("versions", torch.int32),
-        "loss_mask": cat("loss_mask", torch.int8),
-    }
+def episode_batch(group_id: str, sample_ids: list[str], episodes: list[Episode]) -> TrajectoryBatch:
+    """A group's workflow episodes as one trajectory batch, with their loss mask."""
+    cat = lambda name: [x for ep in episodes for x in getattr(ep, name)]  # noqa: E731
+    return TrajectoryBatch.group(
+        group_id,
+        sample_ids,
+        episodes[0].prompt_ids,
+        [len(ep.output_ids) for ep in episodes],
+        *(cat(name) for name in ("output_ids", "logprobs", "versions")),
+        loss_mask=cat("loss_mask"),
+    )

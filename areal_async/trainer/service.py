@@ -3,7 +3,7 @@
 ::
 
     start: model (+ optional SFT warm-up) = version 0 ──publish──> rollouts; TrainerReady
-    trajectory receiver thread: tensor channel ──> buffer[sample_id]      (rollouts push)
+    trajectory receiver thread: tensor channel ──> TrajectoryBatch.decode ──> buffer[sample_id] = SampleView
       forward ahead (eta = 0, ``forward_ahead_samples``): once a step's trajectories are in, this
       thread runs the update's first forward on them (``PPOActor.forward_ahead``) while their
       rewards are scored; the step takes it when its BatchPlan names the same samples
@@ -62,6 +62,8 @@ from protocols.messages import (
     TrainStepDone,
     WeightsPublished,
 )
+from protocols.messages import ProtocolError
+from protocols.trajectories import SampleView, TrajectoryBatch
 
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import ForwardAhead, PPOActor
@@ -80,7 +82,8 @@ MAX_DROPPED = 100_000  # aborted ids whose tensors have not come (yet): oldest f
 
 
 class TrajectoryBuffer:
-    """Trajectory tensors received from rollouts (one message per group), by sample id (filled by a thread).
+    """Trajectories received from rollouts (``protocols.trajectories.TrajectoryBatch`` messages), as one
+    ``SampleView`` per sample id (views of the message's tensors; filled by a thread).
 
     Bounded: an aborted sample's tensors are freed when it is dropped, or refused once when they
     arrive later (the id is then forgotten); ids whose tensors never come (their worker died)
@@ -98,7 +101,7 @@ class TrajectoryBuffer:
         on_duplicate: Optional[Callable[[str, str], None]] = None,
     ):
         self.channel = channel
-        self.items: dict[str, tuple[dict, dict]] = {}
+        self.items: dict[str, SampleView] = {}
         self.dropped: OrderedDict[str, None] = OrderedDict()
         self.taken: OrderedDict[str, None] = OrderedDict()
         self.max_dropped = max_dropped
@@ -125,19 +128,29 @@ class TrajectoryBuffer:
                 # the trainer keeps trajectories on the host (packing, the batch's broadcast over gloo and the
                 # per-sequence bookkeeping are host work): a message received into GPU memory (nccl) is copied
                 # once, as one buffer; the packed micro-batch goes to the device once per forward
-                samples, repeated = _first_copies(key, meta, to_host(tensors))
-            except (KeyError, TypeError, ValueError) as e:
-                log.error("trajectory group %r refused: %s", key, e)
+                samples = TrajectoryBatch.decode(key, meta, to_host(tensors)).samples()
+            except ProtocolError as e:  # it names the message and what is wrong with it
+                log.error("refused: %s", e)
                 continue
-            call = self._add(key, samples, repeated)
+            except (KeyError, TypeError, ValueError) as e:
+                log.error("trajectory message %r refused: %s", key, e)
+                continue
+            call = self._add(key, samples)
             if call is not None:  # in this thread, the buffer unlocked: nothing else arrives meanwhile
                 call()
 
-    def _add(self, key: str, samples: dict, repeated: list[str]) -> Optional[Callable[[], None]]:
-        """Buffer a message's samples; returns the watch's call if they complete it."""
-        dups, call = [(sid, "in the same message") for sid in repeated], None
+    def _add(self, key: str, samples: list[SampleView]) -> Optional[Callable[[], None]]:
+        """Buffer a message's samples (an id's first copy in it); returns the watch's call if they complete it."""
+        first: dict[str, SampleView] = {}
+        dups: list[tuple[str, str]] = []
+        for s in samples:
+            if s.sample_id in first:
+                dups.append((s.sample_id, "in the same message"))
+            else:
+                first[s.sample_id] = s
+        call = None
         with self.cond:
-            for sid, item in samples.items():
+            for sid, item in first.items():
                 if sid in self.dropped:  # an aborted sample's late tensors: refused, and the id forgotten
                     del self.dropped[sid]
                 elif sid in self.items or sid in self.taken:
@@ -171,7 +184,7 @@ class TrajectoryBuffer:
             self._watch = None if call is None else (n, call)
             return True
 
-    def peek(self, n: int) -> list[tuple[str, tuple[dict, dict]]]:
+    def peek(self, n: int) -> list[tuple[str, SampleView]]:
         """The first ``n`` items in arrival order (left in the buffer)."""
         with self.cond:
             return list(itertools.islice(self.items.items(), n))
@@ -184,21 +197,21 @@ class TrajectoryBuffer:
             while len(self.dropped) > self.max_dropped:
                 self.dropped.popitem(last=False)
 
-    def take_ready(self, ids: list[str]) -> Optional[dict[str, tuple[dict, dict]]]:
+    def take_ready(self, ids: list[str]) -> Optional[dict[str, SampleView]]:
         """Every id's item if all have arrived (taken out of the buffer), else None (nothing taken); never blocks."""
         with self.cond:
             if any(i not in self.items for i in ids):
                 return None
             return self._pop(ids)
 
-    def _pop(self, ids: list[str]) -> dict[str, tuple[dict, dict]]:
+    def _pop(self, ids: list[str]) -> dict[str, SampleView]:
         """Take ``ids`` out (the lock held), remembering them: a later copy is a duplicate."""
         self.taken.update(dict.fromkeys(ids))
         while len(self.taken) > self.max_dropped:
             self.taken.popitem(last=False)
         return {i: self.items.pop(i) for i in ids}
 
-    def take(self, ids: list[str], timeout_s: float) -> dict[str, tuple[dict, dict]]:
+    def take(self, ids: list[str], timeout_s: float) -> dict[str, SampleView]:
         """Block until every id arrived; raise naming the missing ones after timeout_s."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
@@ -338,7 +351,7 @@ class TrainerService:
             if not fut.set_running_or_notify_cancel():
                 return  # disarmed first
             try:
-                trajs = [_trajectory(sid, item, math.nan) for sid, item in self.buffer.peek(n)]
+                trajs = [Trajectory.of(view, math.nan) for _, view in self.buffer.peek(n)]
                 start = time.perf_counter()
                 ahead = self.actor.forward_ahead(trajs)
                 fut.set_result((ahead, start, time.perf_counter()))
@@ -428,10 +441,10 @@ class TrainerService:
         if got is None:
             got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
         if ahead is None:
-            trajs = [_trajectory(sid, got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
+            trajs = [Trajectory.of(got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
         else:  # the plan's samples in the order their forward ran
             score = dict(zip(plan.sample_ids, plan.scores))
-            trajs = [_trajectory(sid, got[sid], score[sid]) for sid in ahead.sample_ids]
+            trajs = [Trajectory.of(got[sid], score[sid]) for sid in ahead.sample_ids]
         t1 = time.perf_counter()
         self.waiting(f"its own train_step (step {plan.step})")
         metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs, ahead)
@@ -498,102 +511,6 @@ class TrainerService:
         path = await loop.run_in_executor(None, self.checkpointer, req.step, self.version, req.state)
         log.info("checkpoint after step %d saved to %s", req.step, path)
         await self.control.send(CheckpointSaved(step=req.step, path=str(path)))
-
-
-def _first_copies(key: str, meta: dict, t: dict) -> tuple[dict[str, tuple[dict, dict]], list[str]]:
-    """``split_group``, keeping the first copy of an id named twice in the message; (samples, the
-    repeated ids' later copies, refused)."""
-    sids = meta.get("sample_ids") if isinstance(meta, dict) else None
-    if not isinstance(sids, list) or len(set(sids)) == len(sids):
-        return split_group(key, meta, t), []
-    seen, repeated, renamed = set(), [], []
-    for i, sid in enumerate(sids):  # a later copy gets a name no real id has, and is dropped after the split
-        if sid in seen:
-            repeated.append(sid)
-            renamed.append(("\x00repeat", i))
-        else:
-            seen.add(sid)
-            renamed.append(sid)
-    samples = split_group(key, {**meta, "sample_ids": renamed}, t)
-    return {sid: item for sid, item in samples.items() if isinstance(sid, str)}, repeated
-
-
-def split_group(key: str, meta: dict, t: dict) -> dict[str, tuple[dict, dict]]:
-    """A trajectory message -> per sample (meta, tensors), the tensors being views of the message's (no
-    copy, no per-token list). One group (``areal_async.rollout.service.group_tensors``, meta
-    ``group_id`` and ``sample_ids``) or several (``groups_tensors``, meta ``group_ids``,
-    ``group_sizes`` and ``sample_ids``, the prompts split by ``prompt_lengths``)."""
-    sids = meta["sample_ids"]
-    if "group_ids" not in meta:
-        gid = {"group_id": meta["group_id"]}
-        return _split_samples(key, sids, [gid] * len(sids), [t["prompt_ids"]] * len(sids), t)
-    gids, sizes, plens = meta["group_ids"], meta["group_sizes"], t["prompt_lengths"].tolist()
-    prompts = t["prompt_ids"]
-    if (
-        len(gids) != len(sizes)
-        or len(gids) != len(plens)
-        or sum(sizes) != len(sids)
-        or sum(plens) != prompts.numel()
-        or (sizes and min(sizes) < 0)
-        or (plens and min(plens) < 0)
-    ):
-        raise ValueError(
-            f"message {key!r}: {len(gids)} group ids, group sizes {sizes[:8]} (sum {sum(sizes)}), prompt lengths "
-            f"{plens[:8]} (sum {sum(plens)}), {len(sids)} sample ids, {prompts.numel()} prompt ids; expected one "
-            "size >= 0 and one prompt length >= 0 per group, sample ids as many as the sizes' sum, prompt ids "
-            "as many as the lengths' sum"
-        )
-    metas = [{"group_id": g} for g in gids]
-    meta_of = [m for m, n in zip(metas, sizes) for _ in range(n)]
-    prompt_of = [p for p, n in zip(prompts.split_with_sizes(plens), sizes) for _ in range(n)]
-    return _split_samples(key, sids, meta_of, prompt_of, t)
-
-
-def _split_samples(key: str, sids: list, metas: list, prompts: list, t: dict) -> dict[str, tuple[dict, dict]]:
-    """Sample i: (metas[i], its prompt and the i-th slices of the per-token tensors by ``lengths``)."""
-    lengths = t["lengths"].tolist()
-    out, logp, vers, mask = t["output_ids"], t["logprobs"], t["versions"], t.get("loss_mask")
-    n = out.numel()
-    if (
-        len(sids) != len(lengths)
-        or sum(lengths) != n
-        or logp.numel() != n
-        or vers.numel() != n
-        or (lengths and min(lengths) < 0)
-    ):
-        raise ValueError(
-            f"group {key!r}: {len(sids)} sample ids, lengths {lengths[:8]} (sum {sum(lengths)}), "
-            f"{n} output ids, {logp.numel()} logprobs, {vers.numel()} versions; "
-            "expected one length >= 0 per sample id and every per-token tensor as long as their sum"
-        )
-    if mask is not None and mask.numel() != n:
-        raise ValueError(f"group {key!r}: {mask.numel()} loss-mask entries for {n} output ids")
-    # no conversion: Trajectory keeps the wire's int32 ids/versions and float32 logprobs as these views,
-    # and packing widens the ids once, straight into the packed batch (trainer/packing.pack)
-    cols = zip(sids, metas, prompts, out.split_with_sizes(lengths), logp.split_with_sizes(lengths))
-    if mask is None:
-        return {
-            sid: (m, {"prompt_ids": p, "output_ids": o, "logprobs": lp, "versions": v})
-            for (sid, m, p, o, lp), v in zip(cols, vers.split_with_sizes(lengths))
-        }
-    return {
-        sid: (m, {"prompt_ids": p, "output_ids": o, "logprobs": lp, "versions": v, "loss_mask": mk})
-        for (sid, m, p, o, lp), v, mk in zip(cols, vers.split_with_sizes(lengths), mask.split_with_sizes(lengths))
-    }
-
-
-def _trajectory(sid: str, item: tuple[dict, dict], score: float) -> Trajectory:
-    meta, t = item
-    return Trajectory(
-        sample_id=sid,
-        group_id=meta["group_id"],
-        prompt_ids=t["prompt_ids"],
-        output_ids=t["output_ids"],
-        behav_logp=t["logprobs"],
-        versions=t["versions"],
-        score=float(score),
-        loss_mask=t.get("loss_mask"),
-    )
 
 
 class FollowerRank:

@@ -1,7 +1,7 @@
 """The trainer's input record: one generated sample with its behaviour logprobs and versions.
 
-Covers validation of the per-token fields' lengths; does not cover transport (the rollout and
-transport layers build these from their own wire messages).
+Covers validation of the per-token fields' lengths; does not cover transport: the trainer builds
+these from the sample views of received trajectory messages (``protocols.trajectories``, ``Trajectory.of``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from protocols.trajectories import SampleView
 
 
 @dataclass
@@ -61,6 +63,20 @@ class Trajectory:
                 )
             if not bool(self.loss_mask.any()):
                 raise ValueError(f"trajectory {self.sample_id!r}: loss_mask trains no token; expected at least one 1")
+
+    @classmethod
+    def of(cls, view: SampleView, score: float) -> "Trajectory":
+        """A received sample (views of its message's tensors, kept as views) with its score."""
+        return cls(
+            view.sample_id,
+            view.group_id,
+            view.prompt_ids,
+            view.output_ids,
+            view.logprobs,
+            view.versions,
+            float(score),
+            view.loss_mask,
+        )
 
     @property
     def seq_ids(self) -> torch.Tensor:

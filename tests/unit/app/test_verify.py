@@ -20,7 +20,6 @@ import torch
 from areal_async.app.verify import Problem, verify_run
 from areal_async.base.records import roll_back_steps
 from areal_async.cli import main as cli_main
-from areal_async.rollout.service import group_tensors
 from areal_async.rollout.engine import PackedSamples
 from areal_async.trainer.record import TrainerRecord, sample_versions, step_line
 from areal_async.trainer.service import TrajectoryBuffer
@@ -376,7 +375,8 @@ class ListChannel:
         pass
 
 
-def group(sids: list[str], version: int) -> dict:
+def group(gid: str, sids: list[str], version: int) -> tuple[str, dict, dict]:
+    """One group's message as the channel hands it out: (key, meta, tensors)."""
     n = len(sids)
     packed = PackedSamples(
         output_ids=torch.arange(2 * n),
@@ -385,7 +385,8 @@ def group(sids: list[str], version: int) -> dict:
         lengths=[2] * n,
         finish_reasons=["stop"] * n,
     )
-    return group_tensors([1, 2], packed)
+    key, tensors, meta = packed.to_batch(gid, sids, [1, 2]).encode()
+    return key, meta, tensors
 
 
 def drain(buf: TrajectoryBuffer, ch: ListChannel) -> None:
@@ -410,18 +411,18 @@ def test_an_id_arriving_twice_at_the_buffer_is_refused_recorded_and_caught(tmp_p
     buf = TrajectoryBuffer(ch, on_duplicate=record.duplicate)
     buf.thread.start()
     try:
-        ch.put("g7", {"group_id": "g7", "sample_ids": ["a", "b"]}, group(["a", "b"], 3))
-        ch.put("g8", {"group_id": "g8", "sample_ids": ["b", "c", "c"]}, group(["b", "c", "c"], 9))
+        ch.put(*group("g7", ["a", "b"], 3))
+        ch.put(*group("g8", ["b", "c", "c"], 9))
         drain(buf, ch)
         got = buf.take(["a", "b", "c"], timeout_s=1)
-        ch.put("g9", {"group_id": "g9", "sample_ids": ["a"]}, group(["a"], 5))
+        ch.put(*group("g9", ["a"], 5))
         drain(buf, ch)
     finally:
         buf.stopping.set()
         buf.thread.join(5)
         record.close()
-    assert got["b"][1]["versions"].tolist() == [3, 3]  # the first copy kept, not overwritten
-    assert got["c"][1]["versions"].tolist() == [9, 9] and got["c"][1]["output_ids"].tolist() == [2, 3]
+    assert got["b"].versions.tolist() == [3, 3]  # the first copy kept, not overwritten
+    assert got["c"].versions.tolist() == [9, 9] and got["c"].output_ids.tolist() == [2, 3]
     assert buf.duplicates == 3 and buf.items == {}
     msgs = [dup("c", "g8", "in the same message"), dup("b", "g8", "waiting in the buffer"), dup("a", "g9", taken)]
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == msgs

@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-import torch
+from protocols.trajectories import TrajectoryBatch
 
 from areal_async.config import from_dict
 from areal_async.data.prompts import PromptCursor
@@ -199,19 +199,10 @@ class Channel:
 
 
 def group(gid: str, *sids: str) -> tuple:
-    """One rollout group message (``group_tensors`` layout): one output token per sample."""
+    """One rollout group message as the channel returns it (key, meta, tensors): one output token a sample."""
     n = len(sids)
-    return (
-        gid,
-        {"group_id": gid, "sample_ids": list(sids)},
-        {
-            "prompt_ids": torch.tensor([1], dtype=torch.int32),
-            "lengths": torch.ones(n, dtype=torch.int32),
-            "output_ids": torch.ones(n, dtype=torch.int32),
-            "logprobs": torch.zeros(n),
-            "versions": torch.zeros(n, dtype=torch.int32),
-        },
-    )
+    key, tensors, meta = TrajectoryBatch.group(gid, sids, [1], [1] * n, [1] * n, [0.0] * n, [0] * n).encode()
+    return key, meta, tensors
 
 
 def test_trajectory_buffer_drop_list_is_bounded_and_late_tensors_are_refused_once():

@@ -19,14 +19,15 @@ import zmq.asyncio
 from protocols import messages as M
 from protocols.messages import decode
 from protocols.sockets import ipc_endpoint, make_socket, send_message
+from protocols.trajectories import SampleView, TrajectoryBatch
 
 from areal_async.base.control import ControlClient
 from areal_async.base.records import read_jsonl
 from areal_async.rollout.engine import PackedSamples, SampleOutput
-from areal_async.rollout.service import group_tensors, trajectory_messages
+from areal_async.rollout.service import trajectory_messages
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.record import TrainerRecord
-from areal_async.trainer.service import TrainerService, TrajectoryBuffer, split_group
+from areal_async.trainer.service import TrainerService, TrajectoryBuffer
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
 from test_trainer_actor import boba_cfg, output_logp, tiny_model
@@ -51,6 +52,11 @@ def batch(model, step: int) -> tuple[str, list[SampleOutput], list[Trajectory]]:
         for i, (s, score) in enumerate(zip(samples, SCORES))
     ]
     return gid, samples, trajs
+
+
+def send_group(tx, gid: str, sids: list[str], samples: list[SampleOutput]) -> None:
+    """One group's message, as a rollout worker sends it."""
+    tx.send(*PackedSamples.of_samples(samples).to_batch(gid, sids, PROMPT).encode())
 
 
 class Scheduler:
@@ -125,8 +131,7 @@ async def test_weights_follow_step_done_and_the_next_step_waits_for_them(tmp_pat
         for step in range(steps):
             gid, samples, trajs = batch(replay.model, step)
             sids = [t.sample_id for t in trajs]
-            msg = group_tensors(PROMPT, PackedSamples.of_samples(samples))
-            traj_tx.send(gid, msg, {"group_id": gid, "sample_ids": sids})
+            send_group(traj_tx, gid, sids, samples)
             plan = M.BatchPlan(step=step, sample_ids=sids, group_ids=[gid] * 3, scores=list(SCORES), aborted_ids=[])
             await send_message(sock, plan, to=ident)  # steps > 0: before that version's weights came
             replay.train_step(trajs)
@@ -150,33 +155,6 @@ async def test_weights_follow_step_done_and_the_next_step_waits_for_them(tmp_pat
         assert not torch.equal(sched.published[1]["lm_head.weight"], sched.published[2]["lm_head.weight"])
 
 
-def test_split_group_gives_per_sample_views_and_refuses_inconsistent_groups():
-    t = {
-        "prompt_ids": torch.tensor([1, 2], dtype=torch.int32),
-        "lengths": torch.tensor([3, 0, 2], dtype=torch.int32),
-        "output_ids": torch.tensor([5, 6, 7, 8, 9], dtype=torch.int32),
-        "logprobs": torch.tensor([-0.5, -1.0, -1.5, -2.0, -2.5]),
-        "versions": torch.tensor([4, 4, 5, 6, 6], dtype=torch.int32),
-    }
-    got = split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, t)
-    assert list(got) == ["a", "b", "c"] and all(m == {"group_id": "g"} for m, _ in got.values())
-    a, b, c = (got[k][1] for k in "abc")
-    assert a["output_ids"].tolist() == [5, 6, 7] and b["output_ids"].numel() == 0 and c["versions"].tolist() == [6, 6]
-    assert c["logprobs"].tolist() == [-2.0, -2.5] and a["prompt_ids"] is t["prompt_ids"]
-    assert c["output_ids"].data_ptr() == t["output_ids"].data_ptr() + 3 * 4  # a view, not a copy
-    masked = split_group("g", {"group_id": "g", "sample_ids": list("abc")}, {**t, "loss_mask": torch.ones(5)})
-    assert masked["c"][1]["loss_mask"].tolist() == [1.0, 1.0]
-    bad = [
-        ({**t, "lengths": torch.tensor([4, -1, 2], dtype=torch.int32)}, "lengths \\[4, -1, 2\\]"),
-        ({**t, "lengths": torch.tensor([3, 2], dtype=torch.int32)}, "3 sample ids, lengths \\[3, 2\\]"),
-        ({**t, "versions": t["versions"][:4]}, "4 versions"),
-        ({**t, "loss_mask": torch.ones(4)}, "4 loss-mask entries for 5 output ids"),
-    ]
-    for tensors, match in bad:
-        with pytest.raises(ValueError, match=match):
-            split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, tensors)
-
-
 def test_several_groups_share_a_message_within_its_byte_bound_and_split_per_sample(tmp_path):
     """Groups of one engine step travel as few messages as the bound allows; over a real zmq channel
     each sample comes back as its group's prompt and its own slices (values written out by hand)."""
@@ -195,21 +173,22 @@ def test_several_groups_share_a_message_within_its_byte_bound_and_split_per_samp
             [Sample([13], torch.tensor([-3.5]), 4), Sample([14], torch.tensor([-4.0]), 4)],
         ),
     ]
-    groups = [(gid, sids, prompt, PackedSamples.of_samples(samples)) for gid, sids, prompt, samples in groups]
-    # payload bytes: 4 per prompt id, 12 per output token (id, logprob, version), 4 per sample, 4 per group
+    groups = [PackedSamples.of_samples(samples).to_batch(gid, sids, prompt) for gid, sids, prompt, samples in groups]
+    # payload bytes: 4 per prompt id, 12 per output token (id, logprob, version), 4 per sample and per group
+    # (their counts in the meta, as if int32)
     sizes = [4 * 3 + 12 * 3 + 8 + 4, 4 * 1 + 12 * 3 + 4 + 4, 4 * 2 + 12 * 2 + 8 + 4]
-    assert sizes == [60, 48, 44]
-    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 10**6)] == [["g0", "g1", "g2"]]
-    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 108)] == [["g0", "g1"], ["g2"]]
-    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 107)] == [["g0"], ["g1", "g2"]]
-    assert [m[2]["group_ids"] for m in trajectory_messages(groups, 1)] == [["g0"], ["g1"], ["g2"]]  # alone when over
+    assert sizes == [60, 48, 44] == [g.nbytes for g in groups]
+    assert [m.group_ids for m in trajectory_messages(groups, 10**6)] == [["g0", "g1", "g2"]]
+    assert [m.group_ids for m in trajectory_messages(groups, 108)] == [["g0", "g1"], ["g2"]]
+    assert [m.group_ids for m in trajectory_messages(groups, 107)] == [["g0"], ["g1", "g2"]]
+    assert [m.group_ids for m in trajectory_messages(groups, 1)] == [["g0"], ["g1"], ["g2"]]  # alone when over
     rx = make_tensor_channel("zmq", role="receiver", endpoint=ipc_endpoint(tmp_path, "traj"))
     tx = make_tensor_channel("zmq", role="sender", endpoint=rx.endpoint)
     try:
         got = {}
-        for key, tensors, meta in trajectory_messages(groups, 108):
-            tx.send(key, tensors, meta)
-            got.update(split_group(*rx.recv(timeout_s=30)))
+        for message in trajectory_messages(groups, 108):
+            tx.send(*message.encode())
+            got.update((s.sample_id, s) for s in TrajectoryBatch.decode(*rx.recv(timeout_s=30)).samples())
     finally:
         tx.close()
         rx.close()
@@ -222,63 +201,46 @@ def test_several_groups_share_a_message_within_its_byte_bound_and_split_per_samp
     }
     assert list(got) == list(want)
     for sid, (gid, prompt, out, logp, vers) in want.items():
-        meta, t = got[sid]
-        assert meta == {"group_id": gid} and t["prompt_ids"].tolist() == prompt and t["output_ids"].tolist() == out
-        assert t["logprobs"].tolist() == logp and t["versions"].tolist() == vers
-        assert t["output_ids"].dtype == torch.int32 and t["logprobs"].dtype == torch.float32
-
-
-def test_split_group_refuses_inconsistent_multi_group_messages():
-    key, tensors, meta = trajectory_messages(
-        [
-            ("a", ["a0"], [1, 2], PackedSamples.of_samples([Sample([3], torch.tensor([-1.0]), 0)])),
-            ("b", ["b0"], [4], PackedSamples.of_samples([Sample([5], torch.tensor([-2.0]), 0)])),
-        ],
-        10**6,
-    )[0]
-    assert list(split_group(key, meta, tensors)) == ["a0", "b0"]
-    bad = [
-        ({**meta, "group_sizes": [1]}, tensors, "2 group ids, group sizes \\[1\\]"),
-        ({**meta, "group_sizes": [2, -1]}, tensors, "group sizes \\[2, -1\\]"),
-        ({**meta, "sample_ids": ["a0"]}, tensors, "1 sample ids"),
-        (
-            meta,
-            {**tensors, "prompt_lengths": torch.tensor([1, 1], dtype=torch.int32)},
-            "prompt lengths \\[1, 1\\] \\(sum 2\\)",
-        ),
-        (meta, {**tensors, "prompt_lengths": torch.tensor([4, -1], dtype=torch.int32)}, "prompt lengths \\[4, -1\\]"),
-        (meta, {**tensors, "lengths": torch.tensor([2, 1], dtype=torch.int32)}, "lengths \\[2, 1\\]"),
-    ]
-    for m, t, match in bad:
-        with pytest.raises(ValueError, match=match):
-            split_group(key, m, t)
+        v = got[sid]
+        assert v.group_id == gid and v.prompt_ids.tolist() == prompt and v.output_ids.tolist() == out
+        assert v.logprobs.tolist() == logp and v.versions.tolist() == vers and v.loss_mask is None
+        assert v.output_ids.dtype == torch.int32 and v.logprobs.dtype == torch.float32
 
 
 def test_take_ready_takes_all_or_nothing_without_waiting():
     buf = TrajectoryBuffer(channel=None)
-    buf.items = {"a": ({"group_id": "g"}, {}), "b": ({"group_id": "g"}, {}), "c": ({"group_id": "h"}, {})}
+    one = torch.ones(1, dtype=torch.int32)
+    views = {sid: SampleView(sid, gid, one, one, one.float(), one) for sid, gid in (("a", "g"), ("b", "g"), ("c", "h"))}
+    buf.items = dict(views)
     assert buf.take_ready(["a", "x"]) is None and set(buf.items) == {"a", "b", "c"}  # nothing taken
     got = buf.take_ready(["b", "a"])
     assert list(got) == ["b", "a"] and set(buf.items) == {"c"}
-    assert buf.take(["c"], timeout_s=1.0) == {"c": ({"group_id": "h"}, {})} and not buf.items
+    assert buf.take(["c"], timeout_s=1.0) == {"c": views["c"]} and not buf.items
 
 
-def test_group_tensors_lays_a_packed_group_end_to_end_in_message_dtypes():
+def test_a_packed_group_becomes_a_batch_in_wire_dtypes_and_its_samples_are_views():
     flat = torch.tensor([9, 5, 6, 7, 8, 9])  # an engine's packed group may be a slice of a larger tensor
     packed = PackedSamples(
         flat[1:], torch.tensor([-0.5, -1.0, -1.5, -2.0, -2.5]), torch.tensor([4, 4, 5, 6, 6]), [3, 0, 2], ["stop"] * 3
     )
-    t = group_tensors([1, 2], packed)
+    key, t, meta = packed.to_batch("g", ["a", "b", "c"], [1, 2]).encode()
     assert {k: v.dtype for k, v in t.items()} == {
         "prompt_ids": torch.int32,
-        "lengths": torch.int32,
         "output_ids": torch.int32,
         "logprobs": torch.float32,
         "versions": torch.int32,
     }
-    assert t["lengths"].tolist() == [3, 0, 2] and t["output_ids"].tolist() == [5, 6, 7, 8, 9]
-    got = split_group("g", {"group_id": "g", "sample_ids": ["a", "b", "c"]}, t)
-    assert got["c"][1]["versions"].tolist() == [6, 6] and got["a"][1]["logprobs"].tolist() == [-0.5, -1.0, -1.5]
+    assert key == "g" and meta == {
+        "group_ids": ["g"],
+        "group_sizes": [3],
+        "prompt_lengths": [2],
+        "sample_ids": ["a", "b", "c"],
+        "lengths": [3, 0, 2],
+    }
+    assert t["output_ids"].tolist() == [5, 6, 7, 8, 9]
+    a, b, c = TrajectoryBatch.decode(key, meta, t).samples()
+    assert c.versions.tolist() == [6, 6] and a.logprobs.tolist() == [-0.5, -1.0, -1.5] and b.output_ids.numel() == 0
+    assert c.output_ids.data_ptr() == t["output_ids"].data_ptr() + 3 * 4  # a view, not a copy
 
 
 async def _until(cond, timeout=30.0):
@@ -307,8 +269,7 @@ async def test_at_eta0_the_first_forward_runs_ahead_of_the_plan_and_a_plan_of_ot
             groups[name] = (name, samples, trajs)
         for name in ("A", "B"):
             gid, samples, trajs = groups[name]
-            msg = group_tensors(PROMPT, PackedSamples.of_samples(samples))
-            traj_tx.send(gid, msg, {"group_id": gid, "sample_ids": [t.sample_id for t in trajs]})
+            send_group(traj_tx, gid, [t.sample_id for t in trajs], samples)
         await _until(lambda: len(svc.buffer.items) == 6 and svc._ahead is not None and svc._ahead.done())
 
         def plan(step, trajs):
@@ -352,9 +313,7 @@ async def test_the_trainer_records_each_step_before_its_step_done_and_names_skip
             if step == 1:
                 samples = [Sample(s.output_ids.tolist(), s.logprobs - 3.0, 1) for s in samples]
             sids = [t.sample_id for t in trajs]
-            rig.traj_tx.send(
-                gid, group_tensors(PROMPT, PackedSamples.of_samples(samples)), {"group_id": gid, "sample_ids": sids}
-            )
+            send_group(rig.traj_tx, gid, sids, samples)
             plan = M.BatchPlan(step=step, sample_ids=sids, group_ids=[gid] * 3, scores=list(SCORES), aborted_ids=[])
             await send_message(rig.sock, plan, to=rig.ident)
             _, done = await rig.sched.next_of(M.TrainStepDone)

@@ -126,16 +126,16 @@ class OneMessage:
             raise TimeoutError
         self.sent = True
         flat = torch.empty(128, dtype=torch.uint8, device=DEV)  # the message's one receive buffer
-        lengths = torch.tensor([2, 3], dtype=torch.int64)  # sizes travel as host values in the real header
+        meta = {"group_ids": ["g"], "group_sizes": [2], "prompt_lengths": [2]}
+        meta.update(sample_ids=["a", "b"], lengths=[2, 3])
         return (
             "grp",
-            {"sample_ids": ["a", "b"], "group_id": "g"},
+            meta,  # the sizes travel as host values in the header
             {
                 "prompt_ids": flat[:8].view(torch.int32),
                 "output_ids": flat[8:28].view(torch.int32),
                 "logprobs": flat[28:48].view(torch.float32),
                 "versions": flat[48:68].view(torch.int32),
-                "lengths": lengths,
             },
         )
 
@@ -148,4 +148,6 @@ def test_trajectory_buffer_keeps_received_groups_on_the_host():
     with HostCopies() as copies:
         buf._run()  # in this thread (dispatch modes are per thread): one message, then it stops
     assert copies.n == 1 and sorted(buf.items) == ["a", "b"]
-    assert all(t.is_cpu for _, tensors in buf.items.values() for t in tensors.values())
+    assert all(
+        t.is_cpu for v in buf.items.values() for t in (v.prompt_ids, v.output_ids, v.logprobs, v.versions)
+    )

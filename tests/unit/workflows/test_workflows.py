@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from areal_async.config import ActorConfig, NormConfig, RejectionSamplingConfig
-from areal_async.rollout.service import episode_tensors
+from areal_async.rollout.service import episode_batch
 from areal_async.trainer.advantages import compute_advantages
 from areal_async.trainer.dp import decode_batch, encode_batch
 from areal_async.trainer.loss import count_kept_tokens, policy_loss
-from areal_async.trainer.service import _trajectory, split_group
 from areal_async.trainer.types import Trajectory
+from protocols.trajectories import TrajectoryBatch
 from areal_async.workflows.base import EngineHandle, EpisodeBuilder, Generation, Prompt, Sampling
 from areal_async.workflows.multi_turn_math import MultiTurnMath
 
@@ -83,10 +83,11 @@ def test_the_mask_travels_as_a_tensor_and_between_trainer_ranks():
     one = b.finish(1.0)
     b2 = EpisodeBuilder([1, 2])
     b2.add_generation(Generation([11], [-0.5], [6], "stop"))
-    t = episode_tensors([one, b2.finish(0.0)])
-    assert t["lengths"].tolist() == [4, 1] and t["loss_mask"].tolist() == [1, 1, 0, 1, 1]
-    per_sample = split_group("g", {"group_id": "g", "sample_ids": ["s0", "s1"]}, t)
-    traj = _trajectory("s0", per_sample["s0"], 1.0)
+    key, t, meta = episode_batch("g", ["s0", "s1"], [one, b2.finish(0.0)]).encode()
+    assert meta["lengths"] == [4, 1] and t["loss_mask"].tolist() == [1, 1, 0, 1, 1]
+    assert t["loss_mask"].dtype == torch.int8
+    s0, _ = TrajectoryBatch.decode(key, meta, t).samples()
+    traj = Trajectory.of(s0, 1.0)
     assert traj.loss_mask.tolist() == [True, True, False, True] and traj.versions.tolist() == [4, 5, -1, 5]
     assert traj.min_version == 4  # the environment token's -1 is no version
     plain = Trajectory("p", "g", [1], [3, 4], [-1.0, -1.0], [2, 2], 0.0)
