@@ -161,7 +161,7 @@ class VLLMConfig(Section):
     )
     probe: bool = _f(
         True,
-        "After each weight load, the server's logprobs of a fixed sequence must equal the "
+        "After each weight update, the server's logprobs of a fixed sequence must equal the "
         "trainer's weights' own (computed in the worker); else the server counts as failed.",
     )
     probe_atol: float = _f(2e-3, "Largest |logprob difference| the probe accepts.")

@@ -1,6 +1,6 @@
 """The remote-engine seam: a ``RolloutEngine`` whose tokens come from inference servers over HTTP.
 
-One small abstract base, ``ServerClient`` (one server: generate, pause, resume, load weights,
+One small abstract base, ``ServerClient`` (one server: generate, pause, resume, update weights,
 health), and one engine over any number of them, ``RemoteEngine``, which the rollout worker drives
 exactly like the embedded ``TorchEngine`` (``add_request`` / ``step`` / ``update_weights``).
 ``sglang_client.SGLangClient`` is the SGLang implementation; a vLLM client implements the same
@@ -84,7 +84,7 @@ class ServerClient(ABC):
         """Generate again."""
 
     @abstractmethod
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         """Make the server hold ``state_dict`` as ``version``, checked; ``ServerDown`` otherwise."""
 
     def reset(self) -> None:  # noqa: B027 (optional: a no-op by default)
@@ -321,7 +321,7 @@ def servers_of(addresses: list[str], worker_index: int, n_workers: int) -> list[
 def _swap(client: ServerClient, version: int, sd: dict) -> None:
     """A server whose load fails stays paused (never half-updated and serving) and is marked down."""
     client.pause()
-    client.load_weights(version, sd)
+    client.update_weights(version, sd)
     client.resume()
 
 
@@ -331,6 +331,6 @@ def _bring_back(client: ServerClient, weights: Optional[tuple[int, dict]]) -> Op
     client.reset()
     if weights is None:
         return None
-    client.load_weights(*weights)
+    client.update_weights(*weights)
     client.resume()  # it may have been left paused by a failed update
     return weights[0]

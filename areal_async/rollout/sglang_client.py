@@ -129,7 +129,7 @@ class SGLangClient(HTTPServerClient):
     def reset(self) -> None:
         self._drop_group()
 
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         try:
             if self.weight_sync == "disk":
                 self._load_from_disk(version, state_dict)

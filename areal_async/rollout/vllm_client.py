@@ -146,7 +146,7 @@ class VLLMClient(HTTPServerClient):
             self._broken = False
             self._cv.notify_all()
 
-    def load_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         try:
             path = write_version(self.weights_dir, version, state_dict, self.keep_versions)
             self._call(

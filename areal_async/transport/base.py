@@ -26,7 +26,7 @@ Implementations are picked by name (``areal_async.transport.make_tensor_channel`
     pub.release(version - 1)           # old versions' segments/buffers go away
     # rollout worker (ranks 1..N), on receiving the WeightsPublished message
     sub = make_weight_channel(tc.weights, role="receiver", **group)
-    engine.load_weights(sub.receive(msg.manifest))       # raises TransportError if incomplete
+    engine.update_weights(msg.version, sub.receive(msg.manifest))  # raises TransportError if incomplete
 
 ``group`` is ``{}`` for shm/zmq/cuda_ipc and ``dict(rank=r, world_size=n, store="host:port")``
 for gloo/nccl (rank 0 = trainer; rank 0 hosts the rendezvous store).

@@ -92,17 +92,17 @@ def test_a_failed_update_fails_loudly_and_the_half_updated_server_serves_nothing
     a, b = policy(51), policy(52)
     client = SGLangClient(server, name="t-fail", bucket_mb=0.05)
     client.wait_ready(120)
-    client.load_weights(0, a.state_dict())
+    client.update_weights(0, a.state_dict())
     bad = dict(b.state_dict())
     last = list(bad)[-1]
     bad[last] = torch.zeros(3, 3)
     with pytest.raises(ServerDown, match=f"{last}.*shape"):
-        client.load_weights(1, bad)
+        client.update_weights(1, bad)
     prompt = TOK.encode("1+1=")
     with pytest.raises(ServerDown, match="503.*weights unusable after a failed update"):
         client.generate("after-bad", prompt, 4, GenRequest("x", prompt, 1, 4, greedy=True))
     assert call(server, "GET", "/model_info")["weight_version"] == "0"
-    client.load_weights(2, b.state_dict())
+    client.update_weights(2, b.state_dict())
     c = client.generate("after-good", prompt, 4, GenRequest("x", prompt, 1, 4, greedy=True))
     assert c.versions == [2] * 4 and c.output_ids == greedy_under(b, prompt, 4)
 

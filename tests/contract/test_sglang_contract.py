@@ -90,14 +90,14 @@ def _drive(url: str, tmp_dir: str) -> None:
     c = SC.SGLangClient(url, name="contract", weight_update_session=True)
     c.wait_ready(120)
     c.pause()
-    c.load_weights(0, sd)
+    c.update_weights(0, sd)
     c.resume()
     prompt = tok.encode("1+2=")
     c.generate("r-sample", prompt, 6, GenRequest("g", prompt, 1, 6, temperature=0.7, top_p=0.9, stop_token_ids=(5,)))
     c.generate("r-greedy", prompt, 6, GenRequest("g", prompt, 1, 6, greedy=True))
     c.abort_all()
     d = SC.SGLangClient(url, name="contract-disk", weight_sync="disk", disk_dir=tmp_dir)
-    d.load_weights(1, sd)
+    d.update_weights(1, sd)
 
 
 def _known_keys(obj: dict, struct, where: str) -> None:

@@ -85,7 +85,7 @@ def test_session_refusals_are_sglang_0_5_23s_own(server):
 def test_a_flush_with_a_running_request_is_refused_as_sglang_does(server):
     real = strings_of("sglang/srt/entrypoints/http_server.py")
     client = SGLangClient(server, name="flush")
-    client.load_weights(0, build_model(CFG.model, len(TOK), 5).state_dict())
+    client.update_weights(0, build_model(CFG.model, len(TOK), 5).state_dict())
     prompt = TOK.encode("9+9=")
     seen = set()
     for attempt in range(40):  # timing: the pause must land while requests are in the running batch
@@ -126,13 +126,13 @@ def test_a_failed_update_ends_its_session_so_the_next_one_is_not_refused(server)
     session (an end now is refused: none is open), and the next update goes through."""
     a, b = (build_model(CFG.model, len(TOK), s).state_dict() for s in (61, 62))
     client = SGLangClient(server, name="t-session", bucket_mb=0.05)  # the session is the default
-    client.load_weights(0, a)
+    client.update_weights(0, a)
     bad = dict(b)
     bad[list(bad)[-1]] = b[list(bad)[-1]].new_zeros(3, 3)
     with pytest.raises(ServerDown, match="shape"):
-        client.load_weights(1, bad)
+        client.update_weights(1, bad)
     assert refused(server, "POST", "/end_weight_update", {})[0] == 400  # the client closed it already
-    client.load_weights(2, b)
+    client.update_weights(2, b)
     assert call(server, "GET", "/model_info")["weight_version"] == "2"
 
 
@@ -150,7 +150,7 @@ def test_in_place_updates_never_ask_for_a_flush_and_the_group_size_follows_tp(se
     sd = build_model(CFG.model, len(TOK), 7).state_dict()
     for mode, flush in (("in_place", False), ("abort", True), ("retract", True)):
         seen.clear()
-        SGLangClient(server, name=f"t-{mode}", pause_mode=mode, bucket_mb=0.05).load_weights(3, sd)
+        SGLangClient(server, name=f"t-{mode}", pause_mode=mode, bucket_mb=0.05).update_weights(3, sd)
         updates = [b for p, b in seen if p == "/update_weights_from_distributed"]
         assert len(updates) > 1 and {b["flush_cache"] for b in updates} == {flush}
         paths = [p for p, _ in seen]
@@ -185,8 +185,8 @@ def test_a_bucket_the_server_refuses_ends_the_broadcast_at_once(server):
     client = SGLangClient(server, name="t-nosession", weight_update_session=False, update_timeout_s=120)
     t0 = time.monotonic()
     with pytest.raises(ServerDown, match="must run between begin_weight_update"):
-        client.load_weights(4, sd)
+        client.update_weights(4, sd)
     assert time.monotonic() - t0 < 30 and client.group is None
     client.session = True
-    client.load_weights(5, sd)
+    client.update_weights(5, sd)
     assert call(server, "GET", "/model_info")["weight_version"] == "5"

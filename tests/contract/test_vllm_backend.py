@@ -155,7 +155,7 @@ def test_reload_follows_each_version_and_a_wrong_probe_fails_the_update(server):
     )
     liar.pause()
     with pytest.raises(ServerDown, match="probe after loading v13"):
-        liar.load_weights(13, a.state_dict())
+        liar.update_weights(13, a.state_dict())
     liar.resume()
 
 
