@@ -88,8 +88,11 @@ def _replay(args) -> int:
 
     hf_logging.disable_progress_bar()  # from_pretrained's loading bar, twice, between the step lines
 
-    def line(step: int, m: dict) -> None:
-        print(f"replay: step {step}: loss {m['loss']:.6g}, grad_norm {m['grad_norm']:.6g}", flush=True)
+    def line(step: int, m: dict, run_loss) -> None:
+        same = "no loss logged" if run_loss is None else "same" if run_loss == m["loss"] else repr(run_loss)
+        print(
+            f"replay: step {step}: loss {m['loss']!r} (the run's: {same}), grad_norm {m['grad_norm']:.6g}", flush=True
+        )
 
     try:
         rep = replay(args.run_dir, *parse_steps(args.steps), on_step=line)
@@ -103,8 +106,10 @@ def _replay(args) -> int:
     if rep.identical:
         print(f"areal-async replay: steps {args.steps}: bit-identical to {rep.end}")
         return 0
+    first = rep.first_loss_diff
+    where = f"; the first step whose loss differs from the run's: {first}" if first is not None else ""
     print(
-        f"areal-async replay: steps {args.steps}: differs from {rep.end}; first tensor: {rep.first_diff}",
+        f"areal-async replay: steps {args.steps}: differs from {rep.end}; first tensor: {rep.first_diff}{where}",
         file=sys.stderr,
     )
     return 1

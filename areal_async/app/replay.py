@@ -20,6 +20,7 @@ What it needs to be bit-identical (docs/replay.md): one unsharded trainer rank (
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,15 @@ class ReplayReport:
     first_diff: Optional[str] = None
     n_tensors: int = 0
     losses: list[float] = field(default_factory=list)
+    run_losses: list[Optional[float]] = field(default_factory=list)  # metrics.jsonl's, None where it has none
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def first_loss_diff(self) -> Optional[int]:
+        """The first step whose loss (computed on the step's starting weights) differs from the run's: the
+        weights or the batch already differed there."""
+        pairs = zip(range(*self.steps), self.losses, self.run_losses)
+        return next((s for s, mine, run in pairs if run is not None and mine != run), None)
 
     @property
     def identical(self) -> bool:
@@ -190,9 +199,26 @@ def _ends(run_dir: Path, a: int, b: int) -> tuple[Path, Path]:
     return start, end
 
 
+def run_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> the loss the run logged (metrics.jsonl; a step logged twice, by a resumed run: the last)."""
+    out = {}
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:  # a torn last line
+            continue
+        if row.get("kind") != "eval" and isinstance(row.get("loss"), float):
+            out[int(row["step"])] = row["loss"]
+    return out
+
+
 def replay(run_dir: str | Path, a: int, b: int, on_step=None) -> ReplayReport:
     """Train steps a..b-1 again from the run's checkpoint of version a; compare with its checkpoint of
-    version b. ``on_step(step, metrics)``: called after each step."""
+    version b. ``on_step(step, metrics, the run's loss or None)``: called after each step."""
     run_dir = Path(run_dir)
     header = read_header(run_dir)
     _check_reproducible(run_dir, header)
@@ -200,12 +226,13 @@ def replay(run_dir: str | Path, a: int, b: int, on_step=None) -> ReplayReport:
     cfg = load_config(run_dir / "config.yaml")
     set_torch_threads(int(header["torch_threads"]))
     rep = ReplayReport((a, b), start, end, warnings=_machine_warnings(header))
-    actor = build_actor(cfg, start)
+    actor, logged = build_actor(cfg, start), run_losses(run_dir)
     for s in range(a, b):
         m = train_recorded(actor, read_step(step_path(run_dir, s)))
         rep.losses.append(float(m["loss"]))
+        rep.run_losses.append(logged.get(s))
         if on_step is not None:
-            on_step(s, m)
+            on_step(s, m, logged.get(s))
     got = state_tensors(actor)
     want = state_tensors(build_actor(cfg, end))
     rep.n_tensors = len(want)

@@ -45,6 +45,7 @@ def test_record_replay_bit_identical_then_corrupted_and_train_only(tmp_path, cap
     assert out.returncode == 0, out.stderr[-3000:]
     shas = [line.rsplit(" ", 1)[1] for line in out.stdout.splitlines() if "sha256" in line]
     assert len(shas) == 2 and shas[0] == shas[1]
+    assert out.stdout.count("(the run's: same)") == 4  # each step's loss equals the fleet's, bit for bit
     cfg = load_config(run / "config.yaml")
     start = state_digest(state_tensors(build_actor(cfg, run / "checkpoints" / "step_1")))
     assert start != shas[1]  # steps 2..5 moved the weights: the identity is not trivial

@@ -4,6 +4,7 @@ weights from a checkpoint + the recorded batches; a corrupted checkpoint or reco
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -72,12 +73,14 @@ def run_dir(tmp_path_factory):
     actor = trainer_worker.make_actor(cfg, model, tok, DataParallel.single(), sharded=False)
     save = trainer_worker._checkpointer(cfg, d, actor, tok, trainer_worker._shard_writer(actor, torch.float32))
     rec = Recorder(d, 0, machine_header("cpu", 1, "float32"))
+    rows = []
     for step in range(5):
         trajs, rng = batch(step, len(tok)), rec.rng_state()
-        actor.train_step(trajs)
+        rows.append(json.dumps({"step": step, "loss": float(actor.train_step(trajs)["loss"])}))
         rec.step(step, step + 1, trajs, rng)
         if step % 2 == 0:
             save(step, step + 1, {})
+    (d / "metrics.jsonl").write_text("\n".join(rows) + "\n")  # as the scheduler logs the trainer's loss
     return d
 
 
@@ -87,6 +90,7 @@ def test_replay_is_bit_identical_to_the_checkpoint(run_dir):
     assert rep.replayed_sha256 == rep.checkpoint_sha256
     assert (rep.start.name, rep.end.name) == ("step_0", "step_4")
     assert len(rep.losses) == 4 and all(x != 0 for x in rep.losses)
+    assert rep.losses == rep.run_losses and rep.first_loss_diff is None  # every step's loss, bit for bit
     start = state_digest(state_tensors(build_actor(load_config(run_dir / "config.yaml"), rep.start)))
     assert start != rep.checkpoint_sha256  # the steps moved the weights: the identity is not trivial
     assert rep.n_tensors > len(build_actor(load_config(run_dir / "config.yaml"), rep.end).model.state_dict())
@@ -95,7 +99,7 @@ def test_replay_is_bit_identical_to_the_checkpoint(run_dir):
 def test_cli_exit_0_and_the_digest(run_dir, capsys):
     assert main(["replay", str(run_dir), "--steps", "3:5"]) == 0
     out = capsys.readouterr().out
-    assert "bit-identical to" in out and out.count("sha256") == 2
+    assert "bit-identical to" in out and out.count("sha256") == 2 and out.count("(the run's: same)") == 2
 
 
 def test_corrupted_checkpoint_names_the_tensor(run_dir, tmp_path):
@@ -113,7 +117,7 @@ def test_corrupted_checkpoint_names_the_tensor(run_dir, tmp_path):
     shutil.rmtree(end / "dcp")
     save_shards(end, actor.model, actor.optimizer)
     rep = replay(bad, 3, 5)
-    assert not rep.identical
+    assert not rep.identical and rep.first_loss_diff is None  # the steps ran as the run's did
     assert rep.first_diff.startswith("model.layers.1.mlp.up_proj.weight (1 of ")
     assert main(["replay", str(bad), "--steps", "3:5"]) == 1
 
@@ -130,6 +134,7 @@ def test_corrupted_recording_gives_exit_1(run_dir, tmp_path, capsys):
     assert main(["replay", str(bad), "--steps", "3:5"]) == 1
     err = capsys.readouterr().err
     assert "differs from" in err and "first tensor: model." in err
+    assert err.rstrip().endswith("the first step whose loss differs from the run's: 4")
 
 
 def test_missing_checkpoint_or_step_is_exit_2(run_dir, tmp_path, capsys):
