@@ -47,6 +47,8 @@ LAZY: dict[tuple[str, str], str] = {
     "other commands never need them",
     ("areal_async.supervisor.preflight_inputs", "areal_async.models.policy_tokenizer"): "transformers (~2.5 s): a run "
     "refused by an earlier, cheaper check never loads it",
+    ("areal_async.supervisor.preflight_inputs", "areal_async.models.tokenizer"): "transformers (~2.5 s): a run "
+    "refused by an earlier, cheaper check never loads it",
     ("areal_async.cli", "areal_async.app.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.app.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
     ("areal_async.cli", "areal_async.app.data_filter"): "torch: `run`, `knobs` and `--help` never import it",
