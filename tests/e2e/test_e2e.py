@@ -2,7 +2,7 @@
 
 Each test runs a short tiny_arith job and checks the run's books against the invariants:
 staleness bound, exactly-once accounting, clean shutdown on SIGTERM, loud failure when a worker
-dies. The learning bar itself is measured by the full preset (README), not here.
+dies. The learning bar itself is measured by the full preset (benchmarks/RESULTS.md), not here.
 """
 
 from __future__ import annotations
