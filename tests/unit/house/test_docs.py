@@ -85,6 +85,7 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     assert (ROOT / "configs/tiny_arith.yaml").exists() and (ROOT / "scripts/setup.sh").exists()
     assert text.index(blocks[0]) < text.index("## ")  # before any section
     assert "has never run" in text or "never run" in text  # the GPU section says what has not run
+    assert ".venv/bin/python -m pytest tests/unit -q" in text  # the documented inner loop
 
 
 def test_configuration_page_is_generated_from_knobs():
