@@ -16,6 +16,9 @@ and ``trajectories.jsonl`` when the run dumped it; writes into ``RUN_DIR/plots``
                      (only when the run has evaluation rows)
     weights.png      weight updates: seconds from the optimizer step's end to every rollout
                      generating with the new weights, stacked by phase, per version (when timed)
+    tasks.png        a reasoning-gym mixture (rows with task/<name>/* columns): reward per task per
+                     step and its moving average, each task's share of the samples trained so far,
+                     and its curriculum level (tasks with levels)
 
 Each figure has labelled axes with units; raw series are drawn thin, moving averages bold
 (window: about a twentieth of the run, at least 1). A run directory without any step row is an
@@ -103,6 +106,8 @@ def plot_run(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[
     ] + ([("eval.png", lambda ax: _eval(ax, evals))] if evals else [])
     if any("weight_update_s" in r for r in steps):
         figures.append(("weights.png", lambda ax: _weights(ax, steps)))
+    if task_names(steps):
+        figures.append(("tasks.png", lambda ax: _tasks(ax, steps)))
     paths = []
     for name, draw in figures:
         paths.append(_save(plt, out / name, draw, _layout(name), _title(run_dir, name)))
@@ -121,7 +126,7 @@ def _pyplot():
 
 
 def _layout(name: str) -> tuple[int, int]:
-    return {"staleness.png": (1, 2), "loss.png": (2, 3)}.get(name, (1, 1))
+    return {"staleness.png": (1, 2), "loss.png": (2, 3), "tasks.png": (1, 3)}.get(name, (1, 1))
 
 
 def _title(run_dir: Path, name: str) -> str:
@@ -133,6 +138,7 @@ def _title(run_dir: Path, name: str) -> str:
         "kl.png": "KL",
         "eval.png": "Evaluation",
         "weights.png": "Weight updates",
+        "tasks.png": "Tasks of the mixture",
     }[name]
     return f"{what} - {run_dir.name}"
 
@@ -283,3 +289,32 @@ def _weights(ax, steps: list[dict]) -> None:
     ax.set(xlabel="weight version", ylabel="seconds (optimizer step end -> all rollouts on it)")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=7)
+
+
+def task_names(steps: list[dict]) -> list[str]:
+    """The tasks of a reasoning-gym run: names of its ``task/<name>/samples_total`` columns, first-seen order."""
+    keys = dict.fromkeys(k for r in steps for k in r if k.startswith("task/") and k.endswith("/samples_total"))
+    return [k[len("task/") : -len("/samples_total")] for k in keys]
+
+
+def _tasks(axes, steps: list[dict]) -> None:
+    reward, share, level = axes
+    names, w = task_names(steps), window_for(len(steps))
+    colors = [f"C{i % 10}" for i in range(len(names))]
+    for name, color in zip(names, colors):
+        xs, ys = _xy(steps, f"task/{name}/reward_mean")
+        if ys:
+            _series(reward, xs, ys, name, color, w)
+        totals = [(r["step"], [r.get(f"task/{n}/samples_total", 0) for n in names]) for r in steps]
+        pts = [(x, t[names.index(name)] / sum(t)) for x, t in totals if sum(t)]
+        share.plot([p[0] for p in pts], [p[1] for p in pts], color=color, label=name)
+        xs, ys = _xy(steps, f"task/{name}/level")
+        if ys:
+            level.step(xs, ys, where="post", color=color, label=name)
+    reward.set(xlabel="trainer step", ylabel="reward (task score, 0 to 1)", ylim=(-0.02, 1.02), title="reward")
+    share.set(xlabel="trainer step", ylabel="fraction of samples trained so far", ylim=(0, 1), title="mixture")
+    level.set(xlabel="trainer step", ylabel="curriculum level", title="curriculum")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=7)

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 from areal_async.base.affinity import parse_cpu_list
+from areal_async.config.gym_tasks import CurriculumConfig, apportion, parse_tasks
 from areal_async.config.base import CpuList, Section, _f, _sub, above, at_least, one_of, require, within
 from areal_async.config.objective import ObjectiveConfig, check_objective_actor
 from protocols.channels import CHANNEL_KINDS
 
 TEMPLATES = ("none", "chat", "r1")  # train_dataset.template; data/templates.py renders them
+DATASET_TYPES = ("tiny_arith", "jsonl", "reasoning_gym")
 
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -84,9 +86,14 @@ class ModelConfig(Section):
 
 @dataclass
 class DatasetConfig(Section):
-    """Where prompts come from. ``type: tiny_arith`` generates an arithmetic task locally."""
+    """Where prompts come from. ``type: tiny_arith`` generates an arithmetic task locally; ``reasoning_gym``
+    a weighted mixture of reasoning-gym's procedural tasks (the 'gym' extra; docs/tasks.md)."""
 
-    type: str = _f("tiny_arith", "'tiny_arith' (generated locally) or 'jsonl' (lines with 'prompt' and 'solutions').")
+    type: str = _f(
+        "tiny_arith",
+        "'tiny_arith' (generated locally), 'jsonl' (lines with 'prompt' and 'solutions') or 'reasoning_gym' "
+        "(a mixture of reasoning-gym tasks, `tasks`; score with reward.fn areal_async.reward.gym_reward:gym_reward).",
+    )
     path: Optional[str] = _f(None, "jsonl file for type 'jsonl'.")
     batch_size: int = _f(16, "Prompts per trainer step (each expands to gconfig.n_samples samples).")
     max_prompt_len: int = _f(
@@ -101,12 +108,19 @@ class DatasetConfig(Section):
         "seed's 'Please reason step by step...' instruction, then '<think>\\n').",
     )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
-    size: int = _f(2000, "tiny_arith: number of generated problems.")
+    size: int = _f(2000, "tiny_arith, reasoning_gym: number of generated problems (reasoning_gym: all tasks together).")
     max_operand: int = _f(9, "tiny_arith: operands are drawn from 0..max_operand.")
     ops: str = _f("+", "tiny_arith: operators to draw from, e.g. '+-'.")
+    tasks: list = _f(
+        [],
+        "reasoning_gym: the mixture, a list of {name, weight, config, levels}: a reasoning-gym task, its share "
+        "of the prompts (weight / sum of weights), its config fields (difficulty) and the config updates of its "
+        "curriculum levels 1, 2, ... (config/gym_tasks.py).",
+    )
+    curriculum: CurriculumConfig = _sub(CurriculumConfig, "reasoning_gym: when a task with `levels` moves up.")
 
     def check(self) -> None:
-        one_of(self, "type", ("tiny_arith", "jsonl"))
+        one_of(self, "type", DATASET_TYPES)
         one_of(self, "template", TEMPLATES)
         require(self.type != "jsonl" or bool(self.path), "path", self.path, "a jsonl path when type is 'jsonl'")
         at_least(self, "batch_size", 1)
@@ -114,6 +128,10 @@ class DatasetConfig(Section):
         at_least(self, "size", 1)
         at_least(self, "max_operand", 1)
         require(bool(self.ops) and set(self.ops) <= set("+-*"), "ops", self.ops, "a non-empty string of '+-*'")
+        if self.type == "reasoning_gym":
+            tasks = parse_tasks(self.tasks)
+            counts = apportion([t.weight for t in tasks], self.size)
+            require(min(counts) >= 1, "size", self.size, f"enough problems for every task (counts {counts})")
 
 
 @dataclass

@@ -19,15 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_async.config import DatasetConfig
+from areal_async.data.gym import gym_problems
+from areal_async.data.problem import Problem
 from areal_async.data.templates import render_prompt_ids, render_prompt_text
-
-
-@dataclass(frozen=True)
-class Problem:
-    index: int
-    prompt: str
-    solutions: tuple[str, ...]
-    answer: str = ""  # a completion used by the SFT warm-up; empty when the dataset has none
 
 
 def tiny_arith(cfg: DatasetConfig, seed: int) -> list[Problem]:
@@ -90,6 +84,8 @@ def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> 
 
 
 def load_problems(cfg: DatasetConfig, seed: int) -> list[Problem]:
+    if cfg.type == "reasoning_gym":
+        return gym_problems(cfg, seed)  # imports reasoning-gym (the 'gym' extra) only now
     return tiny_arith(cfg, seed) if cfg.type == "tiny_arith" else load_jsonl(cfg.path)
 
 

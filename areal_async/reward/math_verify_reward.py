@@ -1,9 +1,8 @@
 """The boba math reward: the last ``\\boxed{}`` answer checked with math-verify.
 
-Covered: ``extract_boxed`` (last well-formed ``\\boxed{...}`` with balanced braces, or the
-``\\boxed 5`` form) and ``boxed_math_reward`` (1.0 if the boxed answer is equivalent to ANY
-reference solution per math-verify ``parse`` + ``verify``, else 0.0; no box or a parse failure
-gives 0.0). References may be bare answers (``"7"``, ``"1/2"``), contain ``\\boxed{}``, or
+Covered: ``boxed_math_reward`` (1.0 if the boxed answer, found by ``answers.extract_boxed`` (re-exported
+here), is equivalent to ANY reference solution per math-verify ``parse`` + ``verify``, else 0.0; no box or a
+parse failure gives 0.0). References may be bare answers (``"7"``, ``"1/2"``), contain ``\\boxed{}``, or
 contain ``$...$`` math.
 
 Not covered: timeouts. math-verify's own timeout uses ``signal.alarm``, which only works in a
@@ -19,9 +18,10 @@ import logging
 
 from math_verify import parse, verify
 
-__all__ = ["extract_boxed", "boxed_math_reward"]
+from areal_async.reward.answers import BOXED as _BOXED
+from areal_async.reward.answers import extract_boxed
 
-_BOXED = "\\boxed"
+__all__ = ["extract_boxed", "boxed_math_reward"]
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -33,53 +33,6 @@ class _DropTimeoutDisabledWarning(logging.Filter):
 
 for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the last well-formed ``\\boxed{...}`` (or ``\\boxed x``) in ``text``, else None.
-
-    A truncated final box (unbalanced braces, e.g. a generation cut at max length) is skipped in
-    favour of the last complete one before it.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"extract_boxed expects a str, got {type(text).__name__}: {text!r:.80}")
-    start = text.rfind(_BOXED)
-    while start != -1:
-        content = _boxed_content(text, start + len(_BOXED))
-        if content is not None:
-            return content
-        start = text.rfind(_BOXED, 0, start)
-    return None
-
-
-def _boxed_content(text: str, i: int) -> str | None:
-    """Argument of a ``\\boxed`` whose name ends at ``i``; None if malformed."""
-    j = i
-    while j < len(text) and text[j] in " \t":
-        j += 1
-    if j < len(text) and text[j] == "{":
-        return _balanced(text, j)
-    if j == i or j >= len(text):  # "\boxedx" is another macro; "\boxed" at the end is empty
-        return None
-    end = j
-    while end < len(text) and not text[end].isspace() and text[end] not in "$":
-        end += 1
-    return text[j:end] or None
-
-
-def _balanced(text: str, open_idx: int) -> str | None:
-    """Text between the brace at ``open_idx`` and its match; escaped ``\\{`` ``\\}`` don't count."""
-    depth, k = 0, open_idx
-    while k < len(text):
-        c = text[k]
-        if c == "\\":
-            k += 2  # skip the escaped character, so "\{" / "\}" leave depth alone
-            continue
-        depth += (c == "{") - (c == "}")
-        if depth == 0:
-            return text[open_idx + 1 : k]
-        k += 1
-    return None
 
 
 def boxed_math_reward(completion: str, solutions: list[str], precision: int = 6) -> float:

@@ -81,6 +81,7 @@ from protocols.rejections import RejectionLog
 from protocols.sockets import decode_logged, make_socket, send_message
 
 from areal_async.config import ExperimentConfig
+from areal_async.data.gym import GymSource
 from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
 from areal_async.base.control import worker_of
 from areal_async.base.endpoints import Endpoints
@@ -90,25 +91,26 @@ from areal_async.scheduler.group_filter import build_group_filter
 from areal_async.scheduler.overdue import open_work, overdue
 from areal_async.scheduler.runlog import RunLog
 from areal_async.scheduler.sinks import sinks_from_config
+from areal_async.scheduler.task_book import PromptTable, TaskBook
 from areal_async.scheduler.weight_updates import WeightUpdates, metrics_columns
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.scheduler")
 
 
-def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[SchedulerCore, LengthFilter]:
-    """The core over the problems within ``train_dataset.max_prompt_len`` (counted and logged here, at start)."""
-    problems = load_problems(cfg.train_dataset, cfg.seed)
-    lengths = keep_short(problems, tokenize, cfg.train_dataset.max_prompt_len)
+def build_core(
+    cfg: ExperimentConfig, tokenize, runlog: RunLog
+) -> tuple[SchedulerCore, LengthFilter, Optional[TaskBook]]:
+    """The core over the problems within ``train_dataset.max_prompt_len`` (counted and logged here, at start),
+    and for a reasoning-gym mixture its per-task books (``task_book.py``)."""
+    d = cfg.train_dataset
+    source = GymSource.from_config(d, cfg.seed) if d.type == "reasoning_gym" else None
+    problems = source.problems() if source is not None else load_problems(d, cfg.seed)
+    lengths = keep_short(problems, tokenize, d.max_prompt_len)
     log.info("train_dataset: %s", lengths.describe())
-    problems = [problems[i] for i in lengths.kept]
-    encoded = {}
-
-    def problem(idx: int):
-        if idx not in encoded:
-            encoded[idx] = (tokenize(problems[idx].prompt), list(problems[idx].solutions))
-        return encoded[idx]
-
+    kept = [problems[i] for i in lengths.kept]
+    book = None if source is None else TaskBook(source, lengths.kept, kept, tokenize, d.max_prompt_len, d.curriculum)
+    problem = book.table if book is not None else PromptTable(kept, tokenize, lambda i: 0)
     g = cfg.gconfig
     params = SchedulerParams(
         batch_size=cfg.train_dataset.batch_size,
@@ -129,8 +131,8 @@ def build_core(cfg: ExperimentConfig, tokenize, runlog: RunLog) -> tuple[Schedul
         group_filter=build_group_filter(cfg.rollout.dynamic_filter),
         filter_max_gen_batches=cfg.rollout.dynamic_filter_max_gen_batches,
     )
-    cursor = PromptCursor(len(problems), cfg.seed, cfg.train_dataset.shuffle)
-    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths
+    cursor = PromptCursor(len(lengths.kept), cfg.seed, d.shuffle)
+    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths, book
 
 
 # heartbeat stats copied into status.json for the overdue attribution (scheduler/overdue.py)
@@ -194,13 +196,15 @@ class SchedulerService:
             cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
             log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
         self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file, sinks_from_config(cfg, run_dir))
-        self.core, self.prompts = build_core(cfg, tokenize, self.runlog)
+        self.core, self.prompts, self.tasks = build_core(cfg, tokenize, self.runlog)
         attempt = next_attempt(self.run_dir)
         if ckpt_state is None and attempt:
             self.core.restart_ids(attempt)  # a restart from nothing: the books were cut to empty
         if ckpt_state is not None:
             self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
             recovered = self.core.restore(ckpt_state, at_least=attempt)
+            if self.tasks is not None:
+                self.tasks.restore(ckpt_state.get("tasks"))
             log.info(
                 "restored step %d, version %d; %d in-flight samples aborted and re-issued",
                 self.core.next_step,
@@ -549,6 +553,8 @@ class SchedulerService:
     async def _request_checkpoint(self, step: int) -> None:
         """The trainer saves weights + optimizer with this state before it trains the next step."""
         state = self.core.state() | {"offsets": self.runlog.offsets(), "n_sample_lines": self.runlog.n_sample_lines}
+        if self.tasks is not None:
+            state["tasks"] = self.tasks.state()
         self._last_save = time.monotonic()
         self._ckpt_pending = step
         for t in self.role("trainer"):
@@ -607,6 +613,8 @@ class SchedulerService:
         self._step_t = now
         row.update(metrics_columns(self.weight_updates.last))
         row.update(self._filter_counts())
+        if self.tasks is not None:
+            row.update(self.tasks.step_row(trained))
         (total, n), (total0, n0) = self.core.scored, self._scored_last
         self._scored_last = list(self.core.scored)
         if n > n0:  # every sample scored since the last row, kept or dropped: what the policy generates now

@@ -86,11 +86,25 @@ UNREAD = (
         "set train_dataset.type=jsonl to train on that file, or drop the key",
     ),
     Unread(
-        ("train_dataset.size", "train_dataset.max_operand", "train_dataset.ops"),
+        ("train_dataset.max_operand", "train_dataset.ops"),
         ("train_dataset.type",),
         lambda c: c.cfg.train_dataset.type != "tiny_arith",
         lambda c: f"read only by train_dataset.type='tiny_arith', not {c.train_dataset.type!r}",
         "drop the key",
+    ),
+    Unread(
+        ("train_dataset.size",),
+        ("train_dataset.type",),
+        lambda c: c.cfg.train_dataset.type == "jsonl",
+        lambda c: "read only by train_dataset.type='tiny_arith' or 'reasoning_gym', not 'jsonl'",
+        "drop the key",
+    ),
+    Unread(
+        ("train_dataset.tasks", "train_dataset.curriculum."),
+        ("train_dataset.type",),
+        lambda c: c.cfg.train_dataset.type != "reasoning_gym",
+        lambda c: f"read only by train_dataset.type='reasoning_gym', not {c.train_dataset.type!r}",
+        "set train_dataset.type=reasoning_gym to use it, or drop the key",
     ),
     Unread(
         MODEL_SHAPE,
@@ -401,7 +415,7 @@ def context_for(cfg: ExperimentConfig, config_path: str, overrides: list[str], c
 def _model_and_data(cfg: ExperimentConfig) -> tuple[str, str]:
     m, d = cfg.model, cfg.train_dataset
     model = f"{m.path} ({m.dtype})" if m.path else f"a built tiny {m.arch} ({m.dtype})"
-    return model, (d.path if d.type == "jsonl" else f"tiny_arith x{d.size}")
+    return model, (d.path if d.type == "jsonl" else f"{d.type} x{d.size}")
 
 
 def sft_loads(cfg: ExperimentConfig) -> dict[str, str]:

@@ -84,5 +84,6 @@ class Context:
     gpus_here: Optional[int] = None  # GPUs of this machine; None = count them (/dev/nvidia*)
     tokenizer: Any = None  # set by the model check
     first_prompt: Optional[str] = None  # set by the dataset check
+    texts: dict = field(default_factory=dict)  # reasoning_gym: task -> prompts and answers the tokenizer must say
     placement: dict = field(default_factory=dict)  # worker id -> Slot, set by the placement check
     loads: dict = field(default_factory=dict)  # role -> what it will load

@@ -21,6 +21,7 @@ from areal_async.data.templates import render_prompt_ids
 from areal_async.rollout.kv_budget import MIB, KVBudget, bytes_per_position
 from areal_async.rollout.kv_budget import TODO as KV_TODO
 from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
+from areal_async.supervisor.preflight_gym import check_gym_dataset, check_vocabulary
 
 OFFLINE = "nothing is downloaded: no network is attempted"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -112,6 +113,8 @@ def _offline() -> None:
 
 def check_dataset(ctx: Context) -> list[Finding]:
     d = ctx.cfg.train_dataset
+    if d.type == "reasoning_gym":
+        return check_gym_dataset(ctx)
     if d.type == "tiny_arith":
         problems = tiny_arith(d, ctx.cfg.seed)
         ctx.first_prompt = problems[0].prompt
@@ -196,7 +199,11 @@ def check_template(ctx: Context) -> list[Finding]:
                 "raise it if they should train",
             )
         )
-    return out + _positions(ctx, len(ids)) + _kv_cache(ctx)
+    return out + _positions(ctx, len(ids)) + _kv_cache(ctx) + _vocabulary(ctx)
+
+
+def _vocabulary(ctx: Context) -> list[Finding]:
+    return check_vocabulary(ctx) if ctx.texts else []
 
 
 def _positions(ctx: Context, prompt_len: int) -> list[Finding]:
