@@ -12,6 +12,7 @@ import itertools
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,8 @@ from areal_async.config import ConfigError, load_config
 from areal_async.config.gym_tasks import GymTask, apportion
 from areal_async.data.gym import GymSource, interleave
 from areal_async.data.prompts import PromptCursor
+
+CHAIN = str(Path(__file__).resolve().parents[3] / "configs/chain_sum.yaml")
 
 
 def tasks(*weights: float) -> list[GymTask]:
@@ -79,16 +82,16 @@ def test_prompt_fractions_per_task_are_within_2_percent_of_the_weights(shuffle):
 def test_a_negative_or_zero_weight_and_a_size_too_small_for_every_task_are_config_errors():
     base = ["train_dataset.type=reasoning_gym", "reward.fn=areal_async.reward.gym_reward:gym_reward"]
     with pytest.raises(ConfigError, match=r"train_dataset\.tasks\[1\]\.weight=-1: expected a number > 0"):
-        load_config("configs/chain_sum.yaml", [*base, "train_dataset.tasks=[{name: a}, {name: b, weight: -1}]"])
+        load_config(CHAIN, [*base, "train_dataset.tasks=[{name: a}, {name: b, weight: -1}]"])
     with pytest.raises(ConfigError, match=r"train_dataset\.tasks\[0\]\.weight=0: expected a number > 0"):
-        load_config("configs/chain_sum.yaml", [*base, "train_dataset.tasks=[{name: a, weight: 0}]"])
+        load_config(CHAIN, [*base, "train_dataset.tasks=[{name: a, weight: 0}]"])
     with pytest.raises(ConfigError, match=r"train_dataset\.size=2: expected enough problems for every task"):
         three = "train_dataset.tasks=[{name: a}, {name: b}, {name: c}]"
-        load_config("configs/chain_sum.yaml", [*base, "train_dataset.size=2", three])
+        load_config(CHAIN, [*base, "train_dataset.size=2", three])
     with pytest.raises(
         ConfigError, match=r"train_dataset\.tasks\[0\]\.config\.seed=5: expected a field of the task's config"
     ):
-        load_config("configs/chain_sum.yaml", [*base, "train_dataset.tasks=[{name: a, config: {seed: 5}}]"])
+        load_config(CHAIN, [*base, "train_dataset.tasks=[{name: a, config: {seed: 5}}]"])
 
 
 def test_real_chain_sum_problems_carry_their_oracle_answer_and_follow_the_weights():

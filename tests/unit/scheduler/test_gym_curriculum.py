@@ -6,6 +6,8 @@ first trained sample whose last w scores (at the current level) average >= h.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from areal_async.config import load_config
@@ -49,7 +51,7 @@ def test_state_round_trips():
     assert d.state() == c.state() and d.levels == [1, 0]
 
 
-PRESET = "configs/gym_mix.yaml"
+PRESET = str(Path(__file__).resolve().parents[3] / "configs/gym_mix.yaml")
 
 
 def records(book: TaskBook, task: int, scores: list[float]) -> list[SampleRecord]:
