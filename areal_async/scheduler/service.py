@@ -196,15 +196,15 @@ class SchedulerService:
             cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
             log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
         self.runlog = RunLog(run_dir, cfg.rollout.dump_to_file, sinks_from_config(cfg, run_dir))
-        self.core, self.prompts, self.tasks = build_core(cfg, tokenize, self.runlog)
+        self.core, self.prompts, self.task_book = build_core(cfg, tokenize, self.runlog)
         attempt = next_attempt(self.run_dir)
         if ckpt_state is None and attempt:
             self.core.restart_ids(attempt)  # a restart from nothing: the books were cut to empty
         if ckpt_state is not None:
             self.runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
             recovered = self.core.restore(ckpt_state, at_least=attempt)
-            if self.tasks is not None:
-                self.tasks.restore(ckpt_state.get("tasks"))
+            if self.task_book is not None:
+                self.task_book.restore(ckpt_state.get("tasks"))
             log.info(
                 "restored step %d, version %d; %d in-flight samples aborted and re-issued",
                 self.core.next_step,
@@ -553,8 +553,8 @@ class SchedulerService:
     async def _request_checkpoint(self, step: int) -> None:
         """The trainer saves weights + optimizer with this state before it trains the next step."""
         state = self.core.state() | {"offsets": self.runlog.offsets(), "n_sample_lines": self.runlog.n_sample_lines}
-        if self.tasks is not None:
-            state["tasks"] = self.tasks.state()
+        if self.task_book is not None:
+            state["tasks"] = self.task_book.state()
         self._last_save = time.monotonic()
         self._ckpt_pending = step
         for t in self.role("trainer"):
@@ -613,8 +613,8 @@ class SchedulerService:
         self._step_t = now
         row.update(metrics_columns(self.weight_updates.last))
         row.update(self._filter_counts())
-        if self.tasks is not None:
-            row.update(self.tasks.step_row(trained))
+        if self.task_book is not None:
+            row.update(self.task_book.step_row(trained))
         (total, n), (total0, n0) = self.core.scored, self._scored_last
         self._scored_last = list(self.core.scored)
         if n > n0:  # every sample scored since the last row, kept or dropped: what the policy generates now
