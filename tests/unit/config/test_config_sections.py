@@ -11,6 +11,7 @@ from typing import Optional
 
 import pytest
 
+from areal_async.config.gym_tasks import CurriculumConfig
 from areal_async.config.objective import ObjectiveConfig
 from areal_async.config import (
     ActorConfig,
@@ -54,6 +55,10 @@ BAD = [
     (DatasetConfig, {"type": "jsonl"}, "path=None", "a jsonl path"),
     (DatasetConfig, {"ops": "+/"}, "ops='+/'", "'+-*'"),
     (DatasetConfig, {"batch_size": 0}, "batch_size=0", ">= 1"),
+    (DatasetConfig, {"type": "reasoning_gym"}, "tasks=[]", "a non-empty list"),
+    (DatasetConfig, {"type": "reasoning_gym", "tasks": [{"name": "x", "weight": -2}]}, "tasks[0].weight=-2", "> 0"),
+    (CurriculumConfig, {"threshold": 0.0}, "threshold=0.0", "a number in (0, 1]"),
+    (CurriculumConfig, {"window": 0}, "window=0", ">= 1"),
     (GenerationConfig, {"temperature": 0.0}, "temperature=0.0", "> 0 (or greedy=true)"),
     (GenerationConfig, {"top_p": 1.5}, "top_p=1.5", "(0, 1]"),
     (GenerationConfig, {"greedy": 1}, "greedy=1", "true or false"),
