@@ -21,13 +21,16 @@ from areal_async.supervisor.preflight_findings import Context, Finding, error, o
 from areal_async.trainer.checkpoint_dirs import COMPLETE
 
 RNG_STATE_BYTES = 5056  # torch.get_rng_state() of the CPU generator (Mersenne twister)
-PER_SEQ_BYTES = 3 * 8 + 100  # prompt and output length, score; ~100 bytes of sample and group ids in the metadata
+PER_SEQ_BYTES = 8 + 60  # its score; its id and output length in the metadata (JSON)
+PER_GROUP_BYTES = 60  # its id, size and prompt length in the metadata
 
 
-def step_bytes_bound(n_seqs: int, prompt_tokens: int, output_tokens: int, with_mask: bool) -> int:
-    """An upper bound of one step's file (``trainer/recording.py``'s layout)."""
+def step_bytes_bound(n_groups: int, n_samples: int, prompt_tokens: int, output_tokens: int, with_mask: bool) -> int:
+    """About one step's file (``trainer/recording.py``: the wire's layout, each group's prompt once) when every
+    prompt has ``prompt_tokens`` and every output ``output_tokens``."""
     per_token = 4 + 4 + 4 + (1 if with_mask else 0)  # id, logprob, version (+ loss mask)
-    return n_seqs * (4 * prompt_tokens + per_token * output_tokens + PER_SEQ_BYTES) + RNG_STATE_BYTES + 1024
+    per_group = 4 * prompt_tokens + PER_GROUP_BYTES + n_samples * (per_token * output_tokens + PER_SEQ_BYTES)
+    return n_groups * per_group + RNG_STATE_BYTES + 1024
 
 
 def _prompt_tokens(ctx: Context) -> tuple[int, int]:
@@ -48,10 +51,10 @@ def check_recording(ctx: Context) -> list[Finding]:
     cfg = ctx.cfg
     if not cfg.rollout.dump_tensors or cfg.mode == "train_only":
         return []
-    n_seqs, new = cfg.train_dataset.batch_size * cfg.gconfig.n_samples, cfg.gconfig.max_new_tokens
+    groups, n, new = cfg.train_dataset.batch_size, cfg.gconfig.n_samples, cfg.gconfig.max_new_tokens
     first, bound = _prompt_tokens(ctx)
-    mask = bool(cfg.rollout.workflow)
-    per, most = step_bytes_bound(n_seqs, first, new, mask), step_bytes_bound(n_seqs, bound, new, mask)
+    mask, n_seqs = bool(cfg.rollout.workflow), groups * n
+    per, most = step_bytes_bound(groups, n, first, new, mask), step_bytes_bound(groups, n, bound, new, mask)
     parent = ctx.run_dir
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

@@ -7,20 +7,18 @@ Layout, inside the run directory::
                                        count, deterministic-algorithms flag, device, ranks, dtype, CPU
     recording/step_000012.safetensors  one file per trained step (written atomically: temp file, rename)
 
-A step file is safetensors (no pickle: it loads without running code), tensors laid end to end in
-the order the step trained its trajectories::
+A step file is safetensors (no pickle: it loads without running code) holding the step's trajectories,
+in the order the step trained them, in the wire's one layout (``protocols.trajectories.TrajectoryBatch``:
+each group's prompt once, outputs, behaviour logprobs, versions and the optional loss mask end to end,
+in their wire dtypes) plus::
 
-    prompt_ids, prompt_lengths      int32/int64 ids, int64 one length per trajectory
-    output_ids, output_lengths      idem (output_lengths: one per trajectory)
-    behav_logp                      float32, one per output token (the rollouts' behaviour logprobs)
-    versions                        int32/int64, policy version of each output token
-    loss_mask, has_mask             uint8 per output token and per trajectory (only when a mask was set)
-    scores                          float64, the reward the scheduler planned per trajectory
-    rng_torch                       uint8, torch's CPU RNG state just before the step
+    scores      float64, the reward the scheduler planned, one per trajectory
+    rng_torch   uint8, torch's CPU RNG state just before the step
 
-and string metadata: ``format``, ``step``, ``version`` (the version the step produced),
-``sample_ids`` and ``group_ids`` (JSON lists). A file that is not this (truncated, another format,
-lengths that do not add up) raises ``RecordingError`` naming the file and what is wrong.
+and string metadata: ``format``, ``step``, ``version`` (the version the step produced) and
+``trajectory_meta`` (the layout's counts and ids, JSON). Reading back runs the wire's own checks
+(``TrajectoryBatch.decode``); a file that is not this (truncated, another format, counts that do not
+add up) raises ``RecordingError`` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -30,9 +28,12 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
+
+from protocols.messages import ProtocolError
+from protocols.trajectories import TrajectoryBatch
 
 from areal_async.base.private import private_dir
 from areal_async.base.records import RECORDING_DIR, RECORDING_HEADER, recorded_steps
@@ -40,10 +41,9 @@ from areal_async.trainer.types import Trajectory
 
 __all__ = ["RECORDING_DIR", "Recorder", "RecordingError", "read_header", "read_step", "recorded_steps", "write_step"]
 
-FORMAT = "areal-async-recording/1"
+FORMAT = "areal-async-recording/2"
 HEADER = RECORDING_HEADER
 RNG_KEY = "rng_torch"
-_INT = (torch.int32, torch.int64)
 
 
 class RecordingError(ValueError):
@@ -111,37 +111,56 @@ def _get(d, key):
     return d.get(key) if isinstance(d, dict) else None
 
 
-def _cat(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
-    if not parts:
-        raise ValueError(f"no {what} to record")
-    return torch.cat([p.reshape(-1).cpu() for p in parts])
+def _runs(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
+    """Consecutive trajectories of one group with one prompt (the layout keeps a group's prompt once)."""
+    runs: list[list[Trajectory]] = []
+    for t in trajs:
+        last = runs[-1][-1] if runs else None
+        same = last is not None and last.group_id == t.group_id and torch.equal(last.prompt_ids, t.prompt_ids)
+        if same:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
+def _as_batch(trajs: Sequence[Trajectory]) -> TrajectoryBatch:
+    """The trajectories in the wire layout (a loss mask on none, or on all: all ones where one had none)."""
+    masked = any(t.loss_mask is not None for t in trajs)
+
+    def mask(t: Trajectory):
+        return None if not masked else torch.ones(t.output_ids.numel()) if t.loss_mask is None else t.loss_mask
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([p.reshape(-1).cpu() for p in parts])
+
+    return TrajectoryBatch.join(
+        [
+            TrajectoryBatch.group(
+                run[0].group_id,
+                [t.sample_id for t in run],
+                run[0].prompt_ids.cpu(),
+                [t.output_ids.numel() for t in run],
+                cat([t.output_ids for t in run]),
+                cat([t.behav_logp for t in run]),
+                cat([t.versions for t in run]),
+                loss_mask=cat([mask(t) for t in run]) if masked else None,
+            )
+            for run in _runs(trajs)
+        ]
+    )
 
 
 def encode_step(step: int, version: int, trajs: Sequence[Trajectory], rng_state: torch.Tensor):
     """(tensors, metadata) of one step's file."""
-    t = {
-        "prompt_ids": _cat([x.prompt_ids for x in trajs], "prompts"),
-        "prompt_lengths": torch.tensor([x.prompt_ids.numel() for x in trajs], dtype=torch.int64),
-        "output_ids": _cat([x.output_ids for x in trajs], "outputs"),
-        "output_lengths": torch.tensor([x.output_ids.numel() for x in trajs], dtype=torch.int64),
-        "behav_logp": _cat([x.behav_logp for x in trajs], "logprobs"),
-        "versions": _cat([x.versions for x in trajs], "versions"),
-        "scores": torch.tensor([float(x.score) for x in trajs], dtype=torch.float64),
-        RNG_KEY: rng_state.detach().to(torch.uint8).reshape(-1).clone(),
-    }
-    if any(x.loss_mask is not None for x in trajs):
-        ones = [torch.ones(x.output_ids.numel(), dtype=torch.bool) for x in trajs]
-        masks = [o if x.loss_mask is None else x.loss_mask for o, x in zip(ones, trajs)]
-        t["loss_mask"] = _cat(masks, "loss masks").to(torch.uint8)
-        t["has_mask"] = torch.tensor([x.loss_mask is not None for x in trajs], dtype=torch.uint8)
-    meta = {
-        "format": FORMAT,
-        "step": str(step),
-        "version": str(version),
-        "sample_ids": json.dumps([x.sample_id for x in trajs]),
-        "group_ids": json.dumps([x.group_id for x in trajs]),
-    }
-    return t, meta
+    if not trajs:
+        raise ValueError("no trajectories to record")
+    _, tensors, layout = _as_batch(trajs).encode()
+    tensors = dict(tensors)
+    tensors["scores"] = torch.tensor([float(x.score) for x in trajs], dtype=torch.float64)
+    tensors[RNG_KEY] = rng_state.detach().to(torch.uint8).reshape(-1).clone()
+    meta = {"format": FORMAT, "step": str(step), "version": str(version), "trajectory_meta": json.dumps(layout)}
+    return tensors, meta
 
 
 def write_step(
@@ -164,6 +183,8 @@ def read_step(path: str | Path) -> RecordedStep:
     tensors, meta = _load(path)
     try:
         return _decode(path, tensors, meta)
+    except RecordingError:
+        raise
     except (KeyError, ValueError, TypeError) as e:
         raise RecordingError(f"{path}: not a well-formed recorded step ({type(e).__name__}: {e})") from None
 
@@ -184,43 +205,16 @@ def _load(path: Path) -> tuple[dict, dict]:
     return tensors, meta
 
 
-def _split(t: torch.Tensor, lengths: list[int], name: str, path: Path) -> list[torch.Tensor]:
-    if t.numel() != sum(lengths):
-        raise RecordingError(f"{path}: {name} has {t.numel()} entries; the lengths add up to {sum(lengths)}")
-    return list(t.split(lengths))
-
-
 def _decode(path: Path, t: dict, meta: dict) -> RecordedStep:
-    sids, gids = json.loads(meta["sample_ids"]), json.loads(meta["group_ids"])
-    plens, olens = t["prompt_lengths"].tolist(), t["output_lengths"].tolist()
-    if not (len(sids) == len(gids) == len(plens) == len(olens) == t["scores"].numel()) or not sids:
-        raise RecordingError(
-            f"{path}: {len(sids)} sample ids, {len(gids)} group ids, {len(plens)} prompt lengths, {len(olens)} "
-            f"output lengths, {t['scores'].numel()} scores; expected as many of each, at least one"
-        )
-    for name in ("prompt_ids", "output_ids", "versions"):
-        if t[name].dtype not in _INT:
-            raise RecordingError(f"{path}: {name} is {t[name].dtype}; expected int32 or int64")
-    if t["behav_logp"].dtype != torch.float32:
-        raise RecordingError(f"{path}: behav_logp is {t['behav_logp'].dtype}; expected float32")
-    cols = [_split(t["prompt_ids"], plens, "prompt_ids", path)]
-    cols += [_split(t[n], olens, n, path) for n in ("output_ids", "behav_logp", "versions")]
-    masks = _masks(path, t, olens)
-    scores = t["scores"].tolist()
-    trajs = [
-        Trajectory(sid, gid, p, o, lp, v, s, m) for sid, gid, p, o, lp, v, s, m in zip(sids, gids, *cols, scores, masks)
-    ]
-    return RecordedStep(int(meta["step"]), int(meta["version"]), trajs, t[RNG_KEY], path)
-
-
-def _masks(path: Path, t: dict, olens: list[int]) -> list[Optional[torch.Tensor]]:
-    if "loss_mask" not in t:
-        return [None] * len(olens)
-    has = t["has_mask"].tolist()
-    if len(has) != len(olens):
-        raise RecordingError(f"{path}: has_mask has {len(has)} entries for {len(olens)} trajectories")
-    parts = _split(t["loss_mask"].to(torch.bool), olens, "loss_mask", path)
-    return [m if h else None for m, h in zip(parts, has)]
+    scores, rng = t.pop("scores"), t.pop(RNG_KEY)
+    try:
+        views = TrajectoryBatch.decode(path.name, json.loads(meta["trajectory_meta"]), t).samples()
+    except ProtocolError as e:
+        raise RecordingError(f"{path}: {e}") from None
+    if scores.dtype != torch.float64 or scores.numel() != len(views):
+        raise RecordingError(f"{path}: {scores.numel()} {scores.dtype} scores for {len(views)} trajectories")
+    trajs = [Trajectory.of(v, s) for v, s in zip(views, scores.tolist())]
+    return RecordedStep(int(meta["step"]), int(meta["version"]), trajs, rng, path)
 
 
 class Recorder:

@@ -34,9 +34,9 @@ def test_mode_config_errors(overrides, fragment):
 
 
 def test_step_bytes_bound_by_hand():
-    # 2 sequences x (4 x 3 prompt bytes + 12 x 5 output bytes + 124) + 5056 RNG + 1024 = 6472
-    assert step_bytes_bound(2, 3, 5, with_mask=False) == 2 * (12 + 60 + 124) + 5056 + 1024
-    assert step_bytes_bound(2, 3, 5, with_mask=True) == 2 * (12 + 65 + 124) + 5056 + 1024
+    # 2 groups x (4 x 3 prompt bytes + 60 + 4 samples x (12 x 5 output bytes + 68)) + 5056 RNG + 1024
+    assert step_bytes_bound(2, 4, 3, 5, with_mask=False) == 2 * (12 + 60 + 4 * (60 + 68)) + 5056 + 1024
+    assert step_bytes_bound(2, 4, 3, 5, with_mask=True) == 2 * (12 + 60 + 4 * (65 + 68)) + 5056 + 1024
 
 
 def test_recording_estimate_is_printed_with_the_run(tmp_path):
@@ -44,7 +44,7 @@ def test_recording_estimate_is_printed_with_the_run(tmp_path):
     (f,) = check_recording(context_for(cfg, TINY, ["rollout.dump_tensors=true"], "run", tmp_path / "r"))
     assert f.level == "ok"
     # 32 x 4 sequences; no tokenizer in this context: prompts at the bound, 64 positions - 12 new tokens = 52
-    per = 128 * (4 * 52 + 12 * 12 + 124) + 5056 + 1024
+    per = 32 * (4 * 52 + 60 + 4 * (12 * 12 + 68)) + 5056 + 1024
     assert f"about {per / 1024:.1f} KiB per step (128 sequences of 52 prompt + <= 12 new tokens)" in f.line
     assert f"{per * 10 / 1024:.1f} KiB for 10 steps" in f.line
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def batch() -> list[Trajectory]:
     ]
 
 
-def test_round_trip_keeps_every_field_order_and_dtype(tmp_path):
+def test_round_trip_keeps_every_field_and_the_order(tmp_path):
     (tmp_path / "recording").mkdir()
     rng = torch.get_rng_state()
     n = write_step(tmp_path, 7, 8, batch(), rng)
@@ -67,26 +68,41 @@ def test_round_trip_keeps_every_field_order_and_dtype(tmp_path):
     for got, want in zip(rec.trajs, batch(), strict=True):
         assert (got.sample_id, got.group_id, got.score) == (want.sample_id, want.group_id, want.score)
         for f in ("prompt_ids", "output_ids", "behav_logp", "versions"):
-            assert getattr(got, f).dtype == getattr(want, f).dtype, f
-            assert torch.equal(getattr(got, f), getattr(want, f)), f
-        assert (got.loss_mask is None) == (want.loss_mask is None)
-        if want.loss_mask is not None:
-            assert torch.equal(got.loss_mask, want.loss_mask)
+            assert torch.equal(getattr(got, f), getattr(want, f).to(getattr(got, f).dtype)), f
+        assert torch.equal(got.loss_mask, torch.ones_like(got.loss_mask) if want.loss_mask is None else want.loss_mask)
     assert recorded_steps(tmp_path) == [7]
 
 
-def test_layout_is_compact(tmp_path):
-    """Per output token: int32 id + float32 logprob + int32 version + uint8 mask = 13 bytes; per prompt token 4."""
-    t, _ = encode_step(0, 1, batch(), torch.get_rng_state())
-    per_token = sum(t[k].numel() * t[k].element_size() for k in ("output_ids", "behav_logp", "versions", "loss_mask"))
-    assert per_token == 6 * 13
-    assert t["prompt_ids"].numel() * t["prompt_ids"].element_size() == 7 * 4
+def test_the_wire_layout_prompt_once_a_group_and_its_dtypes():
+    """Groups of consecutive samples with one prompt: g0's prompt (3 tokens) once, g1's (1 token) once; a sample of
+    g0 coming after g1 is a group of its own. Per output token: int32 id + float32 logprob + int32 version + int8
+    mask = 13 bytes."""
+    trajs = [*batch(), Trajectory("r0-s3", "g0", [5, 6, 7], [11], [-1.0], [4], 1.0)]
+    t, meta = encode_step(0, 1, trajs, torch.get_rng_state())
+    layout = json.loads(meta["trajectory_meta"])
+    assert (layout["group_ids"], layout["group_sizes"], layout["prompt_lengths"]) == (
+        ["g0", "g1", "g0"], [2, 1, 1], [3, 1, 3]
+    )  # fmt: skip
+    assert t["prompt_ids"].tolist() == [5, 6, 7, 1, 5, 6, 7]
+    assert {k: t[k].dtype for k in ("prompt_ids", "output_ids", "logprobs", "versions", "loss_mask")} == {
+        "prompt_ids": torch.int32, "output_ids": torch.int32, "logprobs": torch.float32,
+        "versions": torch.int32, "loss_mask": torch.int8,
+    }  # fmt: skip
+    per_token = sum(t[k].numel() * t[k].element_size() for k in ("output_ids", "logprobs", "versions", "loss_mask"))
+    assert per_token == 7 * 13
+
+
+def test_same_group_different_prompts_are_two_groups():
+    a = Trajectory("a", "g", [1, 2], [3], [-1.0], [0], 0.0)
+    b = Trajectory("b", "g", [1, 9], [3], [-1.0], [0], 1.0)
+    _, meta = encode_step(0, 1, [a, b], torch.get_rng_state())
+    assert json.loads(meta["trajectory_meta"])["group_sizes"] == [1, 1]
 
 
 def test_unmasked_batch_has_no_mask_tensor():
     trajs = [batch()[0]]
     t, _ = encode_step(0, 1, trajs, torch.get_rng_state())
-    assert "loss_mask" not in t and "has_mask" not in t
+    assert "loss_mask" not in t
 
 
 def test_truncated_file_is_a_clear_error(tmp_path):
@@ -111,20 +127,22 @@ def test_other_format_and_inconsistent_lengths_are_refused(tmp_path):
     from safetensors.torch import save_file
 
     t, meta = encode_step(3, 4, batch(), torch.get_rng_state())
-    save_file(t, str(tmp_path / "a.safetensors"), metadata={**meta, "format": "something-else/9"})
-    with pytest.raises(RecordingError, match="format 'something-else/9'"):
-        read_step(tmp_path / "a.safetensors")
-    bad = dict(t, behav_logp=t["behav_logp"][:-1].clone())
-    save_file(bad, str(tmp_path / "b.safetensors"), metadata=meta)
-    with pytest.raises(RecordingError, match="behav_logp has 5 entries; the lengths add up to 6"):
-        read_step(tmp_path / "b.safetensors")
-    save_file(t, str(tmp_path / "c.safetensors"), metadata={**meta, "sample_ids": json.dumps(["a", "b"])})
-    with pytest.raises(RecordingError, match="2 sample ids, 3 group ids"):
-        read_step(tmp_path / "c.safetensors")
-    wrong = dict(t, behav_logp=t["behav_logp"].double())
-    save_file(wrong, str(tmp_path / "d.safetensors"), metadata=meta)
-    with pytest.raises(RecordingError, match="behav_logp is torch.float64; expected float32"):
-        read_step(tmp_path / "d.safetensors")
+    cases = [
+        ({}, {"format": "something-else/9"}, "format 'something-else/9'"),
+        ({"logprobs": t["logprobs"][:-1].clone()}, {}, "logprobs has 5 entries; expected 6"),
+        (
+            {"logprobs": t["logprobs"].double()},
+            {},
+            "logprobs is torch.float64 of shape (6,); expected a 1D torch.float32",
+        ),
+        ({"scores": t["scores"][:2].clone()}, {}, "2 torch.float64 scores for 3 trajectories"),
+        ({}, {"trajectory_meta": "[1, 2"}, "not a well-formed recorded step (JSONDecodeError"),
+    ]
+    for i, (tensors, metadata, fragment) in enumerate(cases):
+        path = tmp_path / f"{i}.safetensors"
+        save_file({**t, **tensors}, str(path), metadata={**meta, **metadata})
+        with pytest.raises(RecordingError, match=re.escape(f"{path}: ") + ".*" + re.escape(fragment)):
+            read_step(path)
 
 
 def test_recorder_rolls_back_steps_a_resumed_trainer_trains_again(tmp_path):
