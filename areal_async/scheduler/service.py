@@ -88,6 +88,7 @@ from areal_async.base.endpoints import Endpoints
 from areal_async.base.runkeys import Roster
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.group_filter import build_group_filter
+from areal_async.scheduler.health import IdleMeter, sample_health, trainer_idle
 from areal_async.scheduler.overdue import open_work, overdue
 from areal_async.scheduler.runlog import RunLog
 from areal_async.scheduler.sinks import sinks_from_config
@@ -238,6 +239,7 @@ class SchedulerService:
         self._step_t = time.time()
         self._filter_last = {"groups": 0, "samples": 0, "errors": 0}  # rollout.dynamic_filter's counts at the last row
         self._scored_last = [0.0, 0]  # core.scored at the last row
+        self._idle = {"rollout": IdleMeter(), "reward": IdleMeter()}  # health.py's idle fractions
         self._plan_at: dict[int, float] = {}  # step -> time its BatchPlan was sent (two with plan ahead)
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -620,7 +622,16 @@ class SchedulerService:
         if n > n0:  # every sample scored since the last row, kept or dropped: what the policy generates now
             row["reward_mean_scored"] = (total - total0) / (n - n0)
         row.update({k: v for k, v in m.metrics.items() if k not in row})
-        return row
+        return row | self._health(row, trained)
+
+    def _health(self, row: dict, trained: list) -> dict:
+        """scheduler/health.py's columns: truncation, lengths, group rewards, idle fractions."""
+        out = sample_health(trained, row["step"], self.cfg.rollout.max_head_offpolicyness)
+        idle = {"trainer_idle_frac": trainer_idle(row, row["step_s"])}
+        for (role, meter), busy in zip(self._idle.items(), ("gen_busy_s_total", "reward_busy_s_total")):
+            n = sum(1 for w in self.workers.values() if w["role"] == role)
+            idle[f"{role}_idle_frac"] = meter.add(row["wall_s"], n, row[busy])
+        return out | {k: v for k, v in idle.items() if v is not None}
 
     def _filter_counts(self) -> dict:
         """rollout.dynamic_filter's drops since the last row and in total (nothing without a filter)."""

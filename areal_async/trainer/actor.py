@@ -47,6 +47,7 @@ from areal_async.trainer.dp import (
 )
 from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, ranges
 from areal_async.trainer.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
+from areal_async.trainer.mismatch import GapCollector, mismatch_metrics
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from areal_async.trainer.packing import PackedBatch, forward_packed, one_device_cat, pack
 from areal_async.trainer.types import Trajectory
@@ -185,6 +186,7 @@ class PPOActor:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps, cfg.optimizer)
         self.step = 0
         self.skipped_indices: list[int] = []  # of the last train_step's trajectories: not trained
+        self._gaps = GapCollector()  # proximal vs behaviour per token, when the update makes the proximal
         # boba runs kl_ctl = 0: keep no reference model around at all then
         self._ref_source = ref_model if cfg.kl_ctl > 0 else None
         self._ref: Optional[torch.nn.Module] = None
@@ -265,7 +267,7 @@ class PPOActor:
                 )
         batch = self._prepare(trajs, ahead.batch if ahead is not None else None)
         stats, grad_norms, n_mb, skipped = LossStats(), [], 0, 0
-        self.skipped_indices = []
+        self.skipped_indices, self._gaps = [], GapCollector()
         for idx in minibatches_by_tokens(batch.lengths, self.cfg.ppo_n_minibatches):
             mb_stats, grad_norm, n, stepped = self._update(batch, idx, ahead.micro_batches if ahead else None)
             stats, n_mb, skipped = stats.merge(mb_stats), n_mb + n, skipped + (not stepped)
@@ -280,7 +282,14 @@ class PPOActor:
         m["skipped_steps"] = float(skipped)
         m["optimizer_steps"] = float(len(grad_norms) - skipped)
         m["masked_tokens"] = float((~batch.mask).sum())  # workflow env tokens, not trained
-        return m
+        return m | self._mismatch(batch)
+
+    def _mismatch(self, batch: _Batch) -> dict[str, float]:
+        """trainer/mismatch.py's columns: over the whole batch when its proximal logprobs were computed
+        apart (every rank has them all), else over the tokens of this rank's micro-batches."""
+        if batch.prox is None:
+            return self._gaps.metrics()
+        return mismatch_metrics(batch.prox, batch.behav, (self.step - 1) - batch.versions.long(), batch.mask)
 
     def state_dict(self, with_optimizer: bool = True) -> dict:
         """Optimizer (unless saved apart, as DCP shards: ``sharded_ckpt.py``), lr schedule, step."""
@@ -458,6 +467,9 @@ class PPOActor:
             prox = loglinear_prox(behav, logp, batch.cat("versions", traj_idx, where), self.step)
         elif prox is None and self.cfg.recompute_logprob:  # prox_from_update: these weights are the proximal policy
             prox = logp.detach().float()
+        if prox is not None and batch.prox is None:
+            lags = self.step - batch.cat("versions", traj_idx, where).long()
+            self._gaps.add(prox, behav, lags, batch.cat("mask", traj_idx, where))
         return policy_loss(
             logp,
             prox,
