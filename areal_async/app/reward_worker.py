@@ -8,6 +8,7 @@ import zmq.asyncio
 
 from areal_async.app.wiring import control_client, load_run
 from areal_async.reward.pool import RewardPool
+from areal_async.reward.samples import RewardSampleLog
 from areal_async.reward.service import RewardService
 
 
@@ -16,5 +17,11 @@ def build_reward(run_dir: str | Path, worker_id: str, index: int) -> RewardServi
     pool = RewardPool.from_config(cfg.reward)
     ctx = zmq.asyncio.Context()
     return RewardService(
-        worker_id, control_client(ctx, cfg, ep, "reward", worker_id), ctx, ep.rewards[index], pool, cfg.reward.n_procs
+        worker_id,
+        control_client(ctx, cfg, ep, "reward", worker_id),
+        ctx,
+        ep.rewards[index],
+        pool,
+        cfg.reward.n_procs,
+        RewardSampleLog(run_dir, worker_id),
     )

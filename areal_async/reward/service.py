@@ -28,6 +28,7 @@ from protocols.messages import RewardRequest, RewardRequests, RewardResults, Shu
 from protocols.sockets import decode_logged, make_socket, recv_message
 
 from areal_async.reward.pool import RewardPool
+from areal_async.reward.samples import RewardSampleLog
 from areal_async.base.control import ControlClient
 from areal_async.base.aio import TaskSet
 
@@ -52,8 +53,10 @@ class RewardService:
         bind: str,
         pool: RewardPool,
         n_procs: int,
+        samples: RewardSampleLog | None = None,
     ):
         self.worker_id, self.control, self.pool = worker_id, control, pool
+        self.samples = samples  # a few scored completions for `areal-async doctor` (reward/samples.py)
         self.pull = make_socket(ctx, zmq.PULL, bind=bind)
         self.queued = zmq.Socket.shadow(self.pull.underlying)  # the same socket, read without a Future per frame
         self.n_procs = n_procs
@@ -80,6 +83,8 @@ class RewardService:
             self.tasks.cancel()
             self.pool.close()  # kill and reap the checking processes before the worker exits
             self.pull.close(0)
+            if self.samples is not None:
+                self.samples.close()
         return self.exit_code
 
     def _live_stats(self) -> dict:
@@ -149,6 +154,8 @@ class RewardService:
     def _results(self, batch: list[RewardRequest], per_group: list[list]) -> RewardResults:
         """The batch's scores as one message (each group booked as its own RewardResult)."""
         for req, outs in zip(batch, per_group):
+            if self.samples is not None:
+                self.samples.group(req.group_id, req.completions, req.solutions, outs)
             for sid, out in zip(req.sample_ids, outs):
                 self.counts[out.status] = self.counts.get(out.status, 0) + 1
                 if out.status != "ok":
