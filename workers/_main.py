@@ -7,6 +7,9 @@ pins the process before anything heavy is imported, so every thread it starts la
 pools, ZeroMQ's I/O thread) and every process it spawns (reward-pool children) inherits the pin.
 Each ``workers/<role>.py`` therefore imports its builder (``areal_async.app.<role>_worker``)
 only after ``worker_args`` returns.
+
+Every worker registers its stack dump (``base/stacks.py``: SIGUSR2 -> ``RUN_DIR/stacks/<id>.txt``)
+here, first of all, so the supervisor's hang capture reaches it from its first import on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from areal_async.base.affinity import pin_self
+from areal_async.base.stacks import register_stack_dump
 
 
 def worker_args(role: str, argv=None) -> argparse.Namespace:
@@ -24,6 +28,7 @@ def worker_args(role: str, argv=None) -> argparse.Namespace:
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--cpus", default="", help="pin this process to these CPUs (cpu-list syntax)")
     args = p.parse_args(argv)
+    register_stack_dump(args.run_dir, args.worker_id)
     if args.cpus:
         pin_self(args.cpus)
     return args
