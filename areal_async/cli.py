@@ -11,6 +11,7 @@
     areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
     areal-async verify RUN_DIR [--all] [--eta N]  # the books against the trainer's and rollouts' records
     areal-async replay RUN_DIR --steps A:B  # the trainer alone on its recording; exit 0 iff bit-identical
+    areal-async doctor RUN_DIR [--json]    # findings with evidence and advice; exit 0 healthy, 1 findings
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. ``run`` and ``sft`` then run the
@@ -30,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from areal_async.app.doctor import doctor_main
 from areal_async.app.verify import verify_run
 from areal_async.config import ConfigError, describe, load_config, to_yaml
 from areal_async.supervisor.fleet import run_fleet
@@ -72,7 +74,14 @@ def _parser() -> argparse.ArgumentParser:
         required=True,
         help="A:B, steps A..B-1 as in metrics.jsonl: from the checkpoint of version A to that of version B",
     )
+    dr = sub.add_parser("doctor", help="is a run healthy: findings with evidence and advice (exit 1 with findings)")
+    dr.add_argument("run_dir", help="a run directory, live or finished")
+    dr.add_argument("--json", action="store_true", help="one JSON object instead of text")
     return p
+
+
+def _doctor(args) -> int:
+    return doctor_main(args.run_dir, args.json)
 
 
 def _replay(args) -> int:
@@ -243,6 +252,7 @@ NO_CONFIG = {
     "status": _status,
     "verify": _verify,
     "replay": _replay,
+    "doctor": _doctor,
 }
 
 

@@ -1,0 +1,112 @@
+"""``areal-async doctor RUN_DIR [--json]``: is this run healthy, and if not, why.
+
+Reads a run directory, live or finished (``doctor_run.py``: metrics.jsonl with the health columns of
+``scheduler/health.py`` and ``trainer/mismatch.py``, reward_samples/, logs/, lost.jsonl, hangs.jsonl
+and stacks/, status.json, summary.json) and runs every check of ``doctor_checks.py``. Each finding
+prints its evidence (figures from the run, sample completions, captured stacks) and advice (the
+config knob that moves it). Exit 0: no findings; 1: findings; 2: not a run directory. ``--json``
+prints one object: ``{"run_dir", "steps", "state", "findings": [{code, title, evidence, advice,
+stacks?}], "skipped", "notes"}``. No torch, no zmq: it runs beside a live fleet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from areal_async.app.doctor_checks import CHECKS, Finding, halves, mean, quarters
+from areal_async.app.doctor_run import DoctorError, RunData, read_run
+
+__all__ = ["DoctorError", "diagnose", "render", "doctor_main"]
+
+HEALTH_KEYS = ("truncated_frac", "entropy", "logp_gap_mean", "trainer_idle_frac")
+STACK_LINES = 40  # of each worker's dump shown in the text report (--json has all of it)
+
+
+def diagnose(run_dir: str | Path) -> tuple[RunData, list[Finding]]:
+    run = read_run(run_dir)
+    return run, [f for check in CHECKS for f in check(run)]
+
+
+def state(run: RunData) -> str:
+    if run.summary is not None:
+        return "finished"
+    if run.status is not None and run.status_age_s is not None and run.status_age_s < 30:
+        return "live"
+    return "stopped before its end (no summary.json)"
+
+
+def skipped(run: RunData) -> list[str]:
+    """What the checks could not read: a run of an older version lacks the health columns."""
+    have = {k for r in run.rows for k in r}
+    out = [f"no {k} column in metrics.jsonl: its check was skipped" for k in HEALTH_KEYS if k not in have]
+    if not run.rows:
+        out.append("metrics.jsonl has no step rows yet: only restarts, hangs and silence were checked")
+    return out
+
+
+FIGURES = (  # shown on every report (means over the second half; reward also over the first quarter)
+    "reward_mean",
+    "entropy",
+    "truncated_frac",
+    "completion_len_p90",
+    "groups_all_zero_frac",
+    "groups_all_one_frac",
+    "staleness_at_bound_frac",
+    "trainer_idle_frac",
+    "rollout_idle_frac",
+    "reward_idle_frac",
+    "logp_gap_mean",
+    "logp_gap_p99",
+    "ess_frac",
+)
+
+
+def figures(run: RunData) -> dict[str, float]:
+    """The health figures the checks judged: second-half means (reward: first quarter too)."""
+    late = halves(run.rows)
+    out = {k: mean(run.series(k, late)) for k in FIGURES}
+    out["reward_mean_first_quarter"] = mean(run.series("reward_mean", quarters(run.rows)[0])) if run.rows else None
+    return {k: round(v, 4) for k, v in out.items() if v is not None}
+
+
+def as_json(run: RunData, findings: list[Finding]) -> dict:
+    return {
+        "run_dir": str(run.run_dir),
+        "steps": len(run.rows),
+        "state": state(run),
+        "findings": [f.as_dict() for f in findings],
+        "figures": figures(run),
+        "skipped": skipped(run),
+        "notes": run.notes,
+    }
+
+
+def render(run: RunData, findings: list[Finding]) -> str:
+    head = f"areal-async doctor: {run.run_dir}: {len(run.rows)} steps, {state(run)}"
+    lines = [f"{head}: {len(findings) or 'no'} finding(s)"]
+    figs = figures(run)
+    if figs:
+        lines.append("  second half: " + ", ".join(f"{k} {v:g}" for k, v in figs.items()))
+    for f in findings:
+        lines += ["", f"[{f.code}] {f.title}"]
+        lines += [f"  evidence: {e}" for e in f.evidence]
+        lines.append(f"  advice: {f.advice}")
+        for wid, text in sorted(f.stacks.items()):
+            body = text.rstrip().splitlines()
+            shown = f", first {STACK_LINES}" if len(body) > STACK_LINES else ""
+            lines.append(f"  stacks of {wid} ({len(body)} lines{shown}):")
+            lines += ["    | " + x for x in body[:STACK_LINES]]
+    lines += [f"  (skipped: {s})" for s in skipped(run)] + [f"  (note: {n})" for n in run.notes[:5]]
+    return "\n".join(lines)
+
+
+def doctor_main(run_dir: str, as_json_out: bool) -> int:
+    """The command: exit 0 healthy, 1 findings, 2 not a run directory."""
+    try:
+        run, findings = diagnose(run_dir)
+    except DoctorError as e:
+        print(f"areal-async doctor: error: {e}")
+        return 2
+    print(json.dumps(as_json(run, findings), indent=2) if as_json_out else render(run, findings))
+    return 1 if findings else 0
