@@ -67,7 +67,7 @@ from areal_async.supervisor.progress import ProgressLine
 from areal_async.supervisor.report import build_failure, finish, tell_dead
 from areal_async.supervisor.rundir import Nodes, RunDir, remove_run_files, write_pids, write_run_dir
 from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, server_commands
-from areal_async.supervisor.watchdog import LostLog, StepWatchdog
+from areal_async.supervisor.watchdog import LostLog, StepWatchdog, capture_hang
 from areal_async.trainer.checkpoint_dirs import latest_complete_checkpoint
 
 GRACE_S = 5.0
@@ -170,6 +170,8 @@ class Supervisor:
                 self._restart(failed[0])
                 continue
             silent = None if failed else self.watchdog.check()
+            if silent:  # the stacks of every role into the run directory before acting
+                capture_hang(self.run_dir, {c.name: c.proc for c in self.children}, silent)
             if failed or silent:
                 if self._recover_or_fail(failed[0] if failed else None, silent):
                     continue

@@ -4,6 +4,8 @@
   the trainer is ready (``status.json``: ``trainer_ready``); before that, no word from the scheduler
   for as long. ``check()`` then names whose work is overdue (the oldest unfinished work and its
   holder, ``scheduler/overdue.py``) and what every worker waits for (``silence_report``).
+- ``capture_hang``: before the supervisor acts on the watchdog's finding, every local worker's Python
+  stacks go into the run directory (``supervisor/hangs.py``; ``areal-async doctor`` shows them).
 - ``LostLog``: the new lines of ``lost.jsonl`` (workers the scheduler declared lost), read as they
   are appended; a half-written last line waits for its newline.
 """
@@ -11,12 +13,15 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from areal_async.config import ExperimentConfig
 from areal_async.scheduler.overdue import overdue
+from areal_async.supervisor.hangs import capture_stacks
+from areal_async.supervisor.launchers import Launched, LocalProcess
 
 
 class StepWatchdog:
@@ -51,6 +56,18 @@ class StepWatchdog:
         if now - self.last_step_t < limit:
             return None
         return silence_report(status, age, now - self.last_step_t, self.cfg)
+
+
+def capture_hang(run_dir: Path, procs: dict[str, Launched], why: str) -> None:
+    """The stacks of every running local process (a Ray or Slurm process is on another node: skipped)."""
+    pids = {name: p.pid for name, p in procs.items() if isinstance(p, LocalProcess) and p.poll() is None}
+    cap = capture_stacks(run_dir, pids, why)
+    got = sorted(w for w, e in cap["workers"].items() if e["dumped"])
+    where = run_dir / "stacks"
+    print(
+        f"\n[areal-async] stacks of {', '.join(got) or 'no worker'} captured in {where} (doctor shows them)",
+        file=sys.stderr,
+    )
 
 
 def read_status(path: Path) -> tuple[Optional[dict], Optional[float]]:
