@@ -47,7 +47,8 @@ def catches(pid: int, sig: int) -> bool:
     return False
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """Bytes in ``path``, 0 when it is missing."""
     try:
         return path.stat().st_size
     except OSError:
@@ -57,7 +58,7 @@ def _size(path: Path) -> int:
 def _signal_one(run_dir: Path, wid: str, pid: int) -> dict:
     """Signal one worker for its dump; its hangs.jsonl entry."""
     state = proc_state(pid)
-    entry = {"pid": pid, "state": state, "offset": _size(stacks_path(run_dir, wid))}
+    entry = {"pid": pid, "state": state, "offset": file_size(stacks_path(run_dir, wid))}
     if state in ("?", "Z", "X"):
         return entry | {"dumped": False, "note": "not running"}
     if not catches(pid, STACK_SIGNAL):
@@ -75,7 +76,7 @@ def _wait_for_dumps(run_dir: Path, entries: dict[str, dict], wait_s: float) -> N
     """Until every signalled stacks file grew and then stayed the same size for 0.2 s (or wait_s)."""
     deadline, last, stable_since = time.monotonic() + wait_s, None, time.monotonic()
     while any(e["dumped"] for e in entries.values()) and time.monotonic() < deadline:
-        sizes = {w: _size(stacks_path(run_dir, w)) for w, e in entries.items() if e["dumped"]}
+        sizes = {w: file_size(stacks_path(run_dir, w)) for w, e in entries.items() if e["dumped"]}
         grown = all(sizes[w] > entries[w]["offset"] for w in sizes)
         if sizes != last:
             last, stable_since = sizes, time.monotonic()
@@ -116,7 +117,7 @@ def capture_stacks(run_dir: str | Path, pids: dict[str, int], why: str, wait_s: 
     for wid, e in entries.items():
         if e["state"] == "T" and e["dumped"]:
             _stop_again(e["pid"])
-        e["bytes"] = _size(stacks_path(run_dir, wid)) - e["offset"]
+        e["bytes"] = file_size(stacks_path(run_dir, wid)) - e["offset"]
         if (spy := _py_spy(run_dir, wid, e["pid"])) is not None:
             e["py_spy"] = spy
     cap = {"t": time.time(), "why": why, "workers": entries}

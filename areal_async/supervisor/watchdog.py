@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 from areal_async.config import ExperimentConfig
 from areal_async.scheduler.overdue import overdue
-from areal_async.supervisor.hangs import capture_stacks
+from areal_async.supervisor.hangs import capture_stacks, file_size
 from areal_async.supervisor.launchers import Launched, LocalProcess
 
 
@@ -116,10 +116,3 @@ class LostLog:
             except json.JSONDecodeError:
                 continue
         return out
-
-
-def file_size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
