@@ -109,7 +109,7 @@ def _py_spy(run_dir: Path, wid: str, pid: int) -> Optional[str]:
     return out.name if res.returncode == 0 else f"py-spy exited {res.returncode}: {res.stderr.strip()[:200]}"
 
 
-def capture_stacks(run_dir: str | Path, pids: dict[str, int], why: str, wait_s: float = 3.0) -> dict:
+def capture_stacks(run_dir: str | Path, pids: dict[str, int], why: str, wait_s: float = 10.0) -> dict:
     """Dump every worker's stacks into the run directory; the capture (also appended to hangs.jsonl)."""
     run_dir = Path(run_dir)
     entries = {wid: _signal_one(run_dir, wid, pid) for wid, pid in pids.items()}
