@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from areal_async.reward.answers import extract_boxed
+from areal_async.reward.math_verify_reward import extract_boxed
 
 FORMATS = ("auto", "boba", "gsm8k", "math")
 _CALC_NOTE = re.compile(r"<<[^<>]*>>")
