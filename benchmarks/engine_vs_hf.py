@@ -52,6 +52,7 @@ from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.torch_engine import TorchEngine
+from benchmarks import gemm_bound
 from benchmarks.common import write_rows
 
 ENGINE_TARGET = 2.0
@@ -203,6 +204,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-eos", action="store_true", help="no eos: every sample runs --new-tokens tokens")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the rollout worker's default is 1)")
     ap.add_argument(
+        "--shapes",
+        default="",
+        help="comma list of benchmarks.gemm_bound shapes (tiny, real): one row per width, in this run, each with "
+        "the engine's and HF's fraction of the bare-matmul decode bound (replaces the --hidden.. model)",
+    )
+    ap.add_argument(
         "--retained-heap-mb",
         type=int,
         default=ClusterConfig().retained_heap_mb,
@@ -211,10 +218,49 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def width_rows(args) -> list[dict]:
+    """``--shapes``: the same batch at each width; engine and HF tokens/s beside the GEMM bound of a decode step
+    (``benchmarks.gemm_bound``: every linear layer for prompts x samples rows, nothing else)."""
+    rows = []
+    for shape in args.shapes.split(","):
+        cfg = gemm_bound.model_config(shape, max_position_embeddings=max(32, 8 + args.new_tokens))
+        model = build_model(cfg, cfg.vocab_size, seed=1)
+        g = torch.Generator().manual_seed(0)
+        prompts = [[1, *torch.randint(3, cfg.vocab_size, (4,), generator=g).tolist()] for _ in range(args.prompts)]
+        load0 = os.getloadavg()[0]
+        gen = measure(model, prompts, args.samples, args.new_tokens, None, 0, args.repeats)
+        rows_ = args.prompts * args.samples
+        bound = rows_ / gemm_bound.decode_step_s(gemm_bound.linear_shapes(cfg, cfg.vocab_size), rows_)
+        meta = {
+            "shape": shape,
+            "model": f"{cfg.arch} hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}",
+            "batch": f"{args.prompts} prompts x {args.samples} samples, {args.new_tokens} new tokens, no eos",
+            "gemm_bound_tokens_per_s": bound,
+            "engine_fraction_of_gemm_bound": gen["engine_tokens_per_s"] / bound,
+            "hf_fraction_of_gemm_bound": gen["hf_tokens_per_s"] / bound,
+            "threads": args.threads,
+            "loadavg_before": load0,
+            "loadavg_after": os.getloadavg()[0],
+        }
+        rows.append(ratio_row(gen, **meta))
+        print(
+            f"{shape} ({meta['model']}; {meta['batch']}): engine {gen['engine_tokens_per_s']:.0f} tokens/s "
+            f"({meta['engine_fraction_of_gemm_bound']:.2f} of the GEMM bound {bound:.0f}), HF "
+            f"{gen['hf_tokens_per_s']:.0f} ({meta['hf_fraction_of_gemm_bound']:.2f}): {rows[-1]['value']:.2f}x; "
+            f"load {load0:.1f} -> {meta['loadavg_after']:.1f}"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = _parser().parse_args(argv)
     set_torch_threads(args.threads)
     retain_freed_heap(args.retained_heap_mb)
+    if args.shapes:
+        rows = width_rows(args)
+        if args.json:
+            write_rows(args.json, rows)
+        return rows
     tok = build_char_tokenizer("0123456789+=")
     mcfg = ModelConfig(
         hidden_size=args.hidden,
