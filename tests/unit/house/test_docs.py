@@ -160,3 +160,16 @@ def test_every_docs_page_is_linked_from_the_readme():
     text = (ROOT / "README.md").read_text()
     unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name})" not in text]
     assert not unlinked, f"README.md links no docs/ page named {unlinked}: add it to its Documentation list"
+
+
+def expand_braces(text: str) -> str:
+    """`configs/tiny_{a,b}.yaml` -> `configs/tiny_a.yaml configs/tiny_b.yaml` (one level, as the docs write it)."""
+    return re.sub(r"(\S*)\{([^{}]+)\}(\S*)", lambda m: " ".join(m[1] + x + m[3] for x in m[2].split(",")), text)
+
+
+def test_every_preset_is_in_the_presets_table():
+    """A config added to configs/ is documented: docs/running.md's presets table names it."""
+    assert expand_braces("`configs/tiny_{a,b}.yaml`") == "`configs/tiny_a.yaml` `configs/tiny_b.yaml`"
+    table = expand_braces((ROOT / "docs/running.md").read_text().split("## Presets", 1)[1])
+    missing = [p.name for p in sorted((ROOT / "configs").glob("*.yaml")) if f"configs/{p.name}" not in table]
+    assert not missing, f"docs/running.md's presets table does not name {missing}"
