@@ -173,3 +173,12 @@ def test_every_preset_is_in_the_presets_table():
     table = expand_braces((ROOT / "docs/running.md").read_text().split("## Presets", 1)[1])
     missing = [p.name for p in sorted((ROOT / "configs").glob("*.yaml")) if f"configs/{p.name}" not in table]
     assert not missing, f"docs/running.md's presets table does not name {missing}"
+
+
+def test_every_benchmark_is_in_the_benchmarks_table():
+    """A benchmark added to benchmarks/ is described: benchmarks/README.md's table has a row for it."""
+    text = (ROOT / "benchmarks/README.md").read_text()
+    names = [p.stem for p in sorted((ROOT / "benchmarks").glob("*.py")) if p.stem not in ("__init__", "results")]
+    names += [p.name for p in sorted((ROOT / "benchmarks").iterdir()) if (p / "__main__.py").exists()]
+    missing = [n for n in names if f"| `{n}` |" not in text]
+    assert not missing, f"benchmarks/README.md has no row for {missing}"
