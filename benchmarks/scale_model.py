@@ -26,8 +26,11 @@ inside a node on NVLink:
 - ring: pipelined chain over nodes in k chunks, k chosen optimally: ``S/B_node + (nodes - 1 + k - 1) *
   alpha + (nodes - 1) * S / (k B_node)`` ~ ``S/B_node + (nodes-1) alpha + 2 sqrt((nodes-1) alpha S/B_node)``;
 each followed (multi-node) by an NVLink allgather of the 8 shards inside every node,
-``7/8 * S / B_nvlink + 7 * alpha_nvl``. Not modelled: congestion, stragglers, the time to gather
-FSDP shards on the trainer, and the engine's weight load after the bytes arrive.
+``7/8 * S / B_nvlink + 7 * alpha_nvl``. A LoRA run publishes its adapter alone: ``7B-lora-r16`` is a
+rank-16 adapter on every linear layer of Qwen2-7B, P = L r (9 h + 2 kv + 3 i) = 40.4M parameters
+(``lora_numel``), broadcast by the same formulas with S = 2P = 80.7 MB instead of 15.2 GB.
+Not modelled: congestion, stragglers, the time to gather FSDP shards on the trainer, and the
+engine's weight load after the bytes arrive.
 """
 
 from __future__ import annotations
@@ -44,7 +47,18 @@ from benchmarks.common.rows import write_rows
 
 GB = 1e9
 BYTES_PER_TOKEN = 12
-MODELS = {"1.5B": 1.54e9, "7B": 7.6e9, "32B": 32.8e9}
+QWEN2_7B = dict(hidden=3584, inter=18944, layers=28, kv=4 * 128)  # Qwen2-7B's config.json (4 KV heads of 128)
+
+
+def lora_numel(hidden: int, inter: int, layers: int, kv: int, rank: int) -> int:
+    """Numbers of a rank-r LoRA adapter on q, k, v, o, gate, up, down (kv = key/value heads x head dim):
+    r (in + out) per adapted layer, summed: L r (9 h + 2 kv + 3 i)  [q h+h, k h+kv, v h+kv, o h+h,
+    gate h+i, up h+i, down i+h]. Qwen2-7B at r = 16: 28 * 16 * 90,112 = 40,370,176 (0.53 % of 7.6e9)."""
+    return layers * rank * (9 * hidden + 2 * kv + 3 * inter)
+
+
+# parameters published per version (bf16): full models, and a LoRA run's adapter alone
+MODELS = {"1.5B": 1.54e9, "7B": 7.6e9, "32B": 32.8e9, "7B-lora-r16": float(lora_numel(**QWEN2_7B, rank=16))}
 GPUS = [8 * 2**i for i in range(8)]  # 8 .. 1024
 CLAIM_S = 3.0
 

@@ -30,6 +30,10 @@ the trainer side / rollout receiver):
   its heads: ``payloads.engine_shape``) holding 4 groups x 2 samples mid-generation, from
   ``publish_begin`` to the engine generating with the new weights: received, copied into its
   parameters (``load_s``) and every running KV cache recomputed (``recompute_s``).
+- LoRA (``weight_sync_lora``): a rank-16 adapter on every linear layer of the same model (bf16,
+  ``payloads.lora_state_dict``: L r (9 h + 2 kv + 3 i) numbers), through the same channel right after
+  the full weights: what a LoRA run publishes instead; ``bytes_ratio`` and ``time_ratio`` against the
+  model's full row (pipelined).
 
 p50/p99 are over ``repeats`` samples after one warm-up (with few repeats p99 is ~ the max).
 JSON rows: ``metric``, ``value``, ``unit`` always; transfer and weight rows also ``transport``,
@@ -49,6 +53,7 @@ from benchmarks.common.payloads import (
     MODELS,
     boba_batch,
     engine_shape,
+    lora_state_dict,
     n_params,
     nbytes,
     pack_batch,
@@ -75,6 +80,7 @@ CPU_MAX_BYTES = 256 * MiB
 ZMQ_CPU_MAX_PARAMS = 6e8  # zmq weight sync holds ~4 copies (state dict, buckets, frames, decoded)
 CPU_TRANSPORTS = ("shm", "zmq", "gloo")
 GPU_TRANSPORTS = GPU_KINDS
+LORA_RANK = 16  # the adapter rows: rank 16 on every linear layer, bf16 (as the full rows)
 
 
 # --- configure --------------------------------------------------------------------------------
@@ -243,12 +249,16 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
                 bar.update(1)  # skipped: see the note added in weight_models
                 continue
             sd = synthetic_state_dict(*MODELS[model], device=opts.device)
+            full: dict = {}
             for pipeline in [True, False] if kind in ("gloo", "nccl") else [True]:
                 ch.pipeline = pipeline
                 samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
                 version += 10
                 rows.append(weight_row(kind, model, sd, samples, pub, pipeline, bound.gbps(ref), opts.device, last))
+                full = rows[-1] if pipeline else full  # the pipelined row: what the LoRA row compares with
             ch.pipeline = True
+            rows.append(run_lora(peer, ch, kind, model, full, opts, bound, version))
+            version += 10
             del sd
             if opts.e2e and opts.device == "cpu":
                 rows.append(run_e2e(peer, ch, kind, model, opts, bound, version))
@@ -258,6 +268,23 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
         ch.close()
         peer.call("close", what="weights")
     return rows
+
+
+def run_lora(peer: Peer, ch, kind: str, model: str, full: dict, opts: Opts, bound: Copier, version: int) -> dict:
+    """A rank-``LORA_RANK`` adapter of the same model through the same channel (what a LoRA run publishes),
+    beside ``full`` (that model's full-weights row): bytes and time, and their ratios."""
+    sd = lora_state_dict(*MODELS[model], rank=LORA_RANK, device=opts.device)
+    samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
+    row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
+    row.update(
+        metric="weight_sync_lora",
+        rank=LORA_RANK,
+        full_bytes=full["bytes"],
+        full_p50_s=full["p50_s"],
+        bytes_ratio=full["bytes"] / row["bytes"],
+        time_ratio=full["p50_s"] / row["p50_s"],
+    )
+    return row
 
 
 def run_e2e(peer: Peer, ch, kind: str, model: str, opts: Opts, bound: Copier, version: int) -> dict:
@@ -337,7 +364,7 @@ def weight_row(
 
 
 def _what(r: dict) -> str:
-    e2e = " e2e" if r["metric"] == "weight_sync_e2e" else ""
+    e2e = {"weight_sync_e2e": " e2e", "weight_sync_lora": f" lora r{r.get('rank')}"}.get(r["metric"], "")
     return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial") + e2e
 
 
@@ -355,7 +382,17 @@ COLUMNS = [
 
 def show(rows: list[dict]) -> None:
     print()
-    print_table(rows, COLUMNS, where=lambda r: r["metric"] in ("transfer_latency", "weight_sync", "weight_sync_e2e"))
+    print_table(
+        rows,
+        COLUMNS,
+        where=lambda r: r["metric"] in ("transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora"),
+    )
+    for r in rows:
+        if r["metric"] == "weight_sync_lora":
+            print(
+                f"lora {r['transport']} {r['model']} r{r['rank']}: {r['bytes_ratio']:.0f}x fewer bytes, "
+                f"{r['time_ratio']:.1f}x less time than the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
+            )
     for note in rows[0].get("notes", []):
         print("note:", note)
     for r in rows:

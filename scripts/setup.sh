@@ -13,5 +13,5 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0"
 # ray: the README's test command collects tests/e2e/test_ray_launcher.py, which needs a real local Ray (the
 # extra adds ~240 MB; measured 70 s wall on 2 shared cores at load 13, .ci/run saw 12 s from a warm pip cache)
-.venv/bin/python -m pip install -q -e '.[test,bench,tb,ray,gym]'
+.venv/bin/python -m pip install -q -e '.[test,bench,tb,ray,gym,lora]'
 echo "areal-async: environment ready in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

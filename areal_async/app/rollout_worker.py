@@ -16,6 +16,8 @@ from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, server_addresses
 from areal_async.base.plugins import load_callable
+from areal_async.models import lora
+from areal_async.models.lora import LORA_BASE
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tokenizer import batch_decoder
@@ -43,7 +45,7 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
     elif cfg.rollout.backend.startswith("vllm"):
         engine = vllm_engine(cfg, ep, tok, run_dir, worker_id, index, max_in_flight=max_active * cfg.gconfig.n_samples)
     else:
-        engine = torch_engine(cfg, tok, index)
+        engine = torch_engine(cfg, tok, index, run_dir)
     ctx = zmq.asyncio.Context()
     traj = trajectory_channel(cfg, ep, "sender", rank=index + 1)
     weights = weight_channel(cfg, ep, "receiver", rank=index + 1)
@@ -79,15 +81,25 @@ def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
     return {"episodes": episodes, "tokenizer": tok, "score": score}
 
 
-def torch_engine(cfg: ExperimentConfig, tok, index: int) -> TorchEngine:
-    """The embedded engine; it starts without weights (version -1): version 0 comes from the trainer."""
+def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path) -> TorchEngine:
+    """The embedded engine; it starts without weights (version -1): version 0 comes from the trainer (in a
+    LoRA run, its adapter; the base is read from the run directory at the first one)."""
+    model = torch_engine_model(cfg, tok)
+    spec = lora.LoraSpec.of(cfg.actor.lora)
+    adapter = None
+    if spec is not None:
+        base = Path(run_dir) / LORA_BASE
+        adapter = lora.EngineAdapter(
+            model, spec, cfg.actor.lora.engine_merge, base=lambda: load_model(base, cfg.model.dtype).state_dict()
+        )
     return TorchEngine(
-        torch_engine_model(cfg, tok),
+        model,
         tok,
         device=cfg.cluster.device,
         seed=cfg.seed * 1000 + index,
         max_batch_groups=cfg.rollout.max_batch_groups,
         kv_cache_bytes=int(cfg.rollout.kv_cache_mb * (1 << 20)),
+        adapter=adapter,
     )
 
 

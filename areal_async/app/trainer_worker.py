@@ -9,6 +9,8 @@ compute in ``model.dtype``). Rank 0 is the ``TrainerService``; ranks 1..K-1 are 
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -21,7 +23,8 @@ from areal_async.app.rollout_worker import torch_engine_model
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
-from areal_async.models.tiny import load_model, load_policy, to_dtype
+from areal_async.models import lora
+from areal_async.models.tiny import load_model, load_policy, save_policy, to_dtype
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool
 from areal_async.trainer.actor import PPOActor
@@ -33,7 +36,7 @@ from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.recording import Recorder, machine_header
 from areal_async.trainer.service import FollowerRank, TrainerService
-from areal_async.trainer.sharded_ckpt import export_full, has_shards, load_shards, save_shards
+from areal_async.trainer.sharded_ckpt import export_adapter, export_full, has_shards, load_shards, save_shards
 
 # weight channels whose publication needs no receiver to take part (the trainer may publish after
 # TrainStepDone, see trainer/service.py); gloo/nccl broadcast to live receivers, cuda_ipc not tried
@@ -52,12 +55,17 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
     model, tok, ckpt = _trainer_policy(cfg, resume, rank, sharded)
     if dp.active and ckpt is None:
         broadcast_module(model)  # the warm-up ran on rank 0 only
+    spec = lora.LoraSpec.of(cfg.actor.lora)
+    if spec is not None:  # the adapter on the frozen initial policy (the same seeded A on every rank)
+        if ckpt is None and rank == 0:
+            write_lora_base(model, tok, lora_base_dir(run_dir))
+        lora.inject(model, spec, cfg.seed)
     actor = make_actor(cfg, model, tok, dp, sharded)
     start_step = start_version = 0
     if ckpt is not None:
         restore_actor(actor, ckpt)
         start_step, start_version = ckpt["step"] + 1, ckpt["version"]
-    write_shards = _shard_writer(actor, dtype)
+    write_shards = _shard_writer(actor, dtype, spec, str(lora_base_dir(run_dir)))
     if rank > 0:
         return FollowerRank(actor, write_shards, dtype, _bucket_bytes(cfg))
     return _service(
@@ -182,7 +190,22 @@ def _trainer_policy(cfg: ExperimentConfig, resume: str | None, rank: int, sharde
             warmup(cfg, model, tok)
         return model, tok, None
     ckpt = load_checkpoint(resume, restore_rng=True)
-    return load_model(resume, "float32" if sharded else cfg.model.dtype), load_tokenizer(resume), ckpt
+    weights = resume if cfg.actor.lora.rank == 0 else lora_base_dir(Path(resume).parents[1])  # run_dir/checkpoints/k
+    return load_model(weights, "float32" if sharded else cfg.model.dtype), load_tokenizer(resume), ckpt
+
+
+def lora_base_dir(run_dir: str | Path) -> Path:
+    """Where a LoRA run keeps its frozen base (the initial policy), once: the rollouts load it from there."""
+    return Path(run_dir) / lora.LORA_BASE
+
+
+def write_lora_base(model, tok, path: Path) -> None:
+    """The base model and tokenizer as an HF directory, atomically (a temporary directory renamed)."""
+    tmp = path.with_name(f".{path.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(model, tok, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
 
 
 def _reference(cfg: ExperimentConfig) -> torch.nn.Module:
@@ -192,13 +215,17 @@ def _reference(cfg: ExperimentConfig) -> torch.nn.Module:
     return load_policy(cfg.model, cfg.seed)[0].to(to_dtype(cfg.ref.dtype))
 
 
-def _shard_writer(actor: PPOActor, dtype: torch.dtype):
+def _shard_writer(actor: PPOActor, dtype: torch.dtype, spec: lora.LoraSpec | None = None, base_dir: str = ""):
     """What every rank writes into a checkpoint directory: its DCP shards, then the HF export
-    (gathered; rank 0 writes it in the publish dtype)."""
+    (gathered; rank 0 writes it in the publish dtype), or a LoRA run's adapter alone (``spec``; its
+    base in ``base_dir``)."""
 
     def write(path: str | Path) -> None:
         save_shards(path, actor.model, actor.optimizer)
-        export_full(path, actor.model, dtype, actor.dp.rank)
+        if spec is not None:
+            export_adapter(path, actor.model, spec, base_dir, actor.dp.rank)
+        else:
+            export_full(path, actor.model, dtype, actor.dp.rank)
 
     return write
 

@@ -328,6 +328,39 @@ class MicroBatchSpec(Section):
 
 
 @dataclass
+class LoraConfig(Section):
+    """LoRA (``models/lora.py``): the trainer trains an adapter on the frozen initial policy, and only the
+    adapter is published to the rollouts (its checkpoints hold it alone)."""
+
+    rank: int = _f(0, "Adapter rank r; 0 = off (full fine-tuning).")
+    alpha: float = _f(16.0, "The adapter's update is scaled by alpha / rank.")
+    target_modules: list = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "Linear layers adapted, by the last part of their module name.",
+    )
+    dropout: float = _f(0.0, "Dropout on the adapter's input while training.")
+    engine_merge: bool = _f(
+        True,
+        "Embedded engine: fold W + (alpha/r) B A into the weights at each update (True), or keep the adapter "
+        "apart and run its two thin matmuls per layer and token (False).",
+    )
+
+    def check(self) -> None:
+        at_least(self, "rank", 0)
+        above(self, "alpha", 0)
+        within(self, "dropout", "[0, 1)")
+        names = self.target_modules
+        require(
+            bool(names)
+            and all(isinstance(n, str) and n and "." not in n for n in names)
+            and len(set(names)) == len(names),
+            "target_modules",
+            names,
+            "a non-empty list of distinct layer names such as q_proj (the last part of a module name)",
+        )
+
+
+@dataclass
 class ActorConfig(ObjectiveConfig):
     """The trained policy and its PPO objective (GRPO-style: no critic; objective keys: objective.py)."""
 
@@ -358,6 +391,7 @@ class ActorConfig(ObjectiveConfig):
     gradient_checkpointing: bool = _f(
         False, "Recompute each decoder layer's activations in backward instead of keeping them (less memory)."
     )
+    lora: LoraConfig = _sub(LoraConfig, "LoRA adapter training (rank 0 = off).")
     forward_ahead: bool = _f(
         True,
         "At eta = 0: run the update's first micro-batch forward once the step's trajectories are in, while "

@@ -42,7 +42,8 @@ def to_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _hf_config(cfg: ModelConfig, vocab_size: int):
+def hf_config(cfg: ModelConfig, vocab_size: int):
+    """The HF config of the built tiny model (``build_model``; the preflight builds its module tree on meta)."""
     if cfg.arch not in _ARCHS:
         raise ValueError(f"model.arch={cfg.arch!r}: expected one of {sorted(_ARCHS)}")
     config_cls, _ = _ARCHS[cfg.arch]
@@ -67,7 +68,7 @@ def _hf_config(cfg: ModelConfig, vocab_size: int):
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:
     """A randomly initialised tiny model; the same (cfg, vocab_size, seed) gives the same weights."""
-    config = _hf_config(cfg, vocab_size)
+    config = hf_config(cfg, vocab_size)
     config._attn_implementation = ATTN_IMPL
     with torch.random.fork_rng(devices=[]):  # seed the init without moving the caller's RNG
         torch.manual_seed(seed)

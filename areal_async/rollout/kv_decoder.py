@@ -373,12 +373,13 @@ class _Cat:
     def foldable(modules, norm: torch.nn.Module) -> bool:
         """``fusable``, float32, and ``norm`` an RMSNorm (weight and ``variance_epsilon``) in float32
         on their device: folding its weight in is then exact up to float rounding."""
+        if not _Cat.fusable(modules):  # e.g. a LoRA-wrapped projection, which has no .weight of its own
+            return False
         g = getattr(norm, "weight", None)
         w0 = modules[0].weight
         plain = isinstance(g, torch.Tensor) and isinstance(getattr(norm, "variance_epsilon", None), float)
         return (
-            _Cat.fusable(modules)
-            and plain
+            plain
             and w0.dtype == torch.float32
             and g.dtype == torch.float32
             and g.device == w0.device

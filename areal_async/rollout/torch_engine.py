@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from areal_async.models.lora import EngineAdapter
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
 from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
 from areal_async.rollout.kv_decoder import KVCache, make_decoder
@@ -214,6 +216,8 @@ class TorchEngine(RolloutEngine):
     ``lean``: compute Llama/Qwen2 models with ``kv_decoder.LeanLlama`` (False: always through the
     model's own HF ``forward``, ``kv_decoder.HFDecoder``; other architectures always use that).
     ``kv_cache_bytes``: the KV cache budget (``kv_budget``; 0 = no bound).
+    ``adapter``: a LoRA run's ``models.lora.EngineAdapter`` on ``model`` (built on it before this engine):
+    ``update_weights`` then takes the adapter's tensors alone and applies them through it.
     """
 
     def __init__(
@@ -226,6 +230,7 @@ class TorchEngine(RolloutEngine):
         version: int = -1,
         lean: bool = True,
         kv_cache_bytes: int = 0,
+        adapter: Optional[EngineAdapter] = None,
     ):
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
@@ -237,6 +242,7 @@ class TorchEngine(RolloutEngine):
         self.pad_id = 0  # any valid id: padded positions are masked out
         self.max_batch_groups = max_batch_groups
         self.version = version
+        self.adapter = adapter
         self.gen = torch.Generator(self.device).manual_seed(seed)
         self.pending: list[_Group] = []
         self.live_ids: set[str] = set()  # group ids queued or generating
@@ -272,13 +278,18 @@ class TorchEngine(RolloutEngine):
         """Load ``state_dict`` as ``version``; recompute every running KV cache under it.
 
         The state dict is checked in full first (names and shapes); on a mismatch a ``ValueError``
-        names the first bad key and nothing is loaded, so the engine keeps the old weights.
+        names the first bad key and nothing is loaded, so the engine keeps the old weights. With an
+        ``adapter`` the state dict is the LoRA adapter's tensors (checked the same way).
         """
-        params = _check_state_dict(self.model, state_dict)
         t0 = time.perf_counter()
-        with torch.no_grad():  # one call for every tensor: no Python work per parameter
-            names = [n for n in params if n in state_dict]
-            torch._foreach_copy_([params[n] for n in names], [state_dict[n] for n in names])
+        if self.adapter is not None:
+            self.adapter.load(state_dict)
+        else:
+            params = _check_state_dict(self.model, state_dict)
+            t0 = time.perf_counter()
+            with torch.no_grad():  # one call for every tensor: no Python work per parameter
+                names = [n for n in params if n in state_dict]
+                torch._foreach_copy_([params[n] for n in names], [state_dict[n] for n in names])
         self.version = version
         t1 = time.perf_counter()
         with torch.inference_mode():

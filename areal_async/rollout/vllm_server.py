@@ -100,7 +100,20 @@ def vllm_argv(cfg: ExperimentConfig, model: Path, host: str, port: int, index: i
         argv += ["--logprobs-mode", "processed_logprobs"]
     if cfg.cluster.device == "cuda":
         argv += ["--gpu-memory-utilization", str(cfg.vllm.gpu_memory_utilization)]
+    if cfg.actor.lora.rank:  # vLLM's LoRA API: one adapter (the policy's), reloaded in place per version
+        argv += ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(vllm_lora_rank(cfg.actor.lora.rank))]
     return argv
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks (0.32.0)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds ``rank``; ValueError past its largest."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"actor.lora.rank={rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")
 
 
 def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
@@ -118,6 +131,8 @@ def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
         HF_HUB_OFFLINE="1",
     )
     env.setdefault("OMP_NUM_THREADS", str(cfg.cluster.torch_threads))
+    if cfg.actor.lora.rank:  # opens /v1/load_lora_adapter (vllm/entrypoints/serve/lora/api_router.py)
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if base.get(API_KEY_ENV):  # the run's key: vLLM checks it on /v1, AUTH_MIDDLEWARE on every route
         env["VLLM_API_KEY"] = base[API_KEY_ENV]
     if env.get("VLLM_API_KEY"):  # main() then adds --middleware AUTH_MIDDLEWARE

@@ -48,6 +48,7 @@ from areal_async.supervisor.preflight_findings import Context, Finding, error, o
 from areal_async.supervisor.preflight_inputs import (
     check_dataset,
     check_eval_data,
+    check_lora,
     check_model,
     check_model_files,
     check_plugins,
@@ -151,6 +152,13 @@ UNREAD = (
         lambda c: c.cmd == "run" and c.cfg.sft_warmup.steps == 0,
         lambda c: "sft_warmup.steps=0: no warm-up runs",
         "set sft_warmup.steps > 0 to use it, or drop the key",
+    ),
+    Unread(
+        ("actor.lora.alpha", "actor.lora.target_modules", "actor.lora.dropout", "actor.lora.engine_merge"),
+        ("actor.lora.rank",),
+        lambda c: c.cfg.actor.lora.rank == 0,
+        lambda c: "actor.lora.rank=0: LoRA is off (full fine-tuning)",
+        "set actor.lora.rank > 0 to train an adapter, or drop the key",
     ),
     Unread(
         ("cluster.slurm.",),
@@ -378,6 +386,7 @@ RUN_CHECKS = (
     check_model_files,
     check_plugins,
     check_model,
+    check_lora,
     check_template,
     check_disk,
     check_solo,

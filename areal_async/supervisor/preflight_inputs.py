@@ -9,6 +9,7 @@ half of ``areal-async check-plugin``), not run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -58,6 +59,45 @@ def check_model(ctx: Context) -> list[Finding]:
     if ctx.cfg.actor.kl_ctl > 0 and ctx.cfg.ref.path:
         out.append(model_config("ref.path", ctx.cfg.ref.path) or ok("ref.path", ctx.cfg.ref.path, "its config loads"))
     return out
+
+
+def check_lora(ctx: Context) -> list[Finding]:
+    """``actor.lora``: peft is installed, and every target names linear layers of the policy (its
+    module tree built on the meta device: no weights read or allocated)."""
+    spec = ctx.cfg.actor.lora
+    if spec.rank == 0:
+        return []
+    from areal_async.models import lora  # torch: after the cheap checks
+
+    if importlib.util.find_spec("peft") is None:
+        return [
+            error(
+                "actor.lora.rank", spec.rank, "LoRA needs the peft package, which is not installed", lora.PEFT_INSTALL
+            )
+        ]
+    try:
+        lora.target_linears(_meta_policy(ctx.cfg.model), spec.target_modules)
+    except ValueError as e:
+        todo = "name the last part of linear layers' module names (q_proj, down_proj ...)"
+        return [error("actor.lora.target_modules", spec.target_modules, str(e), todo)]
+    return [ok("actor.lora.rank", spec.rank, f"an adapter on {', '.join(spec.target_modules)}")]
+
+
+def _meta_policy(m):
+    """The policy's module tree on the meta device (the built tiny model, or model.path's config)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from areal_async.models.tiny import hf_config
+    from areal_async.models.tokenizer import build_char_tokenizer
+
+    config = (
+        AutoConfig.from_pretrained(m.path, local_files_only=True)
+        if m.path
+        else hf_config(m, len(build_char_tokenizer()))
+    )
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def _tokenizer(ctx: Context, path: str) -> Finding | None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from areal_async.config import ActorConfig
+from areal_async.models import lora
 from areal_async.trainer.advantages import advantages_flat, scaled_rewards
 from areal_async.trainer.dp import (
     DataParallel,
@@ -182,7 +183,9 @@ class PPOActor:
         self.model = shard_model(model, compute_dtype, self.device) if self.sharded else model.to(self.device)
         self.cfg = cfg
         self.temperature = temperature
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        # frozen parameters (a LoRA run's base model: models/lora.py) get no optimizer state
+        self.optimizer = build_optimizer((p for p in self.model.parameters() if p.requires_grad), cfg.optimizer)
+        self.lora = bool(lora.adapter_params(self.model))  # the model carries LoRA layers
         self.lr_scheduler = build_lr_scheduler(self.optimizer, total_steps, cfg.optimizer)
         self.step = 0
         self.skipped_indices: list[int] = []  # of the last train_step's trajectories: not trained
@@ -309,14 +312,24 @@ class PPOActor:
         self.step = int(state["step"])
 
     def publish_state(self, dtype: torch.dtype, bucket_bytes: int):
-        """What the weight channel publishes: the state dict in ``dtype``, gathered from the shards
-        a bucket at a time when sharded (every rank must then gather too: ``ShardedWeights``)."""
+        """What the weight channel publishes: the state dict in ``dtype`` (the adapter's tensors alone
+        when the model carries LoRA layers), gathered from the shards a bucket at a time when sharded
+        (every rank must then gather too: ``ShardedWeights``)."""
+        state = lora.adapter_params(self.model) if self.lora else None
         if self.sharded:
-            return ShardedWeights(self.model, dtype, bucket_bytes)
+            return ShardedWeights(self.model, dtype, bucket_bytes, state)
         return {
             k: v.detach() if not v.is_floating_point() or v.dtype == dtype else v.detach().to(dtype)
-            for k, v in self.model.state_dict().items()
+            for k, v in (state or self.model.state_dict()).items()
         }
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The policy's whole state dict under the HF names (a LoRA run's: the adapter merged in); one rank."""
+        spec = lora.LoraSpec.of(self.cfg.lora)
+        if spec is None or not self.lora:
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        adapter = {k: v.detach() for k, v in lora.adapter_params(self.model).items()}
+        return lora.merge_into(lora.base_state(self.model), adapter, spec)
 
     @property
     def ref_model(self) -> Optional[torch.nn.Module]:

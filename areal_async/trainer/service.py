@@ -265,6 +265,7 @@ class TrainerService:
         self.overlap_publish, self.total_steps = overlap_publish, total_steps
         self._publishing: Optional[asyncio.Task] = None
         self.publish_s = 0.0
+        self.publish_bytes = 0  # the tensors of the last publication (a LoRA run's: the adapter alone)
         self._t_ready: dict[int, float] = {}  # version -> wall time its optimizer step ended
         self.evaluator = evaluator  # app.evaluate.PeriodicEvaluator: due(version), (version, state_dict) -> metrics
         self.record = record
@@ -410,7 +411,8 @@ class TrainerService:
         sd = self.actor.publish_state(self.publish_dtype, self.bucket_bytes)
         # a small state packs in less time than two thread hops take (330 KB: ~0.4 ms vs ~1.5 ms of wall
         # at eta = 1 on 2 cores); a large one in a thread, so the loop (heartbeats) runs meanwhile
-        inline = isinstance(sd, dict) and sum(t.numel() * t.element_size() for t in sd.values()) <= INLINE_PUBLISH_BYTES
+        self.publish_bytes = sum(t.numel() * t.element_size() for _, t in sd.items())  # meta tensors when sharded
+        inline = isinstance(sd, dict) and self.publish_bytes <= INLINE_PUBLISH_BYTES
         if inline:
             manifest = self.weights.publish_begin(version, sd)
         else:
@@ -459,7 +461,11 @@ class TrainerService:
         else:
             await self.publish(self.version)
         metrics.update(
-            wait_data_s=t1 - t_ahead, train_s=t2 - t1 + t_ahead - t0, ahead_s=ahead_s, publish_s=self.publish_s
+            wait_data_s=t1 - t_ahead,
+            train_s=t2 - t1 + t_ahead - t0,
+            ahead_s=ahead_s,
+            publish_s=self.publish_s,
+            publish_bytes=float(self.publish_bytes),
         )
         await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
         skipped = [trajs[i].sample_id for i in sorted(self.actor.skipped_indices)]
@@ -496,7 +502,7 @@ class TrainerService:
         """Run the periodic evaluator on the current weights when it is due; its row goes to the scheduler."""
         if self.evaluator is None or not self.evaluator.due(self.version):
             return
-        sd = {k: v.detach() for k, v in self.actor.model.state_dict().items()}
+        sd = self.actor.full_state()
         metrics = await asyncio.get_running_loop().run_in_executor(None, self.evaluator, self.version, sd)
         log.info("evaluation of version %d: %s", self.version, metrics)
         await self.control.send(EvalDone(version=self.version, metrics=metrics))
@@ -543,7 +549,7 @@ class FollowerRank:
             if op == CMD_TRAIN:
                 self.actor.train_step(dp.broadcast_batch(None))
             elif op == CMD_PUBLISH:
-                ShardedWeights(self.actor.model, self.publish_dtype, self.bucket_bytes).gather_all()
+                self.actor.publish_state(self.publish_dtype, self.bucket_bytes).gather_all()
             elif op == CMD_SAVE:
                 self.save_shards(text)
             elif op == CMD_STOP:

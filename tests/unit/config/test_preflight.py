@@ -127,6 +127,21 @@ BAD = [
         lambda t: "rollout.kv_cache_mb=0.01: the longest request (train_dataset.max_prompt_len=",
     ),
     Bad(
+        "lora target not in the model",
+        lambda t: ["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,qkv_proj]"],
+        lambda t: "actor.lora.target_modules=['q_proj', 'qkv_proj']: no linear layer named ['qkv_proj'] in Llama",
+    ),
+    Bad(
+        "lora dropout range",
+        lambda t: ["actor.lora.rank=8", "actor.lora.dropout=1.5"],
+        lambda t: "config error: actor.lora.dropout=1.5: expected a number in [0, 1)",
+    ),
+    Bad(
+        "lora key, rank 0",
+        lambda t: ["actor.lora.alpha=32"],
+        lambda t: "actor.lora.alpha=32.0: actor.lora.rank=0: LoRA is off",
+    ),
+    Bad(
         "config range",
         lambda t: ["rollout.max_head_offpolicyness=-1"],
         lambda t: "config error: rollout.max_head_offpolicyness=-1: expected an integer >= 0",
