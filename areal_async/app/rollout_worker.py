@@ -127,6 +127,8 @@ def sglang_engine(
             update_timeout_s=s.update_timeout_s,
             weight_update_session=s.weight_update_session,
             disk_dir=str(Path(run_dir) / "weights" / worker_id),
+            lora=lora.LoraSpec.of(cfg.actor.lora),
+            lora_base=str(Path(run_dir) / LORA_BASE),
         )
         for j, a in enumerate(mine)
     ]

@@ -50,6 +50,8 @@ import torch
 
 from protocols.sockets import free_tcp_port
 
+from areal_async.models.lora import LoraSpec, save_adapter
+from areal_async.rollout import sglang_lora as L
 from areal_async.rollout import sglang_rules as R
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest
@@ -83,13 +85,18 @@ class SGLangClient(HTTPServerClient):
         update_timeout_s: float = 300.0,
         weight_update_session: bool = True,
         disk_dir: Optional[str] = None,
+        lora: Optional[LoraSpec] = None,
+        lora_base: Optional[str] = None,
     ):
+        """``lora``, ``lora_base``: a LoRA run's adapter spec and its base model directory (``sglang_lora.py``:
+        the base loaded from disk once, then each version's adapter through /load_lora_adapter; needs
+        ``disk_dir`` for the adapter directories)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode={pause_mode!r}: expected one of {PAUSE_MODES}")
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync={weight_sync!r}: expected one of {WEIGHT_SYNCS}")
-        if weight_sync == "disk" and not disk_dir:
-            raise ValueError("weight_sync='disk' needs disk_dir (a directory both sides can read)")
+        if (weight_sync == "disk" or lora) and not disk_dir:
+            raise ValueError("weight_sync='disk' and LoRA need disk_dir (a directory both sides can read)")
         self.address = address.rstrip("/")
         self.name, self.pause_mode, self.weight_sync = name, pause_mode, weight_sync
         self.group_backend, self.group_host = group_backend, group_host
@@ -97,6 +104,8 @@ class SGLangClient(HTTPServerClient):
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.update_timeout_s, self.session = update_timeout_s, weight_update_session
         self.disk_dir = disk_dir
+        self.lora, self.lora_base = lora, lora_base
+        self.adapter: Optional[str] = None  # the loaded adapter's name; every /generate names it
         self.group = None
         self.group_name = ""
 
@@ -110,7 +119,8 @@ class SGLangClient(HTTPServerClient):
             sp["temperature"], sp["top_p"] = float(req.temperature), float(req.top_p)
         if req.stop_token_ids:
             sp["stop_token_ids"] = [int(t) for t in req.stop_token_ids]
-        return {"rid": rid, "input_ids": [int(t) for t in input_ids], "sampling_params": sp, "return_logprob": True}
+        body = {"rid": rid, "input_ids": [int(t) for t in input_ids], "sampling_params": sp, "return_logprob": True}
+        return body | ({"lora_path": self.adapter} if self.adapter else {})
 
     def generate(self, rid: str, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> Completion:
         body = self.generate_body(rid, input_ids, max_new_tokens, req)
@@ -131,7 +141,9 @@ class SGLangClient(HTTPServerClient):
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
         try:
-            if self.weight_sync == "disk":
+            if self.lora is not None:
+                self._load_adapter(version, state_dict)
+            elif self.weight_sync == "disk":
                 self._load_from_disk(version, state_dict)
             else:
                 self._load_distributed(version, state_dict)
@@ -254,6 +266,22 @@ class SGLangClient(HTTPServerClient):
             {"model_path": str(d), "weight_version": str(version), "flush_cache": True},
             self.update_timeout_s,
         )
+
+
+    def _load_adapter(self, version: int, sd: dict[str, torch.Tensor]) -> None:
+        """A LoRA run's update (``sglang_lora.py``): the base once, then this version's adapter by name."""
+        if self.adapter is None:
+            body = {"model_path": str(self.lora_base), "weight_version": str(version), "flush_cache": True}
+            self._call("POST", "/update_weights_from_disk", body, self.update_timeout_s)
+        path = save_adapter(Path(self.disk_dir) / f"lora-v{version}", sd, self.lora, str(self.lora_base))
+        name, old = f"v{version}", self.adapter
+        out = self._call("POST", "/load_lora_adapter", L.load_body(name, path), self.update_timeout_s)
+        if not out.get("success"):
+            raise ValueError(f"/load_lora_adapter {name}: {out.get('error_message')}")
+        self.adapter = name
+        self._call("POST", "/update_weight_version", L.version_body(version))
+        if old is not None and old != name:
+            self._call("POST", "/unload_lora_adapter", {"lora_name": old})
 
 
 class _Background:

@@ -25,6 +25,9 @@ _POST = {
     "/update_weights_from_disk": "update_from_disk",
     "/begin_weight_update": "begin_update",
     "/end_weight_update": "end_update",
+    "/load_lora_adapter": "load_lora",
+    "/unload_lora_adapter": "unload_lora",
+    "/update_weight_version": "update_weight_version",
 }
 
 

@@ -16,6 +16,7 @@ exactly as SGLang takes them over NCCL::
                                             load_format ("flattened_bucket" or per tensor)
     POST /begin_weight_update, /end_weight_update, /destroy_weights_update_group
     POST /update_weights_from_disk          model_path (an HF directory with safetensors)
+    POST /load_lora_adapter, /unload_lora_adapter, /update_weight_version   LoRA (``sglang_lora.py``)
     GET  /health, /model_info, /server_info;  GET|POST /flush_cache;  POST /abort_request {rid | abort_all}
 
 Refusals, with SGLang 0.5.23's own words and status (``sglang_rules.py`` cites the lines): a
@@ -62,6 +63,7 @@ from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.rollout import sglang_rules as R
 from areal_async.rollout.sglang_http import make_http_server
+from areal_async.rollout.sglang_lora import TwinLora
 from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
 from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest, GroupOutput
@@ -98,11 +100,20 @@ class _Waiter:
     result: Optional[dict] = None
 
 
-class CpuSGLangServer:
-    """The state behind the endpoints: one TorchEngine stepped by one thread, under one lock."""
+class CpuSGLangServer(TwinLora):
+    """The state behind the endpoints: one TorchEngine stepped by one thread, under one lock.
+    ``lora_rank``: --max-lora-rank of a server launched with --enable-lora (``sglang_lora.py``); 0 = off."""
 
-    def __init__(self, engine: TorchEngine, decode, model_path: str = "", served_model_name: str = "areal-tiny"):
+    def __init__(
+        self,
+        engine: TorchEngine,
+        decode,
+        model_path: str = "",
+        served_model_name: str = "areal-tiny",
+        lora_rank: int = 0,
+    ):
         self.engine, self.decode = engine, decode
+        self.lora_rank, self.lora_loaded = lora_rank, {}
         self.model_path, self.served_model_name = model_path, served_model_name
         self.labels = [DEFAULT_VERSION]  # engine.version indexes this list
         self.engine.version = 0
@@ -173,6 +184,7 @@ class CpuSGLangServer:
     def generate(self, body: dict, timeout_s: float = 3600.0) -> dict:
         req, w = self._parse_generate(body)
         with self.mu:
+            self.check_lora_path(body)
             while self.paused and not self.stopping.is_set():  # SGLang holds new requests while paused
                 self.mu.wait(0.5)
             if self.broken:
@@ -354,6 +366,7 @@ class CpuSGLangServer:
 
     def _load(self, sd: dict[str, torch.Tensor], body: dict) -> dict:
         with self.mu:
+            self.drop_lora()  # full weights replace the base the adapter was merged into
             if body.get("abort_all_requests"):
                 self._deliver(self.engine.abort_all())
             merged = _rest(self.engine, sd) | sd
@@ -455,6 +468,7 @@ def build_state(args) -> CpuSGLangServer:
         lambda ids: tok.decode(ids, skip_special_tokens=True),
         model_path=args.model_path or "",
         served_model_name=args.served_model_name,
+        lora_rank=args.max_lora_rank if args.enable_lora else 0,
     )
 
 
@@ -471,6 +485,10 @@ def main(argv=None) -> int:
     p.add_argument("--served-model-name", default="areal-tiny")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--cpus", default="", help="pin this process to these CPUs (cpu-list syntax)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter)")
+    p.add_argument("--max-lora-rank", type=int, default=0, help="the largest adapter rank loaded")
+    p.add_argument("--max-loras-per-batch", type=int, default=1, choices=[1], help="the twin serves one adapter")
+    p.add_argument("--lora-target-modules", nargs="*", default=[], help="accepted as SGLang takes it")
     args = p.parse_args(argv)
     if args.cpus:
         pin_self(args.cpus)

@@ -165,6 +165,7 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
             "--torch-threads",
             str(cfg.cluster.torch_threads),
         ]
+        cmd += _lora_args(cfg)
         return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
     if not cfg.model.path:
         raise ValueError("rollout.backend=sglang on cuda needs model.path (an HF directory the servers load)")
@@ -191,4 +192,13 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
     ]
     if s.max_running_requests:
         cmd += ["--max-running-requests", str(s.max_running_requests)]
-    return cmd
+    return cmd + _lora_args(cfg)
+
+
+def _lora_args(cfg: ExperimentConfig) -> list[str]:
+    """A LoRA run's SGLang flags (``rollout/sglang_lora.py``); none without LoRA."""
+    from areal_async.models.lora import LoraSpec
+    from areal_async.rollout.sglang_lora import launch_args
+
+    spec = LoraSpec.of(cfg.actor.lora)
+    return launch_args(spec) if spec is not None else []

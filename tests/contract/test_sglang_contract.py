@@ -29,6 +29,10 @@ from areal_async.rollout import http_client as HC  # every client request goes t
 from areal_async.rollout import sglang_client as SC
 from areal_async.rollout.engine import GenRequest
 from areal_async.models.tokenizer import load_tokenizer
+from areal_async.models.lora import LoraSpec, adapter_shapes
+from areal_async.models.tiny import save_policy
+from areal_async.rollout.http_json import HTTPStatusError
+from areal_async.rollout.sglang_lora import launch_args
 from tests.support.sglang_fixtures import SGLANG_PIN, TINY, pinned_sglang_file, start_cpu_server, stop
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,10 +66,9 @@ def io_struct():
     return out
 
 
-@pytest.fixture(scope="module")
-def traffic(tmp_path_factory):
-    """(path, body, answer) of every call a client made to a real CPU server."""
-    proc, url = start_cpu_server()
+def _recorded(drive, extra: list[str] = ()) -> list:
+    """(path, body, answer) of every call ``drive(url)`` made to a real CPU server started with ``extra``."""
+    proc, url = start_cpu_server(extra=extra)
     log = []
     real = HC.call
 
@@ -76,11 +79,17 @@ def traffic(tmp_path_factory):
 
     HC.call = recording
     try:
-        _drive(url, tmp_dir=str(tmp_path_factory.mktemp("disk")))
+        drive(url)
     finally:
         HC.call = real
         stop(proc)
     return log
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory):
+    """(path, body, answer) of every call a client made to a real CPU server."""
+    return _recorded(lambda url: _drive(url, tmp_dir=str(tmp_path_factory.mktemp("disk"))))
 
 
 def _drive(url: str, tmp_dir: str) -> None:
@@ -183,3 +192,78 @@ def test_pause_modes_and_dtypes_are_values_sglang_takes(io_struct, traffic):
             assert body["load_format"] == "flattened_bucket"
             for d in body["dtypes"]:  # the server does getattr(torch, dtype)
                 assert not d.startswith("torch.") and isinstance(getattr(torch, d), torch.dtype)
+
+
+# ---- LoRA: the base from disk once, then adapters by name (rollout/sglang_lora.py) -------------------------
+
+LORA = LoraSpec(8, 16.0, ("q_proj", "v_proj", "down_proj"))
+LORA_CONTROL = {
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/load_lora_adapter": "LoadLoRAAdapterReqInput",
+    "/unload_lora_adapter": "UnloadLoRAAdapterReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+}
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA client's traffic to a CPU server launched with SGLang's LoRA flags, and what it checked."""
+    tmp = tmp_path_factory.mktemp("lora")
+    cfg = load_config(TINY)
+    tok = load_tokenizer(cfg.model.path)
+    base = build_model(cfg.model, len(tok), 3)
+    save_policy(base, tok, tmp / "base")
+    g = torch.Generator().manual_seed(0)
+    adapters = [{k: torch.randn(s, generator=g) * 0.2 for k, s in adapter_shapes(base, LORA).items()} for _ in "ab"]
+    prompt = tok.encode("1+2=")
+    got: list = []
+
+    def drive(url: str) -> None:
+        c = SC.SGLangClient(url, name="lora", lora=LORA, lora_base=str(tmp / "base"), disk_dir=str(tmp / "disk"))
+        c.wait_ready(120)
+        for version, sd in enumerate(adapters):
+            c.pause()
+            c.load_weights(version, sd)
+            c.resume()
+            got.append(c.generate(f"r{version}", prompt, 6, GenRequest("g", prompt, 1, 6, greedy=True)))
+        with pytest.raises(HTTPStatusError, match="serves 'v1' only"):
+            HC.call(url, "POST", "/generate", {"input_ids": prompt, "lora_path": "v0", "sampling_params": {}})
+
+    log = _recorded(drive, extra=launch_args(LORA))
+    return log, got, base, adapters, prompt
+
+
+def test_lora_bodies_use_only_fields_of_the_pinned_io_struct_classes(io_struct, api, lora_run):
+    log = lora_run[0]
+    base, seen = io_struct["BaseReq"], set()
+    for path, body, _ in log:
+        if path in LORA_CONTROL:
+            cls = io_struct[LORA_CONTROL[path]]
+            assert not set(body) - set(cls | base), f"{path}: {sorted(set(body) - set(cls | base))} not in {cls}"
+            assert not [k for k, (has_default, _) in cls.items() if not has_default and k not in body], path
+            seen.add(path)
+    assert seen == set(LORA_CONTROL)
+    assert [b["lora_name"] for p, b, _ in log if p == "/load_lora_adapter"] == ["v0", "v1"]
+    assert [b["lora_name"] for p, b, _ in log if p == "/unload_lora_adapter"] == ["v0"]
+    assert [p for p, _, _ in log].count("/update_weights_from_disk") == 1  # the base once
+    generate = [b for p, b, _ in log if p == "/generate"]
+    for body in generate:
+        _known_keys(body, api.GenerateRequest, "/generate body")
+        api.GenerateRequest.from_json_value(body)
+    assert [b["lora_path"] for b in generate] == ["v0", "v1"]  # (the refused one raised before it was logged)
+
+
+def test_the_served_adapter_is_the_one_loaded(lora_run):
+    """Each version's greedy tokens and logprobs equal an HF forward of base + s B A (merged by hand here)."""
+    _, got, base, adapters, prompt = lora_run
+    for version, (sd, out) in enumerate(zip(adapters, got)):
+        model = build_model(load_config(TINY).model, base.config.vocab_size, 3)
+        with torch.no_grad():
+            for layer in {k.rsplit(".lora_", 1)[0] for k in sd}:
+                w = model.get_submodule(layer).weight
+                w += LORA.scale * sd[layer + ".lora_B.weight"] @ sd[layer + ".lora_A.weight"]
+            logits = model(torch.tensor([prompt + out.output_ids])).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)[len(prompt) - 1 : -1]
+        want = logp.gather(1, torch.tensor(out.output_ids)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-5, rtol=0)
+        assert set(out.versions) == {version}

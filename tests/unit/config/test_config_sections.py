@@ -22,6 +22,7 @@ from areal_async.config import (
     EvaluatorConfig,
     ExperimentConfig,
     GenerationConfig,
+    LoraConfig,
     MicroBatchSpec,
     ModelConfig,
     NormConfig,
@@ -79,6 +80,7 @@ BAD = [
     (MicroBatchSpec, {"max_tokens_per_mb": 0}, "max_tokens_per_mb=0", ">= 1"),
     (MicroBatchSpec, {"oversize": "split"}, "oversize='split'", "error | own_mb"),
     (ActorConfig, {"eps_clip": 0.0}, "eps_clip=0.0", "> 0"),
+    (LoraConfig, {"rank": -4}, "rank=-4", "an integer >= 0"),
     (ActorConfig, {"discount": 1.5}, "discount=1.5", "[0, 1]"),
     (ObjectiveConfig, {"c_clip": 0.5}, "c_clip=0.5", "> 1 or None"),  # see unit/trainer/test_objectives.py
     (ActorConfig, {"mb_spec": {"max_tokens_per_mb": 8}}, "mb_spec={", "a MicroBatchSpec"),
