@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     dr = sub.add_parser("doctor", help="is a run healthy: findings with evidence and advice (exit 1 with findings)")
     dr.add_argument("run_dir", help="a run directory, live or finished")
     dr.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    x = sub.add_parser("export-lora", help="merge a LoRA checkpoint's adapter into its base: an HF model directory")
+    x.add_argument("checkpoint", help="a LoRA run's checkpoint (RUN_DIR/checkpoints/step_K) or an adapter directory")
+    x.add_argument("out", help="the merged model's directory")
+    x.add_argument("--base", default=None, help="the base model directory (default: the one the adapter names)")
     return p
 
 
@@ -253,7 +257,23 @@ NO_CONFIG = {
     "verify": _verify,
     "replay": _replay,
     "doctor": _doctor,
+    "export-lora": lambda args: _export_lora(args),
 }
+
+
+def _export_lora(args) -> int:
+    """A LoRA checkpoint's adapter merged into its base: an HF model directory (models/lora.py)."""
+    from areal_async.models.lora import export_merged
+
+    src = Path(args.checkpoint)
+    adapter = src / "adapter" if (src / "adapter").is_dir() else src
+    try:
+        out = export_merged(adapter, args.out, args.base)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"areal-async export-lora: error: {e}", file=sys.stderr)
+        return 2
+    print(f"areal-async export-lora: merged model written to {out}")
+    return 0
 
 
 def _knobs() -> int:

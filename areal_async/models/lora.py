@@ -16,7 +16,8 @@ directory loads with ``peft``, vLLM (``/v1/load_lora_adapter``) and SGLang (``/l
   written into the layer's weight, computed from a kept copy of W) or unmerged (the layer replaced by
   ``LoraLinear``: the base matmul plus two thin ones per call).
 - files: ``save_adapter`` / ``load_adapter`` (PEFT layout), ``merge_into`` (a full state dict with the
-  adapter folded in: the export of a merged model).
+  adapter folded in), ``export_merged`` (``areal-async export-lora``: a checkpoint's adapter merged into
+  its base, written as an HF model directory).
 
 ``peft`` is an optional extra (``pip install -e '.[lora]'``), imported only by ``inject``.
 Not covered: adapters on embeddings or the lm head, DoRA / rsLoRA, several adapters at once.
@@ -31,6 +32,9 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
+
+from areal_async.models.tiny import load_model
+from areal_async.models.tokenizer import load_tokenizer
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -299,3 +303,17 @@ def merge_into(base: Mapping[str, torch.Tensor], sd: Mapping[str, torch.Tensor],
         w = base[f"{layer}.weight"]
         out[f"{layer}.weight"] = (w.float() + delta(sd, layer, spec.scale, torch.float32)).to(w.dtype)
     return out
+
+
+def export_merged(adapter_dir: str | Path, out: str | Path, base_dir: Optional[str | Path] = None) -> Path:
+    """The merged model (base + s B A at every adapted layer) as an HF directory ``out``, with the base's
+    tokenizer; ``base_dir`` defaults to the base the adapter names (``base_model_name_or_path``)."""
+    sd, spec = load_adapter(adapter_dir)
+    base_dir = base_dir or json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base_dir:
+        raise ValueError(f"{str(adapter_dir)!r} names no base model; give its directory (--base)")
+    model = load_model(base_dir)
+    model.load_state_dict(merge_into(model.state_dict(), sd, spec))
+    model.save_pretrained(str(out))
+    load_tokenizer(str(base_dir)).save_pretrained(str(out))
+    return Path(out)

@@ -8,7 +8,7 @@ at line 2516: ``lora_name: str``, ``lora_path: str``, ``pinned: bool = False``, 
 ``LoRAUpdateOutput`` (line 2572: ``success``, ``error_message``, ``loaded_adapters``; 400 when not
 ``success``); ``api/v1/api_types.py``'s ``GenerateRequest.lora_path`` names the adapter a request runs
 with. The server must be launched with ``--enable-lora --max-lora-rank R --lora-target-modules ...``
-(SGLang's LoRA serving docs; ``launch_args``).
+(SGLang's LoRA serving docs; ``supervisor/servers.py`` ``sglang_lora_args``).
 
 A LoRA run's weight update (``SGLangClient`` with ``lora``): the base once (``/update_weights_from_disk``
 of the run's ``lora_base`` directory), then per version the adapter written as a PEFT directory,
@@ -38,19 +38,6 @@ from areal_async.rollout.sglang_rules import BadRequest
 LOAD_FIELDS = ("lora_name", "lora_path", "pinned", "lora_id")  # io_struct.py LoadLoRAAdapterReqInput (line 2516)
 UNLOAD_FIELDS = ("lora_name", "lora_id")  # UnloadLoRAAdapterReqInput (line 2535)
 VERSION_FIELDS = ("new_version", "abort_all_requests")  # UpdateWeightVersionReqInput (line 2155)
-
-
-def launch_args(spec: lora.LoraSpec) -> list[str]:
-    """``sglang.launch_server`` flags of a LoRA run: one adapter per batch, of at most this rank."""
-    return [
-        "--enable-lora",
-        "--max-lora-rank",
-        str(spec.rank),
-        "--max-loras-per-batch",
-        "1",
-        "--lora-target-modules",
-        *spec.target_modules,
-    ]
 
 
 def load_body(name: str, path: str | Path) -> dict:

@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from areal_async.config import ExperimentConfig, n_servers, server_addresses
+from areal_async.config import ExperimentConfig, LoraConfig, n_servers, server_addresses
 from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
 from areal_async.supervisor.placement import place, shape_of
 from protocols.sockets import free_tcp_port
@@ -197,8 +197,12 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
 
 def _lora_args(cfg: ExperimentConfig) -> list[str]:
     """A LoRA run's SGLang flags (``rollout/sglang_lora.py``); none without LoRA."""
-    from areal_async.models.lora import LoraSpec
-    from areal_async.rollout.sglang_lora import launch_args
+    return sglang_lora_args(cfg.actor.lora) if cfg.actor.lora.rank else []
 
-    spec = LoraSpec.of(cfg.actor.lora)
-    return launch_args(spec) if spec is not None else []
+
+def sglang_lora_args(lora: LoraConfig) -> list[str]:
+    """``sglang.launch_server`` flags (the CPU twin takes them too) of a LoRA run: one adapter per batch,
+    of at most this rank, on these layers (SGLang's LoRA serving docs: ``--enable-lora``, ``--max-lora-rank``,
+    ``--max-loras-per-batch``, ``--lora-target-modules``)."""
+    flags = ["--enable-lora", "--max-lora-rank", str(lora.rank), "--max-loras-per-batch", "1"]
+    return flags + ["--lora-target-modules", *lora.target_modules]

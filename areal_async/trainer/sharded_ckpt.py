@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from areal_async.base.private import check_private
+from areal_async.models import lora
 
 DCP_DIR = "dcp"
 ADAPTER_DIR = "adapter"  # a LoRA run's checkpoint: the adapter (PEFT layout) instead of model.safetensors
@@ -94,8 +95,6 @@ def export_full(checkpoint: str | Path, model: torch.nn.Module, dtype: torch.dty
 def export_adapter(checkpoint: str | Path, model: torch.nn.Module, spec, base_dir: str, rank: int) -> None:
     """A LoRA run's adapter as a PEFT directory ``checkpoint/adapter`` (float32; gathered from the
     shards, a collective; rank 0 writes), naming ``base_dir`` (the frozen base) as its base model."""
-    from areal_async.models import lora
-
     params = lora.adapter_params(model)
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float() for k, v in params.items()}
     if rank == 0:

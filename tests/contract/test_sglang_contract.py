@@ -32,7 +32,8 @@ from areal_async.models.tokenizer import load_tokenizer
 from areal_async.models.lora import LoraSpec, adapter_shapes
 from areal_async.models.tiny import save_policy
 from areal_async.rollout.http_json import HTTPStatusError
-from areal_async.rollout.sglang_lora import launch_args
+from areal_async.config import LoraConfig
+from areal_async.supervisor.servers import sglang_lora_args
 from tests.support.sglang_fixtures import SGLANG_PIN, TINY, pinned_sglang_file, start_cpu_server, stop
 
 pytestmark = pytest.mark.timeout(300)
@@ -229,7 +230,8 @@ def lora_run(tmp_path_factory):
         with pytest.raises(HTTPStatusError, match="serves 'v1' only"):
             HC.call(url, "POST", "/generate", {"input_ids": prompt, "lora_path": "v0", "sampling_params": {}})
 
-    log = _recorded(drive, extra=launch_args(LORA))
+    flags = sglang_lora_args(LoraConfig(rank=LORA.rank, alpha=LORA.alpha, target_modules=list(LORA.target_modules)))
+    log = _recorded(drive, extra=flags)  # the twin launched as the supervisor launches it
     return log, got, base, adapters, prompt
 
 

@@ -50,6 +50,11 @@ LAZY: dict[tuple[str, str], str] = {
     ("areal_async.supervisor.preflight_inputs", "areal_async.models.tokenizer"): "transformers (~2.5 s): a run "
     "refused by an earlier, cheaper check never loads it",
     ("areal_async.cli", "areal_async.app.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
+    ("areal_async.cli", "areal_async.models.lora"): "torch: `run`, `knobs` and `--help` never import it",
+    ("areal_async.supervisor.preflight_inputs", "areal_async.models"): "torch (models.lora): only a LoRA run's "
+    "preflight builds the policy's module tree",
+    ("areal_async.supervisor.preflight_inputs", "areal_async.models.tiny"): "torch: only a LoRA run's preflight "
+    "builds the policy's module tree",
     ("areal_async.cli", "areal_async.app.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
     ("areal_async.cli", "areal_async.app.data_filter"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.app.replay"): "torch: `run`, `knobs` and `--help` never import it",

@@ -185,3 +185,39 @@ def test_bad_lora_config_is_refused_naming_the_key(kw, says):
 def test_a_target_that_is_no_linear_layer_is_refused():
     with pytest.raises(ValueError, match=r"no linear layer named \['qkv_proj'\] in LlamaForCausalLM"):
         lora.inject(_model(), lora.LoraSpec(4, 8.0, ("q_proj", "qkv_proj")), seed=0)
+
+
+def test_a_lora_checkpoint_holds_the_adapter_alone_resumes_it_and_exports_it_merged(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from areal_async import cli
+    from areal_async.app.trainer_worker import _shard_writer
+    from areal_async.models.tiny import load_model, save_policy
+    from areal_async.trainer.sharded_ckpt import load_shards
+
+    spec = lora.LoraSpec(4, 8.0, ("q_proj", "up_proj"))
+    base = _model()
+    save_policy(base, TOK, tmp_path / "base")
+    actor = PPOActor(lora.inject(base, spec, seed=0), ActorConfig(), temperature=1.0, total_steps=4)
+    actor.train_step([_traj(i, TOK.encode("1+2="), TOK.encode(str(i)), float(i % 2)) for i in range(4)])
+    _shard_writer(actor, torch.float32, spec, str(tmp_path / "base"))(tmp_path / "ckpt")
+
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+    saved, spec2 = lora.load_adapter(tmp_path / "ckpt" / "adapter")
+    trained = {k: v.detach() for k, v in lora.adapter_params(actor.model).items()}
+    assert spec2 == spec and all(torch.equal(saved[k], trained[k]) for k in trained)
+    keys = FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("model.")]
+    assert len(model_keys) == 2 * 2 * 2 and all(".lora_" in k for k in model_keys)  # A, B x 2 layers x 2 targets
+
+    again = PPOActor(lora.inject(_model(seed=5), spec, seed=1), ActorConfig(), temperature=1.0, total_steps=4)
+    load_shards(tmp_path / "ckpt", again.model, again.optimizer)
+    back = lora.adapter_params(again.model)
+    assert all(torch.equal(back[k].detach(), trained[k]) for k in trained)
+    assert len(again.optimizer.state) == len(trained)
+
+    assert cli.main(["export-lora", str(tmp_path / "ckpt"), str(tmp_path / "merged")]) == 0
+    ids = torch.tensor([TOK.encode("12+30=42")])
+    with torch.no_grad():
+        want = actor.model(ids).logits
+        torch.testing.assert_close(load_model(tmp_path / "merged")(ids).logits, want, atol=1e-5, rtol=0)
