@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -153,7 +154,7 @@ def vllm_engine(
     """A RemoteEngine over the vLLM servers this worker owns (started by the supervisor, or vllm.addresses)."""
     v = cfg.vllm
     mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
-    probe = ProbeReference(cfg, tok) if v.probe else None
+    probe = ProbeReference(cfg, tok, Path(run_dir) / LORA_BASE) if v.probe else None
     clients = [
         VLLMClient(
             a,
@@ -165,6 +166,8 @@ def vllm_engine(
             probe_atol=v.probe_atol,
             request_timeout_s=v.request_timeout_s,
             update_timeout_s=v.update_timeout_s,
+            lora=lora.LoraSpec.of(cfg.actor.lora),
+            lora_base=str(Path(run_dir) / LORA_BASE),
         )
         for a in mine
     ]
@@ -180,7 +183,7 @@ class ProbeReference:
     """The trainer's logprobs of the probe sequence under a version's weights (one HF forward, cached per
     version): what a vLLM server must answer after loading that version."""
 
-    def __init__(self, cfg: ExperimentConfig, tok):
+    def __init__(self, cfg: ExperimentConfig, tok, lora_base: Optional[Path] = None):
         self.ids = [tok.bos_token_id, *tok.encode(PROBE_TEXT, add_special_tokens=False)]
         self.model = (
             load_model(cfg.model.path, "float32") if cfg.model.path else build_model(cfg.model, len(tok), cfg.seed)
@@ -188,11 +191,21 @@ class ProbeReference:
         self.model.eval()
         self.lock = threading.Lock()
         self.cache: dict[int, list[float]] = {}
+        self.lora, self.lora_base = lora.LoraSpec.of(cfg.actor.lora), lora_base
+        self._base: Optional[dict] = None
+
+    def _full(self, state_dict: dict) -> dict:
+        """A LoRA run's adapter merged into its base (read once from the run directory); full weights as given."""
+        if self.lora is None:
+            return state_dict
+        if self._base is None:
+            self._base = load_model(self.lora_base, "float32").state_dict()
+        return lora.merge_into(self._base, state_dict, self.lora)
 
     def __call__(self, version: int, state_dict: dict) -> list[float]:
         with self.lock:
             if version not in self.cache:
-                self.model.load_state_dict(state_dict)
+                self.model.load_state_dict(self._full(state_dict))
                 self.cache = {version: logprobs_of(self.model, self.ids)}
             return self.cache[version]
 

@@ -1,6 +1,8 @@
 """Data-parallel trainer ranks on gloo: 2 FSDP2 ranks take the 1-rank step; bf16 compute keeps
-float32 master weights; the batch split and the batch's trip between ranks."""
+float32 master weights; the batch split and the batch's trip between ranks; a LoRA adapter trained and
+published alone from the shards."""
 
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -10,6 +12,8 @@ import torch
 import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, RejectionSamplingConfig
+from areal_async.models import lora
+from areal_async.models.lora import LoraSpec
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.dp import (
     decode_batch,
@@ -242,3 +246,53 @@ def test_batch_crosses_ranks_as_three_tensors_and_back():
     same = lambda ts: [[a.group_id == b.group_id for b in ts] for a in ts]  # noqa: E731
     assert same(back) == same(trajs)
     assert not math.isnan(sum(x for t in back for x in t.behav_logp)) and os.getpid()
+
+
+LORA = LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj"))
+
+
+def lora_cfg():
+    return dataclasses.replace(cfg(), kl_ctl=0.0)  # the adapter's update alone (no reference model)
+
+
+def _rank_lora_step(rank, world, port, out_path):
+    """2 FSDP2 ranks, LoRA on the frozen base: one train_step, then the adapter alone published from the
+    shards through a real shm weight channel (rank 0 receives it)."""
+    from areal_async.trainer.dp import DataParallel, full_tensor
+    from areal_async.transport import make_weight_channel
+
+    _init(rank, world, port)
+    dp = DataParallel(rank, world)
+    actor = PPOActor(lora.inject(tiny_model(), LORA, seed=0), lora_cfg(), 1.0, 10, dp=dp, compute_dtype=torch.float32)
+    actor.train_step(make_trajs())
+    out = {"weights": {k: full_tensor(v).detach().clone() for k, v in actor.model.state_dict().items()}}
+    out["n_state"] = len(actor.optimizer.state)
+    view = actor.publish_state(torch.float32, bucket_bytes=1024)
+    if rank == 0:
+        pub = make_weight_channel("shm", role="publisher", run_id=f"lora{port}", bucket_mb=1024 / 2**20)
+        sub = make_weight_channel("shm", role="receiver", run_id=f"lora{port}")
+        out["published"] = {k: v.clone() for k, v in sub.receive(pub.publish_begin(1, view)).items()}
+        pub.publish_end()
+        view.finish()
+        out["n_buckets"] = len(view.layout.bucket_sizes)
+        sub.close()
+        pub.close()
+        torch.save(out, out_path)
+    else:
+        view.gather_all()
+
+
+def test_two_gloo_ranks_train_and_publish_the_lora_adapter_alone_as_one_rank_does(tmp_path):
+    one = PPOActor(lora.inject(tiny_model(), LORA, seed=0), lora_cfg(), 1.0, 10)
+    one.train_step(make_trajs())
+    want = {k: v.detach() for k, v in lora.adapter_params(one.model).items()}
+    _spawn(_rank_lora_step, 2, str(tmp_path / "lora.pt"))
+    two = torch.load(tmp_path / "lora.pt", weights_only=True)
+    assert two["published"].keys() == want.keys() and two["n_buckets"] > 1  # the adapter alone, several buckets
+    for k, v in want.items():
+        torch.testing.assert_close(two["published"][k], v, atol=1e-5, rtol=0)
+    base = tiny_model().state_dict()
+    for k, v in two["weights"].items():
+        if ".lora_" not in k:  # the frozen base did not move on either rank
+            assert torch.equal(v, base[k.replace(".base_layer.", ".")]), k
+    assert two["n_state"] == len(want) and any(v.abs().sum() > 0 for k, v in want.items() if "lora_B" in k)
