@@ -273,7 +273,7 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
 def run_lora(peer: Peer, ch, kind: str, model: str, full: dict, opts: Opts, bound: Copier, version: int) -> dict:
     """A rank-``LORA_RANK`` adapter of the same model through the same channel (what a LoRA run publishes),
     beside ``full`` (that model's full-weights row): bytes and time, and their ratios."""
-    sd = lora_state_dict(*MODELS[model], rank=LORA_RANK, device=opts.device)
+    sd = lora_state_dict(MODELS[model], rank=LORA_RANK, device=opts.device)
     samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
     row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
     row.update(

@@ -54,20 +54,12 @@ def synthetic_state_dict(
 
 
 def lora_state_dict(
-    hidden: int,
-    inter: int,
-    layers: int,
-    vocab: int,
-    kv_heads: int,
-    tied: bool,
-    rank: int,
-    dtype: torch.dtype = torch.bfloat16,
-    device: str = "cpu",
+    shape: tuple, rank: int, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
-    """A rank-``rank`` LoRA adapter on every linear layer of ``synthetic_state_dict``'s model (q, k, v, o,
+    """A rank-``rank`` LoRA adapter on every linear layer of ``synthetic_state_dict(*shape)``'s model (q, k, v, o,
     gate, up, down; ``models.lora`` names): ``scale_model.lora_numel`` numbers."""
     out = {}
-    for name, w in synthetic_state_dict(hidden, inter, layers, vocab, kv_heads, tied, dtype, "meta").items():
+    for name, w in synthetic_state_dict(*shape, dtype, "meta").items():
         if name.endswith("_proj.weight"):
             layer = name.removesuffix(".weight")
             out[f"{layer}.lora_A.weight"] = torch.full((rank, w.shape[1]), 0.01, dtype=dtype, device=device)

@@ -212,7 +212,7 @@ def test_lora_payload_and_the_7b_prediction_count_r_times_in_plus_out():
 
     # tiny-0.6M: hidden 128, MLP 352, 2 layers, 2 KV heads of 128 (kv 256): per layer r (in + out) over
     # q 128+128, k 128+256, v 128+256, o 128+128, gate 128+352, up 128+352, down 352+128 = 2720 r
-    sd = lora_state_dict(*MODELS["tiny-0.6M"], rank=16)
+    sd = lora_state_dict(MODELS["tiny-0.6M"], rank=16)
     assert nbytes(sd) == 2 * 2720 * 16 * 2 and len(sd) == 2 * 7 * 2  # bf16, 2 layers, A and B per layer
     assert lora_numel(hidden=128, inter=352, layers=2, kv=256, rank=16) == 2720 * 16 * 2
     # Qwen2-7B (hidden 3584, MLP 18944, 28 layers, 4 KV heads of 128), r = 16: 28 * 16 * 90,112
