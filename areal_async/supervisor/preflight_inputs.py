@@ -84,18 +84,14 @@ def check_lora(ctx: Context) -> list[Finding]:
 
 
 def _meta_policy(m):
-    """The policy's module tree on the meta device (the built tiny model, or model.path's config)."""
+    """The policy's module tree on the meta device (the built tiny model, or model.path's config); the
+    vocabulary size is irrelevant to the layers an adapter may target (the lm head is never one)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from areal_async.models.tiny import hf_config
-    from areal_async.models.tokenizer import build_char_tokenizer
 
-    config = (
-        AutoConfig.from_pretrained(m.path, local_files_only=True)
-        if m.path
-        else hf_config(m, len(build_char_tokenizer()))
-    )
+    config = AutoConfig.from_pretrained(m.path, local_files_only=True) if m.path else hf_config(m, 64)
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
