@@ -88,7 +88,13 @@ def check_zero_reward(run: RunData) -> list[Finding]:
             "those equal the reference, all scored 0"
         )
     fn = run.get("reward.fn", "the default boxed_math_reward")
-    if matched:
+    cut = mean(run.series("truncated_frac"))
+    if cut is not None and cut >= TRUNCATED_FRAC and not matched:
+        advice = (
+            f"{_pct(cut)} of the samples were cut at gconfig.max_new_tokens={run.get('gconfig.max_new_tokens')} "
+            "before their answer: raise it (see the truncation finding)"
+        )
+    elif matched:
         advice = (
             f"the completions carry the right answer in \\boxed{{}} and still score 0: the reward "
             f"function (reward.fn={fn}) does not read the format the model writes. Make the template "
@@ -328,18 +334,28 @@ def check_silence(run: RunData) -> list[Finding]:
             )
         )
     if run.status is not None and run.summary is None and run.status_age_s is not None:
-        hb = float(run.get("cluster.heartbeat_s", 2.0))
-        for wid, w in sorted(run.status.get("workers", {}).items()):
-            silent = float(w.get("silent_s", 0.0)) + run.status_age_s
-            if silent > SILENT_FACTOR * hb:
-                out.append(
-                    Finding(
-                        "silent_role",
-                        f"{wid} silent for {silent:.0f}s",
-                        [f"status.json: last heartbeat {silent:.0f}s ago, waiting for {w.get('waiting_for') or '?'}"],
-                        f"heartbeats come every cluster.heartbeat_s={hb:g}s; look at logs/{wid}.log",
-                    )
-                )
+        out += _silent_in_status(run)
+    return out
+
+
+def _silent_in_status(run: RunData) -> list[Finding]:
+    """Workers whose heartbeat was SILENT_FACTOR periods old in the scheduler's last status.json; when
+    that file itself is that old the scheduler stopped writing it (a fleet that ended without a
+    summary, or a stuck scheduler): its figures are as of then, and that is a finding too."""
+    hb = float(run.get("cluster.heartbeat_s", 2.0))
+    live = run.status_age_s <= SILENT_FACTOR * hb
+    as_of = "now" if live else f"when status.json was last written, {run.status_age_s:.0f}s ago"
+    out = []
+    for wid, w in sorted(run.status.get("workers", {}).items()):
+        silent = float(w.get("silent_s", 0.0)) + (run.status_age_s if live else 0.0)
+        if silent > SILENT_FACTOR * hb:
+            ev = [f"last heartbeat {silent:.0f}s old {as_of}; it was waiting for {w.get('waiting_for') or '?'}"]
+            advice = f"heartbeats come every cluster.heartbeat_s={hb:g}s; look at logs/{wid}.log"
+            out.append(Finding("silent_role", f"{wid} silent for {silent:.0f}s", ev, advice))
+    if not live and not run.hangs:
+        ev = [f"status.json is {run.status_age_s:.0f}s old (the scheduler rewrites it every heartbeat)"]
+        advice = "the fleet is not running (it ended without summary.json: see the supervisor's output) or is stuck"
+        out.append(Finding("silent_role", "the scheduler stopped reporting before the run ended", ev, advice))
     return out
 
 

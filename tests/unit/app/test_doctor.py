@@ -2,6 +2,8 @@
 lost/hang records. Each finding is provoked alone on top of a healthy run and must name its evidence."""
 
 import json
+import os
+import time
 
 import pytest
 
@@ -211,6 +213,32 @@ def test_a_lost_worker_and_a_silent_one_in_a_live_run(tmp_path):
     assert [f.code for f in fs] == ["silent_role", "silent_role"]
     assert "reward-0 went silent" in fs[0].title
     assert fs[1].title.startswith("rollout-0 silent for 2") and "weights v3" in fs[1].evidence[0]
+
+
+def test_a_stale_status_reports_what_it_recorded(tmp_path):
+    """A fleet that ended without summary.json: status.json is as of its last write, not now."""
+    run = make_run(tmp_path, finished=False)
+    status = {
+        "workers": {
+            "trainer": {"silent_s": 29.0, "waiting_for": "its own train_step (step 4)"},
+            "rollout-0": {"silent_s": 1.0, "waiting_for": "weights"},
+        }
+    }
+    (run / "status.json").write_text(json.dumps(status))
+    old = time.time() - 600
+    os.utime(run / "status.json", (old, old))
+    fs = diagnose(run)[1]
+    assert [f.title for f in fs] == ["trainer silent for 29s", "the scheduler stopped reporting before the run ended"]
+    assert fs[0].evidence[0].startswith("last heartbeat 29s old when status.json was last written, 60")
+    assert "status.json is 60" in fs[1].evidence[0]
+
+
+def test_zero_rewards_of_truncated_samples_point_at_the_budget(tmp_path):
+    run = make_run(tmp_path, change=lambda k, r: r.update(reward_mean=0.0, truncated_frac=0.9))
+    f = diagnose(run)[1][0]
+    assert f.code == "reward_all_zero" and f.advice.startswith(
+        "90% of the samples were cut at gconfig.max_new_tokens=12"
+    )
 
 
 def test_a_hang_capture_shows_the_stopped_trainer_and_the_stacks(tmp_path, capsys):
