@@ -158,6 +158,20 @@ def base_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The HF-named state dict of a model ``inject`` wrapped, every LoRA layer folded in with its own
+    rank and scaling (W + s B A): what a plain model of the same class loads (one process)."""
+    out = base_state(model)
+    for name, m in model.named_modules():
+        scaling = getattr(m, "scaling", None)
+        if isinstance(scaling, dict) and "default" in scaling and hasattr(m, "base_layer"):
+            a, b = m.lora_A["default"].weight.float(), m.lora_B["default"].weight.float()
+            w = out[f"{name}.weight"]
+            out[f"{name}.weight"] = (w.float() + scaling["default"] * (b @ a)).to(w.dtype)
+    return out
+
+
 # ---- applying an adapter ------------------------------------------------------------------------
 
 

@@ -325,11 +325,9 @@ class PPOActor:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The policy's whole state dict under the HF names (a LoRA run's: the adapter merged in); one rank."""
-        spec = lora.LoraSpec.of(self.cfg.lora)
-        if spec is None or not self.lora:
-            return {k: v.detach() for k, v in self.model.state_dict().items()}
-        adapter = {k: v.detach() for k, v in lora.adapter_params(self.model).items()}
-        return lora.merge_into(lora.base_state(self.model), adapter, spec)
+        if self.lora:
+            return lora.merged_state(self.model)
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     @property
     def ref_model(self) -> Optional[torch.nn.Module]:

@@ -218,6 +218,9 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_resumes_it_and_exports_it_mer
 
     assert cli.main(["export-lora", str(tmp_path / "ckpt"), str(tmp_path / "merged")]) == 0
     ids = torch.tensor([TOK.encode("12+30=42")])
+    evaluated = _model(seed=9)
+    evaluated.load_state_dict(actor.full_state())  # what the periodic evaluator gets: HF names, merged
     with torch.no_grad():
         want = actor.model(ids).logits
         torch.testing.assert_close(load_model(tmp_path / "merged")(ids).logits, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(evaluated(ids).logits, want, atol=1e-5, rtol=0)
