@@ -224,3 +224,24 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_resumes_it_and_exports_it_mer
         want = actor.model(ids).logits
         torch.testing.assert_close(load_model(tmp_path / "merged")(ids).logits, want, atol=1e-5, rtol=0)
         torch.testing.assert_close(evaluated(ids).logits, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_the_engine_reads_the_base_once_at_the_first_adapter(merged):
+    """A rollout's engine starts with random weights; the run's base is read when the first adapter comes
+    (a restarted rollout too), then only adapters: its forward equals base + s B A (merged by hand)."""
+    spec = lora.LoraSpec(4, 8.0, ("k_proj", "gate_proj"))
+    base, reads = _model(seed=11).state_dict(), []
+    engine_model = _model(seed=0)
+    adapter = lora.EngineAdapter(engine_model, spec, merged, base=lambda: reads.append(1) or base)
+    ids = torch.tensor([TOK.encode("7+5=12")])
+    for seed in (3, 4):
+        sd = _random_adapter(_model(), spec, seed)
+        adapter.load(sd)
+        want = _model(seed=11)
+        with torch.no_grad():
+            for layer in {k.rsplit(".lora_", 1)[0] for k in sd}:
+                w = want.get_submodule(layer).weight
+                w += 2.0 * sd[layer + ".lora_B.weight"] @ sd[layer + ".lora_A.weight"]  # alpha / r = 2
+            torch.testing.assert_close(engine_model(ids).logits, want(ids).logits, atol=1e-5, rtol=0)
+    assert reads == [1]
