@@ -312,8 +312,10 @@ def _tasks(axes, steps: list[dict]) -> None:
         if ys:
             level.step(xs, ys, where="post", color=color, label=name)
     reward.set(xlabel="trainer step", ylabel="reward (task score, 0 to 1)", ylim=(-0.02, 1.02), title="reward")
-    share.set(xlabel="trainer step", ylabel="fraction of samples trained so far", ylim=(0, 1), title="mixture")
+    share.set(xlabel="trainer step", ylabel="fraction of samples trained so far", ylim=(0, 1.02), title="mixture")
     level.set(xlabel="trainer step", ylabel="curriculum level", title="curriculum")
+    if not level.get_legend_handles_labels()[0]:
+        level.text(0.5, 0.5, "no task has levels", ha="center", va="center", transform=level.transAxes)
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
