@@ -1,8 +1,6 @@
 """``areal-async data filter``: the band by hand, known pass rates through the real reward pool, the CLI."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -57,13 +55,10 @@ def test_filter_keeps_the_band_by_rates_scored_in_the_reward_pool(tmp_path, monk
     assert (counts["kept"], counts["too_easy"], counts["too_hard"]) == (1, 1, 1)
 
 
-def test_cli_filter_runs_and_refuses_a_bad_band(tmp_path):
+def test_cli_filter_runs_and_refuses_a_bad_band(tmp_path, cli):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+1=", "solutions": [str(a + 1)]}) + "\n" for a in range(3)))
     cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
         "data",
         "filter",
         str(ROOT / "configs/tiny_arith.yaml"),
@@ -77,9 +72,9 @@ def test_cli_filter_runs_and_refuses_a_bad_band(tmp_path):
         "evaluator.max_new_tokens=6",
         "reward.n_procs=1",
     ]
-    done = subprocess.run(cmd + ["--band", "[0,1]"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = cli(*cmd, "--band", "[0,1]")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 problems, k=2, band [0,1]" in done.stdout and "3 kept, 0 too easy, 0 too hard" in done.stdout
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
-    bad = subprocess.run(cmd + ["--band", "[0.9,0.1]"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    bad = cli(*cmd, "--band", "[0.9,0.1]")
     assert bad.returncode == 2 and "--band '[0.9,0.1]': expected 0 <= low <= high <= 1" in bad.stderr

@@ -1,8 +1,6 @@
 """``areal-async data prepare``: one small handmade file per format, and a bad line in each named in the error."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -99,17 +97,17 @@ def test_a_bad_line_is_named_and_nothing_is_written(tmp_path, fmt, rows, bad, wh
     assert not out.exists() and not (tmp_path / "out.jsonl.tmp").exists()
 
 
-def test_cli_skip_bad_writes_the_good_lines_and_reports_the_bad(tmp_path):
+def test_cli_skip_bad_writes_the_good_lines_and_reports_the_bad(tmp_path, cli):
     src = write(tmp_path / "gsm8k.jsonl", GSM8K, '{"question": "Q", "answer": 5}', bad_at=1)
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "areal_async.cli", "data", "prepare", str(src), "-o", str(out), "--format", "gsm8k"]
-    refused = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    cmd = ["data", "prepare", src, "-o", out, "--format", "gsm8k"]
+    refused = cli(*cmd)
     assert (
         refused.returncode == 2
         and f"{src}:1: gsm8k: field 'answer' must be a non-empty string, got int 5" in refused.stderr
         and not out.exists()
     )
-    done = subprocess.run(cmd + ["--skip-bad"], capture_output=True, text=True, cwd=ROOT)
+    done = cli(*cmd, "--skip-bad")
     assert done.returncode == 0, done.stderr
     assert "3 lines read, 2 written (gsm8k 2), 1 bad" in done.stdout and f"skipped {src}:1:" in done.stderr
     assert [r["solutions"] for r in read(out)] == [["7"], ["2400"]]

@@ -2,8 +2,6 @@
 and the periodic evaluator agreeing with `areal-async eval` on the same weights."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -89,12 +87,9 @@ def test_evaluate_scores_every_sample_with_the_reward_pool():
 FAST = ["sft_warmup.steps=5", "evaluator.max_problems=6", "evaluator.max_new_tokens=6", "reward.n_procs=1"]
 
 
-def test_cli_eval_writes_rows_and_summary_and_refuses_bad_flags(tmp_path):
+def test_cli_eval_writes_rows_and_summary_and_refuses_bad_flags(tmp_path, cli):
     out = tmp_path / "ev"
     cmd = [
-        sys.executable,
-        "-m",
-        "areal_async.cli",
         "eval",
         str(ROOT / "configs/tiny_arith.yaml"),
         "--out",
@@ -103,7 +98,7 @@ def test_cli_eval_writes_rows_and_summary_and_refuses_bad_flags(tmp_path):
         "3",
         *FAST,
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    done = cli(*cmd)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pass@1" in done.stdout and "95% CI" in done.stdout and "samples / problem (k)          3" in done.stdout
     rows = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
@@ -112,11 +107,9 @@ def test_cli_eval_writes_rows_and_summary_and_refuses_bad_flags(tmp_path):
     assert summary["pass1"] == pytest.approx(sum(r["pass1"] for r in rows) / 6)
     assert summary["ci_low"] <= summary["pass1"] <= summary["ci_high"]
     assert summary["model"].startswith("initial policy") and (summary["k"], summary["temperature"]) == (3, 0.6)
-    bad = subprocess.run(cmd[: -len(FAST)] + ["--greedy"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = cli(*cmd[: -len(FAST)], "--greedy")
     assert bad.returncode == 2 and "-k 3 with --greedy" in bad.stderr
-    missing = subprocess.run(
-        cmd + ["--model", str(tmp_path / "nope")], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    missing = cli(*cmd, "--model", tmp_path / "nope")
     assert missing.returncode == 2 and "nope" in missing.stderr and "config.json" in missing.stderr
 
 
@@ -151,52 +144,3 @@ def test_periodic_evaluator_agrees_with_eval_on_a_saved_model(tmp_path):
     assert (periodic["eval_n_problems"], periodic["eval_k"]) == (5, 4)
     completions = [r["completions"] for r in map(json.loads, (tmp_path / "ev" / "eval.jsonl").read_text().splitlines())]
     assert len({c for cs in completions for c in cs}) > 5  # sampled, not one text repeated
-
-
-def test_eval_through_an_sglang_server_serving_the_model(tmp_path):
-    """rollout.backend=sglang: eval attaches to a running server (the project's SGLang-compatible CPU
-    server, a real process over HTTP) that serves --model; k samples per problem come back scored."""
-    from tests.support.sglang_fixtures import stop
-
-    from protocols.sockets import free_tcp_port
-
-    cfg_args = [
-        "evaluator.n_samples=3",
-        "evaluator.greedy=false",
-        "evaluator.max_problems=4",
-        "gconfig.max_new_tokens=6",
-        "reward.n_procs=1",
-        "rollout.backend=sglang",
-        "cluster.device=cpu",
-        "cluster.n_rollout_workers=1",
-    ]
-    tok = build_char_tokenizer()
-    base = from_dict({}, cfg_args)
-    save_policy(build_model(base.model, len(tok), seed=7), tok, tmp_path / "model")
-    port = free_tcp_port("127.0.0.1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "areal_async.rollout.sglang_server",
-            "--model-path",
-            str(tmp_path / "model"),
-            "--port",
-            str(port),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        cfg = from_dict({}, cfg_args + [f"sglang.addresses=[{url}]"])
-        assert run_eval(cfg, str(tmp_path / "model"), None, tmp_path / "ev") == 0
-    finally:
-        stop(proc)
-    rows = [json.loads(line) for line in (tmp_path / "ev" / "eval.jsonl").read_text().splitlines()]
-    summary = json.loads((tmp_path / "ev" / "eval_summary.json").read_text())
-    assert len(rows) == 4 and all(len(r["completions"]) == len(r["scores"]) == 3 for r in rows)
-    assert summary["backend"] == "sglang" and summary["k"] == 3 and 0 <= summary["pass1"] <= 1
-    no_servers = from_dict({}, cfg_args)
-    assert run_eval(no_servers, str(tmp_path / "model"), None, tmp_path / "ev2") == 2  # names sglang.addresses

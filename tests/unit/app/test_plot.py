@@ -3,8 +3,6 @@
 import json
 import random
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -101,10 +99,9 @@ def test_plot_writes_every_figure_as_a_valid_png(tmp_path):
     assert matplotlib.image.imread(paths[0]).shape[2] in (3, 4)  # decodes as an image, not just a header
 
 
-def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path):
+def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path, cli):
     (tmp_path / "empty").mkdir()
-    cmd = [sys.executable, "-m", "areal_async.cli", "plot"]
-    done = subprocess.run(cmd + [str(tmp_path / "empty")], capture_output=True, text=True, cwd=ROOT)
+    done = cli("plot", tmp_path / "empty")
     assert done.returncode == 2
     assert f"{tmp_path / 'empty'}: no trainer-step rows in metrics.jsonl (file missing): nothing to plot" in done.stderr
     assert not (tmp_path / "empty" / "plots").exists()
@@ -115,7 +112,5 @@ def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path):
     with pytest.raises(PlotError, match="metrics.jsonl:2: not valid JSON"):
         plot_run(tmp_path / "empty")
     fake_run(tmp_path / "run", steps=5)
-    done = subprocess.run(
-        cmd + [str(tmp_path / "run"), "--out", str(tmp_path / "figs")], capture_output=True, text=True, cwd=ROOT
-    )
+    done = cli("plot", tmp_path / "run", "--out", tmp_path / "figs")
     assert done.returncode == 0 and done.stdout.count("KiB)") == 7 and (tmp_path / "figs" / "kl.png").exists()

@@ -4,8 +4,6 @@ the seed's numbers, bad overrides are refused naming the key (exit code 2 from t
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,12 +15,6 @@ ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 BOBA = ROOT / "configs/boba_grpo.yaml"
 TINY = ROOT / "configs/tiny_arith.yaml"
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "areal_async.cli", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
-    )
 
 
 def test_the_expected_presets_exist():
@@ -37,7 +29,7 @@ GPU_PRESETS = {"boba_grpo.yaml", "boba_sft.yaml", "gsm8k_grpo.yaml"}
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
-def test_preset_loads_and_dry_run_prints_the_same_config(path):
+def test_preset_loads_and_dry_run_prints_the_same_config(path, cli):
     cfg = load_config(path)
     proc = cli("run", str(path), "--dry-run")
     assert proc.returncode == (2 if path.name in GPU_PRESETS else 0), proc.stderr
@@ -161,14 +153,14 @@ def test_vllm_backend_servers_addresses_and_context_length():
         ("evaluator.greedy=true", "evaluator.n_samples"),
     ],
 )
-def test_cli_refuses_bad_overrides_with_exit_code_2(override, key):
+def test_cli_refuses_bad_overrides_with_exit_code_2(override, key, cli):
     proc = cli("run", str(BOBA), "--dry-run", override)
     assert proc.returncode == 2
     assert "config error" in proc.stderr and key in proc.stderr
     assert proc.stdout == ""  # nothing resolved, nothing started
 
 
-def test_cli_refuses_a_missing_config_file():
+def test_cli_refuses_a_missing_config_file(cli):
     proc = cli("sft", "configs/does_not_exist.yaml")
     assert proc.returncode == 2 and "does_not_exist.yaml" in proc.stderr
 
@@ -193,7 +185,7 @@ def _leaf_keys(d: dict, prefix: str = "") -> set[str]:
     return out
 
 
-def test_knobs_lists_every_key_with_help():
+def test_knobs_lists_every_key_with_help(cli):
     proc = cli("knobs")
     assert proc.returncode == 0, proc.stderr
     listed = dict(
