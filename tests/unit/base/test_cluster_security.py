@@ -137,7 +137,7 @@ async def test_unkeyed_peers_never_reach_the_scheduler(keyed_run, caplog):
         assert seen == [], seen  # no registration, refusal or bad-frame report: no frame arrived
         assert zap_stats()["refused"] >= refused_before + 1  # the stranger's key, at the handshake
         # the real worker is untouched and the scheduler still answers it
-        assert svc.workers["rollout-0"]["ident"] == worker.sock.getsockopt(zmq.IDENTITY)
+        assert svc.workers["rollout-0"].ident == worker.sock.getsockopt(zmq.IDENTITY)
         assert await pong(worker, 3)
     finally:
         svc.done.set()
@@ -153,7 +153,7 @@ async def test_keyed_impostor_is_refused_and_the_worker_keeps_its_work(keyed_run
     try:
         trainer, worker = await started_fleet(svc, ctx, tokens)
         held = set(svc.core.rollouts["rollout-0"].groups)
-        ident = svc.workers["rollout-0"]["ident"]
+        ident = svc.workers["rollout-0"].ident
         assert held
         endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         claims = [
@@ -174,7 +174,7 @@ async def test_keyed_impostor_is_refused_and_the_worker_keeps_its_work(keyed_run
             await send_message(imp, M.Heartbeat(worker_id=wid, ts=0.0))
             assert isinstance(await recv(imp), M.Error)
             imp.close(0)
-        assert svc.workers["rollout-0"]["ident"] == ident
+        assert svc.workers["rollout-0"].ident == ident
         assert set(svc.core.rollouts["rollout-0"].groups) == held
         assert svc.core.ledger.n_aborted == 0
         assert sorted(svc.workers) == ["rollout-0", "trainer"]
@@ -183,7 +183,7 @@ async def test_keyed_impostor_is_refused_and_the_worker_keeps_its_work(keyed_run
         # a real restart (same id, role and token, a new process) is accepted; its old work is re-issued
         again = ControlClient(ctx, endpoint, "rollout", "rollout-0", 60.0, token=tokens["rollout-0"])
         await again.register(timeout_s=5)
-        assert svc.workers["rollout-0"]["ident"] != ident
+        assert svc.workers["rollout-0"].ident != ident
         assert svc.core.ledger.n_aborted == 2 * len(held)  # n_samples = 2 per group
     finally:
         svc.done.set()

@@ -11,7 +11,7 @@ from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.ledger import GroupState, Ledger, LedgerError, SampleState
 from areal_async.scheduler.runlog import sample_line
-from areal_async.scheduler.service import next_attempt, save_attempt
+from areal_async.scheduler.start import next_attempt, save_attempt
 
 
 def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):

@@ -1,0 +1,114 @@
+"""What a scheduler starts from: the core over the config's problems, the attempt counter
+(``RUN_DIR/resumes.json``), a checkpoint's books (``extra.json``), the run log rolled back to it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Optional
+
+from areal_async.base.endpoints import Endpoints
+from areal_async.config import ExperimentConfig
+from areal_async.data.gym import GymSource
+from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
+from areal_async.scheduler.core import SchedulerCore, SchedulerParams
+from areal_async.scheduler.group_filter import build_group_filter
+from areal_async.scheduler.runlog import RunLog
+from areal_async.scheduler.sinks import sinks_from_config
+from areal_async.scheduler.task_book import PromptTable, TaskBook
+
+log = logging.getLogger("areal_async.scheduler")
+
+
+def build_core(
+    cfg: ExperimentConfig, tokenize, runlog: RunLog
+) -> tuple[SchedulerCore, LengthFilter, Optional[TaskBook]]:
+    """The core over the problems within ``train_dataset.max_prompt_len`` (counted and logged here, at start),
+    and for a reasoning-gym mixture its per-task books (``task_book.py``)."""
+    d = cfg.train_dataset
+    source = GymSource.from_config(d, cfg.seed) if d.type == "reasoning_gym" else None
+    problems = source.problems() if source is not None else load_problems(d, cfg.seed)
+    lengths = keep_short(problems, tokenize, d.max_prompt_len)
+    log.info("train_dataset: %s", lengths.describe())
+    kept = [problems[i] for i in lengths.kept]
+    book = None if source is None else TaskBook(source, lengths.kept, kept, tokenize, d.max_prompt_len, d.curriculum)
+    problem = book.table if book is not None else PromptTable(kept, tokenize, lambda i: 0)
+    g = cfg.gconfig
+    params = SchedulerParams(
+        batch_size=cfg.train_dataset.batch_size,
+        n_samples=g.n_samples,
+        eta=cfg.rollout.max_head_offpolicyness,
+        total_steps=cfg.total_train_steps,
+        max_concurrent=cfg.rollout.max_concurrent_rollouts,
+        gen=dict(
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            greedy=g.greedy,
+            stop_token_ids=list(g.stop_token_ids),
+        ),
+        gen_deadline_s=cfg.rollout.gen_deadline_s,
+        reward_deadline_s=cfg.reward.deadline_s,
+        max_reissues=cfg.rollout.max_reissues,
+        group_filter=build_group_filter(cfg.rollout.dynamic_filter),
+        filter_max_gen_batches=cfg.rollout.dynamic_filter_max_gen_batches,
+    )
+    cursor = PromptCursor(len(lengths.kept), cfg.seed, d.shuffle)
+    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths, book
+
+
+def open_books(
+    cfg: ExperimentConfig, endpoints: Endpoints, run_dir: Path, tokenize
+) -> tuple[RunLog, SchedulerCore, LengthFilter, Optional[TaskBook], Optional[dict]]:
+    """(run log, core, prompt filter, task book (a reasoning-gym mixture's) or None, the checkpoint's
+    scheduler state or None) of a scheduler starting in
+    ``run_dir``: a resumed run (``resume_from``, or recovery on) continues the books from the checkpoint,
+    the run log rolled back to it; a restart from nothing gets ids no earlier start issued."""
+    resume = endpoints.extra.get("resume_from")
+    ckpt_state = checkpoint_state(resume) if resume else None
+    if ckpt_state is not None or cfg.recover.mode != "disabled":
+        # a resumed run continues the books from the checkpoint (nothing, if there is none)
+        cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
+        log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
+    runlog = RunLog(run_dir, cfg.rollout.dump_to_file, sinks_from_config(cfg, run_dir))
+    core, prompts, task_book = build_core(cfg, tokenize, runlog)
+    attempt = next_attempt(run_dir)
+    if ckpt_state is None and attempt:
+        core.restart_ids(attempt)  # a restart from nothing: the books were cut to empty
+    if ckpt_state is not None:
+        runlog.n_sample_lines = int(ckpt_state["n_sample_lines"])
+        recovered = core.restore(ckpt_state, at_least=attempt)
+        if task_book is not None:
+            task_book.restore(ckpt_state.get("tasks"))
+        log.info(
+            "restored step %d, version %d; %d in-flight samples aborted and re-issued",
+            core.next_step,
+            core.version,
+            len(recovered),
+        )
+    save_attempt(run_dir, core.resumes)  # before any id is issued
+    return runlog, core, prompts, task_book, ckpt_state
+
+
+def next_attempt(run_dir: Path) -> int:
+    """How many times a scheduler started in ``run_dir`` before (``RUN_DIR/resumes.json``, 0 when
+    none): the id prefix of a resumed or restarted run is at least this, so ids never repeat."""
+    path = Path(run_dir) / "resumes.json"
+    if not path.exists():
+        return 0
+    return int(json.loads(path.read_text())["resumes"]) + 1
+
+
+def save_attempt(run_dir: Path, resumes: int) -> None:
+    tmp = Path(run_dir) / "resumes.json.tmp"
+    tmp.write_text(json.dumps({"resumes": resumes}) + "\n")
+    tmp.replace(Path(run_dir) / "resumes.json")
+
+
+def checkpoint_state(path: str) -> dict:
+    state = json.loads((Path(path) / "extra.json").read_text())
+    missing = {"version", "next_step", "cursor", "ledger", "offsets", "n_sample_lines"} - set(state)
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks scheduler state {sorted(missing)}")
+    return state

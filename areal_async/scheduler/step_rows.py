@@ -1,0 +1,127 @@
+"""The run's rows: the metrics row of each trainer step (one line of ``metrics.jsonl``), built by the
+scheduler from its books when the step's ``TrainStepDone`` arrives, with the clock the rows measure
+from (the previous step's end, each step's plan time); and the books' part of ``summary.json``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from protocols.messages import TrainStepDone
+
+from areal_async.data.prompts import LengthFilter
+from areal_async.scheduler.core import SchedulerCore
+from areal_async.scheduler.health import IdleMeter, sample_health, trainer_idle
+from areal_async.scheduler.runlog import RunLog
+from areal_async.scheduler.task_book import TaskBook
+from areal_async.scheduler.weight_updates import WeightUpdates, metrics_columns
+from areal_async.scheduler.workers import WorkerTable
+
+log = logging.getLogger("areal_async.scheduler")
+
+
+class StepRows:
+    """``row(m, trained)`` per step; ``step_t``: wall time the last step ended (or the start);
+    ``plan_at``: step -> wall time its BatchPlan was sent (two with plan ahead)."""
+
+    def __init__(
+        self,
+        core: SchedulerCore,
+        counts: dict,
+        workers: WorkerTable,
+        weight_updates: WeightUpdates,
+        t0: float,
+        task_book: Optional[TaskBook] = None,
+        eta: int = 0,
+    ):
+        self.core, self.counts, self.workers, self.weight_updates, self.t0 = core, counts, workers, weight_updates, t0
+        self.task_book = task_book  # a reasoning-gym mixture's per-task columns
+        self.eta = eta  # rollout.max_head_offpolicyness, for health.py's staleness columns
+        self._idle = {"rollout": IdleMeter(), "reward": IdleMeter()}  # health.py's idle fractions
+        self.step_t = time.time()
+        self.plan_at: dict[int, float] = {}
+        self._filter_last = {"groups": 0, "samples": 0, "errors": 0}  # rollout.dynamic_filter's counts at the last row
+        self._scored_last = [0.0, 0]  # core.scored at the last row
+
+    def row(self, m: TrainStepDone, trained: list) -> dict:
+        """Step ``m.step``'s row: ``trained`` (its samples' ledger records), the books, the workers' busy
+        seconds, the weight update, the dynamic filter's drops, then the trainer's own metrics."""
+        now = time.time()
+        scores = [r.score for r in trained]
+        row = {
+            "step": m.step,
+            "version": m.version,
+            "reward_mean": sum(scores) / max(1, len(scores)),
+            "staleness_max": max((m.step - r.version_min for r in trained), default=0),
+            "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
+            "samples_trained": len(trained),
+            "samples_trained_total": self.core.ledger.n_trained,
+            "samples_generated_total": self.counts["generated"],
+            "samples_rewarded_total": self.counts["rewarded"],
+            "samples_aborted_total": self.core.ledger.n_aborted,
+            "step_s": now - self.step_t,
+            "wall_s": now - self.t0,
+            # from the previous step's end to this step's plan: waiting for data (t_gen at eta=0)
+            "plan_wait_s": max(0.0, self.plan_at.pop(m.step, now) - self.step_t),  # 0: planned ahead
+            # rollout engines' cumulative busy seconds, from their last heartbeats
+            "gen_busy_s_total": self.workers.busy_s_total("rollout"),
+            # reward workers' cumulative seconds with a group being scored, likewise
+            "reward_busy_s_total": self.workers.busy_s_total("reward"),
+        }
+        self.step_t = now
+        row.update(metrics_columns(self.weight_updates.last))
+        row.update(self._filter_counts())
+        if self.task_book is not None:
+            row.update(self.task_book.step_row(trained))
+        (total, n), (total0, n0) = self.core.scored, self._scored_last
+        self._scored_last = list(self.core.scored)
+        if n > n0:  # every sample scored since the last row, kept or dropped: what the policy generates now
+            row["reward_mean_scored"] = (total - total0) / (n - n0)
+        row.update({k: v for k, v in m.metrics.items() if k not in row})
+        return row | self._health(row, trained)
+
+    def _health(self, row: dict, trained: list) -> dict:
+        """scheduler/health.py's columns: truncation, lengths, group rewards, idle fractions."""
+        out = sample_health(trained, row["step"], self.eta)
+        idle = {"trainer_idle_frac": trainer_idle(row, row["step_s"])}
+        for (role, meter), busy in zip(self._idle.items(), ("gen_busy_s_total", "reward_busy_s_total")):
+            n = len(self.workers.role(role))
+            idle[f"{role}_idle_frac"] = meter.add(row["wall_s"], n, row[busy])
+        return out | {k: v for k, v in idle.items() if v is not None}
+
+    def _filter_counts(self) -> dict:
+        """rollout.dynamic_filter's drops since the last row and in total (nothing without a filter)."""
+        f = self.core.p.group_filter
+        if f is None:
+            return {}
+        now, last = f.counts(), self._filter_last
+        self._filter_last = now
+        if now["errors"] > last["errors"]:
+            log.warning("%d dynamic filter error(s) this step, last: %s", now["errors"] - last["errors"], f.last_error)
+        return {
+            "dynamic_filter_groups_dropped": now["groups"] - last["groups"],
+            "dynamic_filter_samples_dropped": now["samples"] - last["samples"],
+            "dynamic_filter_groups_dropped_total": now["groups"],
+            "dynamic_filter_errors_total": now["errors"],
+        }
+
+
+def run_summary(core: SchedulerCore, runlog: RunLog, prompts: LengthFilter, aborted_at_end: int, t0: float) -> dict:
+    """The books' part of ``summary.json`` at the run's end."""
+    c = core.ledger.counts()
+    return {
+        "steps": core.next_step,
+        "version": core.version,
+        "samples_issued": c["issued"],
+        "samples_trained": c["trained"],
+        "samples_aborted": c["aborted"],
+        "samples_lost": c["issued"] - runlog.n_sample_lines,
+        "aborted_at_end": aborted_at_end,
+        "prompts_total": prompts.n_total,
+        "prompts_filtered_long": prompts.n_dropped,
+        "prompts_reissued": core.n_reissued["prompts"],
+        "samples_reissued": core.n_reissued["samples"],
+        "prompts_dropped": core.n_reissued["dropped"],
+        "wall_s": time.time() - t0,
+    }
