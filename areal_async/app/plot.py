@@ -14,6 +14,9 @@ and ``trajectories.jsonl`` when the run dumped it; writes into ``RUN_DIR/plots``
                      proximal-current approx KL, per step
     eval.png         periodic evaluation: pass@1 with its 95 % interval per policy version
                      (only when the run has evaluation rows)
+    health.png       the health columns of ``areal-async doctor`` (docs/doctor.md): log-prob gap
+                     by staleness lag, ESS, truncation and all-zero / all-one groups, lengths,
+                     idle fractions per role (when the run has them)
     weights.png      weight updates: seconds from the optimizer step's end to every rollout
                      generating with the new weights, stacked by phase, per version (when timed)
     tasks.png        a reasoning-gym mixture (rows with task/<name>/* columns): reward per task per
@@ -106,6 +109,8 @@ def plot_run(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[
     ] + ([("eval.png", lambda ax: _eval(ax, evals))] if evals else [])
     if any("weight_update_s" in r for r in steps):
         figures.append(("weights.png", lambda ax: _weights(ax, steps)))
+    if any("truncated_frac" in r for r in steps):
+        figures.append(("health.png", lambda ax: _health(ax, steps)))
     if task_names(steps):
         figures.append(("tasks.png", lambda ax: _tasks(ax, steps)))
     paths = []
@@ -126,7 +131,7 @@ def _pyplot():
 
 
 def _layout(name: str) -> tuple[int, int]:
-    return {"staleness.png": (1, 2), "loss.png": (2, 3), "tasks.png": (1, 3)}.get(name, (1, 1))
+    return {"staleness.png": (1, 2), "loss.png": (2, 3), "tasks.png": (1, 3), "health.png": (2, 2)}.get(name, (1, 1))
 
 
 def _title(run_dir: Path, name: str) -> str:
@@ -139,6 +144,7 @@ def _title(run_dir: Path, name: str) -> str:
         "eval.png": "Evaluation",
         "weights.png": "Weight updates",
         "tasks.png": "Tasks of the mixture",
+        "health.png": "Health (areal-async doctor)",
     }[name]
     return f"{what} - {run_dir.name}"
 
@@ -257,6 +263,26 @@ def _kl(ax, steps: list[dict]) -> None:
     ax.set(xlabel="trainer step", ylabel="approx. KL (nats / token)")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
+
+
+def _health(axes, steps: list[dict]) -> None:
+    """Four panels of the health columns, each key a line (raw thin, moving average bold)."""
+    w, colors = window_for(len(steps)), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    lags = sorted({k for r in steps for k in r if k.startswith("logp_gap_mean_lag")}, key=lambda k: int(k[17:]))
+    panels = (
+        (lags + ["logp_gap_p99"], "log-prob gap |prox - behav| by lag", "nats / token"),
+        (["truncated_frac", "groups_all_zero_frac", "groups_all_one_frac", "ess_frac"], "fractions", "fraction"),
+        (["completion_len_mean", "completion_len_p90"], "completion length", "tokens"),
+        (["trainer_idle_frac", "rollout_idle_frac", "reward_idle_frac"], "idle", "fraction of wall time"),
+    )
+    for ax, (keys, title, unit) in zip(axes, panels):
+        for key, color in zip(keys, colors):
+            xs, ys = _xy(steps, key)
+            if ys:
+                _series(ax, xs, ys, key, color, w)
+        ax.set(xlabel="trainer step", ylabel=unit, title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=7)
 
 
 def _eval(ax, evals: list[dict]) -> None:

@@ -114,3 +114,29 @@ def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path, cli):
     fake_run(tmp_path / "run", steps=5)
     done = cli("plot", tmp_path / "run", "--out", tmp_path / "figs")
     assert done.returncode == 0 and done.stdout.count("KiB)") == 7 and (tmp_path / "figs" / "kl.png").exists()
+
+
+def test_health_figure_when_the_run_has_the_health_columns(tmp_path):
+    fake_run(tmp_path / "run", steps=30)
+    path = tmp_path / "run" / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in rows:
+        if "kind" not in r:
+            r.update(
+                truncated_frac=0.01,
+                completion_len_mean=9.0,
+                completion_len_p90=11.0,
+                logp_gap_mean_lag0=0.0,
+                logp_gap_mean_lag1=0.004,
+                logp_gap_p99=0.1,
+                ess_frac=0.99,
+                trainer_idle_frac=0.05,
+                rollout_idle_frac=0.8,
+                groups_all_zero_frac=0.1,
+                groups_all_one_frac=0.2,
+            )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = plot_run(tmp_path / "run")
+    assert paths[-1].name == "health.png"
+    width, height = png_size(paths[-1])
+    assert width >= 1000 and height >= 700 and paths[-1].stat().st_size > 20_000
