@@ -87,7 +87,7 @@ def render(run: RunData, findings: list[Finding]) -> str:
     lines = [f"{head}: {len(findings) or 'no'} finding(s)"]
     figs = figures(run)
     if figs:
-        lines.append("  second half: " + ", ".join(f"{k} {v:g}" for k, v in figs.items()))
+        lines.append("  figures (second-half means unless named): " + ", ".join(f"{k} {v:g}" for k, v in figs.items()))
     for f in findings:
         lines += ["", f"[{f.code}] {f.title}"]
         lines += [f"  evidence: {e}" for e in f.evidence]
