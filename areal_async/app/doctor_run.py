@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from areal_async.base.manifest import ManifestError, RunManifest
 from areal_async.base.stacks import read_hangs
 
 RESTART_MARK = re.compile(r"^----- restarted by the supervisor \((\d+)/(\d+)\) -----$")
@@ -123,6 +124,17 @@ def read_restarts(logs: Path) -> list[Restart]:
     return out
 
 
+def _manifest_recoveries(run_dir: Path, notes: list[str]) -> int:
+    """The recoveries before the newest fleet, from its manifest (0 without one; a bad one is a note)."""
+    try:
+        return RunManifest.load(run_dir).recoveries
+    except FileNotFoundError:
+        return 0
+    except (OSError, ManifestError) as e:
+        notes.append(f"endpoints.json: {e}; recoveries taken from summary.json only")
+        return 0
+
+
 def read_run(run_dir: str | Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -136,8 +148,7 @@ def read_run(run_dir: str | Path) -> RunData:
     except OSError:
         age = None
     summary = _read_json(run_dir / "summary.json")
-    endpoints = _read_json(run_dir / "endpoints.json") or {}
-    recoveries = max(int((summary or {}).get("recoveries", 0)), int(endpoints.get("extra", {}).get("recoveries", 0)))
+    recoveries = max(int((summary or {}).get("recoveries", 0)), _manifest_recoveries(run_dir, notes))
     return RunData(
         run_dir=run_dir,
         cfg=_read_cfg(run_dir, notes),

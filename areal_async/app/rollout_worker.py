@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
-from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints
+from areal_async.base.endpoints import NODE_HOST_ENV
+from areal_async.base.manifest import RunManifest
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, server_addresses
 from areal_async.base.plugins import load_callable
@@ -110,11 +111,11 @@ def torch_engine_model(cfg: ExperimentConfig, tok):
 
 
 def sglang_engine(
-    cfg: ExperimentConfig, ep: Endpoints, run_dir: str | Path, worker_id: str, index: int, max_in_flight: int
+    cfg: ExperimentConfig, ep: RunManifest, run_dir: str | Path, worker_id: str, index: int, max_in_flight: int
 ) -> RemoteEngine:
     """A RemoteEngine over the SGLang servers this worker owns (started by the supervisor, or sglang.addresses)."""
     s = cfg.sglang
-    mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
+    mine = servers_of(ep.servers, index, cfg.cluster.n_rollout_workers)
     clients = [
         SGLangClient(
             a,
@@ -149,11 +150,11 @@ def server_group_backend_of(cfg: ExperimentConfig, worker_id: str, j: int, index
 
 
 def vllm_engine(
-    cfg: ExperimentConfig, ep: Endpoints, tok, run_dir: str | Path, worker_id: str, index: int, max_in_flight: int
+    cfg: ExperimentConfig, ep: RunManifest, tok, run_dir: str | Path, worker_id: str, index: int, max_in_flight: int
 ) -> RemoteEngine:
     """A RemoteEngine over the vLLM servers this worker owns (started by the supervisor, or vllm.addresses)."""
     v = cfg.vllm
-    mine = servers_of(ep.extra["servers"], index, cfg.cluster.n_rollout_workers)
+    mine = servers_of(ep.servers, index, cfg.cluster.n_rollout_workers)
     probe = ProbeReference(cfg, tok, Path(run_dir) / LORA_BASE) if v.probe else None
     clients = [
         VLLMClient(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import install_run_keys
 from areal_async.scheduler.weight_updates import PHASES
 from protocols.messages import ProtocolError, StatusReport, StatusRequest, decode, encode
@@ -37,7 +37,7 @@ def query_status(run_dir: str | Path, timeout_s: float = 5.0) -> StatusReport:
         install_run_keys(run_dir)  # its tcp:// sockets admit only the run's keys
     except RuntimeError as e:
         raise StatusError(str(e)) from None
-    ep = Endpoints.load(run_dir)
+    ep = RunManifest.load(run_dir)
     nonce = random.getrandbits(31)
     ctx = zmq.Context()
     sock = make_socket(ctx, zmq.DEALER, connect=ep.control, identity=f"status-{os.getpid()}-{nonce}")

@@ -48,9 +48,9 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
     setup_torch_process(cfg.cluster)
     if cfg.mode == "rollout_only":
         return _frozen_trainer(cfg, ep, run_dir, worker_id)
-    resume = ep.extra.get("resume_from")
+    resume = ep.resume_from
     dtype = to_dtype(cfg.model.dtype)
-    dp = _join_ranks(cfg, ep.extra.get("trainer_store", ""), rank, dtype)
+    dp = _join_ranks(cfg, ep.trainer_store, rank, dtype)
     sharded = dp.active or dtype != torch.float32
     model, tok, ckpt = _trainer_policy(cfg, resume, rank, sharded)
     if dp.active and ckpt is None:

@@ -37,12 +37,12 @@ from pathlib import Path
 import zmq.asyncio
 
 from areal_async.base.control import ControlClient
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import add_external_worker, install_run_keys
 from areal_async.config import ExperimentConfig, load_config
 
 
-def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
+def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, RunManifest]:
     """The fleet's config and endpoints, as every worker reads them (``FileNotFoundError`` names the file)."""
     run_dir = Path(run_dir)
     for name in ("config.yaml", "endpoints.json"):
@@ -51,7 +51,7 @@ def load_run(run_dir: str | Path) -> tuple[ExperimentConfig, Endpoints]:
     cfg = load_config(run_dir / "config.yaml")
     if cfg.cluster.curve:
         install_run_keys(run_dir)
-    return cfg, Endpoints.load(run_dir)
+    return cfg, RunManifest.load(run_dir)
 
 
 def join(run_dir: str | Path, role: str, worker_id: str) -> str:
@@ -61,7 +61,7 @@ def join(run_dir: str | Path, role: str, worker_id: str) -> str:
 
 
 def connect(
-    ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: Endpoints, role: str, worker_id: str, token: str = ""
+    ctx: zmq.asyncio.Context, cfg: ExperimentConfig, ep: RunManifest, role: str, worker_id: str, token: str = ""
 ) -> ControlClient:
     """A control link to the fleet's scheduler (``register()`` it, then ``recv()`` / ``send()``);
     ``token`` from ``join``."""

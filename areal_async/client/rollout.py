@@ -37,7 +37,7 @@ class RolloutWorker:
                 "bring-your-own rollout worker; use zmq or shm"
             )
         ctx = zmq.asyncio.Context()
-        shm = {"run_id": ep.extra.get("run_id")}
+        shm = {"run_id": ep.run_id}
         traj = make_tensor_channel(
             cfg.tensor_channel.trajectories,
             role="sender",

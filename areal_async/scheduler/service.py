@@ -87,7 +87,7 @@ from protocols.sockets import decode_logged, make_socket, send_message
 
 from areal_async.config import ExperimentConfig
 from areal_async.base.control import worker_of
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import Roster
 from areal_async.scheduler.start import open_books
 from areal_async.scheduler.status import status_doc, status_report, waiting_for
@@ -107,7 +107,7 @@ class SchedulerService:
     def __init__(
         self,
         cfg: ExperimentConfig,
-        endpoints: Endpoints,
+        endpoints: RunManifest,
         run_dir: str | Path,
         t0: float,
         tokenize,
@@ -115,7 +115,7 @@ class SchedulerService:
     ):
         """``roster``: what the supervisor launched; None (tests of the protocol only) checks no token."""
         self.cfg, self.run_dir, self.t0, self.roster = cfg, Path(run_dir), t0, roster
-        self.recoveries = int(endpoints.extra.get("recoveries", 0))
+        self.recoveries = endpoints.recoveries
         self.runlog, self.core, self.prompts, self.task_book, ckpt_state = open_books(
             cfg, endpoints, self.run_dir, tokenize
         )

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.config import ExperimentConfig
 from areal_async.data.gym import GymSource
 from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
@@ -59,13 +59,13 @@ def build_core(
 
 
 def open_books(
-    cfg: ExperimentConfig, endpoints: Endpoints, run_dir: Path, tokenize
+    cfg: ExperimentConfig, endpoints: RunManifest, run_dir: Path, tokenize
 ) -> tuple[RunLog, SchedulerCore, LengthFilter, Optional[TaskBook], Optional[dict]]:
     """(run log, core, prompt filter, task book (a reasoning-gym mixture's) or None, the checkpoint's
     scheduler state or None) of a scheduler starting in
     ``run_dir``: a resumed run (``resume_from``, or recovery on) continues the books from the checkpoint,
     the run log rolled back to it; a restart from nothing gets ids no earlier start issued."""
-    resume = endpoints.extra.get("resume_from")
+    resume = endpoints.resume_from
     ckpt_state = checkpoint_state(resume) if resume else None
     if ckpt_state is not None or cfg.recover.mode != "disabled":
         # a resumed run continues the books from the checkpoint (nothing, if there is none)

@@ -139,7 +139,7 @@ class Supervisor:
             PYTHONUNBUFFERED="1",
         )
         rd = self.rundir
-        for name, cmd in server_commands(self.cfg, self.run_dir, rd.endpoints.extra["servers"], rd.server_key):
+        for name, cmd in server_commands(self.cfg, self.run_dir, rd.manifest.servers, rd.server_key):
             self._start(name, cmd, self._env | rd.server_env | device_env(self.cfg, self.placement.get(name)))
         for spec in worker_specs(self.cfg):
             env = self._env | device_env(self.cfg, self.placement.get(spec.wid))
@@ -357,7 +357,7 @@ class Supervisor:
     def cleanup(self) -> None:
         """Remove the run's sockets and any shared-memory segment a killed worker left behind."""
         if self.rundir is not None:
-            remove_run_files(self.rundir.endpoints)
+            remove_run_files(self.rundir.manifest)
 
 
 def run_fleet(

@@ -4,8 +4,9 @@
 (0700: checkpoints in it are unpickled on resume, ``base/private.py``) and writes, in this order:
 ``config.yaml`` (the resolved config), ``keys/`` (every worker's CURVE keys and launch token, and
 the inference servers' key: before the endpoints, so whoever finds the endpoints finds the keys) and
-last ``endpoints.json`` (where every peer listens, the resume point, the servers, the recovery
-count), which every worker reads. It returns what the fleet needs to start the processes.
+last ``endpoints.json`` (the ``RunManifest``, ``base/manifest.py``: where every peer listens, the
+servers, the resume point, the recovery count), which every worker reads. It returns the manifest
+with the launch tokens and the servers' key: what the fleet starts its processes with.
 
 Also here: ``pids.json`` (every started pid and the placement) and ``remove_run_files`` (the run's
 socket directory and any shared-memory segment a killed worker left behind).
@@ -13,6 +14,7 @@ socket directory and any shared-memory segment a killed worker left behind).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from areal_async.base.endpoints import NODE_HOST_ENV, Endpoints, plan_endpoints
+from areal_async.base.endpoints import NODE_HOST_ENV, plan_endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.base.private import private_dir
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys, write_server_key
 from areal_async.config import ExperimentConfig, to_yaml
@@ -62,7 +65,7 @@ class Nodes:
 class RunDir:
     """What ``write_run_dir`` wrote that the fleet starts its processes with."""
 
-    endpoints: Endpoints
+    manifest: RunManifest
     tokens: dict[str, str]  # worker id -> its launch token (the same for its restarts)
     server_env: dict[str, str]  # the servers' per-fleet key: their environment and the rollout workers'
 
@@ -95,18 +98,18 @@ def write_run_dir(cfg: ExperimentConfig, run_dir: Path, nodes: Nodes, recoveries
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     cl = cfg.cluster  # built-in reward workers bind the first endpoints, bring-your-own ones the rest
     n_reward = cl.n_reward_workers + cl.n_external_reward_workers
-    endpoints = plan_endpoints(n_reward, nodes.host(None), cl.control, nodes.hosts())
-    endpoints.extra["resume_from"] = str(resume) if resume else None
-    endpoints.extra["servers"] = plan_server_addresses(cfg)
+    planned = plan_endpoints(n_reward, nodes.host(None), cl.control, nodes.hosts())
+    manifest = dataclasses.replace(
+        planned, servers=plan_server_addresses(cfg), resume_from=str(resume) if resume else None, recoveries=recoveries
+    )
     tokens = write_run_keys(run_dir, {s.wid: s.role for s in worker_specs(cfg)})
     server_env = server_key_env(cfg)
     if server_env:
         write_server_key(run_dir, server_env[API_KEY_ENV])
-    endpoints.extra["recoveries"] = recoveries
-    endpoints.save(run_dir)
+    manifest.save(run_dir)
     if resume:
         print(f"[areal-async] resuming from {resume}")
-    return RunDir(endpoints, tokens, server_env)
+    return RunDir(manifest, tokens, server_env)
 
 
 def write_pids(run_dir: Path, pids: dict[str, int], placement: dict[str, Slot]) -> None:
@@ -118,10 +121,10 @@ def write_pids(run_dir: Path, pids: dict[str, int], placement: dict[str, Slot]) 
     tmp.replace(run_dir / "pids.json")
 
 
-def remove_run_files(endpoints: Endpoints) -> None:
+def remove_run_files(manifest: RunManifest) -> None:
     """The run's socket directory and any shared-memory segment a killed worker left behind."""
-    if endpoints.sock_dir:
-        shutil.rmtree(endpoints.sock_dir, ignore_errors=True)
-    run_id = endpoints.extra.get("run_id")
+    if manifest.sock_dir:
+        shutil.rmtree(manifest.sock_dir, ignore_errors=True)
+    run_id = manifest.run_id
     for seg in Path("/dev/shm").glob(f"areal_{run_id}_*") if run_id else []:
         seg.unlink(missing_ok=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 import zmq
 
 from areal_async.base.control import routing_identity
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import Roster, write_run_keys
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
@@ -269,7 +269,7 @@ def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_
     cfg = load_config(config, ["total_train_steps=1000000000", *overrides])
     cpus = sorted(os.sched_getaffinity(0))
     with tempfile.TemporaryDirectory(prefix="sched-") as tmp:
-        ep = Endpoints(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
+        ep = RunManifest(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
         roles = roles_of(cfg)
@@ -291,7 +291,7 @@ def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_
     return out | {"fleet_errors": errors[:5], "n_fleet_errors": len(errors)}
 
 
-async def _serve_and_watch(cfg, ep: Endpoints, run_dir: Path, fleet_pid: int, seconds: float, warmup: int) -> dict:
+async def _serve_and_watch(cfg, ep: RunManifest, run_dir: Path, fleet_pid: int, seconds: float, warmup: int) -> dict:
     encode = prompt_encoder(load_tokenizer(cfg.model.path), cfg.train_dataset.template)
     svc = SchedulerService(cfg, ep, run_dir, t0=time.time(), tokenize=encode, roster=Roster.of_run(run_dir))
     task = asyncio.create_task(svc.run())

@@ -71,7 +71,7 @@ def test_fleet_across_two_loopback_nodes(tmp_path):
         assert nodes == {"scheduler": 0, "trainer": 1, "rollout-0": 0, "rollout-1": 1}
         assert ep["control"].startswith("tcp://127.0.0.1:") and ep["rewards"][0].startswith("tcp://127.0.0.1:")
         assert ep["trajectories"].startswith("tcp://127.0.0.2:")
-        assert ep["extra"]["weights_endpoint"].startswith("tcp://127.0.0.2:")
+        assert ep["weights_endpoint"].startswith("tcp://127.0.0.2:")
         control, traj = _port(ep["control"]), _port(ep["trajectories"])
 
         def linked() -> bool:  # node 1 reached node 0's scheduler; node 0's rollout reached node 1's trainer
@@ -141,10 +141,10 @@ def test_gloo_fleet_with_two_trainer_ranks_listens_on_no_wildcard(tmp_path):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=120)
-    extra = json.loads((run_dir / "endpoints.json").read_text())["extra"]
-    stores = {extra[k] for k in ("traj_store", "weight_store", "trainer_store")}
+    manifest = json.loads((run_dir / "endpoints.json").read_text())
+    stores = {manifest[k] for k in ("traj_store", "weight_store", "trainer_store")}
     assert all(s.startswith("tcp://127.0.0.1:") for s in stores) and len(stores) == 3, stores
-    assert {("127.0.0.1", _port(extra["traj_store"])), ("127.0.0.1", _port(extra["trainer_store"]))} <= seen
+    assert {("127.0.0.1", _port(manifest["traj_store"])), ("127.0.0.1", _port(manifest["trainer_store"]))} <= seen
     assert seen and {ip for ip, _ in seen} == {"127.0.0.1"}, sorted(seen)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700  # checkpoints in it are unpickled on resume
     check_books(run_dir, eta=1)

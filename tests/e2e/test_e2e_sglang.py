@@ -42,7 +42,7 @@ def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(t
         text=True,
     )
     wait_for_metrics(run_dir, proc, timeout=300)
-    servers = json.loads((run_dir / "endpoints.json").read_text())["extra"]["servers"]
+    servers = json.loads((run_dir / "endpoints.json").read_text())["servers"]
     with pytest.raises(HTTPStatusError) as refused:  # the servers serve only the run's key (server_auth.py)
         call(servers[1], "GET", "/model_info", timeout_s=5.0)
     assert refused.value.status == 401

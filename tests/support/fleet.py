@@ -101,5 +101,5 @@ def assert_verified(run_dir: Path, steps: int) -> None:
 
 
 def leaked_segments(run_dir: Path) -> list[str]:
-    run_id = json.loads((run_dir / "endpoints.json").read_text())["extra"]["run_id"]
+    run_id = json.loads((run_dir / "endpoints.json").read_text())["run_id"]
     return [p.name for p in Path("/dev/shm").glob(f"areal_{run_id}_*")]

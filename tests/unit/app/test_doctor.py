@@ -8,6 +8,8 @@ import time
 import pytest
 
 from areal_async.app.doctor import as_json, diagnose, doctor_main
+from areal_async.app.doctor_run import read_run
+from areal_async.base.manifest import RunManifest
 
 CFG = """\
 gconfig: {max_new_tokens: 12, temperature: 1.0}
@@ -189,7 +191,7 @@ def test_restarts_and_recoveries(tmp_path):
         "x INFO started\nx ERROR engine thread failed\nTraceback: boom\n\n"
         "----- restarted by the supervisor (1/2) -----\nx INFO started\n"
     )
-    (run / "endpoints.json").write_text(json.dumps({"extra": {"recoveries": 1}}))
+    RunManifest("ipc:///c", "ipc:///t", recoveries=1).save(run)
     found = {f.code: f for f in diagnose(run)[1]}
     assert set(found) == {"restarts", "recoveries"}
     assert (
@@ -197,6 +199,14 @@ def test_restarts_and_recoveries(tmp_path):
         == found["restarts"].evidence[0]
     )
     assert "1 in-run recovery" in found["recoveries"].evidence[0]
+
+
+def test_a_manifest_of_another_version_is_a_note_not_a_crash(tmp_path):
+    run = make_run(tmp_path)
+    (run / "endpoints.json").write_text(json.dumps({"extra": {"recoveries": 1}}))  # the layout before RunManifest
+    data = read_run(run)
+    assert data.recoveries == 0
+    assert any(n.startswith("endpoints.json: ") and "unknown key(s) extra" in n for n in data.notes), data.notes
 
 
 def test_a_lost_worker_and_a_silent_one_in_a_live_run(tmp_path):

@@ -19,7 +19,7 @@ from protocols.curve import current_keys, use_curve, zap_stats
 from protocols.sockets import connect_address, free_tcp_port, make_socket, send_message, use_source_host
 
 from areal_async.base.control import ControlClient
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import Roster, add_external_worker, install_run_keys, load_curve_keys, write_run_keys
 from areal_async.config import from_dict
 from areal_async.scheduler.service import SchedulerService
@@ -57,7 +57,7 @@ async def silent(sock, timeout=1.0) -> bool:
 
 def scheduler(run_dir, port):
     cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_concurrent_rollouts=2"])
-    ep = Endpoints(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_tcp_port()}", [], "")
+    ep = RunManifest(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_tcp_port()}", [], "")
     return SchedulerService(
         cfg, ep, run_dir, t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s], roster=Roster.of_run(run_dir)
     )

@@ -18,7 +18,7 @@ from protocols import messages as M
 from protocols.messages import decode
 from protocols.sockets import ipc_endpoint, make_socket, send_message
 
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.config import ConfigError, from_dict
 from areal_async.data.prompts import Problem, keep_short, prompt_encoder, sft_examples
 from areal_async.data.templates import render_prompt_text
@@ -121,7 +121,7 @@ async def test_rl_issues_r1_ids_to_the_engine_and_filters_a_long_prompt(tmp_path
             "model.max_position_embeddings=512",
         ],
     )
-    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
+    ep = RunManifest(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
     with caplog.at_level(logging.INFO, logger="areal_async.scheduler"):
         svc = SchedulerService(
             cfg,

@@ -16,7 +16,7 @@ from protocols.messages import decode
 from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.config import from_dict
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.scheduler.service import SchedulerService
 
 
@@ -26,7 +26,7 @@ async def recv(sock, timeout=5.0):
 
 async def test_scheduler_refuses_bad_frames_and_keeps_serving(tmp_path, caplog):
     cfg = from_dict({}, ["train_dataset.batch_size=2", "gconfig.n_samples=2"])
-    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
+    ep = RunManifest(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
     svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
     task = asyncio.create_task(svc.run())
     ctx = zmq.asyncio.Context()
@@ -100,7 +100,7 @@ async def _fleet(tmp_path, overrides: list[str]):
     """A scheduler service with a registered rollout-0, reward-0 and trainer (TrainerReady at
     version 0 sent); yields (service, rollout, reward, trainer) and stops it all on exit."""
     cfg = from_dict({}, overrides)
-    ep = Endpoints(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
+    ep = RunManifest(ipc_endpoint(tmp_path, "c"), ipc_endpoint(tmp_path, "t"), [], str(tmp_path))
     svc = SchedulerService(cfg, ep, tmp_path / "run", t0=0.0, tokenize=lambda s: [1] + [ord(c) for c in s])
     task = asyncio.create_task(svc.run())
     ctx = zmq.asyncio.Context()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from areal_async.base.endpoints import Endpoints
+from areal_async.base.manifest import RunManifest
 from areal_async.config import from_dict
 from areal_async.supervisor.placement import Slot
 from areal_async.supervisor.plan import LaunchError, recovery_verdict, why_no_restart, worker_command, worker_specs
@@ -89,9 +89,9 @@ def test_run_dir_writer_writes_config_keys_and_endpoints(tmp_path):
     assert run_dir.stat().st_mode & 0o777 == 0o700
     assert sorted(rd.tokens) == ["reward-0", "rollout-0", "scheduler", "trainer"]
     assert rd.token_env("reward-0") == {"AREAL_LAUNCH_TOKEN": rd.tokens["reward-0"]} and rd.token_env("x") == {}
-    saved = Endpoints.load(run_dir)
-    assert saved == rd.endpoints and len(saved.rewards) == 1
-    assert (saved.extra["recoveries"], saved.extra["resume_from"], saved.extra["servers"]) == (3, None, [])
+    saved = RunManifest.load(run_dir)
+    assert saved == rd.manifest and len(saved.rewards) == 1
+    assert (saved.recoveries, saved.resume_from, saved.servers) == (3, None, [])
 
 
 def test_run_dir_writer_refuses_a_directory_holding_another_run_and_touches_nothing(tmp_path):
