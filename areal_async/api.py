@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import AsyncIterator, Iterator, Optional, Sequence
 
 from areal_async.base.private import private_dir
+from areal_async.base.records import JsonlTail
 from areal_async.config import ExperimentConfig, load_config, to_yaml
 
 __all__ = ["Fleet", "FleetError", "run_command"]
@@ -116,7 +117,7 @@ class Fleet:
     def metrics(self, poll_s: float = 0.25) -> Iterator[dict]:
         """Every ``metrics.jsonl`` row, as the trainer steps; ends when the run has ended and all are read."""
         self._started()
-        tail = _Tail(self.run_dir / "metrics.jsonl")
+        tail = JsonlTail(self.run_dir / "metrics.jsonl")
         while True:
             ended = not self.running()
             yield from tail.read()
@@ -155,7 +156,7 @@ class Fleet:
     async def ametrics(self, poll_s: float = 0.25) -> AsyncIterator[dict]:
         """Async ``metrics``."""
         self._started()
-        tail = _Tail(self.run_dir / "metrics.jsonl")
+        tail = JsonlTail(self.run_dir / "metrics.jsonl")
         while True:
             ended = not self.running()
             for row in tail.read():
@@ -178,24 +179,6 @@ class Fleet:
         if self.proc is None:
             raise FleetError(f"fleet in {self.run_dir} was not started: call start() first")
         return self.proc
-
-
-class _Tail:
-    """Complete lines appended to a JSONL file since the last read (a half-written last line waits)."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n") + 1
-        self.offset += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 def _env() -> dict:

@@ -87,6 +87,31 @@ def read_jsonl(path: str | Path) -> tuple[list[dict], list[str]]:
     return rows, problems
 
 
+class JsonlTail:
+    """The rows appended to a jsonl file since the last ``read``: complete lines only (a half-written
+    last line waits for its newline), a line that is not JSON skipped; no file yet reads as no rows."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.offset = Path(path), 0  # bytes already read
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        rows = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return rows
+
+
 def roll_back_steps(run_dir: str | Path, start_step: int) -> int:
     """Move the trainer's lines of steps >= ``start_step`` (and a torn last line) from
     ``trainer_steps.jsonl`` to ``trainer_steps.rolled_back.jsonl``; returns how many moved.

@@ -67,7 +67,7 @@ from areal_async.supervisor.progress import ProgressLine
 from areal_async.supervisor.report import build_failure, finish, tell_dead
 from areal_async.supervisor.rundir import Nodes, RunDir, remove_run_files, write_pids, write_run_dir
 from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, server_commands
-from areal_async.supervisor.watchdog import LostLog, StepWatchdog, capture_hang
+from areal_async.supervisor.watchdog import StepWatchdog, capture_hang, lost_log
 from areal_async.trainer.checkpoint_dirs import latest_complete_checkpoint
 
 GRACE_S = 5.0
@@ -113,7 +113,7 @@ class Supervisor:
         self.recoveries_in_a_row = 0  # without a newer complete checkpoint in between
         self._recovered_from: Optional[int] = None  # newest checkpoint step at the last recovery
         self.restarts_total = 0
-        self.lost = LostLog(self.run_dir / "lost.jsonl")
+        self.lost = lost_log(self.run_dir)
         self.watchdog = StepWatchdog(cfg, self.run_dir, self._scheduler_done)
         self.rss = PeakRss()
         show = cfg.stats_logger.progress if progress is None else progress
@@ -212,7 +212,7 @@ class Supervisor:
     def _kill_lost(self) -> None:
         """Read the scheduler's new lost.jsonl lines; a lost worker still running after
         LOST_KILL_GRACE_S (it was told to exit) is killed, so it can never send live work again."""
-        for rec in self.lost.new_records():
+        for rec in self.lost.read():
             c = next((c for c in self.children if c.name == rec.get("worker")), None)
             if c is not None and c.proc.pid == rec.get("pid") and c.proc.poll() is None:
                 c.lost, c.kill_at = str(rec.get("why", "")), time.monotonic() + LOST_KILL_GRACE_S

@@ -6,8 +6,8 @@
   holder, ``scheduler/overdue.py``) and what every worker waits for (``silence_report``).
 - ``capture_hang``: before the supervisor acts on the watchdog's finding, every local worker's Python
   stacks go into the run directory (``supervisor/hangs.py``; ``areal-async doctor`` shows them).
-- ``LostLog``: the new lines of ``lost.jsonl`` (workers the scheduler declared lost), read as they
-  are appended; a half-written last line waits for its newline.
+- ``lost_log``: the new lines of ``lost.jsonl`` (workers the scheduler declared lost), read as they
+  are appended (``base/records.JsonlTail``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from areal_async.base.records import JsonlTail
 from areal_async.config import ExperimentConfig
 from areal_async.scheduler.overdue import overdue
 from areal_async.supervisor.hangs import capture_stacks, file_size
@@ -94,25 +95,6 @@ def silence_report(status: Optional[dict], age: Optional[float], silent_s: float
     return f"{head}: overdue: {who}. The scheduler waits for {status.get('waiting_for')}. {others}"
 
 
-class LostLog:
-    """The records appended to ``lost.jsonl`` since the last ``new_records()``."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset = path, 0  # bytes already read
-
-    def new_records(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except OSError:
-            return []
-        complete = data[: data.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        out = []
-        for line in complete.decode(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+def lost_log(run_dir: Path) -> JsonlTail:
+    """The scheduler's records of the workers it declared lost: ``{"worker", "role", "pid", "why"}``."""
+    return JsonlTail(run_dir / "lost.jsonl")

@@ -13,7 +13,7 @@ from areal_async.supervisor.placement import Slot
 from areal_async.supervisor.plan import LaunchError, recovery_verdict, why_no_restart, worker_command, worker_specs
 from areal_async.supervisor.progress import ProgressLine
 from areal_async.supervisor.rundir import Nodes, write_run_dir
-from areal_async.supervisor.watchdog import LostLog
+from areal_async.supervisor.watchdog import lost_log
 
 
 def test_worker_specs_in_start_order_with_their_indexes():
@@ -122,14 +122,14 @@ def test_nodes_prefer_the_launchers_address_then_the_placement():
 
 def test_lost_log_reads_each_complete_line_once(tmp_path):
     path = tmp_path / "lost.jsonl"
-    log = LostLog(path)
-    assert log.new_records() == []  # no file yet
+    log = lost_log(tmp_path)
+    assert log.read() == []  # no file yet
     path.write_text(json.dumps({"worker": "a"}) + "\nnot json\n" + '{"worker": "b"')  # b is half written
-    assert log.new_records() == [{"worker": "a"}]
+    assert log.read() == [{"worker": "a"}]
     with open(path, "a") as f:
         f.write("}\n")
-    assert log.new_records() == [{"worker": "b"}]
-    assert log.new_records() == []
+    assert log.read() == [{"worker": "b"}]
+    assert log.read() == []
 
 
 def test_progress_line_from_the_newest_step_row(tmp_path, capsys):
