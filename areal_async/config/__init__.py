@@ -7,8 +7,10 @@ bad preset or override fails before any process starts, with a message naming th
 the value and what was expected. After assigning fields by hand, ``cfg.validate()`` checks the
 whole tree again.
 
-Modules: ``base`` (ConfigError, field helpers, checks, the ``Section`` base), ``sections`` and
-``experiment`` (the dataclasses), ``loading`` (YAML, overrides, coercion, ``describe``).
+Modules: ``base`` (ConfigError, field helpers, checks, the ``Section`` base), ``sections`` (policy,
+data, sampling, rollout, PPO, reward), ``cluster`` (the fleet, CPU pinning, Slurm, tensor channels),
+``objective`` (the actor's objective keys), ``experiment`` (the run-level sections and
+``ExperimentConfig``), ``loading`` (YAML, overrides, coercion, ``describe``).
 
 Why dataclasses and not pydantic: the sections are plain stdlib dataclasses that the trainer,
 rollout and data code already take as arguments and build directly in tests; validation
@@ -39,13 +41,12 @@ from areal_async.config.experiment import (
     server_addresses,
 )
 from areal_async.config.loading import describe, from_dict, load_config, parse_override, to_dict, to_yaml
+from areal_async.config.cluster import ClusterConfig, CpuAffinityConfig, SlurmConfig, TensorChannelConfig
 from areal_async.config.sections import (
     DTYPES,
     LR_SCHEDULES,
     NORM_LEVELS,
     ActorConfig,
-    ClusterConfig,
-    CpuAffinityConfig,
     DatasetConfig,
     GenerationConfig,
     LoraConfig,
@@ -56,8 +57,6 @@ from areal_async.config.sections import (
     RejectionSamplingConfig,
     RewardConfig,
     RolloutConfig,
-    SlurmConfig,
-    TensorChannelConfig,
     rollout_dp_degree,
 )
 

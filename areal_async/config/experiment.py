@@ -9,10 +9,10 @@ from typing import Optional
 
 from areal_async.config.base import Section, _f, _sub, above, at_least, one_of, require, within
 from areal_async.config.objective import check_objective_fleet
+from areal_async.config.cluster import ClusterConfig, TensorChannelConfig
 from areal_async.config.sections import (
     DTYPES,
     ActorConfig,
-    ClusterConfig,
     DatasetConfig,
     GenerationConfig,
     MicroBatchSpec,
@@ -20,7 +20,6 @@ from areal_async.config.sections import (
     OptimizerConfig,
     RewardConfig,
     RolloutConfig,
-    TensorChannelConfig,
     rollout_dp_degree,
 )
 
