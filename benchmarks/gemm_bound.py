@@ -33,6 +33,8 @@ import torch
 
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ModelConfig
+from areal_async.models.tiny import build_model
+from areal_async.trainer.packing import forward_packed, pack, use_varlen_attention
 from benchmarks.common import write_rows
 
 SHAPES = {
@@ -92,9 +94,6 @@ def train_step_s(shapes, tokens: int, dtype=torch.float32, repeats: int = 3) -> 
 
 def trainer_rows(shape: str, tokens: int, repeats: int, skip_hf: bool) -> list[dict]:
     """The trainer's fused step and a plain HF step on ``tokens`` packed tokens, each against the GEMM bound."""
-    from areal_async.models.tiny import build_model
-    from areal_async.trainer.packing import forward_packed, pack, use_varlen_attention
-
     cfg = model_config(shape)
     model = use_varlen_attention(build_model(cfg, cfg.vocab_size, seed=0)).train()
     g = torch.Generator().manual_seed(0)
