@@ -347,6 +347,14 @@ class SoloConfig(Section):
         "checkpoints give the weights of each version (the newest checkpoint of version <= v).",
     )
 
+    def check(self) -> None:
+        require(
+            not (self.recording and self.weights),
+            "weights",
+            self.weights,
+            "'' when recording is set (recording is read by mode=train_only, weights by mode=rollout_only)",
+        )
+
 
 @dataclass
 class ExperimentConfig(Section):

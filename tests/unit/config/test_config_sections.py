@@ -12,6 +12,7 @@ from typing import Optional
 import pytest
 
 from areal_async.config.gym_tasks import CurriculumConfig
+from areal_async.config.experiment import SoloConfig
 from areal_async.config.objective import ObjectiveConfig
 from areal_async.config import (
     ActorConfig,
@@ -110,6 +111,7 @@ BAD = [
     (SaverConfig, {"keep_last": 0}, "keep_last=0", ">= 1"),
     (RecoverConfig, {"mode": "always"}, "mode='always'", "disabled | auto | resume"),
     (StatsLoggerConfig, {"progress": "yes"}, "progress='yes'", "true or false"),
+    (SoloConfig, {"recording": "runs/a", "weights": "runs/b"}, "weights='runs/b'", "'' when recording is set"),
     (ExperimentConfig, {"total_train_steps": 0}, "total_train_steps=0", ">= 1"),
 ]
 
