@@ -105,7 +105,7 @@ def test_bad_override_is_refused_before_anything_starts(tmp_path):
 
 # 2 -> 1 and 1 -> 2 ranks: each is the same-ranks case (1 -> 1, cut: it proved nothing these two do not, and a
 # resume on the same ranks is the SIGTERM test's in test_e2e_liveness) plus a checkpoint read by another number of
-# ranks in a fleet (the exact shard values both ways: unit/trainer/test_trainer_dp.py).
+# ranks in a fleet (the exact shard values both ways: contract/test_trainer_dp.py).
 @pytest.mark.parametrize("ranks_before, ranks_after", [(2, 1), (1, 2)])
 def test_sigkilled_trainer_resumes_from_checkpoint_with_exact_books(tmp_path, ranks_before, ranks_after):
     """Kill the trainer mid-run, rerun with recover.mode=auto: the run continues from the newest

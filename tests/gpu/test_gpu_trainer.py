@@ -1,7 +1,7 @@
 """GPU trainer check (marked ``gpu``; run by ``scripts/gpu_check.sh``): one FSDP2 PPO step on one
 GPU over NCCL with bf16 compute and float32 master weights and Adam state.
 
-Written against torch's FSDP2 / NCCL API and the CPU twin (tests/unit/trainer/test_trainer_dp.py); not run in
+Written against torch's FSDP2 / NCCL API and the CPU twin (tests/contract/test_trainer_dp.py); not run in
 the session that wrote it (no GPU was lent).
 """
 

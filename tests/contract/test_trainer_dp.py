@@ -1,11 +1,11 @@
-"""Data-parallel trainer ranks on gloo: 2 FSDP2 ranks take the 1-rank step; bf16 compute keeps
-float32 master weights; the batch split and the batch's trip between ranks; a LoRA adapter trained and
-published alone from the shards."""
+"""Data-parallel trainer ranks on gloo, the CPU twin of the GPU FSDP2 / NCCL path (tests/gpu/test_gpu_trainer.py):
+2 FSDP2 ranks take the 1-rank step; bf16 compute keeps float32 master weights; a LoRA adapter trained and
+published alone from the shards. Each test spawns its ranks (fresh interpreters with torch: ~10 s of CPU each),
+so they are here, not in the unit tier; the batch split and its trip between ranks are
+tests/unit/trainer/test_trainer_dp_batches.py."""
 
 import dataclasses
-import math
 import multiprocessing as mp
-import os
 
 import pytest
 import torch
@@ -15,15 +15,8 @@ from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, Rej
 from areal_async.models import lora
 from areal_async.models.lora import LoraSpec
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.dp import (
-    decode_batch,
-    encode_batch,
-    minibatches_by_tokens,
-    rank_micro_batches,
-    split_over_ranks,
-)
-from areal_async.trainer.types import Trajectory
 from protocols.sockets import free_tcp_port
+from tests.support.trainer_fixtures import make_trajs
 
 torch.set_num_threads(1)
 
@@ -40,19 +33,6 @@ def tiny_model(seed=0):
         max_position_embeddings=64,
     )
     return transformers.LlamaForCausalLM(cfg)
-
-
-def make_trajs():
-    """Uneven lengths (so the ranks' token shares differ), 3 groups, behaviour logprobs off the
-    policy by a fixed pattern so that importance weights vary and some tokens are rejected."""
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for k, (n_p, n_o) in enumerate([(3, 20), (2, 4), (4, 9), (3, 3), (2, 14), (5, 2), (3, 7)]):
-        prompt = torch.randint(1, 16, (n_p,), generator=g).tolist()
-        output = torch.randint(1, 16, (n_o,), generator=g).tolist()
-        behav = (-2.5 + 0.8 * torch.randn(n_o, generator=g)).tolist()
-        out.append(Trajectory(f"s{k}", f"g{k % 3}", prompt, output, behav, [0] * n_o, float(k % 2)))
-    return out
 
 
 def cfg():
@@ -213,39 +193,6 @@ def test_bf16_compute_moves_fp32_master_weights_where_a_bf16_optimizer_would_not
     moved = (master - before)[big].abs()
     assert float((moved > 0).float().mean()) > 0.9 and float(moved.max()) < 2e-6  # Adam's first step: about lr
     assert torch.equal(pure.state_dict()[k][big], w_bf16[k][big])  # bf16: every such update rounded away
-
-
-def test_split_over_ranks_balances_tokens_and_keeps_every_index():
-    lengths = [23, 6, 13, 6, 16, 7, 10]
-    shares = split_over_ranks(lengths, 2)
-    assert sorted(i for s in shares for i in s) == list(range(7))
-    sums = [sum(lengths[i] for i in s) for s in shares]
-    # total 81: largest differencing gives 42 / 39 (by hand: 23+6+6+7 vs 16+13+10); the best is 41 / 40
-    assert sums == [42, 39]
-    assert split_over_ranks(lengths, 2) == shares  # deterministic: every rank computes the same
-    assert split_over_ranks([5], 3) == [[0], [], []]
-    per_rank, n = rank_micro_batches(lengths, shares, 24, "error")
-    assert n == max(len(m) for m in per_rank) and all(sum(lengths[i] for i in mb) <= 24 for m in per_rank for mb in m)
-    mbs = minibatches_by_tokens(lengths, 2)
-    assert sorted(i for m in mbs for i in m) == list(range(7)) and all(mbs)
-
-
-def test_batch_crosses_ranks_as_three_tensors_and_back():
-    trajs = make_trajs()
-    back = decode_batch(*encode_batch(trajs))
-
-    def as_lists(ts):
-        return [(t.prompt_ids.tolist(), t.output_ids.tolist(), t.versions.tolist(), t.score) for t in ts]
-
-    assert as_lists(back) == as_lists(trajs)
-    assert all(
-        torch.equal(torch.as_tensor(a.behav_logp), torch.as_tensor(b.behav_logp, dtype=torch.float32))
-        for a, b in zip(back, trajs)
-    )
-    # group structure kept (names are not)
-    same = lambda ts: [[a.group_id == b.group_id for b in ts] for a in ts]  # noqa: E731
-    assert same(back) == same(trajs)
-    assert not math.isnan(sum(x for t in back for x in t.behav_logp)) and os.getpid()
 
 
 LORA = LoraSpec(4, 8.0, ("q_proj", "v_proj", "down_proj"))
