@@ -63,7 +63,8 @@ import zmq
 
 from areal_async.rollout.engine import PackedSamples, SampleOutput
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
-from areal_async.trainer.packing import allocate_micro_batches, pack
+from areal_async.trainer.packing import pack
+from areal_async.trainer.micro_batches import allocate_micro_batches
 from areal_async.trainer.types import Trajectory
 from areal_async.transport import make_tensor_channel
 from benchmarks.common import scheduler_load, write_rows

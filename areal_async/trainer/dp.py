@@ -37,7 +37,8 @@ from typing import Optional, Sequence
 import torch
 
 from areal_async.trainer.loss import LossStats
-from areal_async.trainer.packing import allocate_micro_batches, karmarkar_karp, one_device_cat
+from areal_async.trainer.packing import one_device_cat
+from areal_async.trainer.micro_batches import allocate_micro_batches, karmarkar_karp
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.buckets import plan
 from areal_async.transport.store import group_store

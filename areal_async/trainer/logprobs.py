@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS
-from areal_async.trainer.packing import PackedBatch, Seq, allocate_micro_batches, forward_packed, pack, seq_len, unpack
+from areal_async.trainer.packing import PackedBatch, Seq, forward_packed, pack, seq_len, unpack
+from areal_async.trainer.micro_batches import allocate_micro_batches
 
 
 @dataclass

@@ -16,7 +16,7 @@ from protocols.sockets import ipc_endpoint
 from protocols.tensors import encode_tensors
 from protocols.trajectories import SampleView, TrajectoryBatch
 
-from areal_async.trainer.service import TrajectoryBuffer
+from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.transport.factory import make_tensor_channel
 
 I32, F32 = torch.int32, torch.float32

@@ -22,7 +22,7 @@ from areal_async.base.records import roll_back_steps
 from areal_async.cli import main as cli_main
 from areal_async.rollout.engine import PackedSamples
 from areal_async.trainer.record import TrainerRecord, sample_versions, step_line
-from areal_async.trainer.service import TrajectoryBuffer
+from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.types import Trajectory
 
 PRODUCED = [  # (group, ids, vmin, vmax, n_tokens)

@@ -17,7 +17,7 @@ from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.supervisor import fleet
 from areal_async.supervisor.fleet import Child, Supervisor
 from areal_async.supervisor.watchdog import silence_report
-from areal_async.trainer.service import TrajectoryBuffer
+from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.base.aio import RoleLoopError, TaskSet
 
 from tests.unit.scheduler.test_scheduler_core import reward_msg, traj_msg

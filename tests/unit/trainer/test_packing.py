@@ -9,13 +9,11 @@ import torch
 import transformers
 
 from areal_async.trainer.logprobs import iter_micro_batches, packed_logprobs
+from areal_async.trainer.micro_batches import allocate_micro_batches, first_fit_decreasing, lower_bound
 from areal_async.trainer.packing import (
     VARLEN_IMPL,
-    allocate_micro_batches,
     block_causal_mask,
-    first_fit_decreasing,
     forward_packed,
-    lower_bound,
     pack,
     select_attn_implementation,
     unpack,

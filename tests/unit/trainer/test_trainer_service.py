@@ -27,7 +27,8 @@ from areal_async.rollout.engine import PackedSamples, SampleOutput
 from areal_async.rollout.service import trajectory_messages
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.record import TrainerRecord
-from areal_async.trainer.service import TrainerService, TrajectoryBuffer
+from areal_async.trainer.buffer import TrajectoryBuffer
+from areal_async.trainer.service import TrainerService
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
 from test_trainer_actor import boba_cfg, output_logp, tiny_model

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from areal_async.trainer.dp import encode_batch
 from areal_async.trainer.packing import pack
-from areal_async.trainer.service import TrajectoryBuffer
+from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.frames import to_host
 
