@@ -11,7 +11,8 @@ from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, SampleOutput
 from areal_async.rollout.kv_decoder import HFDecoder, KVCache, LeanLlama
-from areal_async.rollout.torch_engine import TorchEngine, draw_tokens, sample_tokens
+from areal_async.rollout.sampling import draw_tokens, sample_tokens
+from areal_async.rollout.torch_engine import TorchEngine
 
 TOK = build_char_tokenizer()
 SMALL = ModelConfig(
