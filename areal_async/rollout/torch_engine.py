@@ -46,7 +46,8 @@ from transformers import PreTrainedModel
 from areal_async.models.lora import EngineAdapter
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
 from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
-from areal_async.rollout.kv_decoder import KVCache, make_decoder
+from areal_async.rollout.kv_cache import KVCache
+from areal_async.rollout.kv_decoder import make_decoder
 from areal_async.rollout.sampling import SamplingMode, sample_tokens
 
 # Per-row tensors of a cohort and how each is padded when two cohorts merge:

@@ -10,7 +10,8 @@ from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, SampleOutput
-from areal_async.rollout.kv_decoder import HFDecoder, KVCache, LeanLlama
+from areal_async.rollout.kv_cache import KVCache
+from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
 from areal_async.rollout.sampling import draw_tokens, sample_tokens
 from areal_async.rollout.torch_engine import TorchEngine
 
