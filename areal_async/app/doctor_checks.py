@@ -2,8 +2,11 @@
 
 Windows: trends compare the first quarter of the step rows with the last quarter; levels are read
 over the second half (the first steps carry the start-up: SFT warm-up weights, an empty pipeline).
-Thresholds, and why each sits where it does (the measured healthy figures are the ten default
-tiny_arith runs of /work/notes/doctor.md; every threshold keeps a wide margin to them):
+Thresholds, and why each sits where it does. The healthy figures they keep a margin to: ten default
+tiny_arith runs (seeds 0-9, 300 steps, eta 1, a shared 2-core machine) measured over the second half
+entropy 0.049-0.072 nats/token (last/first quarter 0.45-0.58), truncation 0.4-8.3 %, length flat,
+log-prob gap 0.003-0.008 nats/token, ESS >= 0.998, every sample at staleness 1 with the trainer idle
+1-2 % and the rollouts idle 75-79 %.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ LENGTH_GROWTH, LENGTH_NEAR_BUDGET = 1.5, 0.9  # last/first quarter mean length, 
 AT_BOUND_FRAC, FED_IDLE = 0.75, 0.25
 # a role idle three quarters of the wall time over the second half, when it holds resources of its
 # own (GPUs, or pinned CPUs: cluster.cpu_affinity): idle then is waste. Unpinned CPU workers that
-# wait give their core to the others (the default preset's rollouts idle ~80-90 % and that speeds
+# wait give their core to the others (the default preset's rollouts idle 75-79 % and that speeds
 # the trainer up), so there the idle fractions are shown, not found
 IDLE_FRAC = 0.75
 GAP_GROWTH, GAP_FLOOR = 2.0, 0.05  # last/first quarter mean log-prob gap, and a floor in nats/token
