@@ -10,12 +10,13 @@ between (one ``torch.mm`` per shape into preallocated outputs), on the same thre
 generator or a trainer spends above it is attention, elementwise work, Python and memory traffic;
 a fraction near 1 leaves nothing but faster GEMMs (a GPU) to gain.
 
-- decode: one token for ``rows`` rows is ``rows x in`` by ``in x out`` for every shape
+- decode: one token for ``rows`` rows is ``rows x in`` by ``in x out`` (``x @ W.T``) for every shape
   (``decode_step_s``); the generators' tokens/s bound = rows / that time (prefill excluded: the
   prompts are a few tokens). ``benchmarks.engine_vs_hf --shapes tiny,real`` puts engine and HF
   tokens/s beside it, per width.
-- train: forward ``T x in`` by ``in x out``, backward ``T x out`` by ``out x in`` (dX) and
-  ``out x T`` by ``T x in`` (dW), every shape, lm head included (``train_step_s``). ``main`` times
+- train: forward ``x @ W.T``, backward ``dY @ W`` (dX) and ``dY.T @ x`` (dW), every shape, lm head
+  included (``train_step_s``), each in the memory layout ``nn.Linear`` and autograd use (a bound timed
+  in other layouts measured slower than the real step here: layouts matter to the BLAS). ``main`` times
   the trainer's fused step (``packing.forward_packed`` with the chunked head, then backward) and a
   plain HF forward + log-softmax + backward of the same packed tokens beside it. The chunked head
   recomputes each chunk's logits in backward, one more head GEMM than the bound counts
@@ -69,10 +70,15 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _mm_plan(products: list[tuple[int, int, int]], dtype: torch.dtype):
-    """(m, k, n) products with their operands and outputs allocated once: the timed loop only multiplies."""
-    ops = [(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype), torch.empty(m, n, dtype=dtype))
-           for m, k, n in products]  # fmt: skip
+def _mm_plan(products: list[tuple[str, int, int, int]], dtype: torch.dtype):
+    """Products in the layouts ``nn.Linear`` runs (weight ``W`` stored (out, in), activations (T, features)),
+    operands and outputs allocated once, so the timed loop only multiplies:
+    ("fwd", T, in, out): x @ W.T;  ("dx", T, in, out): dY @ W;  ("dw", T, in, out): dY.T @ x."""
+    ops = []
+    for kind, T, i, o in products:
+        w, x, dy = torch.randn(o, i, dtype=dtype), torch.randn(T, i, dtype=dtype), torch.randn(T, o, dtype=dtype)
+        a, b = {"fwd": (x, w.t()), "dx": (dy, w), "dw": (dy.t(), x)}[kind]
+        ops.append((a, b, torch.empty(a.shape[0], b.shape[1], dtype=dtype)))
 
     def run():
         for a, b, out in ops:
@@ -83,12 +89,12 @@ def _mm_plan(products: list[tuple[int, int, int]], dtype: torch.dtype):
 
 def decode_step_s(shapes, rows: int, dtype=torch.float32, repeats: int = 5) -> float:
     """Seconds of the GEMMs of one decode step of ``rows`` rows."""
-    return timed(_mm_plan([(rows, i, o) for i, o in shapes], dtype), repeats)
+    return timed(_mm_plan([("fwd", rows, i, o) for i, o in shapes], dtype), repeats)
 
 
 def train_step_s(shapes, tokens: int, dtype=torch.float32, repeats: int = 3) -> float:
     """Seconds of the GEMMs of a forward and backward over ``tokens`` packed tokens."""
-    products = [p for i, o in shapes for p in ((tokens, i, o), (tokens, o, i), (o, tokens, i))]
+    products = [(kind, tokens, i, o) for i, o in shapes for kind in ("fwd", "dx", "dw")]
     return timed(_mm_plan(products, dtype), repeats)
 
 
