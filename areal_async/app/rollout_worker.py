@@ -83,13 +83,15 @@ def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
     return {"episodes": episodes, "tokenizer": tok, "score": score}
 
 
-def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path) -> TorchEngine:
+def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path | None = None) -> TorchEngine:
     """The embedded engine; it starts without weights (version -1): version 0 comes from the trainer (in a
-    LoRA run, its adapter; the base is read from the run directory at the first one)."""
+    LoRA run, its adapter; the base is read from the run directory at the first one, so a LoRA run needs it)."""
     model = torch_engine_model(cfg, tok)
     spec = lora.LoraSpec.of(cfg.actor.lora)
     adapter = None
     if spec is not None:
+        if run_dir is None:
+            raise ValueError("actor.lora.rank > 0: the engine needs run_dir (the base weights are read from it)")
         base = Path(run_dir) / LORA_BASE
         adapter = lora.EngineAdapter(
             model, spec, cfg.actor.lora.engine_merge, base=lambda: load_model(base, cfg.model.dtype).state_dict()

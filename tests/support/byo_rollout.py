@@ -9,7 +9,7 @@ from areal_async.app.rollout_worker import torch_engine
 from areal_async.base.process import setup_worker_logging
 from areal_async.client import load_run
 from areal_async.client.rollout import RolloutWorker
-from areal_async.models.tokenizer import load_tokenizer
+from areal_async.models.policy_tokenizer import policy_tokenizer
 
 if __name__ == "__main__":
     run_dir, worker_id = sys.argv[1], sys.argv[2]
@@ -19,6 +19,6 @@ if __name__ == "__main__":
         time.sleep(0.1)
     setup_worker_logging(worker_id)
     cfg, _ = load_run(run_dir)
-    tok = load_tokenizer(cfg.model.path)
-    engine = torch_engine(cfg, tok, index=7)
+    tok = policy_tokenizer(cfg.model)
+    engine = torch_engine(cfg, tok, index=7, run_dir=run_dir)
     sys.exit(RolloutWorker(run_dir, engine, lambda ids: tok.decode(ids, skip_special_tokens=True), worker_id).run())
