@@ -224,7 +224,7 @@ def lora_run(tmp_path_factory):
         c.wait_ready(120)
         for version, sd in enumerate(adapters):
             c.pause()
-            c.load_weights(version, sd)
+            c.update_weights(version, sd)
             c.resume()
             got.append(c.generate(f"r{version}", prompt, 6, GenRequest("g", prompt, 1, 6, greedy=True)))
         with pytest.raises(HTTPStatusError, match="serves 'v1' only"):

@@ -66,7 +66,7 @@ def test_each_versions_adapter_is_served_through_vllms_lora_api(lora_server):
     for version in range(2):
         sd = {k: torch.randn(s, generator=g) * 0.3 for k, s in lora.adapter_shapes(policy(7), SPEC).items()}
         c.pause()
-        c.load_weights(version, sd)  # raises ServerDown when the probe disagrees past probe_atol
+        c.update_weights(version, sd)  # raises ServerDown when the probe disagrees past probe_atol
         c.resume()
         assert c.model == LORA_NAME and c.last_probe_err < 1e-4
         out = c.generate(f"r{version}", prompt, 8, GenRequest("g", prompt, 1, 8, greedy=True))
