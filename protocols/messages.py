@@ -448,6 +448,32 @@ class BatchPlan(Message):
     group_ids: list[str]
     scores: list[float]
     aborted_ids: list[str] = field(default_factory=list)  # the trainer may drop their tensors
+    # 0: the step's first plan. >0: it replaces the plan for `step` the trainer holds (some of that
+    # plan's samples never reached the trainer, see HeldQuery); the trainer trains the latest one
+    revision: int = 0
+
+
+@message
+class HeldQuery(Message):
+    """scheduler -> trainer: a rollout worker died; which of these samples (its groups that were
+    generated but not yet trained) reached the trainer? Their tensors went before the worker's
+    ``TrajectoriesReady``, but "went" is a ZeroMQ send queue that a SIGKILL empties."""
+
+    TYPE: ClassVar[str] = "held_query"
+    query_id: int
+    worker_id: str  # the worker that died (for the logs)
+    sample_ids: list[str]
+
+
+@message
+class HeldReply(Message):
+    """trainer -> scheduler: of a ``HeldQuery``'s samples, those whose tensors have not arrived after
+    a grace for ones still in flight. The trainer refuses them from now on (a late copy is dropped);
+    the scheduler aborts their groups, re-issues the prompts and revises any plan that named them."""
+
+    TYPE: ClassVar[str] = "held_reply"
+    query_id: int
+    missing_ids: list[str]
 
 
 @message

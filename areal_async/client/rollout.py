@@ -36,7 +36,7 @@ class RolloutWorker:
                 f"tensor_channel {', '.join(blocked)}: a fixed process group has no seat for a "
                 "bring-your-own rollout worker; use zmq or shm"
             )
-        ctx = zmq.asyncio.Context()
+        self.ctx = ctx = zmq.asyncio.Context()
         shm = {"run_id": ep.run_id}
         traj = make_tensor_channel(
             cfg.tensor_channel.trajectories,
@@ -63,7 +63,22 @@ class RolloutWorker:
         )
 
     def run(self) -> int:
-        return run_async(self.service.run())
+        """Serve until the run ends (0) or this worker fails (1); its sockets are closed on return."""
+        return run_async(self.arun())
 
     async def arun(self) -> int:
-        return await self.service.run()
+        try:
+            return await self.service.run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the control socket and the context made for it (idempotent). Left to the garbage
+        collector, the context could hang the process at exit: a collection that finds the
+        context and its sockets unreachable runs ``Context.__del__`` -> ``term()`` after the
+        sockets' weak references are cleared but before their finalizers close them, and
+        ``zmq_ctx_term`` waits for open sockets forever (seen: py-spy, main thread in
+        ``zmq_ctx_term`` under ``gc_collect_main``, from an atexit handler of torch's)."""
+        if not self.ctx.closed:
+            self.service.control.close()
+            self.ctx.destroy(linger=0)

@@ -83,6 +83,7 @@ class RewardService:
             self.tasks.cancel()
             self.pool.close()  # kill and reap the checking processes before the worker exits
             self.pull.close(0)
+            self.control.close()  # every socket closed: the context's term() at exit cannot wait on one
             if self.samples is not None:
                 self.samples.close()
         return self.exit_code

@@ -245,6 +245,7 @@ class RolloutService:
             for ch in (self.traj, self.weights):
                 ch.close()
             self.reward_sock.close(0)
+            self.control.close()  # every socket closed: the context's term() at exit cannot wait on one
             if self.record is not None:
                 self.record.close()
         if self.error:

@@ -22,8 +22,13 @@
 
 Invariants (tests pin them): admission never exceeds the staleness budget; a trained sample's
 oldest token version is >= its step - η; every issued sample ends trained or aborted with a
-reason, exactly once; a lost worker's open groups are aborted and their prompts re-issued.
-Units: B = ``train_dataset.batch_size`` groups per step; each group has n samples.
+reason, exactly once; a lost worker's open groups are aborted and their prompts re-issued, and
+so are its generated groups whose tensors never reached the trainer (``on_missing``), every plan
+that named one revised to B groups again. Units: B = ``train_dataset.batch_size`` groups per step;
+each group has n samples.
+
+A little over 500 lines: one state machine over one ledger (admission, readiness, plans and their
+revisions, deadlines, checkpoints); each part changes the others' fields.
 """
 
 from __future__ import annotations
@@ -89,6 +94,9 @@ class SchedulerCore:
         self.rollouts: dict[str, RolloutState] = {}
         self.batch_groups: list[str] = []
         self.ahead_groups: Optional[list[str]] = None  # groups planned for next_step + 1 (plan ahead)
+        # planned steps that lost groups (on_missing): their plan is revised once B groups are there again
+        self.short_steps: set[int] = set()
+        self.revisions: dict[int, int] = {}  # step -> revisions of its plan sent
         self.finished = False
         self.aborted_since_plan: list[str] = []
         self.resumes = 0
@@ -253,7 +261,11 @@ class SchedulerCore:
 
         Returns (plan or None, samples aborted as stale on the way)."""
         aborted = self._drop_stale()
-        if self.finished or not self.trainer_ready or len(self.ready) < self.p.batch_size:
+        if self.finished or not self.trainer_ready:
+            return None, aborted
+        if self.short_steps:  # a revision comes before any new plan: fresh groups go to the earlier step
+            return self._revise(), aborted
+        if len(self.ready) < self.p.batch_size:
             return None, aborted
         if not self.trainer_busy:
             gids = [self.ready.popleft() for _ in range(self.p.batch_size)]
@@ -271,7 +283,7 @@ class SchedulerCore:
         step = self.next_step + 1
         if self.p.eta < 1 or self.ahead_groups is not None or step >= self.p.total_steps:
             return None
-        fresh = [g for g in self.ready if is_fresh_enough(self.ledger.group_version_min(g), step, self.p.eta)]
+        fresh = self._fresh_for(step)
         if len(fresh) < self.p.batch_size:
             return None
         gids = fresh[: self.p.batch_size]
@@ -279,15 +291,24 @@ class SchedulerCore:
             self.ready.remove(gid)
         return gids
 
-    def _batch_plan(self, gids: list[str], step: int) -> BatchPlan:
-        self.ledger.mark_batched(gids, step)
+    def _fresh_for(self, step: int) -> list[str]:
+        return [g for g in self.ready if is_fresh_enough(self.ledger.group_version_min(g), step, self.p.eta)]
+
+    def _batch_plan(self, gids: list[str], step: int, new: Optional[list[str]] = None, revision: int = 0) -> BatchPlan:
+        """The plan of ``gids`` for ``step``; ``new`` (default: all of them) are booked batched now."""
+        self.ledger.mark_batched(gids if new is None else new, step)
         self.dropped_since_plan = 0
         sids, owners, scores = [], [], []
         for gid in gids:
             for sid in self.ledger.groups[gid].sample_ids:
                 sids.append(sid), owners.append(gid), scores.append(self.ledger.samples[sid].score)
         plan = BatchPlan(
-            step=step, sample_ids=sids, group_ids=owners, scores=scores, aborted_ids=self.aborted_since_plan
+            step=step,
+            sample_ids=sids,
+            group_ids=owners,
+            scores=scores,
+            aborted_ids=self.aborted_since_plan,
+            revision=revision,
         )
         self.aborted_since_plan = []
         return plan
@@ -322,12 +343,69 @@ class SchedulerCore:
             self.log_sample(rec)
         for rec in trained:
             self.reissues.pop(rec.prompt_id, None)  # a trained prompt starts a fresh re-issue count
-        # a batch planned ahead is the trainer's next step: it stays busy
+        # a batch planned ahead is the trainer's next step: it stays busy (also when on_missing emptied
+        # it: the trainer holds that plan and waits for its revision)
+        self.trainer_busy = self.ahead_groups is not None
         self.batch_groups, self.ahead_groups = self.ahead_groups or [], None
-        self.trainer_busy = bool(self.batch_groups)
+        self.short_steps.discard(step)
+        self.revisions.pop(step, None)
         self.version, self.next_step = version, step + 1
         self.finished = self.next_step >= self.p.total_steps
         return trained
+
+    # ---- trajectories lost on the way to the trainer ------------------------------------
+    def unconfirmed(self, worker_id: str) -> list[str]:
+        """The samples of ``worker_id``'s groups that are generated and scored but not trained (ready or
+        planned). The trainer holds their tensors, unless they died in the worker's send queue: a
+        worker sends a group's tensors, then its ``TrajectoriesReady``, and a SIGKILL between the
+        send and the bytes leaving the process loses the first but not the second."""
+        live = (GroupState.READY, GroupState.BATCHED)
+        return [
+            s for g in self.ledger.groups.values() if g.worker == worker_id and g.status in live for s in g.sample_ids
+        ]
+
+    def on_missing(self, sample_ids: Sequence[str], why: str) -> list[SampleRecord]:
+        """The trainer says these samples' tensors never came (``HeldReply``). Their groups are aborted
+        and their prompts re-issued. A plan that named one of them (the step the trainer waits for,
+        or the one planned ahead) is revised by ``plan`` as soon as enough ready groups are fresh for
+        its step to fill it to B again: its other groups stay planned, the trainer trains the
+        revision. Returns the aborted samples (logged)."""
+        gids: list[str] = []
+        for sid in sample_ids:
+            rec = self.ledger.samples.get(sid)
+            g = self.ledger.groups.get(rec.group_id) if rec is not None else None
+            if g is not None and g.group_id not in gids and g.status in (GroupState.READY, GroupState.BATCHED):
+                gids.append(g.group_id)
+        out = []
+        for gid in gids:
+            if gid in self.ready:
+                self.ready.remove(gid)
+            for step, groups in ((self.next_step, self.batch_groups), (self.next_step + 1, self.ahead_groups)):
+                if groups is not None and gid in groups:
+                    groups.remove(gid)
+                    self.short_steps.add(step)
+            self.accepted -= 1
+            out += self._abort(gid, why, reissue=True)
+        return out
+
+    def _revise(self) -> Optional[BatchPlan]:
+        """The revised plan of the earliest planned step that lost groups, once B - (its groups left)
+        ready groups are fresh enough for it (they join it, in completion order); else None."""
+        for step in sorted(self.short_steps):
+            groups = self.batch_groups if step == self.next_step else self.ahead_groups
+            if groups is None:  # no longer planned (trained, or the run restored)
+                self.short_steps.discard(step)
+                continue
+            fresh = self._fresh_for(step)[: self.p.batch_size - len(groups)]
+            if len(groups) + len(fresh) < self.p.batch_size:
+                return None  # the trainer trains the earlier step first: it waits for this one
+            for gid in fresh:
+                self.ready.remove(gid)
+            groups.extend(fresh)
+            self.short_steps.discard(step)
+            self.revisions[step] = self.revisions.get(step, 0) + 1
+            return self._batch_plan(groups, step, new=fresh, revision=self.revisions[step])
+        return None
 
     # ---- deadlines -----------------------------------------------------------------------
     def expire(self) -> list[SampleRecord]:
@@ -452,4 +530,5 @@ class SchedulerCore:
             )
         self.ledger.forget_final()
         self.aborted_since_plan = []
+        self.short_steps, self.revisions = set(), {}
         return out

@@ -37,7 +37,7 @@ The parts without the socket live beside it: the worker records and who may send
 (``workers.py``), what the run starts from (``start.py``), ``status.json`` and the status report
 (``status.py``), the metrics rows and the summary (``step_rows.py``), the checkpoint schedule
 (``saves.py``). This module is a little over 500 lines because what is left is one object: the
-handlers of 14 message types over one set of books and one socket.
+handlers of 15 message types over one set of books and one socket.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ from protocols.messages import (
     StatusRequest,
     TrainerReady,
     TrainStepDone,
+    HeldQuery,
+    HeldReply,
     TrajectoriesReady,
     TrajectoryReady,
     WeightsLoaded,
@@ -128,7 +130,9 @@ class SchedulerService:
         self.rejections = RejectionLog(log)  # bad frames and refusals: rate-limited lines, a count per peer a minute
         self.workers = WorkerTable()
         # samples accepted from rollout / reward workers, aborted as stale; groups admitted
-        self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0}
+        self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0, "trajectories_lost": 0}
+        self._held_queries = 0  # HeldQuery ids sent; the lost worker of each unanswered one:
+        self._held_lost: dict[int, str] = {}
         # frames taken, by message type, and the groups the batched ones carried (summary.json: the
         # run's traffic, the mix benchmarks.data_path replays through this service)
         self.received: dict[str, int] = {}
@@ -246,6 +250,7 @@ class SchedulerService:
             GroupAborted: self._group_aborted,
             EvalDone: self._eval_done,
             CheckpointSaved: self._checkpoint_saved,
+            HeldReply: self._held_reply,
         }
 
     async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
@@ -443,7 +448,7 @@ class SchedulerService:
         starved = self.core.filter_starved()
         if starved and not self.done.is_set():
             return await self._fail(starved)
-        for _ in range(2):  # the trainer's next step, then (η >= 1) the one after it, planned ahead
+        for _ in range(3):  # revisions (on_missing), the trainer's next step, (η >= 1) the one after it
             plan, stale = self.core.plan(ahead=self._may_plan_ahead())
             if stale:
                 log.info("aborted %d stale samples (re-issued)", len(stale))
@@ -530,7 +535,31 @@ class SchedulerService:
         lose = {"rollout": self.core.lose_worker, "reward": self.core.lose_reward_worker}.get(w.role)
         if lose is not None:
             lose(wid, why)
+            if w.role == "rollout":
+                await self._ask_held(wid)
             await self._drive()
+
+    async def _ask_held(self, wid: str) -> None:
+        """A lost rollout worker's generated groups: the trainer says which of their tensors it never got."""
+        sids = self.core.unconfirmed(wid)
+        trainers = self.role("trainer")
+        if not sids or not trainers:  # no trainer: its replacement resumes from a checkpoint, books and all
+            return
+        self._held_queries += 1
+        self._held_lost[self._held_queries] = wid
+        await self.send(trainers[0], HeldQuery(query_id=self._held_queries, worker_id=wid, sample_ids=sids))
+
+    async def _held_reply(self, wid: str, m: HeldReply) -> None:
+        lost = self._held_lost.pop(m.query_id, None)
+        if lost is None:
+            raise ValueError(f"HeldReply to query {m.query_id}, which the scheduler did not send (or already answered)")
+        if not m.missing_ids:
+            return
+        why = f"trajectories_lost: the tensors never reached the trainer (rollout worker {lost} died first)"
+        recs = self.core.on_missing(m.missing_ids, why)
+        self.counts["trajectories_lost"] += len(recs)
+        log.warning("%d samples of lost worker %s never reached the trainer: aborted, re-issued", len(recs), lost)
+        await self._drive()
 
     def _record_lost(self, wid: str, w: WorkerRecord, why: str) -> None:
         line = {"worker": wid, "role": w.role, "pid": w.pid, "why": why, "wall_s": time.time() - self.t0}

@@ -28,6 +28,7 @@ SENDERS: dict[type, tuple[str, ...]] = {  # the roles that may send a message ty
     M.TrainStepDone: ("trainer",),
     M.EvalDone: ("trainer",),
     M.CheckpointSaved: ("trainer",),
+    M.HeldReply: ("trainer",),
 }
 # heartbeat stats copied into status.json for the overdue attribution (scheduler/overdue.py)
 STATUS_STATS = ("engine_step_s", "episodes", "episode_oldest_s", "workflow", "scoring_oldest_s")

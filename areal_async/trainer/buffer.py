@@ -151,14 +151,39 @@ class TrajectoryBuffer:
             self.taken.popitem(last=False)
         return {i: self.items.pop(i) for i in ids}
 
-    def take(self, ids: list[str], timeout_s: float) -> dict[str, SampleView]:
-        """Block until every id arrived; raise naming the missing ones after timeout_s."""
+    def take(
+        self, ids: list[str], timeout_s: float, revised: Optional[Callable[[], bool]] = None
+    ) -> Optional[dict[str, SampleView]]:
+        """Block until every id arrived; raise naming the missing ones after timeout_s. ``revised``:
+        checked at each wake-up (``wake``); once true, return None (nothing taken)."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
             while any(i not in self.items for i in ids):
+                if revised is not None and revised():
+                    return None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     missing = [i for i in ids if i not in self.items]
                     raise TimeoutError(f"{len(missing)} planned trajectories never arrived, e.g. {missing[:3]}")
                 self.cond.wait(min(left, 0.5))
             return self._pop(ids)
+
+    def wake(self) -> None:
+        """Wake a blocked ``take`` (its ``revised`` may have changed)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    def settle(self, ids: list[str], grace_s: float) -> list[str]:
+        """Of ``ids``, those that neither arrived nor were taken after waiting up to ``grace_s`` for
+        them (tensors still in flight when their sender died). They are given up on: a copy that
+        comes later is refused once, as an aborted sample's is (see ``drop``)."""
+        deadline = time.monotonic() + grace_s
+        with self.cond:
+            while True:
+                missing = [i for i in ids if i not in self.items and i not in self.taken]
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    break
+                self.cond.wait(min(left, 0.5))
+            self.drop(missing)  # under the same (reentrant) lock: nothing arrives in between
+        return missing

@@ -21,6 +21,10 @@
                               stops the rollouts on its TrainStepDone) and when the periodic
                               evaluator is due.
       CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py); CheckpointSaved
+      HeldQuery (a rollout worker died; answered at once, beside the loop) ─> after a grace for
+                              tensors in flight, HeldReply(the ids that never came; refused from now
+                              on). The scheduler aborts their groups and sends a BatchPlan revision
+                              for any step that named one: the step waits for it and trains it.
       Shutdown              ─> exit (non-zero when the scheduler declared this trainer lost)
     periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
       weights are published and before TrainStepDone: evaluate (executor) ─> EvalDone(version, metrics)
@@ -55,6 +59,8 @@ from protocols.messages import (
     CheckpointRequest,
     CheckpointSaved,
     EvalDone,
+    HeldQuery,
+    HeldReply,
     Shutdown,
     TrainerReady,
     TrainStepDone,
@@ -74,6 +80,9 @@ log = logging.getLogger("areal_async.trainer")
 
 
 INLINE_PUBLISH_BYTES = 4 << 20  # a state dict up to this size is packed on the loop, not in a thread
+# how long a HeldQuery waits for a dead worker's tensors still in flight (the socket's kernel buffers
+# deliver what left the process within milliseconds; the receiver thread may be decoding a message)
+HELD_GRACE_S = 2.0
 
 
 class TrainerService:
@@ -128,6 +137,14 @@ class TrainerService:
         self.next_step, self.version = start_step, start_version
         self.plan_timeout_s = plan_timeout_s
         self.publish_dtype, self.bucket_bytes = publish_dtype, bucket_bytes
+        # control messages for _loop (HeldQuery is answered beside it); the latest BatchPlan received per
+        # step not yet trained (a revision replaces it), the steps whose plan was replaced, the sample
+        # ids given up on (HeldReply): a plan naming one waits for its revision
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self.plans: dict[int, BatchPlan] = {}
+        self.revised_steps: set[int] = set()
+        self.given_up: set[str] = set()
+        self._plan_came = asyncio.Event()
 
     async def run(self) -> int:
         self.waiting("registration")
@@ -139,6 +156,7 @@ class TrainerService:
             await self.evaluate()
             tasks, stop = TaskSet(), asyncio.Event()
             tasks.adopt(self.control.heartbeat_task, forever=True)
+            tasks.spawn(self._recv_loop(tasks), "trainer.recv", forever=True)
             loop = tasks.spawn(self._loop(), "trainer.loop")
             loop.add_done_callback(lambda _: stop.set())
             await tasks.wait(stop)  # raises if the loop or the heartbeat failed
@@ -159,17 +177,48 @@ class TrainerService:
             self.buffer.thread.join(timeout=5)
         for ch in (self.buffer.channel, self.weights):
             ch.close()
+        self.control.close()  # every socket closed: the context's term() at exit cannot wait on one
         if self.record is not None:
             self.record.close()
         if self.evaluator is not None:
             self.evaluator.close()
 
+    async def _recv_loop(self, tasks: TaskSet) -> None:
+        """Control messages, in order, to ``_loop``; a HeldQuery is answered beside it (the loop may
+        be waiting for the very samples it asks about), a BatchPlan is also noted as its step's latest."""
+        while True:
+            msg = await self.control.recv()
+            if isinstance(msg, HeldQuery):
+                tasks.spawn(self._held(msg), f"trainer.held.{msg.query_id}")
+                continue
+            if isinstance(msg, BatchPlan) and msg.step >= self.next_step:
+                if msg.step in self.plans:
+                    self.revised_steps.add(msg.step)
+                self.plans[msg.step] = msg
+                self._plan_came.set()
+                self.buffer.wake()  # a take of the plan it replaces gives up (see train)
+            self._inbox.put_nowait(msg)
+
+    async def _held(self, q: HeldQuery) -> None:
+        loop = asyncio.get_running_loop()
+        missing = await loop.run_in_executor(None, self.buffer.settle, q.sample_ids, HELD_GRACE_S)
+        self.given_up.update(missing)
+        log.warning(
+            "trainer: %d of the %d generated samples of lost worker %s never arrived: given up on",
+            len(missing),
+            len(q.sample_ids),
+            q.worker_id,
+        )
+        await self.control.send(HeldReply(query_id=q.query_id, missing_ids=missing))
+
     async def _loop(self) -> int:
         while True:
             self.waiting(f"a BatchPlan for step {self.next_step}")
             self._arm_ahead()
-            msg = await self.control.recv()
+            msg = await self._inbox.get()
             await self._published()  # an overlapped publication ends before anything else touches the model
+            if isinstance(msg, BatchPlan) and msg.step < self.next_step and msg.step in self.revised_steps:
+                continue  # a plan of a step trained on its latest revision
             if isinstance(msg, BatchPlan):
                 await self.train(msg)
             elif isinstance(msg, CheckpointRequest):
@@ -287,13 +336,13 @@ class TrainerService:
             raise RuntimeError(f"BatchPlan for step {plan.step}, but the trainer is at step {self.next_step}")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        plan = self.plans.get(plan.step, plan)
         ahead, ahead_s = await self._take_ahead(plan)  # waiting for its forward's end: training time
         t_ahead = time.perf_counter()
-        self.buffer.drop(plan.aborted_ids)
-        self.waiting(f"trajectory tensors of the {len(plan.sample_ids)} samples planned for step {plan.step}")
-        got = self.buffer.take_ready(plan.sample_ids)  # at eta >= 1 they are usually all in: no thread hop
-        if got is None:
-            got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s)
+        plan, got = await self._take_plan(plan)
+        if ahead is not None and set(ahead.sample_ids) != set(plan.sample_ids):
+            log.info("trainer: the forward run ahead is dropped: step %d's plan was revised", plan.step)
+            ahead = None
         if ahead is None:
             trajs = [Trajectory.of(got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
         else:  # the plan's samples in the order their forward ran
@@ -329,6 +378,34 @@ class TrainerService:
                 skipped_ids=skipped,
             )
         )
+
+    async def _take_plan(self, plan: BatchPlan) -> tuple[BatchPlan, dict]:
+        """The tensors of the step's latest plan, out of the buffer: a plan naming a sample given up on
+        waits for its revision; a revision that comes while the tensors are awaited replaces it."""
+        loop, step = asyncio.get_running_loop(), plan.step
+        while True:
+            plan = self.plans.get(step, plan)
+            self.buffer.drop(plan.aborted_ids)
+            if self.given_up.intersection(plan.sample_ids):
+                self.waiting(f"a revised BatchPlan for step {step} (planned samples of a lost worker never came)")
+                self._plan_came.clear()
+                if self.plans.get(step, plan) is plan:
+                    try:
+                        await asyncio.wait_for(self._plan_came.wait(), self.plan_timeout_s)
+                    except asyncio.TimeoutError:
+                        raise TimeoutError(
+                            f"step {step}: no revised BatchPlan within {self.plan_timeout_s:g}s after its "
+                            "planned samples were given up on"
+                        ) from None
+                continue
+            self.waiting(f"trajectory tensors of the {len(plan.sample_ids)} samples planned for step {step}")
+            got = self.buffer.take_ready(plan.sample_ids)  # at eta >= 1 they are usually all in: no thread hop
+            if got is None:
+                revised = lambda p=plan: self.plans.get(step, p) is not p  # noqa: E731
+                got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s, revised)
+            if got is not None:
+                self.plans.pop(step, None)
+                return plan, got
 
     def _train_ranks(
         self, step: int, trajs: list[Trajectory], ahead: Optional[ForwardAhead] = None

@@ -91,7 +91,9 @@ SAMPLES = {
         statuses=[["ok", "timeout"], ["ok"]],
         details=[["", "killed after 5.0 s"], [""]],
     ),
-    "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"]),
+    "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"], revision=1),
+    "held_query": M.HeldQuery(query_id=3, worker_id="rollout-1", sample_ids=["a", "b"]),
+    "held_reply": M.HeldReply(query_id=3, missing_ids=["b"]),
     "train_step_done": M.TrainStepDone(step=0, version=1, metrics={"loss": 0.1}, checkpoint=""),
     "status_request": M.StatusRequest(nonce=5),
     "status_report": M.StatusReport(

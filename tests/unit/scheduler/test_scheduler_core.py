@@ -455,3 +455,125 @@ def test_a_restart_without_a_checkpoint_gets_fresh_ids(tmp_path):
     core = make_core(eta=1)
     core.restart_ids(next_attempt(tmp_path))
     assert {r.sample_ids[0] for _, r in core.admit()} >= {"r1-g0.0"}
+
+
+def test_planned_groups_whose_tensors_never_came_are_aborted_and_their_plans_revised():
+    """η = 1, B = 2: step 0 planned with a group of r0 and one of r1, step 1 planned ahead with two
+    more. r0 dies; the trainer says r0's two planned groups never came (HeldReply). Both are aborted
+    with the reason and their prompts re-issued; each plan is revised only once a fresh group can
+    fill it to B again (step 0 first), keeping the group it still had; step 0 then books exactly
+    its revision trained."""
+    logged = []
+    core = make_core(eta=1, B=2, n=2, steps=5, logged=logged)
+    reqs = core.admit()  # (η + v + 1) B = 4 groups, alternating r0, r1
+    assert [w for w, _ in reqs] == ["r0", "r1", "r0", "r1"]
+    for _, req in reqs:
+        finish_group(core, req, 0, 0)
+    p0, _ = core.plan(ahead=True)
+    p1, _ = core.plan(ahead=True)
+    (_, a0), (_, b0), (_, a1), (_, b1) = reqs
+    assert (p0.step, set(p0.group_ids), p1.step, set(p1.group_ids)) == (
+        0,
+        {a0.group_id, b0.group_id},
+        1,
+        {a1.group_id, b1.group_id},
+    )
+    core.lose_worker("r0", "test")  # nothing running: no abort yet
+    assert core.unconfirmed("r0") == a0.sample_ids + a1.sample_ids
+    aborted = core.on_missing(core.unconfirmed("r0"), "trajectories_lost: test")
+    assert [r.sample_id for r in aborted] == a0.sample_ids + a1.sample_ids
+    assert all(r.status == "aborted" and r.reason == "trajectories_lost: test" for r in aborted)
+    assert [p for _, p in core.reissue] == [a0.prompt_id, a1.prompt_id]
+    assert core.plan(ahead=True)[0] is None  # nothing ready to fill step 0 with
+    fresh = [r for _, r in core.admit()]  # the two re-issued prompts, on r1
+    assert [r.prompt_id for r in fresh] == [a0.prompt_id, a1.prompt_id]
+    finish_group(core, fresh[0], 0, 0)
+    r0, _ = core.plan(ahead=True)
+    assert (r0.step, r0.revision, r0.group_ids) == (0, 1, [b0.group_id] * 2 + [fresh[0].group_id] * 2)
+    assert set(a0.sample_ids) <= set(r0.aborted_ids)  # the trainer may drop them
+    assert core.plan(ahead=True)[0] is None  # step 1 still short
+    finish_group(core, fresh[1], 0, 1)
+    r1, _ = core.plan(ahead=True)
+    assert (r1.step, r1.revision, r1.group_ids) == (1, 1, [b1.group_id] * 2 + [fresh[1].group_id] * 2)
+    trained = core.on_step_done(0, 1)
+    assert [r.sample_id for r in trained] == r0.sample_ids
+    assert [r.sample_id for r in core.on_step_done(1, 2)] == r1.sample_ids
+    assert {r.sample_id for r in logged if r.status == "trained"}.isdisjoint(a0.sample_ids + a1.sample_ids)
+
+
+def test_a_step_whose_every_group_was_lost_waits_for_a_full_revision_and_stays_busy():
+    """B = 1: step 0's only group never came. The trainer still holds step 0's plan, so the core stays
+    busy (no checkpoint state, no new step-0 plan): the revision is the next plan, revision 1."""
+    core = make_core(eta=0, B=1, n=2, steps=3)
+    ((_, g0),) = core.admit()
+    finish_group(core, g0, 0, 0)
+    p0, _ = core.plan()
+    core.on_missing(p0.sample_ids, "trajectories_lost: test")
+    assert core.trainer_busy and core.batch_groups == []
+    with pytest.raises(ValueError, match="between steps"):
+        core.state()
+    ((_, again),) = core.admit()
+    assert again.prompt_id == g0.prompt_id
+    finish_group(core, again, 0, 0)
+    rev, _ = core.plan()
+    assert (rev.step, rev.revision, rev.sample_ids) == (0, 1, again.sample_ids)
+    assert [r.sample_id for r in core.on_step_done(0, 1)] == again.sample_ids
+    assert not core.trainer_busy and core.revisions == {}
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_random_lost_tensors_keep_full_batches_bounded_staleness_and_exactly_once(eta):
+    """A simulated fleet (as in the plan-ahead test) whose trainer trains the latest plan of each
+    step and never one naming a sample it gave up on; now and then a worker "dies" and a random part
+    of its generated groups' samples never reached the trainer. Brute-force invariants: every step
+    trains exactly its latest plan, of B whole groups; no given-up sample is ever trained; every
+    trained sample's oldest version >= step - η; every sample ends exactly once."""
+    rng, logged, inflight, trained = random.Random(10 + eta), [], [], {}
+    core = make_core(eta=eta, B=2, n=2, steps=10, logged=logged)
+    plans, order, given_up, losses, revised = {}, [], set(), 0, 0
+    for _ in range(5000):  # a step that never gets a revision it can train would spin here
+        if core.finished:
+            break
+        for _, req in core.admit():
+            inflight.append([rng.randint(0, 6), req, core.version])
+        for item in list(inflight):
+            item[0] -= 1
+            if item[0] < 0:
+                inflight.remove(item)
+                if core.ledger.groups[item[1].group_id].status == "running":
+                    finish_group(core, item[1], item[2], core.version, score=rng.random())
+        if rng.random() < 0.25:
+            held = core.unconfirmed(rng.choice(["r0", "r1"]))
+            missing = [s for s in held if rng.random() < 0.5]
+            if missing:
+                losses += 1
+                given_up.update(missing)
+                core.on_missing(missing, "trajectories_lost: simulated")
+        while True:
+            plan, _ = core.plan(ahead=True)
+            if plan is None:
+                break
+            assert (plan.revision > 0) == (plan.step in plans)
+            revised += plan.revision > 0
+            if plan.step not in plans:
+                order.append([rng.randint(0, 3), plan.step])
+            plans[plan.step] = plan
+        if order:
+            step = order[0][1]
+            order[0][0] -= 1
+            if order[0][0] < 0 and not given_up.intersection(plans[step].sample_ids):
+                order.pop(0)
+                recs = core.on_step_done(step, step + 1)
+                assert sorted(r.sample_id for r in recs) == sorted(plans[step].sample_ids)
+                trained[step] = recs
+    core.abort_open("run_end")
+    assert core.finished, f"stuck at step {core.next_step}"
+    assert sorted(trained) == list(range(10)) and losses >= 3 and revised >= 2
+    for step, recs in trained.items():
+        assert len({r.group_id for r in recs}) == 2 and len(recs) == 4, step
+        assert all(r.version_min >= step - eta and r.train_step == step for r in recs), step
+        assert given_up.isdisjoint(r.sample_id for r in recs)
+    ids = [r.sample_id for r in logged]
+    assert len(ids) == len(set(ids)) == core.ledger.n_samples_issued
+    assert {r.status for r in logged} <= {"trained", "aborted"}
+    assert any(r.reason.startswith("trajectories_lost") for r in logged)

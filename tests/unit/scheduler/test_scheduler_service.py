@@ -302,3 +302,40 @@ async def test_stop_asks_a_final_checkpoint_only_of_a_trainer_that_learns(tmp_pa
         await _next(trainer, M.Pong)
         svc.request_stop()
         assert isinstance(await _next(trainer, (M.CheckpointRequest, M.Shutdown)), first)
+
+
+async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_aborted_and_replanned(tmp_path):
+    """Step 0 is planned with rollout-0's two groups; rollout-0 restarts (a new process registers
+    under its id). The scheduler asks the trainer which of the old process's generated samples it
+    holds (HeldQuery); the trainer never got the second group's. That group is aborted as
+    trajectories_lost, its prompt re-issued to the new process, and once it is generated and scored
+    step 0's plan is revised: the first group and the re-issued one. A reply to a query never sent
+    is refused."""
+    over = ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
+    async with _fleet(tmp_path, over) as (svc, rollout, reward, trainer):
+        ctx = zmq.asyncio.Context.instance()
+        reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        await _complete(rollout, reward, reqs, 0)
+        plan = await _next(trainer, M.BatchPlan)
+        assert (plan.step, plan.revision, plan.group_ids) == (0, 0, [r.group_id for r in reqs for _ in range(2)])
+        ep = RunManifest(ipc_endpoint(tmp_path, "c"), "", [], str(tmp_path))  # _fleet's control endpoint
+        again = make_socket(ctx, zmq.DEALER, connect=ep.control, identity="rollout-0/restarted")
+        await send_message(again, M.Register(role="rollout", worker_id="rollout-0", pid=os.getpid() + 1))
+        assert isinstance(await recv(again), M.RegisterAck)
+        query = await _next(trainer, M.HeldQuery)
+        assert (query.worker_id, query.sample_ids) == ("rollout-0", plan.sample_ids)
+        await send_message(trainer, M.HeldReply(query_id=query.query_id + 1, missing_ids=[]))
+        assert "did not send" in (await _next(trainer, M.Error)).detail
+        lost = reqs[1]
+        await send_message(trainer, M.HeldReply(query_id=query.query_id, missing_ids=lost.sample_ids))
+        redo = _requests(await _next(again, (M.GenerateRequests, M.GenerateRequest)))
+        assert [r.prompt_id for r in redo] == [lost.prompt_id] and redo[0].group_id != lost.group_id
+        recs = [svc.core.ledger.samples[s] for s in lost.sample_ids]
+        assert all(r.status == "aborted" and r.reason.startswith("trajectories_lost") for r in recs)
+        assert svc.counts["trajectories_lost"] == 2
+        await _complete(again, reward, redo, 0)
+        rev = await _next(trainer, M.BatchPlan)
+        assert (rev.step, rev.revision) == (0, 1)
+        assert rev.sample_ids == reqs[0].sample_ids + redo[0].sample_ids
+        assert set(lost.sample_ids) <= set(rev.aborted_ids)
+        again.close(0)
