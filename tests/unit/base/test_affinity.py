@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,21 +40,19 @@ def test_cpus_this_process_may_not_use_are_refused():
         check_available(f"{allowed[0]},100000")
 
 
-def test_worker_entry_pins_itself_before_starting():
-    """`python -m workers.X --cpus N` pins the process; a bad list fails before the worker runs."""
+def test_worker_entry_pins_itself_before_starting(tmp_path):
+    """`python -m workers.X --cpus N` pins the process; a bad list fails before the worker runs.
+    Run in tmp_path: the entry sets up the run directory's stack capture (``x/stacks/``)."""
+    root = str(Path(__file__).resolve().parents[3])
+    run = dict(capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**os.environ, "PYTHONPATH": root})
     cpu = max(os.sched_getaffinity(0))
     code = (
         "import os, sys, workers.trainer; from workers._main import worker_args; "
         f"worker_args('trainer', ['--run-dir', 'x', '--cpus', '{cpu}']); "
         "print(sorted(os.sched_getaffinity(0))); print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], **run)
     # pinned, and nothing heavy imported yet: the entry module imports its builder only after pinning
     assert out.returncode == 0 and out.stdout.split() == [f"[{cpu}]", "False"], out.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "workers.trainer", "--run-dir", "x", "--cpus", "0-"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = subprocess.run([sys.executable, "-m", "workers.trainer", "--run-dir", "x", "--cpus", "0-"], **run)
     assert bad.returncode != 0 and "'0-' is not N or N-M" in bad.stderr
