@@ -50,6 +50,12 @@ def waiting_for(core: SchedulerCore, has_trainer: bool, rows: StepRows, stopping
         return f"the final checkpoint after step {step - 1}"
     if not c.trainer_ready:
         return "the trainer to be ready" if has_trainer else "the trainer to register and publish its weights"
+    if c.trainer_busy and step in c.short_steps:
+        n = len(c.batch_groups)
+        return (
+            f"a revision of step {step}'s plan: {c.p.batch_size - n} of its {c.p.batch_size} groups never reached "
+            f"the trainer (their worker died); {len(c.ready)} ready, refilling"
+        )
     if c.trainer_busy:
         ago = time.time() - rows.plan_at.get(step, rows.step_t)
         return f"the trainer to finish step {step} (planned {ago:.0f}s ago)"

@@ -12,6 +12,7 @@ from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.ledger import GroupState, Ledger, LedgerError, SampleState
 from areal_async.scheduler.runlog import sample_line
 from areal_async.scheduler.start import next_attempt, save_attempt
+from areal_async.scheduler.status import waiting_for
 
 
 def make_core(eta=0, B=2, n=3, steps=5, max_conc=100, logged=None):
@@ -510,6 +511,10 @@ def test_a_step_whose_every_group_was_lost_waits_for_a_full_revision_and_stays_b
     p0, _ = core.plan()
     core.on_missing(p0.sample_ids, "trajectories_lost: test")
     assert core.trainer_busy and core.batch_groups == []
+    assert waiting_for(core, True, None, False) == (
+        "a revision of step 0's plan: 1 of its 1 groups never reached the trainer (their worker died); "
+        "0 ready, refilling"
+    )
     with pytest.raises(ValueError, match="between steps"):
         core.state()
     ((_, again),) = core.admit()
