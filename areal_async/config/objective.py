@@ -181,6 +181,15 @@ def check_objective_fleet(cfg: Any) -> None:
         "'' with actor.overlong_reward_penalty, mask_no_eos_with_zero or loss_agg_mode=seq-mean-token-sum-norm "
         "(they judge one generation against gconfig.max_new_tokens; a workflow's episode is several)",
     )
+    d = cfg.train_dataset
+    levels = d.type == "reasoning_gym" and any(dict(t).get("levels") for t in d.tasks)
+    require(
+        not cfg.rollout.skip_solved_after or not levels,
+        "rollout.skip_solved_after",
+        cfg.rollout.skip_solved_after,
+        "0 with a reasoning_gym curriculum (tasks with levels): a level change puts a new problem behind a "
+        "prompt index, which the memory would judge by the old one's rewards",
+    )
     require(
         a.prox_logp_method == "recompute" or cfg.cluster.n_trainer_ranks == 1,
         "actor.prox_logp_method",

@@ -204,6 +204,13 @@ class RolloutConfig(Section):
         "The dynamic filter dropping this many batches (train_dataset.batch_size groups each) while one step "
         "waits fails the run, saying so (verl's max_num_gen_batches); 0 = no limit.",
     )
+    skip_solved_after: int = _f(
+        0,
+        "Per-prompt pass-rate memory: a prompt every sample of which got the same reward (all solved, or all "
+        "failed) in each of its last k scored groups, the same reward each time, is not issued again; skipped "
+        "draws are counted (prompts_skipped) and each settled prompt named (prompts_settled_new) in metrics, "
+        "before any group exists (eta's admission count never sees them); 0 = off.",
+    )
     max_reissues: int = _f(
         8,
         "A prompt re-issued this many times (stale, lost worker, deadline) since it was last "
@@ -248,6 +255,7 @@ class RolloutConfig(Section):
             "'' (off), 'nonzero_std' or a plug-in 'module:function'",
         )
         at_least(self, "dynamic_filter_max_gen_batches", 0)
+        at_least(self, "skip_solved_after", 0)
         require(self.max_reissues >= -1, "max_reissues", self.max_reissues, "an integer >= -1 (-1 = never dropped)")
         require(self.episode_timeout_s >= 0, "episode_timeout_s", self.episode_timeout_s, ">= 0 (0 = no bound)")
         require(self.max_workflow_errors >= -1, "max_workflow_errors", self.max_workflow_errors, "an integer >= -1")

@@ -2,7 +2,7 @@
 
 ::
 
-    dataset cursor ──> re-issue queue first, then next prompt
+    dataset cursor ──> re-issue queue first, then next prompt (rollout.skip_solved_after: settled ones passed over)
          │   admission: can_admit(accepted, running, v, η, B) and running < max_concurrent
          v
     GenerateRequest(group of n, min_version=v) ──> rollout worker with the fewest groups
@@ -42,6 +42,7 @@ from protocols.messages import BatchPlan, GenerateRequest, RewardResult, Traject
 
 from areal_async.scheduler.group_filter import GroupFilter
 from areal_async.scheduler.ledger import GroupState, Ledger, SampleRecord, SampleState
+from areal_async.scheduler.prompt_memory import PromptMemory
 from areal_async.scheduler.staleness import can_admit, is_fresh_enough
 
 
@@ -65,6 +66,7 @@ class SchedulerParams:
     max_reissues: int = -1  # a prompt re-issued this many times is dropped on its next abort (-1: never)
     group_filter: Optional[GroupFilter] = None  # rollout.dynamic_filter: judges each group once it is scored
     filter_max_gen_batches: int = 0  # the filter dropping this many batches for one step fails the run (0: never)
+    skip_solved_after: int = 0  # rollout.skip_solved_after: prompts settled by their last k groups are skipped (0: off)
 
 
 class SchedulerCore:
@@ -107,6 +109,8 @@ class SchedulerCore:
         # [sum of scores, samples] of every group scored (trained later, dropped by the filter or waiting)
         self.scored = [0.0, 0]
         self.dropped_since_plan = 0  # groups the dynamic filter dropped since the last batch was planned
+        k = params.skip_solved_after
+        self.memory: Optional[PromptMemory] = PromptMemory(k) if k > 0 else None  # prompt_memory.py
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -165,10 +169,18 @@ class SchedulerCore:
             return False
         if self.running >= self.p.max_concurrent:
             return False
+        if not self.reissue and self._all_settled():
+            return False  # no prompt to issue (a group still in flight may unsettle one)
         return can_admit(self.accepted, self.running, self.version, self.p.eta, self.p.batch_size)
 
+    def _all_settled(self) -> bool:
+        return self.memory is not None and self.memory.all_settled(self.cursor.n)
+
     def _issue(self, worker: RolloutState) -> tuple[str, GenerateRequest]:
-        idx, prompt_id = self.reissue.popleft() if self.reissue else self.cursor.next()
+        if self.reissue:
+            idx, prompt_id = self.reissue.popleft()
+        else:  # the memory passes over settled prompts before any group exists: admission never counts them
+            idx, prompt_id = self.cursor.next() if self.memory is None else self.memory.draw(self.cursor)
         g = self.ledger.issue_group(prompt_id, idx, self.p.n_samples, worker.worker_id, self.version)
         worker.groups.add(g.group_id)
         self.issued_at[g.group_id] = self.clock()
@@ -215,6 +227,8 @@ class SchedulerCore:
             self._forget_times(gid)
             scores = [self.ledger.samples[s].score for s in self.ledger.groups[gid].sample_ids]
             self.scored[0], self.scored[1] = self.scored[0] + sum(scores), self.scored[1] + len(scores)
+            if self.memory is not None:
+                self.memory.record(self.ledger.groups[gid].problem_index, scores)
             if self._filtered_out(gid):
                 return
             self.accepted += 1
@@ -238,7 +252,10 @@ class SchedulerCore:
 
     def filter_starved(self) -> Optional[str]:
         """Why the run must stop: the dynamic filter dropped filter_max_gen_batches batches of groups while
-        one step waited (every group solved, or failed, by all its samples: verl's max_num_gen_batches)."""
+        one step waited (every group solved, or failed, by all its samples: verl's max_num_gen_batches);
+        or the prompt memory settled every prompt while nothing in flight could unsettle one."""
+        if self._settled_out():
+            return self.memory.exhausted(self.cursor.n, self.next_step, len(self.ready), self.p.batch_size)
         limit = self.p.filter_max_gen_batches * self.p.batch_size
         if limit <= 0 or self.dropped_since_plan < limit or self.p.group_filter is None:
             return None
@@ -248,6 +265,10 @@ class SchedulerCore:
             f"{self.p.filter_max_gen_batches}): the prompts are all solved or all failed by every sample; use "
             "easier/harder data, more samples per prompt, or raise the limit (0 = none)"
         )
+
+    def _settled_out(self) -> bool:
+        stuck = not self.finished and not self.trainer_busy and len(self.ready) < self.p.batch_size
+        return stuck and self._all_settled() and not self.reissue and self.running == 0
 
     # ---- training ------------------------------------------------------------------------
     def plan(self, ahead: bool = False) -> tuple[Optional[BatchPlan], list[SampleRecord]]:
@@ -501,7 +522,7 @@ class SchedulerCore:
             "resumes": self.resumes,
             "reissues": dict(self.reissues),
             "n_reissued": dict(self.n_reissued),
-        }
+        } | ({"prompt_memory": self.memory.state()} if self.memory is not None else {})
 
     def restore(self, state: dict, at_least: int = 0) -> list[SampleRecord]:
         """Continue from a checkpoint's state. Groups that were open at the checkpoint (their
@@ -519,6 +540,8 @@ class SchedulerCore:
         self.reissue = deque(tuple(x) for x in state["reissue"])
         self.reissues = {str(k): int(v) for k, v in state.get("reissues", {}).items()}
         self.n_reissued.update({k: int(v) for k, v in state.get("n_reissued", {}).items()})
+        if self.memory is not None:
+            self.memory.restore(state.get("prompt_memory", {}))
         self.accepted = self.next_step * self.p.batch_size  # every group still open is re-issued below
         self.finished = self.next_step >= self.p.total_steps
         out = []

@@ -12,8 +12,8 @@ A dropped group is booked aborted by the scheduler (``SchedulerCore``) with the 
 ``dynamic_filter: <name> ...``; it never counts as accepted, so admission refills its place under
 the same staleness bound. A plug-in that raises or returns something other than a bool keeps
 the group (nothing is lost to a broken filter) and is counted in ``errors`` with the last error.
-Not covered: a per-prompt pass-rate memory (skipping prompts every sample of which solved or
-failed in their last k appearances).
+Prompts whose groups keep being uniform are skipped before they are issued by the per-prompt memory,
+``rollout.skip_solved_after`` (``prompt_memory.py``).
 """
 
 from __future__ import annotations

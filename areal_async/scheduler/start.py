@@ -53,6 +53,7 @@ def build_core(
         max_reissues=cfg.rollout.max_reissues,
         group_filter=build_group_filter(cfg.rollout.dynamic_filter),
         filter_max_gen_batches=cfg.rollout.dynamic_filter_max_gen_batches,
+        skip_solved_after=cfg.rollout.skip_solved_after,
     )
     cursor = PromptCursor(len(lengths.kept), cfg.seed, d.shuffle)
     return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths, book

@@ -43,6 +43,7 @@ class StepRows:
         self.plan_at: dict[int, float] = {}
         self._filter_last = {"groups": 0, "samples": 0, "errors": 0}  # rollout.dynamic_filter's counts at the last row
         self._scored_last = [0.0, 0]  # core.scored at the last row
+        self._skipped_last = 0  # core.memory.skipped_draws at the last row
 
     def row(self, m: TrainStepDone, trained: list) -> dict:
         """Step ``m.step``'s row: ``trained`` (its samples' ledger records), the books, the workers' busy
@@ -72,6 +73,7 @@ class StepRows:
         self.step_t = now
         row.update(metrics_columns(self.weight_updates.last))
         row.update(self._filter_counts())
+        row.update(self._memory_counts())
         if self.task_book is not None:
             row.update(self.task_book.step_row(trained))
         (total, n), (total0, n0) = self.core.scored, self._scored_last
@@ -106,6 +108,21 @@ class StepRows:
             "dynamic_filter_errors_total": now["errors"],
         }
 
+    def _memory_counts(self) -> dict:
+        """rollout.skip_solved_after's books: cursor draws passed over since the last row and in total, prompts
+        settled now, and (when any) the problem indices that settled since the last row, by name."""
+        mem = self.core.memory
+        if mem is None:
+            return {}
+        total, last = mem.skipped_draws, self._skipped_last
+        self._skipped_last = total
+        new = mem.take_new()
+        return {
+            "prompts_skipped": total - last,
+            "prompts_skipped_total": total,
+            "prompts_settled": len(mem.settled_set),
+        } | ({"prompts_settled_new": new} if new else {})
+
 
 def run_summary(core: SchedulerCore, runlog: RunLog, prompts: LengthFilter, aborted_at_end: int, t0: float) -> dict:
     """The books' part of ``summary.json`` at the run's end."""
@@ -124,4 +141,15 @@ def run_summary(core: SchedulerCore, runlog: RunLog, prompts: LengthFilter, abor
         "samples_reissued": core.n_reissued["samples"],
         "prompts_dropped": core.n_reissued["dropped"],
         "wall_s": time.time() - t0,
+    } | _memory_summary(core)
+
+
+def _memory_summary(core: SchedulerCore) -> dict:
+    """rollout.skip_solved_after's totals: draws skipped, and the prompts settled at the end by problem index."""
+    mem = core.memory
+    if mem is None:
+        return {}
+    return {
+        "prompts_skipped": mem.skipped_draws,
+        "prompts_settled": sorted(mem.settled_set),
     }

@@ -12,14 +12,13 @@ from collections import defaultdict
 
 import pytest
 
-from protocols.messages import RewardResult, TrajectoryReady
-
 from areal_async.base.plugins import contract_problem
 from areal_async.config import ConfigError, RolloutConfig
 from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.group_filter import GroupFilter, build_group_filter, nonzero_std
 from areal_async.scheduler.ledger import SampleState
+from tests.support.scheduler_fixtures import finish_group
 
 GEN = dict(max_new_tokens=16, temperature=1.0, top_p=1.0, greedy=False, stop_token_ids=[])
 
@@ -33,22 +32,6 @@ def make_core(eta, B, n, steps, filt, logged):
         core.add_rollout(w)
     core.on_trainer_ready(0, 0)
     return core
-
-
-def finish(core, req, v0, lengths, scores):
-    n = len(req.sample_ids)
-    traj = TrajectoryReady(
-        group_id=req.group_id,
-        worker_id="r0",
-        n_prompt_tokens=3,
-        sample_ids=list(req.sample_ids),
-        n_output_tokens=list(lengths),
-        version_min=[v0] * n,
-        version_max=[core.version] * n,
-        finish_reasons=["stop"] * n,
-    )
-    rew = RewardResult(req.group_id, "w", list(req.sample_ids), list(scores), ["ok"] * n, [""] * n)
-    assert core.on_trajectory(traj) is None and core.on_reward(rew) is None
 
 
 def simulate(eta, seed, filt, n=4, B=3, steps=15, p=0.5, rounds=20000):
@@ -71,7 +54,7 @@ def simulate(eta, seed, filt, n=4, B=3, steps=15, p=0.5, rounds=20000):
                 inflight.remove(item)
                 if core.ledger.groups[item[1].group_id].status == "running":
                     generated += item[3]
-                    finish(core, *item[1:])
+                    finish_group(core, *item[1:])
         plan, _ = core.plan()
         if plan is not None:
             core.on_step_done(plan.step, plan.step + 1)
@@ -164,7 +147,7 @@ def test_a_filter_that_drops_everything_stops_the_run_after_the_limit_saying_why
     for _ in range(6):
         assert core.filter_starved() is None
         req = core.admit()[0][1]
-        finish(core, req, 0, [4] * 4, [1.0] * 4)  # every sample solved it: dropped
+        finish_group(core, req, 0, [4] * 4, [1.0] * 4)  # every sample solved it: dropped
     why = core.filter_starved()
     assert why.startswith("rollout.dynamic_filter='nonzero_std' dropped 6 groups while step 0 waited for 2")
     assert "rollout.dynamic_filter_max_gen_batches=3" in why
