@@ -181,6 +181,16 @@ def check_objective_fleet(cfg: Any) -> None:
         "'' with actor.overlong_reward_penalty, mask_no_eos_with_zero or loss_agg_mode=seq-mean-token-sum-norm "
         "(they judge one generation against gconfig.max_new_tokens; a workflow's episode is several)",
     )
+    nucleus_logprobs = cfg.rollout.backend.startswith("vllm") and not g.greedy and g.temperature != 1.0
+    require(
+        g.top_p == 1.0 or not nucleus_logprobs,
+        "gconfig.top_p",
+        g.top_p,
+        f"1.0 with rollout.backend={cfg.rollout.backend} at gconfig.temperature={g.temperature}: vLLM then returns "
+        "processed logprobs, renormalised over the top-p nucleus (log pi_T - log S), while the trainer recomputes "
+        "log pi_T, so every behaviour weight exp(prox - behav) would be the nucleus mass S < 1, not 1 (trl #6789, "
+        "docs/objectives.md); use temperature 1.0 (raw logprobs), top_p 1.0, or another backend",
+    )
     d = cfg.train_dataset
     levels = d.type == "reasoning_gym" and any(dict(t).get("levels") for t in d.tasks)
     require(

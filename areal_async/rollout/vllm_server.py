@@ -20,10 +20,10 @@ check covers ``/v1`` routes only; without a key nothing is checked (as before);
 ``max_position_embeddings`` (vLLM refuses a longer one); logprobs are vLLM's default ``raw_logprobs``
 (log_softmax of the logits, our contract at temperature 1), or ``processed_logprobs`` when
 gconfig.temperature is not 1 (temperature applied; with top_p < 1 also renormalised over the nucleus,
-which our contract does not do: not covered). The inductor and vLLM caches live in
-``~/.cache/areal-async/vllm-cache/*-<index>`` so the sampler op compiled by the first request (~25 s) is compiled
-once per machine, not once per server start. The first version's weights come from the trainer
-(``reload_weights``) before any request, as for the other backends.
+which our contract does not do: the config refuses that combination, config/objective.py). The inductor and
+vLLM caches live in ``~/.cache/areal-async/vllm-cache/*-<index>`` so the sampler op compiled by the first
+request (~25 s) is compiled once per machine, not once per server start. The first version's weights come from
+the trainer (``reload_weights``) before any request, as for the other backends.
 """
 
 from __future__ import annotations
