@@ -33,4 +33,5 @@ def weight_channel(cfg: ExperimentConfig, ep: RunManifest, role: str, rank: int)
             kw["endpoint"] = ep.weights_endpoint
     if kind == "cuda_ipc":  # one IPC reference per receiver (transport/cuda_ipc.py)
         kw |= {"n_receivers": cfg.cluster.n_rollout_workers} if role == "publisher" else {"rank": rank}
-    return make_weight_channel(kind, role=role, **kw, **_group(cfg, kind, rank, ep.weight_store))
+    group = _group(cfg, kind, rank, ep.weight_store)
+    return make_weight_channel(kind, role=role, delta=cfg.tensor_channel.weight_delta, **kw, **group)

@@ -45,7 +45,10 @@ class RolloutWorker:
             **(shm if cfg.tensor_channel.trajectories == "shm" else {}),
         )
         weights = make_weight_channel(
-            cfg.tensor_channel.weights, role="receiver", **(shm if cfg.tensor_channel.weights == "shm" else {})
+            cfg.tensor_channel.weights,
+            role="receiver",
+            delta=cfg.tensor_channel.weight_delta,
+            **(shm if cfg.tensor_channel.weights == "shm" else {}),
         )
         token = join(run_dir, "rollout", worker_id)
         self.service = RolloutService(

@@ -212,6 +212,13 @@ class TensorChannelConfig(Section):
     weights: str = _f("shm", f"Weight channel: {' | '.join(CHANNEL_KINDS)}.")
     trajectories: str = _f("zmq", f"Trajectory channel: {' | '.join(CHANNEL_KINDS)}.")
     bucket_mb: float = _f(64.0, "Weight-sync bucket size in MiB.")
+    weight_delta: bool = _f(
+        False,
+        "Publish each weight version also as its delta against the previous one (the int64 words that changed, "
+        "zlib-compressed; transport/delta.py): a rollout worker holding the previous version fetches only that "
+        "and checks the result against the full version's checksums; one that does not (restarted, missed or "
+        "refused a version) fetches the full weights. Pull channels only (weights: shm or zmq).",
+    )
     max_message_mb: float = _f(
         1024.0,
         "Bound on one trajectory message (a group's tensors) at the trainer, MiB: a zmq frame larger is "
@@ -222,5 +229,12 @@ class TensorChannelConfig(Section):
     def check(self) -> None:
         one_of(self, "weights", CHANNEL_KINDS)
         one_of(self, "trajectories", CHANNEL_KINDS)
+        require(
+            not self.weight_delta or self.weights in ("shm", "zmq"),
+            "weight_delta",
+            self.weight_delta,
+            f"false with weights={self.weights!r}: delta needs weights shm or zmq (a broadcast gives every rollout "
+            "worker one payload, so one without the previous version could not get the full weights)",
+        )
         above(self, "bucket_mb", 0)
         above(self, "max_message_mb", 0)

@@ -60,8 +60,13 @@ def make_tensor_channel(kind: str, *, role: str, **kwargs: Any) -> TensorChannel
     return _load(_TENSOR, kind)(role=role, **kwargs)
 
 
-def make_weight_channel(kind: str, *, role: str, **kwargs: Any) -> WeightChannel:
-    """Weight channel of ``kind``; ``role`` is 'publisher' (trainer) or 'receiver' (rollout)."""
+def make_weight_channel(kind: str, *, role: str, delta: bool = False, **kwargs: Any) -> WeightChannel:
+    """Weight channel of ``kind``; ``role`` is 'publisher' (trainer) or 'receiver' (rollout); ``delta``:
+    wrapped in ``delta.DeltaWeightChannel`` (``tensor_channel.weight_delta``; shm and zmq only)."""
     if role not in ("publisher", "receiver"):
         raise ValueError(f"role={role!r}: a weight channel is a 'publisher' or a 'receiver'")
-    return _load(_WEIGHT, kind)(role=role, **kwargs)
+    channel = _load(_WEIGHT, kind)(role=role, **kwargs)
+    if not delta:
+        return channel
+    wrap = importlib.import_module("areal_async.transport.delta").DeltaWeightChannel
+    return wrap(channel, role=role, bucket_mb=kwargs.get("bucket_mb", 64.0))

@@ -101,6 +101,7 @@ BAD = [
     (ClusterConfig, {"n_gpus_per_node": 0}, "n_gpus_per_node=0", ">= 1"),
     (TensorChannelConfig, {"weights": "rdma"}, "weights='rdma'", "shm | zmq | gloo | nccl | cuda_ipc"),
     (TensorChannelConfig, {"bucket_mb": 0.0}, "bucket_mb=0.0", "> 0"),
+    (TensorChannelConfig, {"weights": "gloo", "weight_delta": True}, "weight_delta=True", "weights shm or zmq"),
     (SFTWarmupConfig, {"steps": -1}, "steps=-1", ">= 0"),
     (RefConfig, {"dtype": "int8"}, "dtype='int8'", "float32 | bfloat16 | float16"),
     (SGLangConfig, {"mem_fraction_static": 0.0}, "mem_fraction_static=0.0", "(0, 1]"),

@@ -1,0 +1,161 @@
+"""Delta weight publication (transport/delta.py): bit-exact round trips, refusals, the full-weights fallback."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import pytest
+import torch
+
+from areal_async.transport import ManifestError, TransportError, make_weight_channel
+from areal_async.transport.delta import apply, encode
+from areal_async.transport.shm import SHM_DIR
+from tests.support.transport_helpers import assert_bit_exact, no_shm_leaks  # noqa: F401
+
+pytestmark = [
+    pytest.mark.usefixtures("no_shm_leaks"),
+    pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm"),
+]
+KINDS = ["shm", "zmq"]
+BUCKET_MB = 1 / 64  # 16 KiB buckets: "b" spans several
+
+
+def _weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.arange(64, dtype=torch.float32), "b": torch.randn(300, 70, generator=g).to(torch.bfloat16)}
+
+
+def _changed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``sd`` with w[0], w[1] (int64 word 0 of bucket 0: "w" comes first) and w[5] (word 2) changed."""
+    out = {k: v.clone() for k, v in sd.items()}
+    out["w"][[0, 1, 5]] += 100.0
+    return out
+
+
+def _pair(kind: str):
+    pub = make_weight_channel(kind, role="publisher", delta=True, bucket_mb=BUCKET_MB)
+    return pub, make_weight_channel(kind, role="receiver", delta=True)
+
+
+def _full(kind: str, version: int, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What a plain (non-delta) channel of ``kind`` delivers for ``sd``: the expected value."""
+    pub = make_weight_channel(kind, role="publisher", bucket_mb=BUCKET_MB)
+    rx = make_weight_channel(kind, role="receiver")
+    try:
+        return {k: v.clone() for k, v in rx.receive(pub.publish_begin(version, sd)).items()}
+    finally:
+        pub.close()
+        rx.close()
+
+
+def test_encode_writes_the_changed_words_and_apply_restores_them():
+    old = torch.zeros(32, dtype=torch.uint8)
+    new = old.clone()
+    new.view(torch.int64)[0], new.view(torch.int64)[2] = 5, 0xFF00
+    payload, n = encode(new, old)
+    # by hand: count 2, gaps 0 (word 0) and 2 (word 2), the XORs with zero words: 5 and 0xFF00
+    assert n == 2 and zlib.decompress(payload) == struct.pack("<q2Q2Q", 2, 0, 2, 5, 0xFF00)
+    apply(old, payload, 1, 0)
+    assert torch.equal(old, new)
+    same, n = encode(new, new.clone())
+    assert n == 0 and zlib.decompress(same) == struct.pack("<q", 0)
+
+
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (b"not zlib", "bucket 3 does not decompress"),
+        (zlib.compress(struct.pack("<q2Q", 2, 0, 2)), "bucket 3 is 24 bytes, not a count and its words"),
+        (zlib.compress(struct.pack("<q2Q", 1, 4, 7)), "bucket 3 names word 4 of 4"),
+    ],
+)
+def test_a_malformed_delta_is_refused_and_the_buffer_is_untouched(payload, match):
+    buf = torch.arange(32, dtype=torch.uint8)
+    with pytest.raises(TransportError, match=f"weights v9: delta of {match}"):
+        apply(buf, payload, 9, 3)
+    assert torch.equal(buf, torch.arange(32, dtype=torch.uint8))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_delta_round_trip_equals_the_full_publication_bit_for_bit(kind):
+    pub, rx = _pair(kind)
+    sd1, sd2 = _weights(), _changed(_weights())
+    try:
+        m1 = pub.publish_begin(1, sd1)
+        assert m1["delta"] is None  # nothing to diff against yet
+        assert_bit_exact(rx.receive(m1), _full(kind, 1, sd1))
+        assert rx.path == "full"
+        m2 = pub.publish_begin(2, sd2)
+        assert m2["delta"]["base"] == 1
+        assert m2["delta"]["changed_words"][0] == 2 and sum(m2["delta"]["changed_words"]) == 2
+        assert pub.sizes["delta"] < pub.sizes["full"] / 20
+        pub.inner.release(4)  # v2's full buckets (inner version 2 v) are gone: only the delta can deliver v2
+        got = rx.receive(m2)
+        assert rx.path == "delta"
+        assert_bit_exact(got, _full(kind, 2, sd2))
+        assert_bit_exact(got, sd2)
+    finally:
+        pub.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_delta_that_misses_the_full_checksum_is_refused_and_the_old_weights_stay(kind):
+    pub, rx = _pair(kind)
+    sd1, sd2 = _weights(), _changed(_weights())
+    sd3 = {k: v + 1 for k, v in sd2.items()}
+    try:
+        got1 = rx.receive(pub.publish_begin(1, sd1))
+        got1["w"][3] = 99.0  # the receiver's copy of v1 is no longer v1 (a consumer wrote into it)
+        with pytest.raises(TransportError, match=r"weights v2: bucket 0 .* sum64 .*the delta against v1 refused, "
+                           r"this receiver keeps v1"):  # fmt: skip
+            rx.receive(pub.publish_begin(2, sd2))
+        want1 = {k: v.clone() for k, v in sd1.items()}
+        want1["w"][3] = 99.0
+        assert_bit_exact(got1, want1)  # the refused version wrote nothing into what it had
+        m3 = pub.publish_begin(3, sd3)
+        assert m3["delta"]["base"] == 2
+        got3 = rx.receive(m3)  # it holds v1, not v2: the full weights
+        assert rx.path == "full"
+        assert_bit_exact(got3, _full(kind, 3, sd3))
+    finally:
+        pub.close()
+        rx.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_receiver_without_the_base_gets_the_full_weights(kind):
+    pub, rx = _pair(kind)
+    late = make_weight_channel(kind, role="receiver", delta=True)  # a restarted rollout worker
+    sd1, sd2 = _weights(), _changed(_weights())
+    sd3 = {k: v * 2 for k, v in sd2.items()}
+    try:
+        rx.receive(pub.publish_begin(1, sd1))
+        m2 = pub.publish_begin(2, sd2)
+        assert_bit_exact(late.receive(m2), sd2)
+        assert late.path == "full"
+        m3 = pub.publish_begin(3, sd3)  # rx missed v2
+        assert_bit_exact(rx.receive(m3), sd3)
+        assert rx.path == "full"
+        assert_bit_exact(late.receive(m3), sd3)
+        assert late.path == "delta"
+        sd4 = {**sd3, "extra": torch.ones(3)}  # another layout: no delta for anyone
+        m4 = pub.publish_begin(4, sd4)
+        assert m4["delta"] is None
+        assert_bit_exact(late.receive(m4), sd4)
+        assert late.path == "full"
+    finally:
+        for ch in (pub, rx, late):
+            ch.close()
+
+
+def test_bad_manifests_and_a_waiting_inner_channel_are_refused():
+    rx = make_weight_channel("shm", role="receiver", delta=True)
+    with pytest.raises(ManifestError, match="delta manifest \\['format'\\]: expected keys"):
+        rx.receive({"format": "areal-weights/1"})
+    with pytest.raises(ValueError, match="publish_end waits for receivers"):
+        make_weight_channel("zmq", role="publisher", delta=True, expect_receivers=1)
