@@ -30,6 +30,11 @@ the trainer side / rollout receiver):
   its heads: ``payloads.engine_shape``) holding 4 groups x 2 samples mid-generation, from
   ``publish_begin`` to the engine generating with the new weights: received, copied into its
   parameters (``load_s``) and every running KV cache recomputed (``recompute_s``).
+- delta (``weight_sync_delta``, shm/zmq, models up to ``DELTA_MAX_PARAMS``): the same model over a delta
+  channel (``tensor_channel.weight_delta``, ``transport/delta.py``), each timed version the one before
+  with ``DELTA_FRACTION`` of its elements moved one ulp (``payloads.nudge``) and the peer holding the one
+  before: from ``publish_begin`` to the delta applied and checked; ``wire_bytes`` (the compressed delta),
+  ``bytes_ratio`` and ``time_ratio`` against the model's full row.
 - LoRA (``weight_sync_lora``): a rank-16 adapter on every linear layer of the same model (bf16,
   ``payloads.lora_state_dict``: L r (9 h + 2 kv + 3 i) numbers), through the same channel right after
   the full weights: what a LoRA run publishes instead; ``bytes_ratio`` and ``time_ratio`` against the
@@ -56,6 +61,7 @@ from benchmarks.common.payloads import (
     lora_state_dict,
     n_params,
     nbytes,
+    nudge,
     pack_batch,
     synthetic_state_dict,
 )
@@ -78,6 +84,9 @@ from benchmarks.common.timing import Copier, memcpy_row, memcpy_seconds, stats
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_MAX_BYTES = 256 * MiB
 ZMQ_CPU_MAX_PARAMS = 6e8  # zmq weight sync holds ~4 copies (state dict, buckets, frames, decoded)
+DELTA_KINDS = ("shm", "zmq")  # the pull channels a delta publication runs over (transport/delta.py)
+DELTA_MAX_PARAMS = 6e8  # on CPU: delta holds ~6 copies (state dict, 2 + 2 flat buffers, the inner channel's)
+DELTA_FRACTION = 0.02  # of the elements moved one ulp between two versions (payloads.nudge)
 CPU_TRANSPORTS = ("shm", "zmq", "gloo")
 GPU_TRANSPORTS = GPU_KINDS
 LORA_RANK = 16  # the adapter rows: rank 16 on every linear layer, bf16 (as the full rows)
@@ -259,6 +268,9 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
             ch.pipeline = True
             rows.append(run_lora(peer, ch, kind, model, full, opts, bound, version))
             version += 10
+            if kind in DELTA_KINDS and opts.device == "cpu" and n_params(model) <= DELTA_MAX_PARAMS:
+                rows.append(run_delta(peer, kind, model, full, opts, bound, version))
+                version += 10
             del sd
             if opts.e2e and opts.device == "cpu":
                 rows.append(run_e2e(peer, ch, kind, model, opts, bound, version))
@@ -282,6 +294,36 @@ def run_lora(peer: Peer, ch, kind: str, model: str, full: dict, opts: Opts, boun
         full_bytes=full["bytes"],
         full_p50_s=full["p50_s"],
         bytes_ratio=full["bytes"] / row["bytes"],
+        time_ratio=full["p50_s"] / row["p50_s"],
+    )
+    return row
+
+
+def run_delta(peer: Peer, kind: str, model: str, full: dict, opts: Opts, bound: Copier, version: int) -> dict:
+    """The same model over a delta channel (``tensor_channel.weight_delta``): each timed version is the one
+    before with ``DELTA_FRACTION`` of its elements moved one ulp, and the peer holds the one before, so it
+    takes the delta; beside ``full`` (the plain channel's row): the bytes on the wire and the time."""
+    theirs, mine = weight_kwargs(kind)
+    ch = open_pair(peer, kind, "delta", {**mine, "bucket_mb": 64.0, "delta": True}, {**theirs, "delta": True})
+    sd = synthetic_state_dict(*MODELS[model], device=opts.device)
+    try:  # two untimed versions first (the full one, then a delta): both flat buffers of each side are warm
+        time_weights(peer, ch, sd, version, 1, bound, what="delta")
+        timed = time_weights(peer, ch, sd, version + 2, opts.weight_reps, bound, what="delta",
+                             change=lambda i: nudge(sd, DELTA_FRACTION, seed=i))  # fmt: skip
+        wire = ch.sizes["delta"]
+    finally:
+        ch.close()
+        peer.call("close", what="delta")
+    samples, pub, ref, last = timed
+    if last.get("path") != "delta":
+        raise RuntimeError(f"delta {kind} {model}: the peer took the {last.get('path')!r} path, not the delta")
+    row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
+    row.update(
+        metric="weight_sync_delta",
+        changed_fraction=DELTA_FRACTION,
+        wire_bytes=wire,
+        full_p50_s=full["p50_s"],
+        bytes_ratio=row["bytes"] / wire,
         time_ratio=full["p50_s"] / row["p50_s"],
     )
     return row
@@ -364,7 +406,8 @@ def weight_row(
 
 
 def _what(r: dict) -> str:
-    e2e = {"weight_sync_e2e": " e2e", "weight_sync_lora": f" lora r{r.get('rank')}"}.get(r["metric"], "")
+    e2e = {"weight_sync_e2e": " e2e", "weight_sync_lora": f" lora r{r.get('rank')}", "weight_sync_delta": " delta"}
+    e2e = e2e.get(r["metric"], "")
     return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial") + e2e
 
 
@@ -380,12 +423,15 @@ COLUMNS = [
 ]
 
 
+WEIGHT_METRICS = ("transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora", "weight_sync_delta")
+
+
 def show(rows: list[dict]) -> None:
     print()
     print_table(
         rows,
         COLUMNS,
-        where=lambda r: r["metric"] in ("transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora"),
+        where=lambda r: r["metric"] in WEIGHT_METRICS,
     )
     for r in rows:
         if r["metric"] == "weight_sync_lora":
@@ -393,10 +439,17 @@ def show(rows: list[dict]) -> None:
                 f"lora {r['transport']} {r['model']} r{r['rank']}: {r['bytes_ratio']:.0f}x fewer bytes, "
                 f"{r['time_ratio']:.1f}x less time than the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
             )
+        if r["metric"] == "weight_sync_delta":
+            print(
+                f"delta {r['transport']} {r['model']} ({r['changed_fraction']:.0%} of elements moved): "
+                f"{r['wire_bytes'] / 2**20:.1f} MiB on the wire, {r['bytes_ratio']:.0f}x fewer bytes; "
+                f"{r['time_ratio']:.2f}x the speed of the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
+            )
     for note in rows[0].get("notes", []):
         print("note:", note)
     for r in rows:
-        if r["metric"] in ("weight_sync", "weight_sync_e2e") and (r["pub_phases"] or r["recv_phases"]):
+        phased = r["metric"] in ("weight_sync", "weight_sync_e2e", "weight_sync_delta")
+        if phased and (r["pub_phases"] or r["recv_phases"]):
             print(f"phases {r['transport']} {_what(r)} (ms): publisher {_ms(r['pub_phases'])}; "
                   f"receiver {_ms(r['recv_phases'])}" + _engine_ms(r))  # fmt: skip
 

@@ -214,7 +214,7 @@ class TensorChannelConfig(Section):
     bucket_mb: float = _f(64.0, "Weight-sync bucket size in MiB.")
     weight_delta: bool = _f(
         False,
-        "Publish each weight version also as its delta against the previous one (the int64 words that changed, "
+        "Publish each weight version also as its delta against the previous one (the 16-bit lanes that changed, "
         "zlib-compressed; transport/delta.py): a rollout worker holding the previous version fetches only that "
         "and checks the result against the full version's checksums; one that does not (restarted, missed or "
         "refused a version) fetches the full weights. Pull channels only (weights: shm or zmq).",

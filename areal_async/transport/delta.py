@@ -1,4 +1,4 @@
-"""Delta weight publication (``tensor_channel.weight_delta``): a version as the words that changed.
+"""Delta weight publication (``tensor_channel.weight_delta``): a version as what changed since the last.
 
 A wrapper around a pull channel (shm, zmq: each receiver fetches what it needs, at its own pace).
 The publisher packs version v into its own flat buffer (the buckets of ``buckets.plan``, sum64 of
@@ -6,8 +6,8 @@ each in the same pass) and publishes, through the inner channel:
 
 - always the full buckets (inner version ``2 v``), for any receiver that does not hold the base;
 - when it holds the previous publication with the same layout (the base, normally v-1), the
-  delta (inner version ``2 v + 1``): per bucket, the int64 words that differ from the base's, as
-  the gaps between their indices and their XOR with the old words, zlib-compressed (``encode``).
+  delta (inner version ``2 v + 1``): per bucket, the 16-bit lanes that differ from the base's, as
+  the gaps between their indices and their XOR with the old lanes, zlib-compressed (``encode``).
 
 The manifest names the base's version and carries the full buckets' sum64. A receiver that holds
 exactly the base (its last version, same layout) fetches only the delta, applies it to a copy of
@@ -43,17 +43,27 @@ from areal_async.transport.collective import BufferPool
 
 DELTA_FORMAT = "areal-weights-delta/1"
 _KEYS = {"format", "weights", "full", "delta"}
-_DELTA_KEYS = {"base", "payload", "changed_words"}
-_COUNT = struct.Struct("<q")  # words changed, before the gaps and the XORs
+_DELTA_KEYS = {"base", "payload", "changed"}
+_HEAD = struct.Struct("<qB")  # lanes changed, bytes per gap; the gaps and the XORs follow
 
 
-def encode(new: torch.Tensor, old: torch.Tensor, level: int = 1) -> tuple[bytes, int]:
-    """(compressed delta, words changed) from ``old`` to ``new`` (uint8 buffers of one size, a multiple of 8)."""
-    a, b = _words(new), _words(old)
-    x = np.bitwise_xor(a, b)
+def encode(
+    new: torch.Tensor, old: torch.Tensor, level: int = 1, scratch: Optional[np.ndarray] = None
+) -> tuple[bytes, int]:
+    """(compressed delta, 16-bit lanes changed) from ``old`` to ``new`` (uint8 buffers of one even size).
+
+    Before zlib: a header (count, width of a gap), the gaps between the changed lanes' indices (the first
+    is its index) and their XOR with the old lanes, each as byte planes (all first bytes, then all second
+    bytes...): the high bytes of small gaps and one-ulp XORs are zeros in long runs, which zlib takes
+    fast and small. ``scratch``: uint16 lanes to XOR into, reused so no page faults."""
+    a, b = _lanes(new), _lanes(old)
+    x = np.bitwise_xor(a, b, out=None if scratch is None else scratch[: a.size])
     idx = np.flatnonzero(x)
-    gaps = np.diff(idx, prepend=0).astype(np.uint64)  # the first is its index; all small where changes are dense
-    return zlib.compress(_COUNT.pack(idx.size) + gaps.tobytes() + x[idx].tobytes(), level), int(idx.size)
+    gaps = np.diff(idx, prepend=0)
+    width = 4 if a.size < 2**32 else 8
+    gaps = gaps.astype(np.uint32 if width == 4 else np.uint64)
+    raw = _HEAD.pack(idx.size, width) + _planes(gaps, width) + _planes(x[idx], 2)
+    return zlib.compress(raw, level), int(idx.size)
 
 
 def apply(buf: torch.Tensor, payload: bytes, version: int, k: int) -> None:
@@ -62,18 +72,27 @@ def apply(buf: torch.Tensor, payload: bytes, version: int, k: int) -> None:
         raw = zlib.decompress(payload)
     except zlib.error as e:
         raise TransportError(f"weights v{version}: delta of bucket {k} does not decompress: {e}") from None
-    n = _COUNT.unpack_from(raw)[0] if len(raw) >= _COUNT.size else -1
-    if n < 0 or len(raw) != _COUNT.size + 16 * n:
-        raise TransportError(f"weights v{version}: delta of bucket {k} is {len(raw)} bytes, not a count and its words")
-    idx = np.cumsum(np.frombuffer(raw, np.uint64, n, _COUNT.size), dtype=np.uint64)
-    words = _words(buf)
-    if n and int(idx[-1]) >= words.size:
-        raise TransportError(f"weights v{version}: delta of bucket {k} names word {int(idx[-1])} of {words.size}")
-    words[idx] ^= np.frombuffer(raw, np.uint64, n, _COUNT.size + 8 * n)
+    n, width = _HEAD.unpack_from(raw) if len(raw) >= _HEAD.size else (-1, 0)
+    if n < 0 or width not in (4, 8) or len(raw) != _HEAD.size + (width + 2) * n:
+        raise TransportError(f"weights v{version}: delta of bucket {k} is {len(raw)} bytes, not a count and its lanes")
+    gaps = _unplanes(raw[_HEAD.size : _HEAD.size + width * n], width, np.uint32 if width == 4 else np.uint64)
+    idx = np.cumsum(gaps, dtype=np.uint64)
+    lanes = _lanes(buf)
+    if n and int(idx[-1]) >= lanes.size:
+        raise TransportError(f"weights v{version}: delta of bucket {k} names lane {int(idx[-1])} of {lanes.size}")
+    lanes[idx] ^= _unplanes(raw[_HEAD.size + width * n :], 2, np.uint16)
 
 
-def _words(buf: torch.Tensor) -> np.ndarray:
-    return buf.numpy().view(np.uint64)
+def _planes(a: np.ndarray, width: int) -> bytes:
+    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, width).T).tobytes()
+
+
+def _unplanes(raw: bytes, width: int, dtype) -> np.ndarray:
+    return np.ascontiguousarray(np.frombuffer(raw, np.uint8).reshape(width, -1).T).view(dtype).reshape(-1)
+
+
+def _lanes(buf: torch.Tensor) -> np.ndarray:
+    return buf.numpy().view(np.uint16)
 
 
 def _split(flat: torch.Tensor, layout: B.Layout) -> list[torch.Tensor]:
@@ -102,6 +121,7 @@ class DeltaWeightChannel(WeightChannel):
         self._base: Optional[torch.Tensor] = None  # flat copy of the last version published / received
         self._version = -1
         self._layout: Optional[B.Layout] = None
+        self._scratch = np.empty(0, dtype=np.uint16)  # publisher: the XOR of a bucket, kept across versions
 
     # --- publisher ----------------------------------------------------------------------------
 
@@ -125,11 +145,14 @@ class DeltaWeightChannel(WeightChannel):
         self.sizes = {"full": layout.total}
         if self._base is None or self._layout != layout or self._version == version:
             return None
-        coded = [encode(b, old, self.level) for b, old in zip(bufs, _split(self._base, layout))]
+        most = max(layout.bucket_sizes, default=0) // 2
+        if self._scratch.size < most:
+            self._scratch = np.empty(most, dtype=np.uint16)
+        coded = [encode(b, old, self.level, self._scratch) for b, old in zip(bufs, _split(self._base, layout))]
         tensors = {f"d{k}": torch.frombuffer(bytearray(c), dtype=torch.uint8) for k, (c, _) in enumerate(coded)}
         self.sizes["delta"] = sum(len(c) for c, _ in coded)
         payload = self.inner.publish_begin(2 * version + 1, tensors)
-        return {"base": self._version, "payload": payload, "changed_words": [n for _, n in coded]}
+        return {"base": self._version, "payload": payload, "changed": [n for _, n in coded]}
 
     def publish_end(self) -> None:
         self.inner.publish_end()

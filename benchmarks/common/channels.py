@@ -5,7 +5,8 @@ Peer side, ``CHANNEL_OPS`` (give them to ``Peer(device, CHANNEL_OPS)``):
 - ``open``: build the receiver of a tensor (``what="traj"``) or weight channel (``"weights"``);
 - ``expect``: receive ``n`` messages whose meta carries the sender's ``t0``, reply each latency
   (``ack="each"``) and finally the first-send-to-last-receive latency;
-- ``weights``: receive one weight version by its manifest, reply the receive time and params;
+- ``weights``: receive one weight version by its manifest (on the channel ``what``, default
+  "weights"), reply the receive time, params, phases and (delta channels) how it came;
 - ``close``: close a channel end.
 
 This side: ``open_pair`` builds both ends concurrently (collective channels rendezvous in their
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -58,10 +59,12 @@ def _expect(state: dict, cmd: dict) -> dict:
 
 
 def _weights(state: dict, cmd: dict) -> dict:
-    sd = state["weights"].receive(cmd["manifest"])
+    ch = state[cmd.get("what", "weights")]
+    sd = ch.receive(cmd["manifest"])
     sync(state["device"])
     t1 = time.perf_counter()
-    return {"t1": t1, "params": sum(t.numel() for t in sd.values()), "phases": getattr(state["weights"], "phases", {})}
+    return {"t1": t1, "params": sum(t.numel() for t in sd.values()), "phases": getattr(ch, "phases", {}),
+            "path": getattr(ch, "path", "")}  # fmt: skip
 
 
 def _engine(state: dict, cmd: dict) -> dict:
@@ -188,17 +191,30 @@ def time_stream(peer: Peer, ch, seqs: list[dict], repeats: int, bound: Copier) -
     return out, ref[1:]
 
 
-def time_weights(peer: Peer, ch, sd: dict, version: int, repeats: int, bound: Copier, op: str = "weights"):
+def time_weights(
+    peer: Peer,
+    ch,
+    sd: dict,
+    version: int,
+    repeats: int,
+    bound: Copier,
+    op: str = "weights",
+    what: str = "weights",
+    change: Optional[Callable[[int], None]] = None,
+):
     """(latencies, publisher-side times, bound samples, the last answer with the publisher's phases)
     of ``repeats`` versions after a warm-up: from ``publish_begin`` to the peer's ``op`` returning
-    (``weights``: ``receive``; ``weights_e2e``: its engine loaded them, KV caches recomputed)."""
+    (``weights``: ``receive`` on its channel ``what``; ``weights_e2e``: its engine loaded them, KV
+    caches recomputed). ``change(i)``: called before version i > 0 is published (it may alter ``sd``)."""
     lat, pub, ref, last = [], [], [], {}
     for i in range(repeats + 1):
+        if i and change is not None:
+            change(i)
         ref.append(bound.sample())
         sync(str(next(iter(sd.values())).device))
         c0, t0 = time.process_time(), time.perf_counter()
         manifest = ch.publish_begin(version + i, sd)
-        peer.ask(op, manifest=manifest)  # the control plane's WeightsPublished
+        peer.ask(op, manifest=manifest, **({"what": what} if what != "weights" else {}))  # WeightsPublished
         ch.publish_end()
         t_pub = time.perf_counter() - t0
         last = {**peer.answer(), "pub_phases": dict(getattr(ch, "phases", {})), "pub_cpu_s": time.process_time() - c0}

@@ -67,6 +67,17 @@ def lora_state_dict(
     return out
 
 
+def nudge(sd: dict[str, torch.Tensor], fraction: float, seed: int) -> None:
+    """Move ``fraction`` of each 16-bit tensor's elements by one unit in the last place (the lowest bit
+    flipped), in place: a training step's change as a delta publication sees it (slime reports a few
+    percent of the weights changing per step at conservative learning rates)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in sd.values():
+        bits = t.view(-1).view(torch.int16)
+        idx = torch.randint(0, bits.numel(), (int(bits.numel() * fraction),), generator=g)
+        bits[idx] ^= 1
+
+
 def engine_shape(model: str) -> tuple:
     """``MODELS[model]`` with key/value heads that divide the attention heads, so a real model runs
     (the synthetic 0.13B has 6 heads and 4 kv heads: fine for shapes, not for attention)."""

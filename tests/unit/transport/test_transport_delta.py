@@ -27,7 +27,8 @@ def _weights() -> dict[str, torch.Tensor]:
 
 
 def _changed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``sd`` with w[0], w[1] (int64 word 0 of bucket 0: "w" comes first) and w[5] (word 2) changed."""
+    """``sd`` with w[0], w[1], w[5] changed: 0.0 -> 100.0 (0x00000000 -> 0x42c80000), 1.0 -> 101.0 (0x3f800000 ->
+    0x42ca0000), 5.0 -> 105.0 (0x40a00000 -> 0x42d20000): the high 16-bit lane of each, 3 lanes of bucket 0."""
     out = {k: v.clone() for k, v in sd.items()}
     out["w"][[0, 1, 5]] += 100.0
     return out
@@ -49,25 +50,28 @@ def _full(kind: str, version: int, sd: dict[str, torch.Tensor]) -> dict[str, tor
         rx.close()
 
 
-def test_encode_writes_the_changed_words_and_apply_restores_them():
+def test_encode_writes_the_changed_lanes_and_apply_restores_them():
     old = torch.zeros(32, dtype=torch.uint8)
     new = old.clone()
-    new.view(torch.int64)[0], new.view(torch.int64)[2] = 5, 0xFF00
+    new.view(torch.int16)[0], new.view(torch.int16)[5] = 5, -256  # lane 5 = 0xFF00
     payload, n = encode(new, old)
-    # by hand: count 2, gaps 0 (word 0) and 2 (word 2), the XORs with zero words: 5 and 0xFF00
-    assert n == 2 and zlib.decompress(payload) == struct.pack("<q2Q2Q", 2, 0, 2, 5, 0xFF00)
+    # by hand: count 2, gaps 4 bytes wide; gaps 0 and 5 as byte planes (first bytes 00 05, then three planes of
+    # zeros); XORs 0x0005 and 0xFF00 as byte planes (low bytes 05 00, high bytes 00 ff)
+    want = struct.pack("<qB", 2, 4) + b"\x00\x05" + b"\x00\x00" * 3 + b"\x05\x00" + b"\x00\xff"
+    assert n == 2 and zlib.decompress(payload) == want
     apply(old, payload, 1, 0)
     assert torch.equal(old, new)
     same, n = encode(new, new.clone())
-    assert n == 0 and zlib.decompress(same) == struct.pack("<q", 0)
+    assert n == 0 and zlib.decompress(same) == struct.pack("<qB", 0, 4)
 
 
 @pytest.mark.parametrize(
     "payload, match",
     [
         (b"not zlib", "bucket 3 does not decompress"),
-        (zlib.compress(struct.pack("<q2Q", 2, 0, 2)), "bucket 3 is 24 bytes, not a count and its words"),
-        (zlib.compress(struct.pack("<q2Q", 1, 4, 7)), "bucket 3 names word 4 of 4"),
+        (zlib.compress(struct.pack("<qB2I", 2, 4, 0, 2)), "bucket 3 is 17 bytes, not a count and its lanes"),
+        (zlib.compress(struct.pack("<qB2I", 1, 3, 0, 2)), "bucket 3 is 17 bytes, not a count and its lanes"),
+        (zlib.compress(struct.pack("<qBIH", 1, 4, 16, 7)), "bucket 3 names lane 16 of 16"),
     ],
 )
 def test_a_malformed_delta_is_refused_and_the_buffer_is_untouched(payload, match):
@@ -89,7 +93,7 @@ def test_a_delta_round_trip_equals_the_full_publication_bit_for_bit(kind):
         assert rx.path == "full"
         m2 = pub.publish_begin(2, sd2)
         assert m2["delta"]["base"] == 1
-        assert m2["delta"]["changed_words"][0] == 2 and sum(m2["delta"]["changed_words"]) == 2
+        assert m2["delta"]["changed"][0] == 3 and sum(m2["delta"]["changed"]) == 3
         assert pub.sizes["delta"] < pub.sizes["full"] / 20
         pub.inner.release(4)  # v2's full buckets (inner version 2 v) are gone: only the delta can deliver v2
         got = rx.receive(m2)
