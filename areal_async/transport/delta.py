@@ -7,7 +7,10 @@ each in the same pass) and publishes, through the inner channel:
 - always the full buckets (inner version ``2 v``), for any receiver that does not hold the base;
 - when it holds the previous publication with the same layout (the base, normally v-1), the
   delta (inner version ``2 v + 1``): per bucket, the 16-bit lanes that differ from the base's, as
-  the gaps between their indices and their XOR with the old lanes, zlib-compressed (``encode``).
+  the gaps between their indices and their XOR with the old lanes, zlib-compressed (``encode``);
+  unless more than ``DENSE`` of some bucket's lanes changed: then the delta would not pay (fp32
+  weights after an optimizer step move nearly everywhere; bf16 ones at a small learning rate in a
+  few percent of their elements) and the version goes out in full only.
 
 The manifest names the base's version and carries the full buckets' sum64. A receiver that holds
 exactly the base (its last version, same layout) fetches only the delta, applies it to a copy of
@@ -29,6 +32,7 @@ the full weights.
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 import zlib
@@ -41,16 +45,19 @@ from areal_async.transport import buckets as B
 from areal_async.transport.base import Tensors, TransportError, WeightChannel
 from areal_async.transport.collective import BufferPool
 
+log = logging.getLogger(__name__)
 DELTA_FORMAT = "areal-weights-delta/1"
 _KEYS = {"format", "weights", "full", "delta"}
 _DELTA_KEYS = {"base", "payload", "changed"}
+DENSE = 0.25  # a version where more of a bucket's lanes changed goes out in full only (a lane costs 6 bytes raw)
 _HEAD = struct.Struct("<qB")  # lanes changed, bytes per gap; the gaps and the XORs follow
 
 
 def encode(
-    new: torch.Tensor, old: torch.Tensor, level: int = 1, scratch: Optional[np.ndarray] = None
-) -> tuple[bytes, int]:
-    """(compressed delta, 16-bit lanes changed) from ``old`` to ``new`` (uint8 buffers of one even size).
+    new: torch.Tensor, old: torch.Tensor, level: int = 1, scratch: Optional[np.ndarray] = None, dense: float = 1.0
+) -> tuple[Optional[bytes], int]:
+    """(compressed delta, 16-bit lanes changed) from ``old`` to ``new`` (uint8 buffers of one even size);
+    (None, lanes changed) when more than ``dense`` of the lanes changed (the delta would not pay).
 
     Before zlib: a header (count, width of a gap), the gaps between the changed lanes' indices (the first
     is its index) and their XOR with the old lanes, each as byte planes (all first bytes, then all second
@@ -59,6 +66,8 @@ def encode(
     a, b = _lanes(new), _lanes(old)
     x = np.bitwise_xor(a, b, out=None if scratch is None else scratch[: a.size])
     idx = np.flatnonzero(x)
+    if idx.size > dense * a.size:
+        return None, int(idx.size)
     gaps = np.diff(idx, prepend=0)
     width = 4 if a.size < 2**32 else 8
     gaps = gaps.astype(np.uint32 if width == 4 else np.uint64)
@@ -122,6 +131,7 @@ class DeltaWeightChannel(WeightChannel):
         self._version = -1
         self._layout: Optional[B.Layout] = None
         self._scratch = np.empty(0, dtype=np.uint16)  # publisher: the XOR of a bucket, kept across versions
+        self._dense_noted = False
 
     # --- publisher ----------------------------------------------------------------------------
 
@@ -148,11 +158,22 @@ class DeltaWeightChannel(WeightChannel):
         most = max(layout.bucket_sizes, default=0) // 2
         if self._scratch.size < most:
             self._scratch = np.empty(most, dtype=np.uint16)
-        coded = [encode(b, old, self.level, self._scratch) for b, old in zip(bufs, _split(self._base, layout))]
+        coded = []
+        for b, old in zip(bufs, _split(self._base, layout)):
+            coded.append(encode(b, old, self.level, self._scratch, DENSE))
+            if coded[-1][0] is None:  # most weights moved (fp32 after an optimizer step, say): full weights only
+                self._note_dense(version, coded[-1][1], b.numel() // 2)
+                return None
         tensors = {f"d{k}": torch.frombuffer(bytearray(c), dtype=torch.uint8) for k, (c, _) in enumerate(coded)}
         self.sizes["delta"] = sum(len(c) for c, _ in coded)
         payload = self.inner.publish_begin(2 * version + 1, tensors)
         return {"base": self._version, "payload": payload, "changed": [n for _, n in coded]}
+
+    def _note_dense(self, version: int, changed: int, lanes: int) -> None:
+        """Say once per channel (then at debug level) that versions go out in full for being too dense."""
+        level, self._dense_noted = (logging.DEBUG if self._dense_noted else logging.INFO), True
+        log.log(level, "weights v%d: %d of %d 16-bit lanes of a bucket changed (more than %.0f%%): full weights "
+                "only (such versions are not logged again)", version, changed, lanes, DENSE * 100)  # fmt: skip
 
     def publish_end(self) -> None:
         self.inner.publish_end()
@@ -181,6 +202,10 @@ class DeltaWeightChannel(WeightChannel):
         if usable:
             self._apply(version, delta, bufs)
         else:
+            if delta is not None:  # offered a delta it cannot use: say why the wire carries the full weights
+                held = f"v{self._version}" if self._layout == layout else "no version of this layout"
+                log.info("weights v%d: delta against v%d offered, this receiver holds %s: full weights", version,
+                         delta["base"], held)  # fmt: skip
             self._copy_full(full, version, bufs)
         t1 = time.perf_counter()
         try:

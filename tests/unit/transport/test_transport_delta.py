@@ -63,6 +63,9 @@ def test_encode_writes_the_changed_lanes_and_apply_restores_them():
     assert torch.equal(old, new)
     same, n = encode(new, new.clone())
     assert n == 0 and zlib.decompress(same) == struct.pack("<qB", 0, 4)
+    zero = torch.zeros(32, dtype=torch.uint8)
+    assert encode(new, zero, dense=1 / 16) == (None, 2)  # 2 of 16 lanes changed: more than 1/16 is too dense
+    assert encode(new, zero, dense=2 / 16)[0] is not None and encode(new, zero, dense=2 / 16 - 1e-9)[0] is None
 
 
 @pytest.mark.parametrize(
@@ -110,7 +113,7 @@ def test_a_delta_round_trip_equals_the_full_publication_bit_for_bit(kind):
 def test_a_delta_that_misses_the_full_checksum_is_refused_and_the_old_weights_stay(kind):
     pub, rx = _pair(kind)
     sd1, sd2 = _weights(), _changed(_weights())
-    sd3 = {k: v + 1 for k, v in sd2.items()}
+    sd3 = _changed(sd2)
     try:
         got1 = rx.receive(pub.publish_begin(1, sd1))
         got1["w"][3] = 99.0  # the receiver's copy of v1 is no longer v1 (a consumer wrote into it)
@@ -136,7 +139,7 @@ def test_a_receiver_without_the_base_gets_the_full_weights(kind):
     pub, rx = _pair(kind)
     late = make_weight_channel(kind, role="receiver", delta=True)  # a restarted rollout worker
     sd1, sd2 = _weights(), _changed(_weights())
-    sd3 = {k: v * 2 for k, v in sd2.items()}
+    sd3 = _changed(sd2)
     try:
         rx.receive(pub.publish_begin(1, sd1))
         m2 = pub.publish_begin(2, sd2)
@@ -147,10 +150,15 @@ def test_a_receiver_without_the_base_gets_the_full_weights(kind):
         assert rx.path == "full"
         assert_bit_exact(late.receive(m3), sd3)
         assert late.path == "delta"
-        sd4 = {**sd3, "extra": torch.ones(3)}  # another layout: no delta for anyone
+        sd4 = {k: v + 1 for k, v in sd3.items()}  # every element moved: too dense for a delta
         m4 = pub.publish_begin(4, sd4)
         assert m4["delta"] is None
         assert_bit_exact(late.receive(m4), sd4)
+        assert late.path == "full"
+        sd5 = {**sd4, "extra": torch.ones(3)}  # another layout: no delta for anyone
+        m5 = pub.publish_begin(5, sd5)
+        assert m5["delta"] is None
+        assert_bit_exact(late.receive(m5), sd5)
         assert late.path == "full"
     finally:
         for ch in (pub, rx, late):
