@@ -1,6 +1,7 @@
-"""End-to-end over the TCP control plane with CURVE: the tiny fleet with every socket on tcp://
-(control, reward queues, trajectory and weight tensors over zmq), keys 0600, exact books; and the
-same fleet over two loopback "nodes" (127.0.0.1, 127.0.0.2) with the kernel's view of its sockets.
+"""End-to-end over the TCP control plane with CURVE: the tiny fleet over two loopback "nodes" (127.0.0.1,
+127.0.0.2) with every socket on tcp:// (control, reward queues, trajectory and weight tensors over zmq) and the
+kernel's view of its sockets; and a gloo fleet of two trainer ranks on tcp://, keys 0600, every binder behind
+CURVE, no listener on a wildcard address; exact books in both.
 (A restart's admission with the same launch token: tests/unit/base/test_cluster_security.py.)"""
 
 from __future__ import annotations
@@ -13,30 +14,13 @@ import sys
 import time
 
 import pytest
-from tests.support.fleet import ROOT, check_books, cli, finish_ok, run_ok, wait_for
+from tests.support.fleet import ROOT, check_books, cli, finish_ok, wait_for
 from tests.support.procs import listeners, tcp_sockets
 
 
 pytestmark = pytest.mark.slow
 
 TCP = ["cluster.control=tcp", "tensor_channel.trajectories=zmq", "tensor_channel.weights=zmq"]
-
-
-def test_tcp_curve_fleet_keeps_exact_books(tmp_path):
-    run_dir = tmp_path / "run"
-    run_ok(run_dir, *TCP)
-    check_books(run_dir, eta=1)
-    endpoints = json.loads((run_dir / "endpoints.json").read_text())
-    assert all(e.startswith("tcp://") for e in [endpoints["control"], endpoints["trajectories"], *endpoints["rewards"]])
-    for name in ("server.key", "client.key", "roster.json"):
-        assert stat.S_IMODE((run_dir / "keys" / name).stat().st_mode) == 0o600
-    logs = {p.stem: p.read_text() for p in (run_dir / "logs").glob("*.log")}
-    for wid in ("reward-0", "rollout-0", "rollout-1", "trainer"):
-        assert f"registered {wid.split('-')[0]} {wid} " in logs["scheduler"]
-    assert "refused a registration" not in logs["scheduler"]
-    assert "admitted a CURVE connection from 127.0.0.1 (client key of " in logs["scheduler"]  # peer addresses seen
-    # every binding process ran a ZAP handler with the run's allow list
-    assert all("CURVE on" in logs[w] for w in ("scheduler", "reward-0", "trainer")), sorted(logs)
 
 
 # ---- two loopback nodes -----------------------------------------------------------------------
@@ -113,14 +97,25 @@ def test_fleet_across_two_loopback_nodes(tmp_path):
 
 
 # ---- no open door: every listener of a gloo fleet on the node's address --------------------------
-GLOO_RANKS = ["cluster.control=tcp", "tensor_channel.trajectories=gloo", "cluster.n_trainer_ranks=2"]
+GLOO_RANKS = [
+    "cluster.control=tcp",
+    "tensor_channel.trajectories=gloo",
+    "tensor_channel.weights=gloo",
+    "tensor_channel.bucket_mb=0.0625",
+    "cluster.n_trainer_ranks=2",
+    "rollout.max_head_offpolicyness=2",
+]
 
 
 def test_gloo_fleet_with_two_trainer_ranks_listens_on_no_wildcard(tmp_path):
     """torch's TCPStore listened on '*' for the trajectory group and the trainer ranks (seen with ss on the
     code before): now each group's store is served by the trainer over the run's CURVE sockets on the node's
     address, and gloo's pairs bind it too. Every listening socket of every process of the run, sampled from
-    /proc while it runs, is on 127.0.0.1; the books are exact."""
+    /proc while it runs, is on 127.0.0.1; the books are exact.
+    The same run is the fleet on the TCP control plane with CURVE (keys 0600, every binder's ZAP handler, each
+    worker registered over it) and on gloo for both tensor channels: trajectories, and weights gathered from the
+    two ranks' shards in buckets of 64 KiB to every rollout worker. (These were two more fleets; the zmq tensor
+    channel over tcp:// is the two-node test's.)"""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         cli(run_dir, *GLOO_RANKS), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -147,4 +142,18 @@ def test_gloo_fleet_with_two_trainer_ranks_listens_on_no_wildcard(tmp_path):
     assert {("127.0.0.1", _port(manifest["traj_store"])), ("127.0.0.1", _port(manifest["trainer_store"]))} <= seen
     assert seen and {ip for ip, _ in seen} == {"127.0.0.1"}, sorted(seen)
     assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700  # checkpoints in it are unpickled on resume
-    check_books(run_dir, eta=1)
+    check_books(run_dir, eta=2)
+    assert all(manifest[k].startswith("tcp://") for k in ("control", "trajectories", "weights_endpoint"))
+    assert manifest["rewards"] and all(e.startswith("tcp://") for e in manifest["rewards"])
+    for name in ("server.key", "client.key", "roster.json"):
+        assert stat.S_IMODE((run_dir / "keys" / name).stat().st_mode) == 0o600
+    logs = {p.stem: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    for wid in ("reward-0", "rollout-0", "rollout-1", "trainer"):
+        assert f"registered {wid.split('-')[0]} {wid} " in logs["scheduler"]
+    assert "refused a registration" not in logs["scheduler"]
+    assert "admitted a CURVE connection from 127.0.0.1 (client key of " in logs["scheduler"]  # peer addresses seen
+    # every binding process ran a ZAP handler with the run's allow list
+    assert all("CURVE on" in logs[w] for w in ("scheduler", "reward-0", "trainer")), sorted(logs)
+    for r in range(2):  # every rollout worker loaded the last published version over gloo
+        assert "exiting with code 0" in logs[f"rollout-{r}"]
+    assert json.loads((run_dir / "summary.json").read_text())["version"] == 6
