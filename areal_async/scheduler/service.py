@@ -473,7 +473,12 @@ class SchedulerService:
         trainers = self.role("trainer")
         if not trainers:
             raise RuntimeError("a batch was planned but no trainer is registered")
-        self.rows.plan_at[plan.step] = time.time()
+        if plan.revision:
+            log.warning(
+                "step %d's plan revised (revision %d): %d groups", plan.step, plan.revision, len(set(plan.group_ids))
+            )
+        else:
+            self.rows.plan_at[plan.step] = time.time()
         await self.send(trainers[0], plan)
 
     async def _finish(self) -> None:

@@ -20,7 +20,7 @@ from workers.external_reward import score
 from areal_async.base.runkeys import write_run_keys
 from tests.support.admission_gate import admission_gate
 from tests.support import fleet
-from tests.support.fleet import wait_for
+from tests.support.fleet import assert_verified, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [  # the fleet's short run, with its one reward worker outside it
@@ -106,35 +106,70 @@ def test_a_fleet_with_nobody_to_score_is_refused():
         load_config(ROOT / "configs/tiny_arith.yaml", ["cluster.n_reward_workers=0"])
 
 
-@pytest.mark.slow
-def test_external_rollout_worker_generates_for_a_fleet(tmp_path, monkeypatch):
-    """The fleet admits nothing (a shut admission gate, tests/support/admission_gate.py) until the external
-    worker has registered, so a fast fleet cannot train its 6 steps on the built-in worker alone."""
+def run_with_byo_rollout(tmp_path, monkeypatch, script: str, extra: list[str] = ()) -> tuple[Fleet, int]:
+    """A short fleet with one built-in rollout worker and ``tests/support/<script>`` as a second, outside it.
+    The fleet admits nothing (a shut admission gate, tests/support/admission_gate.py) until the external
+    worker has registered, so a fast fleet cannot train its 6 steps on the built-in worker alone.
+    Returns the fleet (ended, exit 0) and the external process's exit code."""
     run_dir = tmp_path / "run"
     gate = admission_gate(tmp_path, steps=0)
     monkeypatch.setenv("PYTHONPATH", gate.env["PYTHONPATH"])  # the fleet's scheduler runs the gate
-    cfg = load_config(ROOT / "configs/tiny_arith.yaml", FAST[:6] + ["cluster.n_rollout_workers=1"])
+    cfg = load_config(ROOT / "configs/tiny_arith.yaml", FAST[:6] + ["cluster.n_rollout_workers=1", *extra])
     log = open(tmp_path / "byo-rollout.log", "wb")
     # started first: it imports torch, then waits for the fleet's endpoints.json
     ext = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "support" / "byo_rollout.py"), str(run_dir), "byo-rollout"],
+        [sys.executable, str(ROOT / "tests" / "support" / script), str(run_dir), "byo-rollout"],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    wait_for(lambda: (tmp_path / "byo-imported").exists(), 240, "the external rollout worker's imports")
-    with Fleet(cfg, run_dir=run_dir) as fleet:
-        sched_log = run_dir / "logs" / "scheduler.log"
+    try:
+        wait_for(lambda: (tmp_path / "byo-imported").exists(), 240, "the external rollout worker's imports")
+        with Fleet(cfg, run_dir=run_dir) as fleet:
+            sched_log = run_dir / "logs" / "scheduler.log"
 
-        def registered() -> bool:
-            return sched_log.exists() and "registered rollout byo-rollout " in sched_log.read_text()
+            def registered() -> bool:
+                return sched_log.exists() and "registered rollout byo-rollout " in sched_log.read_text()
 
-        wait_for(registered, 240, "the external rollout worker's registration")
-        gate.open()
-        assert fleet.wait(timeout=300) == 0, (run_dir / "fleet.log").read_text()[-3000:]
-    assert ext.wait(timeout=120) == 0, (tmp_path / "byo-rollout.log").read_text()[-3000:]
+            wait_for(registered, 240, "the external rollout worker's registration")
+            gate.open()
+            assert fleet.wait(timeout=300) == 0, (run_dir / "fleet.log").read_text()[-3000:]
+        return fleet, ext.wait(timeout=120)
+    finally:
+        if ext.poll() is None:  # never left behind, whatever failed
+            ext.kill()
+            ext.wait()
+
+
+@pytest.mark.slow
+def test_external_rollout_worker_generates_for_a_fleet(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    fleet, code = run_with_byo_rollout(tmp_path, monkeypatch, "byo_rollout.py")
+    assert code == 0, (tmp_path / "byo-rollout.log").read_text()[-3000:]
     summary = fleet.summary()
     assert summary["samples_lost"] == 0 and summary["samples_trained"] == 6 * 4 * 4
     trajs = [json.loads(line) for line in (run_dir / "trajectories.jsonl").read_text().splitlines()]
     by_worker = {t["worker"] for t in trajs if t["status"] == "trained"}
     assert "byo-rollout" in by_worker, by_worker  # its groups were trained like the built-in worker's
+
+
+@pytest.mark.slow
+def test_tensors_lost_with_their_rollout_worker_are_aborted_and_the_plan_revised(tmp_path, monkeypatch):
+    """The external rollout worker's first groups report ready and get scored, but their tensors never
+    leave it, and it dies 2 s later (tests/support/byo_rollout_lossy.py). Lost after 3 s without a
+    heartbeat, it is asked about: the trainer names exactly the dropped samples, the scheduler aborts
+    them as trajectories_lost and revises the plan; the run trains all 6 steps of full batches on the
+    built-in worker, and the books agree with the trainer's and the rollouts' own records."""
+    run_dir = tmp_path / "run"
+    fleet, code = run_with_byo_rollout(tmp_path, monkeypatch, "byo_rollout_lossy.py", ["cluster.worker_timeout_s=3"])
+    assert code == 9  # it died as planned (os._exit), not at the run's end
+    dropped = json.loads((tmp_path / "dropped.json").read_text())
+    summary = fleet.summary()
+    assert summary["samples_lost"] == 0 and summary["samples_trained"] == 6 * 4 * 4
+    trajs = {t["id"]: t for t in map(json.loads, (run_dir / "trajectories.jsonl").read_text().splitlines())}
+    lost = sorted(i for i, t in trajs.items() if (t["reason"] or "").startswith("trajectories_lost"))
+    assert dropped and lost == sorted(dropped), (lost, dropped)
+    assert all(trajs[i]["status"] == "aborted" for i in dropped)
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert f"{len(dropped)} of the " in trainer_log and "never arrived: given up on" in trainer_log
+    assert_verified(run_dir, 6)
