@@ -29,8 +29,16 @@ each followed (multi-node) by an NVLink allgather of the 8 shards inside every n
 ``7/8 * S / B_nvlink + 7 * alpha_nvl``. A LoRA run publishes its adapter alone: ``7B-lora-r16`` is a
 rank-16 adapter on every linear layer of Qwen2-7B, P = L r (9 h + 2 kv + 3 i) = 40.4M parameters
 (``lora_numel``), broadcast by the same formulas with S = 2P = 80.7 MB instead of 15.2 GB.
-Not modelled: congestion, stragglers, the time to gather FSDP shards on the trainer, and the
-engine's weight load after the bytes arrive.
+Not modelled: congestion, stragglers, the time to gather FSDP shards on the trainer.
+
+Weight update over NCCL, end to end (``predict_weight_update_s``, 1.5B / 7B / 32B, ring): the
+broadcast above plus what the channel and the engine add, taken from the CPU measurements of
+``benchmarks.transfer_latency`` as multiples of one copy of the same bytes (``COPIES``: pack +
+checksum on the trainer, verify on the receiver, the engine's copy into its parameters; from
+``--from`` rows when they carry them) at an assumed device copy rate (``--hbm-copy-gbs``). With
+buckets pipelined (pack of bucket k+1 during the broadcast of bucket k), only the first bucket's pack
+and the last one's verify are exposed; the engine's load is a copy of the whole model. A MODEL, not a
+GPU measurement: nothing here has run on a GPU (the CPU multiples stand in for the device's).
 """
 
 from __future__ import annotations
@@ -61,6 +69,10 @@ def lora_numel(hidden: int, inter: int, layers: int, kv: int, rank: int) -> int:
 MODELS = {"1.5B": 1.54e9, "7B": 7.6e9, "32B": 32.8e9, "7B-lora-r16": float(lora_numel(**QWEN2_7B, rank=16))}
 GPUS = [8 * 2**i for i in range(8)]  # 8 .. 1024
 CLAIM_S = 3.0
+# an update's non-wire work in copies of its bytes, measured on CPU by transfer_latency (0.13B, shm, load 2-4,
+# s35: pack + checksum 32.3 ms, verify 9.3 ms, engine load 22.8 ms of 242 MiB, a 247 MiB copy ~20 ms)
+COPIES = {"pack": 1.6, "verify": 0.45, "load": 0.9}
+UPDATE_MODELS = ("1.5B", "7B", "32B")
 
 
 # --- configure --------------------------------------------------------------------------------
@@ -77,6 +89,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--nvlink-gbs", type=float, default=450.0, help="GB/s per GPU per direction (900 both ways)")
     p.add_argument("--alpha-net-us", type=float, default=20.0, help="per-operation latency across nodes")
     p.add_argument("--alpha-nvl-us", type=float, default=5.0, help="per-operation latency inside a node")
+    p.add_argument(
+        "--hbm-copy-gbs",
+        type=float,
+        default=2000.0,
+        help="device-to-device copy rate, GB/s (H200: 4.8 TB/s HBM3e read+write -> <= 2.4 TB/s copied)",
+    )
+    p.add_argument("--bucket-mb", type=float, default=64.0, help="weight-sync bucket (tensor_channel.bucket_mb)")
     p.add_argument("--boba-prompts", type=int, default=512)
     p.add_argument("--boba-samples", type=int, default=16)
     return p.parse_args(argv)
@@ -111,6 +130,24 @@ def boba_bytes(
     return int(lens.sum()) * BYTES_PER_TOKEN, len(lens)
 
 
+def copies_from(rows: list[dict]) -> dict[str, float]:
+    """``COPIES`` from transfer_latency rows: the largest shm model's phases over the time of one copy
+    of its bytes at the row's bound (``load`` from the largest shm end-to-end row); ``COPIES``' value
+    for what the rows do not carry."""
+    out = dict(COPIES)
+    full = [r for r in rows if r.get("metric") == "weight_sync" and r.get("transport") == "shm" and r.get("pub_phases")]
+    if full:
+        r = max(full, key=lambda r: r["bytes"])
+        copy_s = r["bytes"] / (r["bound_gbps"] * GB)
+        out["pack"] = r["pub_phases"].get("pack_checksum_s", out["pack"] * copy_s) / copy_s
+        out["verify"] = r["recv_phases"].get("verify_s", out["verify"] * copy_s) / copy_s
+    e2e = [r for r in rows if r.get("metric") == "weight_sync_e2e" and r.get("transport") == "shm"]
+    if e2e:
+        r = max(e2e, key=lambda r: r["bytes"])
+        out["load"] = r["load_s"] / (r["bytes"] / (r["bound_gbps"] * GB))
+    return out
+
+
 class Cluster:
     def __init__(self, a: argparse.Namespace):
         self.gpn = a.gpus_per_node
@@ -120,6 +157,8 @@ class Cluster:
         self.alpha_net = a.alpha_net_us * 1e-6
         self.alpha_nvl = a.alpha_nvl_us * 1e-6
         self.train_frac = a.train_frac
+        self.hbm_bps = a.hbm_copy_gbs * GB
+        self.bucket = a.bucket_mb * 2**20
 
     def link(self, gpus: int) -> tuple[float, float]:
         """(alpha, beta) of one GPU's link: NVLink inside one node, its NIC beyond."""
@@ -158,6 +197,38 @@ def weight_broadcast(c: Cluster, algo: str, params: float, gpus: int) -> tuple[f
     nodes = math.ceil(gen / c.gpn)
     lat, bw = broadcast_terms(algo, size, nodes + 1, c.alpha_net, c.node_bps)  # +1: the trainer's node
     return lat + (c.gpn - 1) * c.alpha_nvl, bw + (c.gpn - 1) / c.gpn * size / c.nvl_bps
+
+
+def weight_update(c: Cluster, params: float, gpus: int, copies: dict[str, float]) -> dict:
+    """The ring broadcast of 2 * params bytes plus the exposed channel and engine work (``COPIES`` at
+    the device copy rate): the first bucket's pack, the last one's verify, the whole model's load."""
+    size = 2 * params
+    lat, bw = weight_broadcast(c, "ring", params, gpus)
+    bucket = min(c.bucket, size)
+    exposed = (copies["pack"] * bucket + copies["verify"] * bucket) / c.hbm_bps
+    load = copies["load"] * size / c.hbm_bps
+    return {"broadcast_s": lat + bw, "exposed_s": exposed, "load_s": load, "value": lat + bw + exposed + load}
+
+
+def update_rows(c: Cluster, copies: dict[str, float]) -> list[dict]:
+    basis = (
+        "model: alpha-beta ring broadcast + CPU-measured copy multiples at an assumed device copy rate; "
+        "not a GPU measurement"
+    )
+    return [
+        {
+            "metric": "predict_weight_update_s",
+            "unit": "s",
+            "gpus": gpus,
+            "model": m,
+            "algo": "ring",
+            **weight_update(c, MODELS[m], gpus, copies),
+            "copies": copies,
+            "basis": basis,
+        }  # fmt: skip
+        for gpus in GPUS
+        for m in UPDATE_MODELS
+    ]
 
 
 def dominant(lat: float, bw: float) -> str:
@@ -288,6 +359,22 @@ def print_report(rows: list[dict], fits: dict, boba: tuple[int, int], source: Op
         ]
         print(f"{gpus:>5} " + " ".join(f"{v:>11.4g}" for v in cells))
     print_verdicts(rows)
+    print_updates(rows)
+
+
+def print_updates(rows: list[dict]) -> None:
+    ups = [r for r in rows if r["metric"] == "predict_weight_update_s"]
+    if not ups:
+        return
+    cp = ups[0]["copies"]
+    print(
+        f"\nweight update over NCCL, end to end (a MODEL, not a GPU measurement: ring broadcast + pack "
+        f"{cp['pack']:.2f} / verify {cp['verify']:.2f} / load {cp['load']:.2f} copies, measured on CPU)"
+    )
+    print(f"{'GPUs':>5} " + " ".join(f"{m + ' s':>10} {'(wire)':>8}" for m in UPDATE_MODELS))
+    for gpus in (8, 64, 1024):
+        cells = [pick(ups, gpus=gpus, model=m) for m in UPDATE_MODELS]
+        print(f"{gpus:>5} " + " ".join(f"{r['value']:>10.4g} {r['broadcast_s'] / r['value']:>8.0%}" for r in cells))
 
 
 def print_verdicts(rows: list[dict]) -> None:
@@ -320,7 +407,8 @@ def print_verdicts(rows: list[dict]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     a = parse_args(argv)
-    fits = fits_from(json.loads(Path(a.src).read_text())) if a.src else {}
+    measured = json.loads(Path(a.src).read_text()) if a.src else []
+    fits = fits_from(measured)
     boba = boba_bytes(a.boba_prompts, a.boba_samples)
     rows = [{"metric": "fit_alpha_s", "value": al, "unit": "s", "transport": k} for k, (al, _) in fits.items()]
     rows += [
@@ -328,6 +416,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     ]
     rows += predict(Cluster(a), boba, fits)
     rows += verdict_rows(rows)
+    rows += update_rows(Cluster(a), copies_from(measured))
     print_report(rows, fits, boba, a.src)
     if a.json:
         write_rows(a.json, rows)

@@ -206,6 +206,25 @@ def test_scale_model_fit_recovers_alpha_and_beta():
     assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
 
 
+def test_scale_model_weight_update_adds_the_exposed_copies_to_the_broadcast():
+    from benchmarks.scale_model import Cluster, copies_from, parse_args, weight_broadcast, weight_update
+
+    # copies: one copy of 1e9 bytes at the row's bound of 1 GB/s takes 1 s; pack 2 s and verify 0.5 s are 2 and
+    # 0.5 copies; the end-to-end row's copy (1e9 bytes at 2 GB/s) takes 0.5 s, its load 0.25 s: 0.5 copy
+    rows = [
+        {"metric": "weight_sync", "transport": "shm", "bytes": 10**9, "bound_gbps": 1.0,
+         "pub_phases": {"pack_checksum_s": 2.0}, "recv_phases": {"verify_s": 0.5}},
+        {"metric": "weight_sync_e2e", "transport": "shm", "bytes": 10**9, "bound_gbps": 2.0, "load_s": 0.25},
+    ]  # fmt: skip
+    assert copies_from(rows) == pytest.approx({"pack": 2.0, "verify": 0.5, "load": 0.5})
+    c = Cluster(parse_args(["--hbm-copy-gbs", "1000", "--bucket-mb", "64"]))
+    got = weight_update(c, 1e9, 8, {"pack": 1.0, "verify": 1.0, "load": 1.0})
+    # by hand: one 64 MiB bucket packed and one verified at 1e12 B/s, then 2e9 bytes loaded at 1e12 B/s
+    assert got["exposed_s"] == pytest.approx(2 * 64 * 2**20 / 1e12) and got["load_s"] == pytest.approx(2e-3)
+    assert got["broadcast_s"] == pytest.approx(sum(weight_broadcast(c, "ring", 1e9, 8)))
+    assert got["value"] == pytest.approx(got["broadcast_s"] + got["exposed_s"] + got["load_s"])
+
+
 def test_lora_payload_and_the_7b_prediction_count_r_times_in_plus_out():
     from benchmarks.common.payloads import MODELS, lora_state_dict, nbytes
     from benchmarks.scale_model import MODELS as SCALE, lora_numel
