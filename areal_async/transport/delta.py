@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import threading
 import time
 import zlib
 from typing import Optional
@@ -132,6 +133,8 @@ class DeltaWeightChannel(WeightChannel):
         self._layout: Optional[B.Layout] = None
         self._scratch = np.empty(0, dtype=np.uint16)  # publisher: the XOR of a bucket, kept across versions
         self._dense_noted = False
+        self._lock = threading.Lock()  # receiver: the base, its version and layout change together
+        self._tickets = self._kept = 0  # receives started; the one whose result is the base
 
     # --- publisher ----------------------------------------------------------------------------
 
@@ -196,34 +199,38 @@ class DeltaWeightChannel(WeightChannel):
         t0 = time.perf_counter()
         layout, weights, full, delta = _parse(manifest)
         version, values = weights["version"], weights["checksum"]["values"]
+        with self._lock:  # a rollout worker may fetch two versions at once, each in its own thread
+            self._tickets += 1
+            ticket, base, held, held_layout = self._tickets, self._base, self._version, self._layout
         out = self._pool.take(layout.total)
         bufs = _split(out, layout)
-        usable = delta is not None and delta["base"] == self._version and layout == self._layout
+        usable = delta is not None and base is not None and delta["base"] == held and layout == held_layout
         if usable:
-            self._apply(version, delta, bufs)
+            self._apply(version, delta, bufs, _split(base, layout))
         else:
             if delta is not None:  # offered a delta it cannot use: say why the wire carries the full weights
-                held = f"v{self._version}" if self._layout == layout else "no version of this layout"
+                have = f"v{held}" if held_layout == layout else "no version of this layout"
                 log.info("weights v%d: delta against v%d offered, this receiver holds %s: full weights", version,
-                         delta["base"], held)  # fmt: skip
+                         delta["base"], have)  # fmt: skip
             self._copy_full(full, version, bufs)
         t1 = time.perf_counter()
         try:
             B.verify(bufs, "sum64", values, version)
         except TransportError as e:
-            held = f"v{self._version}" if self._base is not None else "nothing"
             how = f"the delta against v{delta['base']}" if usable else "the full weights"
-            raise TransportError(f"{e}; {how} refused, this receiver keeps {held}") from None
+            raise TransportError(f"{e}; {how} refused, this receiver keeps {_held(base, held)}") from None
         self.phases = {"fetch_apply_s": t1 - t0, "verify_s": time.perf_counter() - t1}
         self.path = "delta" if usable else "full"
-        self._base, self._version, self._layout = out, version, layout
+        with self._lock:  # the receive that started last is what this receiver holds (a slower older one is not)
+            if ticket > self._kept:
+                self._base, self._version, self._layout, self._kept = out, version, layout, ticket
         return B.unflatten(layout, bufs)
 
-    def _apply(self, version: int, delta: dict, bufs: list[torch.Tensor]) -> None:
+    def _apply(self, version: int, delta: dict, bufs: list[torch.Tensor], base: list[torch.Tensor]) -> None:
         payload = self._inner(delta["payload"], version, "delta")  # compressed bytes, checked by the inner channel
         if set(payload) != {f"d{k}" for k in range(len(bufs))}:
             raise TransportError(f"weights v{version}: delta holds {sorted(payload)}, expected one per bucket")
-        for k, (b, old) in enumerate(zip(bufs, _split(self._base, self._layout))):
+        for k, (b, old) in enumerate(zip(bufs, base)):
             b.copy_(old)
             apply(b, payload[f"d{k}"].numpy().tobytes(), version, k)
 
@@ -245,6 +252,10 @@ class DeltaWeightChannel(WeightChannel):
                     f"weights v{version}: full bucket {k} is {got[f'b{k}'].numel()} bytes, expected {b.numel()}"
                 )
             b.copy_(got[f"b{k}"])
+
+
+def _held(base: Optional[torch.Tensor], version: int) -> str:
+    return f"v{version}" if base is not None else "nothing"
 
 
 def _version_of(m: object) -> object:

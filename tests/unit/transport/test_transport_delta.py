@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 import zlib
 
 import pytest
@@ -171,3 +172,38 @@ def test_bad_manifests_and_a_waiting_inner_channel_are_refused():
         rx.receive({"format": "areal-weights/1"})
     with pytest.raises(ValueError, match="publish_end waits for receivers"):
         make_weight_channel("zmq", role="publisher", delta=True, expect_receivers=1)
+
+
+@pytest.mark.timeout(60)
+def test_an_older_version_received_late_does_not_replace_the_newer_base():
+    pub, rx = _pair("shm")
+    sd = [_weights()]
+    for _ in range(3):
+        sd.append(_changed(sd[-1]))
+    entered, go, got2 = threading.Event(), threading.Event(), {}
+    inner_receive = rx.inner.receive
+
+    def slow_v2_delta(m):  # v2's delta (inner version 5) waits until v3 is in
+        if m["version"] == 5:
+            entered.set()
+            assert go.wait(30)
+        return inner_receive(m)
+
+    try:
+        rx.receive(pub.publish_begin(0, sd[0]))
+        m1, m2 = pub.publish_begin(1, sd[1]), pub.publish_begin(2, sd[2])
+        rx.receive(m1)
+        rx.inner.receive = slow_v2_delta
+        late = threading.Thread(target=lambda: got2.update(sd=rx.receive(m2)))
+        late.start()
+        assert entered.wait(30)
+        assert_bit_exact(rx.receive(pub.publish_begin(3, sd[3])), sd[3])  # holds v1, not v2: in full
+        go.set()
+        late.join(30)
+        assert_bit_exact(got2["sd"], sd[2])  # v2 itself arrives intact ...
+        assert_bit_exact(rx.receive(pub.publish_begin(4, _changed(sd[3]))), _changed(sd[3]))
+        assert rx.path == "delta"  # ... but the base stayed v3: v4's delta against v3 applies
+    finally:
+        go.set()
+        pub.close()
+        rx.close()
