@@ -5,6 +5,7 @@ a command decides and prints; the entry point as a real process is tests/unit/ho
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +31,15 @@ def cli(capsys, monkeypatch):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         capsys.readouterr()  # what the test printed before is not the command's
+        muted = logging.root.manager.disable  # a command may mute logging for its process (check-plugin does)
         try:
             code = main([str(a) for a in args])
         except SystemExit as e:  # argparse's refusals (exit 2) and any sys.exit inside a command
             code = exit_code(e)
             if not isinstance(e.code, (int, type(None))):
                 print(e.code, file=sys.stderr)
+        finally:
+            logging.disable(muted)  # its process ends here: later tests log as before
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(["areal-async", *args], code, out, err)
 

@@ -1,10 +1,9 @@
 """``areal-async check-plugin``: five broken reward plug-ins give five different one-line verdicts,
-broken workflows theirs; good plug-ins pass. Runs the real CLI, whose checks run in killable processes."""
+broken workflows theirs; good plug-ins pass. Runs the real CLI in this process (the ``cli`` fixture,
+tests/unit/conftest.py); its checks run in killable processes."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,28 +15,10 @@ ROOT = Path(__file__).resolve().parents[3]
 TESTS = ROOT / "tests" / "support"  # plugin_fixtures, workflow_fixtures
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": f"{TESTS}:{ROOT}"}
-    return subprocess.run(
-        [sys.executable, "-m", "areal_async.cli", "check-plugin", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env | _base_env(),
-    )
-
-
 @pytest.fixture(autouse=True)
 def _fixtures_importable(monkeypatch):
-    """The verdicts name the plug-ins as ``plugin_fixtures:...``: their folder on the path, here as in ``cli``."""
+    """The verdicts name the plug-ins as ``plugin_fixtures:...``: their folder on the path."""
     monkeypatch.syspath_prepend(str(TESTS))
-
-
-def _base_env() -> dict:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 BROKEN_REWARDS = {  # plug-in -> the start of its verdict
@@ -51,24 +32,24 @@ BROKEN_REWARDS = {  # plug-in -> the start of its verdict
 }
 
 
-def test_five_broken_reward_plugins_five_messages():
+def test_five_broken_reward_plugins_five_messages(cli):
     seen = []
     for path, start in BROKEN_REWARDS.items():
         t = time.monotonic()
-        out = cli(path, "--timeout-s", "1")
+        out = cli("check-plugin", path, "--timeout-s", "1")
         assert out.returncode == 1, (path, out.stdout, out.stderr)
         line = out.stderr.strip()
         assert line.startswith("areal-async check-plugin: " + start), (path, line)
         assert "\n" not in line, line  # one message, no traceback
         seen.append(line.split(":")[1].strip())
         if path.endswith("too_slow"):
-            # the check sleeps 3600 s; the rest is two interpreter starts (CLI, pool child), slow on a busy machine
+            # the check sleeps 3600 s; the rest is the pool child's interpreter start, slow on a busy machine
             assert time.monotonic() - t < 120, "the hung check was not killed at its timeout"
     assert len(set(seen)) == 5, seen  # five different kinds of failure
 
 
-def test_good_reward_and_out_of_range_score():
-    ok = cli("plugin_fixtures:good_reward")
+def test_good_reward_and_out_of_range_score(cli):
+    ok = cli("check-plugin", "plugin_fixtures:good_reward")
     assert ok.returncode == 0 and ok.stdout.startswith("areal-async check-plugin: ok: reward fn"), ok.stderr
     assert "-> 1, '7 + 5 = \\\\boxed{13}' -> 0" in ok.stdout
     v = check_plugin("plugin_fixtures:out_of_range")
