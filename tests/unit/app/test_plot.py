@@ -79,46 +79,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_plot_writes_every_figure_as_a_valid_png(tmp_path):
-    fake_run(tmp_path / "run")
-    paths = plot_run(tmp_path / "run")
-    assert [p.name for p in paths] == [
-        "reward.png",
-        "staleness.png",
-        "throughput.png",
-        "loss.png",
-        "kl.png",
-        "eval.png",
-        "weights.png",
-    ]
-    for p in paths:
-        width, height = png_size(p)
-        assert p.parent == tmp_path / "run" / "plots" and width >= 500 and height >= 350 and p.stat().st_size > 10_000
-    import matplotlib.image
-
-    assert matplotlib.image.imread(paths[0]).shape[2] in (3, 4)  # decodes as an image, not just a header
-
-
-def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path, cli):
-    (tmp_path / "empty").mkdir()
-    done = cli("plot", tmp_path / "empty")
-    assert done.returncode == 2
-    assert f"{tmp_path / 'empty'}: no trainer-step rows in metrics.jsonl (file missing): nothing to plot" in done.stderr
-    assert not (tmp_path / "empty" / "plots").exists()
-    (tmp_path / "empty" / "metrics.jsonl").write_text('{"kind": "eval", "step": 0}\n')
-    with pytest.raises(PlotError, match="no trainer-step rows in metrics.jsonl .empty."):
-        plot_run(tmp_path / "empty")
-    (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1\n')
-    with pytest.raises(PlotError, match="metrics.jsonl:2: not valid JSON"):
-        plot_run(tmp_path / "empty")
-    fake_run(tmp_path / "run", steps=5)
-    done = cli("plot", tmp_path / "run", "--out", tmp_path / "figs")
-    assert done.returncode == 0 and done.stdout.count("KiB)") == 7 and (tmp_path / "figs" / "kl.png").exists()
-
-
-def test_health_figure_when_the_run_has_the_health_columns(tmp_path):
-    fake_run(tmp_path / "run", steps=30)
-    path = tmp_path / "run" / "metrics.jsonl"
+def with_health_columns(run_dir: Path) -> None:
+    """The doctor's per-step columns (issue 28) added to every trainer-step row of ``run_dir``."""
+    path = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     for r in rows:
         if "kind" not in r:
@@ -136,7 +99,47 @@ def test_health_figure_when_the_run_has_the_health_columns(tmp_path):
                 groups_all_one_frac=0.2,
             )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_plot_writes_every_figure_as_a_valid_png_and_health_with_its_columns(tmp_path):
+    """One run renders every figure (each rendering ~0.2 s: the health figure's run is the every-figure run); a run
+    without the health columns gets no health.png (test_plot_cli_fails_clearly_on_an_empty_run_dir's second run)."""
+    fake_run(tmp_path / "run")
+    with_health_columns(tmp_path / "run")
     paths = plot_run(tmp_path / "run")
-    assert paths[-1].name == "health.png"
+    assert [p.name for p in paths] == [
+        "reward.png",
+        "staleness.png",
+        "throughput.png",
+        "loss.png",
+        "kl.png",
+        "eval.png",
+        "weights.png",
+        "health.png",
+    ]
+    for p in paths[:-1]:
+        width, height = png_size(p)
+        assert p.parent == tmp_path / "run" / "plots" and width >= 500 and height >= 350 and p.stat().st_size > 10_000
+    import matplotlib.image
+
+    assert matplotlib.image.imread(paths[0]).shape[2] in (3, 4)  # decodes as an image, not just a header
     width, height = png_size(paths[-1])
     assert width >= 1000 and height >= 700 and paths[-1].stat().st_size > 20_000
+
+
+def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path, cli):
+    (tmp_path / "empty").mkdir()
+    done = cli("plot", tmp_path / "empty")
+    assert done.returncode == 2
+    assert f"{tmp_path / 'empty'}: no trainer-step rows in metrics.jsonl (file missing): nothing to plot" in done.stderr
+    assert not (tmp_path / "empty" / "plots").exists()
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"kind": "eval", "step": 0}\n')
+    with pytest.raises(PlotError, match="no trainer-step rows in metrics.jsonl .empty."):
+        plot_run(tmp_path / "empty")
+    (tmp_path / "empty" / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1\n')
+    with pytest.raises(PlotError, match="metrics.jsonl:2: not valid JSON"):
+        plot_run(tmp_path / "empty")
+    fake_run(tmp_path / "run", steps=5)
+    done = cli("plot", tmp_path / "run", "--out", tmp_path / "figs")
+    assert done.returncode == 0 and done.stdout.count("KiB)") == 7 and (tmp_path / "figs" / "kl.png").exists()
+    assert not (tmp_path / "figs" / "health.png").exists()  # no health columns in this run
