@@ -1,4 +1,5 @@
-"""Shared-memory channels: across processes, zero-copy views, slab reuse, bad notes, weights, no leaks."""
+"""Shared-memory channels: zero-copy views, slab reuse, bad notes, weights, no leaks (between two processes:
+tests/contract/test_transport_spawned_peers.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,12 @@ import torch
 import zmq
 
 from areal_async.transport import ManifestError, ProtocolError, TransportError, make_tensor_channel, make_weight_channel
-from areal_async.transport.buckets import state_checksum
 from areal_async.transport.frames import header_bytes
 from areal_async.transport.shm import CTRL, SHM_DIR
 from areal_async.transport.shm_weights import HEAD
 from protocols.messages import PROTOCOL_VERSION
 from protocols.sockets import make_socket
-from tests.support.transport_helpers import Peer, ask, assert_bit_exact, no_shm_leaks, reply, sample_tensors  # noqa: F401
+from tests.support.transport_helpers import assert_bit_exact, no_shm_leaks, sample_tensors  # noqa: F401
 
 pytestmark = [
     pytest.mark.usefixtures("no_shm_leaks"),
@@ -28,44 +28,6 @@ def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
     sd = {k: v.contiguous() for k, v in sample_tensors(seed).items()}
     sd["w"] = torch.randn(300, 70).to(torch.bfloat16)  # spans several 16 KiB buckets
     return sd
-
-
-def _peer(conn) -> None:
-    """Rollout side: send three samples over shm, then receive one weight version."""
-    torch.set_num_threads(1)
-    tx = make_tensor_channel("shm", role="sender", endpoint=ask(conn)["endpoint"])
-    for seed in range(3):
-        tx.send(f"traj-{seed}", sample_tensors(seed), {"seed": seed})
-    rx = make_weight_channel("shm", role="receiver")
-    sd = rx.receive(ask(conn)["manifest"])
-    reply(conn, {"crc": state_checksum(sd), "names": list(sd)})
-    del sd
-    tx.close()
-    reply(conn, {"bye": True})
-
-
-@pytest.mark.timeout(60)
-def test_across_processes_trajectories_and_weights():
-    rx = make_tensor_channel("shm", role="receiver", endpoint="tcp://127.0.0.1:*")
-    pub = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
-    peer = Peer(_peer)
-    try:
-        peer.send({"endpoint": rx.endpoint})
-        for seed in range(3):
-            key, meta, got = rx.recv(timeout_s=30)
-            assert (key, meta) == (f"traj-{seed}", {"seed": seed})
-            assert_bit_exact(got, sample_tensors(seed))
-        sd = _weights()
-        manifest = pub.publish_begin(1, sd)
-        pub.publish_end()
-        assert len(manifest["bucket_bytes"]) > 1
-        peer.send({"manifest": manifest})
-        assert peer.recv() == {"crc": state_checksum(sd), "names": list(sd)}
-        assert peer.recv() == {"bye": True}
-        peer.join()
-    finally:
-        pub.close()
-        rx.close()
 
 
 @pytest.fixture

@@ -1,0 +1,98 @@
+"""Tensor channels with a spawned peer that imports torch (each start ~2 s of CPU, so not in the unit tier): shm
+trajectories and weights between two processes, and the SGLang weight group's rendezvous with a second rank.
+Their in-process twins are tests/unit/transport/test_transport_shm.py and test_transport_store.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from areal_async.rollout.weight_group import destroy_group, init_custom_group
+from areal_async.transport import make_tensor_channel, make_weight_channel
+from areal_async.transport.buckets import state_checksum
+from areal_async.transport.shm import SHM_DIR
+from protocols.sockets import free_tcp_port
+from tests.support.fleet import ROOT
+from tests.support.procs import listeners
+from tests.support.transport_helpers import Peer, ask, assert_bit_exact, no_shm_leaks, reply, sample_tensors  # noqa: F401
+
+
+def _peer(conn) -> None:
+    """Rollout side: send three samples over shm, then receive one weight version."""
+    torch.set_num_threads(1)
+    tx = make_tensor_channel("shm", role="sender", endpoint=ask(conn)["endpoint"])
+    for seed in range(3):
+        tx.send(f"traj-{seed}", sample_tensors(seed), {"seed": seed})
+    rx = make_weight_channel("shm", role="receiver")
+    sd = rx.receive(ask(conn)["manifest"])
+    reply(conn, {"crc": state_checksum(sd), "names": list(sd)})
+    del sd
+    tx.close()
+    reply(conn, {"bye": True})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.usefixtures("no_shm_leaks")
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+def test_across_processes_trajectories_and_weights():
+    rx = make_tensor_channel("shm", role="receiver", endpoint="tcp://127.0.0.1:*")
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
+    peer = Peer(_peer)
+    try:
+        peer.send({"endpoint": rx.endpoint})
+        for seed in range(3):
+            key, meta, got = rx.recv(timeout_s=30)
+            assert (key, meta) == (f"traj-{seed}", {"seed": seed})
+            assert_bit_exact(got, sample_tensors(seed))
+        sd = {k: v.contiguous() for k, v in sample_tensors(0).items()}
+        sd["w"] = torch.randn(300, 70).to(torch.bfloat16)  # spans several 16 KiB buckets
+        manifest = pub.publish_begin(1, sd)
+        pub.publish_end()
+        assert len(manifest["bucket_bytes"]) > 1
+        peer.send({"manifest": manifest})
+        assert peer.recv() == {"crc": state_checksum(sd), "names": list(sd)}
+        assert peer.recv() == {"bye": True}
+        peer.join()
+    finally:
+        pub.close()
+        rx.close()
+
+
+RANK1 = """
+import os, sys, torch, torch.distributed as dist
+from areal_async.rollout.weight_group import destroy_group, init_custom_group
+pg = init_custom_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timeout_s=60)
+buf = torch.zeros(3)
+dist.broadcast(buf, src=0, group=pg)
+dist.barrier(group=pg)  # leave together: a rank whose peer still talks to it aborts in gloo's threads
+destroy_group(pg)
+print(buf.tolist(), flush=True)
+os._exit(0)
+"""
+
+
+def test_sglang_weight_group_store_listens_only_on_the_master_address():
+    """The SGLang weight group keeps torch's tcp:// rendezvous (SGLang's server joins it so; here another
+    process, through the same function the CPU server uses), but rank 0's store serves a socket bound to
+    the master address: the kernel shows 127.0.0.1, not '*' (torch's TCPStore on 127.0.0.1 listens on '*')."""
+    port, name = free_tcp_port(), "areal-test-" + os.urandom(8).hex()
+    peer = subprocess.Popen(
+        [sys.executable, "-c", RANK1, str(port), name], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        pg = init_custom_group("gloo", "127.0.0.1", port, 0, 2, name, timeout_s=60)
+        assert [s for s in listeners(os.getpid()) if s[1] == port] == [("127.0.0.1", port)]
+        dist.broadcast(torch.full((3,), 7.0), src=0, group=pg)
+        dist.barrier(group=pg)
+        out, err = peer.communicate(timeout=60)
+        assert peer.returncode == 0 and out.decode().strip() == "[7.0, 7.0, 7.0]", err.decode()[-2000:]
+        destroy_group(pg)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+            peer.wait()
