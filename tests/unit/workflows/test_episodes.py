@@ -25,11 +25,12 @@ REQ = GenerateRequest(
 
 
 class Scripted(RolloutWorkflow):
-    """Per call, in order: 'ok' (an episode at once), 'hang' (never returns), 'boom' (raises after
-    the others started). Records which episodes were cancelled."""
+    """Per call, in order: 'ok' (an episode at once), 'hang' (never returns), 'boom' (raises once the
+    test sets ``release``, after it has seen the others start). Records which episodes were cancelled."""
 
     def __init__(self, *plan):
         self.plan, self.cancelled, self.calls = list(plan), [], 0
+        self.release = asyncio.Event()
 
     async def arun_episode(self, engine, prompt):
         kind = self.plan[self.calls % len(self.plan)]
@@ -38,7 +39,7 @@ class Scripted(RolloutWorkflow):
             if kind == "hang":
                 await asyncio.Event().wait()
             if kind == "boom":
-                await asyncio.sleep(0.05)
+                await self.release.wait()  # not a sleep: a busy machine could pass it before the test looks
                 raise RuntimeError("sandbox unreachable")
             if kind == "bad":
                 return EpisodeBuilder(prompt.prompt_ids).finish(1.0)  # no model token
@@ -94,6 +95,7 @@ def test_an_exception_fails_its_group_with_the_traceback_and_cancels_the_sibling
         eps, task = group(wf, errors=ErrorWindow("tests.m:Scripted", 0, 10))
         await asyncio.sleep(0.01)
         assert (await settle(eps))["episodes"] == 3
+        wf.release.set()
         with pytest.raises(EpisodeFailed) as e:
             await asyncio.wait_for(task, 5)
         assert e.value.reason == "workflow tests.m:Scripted, sample g3.1: RuntimeError: sandbox unreachable"
