@@ -104,6 +104,7 @@ class TrainerService:
         forward_ahead_samples: int = 0,
         record: Optional[TrainerRecord] = None,
         recorder: Optional[Recorder] = None,
+        held_grace_s: float = HELD_GRACE_S,
     ):
         """``overlap_publish``: TrainStepDone before the weights are published, except after step
         ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
@@ -144,6 +145,7 @@ class TrainerService:
         self.plans: dict[int, BatchPlan] = {}
         self.revised_steps: set[int] = set()
         self.given_up: set[str] = set()
+        self.held_grace_s = held_grace_s  # a HeldQuery's wait for tensors still in flight
         self._plan_came = asyncio.Event()
 
     async def run(self) -> int:
@@ -201,7 +203,7 @@ class TrainerService:
 
     async def _held(self, q: HeldQuery) -> None:
         loop = asyncio.get_running_loop()
-        missing = await loop.run_in_executor(None, self.buffer.settle, q.sample_ids, HELD_GRACE_S)
+        missing = await loop.run_in_executor(None, self.buffer.settle, q.sample_ids, self.held_grace_s)
         self.given_up.update(missing)
         log.warning(
             "trainer: %d of the %d generated samples of lost worker %s never arrived: given up on",

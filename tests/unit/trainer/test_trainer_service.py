@@ -358,7 +358,7 @@ async def test_samples_that_never_came_are_given_up_on_and_the_step_trains_its_r
     tensors, arriving late, are refused, not trained. ``query-then-stale-plan``: the query comes
     first, then a plan still naming gB (sent before the scheduler had the reply): it is not taken."""
     run_dir = tmp_path / "run"
-    async with running_trainer(tmp_path, 1, record=TrainerRecord(run_dir)) as rig:
+    async with running_trainer(tmp_path, 1, record=TrainerRecord(run_dir), held_grace_s=0.2) as rig:
         (a, a_s, a_t), (b, b_s, _), (c, c_s, c_t) = (group_of(rig.replay.model, g) for g in ("gA", "gB", "gC"))
         send_group(rig.traj_tx, "gA", a, a_s)
         first = plan_of(0, {"gA": a, "gB": b})
