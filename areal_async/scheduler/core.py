@@ -157,12 +157,21 @@ class SchedulerCore:
     def running(self) -> int:
         return sum(len(r.groups) for r in self.rollouts.values())
 
-    def admit(self) -> list[tuple[str, GenerateRequest]]:
-        """Start as many groups as the staleness budget and concurrency cap allow."""
+    def admit(self, only_short: bool = False) -> list[tuple[str, GenerateRequest]]:
+        """Start as many groups as the staleness budget and concurrency cap allow; ``only_short`` (the
+        run is stopping): no more than the planned steps waiting for a revision still lack."""
         out = []
-        while self._may_admit():
+        while self._may_admit() and (not only_short or self.running + len(self.ready) < self.short_need()):
             out.append(self._issue(min(self.rollouts.values(), key=lambda r: (len(r.groups), r.worker_id))))
         return out
+
+    def short_need(self) -> int:
+        """The groups that the planned steps waiting for a revision (``on_missing``) still lack."""
+        need = 0
+        for step in self.short_steps:
+            groups = self.batch_groups if step == self.next_step else self.ahead_groups
+            need += 0 if groups is None else self.p.batch_size - len(groups)
+        return need
 
     def _may_admit(self) -> bool:
         if self.finished or not self.trainer_ready or not self.rollouts:

@@ -444,12 +444,18 @@ class SchedulerService:
     # ---- driving the core ----------------------------------------------------------------
     async def _drive(self) -> None:
         if self.stopping:
+            if self.core.short_steps:  # the trainer holds a plan that waits for its revision: it ends first
+                await self._plan_and_admit(only_short=True)
             return await self._drive_stop()
         starved = self.core.filter_starved()
         if starved and not self.done.is_set():
             return await self._fail(starved)
+        await self._plan_and_admit()
+
+    async def _plan_and_admit(self, only_short: bool = False) -> None:
+        """Send the plans the core makes, then the groups it admits (``only_short``: see ``core.admit``)."""
         for _ in range(3):  # revisions (on_missing), the trainer's next step, (η >= 1) the one after it
-            plan, stale = self.core.plan(ahead=self._may_plan_ahead())
+            plan, stale = self.core.plan(ahead=self._may_plan_ahead() and not only_short)
             if stale:
                 log.info("aborted %d stale samples (re-issued)", len(stale))
                 self.counts["stale"] += len(stale)
@@ -457,7 +463,7 @@ class SchedulerService:
                 break
             await self._send_plan(plan)
         by_worker: dict[str, list[GenerateRequest]] = {}
-        for worker, req in self.core.admit():
+        for worker, req in self.core.admit(only_short):
             self.counts["admitted"] += 1
             by_worker.setdefault(worker, []).append(req)
         for worker, reqs in by_worker.items():  # one message a worker: the groups admitted together

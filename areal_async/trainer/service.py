@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import math
 import threading
@@ -70,6 +71,7 @@ from protocols.messages import (
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.buffer import TrajectoryBuffer
+from areal_async.trainer.plan_book import PlanBook
 from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.recording import Recorder
@@ -138,15 +140,9 @@ class TrainerService:
         self.next_step, self.version = start_step, start_version
         self.plan_timeout_s = plan_timeout_s
         self.publish_dtype, self.bucket_bytes = publish_dtype, bucket_bytes
-        # control messages for _loop (HeldQuery is answered beside it); the latest BatchPlan received per
-        # step not yet trained (a revision replaces it), the steps whose plan was replaced, the sample
-        # ids given up on (HeldReply): a plan naming one waits for its revision
-        self._inbox: asyncio.Queue = asyncio.Queue()
-        self.plans: dict[int, BatchPlan] = {}
-        self.revised_steps: set[int] = set()
-        self.given_up: set[str] = set()
+        self._inbox: asyncio.Queue = asyncio.Queue()  # control messages for _loop (HeldQuery: answered beside it)
+        self.book = PlanBook()  # the plans held, their revisions, the samples given up on
         self.held_grace_s = held_grace_s  # a HeldQuery's wait for tensors still in flight
-        self._plan_came = asyncio.Event()
 
     async def run(self) -> int:
         self.waiting("registration")
@@ -194,17 +190,14 @@ class TrainerService:
                 tasks.spawn(self._held(msg), f"trainer.held.{msg.query_id}")
                 continue
             if isinstance(msg, BatchPlan) and msg.step >= self.next_step:
-                if msg.step in self.plans:
-                    self.revised_steps.add(msg.step)
-                self.plans[msg.step] = msg
-                self._plan_came.set()
-                self.buffer.wake()  # a take of the plan it replaces gives up (see train)
+                self.book.note(msg)
+                self.buffer.wake()  # a take of the plan it replaces gives up (see _take_plan)
             self._inbox.put_nowait(msg)
 
     async def _held(self, q: HeldQuery) -> None:
         loop = asyncio.get_running_loop()
         missing = await loop.run_in_executor(None, self.buffer.settle, q.sample_ids, self.held_grace_s)
-        self.given_up.update(missing)
+        self.book.given_up.update(missing)
         log.warning(
             "trainer: %d of the %d generated samples of lost worker %s never arrived: given up on",
             len(missing),
@@ -219,8 +212,8 @@ class TrainerService:
             self._arm_ahead()
             msg = await self._inbox.get()
             await self._published()  # an overlapped publication ends before anything else touches the model
-            if isinstance(msg, BatchPlan) and msg.step < self.next_step and msg.step in self.revised_steps:
-                continue  # a plan of a step trained on its latest revision
+            if isinstance(msg, BatchPlan) and self.book.superseded(msg, self.next_step):
+                continue
             if isinstance(msg, BatchPlan):
                 await self.train(msg)
             elif isinstance(msg, CheckpointRequest):
@@ -338,7 +331,7 @@ class TrainerService:
             raise RuntimeError(f"BatchPlan for step {plan.step}, but the trainer is at step {self.next_step}")
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        plan = self.plans.get(plan.step, plan)
+        plan = self.book.latest(plan)
         ahead, ahead_s = await self._take_ahead(plan)  # waiting for its forward's end: training time
         t_ahead = time.perf_counter()
         plan, got = await self._take_plan(plan)
@@ -386,27 +379,19 @@ class TrainerService:
         waits for its revision; a revision that comes while the tensors are awaited replaces it."""
         loop, step = asyncio.get_running_loop(), plan.step
         while True:
-            plan = self.plans.get(step, plan)
+            plan = self.book.latest(plan)
             self.buffer.drop(plan.aborted_ids)
-            if self.given_up.intersection(plan.sample_ids):
+            if self.book.names_given_up(plan):
                 self.waiting(f"a revised BatchPlan for step {step} (planned samples of a lost worker never came)")
-                self._plan_came.clear()
-                if self.plans.get(step, plan) is plan:
-                    try:
-                        await asyncio.wait_for(self._plan_came.wait(), self.plan_timeout_s)
-                    except asyncio.TimeoutError:
-                        raise TimeoutError(
-                            f"step {step}: no revised BatchPlan within {self.plan_timeout_s:g}s after its "
-                            "planned samples were given up on"
-                        ) from None
+                plan = await self.book.revision_of(plan, self.plan_timeout_s)
                 continue
             self.waiting(f"trajectory tensors of the {len(plan.sample_ids)} samples planned for step {step}")
             got = self.buffer.take_ready(plan.sample_ids)  # at eta >= 1 they are usually all in: no thread hop
             if got is None:
-                revised = lambda p=plan: self.plans.get(step, p) is not p  # noqa: E731
+                revised = functools.partial(self.book.replaced, plan)
                 got = await loop.run_in_executor(None, self.buffer.take, plan.sample_ids, self.plan_timeout_s, revised)
             if got is not None:
-                self.plans.pop(step, None)
+                self.book.trained(step)
                 return plan, got
 
     def _train_ranks(

@@ -582,3 +582,35 @@ def test_random_lost_tensors_keep_full_batches_bounded_staleness_and_exactly_onc
     assert len(ids) == len(set(ids)) == core.ledger.n_samples_issued
     assert {r.status for r in logged} <= {"trained", "aborted"}
     assert any(r.reason.startswith("trajectories_lost") for r in logged)
+
+
+def test_a_stopping_run_admits_only_what_a_short_step_lacks():
+    """The run is stopping (no new work) while step 0 waits for its revision: B = 2, one of its two
+    groups never came. The stop waits for the step, so the core admits exactly the one group the
+    revision lacks (the budget would allow (η + v + 1) B - 1 = 3), and nothing once the step is full."""
+    core = make_core(eta=1, B=2, n=2, steps=5)
+    reqs = core.admit()
+    for _, req in reqs[:2]:
+        finish_group(core, req, 0, 0)
+    p0, _ = core.plan()
+    core.on_missing([p0.sample_ids[0]], "trajectories_lost: test")
+    assert core.short_need() == 1 and core.running == 2  # reqs[2:] still generating
+    assert core.admit(only_short=True) == []  # the two running groups can fill it already
+    for _, req in reqs[2:]:
+        finish_group(core, req, 0, 0)
+    rev, _ = core.plan()
+    assert (rev.step, rev.revision) == (0, 1) and core.short_need() == 0
+    assert core.admit(only_short=True) == [] and len(core.admit()) > 0
+
+
+def test_a_stopping_run_with_nothing_in_flight_admits_exactly_the_lacking_groups():
+    core = make_core(eta=1, B=2, n=2, steps=5, max_conc=2)
+    reqs = core.admit()  # max_concurrent 2: both groups of step 0, nothing else
+    for _, req in reqs:
+        finish_group(core, req, 0, 0)
+    p0, _ = core.plan()
+    core.on_missing(p0.sample_ids, "trajectories_lost: test")  # both groups lost
+    assert core.short_need() == 2 and core.running == 0
+    got = core.admit(only_short=True)
+    assert [r.prompt_id for _, r in got] == [r.prompt_id for _, r in reqs]  # the re-issued prompts, no more
+    assert core.admit(only_short=True) == []

@@ -304,13 +304,15 @@ async def test_stop_asks_a_final_checkpoint_only_of_a_trainer_that_learns(tmp_pa
         assert isinstance(await _next(trainer, (M.CheckpointRequest, M.Shutdown)), first)
 
 
-async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_aborted_and_replanned(tmp_path):
+@pytest.mark.parametrize("stopping", [False, True], ids=["running", "stopping"])
+async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_aborted_and_replanned(tmp_path, stopping):
     """Step 0 is planned with rollout-0's two groups; rollout-0 restarts (a new process registers
     under its id). The scheduler asks the trainer which of the old process's generated samples it
     holds (HeldQuery); the trainer never got the second group's. That group is aborted as
     trajectories_lost, its prompt re-issued to the new process, and once it is generated and scored
     step 0's plan is revised: the first group and the re-issued one. A reply to a query never sent
-    is refused."""
+    is refused. ``stopping`` (SIGTERM before the reply): the step the trainer holds still gets its
+    revision (only the lacking group is admitted), then the final checkpoint after it is asked."""
     over = ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
     async with _fleet(tmp_path, over) as (svc, rollout, reward, trainer):
         ctx = zmq.asyncio.Context.instance()
@@ -327,6 +329,8 @@ async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_abor
         await send_message(trainer, M.HeldReply(query_id=query.query_id + 1, missing_ids=[]))
         assert "did not send" in (await _next(trainer, M.Error)).detail
         lost = reqs[1]
+        if stopping:
+            svc.request_stop()
         await send_message(trainer, M.HeldReply(query_id=query.query_id, missing_ids=lost.sample_ids))
         redo = _requests(await _next(again, (M.GenerateRequests, M.GenerateRequest)))
         assert [r.prompt_id for r in redo] == [lost.prompt_id] and redo[0].group_id != lost.group_id
@@ -338,4 +342,9 @@ async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_abor
         assert (rev.step, rev.revision) == (0, 1)
         assert rev.sample_ids == reqs[0].sample_ids + redo[0].sample_ids
         assert set(lost.sample_ids) <= set(rev.aborted_ids)
+        if stopping:
+            assert svc.core.running == 0  # nothing admitted beyond the revision's one group
+            await send_message(trainer, M.TrainStepDone(step=0, version=1, metrics={}))
+            ckpt = await _next(trainer, M.CheckpointRequest)
+            assert ckpt.step == 0 and ckpt.state["next_step"] == 1
         again.close(0)

@@ -28,6 +28,7 @@ from areal_async.rollout.service import trajectory_messages
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.buffer import TrajectoryBuffer
+from areal_async.trainer.plan_book import PlanBook
 from areal_async.trainer.service import TrainerService
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
@@ -383,3 +384,27 @@ async def test_samples_that_never_came_are_given_up_on_and_the_step_trains_its_r
         assert rig.svc.buffer.items == {} and rig.svc.buffer.duplicates == 0
     rows = read_jsonl(run_dir / "trainer_steps.jsonl")[0]
     assert [r["ids"] for r in rows] == [a + c]
+
+
+async def test_the_plan_book_keeps_the_latest_plan_and_waits_for_a_revision_with_a_bound():
+    """By hand: a revision replaces its step's plan (and marks the step), a plan naming a given-up sample
+    is seen as such, waiting for a revision returns the newer plan, and times out naming the step."""
+    book = PlanBook()
+    p0, p1 = plan_of(0, {"gA": ["gA.0"], "gB": ["gB.0"]}), plan_of(1, {"gC": ["gC.0"]})
+    book.note(p0), book.note(p1)
+    assert book.latest(p0) is p0 and not book.replaced(p0) and book.revised_steps == set()
+    book.given_up.add("gB.0")
+    assert book.names_given_up(p0) and not book.names_given_up(p1)
+    with pytest.raises(TimeoutError, match=r"step 0: no revised BatchPlan within 0.05s"):
+        await book.revision_of(p0, 0.05)
+    r0 = plan_of(0, {"gA": ["gA.0"], "gD": ["gD.0"]}, revision=1)
+    waiter = asyncio.ensure_future(book.revision_of(p0, 5.0))
+    await asyncio.sleep(0.01)
+    book.note(p1)  # another step's plan wakes the waiter, which waits on
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    book.note(r0)
+    assert await waiter is r0 and book.replaced(p0) and book.revised_steps == {0, 1}
+    assert book.superseded(p0, next_step=1) and not book.superseded(p0, next_step=0)
+    book.trained(0)
+    assert book.latest(p0) is p0 and set(book.plans) == {1}
