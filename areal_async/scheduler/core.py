@@ -167,11 +167,14 @@ class SchedulerCore:
 
     def short_need(self) -> int:
         """The groups that the planned steps waiting for a revision (``on_missing``) still lack."""
-        need = 0
-        for step in self.short_steps:
-            groups = self.batch_groups if step == self.next_step else self.ahead_groups
-            need += 0 if groups is None else self.p.batch_size - len(groups)
-        return need
+        planned = [self._planned(step) for step in self.short_steps]
+        return sum(self.p.batch_size - len(groups) for groups in planned if groups is not None)
+
+    def _planned(self, step: int) -> Optional[list[str]]:
+        """The groups planned for ``step`` (the trainer's next step, or the one planned ahead); None: none."""
+        if step == self.next_step:
+            return self.batch_groups
+        return self.ahead_groups if step == self.next_step + 1 else None
 
     def _may_admit(self) -> bool:
         if self.finished or not self.trainer_ready or not self.rollouts:
@@ -410,7 +413,8 @@ class SchedulerCore:
         for gid in gids:
             if gid in self.ready:
                 self.ready.remove(gid)
-            for step, groups in ((self.next_step, self.batch_groups), (self.next_step + 1, self.ahead_groups)):
+            for step in (self.next_step, self.next_step + 1):
+                groups = self._planned(step)
                 if groups is not None and gid in groups:
                     groups.remove(gid)
                     self.short_steps.add(step)
@@ -422,7 +426,7 @@ class SchedulerCore:
         """The revised plan of the earliest planned step that lost groups, once B - (its groups left)
         ready groups are fresh enough for it (they join it, in completion order); else None."""
         for step in sorted(self.short_steps):
-            groups = self.batch_groups if step == self.next_step else self.ahead_groups
+            groups = self._planned(step)
             if groups is None:  # no longer planned (trained, or the run restored)
                 self.short_steps.discard(step)
                 continue

@@ -63,6 +63,19 @@ def finish_group(core, req, vmin, vmax, score=1.0, reward_first=False):
         assert (core.on_reward(m) if isinstance(m, RewardResult) else core.on_trajectory(m)) is None
 
 
+def generation_round(core, rng, inflight: list, delay_max: int = 6) -> None:
+    """One admission round of a simulated fleet: admitted groups finish 0-``delay_max`` rounds later, their
+    tokens carrying the version current at start and at finish (groups aborted meanwhile are skipped)."""
+    for _, req in core.admit():
+        inflight.append([rng.randint(0, delay_max), req, core.version])
+    for item in list(inflight):
+        item[0] -= 1
+        if item[0] < 0:
+            inflight.remove(item)
+            if core.ledger.groups[item[1].group_id].status == "running":
+                finish_group(core, item[1], item[2], core.version, score=rng.random())
+
+
 def simulate(core, rng, delay_max=3):
     """Groups finish after random delays (in admission rounds); tokens carry the versions
     current at start and at finish. Returns the trained records by step."""
@@ -403,14 +416,7 @@ def test_plan_ahead_keeps_bounded_staleness_and_exactly_once(eta):
     rng, logged, inflight, trained, queue, ahead = random.Random(eta), [], [], {}, [], 0
     core = make_core(eta=eta, steps=12, logged=logged)
     while not core.finished:
-        for _, req in core.admit():
-            inflight.append([rng.randint(0, 6), req, core.version])
-        for item in list(inflight):
-            item[0] -= 1
-            if item[0] < 0:
-                inflight.remove(item)
-                if core.ledger.groups[item[1].group_id].status == "running":
-                    finish_group(core, item[1], item[2], core.version, score=rng.random())
+        generation_round(core, rng, inflight)
         plan, _ = core.plan(ahead=True)
         if plan is not None:
             ahead += bool(queue)  # planned while the previous step still trains
@@ -539,14 +545,7 @@ def test_random_lost_tensors_keep_full_batches_bounded_staleness_and_exactly_onc
     for _ in range(5000):  # a step that never gets a revision it can train would spin here
         if core.finished:
             break
-        for _, req in core.admit():
-            inflight.append([rng.randint(0, 6), req, core.version])
-        for item in list(inflight):
-            item[0] -= 1
-            if item[0] < 0:
-                inflight.remove(item)
-                if core.ledger.groups[item[1].group_id].status == "running":
-                    finish_group(core, item[1], item[2], core.version, score=rng.random())
+        generation_round(core, rng, inflight)
         if rng.random() < 0.25:
             held = core.unconfirmed(rng.choice(["r0", "r1"]))
             missing = [s for s in held if rng.random() < 0.5]
