@@ -39,6 +39,9 @@ the trainer side / rollout receiver):
   ``payloads.lora_state_dict``: L r (9 h + 2 kv + 3 i) numbers), through the same channel right after
   the full weights: what a LoRA run publishes instead; ``bytes_ratio`` and ``time_ratio`` against the
   model's full row (pipelined).
+- backends (``weight_sync_backend``, CPU; ``--no-e2e`` skips them too): from ``publish_begin`` over shm to an
+  inference server generating with the new version, by phase, and the server's own load time:
+  ``benchmarks/common/backends.py`` (``--backends``, ``--backend-models``).
 
 p50/p99 are over ``repeats`` samples after one warm-up (with few repeats p99 is ~ the max).
 JSON rows: ``metric``, ``value``, ``unit`` always; transfer and weight rows also ``transport``,
@@ -49,7 +52,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -76,6 +79,7 @@ from benchmarks.common.channels import (
     unavailable,
     weight_kwargs,
 )
+from benchmarks.common import backends as B
 from benchmarks.common.peers import Peer
 from benchmarks.common.plot import transfer_plot
 from benchmarks.common.rows import Col, human_bytes, print_table, write_rows
@@ -107,6 +111,7 @@ class Opts:
     notes: list[str]
     weight_reps: int = 2
     e2e: bool = True
+    backends: list[tuple[str, str]] = field(default_factory=list)  # (backend, model) of the backend rows
 
     def reps(self, size: int) -> int:
         if self.repeats:
@@ -129,7 +134,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--boba-max-len", type=int, default=27000, help="cap of the lognormal sequence lengths")
     p.add_argument("--weights-max-params", type=float, help="largest synthetic model for weight sync")
     p.add_argument("--weight-repeats", type=int, help="weight versions timed per case (default 1 quick, else 2)")
-    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows (into an embedded engine)")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows (embedded engine, servers)")
+    p.add_argument("--backends", help="servers of the backend rows: sglang,vllm (default; --quick: sglang) or none")
+    p.add_argument("--backend-models", default="tiny", help="models of the backend rows: tiny (default), 0.13B")
     return p.parse_args(argv)
 
 
@@ -151,6 +158,7 @@ def build_opts(a: argparse.Namespace) -> Opts:
         notes,
         a.weight_repeats or (1 if a.quick else 2),
         not a.no_e2e,
+        B.cases(a, notes),
     )
 
 
@@ -207,10 +215,12 @@ def run(opts: Opts) -> list[dict]:
     rows = [memcpy_row(size, memcpy_seconds(size, opts.device, opts.reps(size)), opts.device) for size in opts.sizes]
     weight_bound = Copier(max(opts.sizes), opts.device)
     cases = len(opts.transports) * (len(opts.sizes) + 1 + len(opts.models))
-    with Peer(opts.device, CHANNEL_OPS) as peer, tqdm(total=cases, desc="transfer_latency", unit="case") as bar:
+    ops = {**CHANNEL_OPS, **B.BACKEND_OPS}
+    with Peer(opts.device, ops) as peer, tqdm(total=cases, desc="transfer_latency", unit="case") as bar:
         for kind in opts.transports:
             rows += run_transfers(peer, kind, opts, bar)
             rows += run_weights(peer, kind, opts, weight_bound, bar)
+        rows += B.run_rows(peer, opts.backends, opts.weight_reps, weight_bound, weight_row)
     return [info] + rows
 
 
@@ -406,7 +416,8 @@ def weight_row(
 
 
 def _what(r: dict) -> str:
-    e2e = {"weight_sync_e2e": " e2e", "weight_sync_lora": f" lora r{r.get('rank')}", "weight_sync_delta": " delta"}
+    e2e = {"weight_sync_e2e": " e2e", "weight_sync_lora": f" lora r{r.get('rank')}", "weight_sync_delta": " delta",
+           "weight_sync_backend": f" {r.get('backend')}"}  # fmt: skip
     e2e = e2e.get(r["metric"], "")
     return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial") + e2e
 
@@ -423,7 +434,8 @@ COLUMNS = [
 ]
 
 
-WEIGHT_METRICS = ("transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora", "weight_sync_delta")
+WEIGHT_METRICS = ("transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora", "weight_sync_delta",
+                  "weight_sync_backend")  # fmt: skip
 
 
 def show(rows: list[dict]) -> None:
@@ -447,6 +459,8 @@ def show(rows: list[dict]) -> None:
             )
     for note in rows[0].get("notes", []):
         print("note:", note)
+    if any(r["metric"] == "weight_sync_backend" for r in rows):
+        print_table(rows, B.COLUMNS, where=lambda r: r["metric"] == "weight_sync_backend")
     for r in rows:
         phased = r["metric"] in ("weight_sync", "weight_sync_e2e", "weight_sync_delta")
         if phased and (r["pub_phases"] or r["recv_phases"]):

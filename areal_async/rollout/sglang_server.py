@@ -335,6 +335,7 @@ class CpuSGLangServer(TwinLora):
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         if why := _beyond_model(self.engine.model, names, dtypes, shapes):  # before allocating what the body declares
             return {"success": False, "message": f"Failed to update parameter online: {why}"}
+        t0 = time.perf_counter()
         try:
             if body.get("load_format") == "flattened_bucket":
                 flat = torch.empty(W.bucket_size(dtypes, shapes), dtype=torch.uint8)
@@ -346,7 +347,9 @@ class CpuSGLangServer(TwinLora):
                     dist.broadcast(t, src=0, group=self.groups[name])
         except Exception as e:
             return self._failed(f"receiving the broadcast failed: {e}")
-        return self._load(sd, body)
+        recv_s = time.perf_counter() - t0  # from joining the broadcast to its last byte (and the views over it)
+        out = self._load(sd, body)
+        return out | ({"twin_timing": out["twin_timing"] | {"recv_s": recv_s}} if "twin_timing" in out else {})
 
     def update_from_disk(self, body: dict) -> dict:
         from safetensors.torch import load_file
@@ -365,6 +368,12 @@ class CpuSGLangServer(TwinLora):
         return out | {"num_paused_requests": 0}
 
     def _load(self, sd: dict[str, torch.Tensor], body: dict) -> dict:
+        """Load ``sd`` (a whole state dict or one bucket of it). A successful answer carries, beyond SGLang's
+        ``success`` and ``message``, this server's own timing (``twin_timing``, seconds: ``load_s`` from the
+        bytes in hand to the parameters holding them (lock, checks, copy), ``recompute_s`` the running requests'
+        KV caches, and for a broadcast ``recv_s``, its receive): sglang 0.5.23 builds this answer as a plain
+        dict (``http_server.py``, ``{"success", "message"}``) and its readers take keys by name."""
+        t0 = time.perf_counter()
         with self.mu:
             self.drop_lora()  # full weights replace the base the adapter was merged into
             if body.get("abort_all_requests"):
@@ -390,8 +399,10 @@ class CpuSGLangServer(TwinLora):
             if body.get("flush_cache", True) and not R.flush_allowed(self.engine.has_work(), self.paused):
                 return {"success": False, "message": R.FLUSH_REFUSED}  # loaded, version recorded, 400
             self.info_version = self.labels[index]
+            recompute_s = self.engine.update_split.get("recompute_s", 0.0) if self.paused != "in_place" else 0.0
+        timing = {"load_s": time.perf_counter() - t0 - recompute_s, "recompute_s": recompute_s}
         msg = "Succeeded to update model weights." + (f" Weight version updated to {version}." if version else "")
-        return {"success": True, "message": msg}
+        return {"success": True, "message": msg, "twin_timing": timing}
 
     def _failed(self, why: str) -> dict:
         """A failed update leaves the weights unusable: /generate answers 400 until a full update
