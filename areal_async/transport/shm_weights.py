@@ -1,21 +1,35 @@
-"""Shared-memory weight channel: versions go into a few persistent, pre-faulted segments, reused.
+"""Shared-memory weight channel: versions go into a few persistent, pre-faulted segments, reused,
+and the receivers read and verify each bucket while the publisher is still writing the next.
 
-Publisher: ``publish_begin(version, state_dict)`` takes a pooled segment that no unreleased
-version holds and no receiver still reads (an exclusive ``flock`` on it succeeds at once), writes
-the 64-byte header (magic, version, layout bytes) and then the buckets after it, each checksummed
-in the same pass while its bytes are in cache (``buckets.pack_sum``). A segment is created, and
-pre-faulted (``MAP_POPULATE``), only when no pooled one is free and big enough: after the first
-versions a publication writes into warm pages (measured here: packing 247 MiB into fresh
-``/dev/shm`` pages took ~12x a warm copy, the page faults being the whole difference).
-``publish_end`` has nothing left to do. ``release(version)`` marks the header released and hands
-the segment back to the pool (at most ``POOL`` segments are kept; beyond, the name is unlinked).
+Segment layout: a 64-byte header (magic, version, layout bytes, bucket count), a table of one
+``(stamp, checksum)`` pair per bucket, then, from the next page, the buckets back to back.
 
-Receiver: ``receive(manifest)`` takes a shared ``flock`` on the segment (its own file description,
-so several versions may be held at once) and keeps it while any returned tensor lives (a
-``weakref.finalize`` on the lease drops it), so the publisher never rewrites bytes a receiver
-still uses; it then checks the header still holds the manifest's version (else ``TransportError``:
-released or superseded, wait for the next manifest) and verifies every bucket's checksum. Its
-mapping is private (copy-on-write) and kept across versions, because mapping the pages again
+Publisher: ``publish_begin(version, state_dict)`` takes a pooled segment that no unreleased version
+holds and no receiver still reads (an exclusive ``flock`` on it succeeds at once), clears the
+table, writes the header and returns the manifest at once; the buckets are then written in a
+packer thread (inline for a small state), each checksummed in the same pass while its bytes are in
+cache (``buckets.pack_sum``), its checksum written into the table and then its stamp (= version).
+The exclusive lock is dropped when the last bucket is stamped. ``publish_end`` waits for that (and
+raises the packer's error). A segment is created, pre-faulted (``MAP_POPULATE``), only when no
+pooled one is free and big enough: after the first versions a publication writes into warm pages
+(measured here: packing 247 MiB into fresh ``/dev/shm`` pages took ~12x a warm copy).
+``release(version)`` marks the header released and hands the segment back to the pool (at most
+``POOL`` segments are kept; beyond, the name is unlinked).
+
+Receiver: ``receive(manifest)`` checks the header holds the manifest's version (else
+``TransportError``: released or superseded), then, bucket by bucket, waits for its stamp and
+verifies its checksum against the table: the checksum pass of bucket k runs while the publisher
+packs bucket k+1 (on another core), so an update costs about the publisher's pack plus the last
+bucket's verify, where it cost pack plus verify of everything. Once the publisher dropped its
+exclusive lock the receiver takes a shared ``flock`` (its own file description, so several
+versions may be held at once) and keeps it while any returned tensor lives (a ``weakref.finalize``
+on the lease drops it), so the publisher never rewrites bytes a receiver still uses; the header is
+checked once more under that lock. A receiver that finds the lock free while a stamp is missing
+knows the publisher stopped writing (it exited, or failed) and refuses the version at once.
+The table is read with ``pread`` (never through the mapping), the stamp after the bytes it
+covers: on x86 (TSO) a visible stamp means visible bytes; elsewhere a torn read fails the checksum
+and is read once more through a fresh mapping before it is refused.
+Its mapping is private (copy-on-write) and kept across versions, because mapping the pages again
 costs a fault per page: reads see what the publisher wrote, a write by this receiver stays its
 own. A page it wrote stays its own in later versions of that segment too, so when a checksum
 differs through a kept mapping the version is read again through a fresh one before it is
@@ -32,6 +46,7 @@ import struct
 import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -40,13 +55,22 @@ from areal_async.transport import buckets as B
 from areal_async.transport.base import Tensors, TransportError, WeightChannel
 from areal_async.transport.shm import QUANTUM, SHM_DIR, Segment, _path, _unlink_names, new_prefix
 
-HEAD = 64  # header at the start of a segment; the buckets follow, back to back
-_HEADER = struct.Struct("<8sqq")  # magic, version (RELEASED when none), layout bytes
-MAGIC = b"arealw01"
+HEAD = 64  # header at the start of a segment; the bucket table follows it
+PAGE = 4096  # the buckets start on a page of their own: a receiver's write never copies the table's page
+_HEADER = struct.Struct("<8sqqq")  # magic, version (RELEASED when none), layout bytes, bucket count
+_ENTRY = struct.Struct("<qQ")  # per bucket: stamp (the version whose bytes it holds), checksum
+MAGIC = b"arealw02"
 RELEASED = -1
+FAILED = -2  # the header's version when the publisher failed while writing (its error: publish_end's)
 POOL = 4  # segments a publisher keeps for reuse
+INLINE_BYTES = 4 << 20  # a smaller state is packed inside publish_begin (a thread hop would cost more)
 LOCK_TIMEOUT_S = 30.0  # a receiver waits this long for the publisher to finish writing a segment
-_LOCK_POLL_S = 0.002
+_POLL_S = 0.0002  # a receiver's poll of the stamps (a 64 MiB bucket packs in ~8 ms here)
+
+
+def data_start(n_buckets: int) -> int:
+    """Where the buckets start in a segment of ``n_buckets`` buckets."""
+    return -(-(HEAD + _ENTRY.size * n_buckets) // PAGE) * PAGE
 
 
 class _Pooled:
@@ -66,9 +90,18 @@ class _Pooled:
     def unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def set_header(self, version: int, total: int) -> None:
+    def set_header(self, version: int, total: int, n_buckets: int) -> None:
         self.version = version
-        self.seg.mm[: _HEADER.size] = _HEADER.pack(MAGIC, version, total)
+        self.seg.mm[: _HEADER.size] = _HEADER.pack(MAGIC, version, total, n_buckets)
+
+    def clear_table(self, n_buckets: int) -> None:
+        self.seg.mm[HEAD : HEAD + _ENTRY.size * n_buckets] = _ENTRY.pack(RELEASED, 0) * n_buckets
+
+    def stamp(self, k: int, version: int, value: int) -> None:
+        """Bucket ``k`` holds ``version``'s bytes: its checksum first, then the stamp that covers it."""
+        at = HEAD + _ENTRY.size * k
+        self.seg.mm[at + 8 : at + 16] = struct.pack("<Q", value)
+        self.seg.mm[at : at + 8] = struct.pack("<q", version)
 
     def drop(self) -> None:
         self.seg.unlink()
@@ -87,6 +120,8 @@ class ShmWeightChannel(WeightChannel):
         self._prefix = new_prefix(run_id)
         self._count = 0
         self._pool: list[_Pooled] = []  # every segment this publisher keeps, free or holding a version
+        self._packer: Optional[ThreadPoolExecutor] = None  # one thread: versions are written in order
+        self._pending: dict[int, Future] = {}  # version -> its packing, until publish_end or release
         self._maps: OrderedDict[str, Segment] = OrderedDict()  # receiver: kept private mappings, newest last
         self._finalizer = weakref.finalize(self, _unlink_names, self._prefix)
 
@@ -97,18 +132,39 @@ class ShmWeightChannel(WeightChannel):
         layout_ = B.plan(state_dict, self.bucket_bytes)
         self.release(version)  # republishing a version replaces it
         t1 = time.perf_counter()
-        slot = self._acquire(HEAD + layout_.total)
-        t2 = time.perf_counter()
+        n = len(layout_.bucket_sizes)
+        slot = self._acquire(data_start(n) + layout_.total)
         try:
-            slot.set_header(RELEASED, layout_.total)  # a stale reader sees no version while the bytes change
-            bufs = _buckets(torch.from_numpy(slot.seg.array(HEAD)), layout_)
-            values = [B.pack_sum(layout_, state_dict, k, buf, self.algo) for k, buf in enumerate(bufs)]
-            slot.set_header(version, layout_.total)
+            slot.set_header(RELEASED, layout_.total, n)  # a stale reader sees no version while the table changes
+            slot.clear_table(n)
+            slot.set_header(version, layout_.total, n)
+        except BaseException:
+            slot.unlock()
+            raise
+        times = {"plan_s": t1 - t0, "segment_s": time.perf_counter() - t1}
+        if layout_.total < INLINE_BYTES and not self._pending:
+            self._pack(slot, layout_, state_dict, version, times)
+        else:
+            if self._packer is None:
+                self._packer = ThreadPoolExecutor(1, thread_name_prefix="shm-weights-pack")
+            self._pending[version] = self._packer.submit(self._pack, slot, layout_, state_dict, version, times)
+        handle = {"segment": slot.seg.name, "size": slot.seg.size}
+        return B.manifest("shm", version, layout_, self.algo, None, handle)
+
+    def _pack(self, slot: _Pooled, layout_: B.Layout, state_dict: Tensors, version: int, times: dict) -> None:
+        """Write, checksum and stamp every bucket in order, then let readers lock the segment."""
+        t0 = time.perf_counter()
+        try:
+            bufs = _buckets(torch.from_numpy(slot.seg.array(data_start(len(layout_.bucket_sizes)))), layout_)
+            for k, buf in enumerate(bufs):
+                slot.stamp(k, version, B.pack_sum(layout_, state_dict, k, buf, self.algo))
+        except BaseException:
+            slot.set_header(FAILED, layout_.total, len(layout_.bucket_sizes))  # readers are told, not served
+            slot.version = RELEASED
+            raise
         finally:
             slot.unlock()
-        self.phases = {"plan_s": t1 - t0, "segment_s": t2 - t1, "pack_checksum_s": time.perf_counter() - t2}
-        handle = {"segment": slot.seg.name, "size": slot.seg.size}
-        return B.manifest("shm", version, layout_, self.algo, values if self.algo != "none" else None, handle)
+        self.phases = {**times, "pack_checksum_s": time.perf_counter() - t0}
 
     def _acquire(self, size: int) -> _Pooled:
         """The smallest free pooled segment of at least ``size`` bytes nobody reads, locked; else a new one."""
@@ -134,22 +190,32 @@ class ShmWeightChannel(WeightChannel):
         return False
 
     def publish_end(self) -> None:
-        """Nothing moves after ``publish_begin``: the receivers map the segment themselves."""
+        """Wait until every version begun is written and stamped; the packer's error is raised here."""
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.result()
 
     @property
     def publish_end_waits(self) -> bool:
-        return False
+        return False  # it waits for this process's packer, never for a receiver
 
     def release(self, version: int) -> None:
+        future = self._pending.pop(version, None)
+        if future is not None:
+            future.exception()  # written (or failed) before it is released; the error is publish_end's to raise
         for slot in self._pool:
             if slot.version == version:
-                slot.set_header(RELEASED, 0)  # a receiver that has not locked it yet is told, not served
+                slot.set_header(RELEASED, 0, 0)  # a receiver that has not locked it yet is told, not served
                 slot.version = RELEASED
                 if len(self._pool) > POOL:
                     self._pool.remove(slot)
                     slot.drop()
 
     def close(self) -> None:
+        if self._packer is not None:
+            self._packer.shutdown(wait=True)
+            self._packer = None
+        self._pending = {}
         for slot in self._pool:
             slot.drop()
         self._pool = []
@@ -162,34 +228,42 @@ class ShmWeightChannel(WeightChannel):
         t0 = time.perf_counter()
         layout_, m = B.parse_manifest(manifest, "shm")
         name, size = _handle(m["handle"], layout_)
-        fd = _lock_shared(name, m["version"])
+        reader = _Reader(name, m["version"], layout_, m["checksum"]["algo"])
         try:
-            _check_header(fd, name, m["version"], layout_.total)
+            reader.check_header()
+            lease, bufs = self._verified(reader, size)
             t1 = time.perf_counter()
-            lease, bufs = self._verified(name, size, layout_, m)
+            reader.lock()
+            reader.check_header()  # under the shared lock: nothing can rewrite it any more
         except BaseException:
-            os.close(fd)
+            reader.close()
             raise
-        weakref.finalize(lease, os.close, fd)  # the lock goes with the last tensor of this version
+        weakref.finalize(lease, os.close, reader.fd)  # the lock goes with the last tensor of this version
         t2 = time.perf_counter()
         out = B.unflatten(layout_, bufs)
-        self.phases = {"lock_s": t1 - t0, "verify_s": t2 - t1, "unflatten_s": time.perf_counter() - t2}
+        self.phases = {
+            "wait_s": reader.waited,
+            "verify_s": reader.summing,
+            "lock_s": t2 - t1,
+            "unflatten_s": time.perf_counter() - t2,
+            "receive_s": time.perf_counter() - t0,
+        }
         return out
 
-    def _verified(self, name: str, size: int, layout_: B.Layout, m: dict):
+    def _verified(self, reader: "_Reader", size: int):
         """(lease, bucket views) through the kept mapping, or a fresh one when a checksum differs there."""
-        kept = self._maps.get(name)
+        kept = self._maps.get(reader.name)
         if kept is not None:
-            lease, bufs = _views(kept, layout_)
+            lease, bufs = _views(kept, reader.layout)
             try:
-                B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
+                reader.verify(bufs)
                 return lease, bufs
             except TransportError:
-                del self._maps[name]  # maybe a page this receiver wrote: read it again through a fresh map
-        seg = Segment.open(name, size, private=True)
-        lease, bufs = _views(seg, layout_)
-        B.verify(bufs, m["checksum"]["algo"], m["checksum"]["values"], m["version"])
-        self._keep(name, seg)
+                del self._maps[reader.name]  # maybe a page this receiver wrote: read it again through a fresh map
+        seg = Segment.open(reader.name, size, private=True)
+        lease, bufs = _views(seg, reader.layout)
+        reader.verify(bufs)
+        self._keep(reader.name, seg)
         return lease, bufs
 
     def _keep(self, name: str, seg: Segment) -> None:
@@ -202,8 +276,96 @@ class ShmWeightChannel(WeightChannel):
             self._maps.popitem(last=False)
 
 
+class _Reader:
+    """One receive of one version: the segment's fd, its stamps and the shared lock once free."""
+
+    def __init__(self, name: str, version: int, layout_: B.Layout, algo: str):
+        self.name, self.version, self.layout, self.algo = name, version, layout_, algo
+        self.n = len(layout_.bucket_sizes)
+        self.locked = False
+        self.waited = self.summing = 0.0
+        self.deadline = time.monotonic() + LOCK_TIMEOUT_S
+        try:
+            self.fd = os.open(_path(name), os.O_RDONLY)
+        except FileNotFoundError:
+            raise TransportError(
+                f"weights v{version}: shared-memory segment {name!r} does not exist (released, or made on another host)"
+            ) from None
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def check_header(self) -> None:
+        magic, have, total, n = _HEADER.unpack(os.pread(self.fd, _HEADER.size, 0))
+        if magic != MAGIC:
+            raise TransportError(
+                f"weights v{self.version}: segment {self.name!r} is not a weight segment (magic {magic!r})"
+            )
+        if have != self.version or total != self.layout.total or n != self.n:
+            if have == FAILED:
+                raise TransportError(
+                    f"weights v{self.version}: segment {self.name!r}: its publisher failed while writing it"
+                )
+            held = "no version" if have == RELEASED else f"version {have}"
+            raise TransportError(
+                f"weights v{self.version}: segment {self.name!r} now holds {held}: "
+                f"v{self.version} was released or superseded"
+            )
+
+    def entry(self, k: int) -> tuple[int, int]:
+        return _ENTRY.unpack(os.pread(self.fd, _ENTRY.size, HEAD + _ENTRY.size * k))
+
+    def try_lock(self) -> bool:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            self.locked = True
+        except BlockingIOError:
+            pass
+        return self.locked
+
+    def lock(self) -> None:
+        """The shared lock: the publisher holds its exclusive one only while it writes (a few ms more)."""
+        while not self.try_lock():
+            self._tick("stayed locked by its publisher")
+
+    def _tick(self, what: str) -> None:
+        if time.monotonic() >= self.deadline:
+            raise TransportError(f"weights v{self.version}: segment {self.name!r} {what} for {LOCK_TIMEOUT_S}s")
+        time.sleep(_POLL_S)
+
+    def stamped(self, k: int) -> int:
+        """Bucket ``k``'s checksum once its stamp says this version; refused if the publisher stopped."""
+        t0 = time.perf_counter()
+        while True:
+            stamp, value = self.entry(k)
+            if stamp == self.version:
+                self.waited += time.perf_counter() - t0
+                return value
+            if self.locked or self.try_lock():  # the publisher is not writing: the stamp will never come
+                stamp, value = self.entry(k)  # (it may have come just before the lock was dropped)
+                if stamp == self.version:
+                    continue
+                self.check_header()
+                raise TransportError(
+                    f"weights v{self.version}: segment {self.name!r}: bucket {k} of {self.n} was never written "
+                    "(its publisher stopped writing: it exited or failed)"
+                )
+            self._tick(f"bucket {k} was not written")
+
+    def verify(self, bufs: list[torch.Tensor]) -> None:
+        """Each bucket's checksum, as soon as its stamp is there, against the one the publisher wrote."""
+        for k, buf in enumerate(bufs):
+            want = self.stamped(k)
+            if self.algo == "none":
+                continue
+            t0 = time.perf_counter()
+            got = B.checksum(buf, self.algo)
+            self.summing += time.perf_counter() - t0
+            B.compare([got], [want], self.algo, self.version, [buf.numel()], first=k)
+
+
 def _handle(h: dict, layout_: B.Layout) -> tuple[str, int]:
-    need = HEAD + layout_.total
+    need = data_start(len(layout_.bucket_sizes)) + layout_.total
     if set(h) != {"segment", "size"} or not isinstance(h["size"], int) or h["size"] < need:
         raise B.ManifestError(
             f"shm manifest handle {h!r}: expected {{'segment': name, 'size': at least {need}}} "
@@ -213,41 +375,8 @@ def _handle(h: dict, layout_: B.Layout) -> tuple[str, int]:
     return h["segment"], h["size"]
 
 
-def _lock_shared(name: str, version: int) -> int:
-    """An fd of segment ``name`` holding a shared ``flock`` (waits out a publisher writing it)."""
-    try:
-        fd = os.open(_path(name), os.O_RDONLY)
-    except FileNotFoundError:
-        raise TransportError(
-            f"weights v{version}: shared-memory segment {name!r} does not exist (released, or made on another host)"
-        ) from None
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return fd
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise TransportError(
-                    f"weights v{version}: segment {name!r} stayed locked by its publisher for {LOCK_TIMEOUT_S}s"
-                ) from None
-            time.sleep(_LOCK_POLL_S)
-
-
-def _check_header(fd: int, name: str, version: int, total: int) -> None:
-    magic, have, n = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
-    if magic != MAGIC:
-        raise TransportError(f"weights v{version}: segment {name!r} is not a weight segment (magic {magic!r})")
-    if have != version or n != total:
-        held = "no version" if have == RELEASED else f"version {have}"
-        raise TransportError(
-            f"weights v{version}: segment {name!r} now holds {held}: v{version} was released or superseded"
-        )
-
-
 def _views(seg: Segment, layout_: B.Layout):
-    lease = seg.array(HEAD)  # one array per receive: every tensor view keeps it (and the lock) alive
+    lease = seg.array(data_start(len(layout_.bucket_sizes)))  # one array per receive: every view keeps it alive
     return lease, _buckets(torch.from_numpy(lease), layout_)
 
 
@@ -255,4 +384,4 @@ def _buckets(flat: torch.Tensor, layout_: B.Layout) -> list[torch.Tensor]:
     return [flat[o : o + n] for o, n in zip(layout_.bucket_offsets(), layout_.bucket_sizes)]
 
 
-__all__ = ["HEAD", "POOL", "SHM_DIR", "ShmWeightChannel"]
+__all__ = ["HEAD", "POOL", "SHM_DIR", "ShmWeightChannel", "data_start"]

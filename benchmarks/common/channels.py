@@ -207,6 +207,7 @@ def time_weights(
     (``weights``: ``receive`` on its channel ``what``; ``weights_e2e``: its engine loaded them, KV
     caches recomputed). ``change(i)``: called before version i > 0 is published (it may alter ``sd``)."""
     lat, pub, ref, last = [], [], [], {}
+    mark = len(bound.memcpy) + 1  # the memmove bound's samples of this call, after its warm-up
     for i in range(repeats + 1):
         if i and change is not None:
             change(i)
@@ -222,4 +223,6 @@ def time_weights(
         if i:
             lat.append(last["t1"] - t0)
             pub.append(t_pub)
+    if bound.memcpy[mark:]:
+        last["memcpy_gbps"] = bound.gbps(bound.memcpy[mark:])
     return lat, pub, ref[1:], last

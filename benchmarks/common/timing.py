@@ -32,14 +32,22 @@ class Copier:
         self.src = torch.empty(max(size // 4, 1), dtype=torch.float32, device=device).fill_(1.0)
         self.dst = torch.zeros_like(self.src)
         self.dst.copy_(self.src)
+        self.memcpy: list[float] = []  # CPU: seconds of a libc memmove of the same bytes, one per sample
 
     def sample(self) -> float:
-        """Seconds of one copy."""
+        """Seconds of one copy (``copy_``); on CPU also times a libc memmove (``np.copyto``) into
+        ``memcpy``: a second bound, as fast as a copy gets here on one thread (glibc's large copies
+        skip reading the destination; torch's ``copy_`` loop does not). Both before the transfer."""
         sync(self.device)
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
         sync(self.device)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        if self.device == "cpu":
+            t0 = time.perf_counter()
+            np.copyto(self.dst.numpy(), self.src.numpy())
+            self.memcpy.append(time.perf_counter() - t0)
+        return took
 
     def gbps(self, samples: list[float]) -> float:
         """GB/s of the median sample."""

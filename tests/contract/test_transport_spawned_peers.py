@@ -1,19 +1,22 @@
-"""Tensor channels with a spawned peer that imports torch (each start ~2 s of CPU, so not in the unit tier): shm
-trajectories and weights between two processes, and the SGLang weight group's rendezvous with a second rank.
-Their in-process twins are tests/unit/transport/test_transport_shm.py and test_transport_store.py."""
+"""Tensor channels with a spawned peer that imports torch (each start ~2 s of CPU, so not in the unit tier):
+shm trajectories and weights between two processes, a weight publisher killed in the middle of a version,
+and the SGLang weight group's rendezvous with a second rank. Their in-process twins are
+tests/unit/transport/test_transport_shm.py, test_shm_weights_overlap.py and test_transport_store.py."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from areal_async.rollout.weight_group import destroy_group, init_custom_group
-from areal_async.transport import make_tensor_channel, make_weight_channel
+from areal_async.transport import TransportError, make_tensor_channel, make_weight_channel
+from areal_async.transport import shm_weights as W
 from areal_async.transport.buckets import state_checksum
 from areal_async.transport.shm import SHM_DIR
 from protocols.sockets import free_tcp_port
@@ -34,6 +37,49 @@ def _peer(conn) -> None:
     del sd
     tx.close()
     reply(conn, {"bye": True})
+
+
+class _Stuck(dict):
+    """A state dict whose tensor "b" never comes (a trainer rank that hangs in its gather)."""
+
+    def __getitem__(self, key):
+        if key == "b":
+            threading.Event().wait()
+        return super().__getitem__(key)
+
+
+def _stuck_publisher(conn) -> None:
+    """Publish a version whose second bucket is never written; wait to be killed."""
+    torch.set_num_threads(1)
+    W.INLINE_BYTES = 0  # the packer thread, as for any real model
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=1 / 64)
+    sd = {n: torch.full((4096,), float(i)) for i, n in enumerate("abc")}  # 16 KiB each: one bucket each
+    reply(conn, {"manifest": pub.publish_begin(5, _Stuck(sd))})
+    threading.Event().wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
+def test_a_killed_weight_publisher_is_noticed_by_its_free_lock(monkeypatch):
+    """Alive, the publisher holds the segment's exclusive lock: a receiver waits for bucket 1 up to
+    its deadline. SIGKILLed, the kernel drops that lock: the next receive refuses at once."""
+    peer = Peer(_stuck_publisher)
+    m = peer.recv()["manifest"]
+    seg = SHM_DIR / m["handle"]["segment"]
+    rx = make_weight_channel("shm", role="receiver")
+    try:
+        monkeypatch.setattr(W, "LOCK_TIMEOUT_S", 0.5)
+        with pytest.raises(TransportError, match="v5: segment .* bucket 1 was not written for 0.5s"):
+            rx.receive(m)
+        peer.proc.kill()  # our own child, by its pid
+        peer.proc.join(timeout=30)
+        monkeypatch.setattr(W, "LOCK_TIMEOUT_S", 60.0)  # waiting for the deadline would say so
+        with pytest.raises(TransportError, match=r"bucket 1 of 3 was never written \(its publisher stopped writing"):
+            rx.receive(m)
+    finally:
+        if peer.proc.is_alive():
+            peer.proc.kill()
+        seg.unlink(missing_ok=True)  # a killed publisher leaves its segment behind (nothing ran its finalizer)
 
 
 @pytest.mark.timeout(60)

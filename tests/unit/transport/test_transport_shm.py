@@ -13,7 +13,7 @@ import zmq
 from areal_async.transport import ManifestError, ProtocolError, TransportError, make_tensor_channel, make_weight_channel
 from areal_async.transport.frames import header_bytes
 from areal_async.transport.shm import CTRL, SHM_DIR
-from areal_async.transport.shm_weights import HEAD
+from areal_async.transport.shm_weights import data_start
 from protocols.messages import PROTOCOL_VERSION
 from protocols.sockets import make_socket
 from tests.support.transport_helpers import assert_bit_exact, no_shm_leaks, sample_tensors  # noqa: F401
@@ -194,12 +194,12 @@ def test_weights_checksum_truncation_release_and_private_writes():
     del got
     assert_bit_exact(sub.receive(m), sd)  # the kept mapping holds our write: read again through a fresh one
     with open(SHM_DIR / m["handle"]["segment"], "r+b") as f:  # corrupt one byte of bucket 0
-        f.seek(HEAD + m["tensors"][0]["offset"])
+        f.seek(data_start(len(m["bucket_bytes"])) + m["tensors"][0]["offset"])
         f.write(b"\x7f")
     with pytest.raises(TransportError, match="bucket 0 .* sum64 .* corrupt"):
         sub.receive(m)
     with pytest.raises(ManifestError, match="expected .*'size': at least"):
-        sub.receive({**m, "handle": {**m["handle"], "size": HEAD}})
+        sub.receive({**m, "handle": {**m["handle"], "size": data_start(len(m["bucket_bytes"]))}})
     with pytest.raises(TransportError, match="truncated or mislabelled"):
         sub.receive({**m, "handle": {**m["handle"], "size": m["handle"]["size"] + 64}})
     with pytest.raises(ManifestError, match="is for channel 'shm', this receiver is 'zmq'"):
