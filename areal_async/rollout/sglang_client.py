@@ -108,6 +108,7 @@ class SGLangClient(HTTPServerClient):
         self.adapter: Optional[str] = None  # the loaded adapter's name; every /generate names it
         self.group = None
         self.group_name = ""
+        self._packed: Optional[torch.Tensor] = None  # the bucket buffer (_bucket_buffer), kept across versions
 
     # ---- generation ----------------------------------------------------------------------
     def generate_body(self, rid: str, input_ids: list[int], max_new_tokens: int, req: GenRequest) -> dict:
@@ -170,17 +171,25 @@ class SGLangClient(HTTPServerClient):
         try:
             for i, b in enumerate(buckets):
                 body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
-                flat = b.flat().to("cuda" if self.group_backend == "nccl" else "cpu")
+                flat = b.flat(self._bucket_buffer(b.nbytes)).to("cuda" if self.group_backend == "nccl" else "cpu")
                 post = (self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s)
                 with _Background(*post) as req:
                     self._broadcast(flat, req)
                 req.result()
         except BaseException:
+            self._packed = None  # a broadcast left pending in an abandoned group may still read it: never reused
             if self.session:
                 self._end_quietly()
             raise
         if self.session:
             self._call("POST", "/end_weight_update", {})
+
+    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        """One buffer, as large as the largest bucket yet, that every bucket of every version is packed into: a
+        bucket's broadcast has ended (``_broadcast`` waits for it) before the next one is packed."""
+        if self._packed is None or self._packed.numel() < nbytes:
+            self._packed = torch.empty(nbytes, dtype=torch.uint8)
+        return self._packed
 
     def _broadcast(self, flat: torch.Tensor, req: "_Background") -> None:
         """Broadcast one bucket while the server's HTTP call runs; a server that answers without joining (a

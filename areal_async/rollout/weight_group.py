@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -108,9 +109,17 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def flat(self) -> torch.Tensor:
-        """The bytes rank 0 broadcasts: tensors back to back, as FlattenedTensorBucket packs them."""
-        return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self.tensors])
+    def flat(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The bytes rank 0 broadcasts: tensors back to back, as FlattenedTensorBucket packs them; written into
+        the front of ``out`` (uint8, >= ``nbytes``) when given, and that view returned. A buffer kept across
+        buckets and versions is written without page faults: a fresh tensor per 64 MiB bucket cost 6x the copy
+        (0.13B, 242 MiB: 145-165 ms vs 23 ms into a kept buffer, one thread)."""
+        parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self.tensors]
+        if out is None:
+            return torch.cat(parts)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < self.nbytes:
+            raise ValueError(f"out: {out.dtype} {tuple(out.shape)}, expected a 1-D uint8 tensor of >= {self.nbytes}")
+        return torch.cat(parts, out=out[: self.nbytes])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
