@@ -348,8 +348,11 @@ def run_rows(peer, pairs: list[tuple[str, str]], reps: int, bound: Copier, weigh
     return out
 
 
+SHOWN = ("channel", "pause", "pack", "wire", "load", "check", "resume", "generate")  # rest: other, session, kv
+
+
 def _ph(name: str) -> Col:
-    return Col(name, 8, lambda r: r["phases"].get(f"{name}_s", 0.0) * 1e3, ".1f")
+    return Col(name, 8, lambda r: None if f"{name}_s" not in r["phases"] else r["phases"][f"{name}_s"] * 1e3, ".1f")
 
 
 COLUMNS = [
@@ -358,7 +361,8 @@ COLUMNS = [
     Col("size", 10, lambda r: human_bytes(r["bytes"])),
     Col("p50 ms", 8, lambda r: r["p50_s"] * 1e3, ".1f"),
     Col("last ms", 8, lambda r: r["phased_total_s"] * 1e3, ".1f"),
-    *[_ph(k) for k in ("channel", "pause", "pack", "wire", "load", "check", "resume", "generate", "other")],
+    *[_ph(k) for k in SHOWN],
+    Col("rest", 8, lambda r: (r["phased_total_s"] - sum(r["phases"].get(f"{k}_s", 0.0) for k in SHOWN)) * 1e3, ".1f"),
     Col("server load", 11, lambda r: r["server_load_s"] * 1e3, ".1f"),
     Col("from", 6, lambda r: r["server_load_source"]),
     Col("start s", 8, lambda r: r["start_s"], ".1f"),
