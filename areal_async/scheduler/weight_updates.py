@@ -5,8 +5,10 @@
 phases are those of the worker that loaded last (they add up to the total, but for the engine's
 few microseconds outside its own split):
 
-- ``publish_s``: trainer, t_ready -> WeightsPublished sent (gather, pack, checksum; for shm/zmq the
-  bytes are in place by then; for gloo/nccl they move after it, in the receive phase);
+- ``publish_s``: trainer, t_ready -> WeightsPublished sent (gather, pack, checksum; for zmq, and shm
+  states under 4 MiB, the bytes are in place by then; for larger shm states the pack goes on after it,
+  overlapped with the workers' verification, and for gloo/nccl the bytes move after it: both then
+  count in the receive phase);
 - ``notify_s``: the message's hop through the scheduler to the worker;
 - ``receive_s``: the worker's channel ``receive`` (wire, checksums verified);
 - ``queue_s``: waiting for the engine thread to reach a step boundary;
