@@ -22,6 +22,11 @@ the trainer side / rollout receiver):
   also carry a second bound, unchanged ``ratio`` beside it: ``memcpy_gbps`` (a libc memmove of the
   same bytes, ``np.copyto``, sampled right after the first; here ~15-20 % faster than ``copy_``,
   since glibc's large copies skip reading the destination) and ``ratio_memcpy`` (table: r_mc).
+  With gloo on CPU, a third reference: ``wire_bound``, the same bytes over loopback TCP (gloo's wire
+  between two processes of one host; ``benchmarks/common/wire.py``), and a line per gloo weight
+  row with its speed as a fraction of it.
+- weight sync (shm, since the receivers verify while the publisher packs): the receiver's phases are
+  wait (for the stamps of buckets not yet written), verify, lock, unflatten.
 - weight sync: from ``publish_begin`` on the trainer to ``receive`` returning (verified) on
   the rollout side, for synthetic Qwen2-shaped bf16 state dicts from a tiny model (0.6M params)
   up to 1.5B; gloo/nccl also with ``pipeline=False`` to show the pack/broadcast overlap. Each
@@ -88,6 +93,7 @@ from benchmarks.common.peers import Peer
 from benchmarks.common.plot import transfer_plot
 from benchmarks.common.rows import Col, human_bytes, print_table, write_rows
 from benchmarks.common.timing import Copier, memcpy_row, memcpy_seconds, stats
+from benchmarks.common.wire import WIRE_OPS, of_wire, wire_row
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_MAX_BYTES = 256 * MiB
@@ -219,12 +225,14 @@ def run(opts: Opts) -> list[dict]:
     rows = [memcpy_row(size, memcpy_seconds(size, opts.device, opts.reps(size)), opts.device) for size in opts.sizes]
     weight_bound = Copier(max(opts.sizes), opts.device)
     cases = len(opts.transports) * (len(opts.sizes) + 1 + len(opts.models))
-    ops = {**CHANNEL_OPS, **B.BACKEND_OPS}
+    ops = {**CHANNEL_OPS, **B.BACKEND_OPS, **WIRE_OPS}
     with Peer(opts.device, ops) as peer, tqdm(total=cases, desc="transfer_latency", unit="case") as bar:
         for kind in opts.transports:
             rows += run_transfers(peer, kind, opts, bar)
             rows += run_weights(peer, kind, opts, weight_bound, bar)
         rows += B.run_rows(peer, opts.backends, opts.weight_reps, weight_bound, weight_row)
+        if "gloo" in opts.transports and opts.device == "cpu":  # gloo's wire here: loopback TCP
+            rows.append(wire_row(peer, max(opts.sizes), 3 if opts.quick else 5, weight_bound))
     return [info] + rows
 
 
@@ -446,8 +454,8 @@ COLUMNS = [
 ]
 
 
-WEIGHT_METRICS = ("transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora", "weight_sync_delta",
-                  "weight_sync_backend")  # fmt: skip
+WEIGHT_METRICS = ("wire_bound", "transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora",
+                  "weight_sync_delta", "weight_sync_backend")  # fmt: skip
 
 
 def show(rows: list[dict]) -> None:
@@ -469,6 +477,8 @@ def show(rows: list[dict]) -> None:
                 f"{r['wire_bytes'] / 2**20:.1f} MiB on the wire, {r['bytes_ratio']:.0f}x fewer bytes; "
                 f"{r['time_ratio']:.2f}x the speed of the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
             )
+    for line in of_wire(rows):
+        print(line)
     for note in rows[0].get("notes", []):
         print("note:", note)
     if any(r["metric"] == "weight_sync_backend" for r in rows):
