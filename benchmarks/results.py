@@ -144,11 +144,33 @@ def generic(rows: list[dict]) -> list[str]:
     return md_table(["metric", "value", "unit"] + (["note"] if noted else []), lines)
 
 
+def transfer_latency(rows: list[dict]) -> list[str]:
+    """Weight-sync rows (and the loopback TCP reference): p50, GB/s, the copy bound, ratio, and the
+    memmove bound's ratio where the run took it."""
+    lines = [
+        [
+            r.get("transport", ""),
+            r.get("model") or r.get("payload", ""),
+            "" if r.get("pipeline", True) else "serial",
+            str(r.get("repeats", "")),
+            _f(r["p50_s"] * 1e3, ".1f"),
+            _f(r["gbps"], ".2f"),
+            _f(r["bound_gbps"], ".2f"),
+            _f(r["ratio"], ".2f"),
+            _f(r.get("ratio_memcpy"), ".2f"),
+        ]
+        for r in rows
+    ]
+    head = ["transport", "model", "", "versions", "p50 ms", "GB/s", "bound GB/s", "ratio", "memmove ratio"]
+    return md_table(head, lines)
+
+
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
     ("benchmarks.overhead", lambda m: m.startswith("fleet_vs_inprocess"), overhead),
     ("benchmarks.data_path", lambda m: m.startswith(("boba_batch", "scheduler_")), data_path),
     ("benchmarks.async_speedup", lambda m: m == "trained_samples_per_s", async_speedup),
     ("benchmarks.trainer_ranks", lambda m: m.startswith("tokens_per_s_"), trainer_ranks),
+    ("benchmarks.transfer_latency", lambda m: m in ("weight_sync", "wire_bound"), transfer_latency),
 ]
 ORDER = [name for name, _, _ in RENDERERS]
 

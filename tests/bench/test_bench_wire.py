@@ -71,3 +71,19 @@ def test_the_sink_rejects_nothing_of_a_small_payload(size):
         assert s.recv(1) == b"k"
     t.join(10)
     assert out == {"ret": {"ok": True}}
+
+
+def test_results_renders_weight_rows_with_both_bounds():
+    from benchmarks.results import recognise, transfer_latency
+
+    rows = [
+        {"metric": "weight_sync", "transport": "shm", "model": "0.13B", "pipeline": True, "repeats": 9,
+         "p50_s": 0.0476, "gbps": 5.44, "bound_gbps": 10.83, "ratio": 0.5023, "ratio_memcpy": 0.52},
+        {"metric": "wire_bound", "transport": "tcp", "payload": "loopback TCP", "repeats": 3,
+         "p50_s": 0.0846, "gbps": 3.17, "bound_gbps": 8.61, "ratio": 0.368},
+    ]  # fmt: skip
+    assert recognise(rows) == "benchmarks.transfer_latency"
+    assert transfer_latency(rows)[2:] == [
+        "| shm | 0.13B |  | 9 | 47.6 | 5.44 | 10.83 | 0.50 | 0.52 |",
+        "| tcp | loopback TCP |  | 3 | 84.6 | 3.17 | 8.61 | 0.37 | - |",
+    ]
