@@ -258,7 +258,7 @@ class ShmWeightChannel(WeightChannel):
             try:
                 reader.verify(bufs)
                 return lease, bufs
-            except TransportError:
+            except _Mismatch:
                 del self._maps[reader.name]  # maybe a page this receiver wrote: read it again through a fresh map
         seg = Segment.open(reader.name, size, private=True)
         lease, bufs = _views(seg, reader.layout)
@@ -274,6 +274,12 @@ class ShmWeightChannel(WeightChannel):
             del self._maps[gone]
         while len(self._maps) > POOL + 1:
             self._maps.popitem(last=False)
+
+
+class _Mismatch(TransportError):
+    """A bucket whose bytes do not sum to the checksum the publisher wrote (through a kept mapping: maybe a
+    page this receiver wrote, so it is read once more through a fresh one; a wait that timed out or a
+    publisher that stopped is not retried)."""
 
 
 class _Reader:
@@ -361,7 +367,10 @@ class _Reader:
             t0 = time.perf_counter()
             got = B.checksum(buf, self.algo)
             self.summing += time.perf_counter() - t0
-            B.compare([got], [want], self.algo, self.version, [buf.numel()], first=k)
+            try:
+                B.compare([got], [want], self.algo, self.version, [buf.numel()], first=k)
+            except TransportError as e:
+                raise _Mismatch(str(e)) from None
 
 
 def _handle(h: dict, layout_: B.Layout) -> tuple[str, int]:
