@@ -325,8 +325,18 @@ def _snapshot(svc, fleet_pid: int) -> dict:
         "fleet_cpu": proc_cpu_s(fleet_pid) or 0.0,
         "received": dict(svc.received),
         "step": svc.core.next_step,
+        "version": svc.core.version,
+        "owed": weights_owed(svc.core),
         "samples": svc.core.ledger.n_trained,
     }
+
+
+def weights_owed(core) -> int:
+    """WeightsLoaded the rollout workers still owe: per worker, the versions the trainer has
+    finished that it has not acknowledged. A window's ``weights_loaded`` count is then exactly
+    ``n_rollouts * versions advanced - (owed at its end - owed at its start)``: what the per-step
+    mix cannot hold to better than the acknowledgements in flight at its two ends."""
+    return sum(core.version - r.loaded_version for r in core.rollouts.values())
 
 
 def _window(a: dict, b: dict, svc) -> dict:
@@ -347,4 +357,7 @@ def _window(a: dict, b: dict, svc) -> dict:
         "steps_per_s": steps / wall,
         "samples_trained_per_s": (b["samples"] - a["samples"]) / wall,
         "mix_per_step": per_step(received, steps),
+        "received": received,
+        "versions": b["version"] - a["version"],
+        "weights_owed": [a["owed"], b["owed"]],
     }
