@@ -148,4 +148,9 @@ def test_the_real_service_takes_the_null_fleets_mix_with_no_refusal():
     owed_start, owed_end = m["weights_owed"]
     assert 0 <= owed_start and 0 <= owed_end
     assert m["received"]["weights_loaded"] == 2 * m["versions"] - (owed_end - owed_start)
-    assert per_step["heartbeat"] == pytest.approx(1.39, abs=2 / m["steps"])
+    # 1.39 heartbeats a step, sent by the fleet right after each TrainStepDone (the exact count is
+    # test_the_null_fleet_trains_publishes_and_beats_as_the_mix_says'): off by at most 1 for the fraction carried,
+    # plus up to 2 a step for the steps whose heartbeats were still in flight at either end (no more
+    # steps than those whose acknowledgements were, the heartbeats being sent before them, plus one)
+    slack = 1 + 2 * (1 + max(owed_start, owed_end))
+    assert per_step["heartbeat"] == pytest.approx(1.39, abs=slack / m["steps"])
