@@ -59,7 +59,6 @@ JSON rows: ``metric``, ``value``, ``unit`` always; transfer and weight rows also
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -91,9 +90,10 @@ from benchmarks.common.channels import (
 from benchmarks.common import backends as B
 from benchmarks.common.peers import Peer
 from benchmarks.common.plot import transfer_plot
-from benchmarks.common.rows import Col, human_bytes, print_table, write_rows
+from benchmarks.common.rows import write_rows
+from benchmarks.common.transfer_table import show
 from benchmarks.common.timing import Copier, memcpy_row, memcpy_seconds, stats
-from benchmarks.common.wire import WIRE_OPS, of_wire, wire_row
+from benchmarks.common.wire import WIRE_OPS, wire_row
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_MAX_BYTES = 256 * MiB
@@ -428,76 +428,6 @@ def weight_row(
 def _memcpy_ratio(gbps: float, memcpy_gbps: Optional[float]) -> dict:
     """The second bound (libc memmove, CPU), beside ``ratio`` whose bound (``copy_``) is unchanged."""
     return {} if not memcpy_gbps else {"memcpy_gbps": memcpy_gbps, "ratio_memcpy": gbps / memcpy_gbps}
-
-
-# --- table ------------------------------------------------------------------------------------
-
-
-def _what(r: dict) -> str:
-    e2e = {"weight_sync_e2e": " e2e", "weight_sync_lora": f" lora r{r.get('rank')}", "weight_sync_delta": " delta",
-           "weight_sync_backend": f" {r.get('backend')}"}  # fmt: skip
-    e2e = e2e.get(r["metric"], "")
-    return r.get("payload") or f"w:{r['model']}" + ("" if r.get("pipeline", True) else " serial") + e2e
-
-
-COLUMNS = [
-    Col("transport", 9, lambda r: r["transport"], left=True),
-    Col("payload", 13, _what, left=True),
-    Col("size", 10, lambda r: human_bytes(r["bytes"])),
-    Col("p50 ms", 10, lambda r: r["p50_s"] * 1e3, ".3f"),
-    Col("p99 ms", 10, lambda r: r["p99_s"] * 1e3, ".3f"),
-    Col("GB/s", 8, lambda r: r["gbps"], ".3f"),
-    Col("bound", 8, lambda r: r["bound_gbps"], ".3f"),
-    Col("ratio", 6, lambda r: r["ratio"], ".2f"),
-    Col("memcpy", 7, lambda r: r.get("memcpy_gbps", math.nan), ".2f"),
-    Col("r_mc", 5, lambda r: r.get("ratio_memcpy", math.nan), ".2f"),
-]
-
-
-WEIGHT_METRICS = ("wire_bound", "transfer_latency", "weight_sync", "weight_sync_e2e", "weight_sync_lora",
-                  "weight_sync_delta", "weight_sync_backend")  # fmt: skip
-
-
-def show(rows: list[dict]) -> None:
-    print()
-    print_table(
-        rows,
-        COLUMNS,
-        where=lambda r: r["metric"] in WEIGHT_METRICS,
-    )
-    for r in rows:
-        if r["metric"] == "weight_sync_lora":
-            print(
-                f"lora {r['transport']} {r['model']} r{r['rank']}: {r['bytes_ratio']:.0f}x fewer bytes, "
-                f"{r['time_ratio']:.1f}x less time than the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
-            )
-        if r["metric"] == "weight_sync_delta":
-            print(
-                f"delta {r['transport']} {r['model']} ({r['changed_fraction']:.0%} of elements moved): "
-                f"{r['wire_bytes'] / 2**20:.1f} MiB on the wire, {r['bytes_ratio']:.0f}x fewer bytes; "
-                f"{r['time_ratio']:.2f}x the speed of the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
-            )
-    for line in of_wire(rows):
-        print(line)
-    for note in rows[0].get("notes", []):
-        print("note:", note)
-    if any(r["metric"] == "weight_sync_backend" for r in rows):
-        print_table(rows, B.COLUMNS, where=lambda r: r["metric"] == "weight_sync_backend")
-    for r in rows:
-        phased = r["metric"] in ("weight_sync", "weight_sync_e2e", "weight_sync_delta")
-        if phased and (r["pub_phases"] or r["recv_phases"]):
-            print(f"phases {r['transport']} {_what(r)} (ms): publisher {_ms(r['pub_phases'])}; "
-                  f"receiver {_ms(r['recv_phases'])}" + _engine_ms(r))  # fmt: skip
-
-
-def _ms(phases: dict) -> str:
-    return ", ".join(f"{k[:-2]} {v * 1e3:.1f}" for k, v in phases.items()) or "-"
-
-
-def _engine_ms(r: dict) -> str:
-    if r["metric"] != "weight_sync_e2e":
-        return ""
-    return f"; engine load {r['load_s'] * 1e3:.1f}, KV recompute {r['recompute_s'] * 1e3:.1f}"
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
