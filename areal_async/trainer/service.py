@@ -81,6 +81,7 @@ from areal_async.base.aio import TaskSet
 log = logging.getLogger("areal_async.trainer")
 
 
+VERSIONS_KEPT = 2  # weight versions held at once (a slow reader may still be on the previous one)
 INLINE_PUBLISH_BYTES = 4 << 20  # a state dict up to this size is packed on the loop, not in a thread
 # how long a HeldQuery waits for a dead worker's tensors still in flight (the socket's kernel buffers
 # deliver what left the process within milliseconds; the receiver thread may be decoding a message)
@@ -150,6 +151,8 @@ class TrainerService:
         self.buffer.thread.start()
         try:
             await self.publish(self.version)
+            # the kept versions and the one being written: made while the first step trains (shm)
+            self.weights.prewarm(VERSIONS_KEPT + 1)
             await self.control.send(TrainerReady(version=self.version, next_step=self.next_step))
             await self.evaluate()
             tasks, stop = TaskSet(), asyncio.Event()
@@ -323,8 +326,8 @@ class TrainerService:
         if isinstance(sd, ShardedWeights):
             await loop.run_in_executor(None, sd.finish)  # the buckets the channel skipped: every rank gathers all
         self.publish_s = time.perf_counter() - t
-        if version >= 2:
-            self.weights.release(version - 2)  # keep two: a slow reader may still be on the previous one
+        if version >= VERSIONS_KEPT:
+            self.weights.release(version - VERSIONS_KEPT)
 
     async def train(self, plan: BatchPlan) -> None:
         if plan.step != self.next_step:

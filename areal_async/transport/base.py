@@ -96,6 +96,11 @@ class WeightChannel(ABC):
     def release(self, version: int) -> None:  # noqa: B027 (optional: a no-op by default)
         """Free what ``version`` still holds (segments, buffers); unknown versions are ignored."""
 
+    def prewarm(self, versions: int) -> None:  # noqa: B027 (optional: a no-op by default)
+        """Publisher, after a first ``publish_end``: get room for ``versions`` versions of the last
+        one's size held at once, in the background, so later publications find it warm (shm: its
+        pooled segments). A no-op where a channel's buffers are already warm after one version."""
+
     def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Release everything; idempotent."""
 
