@@ -146,7 +146,9 @@ def generic(rows: list[dict]) -> list[str]:
 
 def transfer_latency(rows: list[dict]) -> list[str]:
     """Weight-sync rows (and the loopback TCP reference): p50, GB/s, the copy bound, ratio, and the
-    memmove bound's ratio where the run took it."""
+    memmove bound's ratio where the run took it. A row that times nothing (the run's ``run_info``)
+    has no line."""
+    rows = [r for r in rows if "p50_s" in r]
     lines = [
         [
             r.get("transport", ""),

@@ -81,6 +81,7 @@ def test_results_renders_weight_rows_with_both_bounds():
          "p50_s": 0.0476, "gbps": 5.44, "bound_gbps": 10.83, "ratio": 0.5023, "ratio_memcpy": 0.52},
         {"metric": "wire_bound", "transport": "tcp", "payload": "loopback TCP", "repeats": 3,
          "p50_s": 0.0846, "gbps": 3.17, "bound_gbps": 8.61, "ratio": 0.368},
+        {"metric": "run_info", "value": 0, "unit": "", "notes": ["a whole run's --json holds one"]},
     ]  # fmt: skip
     assert recognise(rows) == "benchmarks.transfer_latency"
     assert transfer_latency(rows)[2:] == [
