@@ -14,4 +14,3 @@ def policy_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     if cfg.path:
         return load_tokenizer(cfg.path)
     return build_bpe_tokenizer() if cfg.tokenizer == "bpe" else build_char_tokenizer()
-

@@ -248,7 +248,13 @@ class SGLangClient(HTTPServerClient):
         # the group's keys (weight_group.bound_store): the name travels only in the key-authenticated request
         self.group_name = f"areal-{self.name}-{os.getpid()}-{next(_EPOCHS)}-{secrets.token_hex(16)}"
         with _Background(
-            W.init_custom_group, self.group_backend, self.group_host, port, 0, world, self.group_name,
+            W.init_custom_group,
+            self.group_backend,
+            self.group_host,
+            port,
+            0,
+            world,
+            self.group_name,
             self.update_timeout_s,
         ) as rank0:
             self._call("POST", "/init_weights_update_group", self.init_body(port, world), self.update_timeout_s)
@@ -275,7 +281,6 @@ class SGLangClient(HTTPServerClient):
             {"model_path": str(d), "weight_version": str(version), "flush_cache": True},
             self.update_timeout_s,
         )
-
 
     def _load_adapter(self, version: int, sd: dict[str, torch.Tensor]) -> None:
         """A LoRA run's update (``sglang_lora.py``): the base once, then this version's adapter by name."""

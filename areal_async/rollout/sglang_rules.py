@@ -28,9 +28,7 @@ Read from the sglang 0.5.23 wheel (``pip download sglang==0.5.23``):
 
 from __future__ import annotations
 
-OUTSIDE_SESSION = (
-    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
-)
+OUTSIDE_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
 BEGIN_TWICE = "a weight-update session is already open; call end_weight_update() first"
 END_WITHOUT = "no weight-update session is open; call begin_weight_update() first"
 FLUSH_REFUSED = (

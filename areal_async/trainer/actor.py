@@ -223,10 +223,7 @@ class PPOActor:
         forward of their own), one rank (the others would need the batch) and no proximal forward
         of its own (it comes from the update's, or is not recomputed)."""
         return (
-            self.cfg.ppo_n_minibatches == 1
-            and self.cfg.kl_ctl == 0
-            and not self.dp.active
-            and not self._prox_forward
+            self.cfg.ppo_n_minibatches == 1 and self.cfg.kl_ctl == 0 and not self.dp.active and not self._prox_forward
         )
 
     @property

@@ -309,9 +309,7 @@ class ShardedWeights(Mapping):
     ``gather_all`` on a view built with the same ``bucket_bytes``.
     """
 
-    def __init__(
-        self, model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, state: Optional[dict] = None
-    ):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, bucket_bytes: int, state: Optional[dict] = None):
         """``state``: the tensors to publish by name (a LoRA adapter's), instead of ``model.state_dict()``."""
         self._params = dict(model.state_dict() if state is None else state)
         self._dtype = dtype

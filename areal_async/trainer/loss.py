@@ -234,8 +234,10 @@ def agg_scale(
         if not max_new_tokens:
             raise ValueError("loss_agg_mode=seq-mean-token-sum-norm needs max_new_tokens (the constant normaliser)")
         return (m / (n * max_new_tokens)).float()
-    raise ValueError(f"loss_agg_mode={mode!r}: expected token-mean, seq-mean-token-sum, seq-mean-token-mean "
-                     "or seq-mean-token-sum-norm")
+    raise ValueError(
+        f"loss_agg_mode={mode!r}: expected token-mean, seq-mean-token-sum, seq-mean-token-mean "
+        "or seq-mean-token-sum-norm"
+    )
 
 
 def loglinear_prox(

@@ -428,6 +428,7 @@ def forward_packed(
     next_T = torch.roll(packed.ids_T, -1)
     head = _head(model) if 0 < chunk_tokens < packed.ids_T.numel() else None
     if head is not None:
+
         def fused(h_TE, w, b):
             return head_logprobs(h_TE, w, b, next_T, temperature, chunk_tokens, with_entropy, entropy_grad)
 

@@ -110,9 +110,7 @@ class GlooGroup(Group):
     name = "gloo"
     device = torch.device("cpu")
 
-    def __init__(
-        self, *, rank: int, world_size: int, store: str, name: str, timeout_s: float = 300.0, lanes: int = 1
-    ):
+    def __init__(self, *, rank: int, world_size: int, store: str, name: str, timeout_s: float = 300.0, lanes: int = 1):
         """``lanes``: gloo groups (each its own connections and thread) that broadcasts take in turn; every
         rank must pass the same number and broadcast the same buffers in the same order."""
         import torch.distributed as dist

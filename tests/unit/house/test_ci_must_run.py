@@ -7,7 +7,7 @@ from tests.conftest import MUST_RUN_ENV, must_run
 
 pytest_plugins = ["pytester"]
 
-SKIPPING = '''
+SKIPPING = """
 import pytest
 
 def test_needs_a_tool():
@@ -15,7 +15,7 @@ def test_needs_a_tool():
 
 def test_runs():
     assert 1 + 1 == 2
-'''
+"""
 
 
 def _pytest(pytester, monkeypatch, must: str):

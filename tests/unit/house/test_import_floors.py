@@ -26,8 +26,13 @@ FLOORS: dict[int, tuple[str, ...]] = {
     0: ("protocols",),  # wire messages, tensor frames, socket patterns
     1: ("areal_async.base",),  # control client, endpoints, cpu lists, worker process settings, plug-ins
     2: ("areal_async.config",),  # the dataclass configs, loading, overrides
-    3: ("areal_async.data", "areal_async.models", "areal_async.transport", "areal_async.workflows",  # shared by roles
-        "areal_async.supervisor.placement"),  # pure devices-from-config: the supervisor's and each worker's view
+    3: (
+        "areal_async.data",
+        "areal_async.models",
+        "areal_async.transport",
+        "areal_async.workflows",  # shared by roles
+        "areal_async.supervisor.placement",
+    ),  # pure devices-from-config: the supervisor's and each worker's view
     4: ("areal_async.scheduler", "areal_async.rollout", "areal_async.reward", "areal_async.trainer"),  # roles
     5: ("areal_async.supervisor", "areal_async.app", "areal_async.client"),  # launchers; process wiring; BYO workers
     6: ("areal_async.cli", "areal_async.api", "workers"),  # the command line, the Python API; process entry points

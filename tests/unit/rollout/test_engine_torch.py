@@ -525,6 +525,7 @@ def test_the_budget_bounds_the_live_caches_and_changes_no_token():
         peaks[bound] = (most, eng.kv_peak_bytes)
     assert peaks[0][0] == 4 * 3 and peaks[0][1] > budget  # unbounded: every row at once, over the budget
     assert peaks[budget][0] < 4 * 3 and peaks[budget][1] <= budget
+
     def tokens(out):
         return [s.output_ids.tolist() for s in out.samples]
 

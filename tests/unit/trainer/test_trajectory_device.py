@@ -148,6 +148,4 @@ def test_trajectory_buffer_keeps_received_groups_on_the_host():
     with HostCopies() as copies:
         buf._run()  # in this thread (dispatch modes are per thread): one message, then it stops
     assert copies.n == 1 and sorted(buf.items) == ["a", "b"]
-    assert all(
-        t.is_cpu for v in buf.items.values() for t in (v.prompt_ids, v.output_ids, v.logprobs, v.versions)
-    )
+    assert all(t.is_cpu for v in buf.items.values() for t in (v.prompt_ids, v.output_ids, v.logprobs, v.versions))
