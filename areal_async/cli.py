@@ -138,7 +138,8 @@ def _replay(args) -> int:
 
 
 def _verify(args) -> int:
-    """Exit 0 and one summary line when the three sources agree; else 1 and one line per disagreement."""
+    """Exit 0 and one summary line when the sources agree; else 1 and one line per disagreement. A line per
+    start that cut the books says what it rolled back (resumes.json) and how many samples it excused."""
     try:
         rep = verify_run(args.run_dir, args.eta)
     except FileNotFoundError as e:
@@ -146,6 +147,8 @@ def _verify(args) -> int:
         return 2
     for line in rep.lines(0 if args.all else 50):
         print(line)
+    for line in rep.rollback_lines():
+        print(f"rolled back: {line}")
     print(f"areal-async verify: {rep.summary()}", file=sys.stdout if rep.ok else sys.stderr)
     return 0 if rep.ok else 1
 

@@ -63,7 +63,6 @@ def overrides(steps: int, kills: int, retries: int) -> list[str]:
         "sft_warmup.steps=10",
         f"train_dataset.batch_size={B}",
         f"gconfig.n_samples={N}",
-        "rollout.dump_to_file=true",
         "rollout.max_head_offpolicyness=1",
         "cluster.heartbeat_s=0.5",
         "cluster.worker_timeout_s=10",

@@ -127,7 +127,6 @@ def overrides(model_dir: Path, data: Path, steps: int) -> list[str]:
         "cluster.n_rollout_workers=1",
         "cluster.n_reward_workers=1",
         "cluster.heartbeat_s=0.2",
-        "rollout.dump_to_file=false",
         "reward.fn=areal_async.reward.exact:exact_match_reward",
         f"total_train_steps={steps}",
         "rollout.max_batch_groups=32",

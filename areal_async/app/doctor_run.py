@@ -38,7 +38,7 @@ class RunData:
     run_dir: Path
     cfg: dict
     rows: list[dict]  # metrics.jsonl's step rows, in order (evaluation rows left out)
-    trajectories: list[dict]  # trajectories.jsonl (empty without rollout.dump_to_file)
+    trajectories: list[dict]  # trajectories.jsonl (every run; older runs without rollout.dump_to_file lack it)
     reward_samples: list[dict]  # reward_samples/*.jsonl (reward/samples.py)
     summary: Optional[dict]
     status: Optional[dict]  # the scheduler's status.json (a live or stopped-mid-run fleet)

@@ -7,6 +7,7 @@ from pathlib import Path
 import zmq.asyncio
 
 from areal_async.app.wiring import control_client, load_run
+from areal_async.base.records import RewardRecord
 from areal_async.reward.pool import RewardPool
 from areal_async.reward.samples import RewardSampleLog
 from areal_async.reward.service import RewardService
@@ -24,4 +25,5 @@ def build_reward(run_dir: str | Path, worker_id: str, index: int) -> RewardServi
         pool,
         cfg.reward.n_procs,
         RewardSampleLog(run_dir, worker_id),
+        RewardRecord(run_dir, worker_id),
     )

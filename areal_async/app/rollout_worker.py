@@ -14,6 +14,7 @@ import zmq.asyncio
 from areal_async.app.channels import trajectory_channel, weight_channel
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base.endpoints import NODE_HOST_ENV
+from areal_async.base.records import RewardRecord
 from areal_async.base.manifest import RunManifest
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, server_addresses
@@ -61,15 +62,15 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
         weights,
         ep.rewards,
         max_active,
-        **workflow_parts(cfg, tok),
+        **workflow_parts(cfg, tok, run_dir, worker_id),
         message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
-        record=RolloutRecord(run_dir, worker_id) if cfg.rollout.dump_to_file else None,  # as the books per sample
+        record=RolloutRecord(run_dir, worker_id),  # every run: what areal-async verify reads
     )
 
 
-def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
-    """The rollout workflow, its tokenizer and its scorer (reward.fn in this worker's own killable
-    processes); nothing for plain sampling."""
+def workflow_parts(cfg: ExperimentConfig, tok, run_dir: str | Path, worker_id: str) -> dict:
+    """The rollout workflow, its tokenizer, its scorer (reward.fn in this worker's own killable
+    processes) and the record of what it scored; nothing for plain sampling."""
     if not cfg.rollout.workflow:
         return {}
     r = cfg.rollout
@@ -80,7 +81,8 @@ def workflow_parts(cfg: ExperimentConfig, tok) -> dict:
     async def score(completion: str, solutions: list) -> float:
         return (await pool.score(completion, solutions)).score
 
-    return {"episodes": episodes, "tokenizer": tok, "score": score}
+    record = RewardRecord(run_dir, worker_id)
+    return {"episodes": episodes, "tokenizer": tok, "score": score, "reward_record": record}
 
 
 def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path | None = None) -> TorchEngine:

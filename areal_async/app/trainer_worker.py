@@ -102,7 +102,7 @@ def _service(cfg, ep, run_dir, worker_id: str, actor, tok, checkpointer, start: 
         total_steps=cfg.total_train_steps,
         forward_ahead_samples=_forward_ahead_samples(cfg, actor),
         # rank 0 holds the whole batch: it alone writes; with the books per sample (areal-async verify)
-        record=TrainerRecord(run_dir, start[0]) if cfg.rollout.dump_to_file else None,
+        record=TrainerRecord(run_dir, start[0]),  # every run: what areal-async verify reads
         recorder=_recorder(cfg, run_dir, start[0]),
     )
 

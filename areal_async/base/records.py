@@ -1,25 +1,31 @@
-"""The workers' own records in the run directory: what the trainer trained, what each rollout produced.
+"""The workers' own records in the run directory: what the trainer trained, what each rollout produced,
+what each reward worker scored.
 
-The scheduler keeps the run's books (``trajectories.jsonl``, ``metrics.jsonl``, ``summary.json``);
-these records are written by the other side of each hand-over, in other processes, so that
-``areal-async verify RUN_DIR`` (``areal_async.app.verify``) can check the books against them:
+The scheduler keeps the run's books (``trajectories.jsonl``, ``metrics.jsonl``, ``summary.json``,
+``resumes.json``); these records are written by the other side of each hand-over, in other processes,
+so that ``areal-async verify RUN_DIR`` (``areal_async.app.verify``) can check the books against them:
 
 - ``trainer_steps.jsonl`` (trainer rank 0, which holds the whole batch; the other ranks train
   their shares of the same broadcast batch and write nothing): one line per trainer step
   (``kind`` "step") with the sample ids in the order trained, each one's min/max per-token
-  policy version and loss-token count as read from the tensors the step used, and whether the
-  optimizer step was applied; and one line (``kind`` "duplicate") per sample id that arrived
-  twice at the trainer's buffer (the second copy refused). A resumed trainer moves the lines of
-  steps at or after its checkpoint's next step to ``trainer_steps.rolled_back.jsonl`` (as the
-  scheduler rolls its books back to the same checkpoint).
-- ``rollout_records/<worker id>.jsonl`` (each rollout worker): one line per group it produced,
-  written and flushed before the group's tensors leave for the trainer: sample ids, per-sample
-  min/max version and output-token count. Nothing is rolled back here: a sample produced after
-  the checkpoint a run resumed from may be in no book (its prompt was re-issued under an id of
-  the resumed run's prefix, ``r<k>-``).
+  policy version, trained-token, output-token and prompt-token counts as read from the tensors the
+  step used, the score each was trained with, and whether the optimizer step was applied; and one
+  line (``kind`` "duplicate") per sample id that arrived twice at the trainer's buffer (the second
+  copy refused). A resumed trainer moves the lines of steps at or after its checkpoint's next step to
+  ``trainer_steps.rolled_back.jsonl`` (as the scheduler rolls its books back to the same checkpoint).
+- ``rollout_records/<worker id>.jsonl`` (each rollout worker): a ``start`` line when the process
+  opens it; a ``loaded`` line per weight version its engine acknowledged loading (written as the
+  ``WeightsLoaded`` leaves); a ``group`` line per group it produced, written and flushed before the
+  group's tensors leave for the trainer: sample ids, per-sample min/max version, output-token (and,
+  for a workflow's episodes, trained-token) counts, the prompt's token count. Nothing is rolled back
+  here: a sample produced after the checkpoint a run resumed from may be in no book (its prompt was
+  re-issued under an id of the resumed run's prefix, ``r<k>-``; ``resumes.json`` says which).
+- ``reward_records/<worker id>.jsonl`` (each reward worker, built-in or brought; a rollout worker
+  for the episodes its workflow scored): one line per group scored, its ids, scores and statuses,
+  written and flushed before the result leaves for the scheduler.
 
-Both are written when the scheduler writes its books per sample (``rollout.dump_to_file``): the
-check needs all three, and a run without them has nothing to check against.
+Every run writes them (a line per group or step; ``rollout.dump_to_file`` is retired): verify
+needs all of them, and a run without them has nothing to check against.
 
 Lines are flushed as written: a SIGKILL loses at most the line being written (the reader drops
 a torn last line).
@@ -29,12 +35,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
+from typing import Sequence
 
 TRAINER_STEPS = "trainer_steps.jsonl"
 TRAINER_ROLLED_BACK = "trainer_steps.rolled_back.jsonl"
 ROLLOUT_DIR = "rollout_records"
+REWARD_DIR = "reward_records"
 # rollout.dump_tensors: the trainer's batches with their tensors, one file per step (trainer/recording.py)
 RECORDING_DIR = "recording"
 RECORDING_HEADER = "header.json"
@@ -46,6 +55,16 @@ def recorded_steps(run_dir: str | Path) -> list[int]:
     if not d.is_dir():
         return []
     return sorted(int(p.stem[5:]) for p in d.glob("step_*.safetensors") if p.stem[5:].isdigit())
+
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def worker_record_path(run_dir: str | Path, folder: str, worker_id: str) -> Path:
+    """``RUN_DIR/<folder>/<worker_id>.jsonl``; ValueError for an id that cannot name a file."""
+    if not _SAFE_ID.fullmatch(worker_id):
+        raise ValueError(f"worker id {worker_id!r} cannot name a record file; expected 1-128 of A-Z a-z 0-9 _ . -")
+    return Path(run_dir) / folder / f"{worker_id}.jsonl"
 
 
 class JsonlRecord:
@@ -67,6 +86,39 @@ class JsonlRecord:
     def close(self) -> None:
         with self._lock:
             self._f.close()
+
+
+class RewardRecord:
+    """``RUN_DIR/reward_records/<worker_id>.jsonl``: what one worker scored, one line per group, written
+    before the result leaves for the scheduler. ``areal-async verify`` holds the scores the books and
+    the trainer used against it: a score that reached the wrong sample on its way (a misaligned message,
+    a mixed-up booking) shows there. Written by the built-in reward workers (``reward/service.py``),
+    brought ones (``client/reward.py``) and rollout workers for the episodes their workflow scored."""
+
+    def __init__(self, run_dir: str | Path, worker_id: str):
+        self.worker = worker_id
+        self.file = JsonlRecord(worker_record_path(run_dir, REWARD_DIR, worker_id))
+
+    def groups(self, scored: Sequence[tuple[str, Sequence[str], Sequence[float], Sequence[str]]]) -> None:
+        """One line per (group id, sample ids, scores, statuses), flushed together."""
+        self.file.write(*(reward_line(*g) for g in scored))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def reward_line(group_id: str, sample_ids: Sequence[str], scores: Sequence[float], statuses: Sequence[str]) -> dict:
+    if not len(sample_ids) == len(scores) == len(statuses):
+        raise ValueError(
+            f"group {group_id!r}: {len(sample_ids)} ids, {len(scores)} scores, {len(statuses)} statuses; "
+            "expected one score and status per id"
+        )
+    return {
+        "group_id": group_id,
+        "ids": list(sample_ids),
+        "scores": [float(x) for x in scores],
+        "statuses": list(statuses),
+    }
 
 
 def read_jsonl(path: str | Path) -> tuple[list[dict], list[str]]:

@@ -18,6 +18,7 @@ from protocols.messages import RewardRequest, RewardRequests, RewardResult, Shut
 from protocols.sockets import make_socket, recv_message, run_async
 
 from areal_async.base.control import ControlClient
+from areal_async.base.records import REWARD_DIR, RewardRecord, worker_record_path
 from areal_async.client import connect, join, load_run
 
 __all__ = ["RewardWorker", "ScoreFn"]
@@ -48,6 +49,8 @@ class RewardWorker:
         self.worker_id = worker_id or f"external-reward-{slot}-{socket.gethostname()}"
         self.token = join(run_dir, "reward", self.worker_id)
         self.counts = {"ok": 0, "error": 0}
+        worker_record_path(run_dir, REWARD_DIR, self.worker_id)  # an id that cannot name its record fails here
+        self.record: RewardRecord | None = None  # what it scored, opened when it serves (base/records.py)
 
     def run(self) -> int:
         """Serve until the run ends (0)."""
@@ -63,6 +66,7 @@ class RewardWorker:
                 f"cannot serve reward slot {self.slot} at {self.endpoint} ({e}): has the fleet in {self.run_dir} ended?"
             ) from e
         control = connect(ctx, self.cfg, self.ep, "reward", self.worker_id, token=self.token)
+        self.record = RewardRecord(self.run_dir, self.worker_id)
         try:
             await control.register(info={"external": True, "slot": self.slot})
             log.info("%s registered; serving %s", self.worker_id, self.endpoint)
@@ -71,6 +75,7 @@ class RewardWorker:
             control.close()
             pull.close(0)
             ctx.term()
+            self.record.close()
         return 0
 
     async def _serve(self, control: ControlClient, pull) -> None:
@@ -89,6 +94,7 @@ class RewardWorker:
         for _, status, _ in outs:
             self.counts[status] += 1
         control.stats.update(self.counts)
+        self.record.groups([(req.group_id, req.sample_ids, [o[0] for o in outs], [o[1] for o in outs])])
         await control.send(
             RewardResult(
                 group_id=req.group_id,

@@ -62,7 +62,7 @@ class RolloutWorker:
             ep.rewards,
             max_active_groups,
             message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
-            record=RolloutRecord(run_dir, worker_id) if cfg.rollout.dump_to_file else None,
+            record=RolloutRecord(run_dir, worker_id),
         )
 
     def run(self) -> int:

@@ -169,9 +169,10 @@ class RolloutConfig(Section):
     )
     max_concurrent_rollouts: int = _f(64, "Upper bound on prompt groups generating at once across all rollout workers.")
     dump_to_file: bool = _f(
-        False,
-        "Write RUN_DIR/trajectories.jsonl (one line per trained or aborted sample), and the trainer's and the "
-        "rollout workers' own records beside it (trainer_steps.jsonl, rollout_records/): areal-async verify.",
+        True,
+        "Retired: every run writes RUN_DIR/trajectories.jsonl (one line per trained or aborted sample) and the "
+        "workers' own records beside it (trainer_steps.jsonl, rollout_records/, reward_records/), which "
+        "areal-async verify reads, whatever this says; accepted so that older configs load.",
     )
     dump_tensors: bool = _f(
         False,

@@ -30,6 +30,7 @@ from protocols.sockets import decode_logged, make_socket, recv_message
 from areal_async.reward.pool import RewardPool
 from areal_async.reward.samples import RewardSampleLog
 from areal_async.base.control import ControlClient
+from areal_async.base.records import RewardRecord
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.reward")
@@ -54,9 +55,13 @@ class RewardService:
         pool: RewardPool,
         n_procs: int,
         samples: RewardSampleLog | None = None,
+        record: RewardRecord | None = None,
     ):
+        """``record``: this worker's own record of what it scored (``base/records.py``), each group's
+        line written before its result goes out."""
         self.worker_id, self.control, self.pool = worker_id, control, pool
         self.samples = samples  # a few scored completions for `areal-async doctor` (reward/samples.py)
+        self.record = record
         self.pull = make_socket(ctx, zmq.PULL, bind=bind)
         self.queued = zmq.Socket.shadow(self.pull.underlying)  # the same socket, read without a Future per frame
         self.n_procs = n_procs
@@ -86,6 +91,8 @@ class RewardService:
             self.control.close()  # every socket closed: the context's term() at exit cannot wait on one
             if self.samples is not None:
                 self.samples.close()
+            if self.record is not None:
+                self.record.close()
         return self.exit_code
 
     def _live_stats(self) -> dict:
@@ -150,6 +157,13 @@ class RewardService:
         for req in batch:
             per_group.append(outs[start : start + len(req.completions)])
             start += len(req.completions)
+        if self.record is not None:  # before the result leaves: what this worker scored, id by id
+            self.record.groups(
+                [
+                    (r.group_id, r.sample_ids, [o.score for o in g], [o.status for o in g])
+                    for r, g in zip(batch, per_group)
+                ]
+            )
         await self.control.send(self._results(batch, per_group))
 
     def _results(self, batch: list[RewardRequest], per_group: list[list]) -> RewardResults:

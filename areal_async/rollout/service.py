@@ -56,6 +56,7 @@ from protocols.trajectories import TrajectoryBatch
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
 from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRequest, WorkerEngine
 from areal_async.rollout.record import RolloutRecord
+from areal_async.base.records import RewardRecord
 from areal_async.workflows.base import Episode
 from areal_async.base.control import ControlClient
 from areal_async.base.aio import TaskSet
@@ -189,6 +190,7 @@ class RolloutService:
         score: Optional[ScoreFn] = None,
         message_bytes: int = MESSAGE_BYTES,
         record: Optional[RolloutRecord] = None,
+        reward_record: Optional[RewardRecord] = None,
     ):
         """``decode``: completions' token ids -> their texts, many at once (``models.tokenizer.batch_decoder``).
         ``episodes`` (a workflow's, with the ``tokenizer`` and the ``score`` coroutine it needs; its
@@ -196,7 +198,9 @@ class RolloutService:
         their rewards go to the scheduler from here.
         ``message_bytes``: groups finished in one engine step share a trajectory message up to this
         many payload bytes (a larger group travels alone). ``record``: this worker's own record of
-        the groups it produced (``rollout/record.py``), each written before its tensors go out."""
+        the groups it produced and the versions it loaded (``rollout/record.py``), each group written before
+        its tensors go out; ``reward_record``: the scores a workflow gave its episodes (``base/records.py``),
+        written before they go to the scheduler."""
         self.worker_id, self.control, self.decode = worker_id, control, decode
         self.traj, self.weights = traj_channel, weight_channel
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
@@ -212,7 +216,7 @@ class RolloutService:
         self.tasks: Optional[TaskSet] = None
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="traj-send")  # one thread: sends in order
         self.message_bytes = message_bytes
-        self.record = record
+        self.record, self.reward_record = record, reward_record
 
     # ---- thread -> loop ------------------------------------------------------------------
     def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
@@ -246,8 +250,9 @@ class RolloutService:
                 ch.close()
             self.reward_sock.close(0)
             self.control.close()  # every socket closed: the context's term() at exit cannot wait on one
-            if self.record is not None:
-                self.record.close()
+            for rec in (self.record, self.reward_record):
+                if rec is not None:
+                    rec.close()
         if self.error:
             log.error("%s: exiting non-zero: %s", self.worker_id, self.error)
         return 1 if self.error else 0
@@ -323,6 +328,8 @@ class RolloutService:
             kind, payload = await self.outbox.get()
             if kind == "loaded":
                 version, times = payload
+                if self.record is not None:  # the engine's acknowledgement, as it leaves
+                    self.record.loaded(version)
                 await self.control.send(WeightsLoaded(worker_id=self.worker_id, version=version, times=times))
                 self.control.stats["version"] = version
             elif payload is None:
@@ -428,15 +435,18 @@ class RolloutService:
             turns=[ep.turns for ep in episodes],
         )
         if self.record is not None:
-            self.record.groups([ready])
+            self.record.groups([ready], n_loss=[[len(v) for v in trained]])
         self.traj.send(*episode_batch(req.group_id, sids, episodes).encode())
         await self.control.send(ready)
+        scores = [ep.reward for ep in episodes]
+        if self.reward_record is not None:  # what the workflow scored, before it leaves
+            self.reward_record.groups([(req.group_id, sids, scores, ["ok"] * len(sids))])
         await self.control.send(
             RewardResult(
                 group_id=req.group_id,
                 worker_id=self.worker_id,
                 sample_ids=sids,
-                scores=[ep.reward for ep in episodes],
+                scores=scores,
                 statuses=["ok"] * len(sids),
                 details=[f"workflow: {ep.turns} turn(s)" for ep in episodes],
             )

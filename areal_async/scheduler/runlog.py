@@ -2,7 +2,7 @@
 
 - ``metrics.jsonl``: one object per RL trainer step (step, version, reward_mean, staleness_max,
   samples_trained, wall_s, plus the trainer's own metrics).
-- ``trajectories.jsonl`` (``rollout.dump_to_file``): one object per sample when it ends,
+- ``trajectories.jsonl`` (every run): one object per sample when it ends,
   trained or aborted (id, prompt_id, status, train_step, version_min, version_max, reward...).
 - ``summary.json``: written once at the end.
 

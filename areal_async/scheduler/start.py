@@ -1,5 +1,14 @@
 """What a scheduler starts from: the core over the config's problems, the attempt counter
-(``RUN_DIR/resumes.json``), a checkpoint's books (``extra.json``), the run log rolled back to it."""
+(``RUN_DIR/resumes.json``), a checkpoint's books (``extra.json``), the run log rolled back to it.
+
+``resumes.json`` also keeps, per start of a scheduler in the run directory (``starts``), what its
+books continued from: ``books`` "new" (the first start), "kept" (a rerun without recovery: the books
+go on), "cut" (rolled back: to the ``checkpoint`` it resumed from, or to nothing when there was none).
+A cut to a checkpoint names what the trainer's checkpoint held: the id prefix its ledger issued under
+(``id_prefix``), how many groups it had issued (``groups_issued``: later group numbers of that prefix
+were issued after it), its ``next_step`` and the groups then in flight (``in_flight``, aborted and
+re-issued now). ``areal-async verify`` reads it to tell a sample that a resume rolled back from one
+that was lost."""
 
 from __future__ import annotations
 
@@ -68,11 +77,12 @@ def open_books(
     the run log rolled back to it; a restart from nothing gets ids no earlier start issued."""
     resume = endpoints.resume_from
     ckpt_state = checkpoint_state(resume) if resume else None
-    if ckpt_state is not None or cfg.recover.mode != "disabled":
+    cut_books = ckpt_state is not None or cfg.recover.mode != "disabled"
+    if cut_books:
         # a resumed run continues the books from the checkpoint (nothing, if there is none)
         cut = RunLog.rollback(run_dir, ckpt_state["offsets"] if ckpt_state else {})
         log.info("resuming from %s; rolled back %s lines written after it", resume, cut)
-    runlog = RunLog(run_dir, cfg.rollout.dump_to_file, sinks_from_config(cfg, run_dir))
+    runlog = RunLog(run_dir, True, sinks_from_config(cfg, run_dir))
     core, prompts, task_book = build_core(cfg, tokenize, runlog)
     attempt = next_attempt(run_dir)
     if ckpt_state is None and attempt:
@@ -88,7 +98,8 @@ def open_books(
             core.version,
             len(recovered),
         )
-    save_attempt(run_dir, core.resumes)  # before any id is issued
+    # before any id is issued
+    save_attempt(run_dir, core.resumes, start_entry(core.resumes, attempt, cut_books, resume, ckpt_state))
     return runlog, core, prompts, task_book, ckpt_state
 
 
@@ -101,10 +112,29 @@ def next_attempt(run_dir: Path) -> int:
     return int(json.loads(path.read_text())["resumes"]) + 1
 
 
-def save_attempt(run_dir: Path, resumes: int) -> None:
+def start_entry(resumes: int, attempt: int, cut: bool, resume: Optional[str], ckpt: Optional[dict]) -> dict:
+    """This start's line in ``resumes.json``'s ``starts`` (the module docstring says what each key means)."""
+    books = "cut" if cut else "kept" if attempt else "new"
+    entry = {"attempt": resumes, "books": books, "checkpoint": str(resume) if ckpt is not None else None}
+    if ckpt is None:
+        return entry
+    led = ckpt["ledger"]
+    open_groups = [g["group_id"] for g in led["groups"] if g["status"] not in ("trained", "aborted")]
+    return entry | {
+        "id_prefix": led.get("id_prefix", ""),
+        "groups_issued": int(led["n_groups_issued"]),
+        "next_step": int(ckpt["next_step"]),
+        "in_flight": open_groups,
+    }
+
+
+def save_attempt(run_dir: Path, resumes: int, entry: Optional[dict] = None) -> None:
+    """``resumes.json``: the attempt counter and, appended, this start's ``entry`` (``start_entry``)."""
+    path = Path(run_dir) / "resumes.json"
+    starts = json.loads(path.read_text()).get("starts", []) if path.exists() else []
     tmp = Path(run_dir) / "resumes.json.tmp"
-    tmp.write_text(json.dumps({"resumes": resumes}) + "\n")
-    tmp.replace(Path(run_dir) / "resumes.json")
+    tmp.write_text(json.dumps({"resumes": resumes, "starts": starts + ([entry] if entry else [])}) + "\n")
+    tmp.replace(path)
 
 
 def checkpoint_state(path: str) -> dict:

@@ -2,7 +2,8 @@
 
 Written by trainer rank 0 (the ``TrainerService``), which receives every trajectory and
 broadcasts the batch to the other ranks, from the trajectories the step's ``train_step`` took
-(the tensors themselves, not the rollout's or the scheduler's word about them), before the step's
+(the tensors themselves, not the rollout's or the scheduler's word about them; the scores are those the
+step's plan gave, as trained), before the step's
 ``TrainStepDone`` leaves: a step the scheduler books is in this record unless a crash came
 between the two, and then the resumed trainer rolls the line back (``roll_back_steps``).
 """
@@ -47,6 +48,9 @@ def step_line(
         "vmin": vmin,
         "vmax": vmax,
         "n_tokens": ntok,
+        "n_out": [t.output_ids.numel() for t in trajs],
+        "n_prompt": [t.prompt_ids.numel() for t in trajs],
+        "scores": [t.score for t in trajs],
         "n_loss_tokens": sum(ntok[i] for i in kept),
         "version_min": min(vmin),
         "version_max": max(vmax),

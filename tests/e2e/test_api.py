@@ -19,7 +19,6 @@ FAST = [
     "sft_warmup.steps=10",
     "train_dataset.batch_size=4",
     "gconfig.n_samples=4",
-    "rollout.dump_to_file=true",
     "cluster.heartbeat_s=0.5",
 ]
 

@@ -17,6 +17,12 @@ def exact_match(completion, solutions, strip: bool = False):
     return 1.0 if text in solutions else 0.0
 
 
+def length_parity(completion, solutions):
+    """1.0 for a completion of odd length: mixed scores in a group from an untrained policy (a fleet test
+    that needs unequal scores without the warm-up a real reward would take)."""
+    return float(len(completion) % 2)
+
+
 def sleep_echo(completion, solutions):
     """Sleep ``float(completion)`` seconds, then return ``float(solutions[0])`` (ordering tests)."""
     time.sleep(float(completion))

@@ -1,9 +1,10 @@
 """``areal-async verify``: each fault injected on purpose into a hand-built run directory is caught,
 with its message; the clean directory passes. The expected problems are written out by hand
-from the three sources below (not computed by the checker's code).
+from the sources below (not computed by the checker's code).
 
-The clean run (eta 1): rollout-0 produced groups g0, g1, g2; the trainer trained g0 at step 0
-and g1 at step 1; the books say the same, and g2 aborted as stale.
+The clean run (eta 1): rollout-0 loaded versions 0 and 1 and produced groups g0, g1, g2 (prompts of 2
+tokens); reward-0 scored them (SCORES); the trainer trained g0 at step 0 and g1 at step 1; the books
+say the same, and g2 aborted as stale. resumes.json: one start, books new.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ PRODUCED = [  # (group, ids, vmin, vmax, n_tokens)
     ("g1", ["g1.0", "g1.1"], [0, 1], [1, 1], [4, 3]),
     ("g2", ["g2.0", "g2.1"], [0, 0], [0, 0], [2, 2]),
 ]
+SCORES = {"g0.0": 1.0, "g0.1": 0.0, "g1.0": 0.0, "g1.1": 1.0, "g2.0": 1.0, "g2.1": 1.0}
+SCORES |= {"g3.0": 0.0, "g3.1": 0.0, "g4.0": 0.0, "g4.1": 1.0}  # groups some tests add
+PROMPT = 2  # tokens of every prompt
 
 
 def step(k: int, ids, vmin, vmax, ntok, skipped=()) -> dict:
@@ -41,6 +45,9 @@ def step(k: int, ids, vmin, vmax, ntok, skipped=()) -> dict:
         "vmin": list(vmin),
         "vmax": list(vmax),
         "n_tokens": list(ntok),
+        "n_out": list(ntok),
+        "n_prompt": [PROMPT] * len(ids),
+        "scores": [SCORES.get(i, 0.0) for i in ids],
         "n_loss_tokens": sum(n for i, n in zip(ids, ntok) if i not in skipped),
         "version_min": min(vmin),
         "version_max": max(vmax),
@@ -59,18 +66,32 @@ def line(sid: str, status: str, k, vmin: int, vmax: int, reason=None) -> dict:
         "train_step": k,
         "version_min": vmin,
         "version_max": vmax,
+        "reward": SCORES.get(sid),
         "reason": reason,
     }
 
 
+def made(gid: str, ids, vmin, vmax, ntok) -> dict:
+    """A rollout record's group line."""
+    return {"kind": "group", "group_id": gid, "ids": ids, "vmin": vmin, "vmax": vmax, "n_tokens": ntok, "n_prompt": 2}
+
+
+def scored(gid: str, ids) -> dict:
+    """A reward record's line: the group's SCORES."""
+    return {"group_id": gid, "ids": ids, "scores": [SCORES[i] for i in ids], "statuses": ["ok"] * len(ids)}
+
+
 STALE = "stale: oldest token version 0 < step 2 - eta 1"
+NO_LINE = "trajectories.jsonl has no line for it, and no start in resumes.json rolled it back"
+FIRST_START = {"attempt": 0, "books": "new", "checkpoint": None}
 
 
 def clean() -> dict:
+    g0, g1, g2 = (made(*x) for x in PRODUCED)
     return {
-        "rollout": [
-            {"group_id": g, "ids": ids, "vmin": lo, "vmax": hi, "n_tokens": n} for g, ids, lo, hi, n in PRODUCED
-        ],
+        "rollout": [{"kind": "start", "pid": 1}, {"kind": "loaded", "version": 0}, g0]
+        + [{"kind": "loaded", "version": 1}, g1, g2],
+        "rewards": [scored(g, ids) for g, ids, *_ in PRODUCED],
         "trainer": [
             step(0, ["g0.0", "g0.1"], [0, 0], [0, 0], [3, 2]),
             step(1, ["g1.0", "g1.1"], [0, 1], [1, 1], [4, 3]),
@@ -89,6 +110,7 @@ def clean() -> dict:
             {"step": 1, "version": 2, "samples_trained": 2},
         ],
         "summary": {"steps": 2, "samples_issued": 6, "samples_trained": 4, "samples_lost": 0},
+        "resumes": {"resumes": 0, "starts": [FIRST_START]},
     }
 
 
@@ -96,12 +118,15 @@ def write(run_dir: Path, src: dict, eta: int = 1) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(f"rollout:\n  max_head_offpolicyness: {eta}\n")
     (run_dir / "rollout_records").mkdir(exist_ok=True)
+    (run_dir / "reward_records").mkdir(exist_ok=True)
     jsonl = lambda rows: "".join(json.dumps(r) + "\n" for r in rows)  # noqa: E731
     (run_dir / "rollout_records" / "rollout-0.jsonl").write_text(jsonl(src["rollout"]))
+    (run_dir / "reward_records" / "reward-0.jsonl").write_text(jsonl(src["rewards"]))
     (run_dir / "trainer_steps.jsonl").write_text(jsonl(src["trainer"]))
     (run_dir / "trajectories.jsonl").write_text(jsonl(src["books"]))
     (run_dir / "metrics.jsonl").write_text(jsonl(src["metrics"]))
     (run_dir / "summary.json").write_text(json.dumps(src["summary"]))
+    (run_dir / "resumes.json").write_text(json.dumps(src["resumes"]))
     return run_dir
 
 
@@ -134,9 +159,7 @@ def test_a_sample_the_trainer_dropped_is_booked_but_not_trained(tmp_path):
 def test_a_sample_the_books_dropped_is_lost(tmp_path):
     src = clean()
     del src["books"][2]  # g2.0's aborted line: the scheduler's own count (summary) still says 0 lost
-    assert check(tmp_path, src) == [
-        Problem("lost", "sample 'g2.0' produced by rollout-0; trajectories.jsonl has no line for it")
-    ]
+    assert check(tmp_path, src) == [Problem("lost", f"sample 'g2.0' produced by rollout-0; {NO_LINE}")]
 
 
 def test_the_summary_lost_count_is_reported(tmp_path):
@@ -147,9 +170,8 @@ def test_the_summary_lost_count_is_reported(tmp_path):
 
 def test_a_group_booked_but_never_trained(tmp_path):
     src = clean()
-    src["rollout"].append(
-        {"group_id": "g3", "ids": ["g3.0", "g3.1"], "vmin": [1, 1], "vmax": [1, 1], "n_tokens": [2, 2]}
-    )
+    src["rollout"].append(made("g3", ["g3.0", "g3.1"], [1, 1], [1, 1], [2, 2]))
+    src["rewards"].append(scored("g3", ["g3.0", "g3.1"]))
     src["books"] += [line("g3.0", "trained", 1, 1, 1), line("g3.1", "trained", 1, 1, 1)]
     src["metrics"][2]["samples_trained"] = 4
     assert check(tmp_path, src) == [
@@ -178,9 +200,8 @@ def test_a_skipped_optimizer_step_booked_as_trained(tmp_path):
 
 def stale_run() -> dict:
     src = clean()
-    src["rollout"].append(
-        {"group_id": "g4", "ids": ["g4.0", "g4.1"], "vmin": [0, 1], "vmax": [2, 2], "n_tokens": [5, 5]}
-    )
+    src["rollout"] += [{"kind": "loaded", "version": 2}, made("g4", ["g4.0", "g4.1"], [0, 1], [2, 2], [5, 5])]
+    src["rewards"].append(scored("g4", ["g4.0", "g4.1"]))
     src["trainer"].append(step(2, ["g4.0", "g4.1"], [0, 1], [2, 2], [5, 5]))
     src["books"] += [line("g4.0", "trained", 2, 0, 2), line("g4.1", "trained", 2, 1, 2)]
     src["metrics"].append({"step": 2, "version": 3, "samples_trained": 2})
@@ -230,7 +251,7 @@ def test_a_trained_line_removed_from_trajectories_jsonl(tmp_path):
     del src["books"][4]  # g1.0
     assert check(tmp_path, src) == [
         Problem("trained_not_booked", "sample 'g1.0' trained at step 1; trajectories.jsonl has no line for it"),
-        Problem("lost", "sample 'g1.0' produced by rollout-0; trajectories.jsonl has no line for it"),
+        Problem("lost", f"sample 'g1.0' produced by rollout-0; {NO_LINE}"),
     ]
 
 
@@ -240,7 +261,8 @@ def test_an_id_changed_in_trajectories_jsonl(tmp_path):
     assert check(tmp_path, src) == [
         Problem("booked_not_trained", "sample 'g0.7' booked trained at step 0; the trainer never trained it"),
         Problem("trained_not_booked", "sample 'g0.1' trained at step 0; trajectories.jsonl has no line for it"),
-        Problem("lost", "sample 'g0.1' produced by rollout-0; trajectories.jsonl has no line for it"),
+        Problem("not_scored", "sample 'g0.7': the books say reward 0.0; no reward record holds it"),
+        Problem("lost", f"sample 'g0.1' produced by rollout-0; {NO_LINE}"),
     ]
 
 
@@ -256,10 +278,10 @@ def test_a_trained_line_turned_aborted_and_a_repeated_line(tmp_path):
 
 def test_a_sample_trained_that_no_rollout_produced(tmp_path):
     src = clean()
-    src["rollout"][0]["ids"] = ["g0.0", "x"]
+    src["rollout"][2]["ids"] = ["g0.0", "x"]
     assert check(tmp_path, src) == [
         Problem("not_produced", "sample 'g0.1' trained at step 0; no rollout record holds it"),
-        Problem("lost", "sample 'x' produced by rollout-0; trajectories.jsonl has no line for it"),
+        Problem("lost", f"sample 'x' produced by rollout-0; {NO_LINE}"),
     ]
 
 
@@ -275,17 +297,164 @@ def test_per_step_counts_in_metrics_jsonl_that_disagree_with_the_trainer(tmp_pat
     ]
 
 
-def test_samples_of_an_epoch_a_resume_rolled_back_are_not_lost(tmp_path):
+def cut_to(attempt: int, prefix: str, groups: int) -> dict:
+    """A start of resumes.json that cut the books to a checkpoint of ``prefix`` that had issued ``groups``."""
+    ckpt = {"checkpoint": "ckpt/step_1", "id_prefix": prefix, "groups_issued": groups, "next_step": 2}
+    return {"attempt": attempt, "books": "cut", **ckpt, "in_flight": ["g4"]}
+
+
+def test_a_sample_in_no_book_is_rolled_back_only_where_resumes_json_says_its_checkpoint_preceded_it(tmp_path):
+    """g5 (group 5 of the first epoch) and r1-g7 (of the second) were produced and are in no book."""
     src = clean()
-    src["rollout"].append(
-        {"group_id": "g5", "ids": ["g5.0", "g5.1"], "vmin": [1, 1], "vmax": [1, 1], "n_tokens": [2, 2]}
+    src["rollout"] += [made("g5", ["g5.0", "g5.1"], [1, 1], [1, 1], [2, 2]), made("r1-g7", ["r1-g7.0"], [1], [1], [2])]
+    lost = [f"sample '{i}' produced by rollout-0; {NO_LINE}" for i in ("g5.0", "g5.1", "r1-g7.0")]
+    assert check(tmp_path, src) == [Problem("lost", m) for m in lost]  # one start: nothing rolled back
+    src["resumes"]["starts"] += [{"attempt": 1, "books": "kept", "checkpoint": None}]  # a rerun that kept its books
+    assert [p.kind for p in verify_run(write(tmp_path / "kept", src)).problems] == ["lost"] * 3
+    # start 1 cut back to a checkpoint of the first epoch that had issued 6 groups: g5 was issued before it
+    src["resumes"]["starts"][1] = cut_to(1, "", 6)
+    assert [p.message for p in verify_run(write(tmp_path / "six", src)).problems] == lost
+    # ... that had issued 5: g5 was issued after it; r1-g7 is of start 1's own epoch
+    src["resumes"]["starts"][1] = cut_to(1, "", 5)
+    rep = verify_run(write(tmp_path / "five", src))
+    assert rep.problems == [Problem("lost", lost[2])] and rep.counts["rolled_back"] == 2
+    # start 2 cut back to a checkpoint of the first epoch (prefix ''): every id of epoch 1 goes with it
+    src["resumes"]["starts"].append(cut_to(2, "", 3))
+    rep = verify_run(write(tmp_path / "two", src))
+    assert rep.ok and rep.counts["rolled_back"] == 3 and rep.counts["resumes"] == 2
+    assert rep.rollback_lines() == [
+        (
+            "start 1: books cut back to ckpt/step_1 (next step 2): ids of prefix (none) from group 5 on, and of every "
+            "earlier prefix; 2 produced sample(s) in no book excused"
+        ),
+        (
+            "start 2: books cut back to ckpt/step_1 (next step 2): ids of prefix (none) from group 3 on, and of every "
+            "earlier prefix; 1 produced sample(s) in no book excused"
+        ),
+    ]
+    # start 2 cut back to a checkpoint of its predecessor's epoch that had issued 8 groups: r1-g7 preceded it
+    src["resumes"]["starts"][2] = cut_to(2, "r1-", 8)
+    assert verify_run(write(tmp_path / "r1", src)).problems == [Problem("lost", lost[2])]
+    # ... to nothing (no checkpoint): every earlier id
+    src["resumes"]["starts"][2] = {"attempt": 2, "books": "cut", "checkpoint": None}
+    rep = verify_run(write(tmp_path / "nothing", src))
+    assert rep.ok and rep.rollback_lines()[1] == (
+        "start 2: books cut back to nothing (no checkpoint): every earlier id; 1 produced sample(s) in no book excused"
     )
-    lost = check(tmp_path, src)
-    assert [p.kind for p in lost] == ["lost", "lost"]  # no resume: they are lost
-    src["rollout"].append({"group_id": "r1-g0", "ids": ["r1-g0.0"], "vmin": [1], "vmax": [1], "n_tokens": [2]})
-    src["books"].append(line("r1-g0.0", "aborted", None, 1, 1, "run_end"))
-    rep = verify_run(write(tmp_path / "run2", src))
-    assert rep.ok and rep.counts["rolled_back"] == 2 and rep.counts["resumes"] == 1
+
+
+def test_resumes_json_without_starts_is_a_source_problem(tmp_path):
+    src = clean()
+    src["resumes"] = {"resumes": 0}  # as written before the starts were kept
+    run_dir = write(tmp_path / "run", src)
+    assert verify_run(run_dir).problems == [
+        Problem("source", f"{run_dir}/resumes.json records no starts (KeyError: 'starts'): no rollback is known")
+    ]
+
+
+def test_a_truncated_tensor_is_caught_by_its_token_counts(tmp_path):
+    src = clean()
+    src["trainer"][1]["n_out"] = [4, 2]  # g1.1's tensors: 2 of its 3 tokens (the trainer trained 2)
+    src["trainer"][1]["n_tokens"] = [4, 2]
+    src["trainer"][0]["n_prompt"] = [2, 1]  # g0.1's prompt cut to 1 token
+    assert check(tmp_path, src) == [
+        Problem(
+            "token_count",
+            "sample 'g0.1' trained at step 0 with prompt tokens 1 (the trainer's tensors); rollout-0 produced 2",
+        ),
+        Problem(
+            "token_count",
+            "sample 'g1.1' trained at step 1 with output tokens 2 (the trainer's tensors); rollout-0 produced 3; "
+            "trained tokens 2 (the trainer's tensors); rollout-0 produced 3",
+        ),
+    ]
+
+
+def test_a_workflows_trained_tokens_are_compared_with_its_loss_tokens(tmp_path):
+    src = clean()
+    src["rollout"][4]["n_loss"] = [2, 3]  # g1.0: 2 of its 4 output tokens are the model's (a workflow episode)
+    assert check(tmp_path, src) == [
+        Problem(
+            "token_count",
+            "sample 'g1.0' trained at step 1 with trained tokens 4 (the trainer's tensors); rollout-0 produced 2",
+        )
+    ]
+    src["trainer"][1]["n_tokens"] = [2, 3]  # the trainer's loss mask trains those 2
+    assert verify_run(write(tmp_path / "run2", src)).ok
+
+
+def test_a_misaligned_score_is_caught_against_the_reward_record(tmp_path):
+    src = clean()
+    src["books"][0]["reward"], src["books"][1]["reward"] = 0.0, 1.0  # g0's scores swapped in the books
+    src["trainer"][1]["scores"] = [1.0, 1.0]  # g1.0 trained with 1.0; reward-0 scored it 0.0
+    assert check(tmp_path, src) == [
+        Problem("score_mismatch", "sample 'g0.0': the books say reward 0.0; scored 1.0 (ok) by reward-0"),
+        Problem("score_mismatch", "sample 'g0.1': the books say reward 1.0; scored 0.0 (ok) by reward-0"),
+        Problem("score_mismatch", "sample 'g1.0': trained at step 1 with score 1.0; scored 0.0 (ok) by reward-0"),
+    ]
+
+
+def test_a_score_no_reward_record_holds_and_a_trained_sample_without_reward(tmp_path):
+    src = clean()
+    src["rewards"] = src["rewards"][:2]  # g2 (aborted) was scored by nobody who recorded it
+    src["books"][4]["reward"] = None  # g1.0 booked trained without a reward
+    assert check(tmp_path, src) == [
+        Problem("not_scored", "sample 'g2.0': the books say reward 1.0; no reward record holds it"),
+        Problem("not_scored", "sample 'g2.1': the books say reward 1.0; no reward record holds it"),
+        Problem("not_scored", "sample 'g1.0' booked trained with no reward"),
+    ]
+
+
+def test_a_version_stamp_the_engine_never_acknowledged_loading(tmp_path):
+    src = clean()
+    src["rollout"][3] = {"kind": "loaded", "version": 2}  # the engine loaded 2, never 1; g1 says it ran on 1
+    assert check(tmp_path, src) == [
+        Problem(
+            "version_unloaded",
+            "sample 'g1.0' stamped versions [0, 1] by rollout-0, whose engine had acknowledged loading 0, 2 "
+            "(this process, before the group)",
+        ),
+        Problem(
+            "version_unloaded",
+            "sample 'g1.1' stamped versions [1, 1] by rollout-0, whose engine had acknowledged loading 0, 2 "
+            "(this process, before the group)",
+        ),
+    ]
+
+
+def test_a_restarted_rollout_worker_judges_its_stamps_by_its_own_loads(tmp_path):
+    src = clean()
+    # the worker restarted before g2 (a new start line) and loaded only version 1: g2's version 0 is not its own
+    src["rollout"][5:5] = [{"kind": "start", "pid": 2}, {"kind": "loaded", "version": 1}]
+    assert check(tmp_path, src) == [
+        Problem(
+            "version_unloaded",
+            f"sample 'g2.{k}' stamped versions [0, 0] by rollout-0, whose engine had acknowledged loading 1 "
+            "(this process, before the group)",
+        )
+        for k in (0, 1)
+    ]
+    src["rollout"][1:] = [src["rollout"][2], *src["rollout"][3:]]  # g0 before any load of the first process
+    assert [p.message.split(", whose")[0] for p in check(tmp_path / "b", src)][:2] == [
+        "sample 'g0.0' stamped versions [0, 0] by rollout-0",
+        "sample 'g0.1' stamped versions [0, 0] by rollout-0",
+    ]
+
+
+def test_records_written_before_the_new_fields_are_source_problems(tmp_path):
+    src = clean()
+    del src["rollout"][0]  # no start line: a record written before the loads were recorded
+    for r in src["trainer"]:
+        del r["n_out"], r["scores"]
+    run_dir = write(tmp_path / "run", src)
+    assert verify_run(run_dir).problems == [
+        Problem(
+            "source",
+            "trainer_steps.jsonl: step 0 lacks n_out, scores (one per sample id); a record written before these "
+            "were recorded cannot be compared",
+        ),
+        Problem("source", "rollout_records/rollout-0.jsonl:2: a group before any start line"),
+    ]
 
 
 def test_a_step_recorded_twice_and_a_wrong_version(tmp_path):
@@ -304,14 +473,12 @@ def test_missing_sources_are_named(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     assert verify_run(run_dir).problems == [
-        Problem(
-            "source",
-            f"{run_dir} has no trajectories.jsonl (the scheduler's books per sample (written with "
-            "rollout.dump_to_file=true))",
-        ),
+        Problem("source", f"{run_dir} has no trajectories.jsonl (the scheduler's books per sample)"),
         Problem("source", f"{run_dir} has no metrics.jsonl (the scheduler's books per step)"),
+        Problem("source", f"{run_dir} has no resumes.json (the scheduler's starts)"),
         Problem("source", f"{run_dir} has no trainer_steps.jsonl (the trainer's record)"),
         Problem("source", f"{run_dir} has no rollout_records/*.jsonl (the rollout workers' records)"),
+        Problem("source", f"{run_dir} has no reward_records/*.jsonl (the reward workers' records)"),
     ]
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         verify_run(tmp_path / "nope")
@@ -336,7 +503,12 @@ def test_the_cli_exits_0_when_the_sources_agree_and_1_naming_each_disagreement(t
     ok_dir = write(tmp_path / "ok", clean())
     assert cli_main(["verify", str(ok_dir)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"areal-async verify: {ok_dir}: the three sources agree: 2 trainer steps, 4 samples trained")
+    assert out.startswith(f"areal-async verify: {ok_dir}: the sources agree: 2 trainer steps, 4 samples trained")
+    # compared: 4 trained samples' counts; 6 books' rewards + 4 trained scores; 6 stamps, 2 loads
+    assert out.rstrip().endswith(
+        "compared: token counts of 4, scores of 10 against 1 reward record(s), version stamps of 6 against 2 "
+        "acknowledged load(s)"
+    )
     src = clean()
     del src["books"][4]
     bad_dir = write(tmp_path / "bad", src)
@@ -344,7 +516,7 @@ def test_the_cli_exits_0_when_the_sources_agree_and_1_naming_each_disagreement(t
     cap = capsys.readouterr()
     assert cap.out.splitlines() == [
         "trained_not_booked: sample 'g1.0' trained at step 1; trajectories.jsonl has no line for it",
-        "lost: sample 'g1.0' produced by rollout-0; trajectories.jsonl has no line for it",
+        f"lost: sample 'g1.0' produced by rollout-0; {NO_LINE}",
     ]
     assert "2 disagreement(s)" in cap.err
     assert cli_main(["verify", str(tmp_path / "nope")]) == 2
@@ -449,6 +621,9 @@ def test_the_step_line_reads_versions_and_loss_tokens_from_the_tensors():
         "vmin": [1, 4, 5],
         "vmax": [3, 4, 5],
         "n_tokens": [3, 1, 2],
+        "n_out": [3, 1, 2],
+        "n_prompt": [1, 1, 1],
+        "scores": [1.0, 1.0, 1.0],
         "n_loss_tokens": 5,
         "version_min": 1,
         "version_max": 5,

@@ -4,6 +4,7 @@ queued together come back together, each with its own scores; a malformed frame 
 is logged and dropped while it keeps serving."""
 
 import asyncio
+import json
 import logging
 
 import msgpack
@@ -19,6 +20,7 @@ from areal_async.reward.pool import RewardPool
 from areal_async.reward.service import RewardService
 from areal_async.rollout.service import reward_batches
 from areal_async.base.control import ControlClient
+from areal_async.base.records import RewardRecord
 
 
 async def next_of(sock, cls, timeout=30.0):
@@ -39,9 +41,9 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
     control_ep, work_ep = ipc_endpoint(tmp_path, "control"), ipc_endpoint(tmp_path, "work")
     scheduler = make_socket(ctx, zmq.ROUTER, bind=control_ep)
     pool = RewardPool(n_procs=2, timeout_s=20.0)
-    svc = RewardService(
-        "reward-0", ControlClient(ctx, control_ep, "reward", "reward-0", heartbeat_s=0.2), ctx, work_ep, pool, n_procs=2
-    )
+    control = ControlClient(ctx, control_ep, "reward", "reward-0", heartbeat_s=0.2)
+    record = RewardRecord(tmp_path, "reward-0")
+    svc = RewardService("reward-0", control, ctx, work_ep, pool, n_procs=2, record=record)
     task = asyncio.create_task(svc.run())
     push = make_socket(ctx, zmq.PUSH, connect=work_ep)
     ident = None  # routing identities are '<id>/<random>': reply to the one that registered
@@ -74,6 +76,15 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         assert res.group_id == "g1" and res.worker_id == "reward-0"
         assert res.sample_ids == ["g1.0", "g1.1", "g1.2", "g1.3"]
         assert res.scores == [1.0, 1.0, 0.0, 0.0] and res.statuses == ["ok"] * 4
+        # the worker's own record of it was on disk when the result arrived (written before it left)
+        assert [json.loads(x) for x in (tmp_path / "reward_records" / "reward-0.jsonl").read_text().splitlines()] == [
+            {
+                "group_id": "g1",
+                "ids": ["g1.0", "g1.1", "g1.2", "g1.3"],
+                "scores": [1.0, 1.0, 0.0, 0.0],
+                "statuses": ["ok"] * 4,
+            }
+        ]
         assert sum("rejected a frame" in r.getMessage() for r in caplog.records) == 2
         assert "parallel lists differ in length" in caplog.text
         assert svc.counts["ok"] == 4

@@ -11,7 +11,7 @@ from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.ledger import GroupState, Ledger, LedgerError, SampleState
 from areal_async.scheduler.runlog import sample_line
-from areal_async.scheduler.start import next_attempt, save_attempt
+from areal_async.scheduler.start import next_attempt, save_attempt, start_entry
 from areal_async.scheduler.status import waiting_for
 
 
@@ -453,6 +453,40 @@ def test_two_attempts_resumed_from_one_checkpoint_issue_different_ids(tmp_path):
     assert ids[0] and ids[1] and [i.split("-", 1)[1] for i in ids[0]] == [i.split("-", 1)[1] for i in ids[1]]
     assert not set(ids[0]) & set(ids[1]) and not set(first) & set(ids[0])
     assert all(i.startswith("r1-") for i in ids[0]) and all(i.startswith("r2-") for i in ids[1])
+
+
+def test_resumes_json_keeps_what_each_start_continued_from(tmp_path):
+    """resumes.json's starts, as areal-async verify reads them: a first start, a resume cut to a checkpoint
+    (its ledger's prefix, groups issued, next step and the groups then open), a restart cut to nothing."""
+    ckpt = {
+        "next_step": 4,
+        "ledger": {
+            "id_prefix": "r1-",
+            "n_groups_issued": 17,
+            "groups": [{"group_id": "r1-g15", "status": "running"}, {"group_id": "r1-g16", "status": "ready"}],
+        },
+    }
+    save_attempt(tmp_path, 0, start_entry(0, 0, False, None, None))
+    save_attempt(tmp_path, 2, start_entry(2, 2, True, "run/checkpoints/step_4", ckpt))
+    save_attempt(tmp_path, 3, start_entry(3, 3, True, None, None))
+    assert json.loads((tmp_path / "resumes.json").read_text()) == {
+        "resumes": 3,
+        "starts": [
+            {"attempt": 0, "books": "new", "checkpoint": None},
+            {
+                "attempt": 2,
+                "books": "cut",
+                "checkpoint": "run/checkpoints/step_4",
+                "id_prefix": "r1-",
+                "groups_issued": 17,
+                "next_step": 4,
+                "in_flight": ["r1-g15", "r1-g16"],
+            },
+            {"attempt": 3, "books": "cut", "checkpoint": None},
+        ],
+    }
+    assert next_attempt(tmp_path) == 4
+    assert start_entry(1, 1, False, None, None)["books"] == "kept"  # a rerun without recovery keeps its books
 
 
 def test_a_restart_without_a_checkpoint_gets_fresh_ids(tmp_path):
