@@ -41,6 +41,9 @@ Each run is headed by its date and label: runs recorded by `record` carry the ho
 figures recorded by hand from the README and the benchmarks' docstrings (`earlier.jsonl`, as they stood
 at `e037664`) carry the date of the commit they measured, and "written down in C" names the commit that
 wrote them down when that is another one. Benchmarks come in a fixed order, runs newest first.
+Under a run's table, a **slower** line flags each absolute time (a p50, or a value in s or ms) more than
+20 % above the same case's in the run before it on the same machine class (`benchmarks/results.py`,
+`slower`): read it with the two runs' loads.
 """
 
 
@@ -145,10 +148,11 @@ def generic(rows: list[dict]) -> list[str]:
 
 
 def transfer_latency(rows: list[dict]) -> list[str]:
-    """Weight-sync rows (and the loopback TCP reference): p50, GB/s, the copy bound, ratio, and the
-    memmove bound's ratio where the run took it. A row that times nothing (the run's ``run_info``)
-    has no line."""
-    rows = [r for r in rows if "p50_s" in r]
+    """Weight-sync rows (and the loopback TCP reference): p50, GB/s, the bound (its samples and their
+    spread where the row has them), ratio, and memmove's GB/s and ratio where the run took it; each
+    ``gloo_fraction_of_wire`` row as a line below; the bound's definition as the rows write it. A row that
+    times nothing (the run's ``run_info``) has no line."""
+    timed = [r for r in rows if "p50_s" in r]
     lines = [
         [
             r.get("transport", ""),
@@ -158,13 +162,26 @@ def transfer_latency(rows: list[dict]) -> list[str]:
             _f(r["p50_s"] * 1e3, ".1f"),
             _f(r["gbps"], ".2f"),
             _f(r["bound_gbps"], ".2f"),
+            str(len(r["bound_gbps_samples"])) if "bound_gbps_samples" in r else "-",
+            _f(r.get("bound_spread"), ".2f"),
             _f(r["ratio"], ".2f"),
-            _f(r.get("ratio_memcpy"), ".2f"),
+            _f(r.get("memmove_gbps"), ".2f"),
+            _f(r.get("ratio_memmove", r.get("ratio_memcpy")), ".2f"),
         ]
-        for r in rows
+        for r in timed
     ]
-    head = ["transport", "model", "", "versions", "p50 ms", "GB/s", "bound GB/s", "ratio", "memmove ratio"]
-    return md_table(head, lines)
+    head = ["transport", "model", "", "versions", "p50 ms", "GB/s", "bound GB/s", "bound samples", "spread", "ratio"]
+    out = md_table(head + ["memmove GB/s", "memmove ratio"], lines)
+    for r in rows:
+        if r["metric"] == "gloo_fraction_of_wire":
+            out.append(
+                f"- gloo {r['model']}: {r['gloo_gbps']:.2f} GB/s = {r['value']:.2f} of its wire "
+                f"({r['streams']} loopback streams, {r['wire_gbps']:.2f} GB/s, {len(r['wire_gbps_samples'])} "
+                f"samples, spread {r['wire_spread']:.2f}), {_f(r.get('fraction_of_memmove'), '.2f')} of memmove; "
+                f"target {r['target']}"
+            )
+    defs = sorted({r["bound_def"] for r in timed if "bound_def" in r})
+    return out + [f"- bound: {d}" for d in defs] or out
 
 
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
@@ -172,7 +189,11 @@ RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[st
     ("benchmarks.data_path", lambda m: m.startswith(("boba_batch", "scheduler_")), data_path),
     ("benchmarks.async_speedup", lambda m: m == "trained_samples_per_s", async_speedup),
     ("benchmarks.trainer_ranks", lambda m: m.startswith("tokens_per_s_"), trainer_ranks),
-    ("benchmarks.transfer_latency", lambda m: m in ("weight_sync", "wire_bound"), transfer_latency),
+    (
+        "benchmarks.transfer_latency",
+        lambda m: m in ("weight_sync", "wire_bound", "gloo_fraction_of_wire"),
+        transfer_latency,
+    ),
 ]
 ORDER = [name for name, _, _ in RENDERERS]
 
@@ -236,11 +257,65 @@ def runs_of(rows: list[dict]) -> dict[str, dict[tuple, list[dict]]]:
     return {n: dict(sorted(out[n].items(), key=lambda kv: kv[0][0], reverse=True)) for n in names}
 
 
-def render_run(key: tuple, rows: list[dict], readings: list[str]) -> list[str]:
+SLOWER = 1.2  # an absolute time more than 20 % above the previous run's of the same case is flagged
+CASE = ("metric", "transport", "model", "payload", "pipeline", "eta", "baseline", "mode", "backend", "rank", "bytes")
+
+
+def seconds(r: dict) -> Optional[float]:
+    """A row's absolute time in seconds (its p50, or its value in s or ms); None for anything else."""
+    if "p50_s" in r:
+        return float(r["p50_s"])
+    unit = r.get("unit")
+    return (
+        None if unit not in ("s", "ms") or r.get("value") is None else float(r["value"]) / (1e3 if unit == "ms" else 1)
+    )
+
+
+def case(r: dict) -> tuple:
+    """What makes two rows the same measurement: the machine class, the benchmark, the case's fields."""
+    return (r["machine"], r["benchmark"], *(str(r.get(k)) for k in CASE))
+
+
+def slower(runs: dict[tuple, list[dict]]) -> dict[tuple, list[str]]:
+    """Per run (newest first, as ``runs_of`` orders them): a line per row whose time is more than ``SLOWER``
+    times the same case's in the run before it that has the case (same machine class)."""
+    out: dict[tuple, list[str]] = {}
+    keys = list(runs)
+    for i, key in enumerate(keys):
+        for r in runs[key]:
+            t = seconds(r)
+            prev = next((p for k in keys[i + 1 :] for p in runs[k][::-1] if case(p) == case(r)), None)
+            if t is None or prev is None or not seconds(prev) or t <= SLOWER * seconds(prev):
+                continue
+            what = " ".join(_said(k, r[k]) for k in CASE[1:-1] if r.get(k) not in (None, "", True))
+            was, unit = seconds(prev), "ms" if max(t, seconds(prev)) < 10 else "s"
+            out.setdefault(key, []).append(
+                f"**slower**: {' '.join([r['metric'], what]).strip()}: {_in(t, unit)} is {t / was - 1:.0%} slower than "
+                f"{_in(was, unit)} at `{prev['commit']}` ({prev['date']}: {prev['run']})"
+            )
+    return out
+
+
+def _said(key: str, value) -> str:
+    return "serial" if key == "pipeline" else f"{key} {value}" if key in ("eta", "rank") else str(value)
+
+
+def _in(t: float, unit: str) -> str:
+    return f"{t * 1e3:.1f} ms" if unit == "ms" else f"{t:.1f} s"
+
+
+def render_run(key: tuple, rows: list[dict], readings: list[str], flags: Optional[list[str]] = None) -> list[str]:
     date, run, commit = key
     first = rows[0]
     head = [f"### {date}: {run}", "", f"Commit `{commit}`, {first['machine']}, {first['load']}.", ""]
-    return head + table_for(rows) + [""] + [f"*Reading.* {text}\n" for text in readings]
+    flagged = [f"- {f}" for f in flags or []]
+    return (
+        head
+        + table_for(rows)
+        + [""]
+        + (flagged + [""] if flagged else [])
+        + [f"*Reading.* {text}\n" for text in readings]
+    )
 
 
 def anchor(name: str) -> str:
@@ -253,9 +328,10 @@ def render(rows: list[dict], readings: list[dict]) -> str:
     out = [HEADER, "Benchmarks: " + ", ".join(f"[{n}](#{anchor(n)}) ({len(r)} runs)" for n, r in grouped.items()), ""]
     for name, runs in grouped.items():
         out += [f"## {name}", ""]
+        flags = slower(runs)
         for key, run_rows in runs.items():
             said = [r["reading"] for r in readings if (r["benchmark"], r["run"]) == (name, key[1])]
-            out += render_run(key, run_rows, said)
+            out += render_run(key, run_rows, said, flags.get(key))
     return "\n".join(out).rstrip() + "\n"
 
 

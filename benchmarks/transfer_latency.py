@@ -15,16 +15,23 @@ the trainer side / rollout receiver):
   boba-shaped batch (token ids int32, logprobs float32, versions int32 per token; lengths
   lognormal capped at 27K), sent packed (one message) and per sequence (one message each,
   streamed; time from the first send to the last receive).
-- the bound, measured in the same run: one single-threaded copy of the same bytes between two
-  warm buffers (``dst.copy_(src)``; on GPU a device-to-device copy). The shm path does exactly
-  one such copy (into a pooled, pre-faulted slab) and the receiver maps the slab as tensors, so
-  the ratio says what the channel costs beyond the one copy any hand-off needs. Weight rows on CPU
-  also carry a second bound, unchanged ``ratio`` beside it: ``memcpy_gbps`` (a libc memmove of the
-  same bytes, ``np.copyto``, sampled right after the first; here ~15-20 % faster than ``copy_``,
-  since glibc's large copies skip reading the destination) and ``ratio_memcpy`` (table: r_mc).
-  With gloo on CPU, a third reference: ``wire_bound``, the same bytes over loopback TCP (gloo's wire
-  between two processes of one host; ``benchmarks/common/wire.py``), and a line per gloo weight
-  row with its speed as a fraction of it.
+- the bound, measured in the same run, one definition for every row (written in each row as
+  ``bound_def``; ``timing.BOUND_DEF``): per sample, the faster of a single-threaded ``copy_`` and a
+  libc memmove (``np.copyto``; glibc's large copies skip reading the destination, so it is usually
+  the faster one here) of the same bytes between two warm buffers (on GPU: a device-to-device
+  ``copy_``); at least 5 samples per row (``bound_gbps_samples``, also with ``--quick``), taken
+  between the row's timed transfers (before each, and for weight rows after the last), their median
+  the row's ``bound_gbps`` and ``bound_spread`` = (max - min) / median. ``ratio`` = GB/s over it;
+  ``ratio_memmove`` over memmove alone, ``copy_gbps`` / ``memmove_gbps`` each alone. (Rows before
+  this definition, without ``bound_def``, had one ``copy_`` sampled once per version, and
+  ``memcpy_gbps``/``ratio_memcpy`` for memmove.) Weight rows share one bound of ``CPU_MAX_BYTES``
+  (the largest payload). The shm path does one copy (into a pooled, pre-faulted slab) and the
+  receiver maps the slab as tensors, so the ratio says what the channel costs beyond the one copy
+  any hand-off needs.
+- gloo's wire (CPU): ``wire_bound``, 256 MiB over one loopback TCP connection; and per pipelined gloo
+  weight row a ``gloo_fraction_of_wire`` row: the row's GB/s over loopback TCP carrying the same bytes
+  over as many connections as the channel has lanes, sampled between the row's timed versions
+  (``benchmarks/common/wire.py``; target >= 0.75), and over memmove.
 - weight sync (shm, since the receivers verify while the publisher packs): the receiver's phases are
   wait (for the stamps of buckets not yet written), verify, lock, unflatten.
 - weight sync: from ``publish_begin`` on the trainer to ``receive`` returning (verified) on
@@ -53,7 +60,9 @@ the trainer side / rollout receiver):
 
 p50/p99 are over ``repeats`` samples after one warm-up (with few repeats p99 is ~ the max).
 JSON rows: ``metric``, ``value``, ``unit`` always; transfer and weight rows also ``transport``,
-``bytes``, ``p50_s``, ``p99_s``, ``gbps``, ``bound_gbps``, ``ratio`` (= gbps / bound_gbps).
+``bytes``, ``p50_s``, ``p99_s``, ``gbps``, the bound's fields (``bound_gbps_samples``, ``bound_gbps``,
+``bound_spread``, ``ratio`` = gbps / bound_gbps, ``copy_gbps``, ``memmove_gbps``, ``ratio_memmove``,
+``bound_def``); ``gloo_fraction_of_wire`` rows: ``wire.fraction_row``.
 """
 
 from __future__ import annotations
@@ -92,8 +101,9 @@ from benchmarks.common.peers import Peer
 from benchmarks.common.plot import transfer_plot
 from benchmarks.common.rows import write_rows
 from benchmarks.common.transfer_table import show
-from benchmarks.common.timing import Copier, memcpy_row, memcpy_seconds, stats
-from benchmarks.common.wire import WIRE_OPS, wire_row
+from benchmarks.common.timing import BoundSamples, Copier, memcpy_row, memcpy_seconds, stats
+from benchmarks.common.wire import WIRE_OPS, Streams, fraction_row, wire_row
+from areal_async.transport.collective import WEIGHT_LANES
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 CPU_MAX_BYTES = 256 * MiB
@@ -187,8 +197,8 @@ def weight_models(a: argparse.Namespace, notes: list[str]) -> list[str]:
     if "1.5B" not in models:
         notes.append(f"weight sync scaled down: models up to {models[-1]} (1.5B needs --weights-max-params 1.6e9)")
     notes.append(
-        "bound = 1-thread copy between warm buffers, sampled before every transfer sample; "
-        "weight-sync rows use the copy of the largest payload"
+        "bound = per sample the faster of 1-thread copy_ and memmove between warm buffers, >= 5 samples per row "
+        "between its timed transfers, median; weight-sync rows use the copy of the largest payload"
     )
     if a.device == "cpu" and any(n_params(m) > ZMQ_CPU_MAX_PARAMS for m in models):
         notes.append(f"zmq weight sync skipped above {ZMQ_CPU_MAX_PARAMS:.1g} params on CPU (holds ~4 copies in RAM)")
@@ -283,10 +293,10 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
             full: dict = {}
             for pipeline in [True, False] if kind in ("gloo", "nccl") else [True]:
                 ch.pipeline = pipeline
-                samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
+                got = run_full(peer, ch, kind, model, sd, pipeline, opts, bound, version)
                 version += 10
-                rows.append(weight_row(kind, model, sd, samples, pub, pipeline, bound.gbps(ref), opts.device, last))
-                full = rows[-1] if pipeline else full  # the pipelined row: what the LoRA row compares with
+                rows += got
+                full = got[0] if pipeline else full  # the pipelined row: what the LoRA row compares with
             ch.pipeline = True
             rows.append(run_lora(peer, ch, kind, model, full, opts, bound, version))
             version += 10
@@ -304,12 +314,27 @@ def run_weights(peer: Peer, kind: str, opts: Opts, bound: Copier, bar) -> list[d
     return rows
 
 
+def run_full(peer: Peer, ch, kind: str, model: str, sd: dict, pipeline: bool, opts: Opts, bound: Copier, version: int):
+    """The model's full-weights row; for pipelined gloo on CPU also its ``gloo_fraction_of_wire`` row, the wire
+    (``Streams``: the same bytes over the channel's ``WEIGHT_LANES`` connections) sampled between its versions."""
+    lanes = len(getattr(getattr(ch, "group", None), "lanes", ())) or WEIGHT_LANES  # the channel's own count
+    wire = Streams(peer, nbytes(sd), lanes) if kind == "gloo" and pipeline and opts.device == "cpu" else None
+    try:
+        between = wire.sample if wire is not None else None
+        samples, pub, b, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound, between=between)
+    finally:
+        if wire is not None:
+            wire.close()
+    row = weight_row(kind, model, sd, samples, pub, pipeline, b, opts.device, last)
+    return [row] + ([fraction_row(row, wire)] if wire is not None else [])
+
+
 def run_lora(peer: Peer, ch, kind: str, model: str, full: dict, opts: Opts, bound: Copier, version: int) -> dict:
     """A rank-``LORA_RANK`` adapter of the same model through the same channel (what a LoRA run publishes),
     beside ``full`` (that model's full-weights row): bytes and time, and their ratios."""
     sd = lora_state_dict(MODELS[model], rank=LORA_RANK, device=opts.device)
-    samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
-    row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
+    samples, pub, b, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound)
+    row = weight_row(kind, model, sd, samples, pub, True, b, opts.device, last)
     row.update(
         metric="weight_sync_lora",
         rank=LORA_RANK,
@@ -336,10 +361,10 @@ def run_delta(peer: Peer, kind: str, model: str, full: dict, opts: Opts, bound: 
     finally:
         ch.close()
         peer.call("close", what="delta")
-    samples, pub, ref, last = timed
+    samples, pub, b, last = timed
     if last.get("path") != "delta":
         raise RuntimeError(f"delta {kind} {model}: the peer took the {last.get('path')!r} path, not the delta")
-    row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
+    row = weight_row(kind, model, sd, samples, pub, True, b, opts.device, last)
     row.update(
         metric="weight_sync_delta",
         changed_fraction=DELTA_FRACTION,
@@ -357,8 +382,8 @@ def run_e2e(peer: Peer, ch, kind: str, model: str, opts: Opts, bound: Copier, ve
     if peer.call("engine", shape=list(shape), groups=4, samples=2, prompt_len=64, steps=8)["params"] == 0:
         raise RuntimeError(f"engine of {model}: no parameters")
     sd = synthetic_state_dict(*shape, device=opts.device)
-    samples, pub, ref, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound, op="weights_e2e")
-    row = weight_row(kind, model, sd, samples, pub, True, bound.gbps(ref), opts.device, last)
+    samples, pub, b, last = time_weights(peer, ch, sd, version, opts.weight_reps, bound, op="weights_e2e")
+    row = weight_row(kind, model, sd, samples, pub, True, b, opts.device, last)
     row.update(metric="weight_sync_e2e", load_s=last["load_s"], recompute_s=last["recompute_s"])
     row["receive_end_s"] = last["t_recv"] - (last["t1"] - samples[-1])  # publish_begin -> receive returned
     return row
@@ -367,9 +392,8 @@ def run_e2e(peer: Peer, ch, kind: str, model: str, opts: Opts, bound: Copier, ve
 # --- rows ---------------------------------------------------------------------------------------
 
 
-def transfer_row(kind: str, payload: str, size: int, timed: tuple[list[float], list[float]], device: str) -> dict:
-    samples, ref = timed
-    bound_gbps = size / stats(ref)["p50_s"] / 1e9
+def transfer_row(kind: str, payload: str, size: int, timed: tuple[list[float], BoundSamples], device: str) -> dict:
+    samples, b = timed
     st = stats(samples)
     gbps = size / st["p50_s"] / 1e9
     return {
@@ -382,8 +406,7 @@ def transfer_row(kind: str, payload: str, size: int, timed: tuple[list[float], l
         "repeats": len(samples),
         **st,
         "gbps": gbps,
-        "bound_gbps": bound_gbps,
-        "ratio": gbps / bound_gbps,
+        **b.fields(gbps),
         "device": device,
     }
 
@@ -395,11 +418,12 @@ def weight_row(
     samples: list[float],
     pub: list[float],
     pipeline: bool,
-    bound_gbps: float,
+    bound: BoundSamples,
     device: str,
     last: Optional[dict] = None,
 ) -> dict:
-    """``last``: the last sample's answer, for its phases (the publisher's and the receiver's, seconds)."""
+    """``bound``: the row's bound samples; ``last``: the last sample's answer, for its phases (the
+    publisher's and the receiver's, seconds)."""
     size, st, last = nbytes(sd), stats(samples), last or {}
     gbps = size / st["p50_s"] / 1e9
     return {
@@ -415,19 +439,12 @@ def weight_row(
         **st,
         "publish_p50_s": stats(pub)["p50_s"],
         "gbps": gbps,
-        "bound_gbps": bound_gbps,
-        "ratio": gbps / bound_gbps,
-        **_memcpy_ratio(gbps, last.get("memcpy_gbps")),
+        **bound.fields(gbps),
         "device": device,
         "pub_phases": last.get("pub_phases", {}),
         "recv_phases": last.get("phases", {}),
         "pub_cpu_s": last.get("pub_cpu_s"),
     }
-
-
-def _memcpy_ratio(gbps: float, memcpy_gbps: Optional[float]) -> dict:
-    """The second bound (libc memmove, CPU), beside ``ratio`` whose bound (``copy_``) is unchanged."""
-    return {} if not memcpy_gbps else {"memcpy_gbps": memcpy_gbps, "ratio_memcpy": gbps / memcpy_gbps}
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:

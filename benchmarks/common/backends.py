@@ -341,8 +341,8 @@ def run_rows(peer, pairs: list[tuple[str, str]], reps: int, bound: Copier, weigh
     out = []
     with tempfile.TemporaryDirectory(prefix="areal-backends-") as root:
         for backend, model in pairs:
-            sd, (samples, pub, ref, last), extra = measure(peer, backend, model, reps, bound, Path(root))
-            row = weight_row("shm", model, sd, samples, pub, True, bound.gbps(ref), "cpu", last)
+            sd, (samples, pub, b, last), extra = measure(peer, backend, model, reps, bound, Path(root))
+            row = weight_row("shm", model, sd, samples, pub, True, b, "cpu", last)
             channel = row.pop("recv_phases")
             out.append(row | extra | {"metric": "weight_sync_backend", "channel_phases": channel})
     return out

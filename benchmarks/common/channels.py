@@ -11,13 +11,14 @@ Peer side, ``CHANNEL_OPS`` (give them to ``Peer(device, CHANNEL_OPS)``):
 
 This side: ``open_pair`` builds both ends concurrently (collective channels rendezvous in their
 constructors); ``endpoints`` / ``weight_kwargs`` give the two ends' keyword arguments per kind;
-``time_each`` / ``time_stream`` / ``time_weights`` take the samples, each next to a sample of the
-bound (``timing.Copier``). Timestamps are ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for
+``time_each`` / ``time_stream`` / ``time_weights`` take the samples with the bound's samples
+between them (``timing.BoundSamples``). Timestamps are ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for
 all processes of a Linux host); a receive counts once tensors are usable there (device synced).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable, Optional
@@ -30,7 +31,7 @@ from areal_async.transport import make_tensor_channel, make_weight_channel
 from areal_async.transport.nccl import require_nccl
 from benchmarks.common.payloads import engine_model
 from benchmarks.common.peers import Op, Peer, reply
-from benchmarks.common.timing import Copier, sync
+from benchmarks.common.timing import MIN_BOUND_SAMPLES, BoundSamples, Copier, sync
 from protocols.sockets import free_tcp_port
 
 GPU_KINDS = ("cuda_ipc", "nccl")
@@ -163,32 +164,35 @@ def unavailable(kind: str, device: str) -> Optional[str]:
     return None
 
 
-def time_each(peer: Peer, ch, payload: dict, repeats: int, bound: Copier) -> tuple[list[float], list[float]]:
-    """Latency of ``repeats`` messages, one in flight at a time, after one warm-up; bound samples."""
+def time_each(peer: Peer, ch, payload: dict, repeats: int, bound: Copier) -> tuple[list[float], BoundSamples]:
+    """Latency of ``repeats`` messages, one in flight at a time, after one warm-up; the bound's samples,
+    taken before each timed message (``BoundSamples``: at least ``MIN_BOUND_SAMPLES`` in all)."""
     peer.ask("expect", n=repeats + 1, ack="each")
-    out, ref = [], []
+    out, b = [], BoundSamples(bound, slots=repeats)
     for i in range(repeats + 1):
-        ref.append(bound.sample())
+        if i:
+            b.take()
         ch.send(f"m{i}", payload, {"t0": time.perf_counter()})
         lat = peer.answer()["lat"]
         if i:
             out.append(lat)
     peer.answer()
-    return out, ref[1:]
+    return out, b
 
 
-def time_stream(peer: Peer, ch, seqs: list[dict], repeats: int, bound: Copier) -> tuple[list[float], list[float]]:
-    """First send to last receive for the sequences sent back to back; bound samples."""
-    out, ref = [], []
+def time_stream(peer: Peer, ch, seqs: list[dict], repeats: int, bound: Copier) -> tuple[list[float], BoundSamples]:
+    """First send to last receive for the sequences sent back to back; the bound's samples before each."""
+    out, b = [], BoundSamples(bound, slots=repeats)
     for i in range(repeats + 1):
-        ref.append(bound.sample())
+        if i:
+            b.take()
         peer.ask("expect", n=len(seqs), ack="last")
         for j, s in enumerate(seqs):
             ch.send(f"s{i}/{j}", s, {"t0": time.perf_counter()})
         lat = peer.answer()["lat"]
         if i:
             out.append(lat)
-    return out, ref[1:]
+    return out, b
 
 
 def time_weights(
@@ -201,17 +205,28 @@ def time_weights(
     op: str = "weights",
     what: str = "weights",
     change: Optional[Callable[[int], None]] = None,
+    between: Optional[Callable[[], None]] = None,
 ):
-    """(latencies, publisher-side times, bound samples, the last answer with the publisher's phases)
-    of ``repeats`` versions after a warm-up: from ``publish_begin`` to the peer's ``op`` returning
-    (``weights``: ``receive`` on its channel ``what``; ``weights_e2e``: its engine loaded them, KV
-    caches recomputed). ``change(i)``: called before version i > 0 is published (it may alter ``sd``)."""
-    lat, pub, ref, last = [], [], [], {}
-    mark = len(bound.memcpy) + 1  # the memmove bound's samples of this call, after its warm-up
+    """(latencies, publisher-side times, the bound's samples, the last answer with the publisher's phases)
+        of ``repeats`` versions after a warm-up: from ``publish_begin`` to the peer's ``op`` returning
+        (``weights``: ``receive`` on its channel ``what``; ``weights_e2e``: its engine loaded them, KV
+        caches recomputed). The bound (``BoundSamples``) is sampled before each timed version and after the
+        last, and ``between()`` (another reference, e.g. the wire) called there as often (at least
+    ``MIN_BOUND_SAMPLES`` calls in all): interleaved with the
+        transfers, never during one. ``change(i)``: called before version i > 0 is published (it may alter ``sd``)."""
+    lat, pub, last = [], [], {}
+    b = BoundSamples(bound, slots=repeats + 1)
+
+    def references() -> None:
+        b.take()
+        for _ in range(math.ceil(MIN_BOUND_SAMPLES / b.slots) if between is not None else 0):
+            between()
+
     for i in range(repeats + 1):
         if i and change is not None:
             change(i)
-        ref.append(bound.sample())
+        if i:
+            references()
         sync(str(next(iter(sd.values())).device))
         c0, t0 = time.process_time(), time.perf_counter()
         manifest = ch.publish_begin(version + i, sd)
@@ -223,6 +238,5 @@ def time_weights(
         if i:
             lat.append(last["t1"] - t0)
             pub.append(t_pub)
-    if bound.memcpy[mark:]:
-        last["memcpy_gbps"] = bound.gbps(bound.memcpy[mark:])
-    return lat, pub, ref[1:], last
+    references()
+    return lat, pub, b, last

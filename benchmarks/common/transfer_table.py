@@ -1,6 +1,7 @@
-"""The transfer_latency benchmark's table and summary lines: the transfer and weight rows (with the
-memmove bound beside the copy bound), LoRA and delta lines, each gloo row as a fraction of the
-loopback wire, the server rows, and the phases of every timed weight update."""
+"""The transfer_latency benchmark's table and summary lines: the transfer and weight rows (the bound: its
+median, sample count n_b and spread, the ratio to it, memmove alone and the ratio to that), LoRA and delta
+lines, each gloo row as a fraction of the loopback wire (one stream; and its own streams, interleaved),
+the server rows, and the phases of every timed weight update."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 from benchmarks.common import backends as B
 from benchmarks.common.rows import Col, human_bytes, print_table
-from benchmarks.common.wire import of_wire
+from benchmarks.common.wire import fraction_lines, of_wire
 
 
 def _what(r: dict) -> str:
@@ -26,9 +27,11 @@ COLUMNS = [
     Col("p99 ms", 10, lambda r: r["p99_s"] * 1e3, ".3f"),
     Col("GB/s", 8, lambda r: r["gbps"], ".3f"),
     Col("bound", 8, lambda r: r["bound_gbps"], ".3f"),
+    Col("n_b", 4, lambda r: len(r["bound_gbps_samples"])),
+    Col("spread", 6, lambda r: r["bound_spread"], ".2f"),
     Col("ratio", 6, lambda r: r["ratio"], ".2f"),
-    Col("memcpy", 7, lambda r: r.get("memcpy_gbps", math.nan), ".2f"),
-    Col("r_mc", 5, lambda r: r.get("ratio_memcpy", math.nan), ".2f"),
+    Col("memmove", 7, lambda r: r.get("memmove_gbps", math.nan), ".2f"),
+    Col("r_mm", 5, lambda r: r.get("ratio_memmove", math.nan), ".2f"),
 ]
 
 
@@ -55,7 +58,7 @@ def show(rows: list[dict]) -> None:
                 f"{r['wire_bytes'] / 2**20:.1f} MiB on the wire, {r['bytes_ratio']:.0f}x fewer bytes; "
                 f"{r['time_ratio']:.2f}x the speed of the full weights (p50 {r['full_p50_s'] * 1e3:.1f} ms)"
             )
-    for line in of_wire(rows):
+    for line in of_wire(rows) + fraction_lines(rows):
         print(line)
     for note in rows[0].get("notes", []):
         print("note:", note)

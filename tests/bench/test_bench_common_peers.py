@@ -54,11 +54,13 @@ def test_zmq_channel_pair_times_messages_next_to_the_bound():
         ch = open_pair(peer, "zmq", "traj", mine, theirs)
         try:
             x = torch.ones(4096 // 4)
-            lat, ref = time_each(peer, ch, {"x": x}, 3, Copier(4096, "cpu"))
-            assert len(lat) == len(ref) == 3 and all(0 < s < 10 for s in lat + ref)
+            lat, b = time_each(peer, ch, {"x": x}, 3, Copier(4096, "cpu"))
+            # 3 timed messages, the bound taken before each: ceil(5 / 3) = 2 samples each, 6 in all
+            assert len(lat) == 3 and len(b.copy_s) == len(b.memmove_s) == 6
+            assert all(0 < s < 10 for s in lat + b.copy_s + b.memmove_s)
             seqs = boba_batch(1, 3, max_len=50)
-            lat, ref = time_stream(peer, ch, seqs, 2, Copier(nbytes(pack_batch(seqs)), "cpu"))
-            assert len(lat) == 2 and all(0 < s < 10 for s in lat)
+            lat, b = time_stream(peer, ch, seqs, 2, Copier(nbytes(pack_batch(seqs)), "cpu"))
+            assert len(lat) == 2 and all(0 < s < 10 for s in lat) and len(b.fastest_s()) == 6
         finally:
             ch.close()
             peer.call("close", what="traj")
