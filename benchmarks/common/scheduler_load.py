@@ -21,6 +21,11 @@ wall second and per CPU second of this process (the service's thread and ZeroMQ'
 trainer steps and groups per second, and the null fleet's CPU share: near a whole core, the
 fleet may have been what bounded the rate (``bound`` says which). Not measured: CURVE on tcp
 (the default control plane is ipc), workers on other hosts, checkpoints.
+
+After the window the fleet is stopped first (its sockets flushed: a ``LINGER_MS`` close) and the service
+runs on until what it received stops moving (``DRAIN_QUIET_S``): ``fleet_counts`` (the null fleet's own
+count of what each of its workers sent and got, by message type, in its process) and ``drained_received``
+(the service's count over the whole run) are then two independent counts of the same messages.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ WARMUP_STEPS = 5
 WARMUP_TIMEOUT_S = float(os.environ.get("AREAL_BENCH_WARMUP_TIMEOUT_S", 120))
 FLEET_LIMIT_S = 900.0  # the null fleet's own way out, should the service never shut it down
 FLEET_BUSY = 0.9  # the null fleet's CPU share (of one core) above which it may have bounded the rate
+LINGER_MS = 5000  # the fleet's sockets deliver what they hold before they close
+DRAIN_QUIET_S = 0.5  # the service has drained once its received counts stay put this long
 
 
 @dataclass
@@ -107,9 +114,15 @@ class NullFleet:
         self.beat_debt, self.beat_next, self.errors, self.ended = 0.0, 0, [], False
         self.pending: dict[str, list[tuple[str, list[str], int]]] = {}  # rollout worker -> groups not yet answered
         self.metrics = {f"metric_{i}": 0.5 for i in range(mix.n_metrics)}
+        self.counts: dict[str, int] = {}  # "sent <type> <worker>" / "got <type> <worker>": this process's own
+
+    def count(self, what: str, wid: str, msg: M.Message) -> None:
+        key = f"{what} {msg.TYPE} {wid}"
+        self.counts[key] = self.counts.get(key, 0) + 1
 
     def send(self, wid: str, msg: M.Message) -> None:
         self.socks[wid].send(M.encode(msg))
+        self.count("sent", wid, msg)
 
     def start(self) -> None:
         for wid, role in self.roles.items():
@@ -140,6 +153,7 @@ class NullFleet:
             self.flush()
 
     def on_message(self, wid: str, msg: M.Message) -> None:
+        self.count("got", wid, msg)
         if isinstance(msg, (M.GenerateRequests, M.GenerateRequest)):
             self.pending.setdefault(wid, []).extend(_groups(msg))
         elif isinstance(msg, M.WeightsPublished):
@@ -177,7 +191,7 @@ class NullFleet:
 
     def close(self) -> None:
         for s in self.socks.values():
-            s.close(0)
+            s.close(LINGER_MS)  # what was sent is delivered: the service's count can match the fleet's
         self.ctx.term()
 
 
@@ -230,8 +244,8 @@ def _null_fleet_main(control: str, roles: dict, tokens: dict, mix: dict, manifes
         fleet.start()
         fleet.serve(stop, FLEET_LIMIT_S)
     finally:
-        q.put(fleet.errors)
         fleet.close()
+        q.put((fleet.errors, fleet.counts))
 
 
 def shm_manifest(cfg) -> dict:
@@ -282,16 +296,20 @@ def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_
             os.sched_setaffinity(0, cpus[:1])
         try:
             child.start()
-            out = run_async(_serve_and_watch(cfg, ep, run_dir, child.pid, seconds, warmup_steps))
+            out = run_async(_serve_and_watch(cfg, ep, run_dir, (child, stop), seconds, warmup_steps))
         finally:
             os.sched_setaffinity(0, cpus)
             stop.set()
             reap(child)
-        errors = q.get(timeout=5) if not q.empty() else ["the null fleet reported nothing"]
-    return out | {"fleet_errors": errors[:5], "n_fleet_errors": len(errors)}
+        errors, counts = q.get(timeout=5) if not q.empty() else (["the null fleet reported nothing"], {})
+    return out | {"fleet_errors": errors[:5], "n_fleet_errors": len(errors), "fleet_counts": counts}
 
 
-async def _serve_and_watch(cfg, ep: RunManifest, run_dir: Path, fleet_pid: int, seconds: float, warmup: int) -> dict:
+async def _serve_and_watch(cfg, ep: RunManifest, run_dir: Path, fleet, seconds: float, warmup: int) -> dict:
+    """The service in this process: the window after ``warmup`` steps, then the fleet (``(process, stop
+    event)``) stopped and the service drained (``_drain``) before it stops."""
+    child, stop = fleet
+    fleet_pid = child.pid
     encode = prompt_encoder(load_tokenizer(cfg.model.path), cfg.train_dataset.template)
     svc = SchedulerService(cfg, ep, run_dir, t0=time.time(), tokenize=encode, roster=Roster.of_run(run_dir))
     task = asyncio.create_task(svc.run())
@@ -299,10 +317,27 @@ async def _serve_and_watch(cfg, ep: RunManifest, run_dir: Path, fleet_pid: int, 
         start = await _when(svc, lambda: svc.core.next_step >= warmup, timeout_s=WARMUP_TIMEOUT_S, fleet_pid=fleet_pid)
         await asyncio.sleep(seconds)
         end = _snapshot(svc, fleet_pid)
+        drained = await _drain(svc, child, stop)
     finally:
         svc.done.set()
         await asyncio.wait_for(task, 10)
-    return _window(start, end, svc)
+    return _window(start, end, svc) | {"drained_received": drained}
+
+
+async def _drain(svc, child, stop) -> dict:
+    """Stop the fleet, wait for it to exit (its sockets flushed), then for the service's received counts to
+    stay put ``DRAIN_QUIET_S``: its count of the whole run, to hold against the fleet's own."""
+    stop.set()
+    deadline = time.monotonic() + 60
+    while child.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    last, quiet_since = None, time.monotonic()
+    while time.monotonic() - quiet_since < DRAIN_QUIET_S and time.monotonic() < deadline:
+        now = dict(svc.received)
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        await asyncio.sleep(0.05)
+    return last or {}
 
 
 async def _when(svc, cond, timeout_s: float, fleet_pid: int) -> dict:
