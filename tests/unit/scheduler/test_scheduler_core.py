@@ -63,11 +63,14 @@ def finish_group(core, req, vmin, vmax, score=1.0, reward_first=False):
         assert (core.on_reward(m) if isinstance(m, RewardResult) else core.on_trajectory(m)) is None
 
 
-def generation_round(core, rng, inflight: list, delay_max: int = 6) -> None:
+def generation_round(core, rng, inflight: list, delay_max: int = 6, issued: list | None = None) -> None:
     """One admission round of a simulated fleet: admitted groups finish 0-``delay_max`` rounds later, their
-    tokens carrying the version current at start and at finish (groups aborted meanwhile are skipped)."""
+    tokens carrying the version current at start and at finish (groups aborted meanwhile are skipped).
+    ``issued``: every sample id the core handed out, appended (the fleet's own count)."""
     for _, req in core.admit():
         inflight.append([rng.randint(0, delay_max), req, core.version])
+        if issued is not None:
+            issued += req.sample_ids
     for item in list(inflight):
         item[0] -= 1
         if item[0] < 0:
@@ -571,15 +574,15 @@ def test_random_lost_tensors_keep_full_batches_bounded_staleness_and_exactly_onc
     """A simulated fleet (as in the plan-ahead test) whose trainer trains the latest plan of each
     step and never one naming a sample it gave up on; now and then a worker "dies" and a random part
     of its generated groups' samples never reached the trainer. Brute-force invariants: every step
-    trains exactly its latest plan, of B whole groups; no given-up sample is ever trained; every
-    trained sample's oldest version >= step - η; every sample ends exactly once."""
-    rng, logged, inflight, trained = random.Random(10 + eta), [], [], {}
+    trained sample's oldest version >= step - η; every sample the simulated fleet was handed (its own
+    list, not the core's counter) ends exactly once, and nothing else ends."""
+    rng, logged, inflight, trained, issued = random.Random(10 + eta), [], [], {}, []
     core = make_core(eta=eta, B=2, n=2, steps=10, logged=logged)
     plans, order, given_up, losses, revised = {}, [], set(), 0, 0
     for _ in range(5000):  # a step that never gets a revision it can train would spin here
         if core.finished:
             break
-        generation_round(core, rng, inflight)
+        generation_round(core, rng, inflight, issued=issued)
         if rng.random() < 0.25:
             held = core.unconfirmed(rng.choice(["r0", "r1"]))
             missing = [s for s in held if rng.random() < 0.5]
@@ -612,7 +615,7 @@ def test_random_lost_tensors_keep_full_batches_bounded_staleness_and_exactly_onc
         assert all(r.version_min >= step - eta and r.train_step == step for r in recs), step
         assert given_up.isdisjoint(r.sample_id for r in recs)
     ids = [r.sample_id for r in logged]
-    assert len(ids) == len(set(ids)) == core.ledger.n_samples_issued
+    assert len(issued) == len(set(issued)) and sorted(ids) == sorted(issued)  # each handed-out id ended once
     assert {r.status for r in logged} <= {"trained", "aborted"}
     assert any(r.reason.startswith("trajectories_lost") for r in logged)
 
