@@ -437,6 +437,7 @@ def weight_row(
         "pipeline": pipeline,
         "repeats": len(samples),
         **st,
+        "samples_s": [round(x, 5) for x in samples],
         "publish_p50_s": stats(pub)["p50_s"],
         "gbps": gbps,
         **bound.fields(gbps),

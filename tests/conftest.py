@@ -43,13 +43,22 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-# ---- CI: tests that must run, never skip ------------------------------------------------------------
+# ---- CI: tests that must run, never skip; the skips each tier may have ----------------------------
 MUST_RUN_ENV = "AREAL_MUST_RUN"  # comma-separated test files (.ci/run sets it): a skip there is a failure
+SKIPS_ENV = "AREAL_EXPECT_SKIPS"  # the tier .ci/run is running (e.g. tests/unit): its skips must be EXPECTED_SKIPS'
+# The skips each CI tier has on the CI machine (.ci/run: every extra, the vLLM and TRL environments, Slurm), the one
+# place they are pinned: a run whose count differs fails, listing every skip with its reason. Change a count here,
+# in the commit that adds or removes the skip, saying why.
+EXPECTED_SKIPS = {"tests/unit": 0, "tests/bench": 0, "tests/contract": 0, "tests/e2e": 0}
 
 
 def must_run(nodeid: str, env: str | None = None) -> bool:
     files = [f.strip() for f in (os.environ.get(MUST_RUN_ENV, "") if env is None else env).split(",") if f.strip()]
     return any(nodeid == f or nodeid.startswith(f + "::") for f in files)
+
+
+def _reason(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -59,6 +68,55 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.skipped and not hasattr(report, "wasxfail") and must_run(item.nodeid):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"{item.nodeid} skipped, but {MUST_RUN_ENV} says it must run here: {reason}"
+        report.longrepr = f"{item.nodeid} skipped, but {MUST_RUN_ENV} says it must run here: {_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """Likewise a must-run file that skips as a whole while it is collected (a module-level
+    ``importorskip`` or ``pytest.skip(allow_module_level=True)``): a collection error naming the reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and must_run(report.nodeid):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{report.nodeid} skipped as a whole, but {MUST_RUN_ENV} says it must run here: {_reason(report)}"
+        )
+
+
+class SkipCount:
+    """This session's skips (tests and whole files, "nodeid: reason"), and the check of their number against
+    ``EXPECTED_SKIPS`` when ``AREAL_EXPECT_SKIPS`` names the tier. One per pytest config (``pytest_configure``):
+    a pytest run inside a test (pytester) counts its own."""
+
+    def __init__(self):
+        self.skips: list[str] = []
+
+    def pytest_runtest_logreport(self, report):
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skips.append(f"{report.nodeid}: {_reason(report)}")
+
+    def pytest_collectreport(self, report):
+        if report.skipped:
+            self.skips.append(f"{report.nodeid} (whole file): {_reason(report)}")
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        """Under CI, the session fails unless its skips number exactly ``EXPECTED_SKIPS[tier]``; the failure
+        lists every skip with its reason."""
+        tier = os.environ.get(SKIPS_ENV, "").strip()
+        expected = EXPECTED_SKIPS.get(tier)
+        if not tier or len(self.skips) == expected:
+            return
+        if expected is None:
+            why = f"{tier} is not a tier of EXPECTED_SKIPS {sorted(EXPECTED_SKIPS)}"
+        else:
+            why = f"{tier}: {len(self.skips)} skip(s), EXPECTED_SKIPS (tests/conftest.py) pins {expected}"
+        tw = session.config.pluginmanager.get_plugin("terminalreporter")
+        if tw is not None:
+            tw.write_line("\n".join(["", f"{SKIPS_ENV}: {why}", *(f"  skipped: {s}" for s in self.skips)]), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(SkipCount(), "areal_skip_count")

@@ -1,9 +1,14 @@
 """Under CI (``.ci/run`` sets ``AREAL_MUST_RUN``), a skip in a must-run test file is a failure that says
-why it skipped; elsewhere it stays a skip. Checked on a real pytest run of a file with one skipping test."""
+why it skipped, whether one test skips or the whole file at collection; elsewhere it stays a skip. And a tier
+whose skips differ in number from ``EXPECTED_SKIPS`` (``AREAL_EXPECT_SKIPS`` names the tier) fails, listing
+them. Checked on real pytest runs of small files."""
 
 from __future__ import annotations
 
-from tests.conftest import MUST_RUN_ENV, must_run
+import pytest
+
+from tests import conftest
+from tests.conftest import MUST_RUN_ENV, SKIPS_ENV, must_run
 
 pytest_plugins = ["pytester"]
 
@@ -18,9 +23,20 @@ def test_runs():
 """
 
 
-def _pytest(pytester, monkeypatch, must: str):
-    pytester.makepyfile(test_tool=SKIPPING)
+WHOLE_FILE = """
+import pytest
+
+pytest.importorskip("a_module_nobody_installed")
+
+def test_never_collected():
+    assert False
+"""
+
+
+def _pytest(pytester, monkeypatch, must: str, source: str = SKIPPING, tier: str = ""):
+    pytester.makepyfile(test_tool=source)
     monkeypatch.setenv(MUST_RUN_ENV, must)
+    monkeypatch.setenv(SKIPS_ENV, tier)
     plugins = ["-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:asyncio"]
     return pytester.runpytest_inprocess("-q", "-rs", *plugins)
 
@@ -40,3 +56,39 @@ def test_must_run_matches_whole_files_only():
     assert must_run("tests/contract/test_sglang_contract.py::test_schema_refuses_what_sglang_would_refuse", env)
     assert not must_run("tests/test_slurm_extra.py::test_x", env)
     assert not must_run("tests/e2e/test_e2e.py::test_x", env) and not must_run("tests/e2e/test_slurm.py::t", "")
+
+
+def test_a_must_run_file_that_skips_at_collection_is_an_error_naming_its_reason(pytester, monkeypatch):
+    free = _pytest(pytester, monkeypatch, "", WHOLE_FILE)
+    free.assert_outcomes(skipped=1)
+    ci = _pytest(pytester, monkeypatch, "test_tool.py", WHOLE_FILE)
+    ci.assert_outcomes(errors=1)
+    ci.stdout.fnmatch_lines([f"*test_tool.py skipped as a whole, but {MUST_RUN_ENV} says it must run here*"])
+    ci.stdout.fnmatch_lines(["*could not import 'a_module_nobody_installed'*"])
+    assert ci.ret != 0
+
+
+@pytest.mark.parametrize("pinned, ok", [(1, True), (0, False), (2, False)])
+def test_a_tier_fails_when_its_skips_differ_from_the_pinned_count_and_lists_them(pytester, monkeypatch, pinned, ok):
+    monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/unit", pinned)
+    run = _pytest(pytester, monkeypatch, "", tier="tests/unit")
+    run.assert_outcomes(passed=1, skipped=1)  # the tests' own outcomes are as they were
+    assert (run.ret == 0) == ok
+    if not ok:
+        run.stdout.fnmatch_lines(
+            [
+                f"{SKIPS_ENV}: tests/unit: 1 skip(s), EXPECTED_SKIPS (tests/conftest.py) pins {pinned}",
+                "  skipped: test_tool.py::test_needs_a_tool: *no such tool here*",
+            ]
+        )
+    # a whole file's skip counts too (one, named as such)
+    monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/unit", 0)
+    whole = _pytest(pytester, monkeypatch, "", WHOLE_FILE, tier="tests/unit")
+    assert whole.ret != 0
+    whole.stdout.fnmatch_lines(["  skipped: test_tool.py (whole file): *a_module_nobody_installed*"])
+
+
+def test_the_pinned_counts_name_the_ci_tiers():
+    from tests.unit.house.test_tiers import ROOT, ci_tiers
+
+    assert sorted(conftest.EXPECTED_SKIPS) == sorted(ci_tiers((ROOT / ".ci" / "run").read_text()))

@@ -5,6 +5,7 @@ would be run by the README's command but by no CI tier: this test fails first, n
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import Counter
 from pathlib import Path
@@ -47,8 +48,23 @@ def test_test_file_base_names_are_unique():
 def test_ci_runs_every_tier_but_gpu_and_its_must_run_files_exist():
     script = (ROOT / ".ci" / "run").read_text()
     assert sorted(ci_tiers(script)) == sorted(f"tests/{t}" for t in ({"unit"} | FLAT_TIERS) - {"gpu"})
-    must = re.search(r'^export AREAL_MUST_RUN="([^"]*)"', script, re.M).group(1).split(",")
-    assert must and [m for m in must if not (ROOT / m).is_file()] == []
+    must = re.search(r"^MUST_RUN=\(([^)]*)\)", script, re.M).group(1).split()
+    assert len(must) >= 3 and [m for m in must if not (ROOT / m).is_file()] == []
+    # every file that importorskips at module level is a must-run one (its extra is installed here)
+    whole = [str(p.relative_to(ROOT)) for p in TESTS.rglob("test_*.py") if _skips_as_a_whole(p.read_text())]
+    assert [w for w in whole if w not in must and not w.startswith("tests/gpu/")] == []
+
+
+def _skips_as_a_whole(source: str) -> bool:
+    """A module-level ``pytest.importorskip(...)`` or ``pytest.skip(..., allow_module_level=True)`` call (a
+    statement of the module itself, read with ``ast``): the file skips at collection."""
+    for node in ast.parse(source).body:
+        call = node.value if isinstance(node, (ast.Expr, ast.Assign)) else None
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+            allow = any(k.arg == "allow_module_level" for k in call.keywords)
+            if call.func.attr == "importorskip" or (call.func.attr == "skip" and allow):
+                return True
+    return False
 
 
 def test_the_checks_catch_a_stray_file(tmp_path):
