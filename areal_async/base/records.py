@@ -68,11 +68,14 @@ def worker_record_path(run_dir: str | Path, folder: str, worker_id: str) -> Path
 
 
 class JsonlRecord:
-    """An append-only jsonl file, one flushed line per ``write`` (thread-safe)."""
+    """An append-only jsonl file, one flushed line per ``write`` (thread-safe). Opening it drops a torn last
+    line (a writer of the same file killed mid-line: a restarted worker appends to its predecessor's record),
+    as a reader would skip it, so the lines appended after it stay lines."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        drop_torn_tail(self.path)
         self._f = open(self.path, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
@@ -119,6 +122,29 @@ def reward_line(group_id: str, sample_ids: Sequence[str], scores: Sequence[float
         "scores": [float(x) for x in scores],
         "statuses": list(statuses),
     }
+
+
+def drop_torn_tail(path: Path, chunk: int = 1 << 20) -> int:
+    """Cut ``path`` back to its last newline (bytes after it: a line whose writer died); returns bytes cut."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = end = f.seek(0, os.SEEK_END)
+        while end > 0:  # back from the end, a chunk at a time, to the last newline
+            start = max(0, end - chunk)
+            f.seek(start)
+            block = f.read(end - start)
+            if end == size and block.endswith(b"\n"):
+                return 0
+            at = block.rfind(b"\n")
+            if at >= 0:
+                f.truncate(start + at + 1)
+                return size - (start + at + 1)
+            end = start
+        f.truncate(0)
+        return size
 
 
 def read_jsonl(path: str | Path) -> tuple[list[dict], list[str]]:
