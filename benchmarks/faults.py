@@ -222,8 +222,15 @@ class Externals:
 
 
 def verify_row(rep: Report) -> dict:
-    """``areal-async verify``'s verdict as row fields: its counts, its disagreements by kind, the first lines."""
-    return {"counts": rep.counts, "kinds": dict(rep.kinds()), "problems": rep.lines(10), "summary": rep.summary()}
+    """``areal-async verify``'s verdict as row fields: its counts, its disagreements by kind, the first lines,
+    and per start that cut the books (resumes.json) what it rolled back and how many samples it excused."""
+    return {
+        "counts": rep.counts,
+        "kinds": dict(rep.kinds()),
+        "problems": rep.lines(10),
+        "summary": rep.summary(),
+        "rollbacks": rep.rollback_lines(),
+    }
 
 
 def books(run_dir: Path, steps: int, per_step_samples: int = B * N) -> dict:
@@ -350,7 +357,7 @@ def main(argv=None) -> int:
     for r in rows:
         if r["metric"].startswith("faults_verify"):
             print(f"{r['metric']}: {r['summary']}")
-            print("".join(f"  {x}\n" for x in r["problems"]), end="")
+            print("".join(f"  {x}\n" for x in r["problems"] + [f"rolled back: {x}" for x in r["rollbacks"]]), end="")
     verified = all(r["value"] == 0 for r in rows if r["metric"].startswith("faults_verify"))
     return 0 if rows[0]["value"] == 1 and verified else 1
 
