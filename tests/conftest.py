@@ -106,13 +106,17 @@ class SkipCount:
         lists every skip with its reason."""
         tier = os.environ.get(SKIPS_ENV, "").strip()
         expected = EXPECTED_SKIPS.get(tier)
-        if not tier or len(self.skips) == expected:
+        tw = session.config.pluginmanager.get_plugin("terminalreporter")
+        if not tier:
+            return
+        if len(self.skips) == expected:
+            if tw is not None:
+                tw.write_line(f"\n{SKIPS_ENV}: {tier}: {expected} skip(s), as EXPECTED_SKIPS (tests/conftest.py) pins")
             return
         if expected is None:
             why = f"{tier} is not a tier of EXPECTED_SKIPS {sorted(EXPECTED_SKIPS)}"
         else:
             why = f"{tier}: {len(self.skips)} skip(s), EXPECTED_SKIPS (tests/conftest.py) pins {expected}"
-        tw = session.config.pluginmanager.get_plugin("terminalreporter")
         if tw is not None:
             tw.write_line("\n".join(["", f"{SKIPS_ENV}: {why}", *(f"  skipped: {s}" for s in self.skips)]), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
