@@ -10,7 +10,7 @@
     areal-async eval CONFIG [--model DIR] [--data FILE] [--out DIR] [-k K | --greedy] [key=value ...]
     areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
     areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
-    areal-async verify RUN_DIR [--all] [--eta N]  # the books against the trainer's and rollouts' records
+    areal-async verify RUN_DIR [--all] [--eta N]  # the books against the other processes' records
     areal-async replay RUN_DIR --steps A:B  # the trainer alone on its recording; exit 0 iff bit-identical
     areal-async doctor RUN_DIR [--json]    # findings with evidence and advice; exit 0 healthy, 1 findings
 
@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="a live fleet: workers, versions, throughput, the scheduler's counts")
     st.add_argument("run_dir", help="the run directory of a running fleet")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the scheduler's answer")
-    v = sub.add_parser("verify", help="check a finished run's books against the trainer's and the rollouts' records")
+    v = sub.add_parser("verify", help="check a finished run's books against the other processes' own records")
     v.add_argument("run_dir", help="a run directory")
     v.add_argument("--all", action="store_true", help="every disagreement (default: the first 50 of each kind)")
     v.add_argument("--eta", type=int, default=None, help="staleness bound (default: the run's config)")

@@ -165,7 +165,7 @@ def transfer_latency(rows: list[dict]) -> list[str]:
             str(len(r["bound_gbps_samples"])) if "bound_gbps_samples" in r else "-",
             _f(r.get("bound_spread"), ".2f"),
             _f(r["ratio"], ".2f"),
-            _f(r.get("memmove_gbps"), ".2f"),
+            _f(r.get("memmove_gbps", r.get("memcpy_gbps")), ".2f"),
             _f(r.get("ratio_memmove", r.get("ratio_memcpy")), ".2f"),
         ]
         for r in timed
