@@ -33,12 +33,19 @@ def test_never_collected():
 """
 
 
-def _pytest(pytester, monkeypatch, must: str, source: str = SKIPPING, tier: str = ""):
-    pytester.makepyfile(test_tool=source)
+def _pytest(pytester, monkeypatch, must: str, source: str = SKIPPING, tier: str = "", args: tuple = ()):
+    """pytest on ``test_tool.py`` (``source``); ``tier``: AREAL_EXPECT_SKIPS; ``args``: the paths run (a tier's
+    run names its folder: here ``tests/unit`` holds the file, as CI's tier holds its tests)."""
+    path = pytester.mkpydir("tests") / "unit" / "test_tool.py" if args else None
+    if path is not None:
+        path.parent.mkdir()
+        path.write_text(source)
+    else:
+        pytester.makepyfile(test_tool=source)
     monkeypatch.setenv(MUST_RUN_ENV, must)
     monkeypatch.setenv(SKIPS_ENV, tier)
     plugins = ["-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:asyncio"]
-    return pytester.runpytest_inprocess("-q", "-rs", *plugins)
+    return pytester.runpytest_inprocess("-q", "-rs", *plugins, *args)
 
 
 def test_a_skip_in_a_must_run_file_fails_naming_its_reason(pytester, monkeypatch):
@@ -71,7 +78,7 @@ def test_a_must_run_file_that_skips_at_collection_is_an_error_naming_its_reason(
 @pytest.mark.parametrize("pinned, ok", [(1, True), (0, False), (2, False)])
 def test_a_tier_fails_when_its_skips_differ_from_the_pinned_count_and_lists_them(pytester, monkeypatch, pinned, ok):
     monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/unit", pinned)
-    run = _pytest(pytester, monkeypatch, "", tier="tests/unit")
+    run = _pytest(pytester, monkeypatch, "", tier="tests/unit", args=("tests/unit",))
     run.assert_outcomes(passed=1, skipped=1)  # the tests' own outcomes are as they were
     assert (run.ret == 0) == ok
     if ok:
@@ -80,14 +87,24 @@ def test_a_tier_fails_when_its_skips_differ_from_the_pinned_count_and_lists_them
         run.stdout.fnmatch_lines(
             [
                 f"{SKIPS_ENV}: tests/unit: 1 skip(s), EXPECTED_SKIPS (tests/conftest.py) pins {pinned}",
-                "  skipped: test_tool.py::test_needs_a_tool: *no such tool here*",
+                "  skipped: tests/unit/test_tool.py::test_needs_a_tool: *no such tool here*",
             ]
         )
-    # a whole file's skip counts too (one, named as such)
+
+
+def test_a_whole_files_skip_counts(pytester, monkeypatch):
     monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/unit", 0)
-    whole = _pytest(pytester, monkeypatch, "", WHOLE_FILE, tier="tests/unit")
+    whole = _pytest(pytester, monkeypatch, "", WHOLE_FILE, tier="tests/unit", args=("tests/unit",))
     assert whole.ret != 0
-    whole.stdout.fnmatch_lines(["  skipped: test_tool.py (whole file): *a_module_nobody_installed*"])
+    whole.stdout.fnmatch_lines(["  skipped: tests/unit/test_tool.py (whole file): *a_module_nobody_installed*"])
+
+
+def test_a_pytest_of_other_paths_is_not_checked(pytester, monkeypatch):
+    """A pytest started inside a tier's test (it inherits the environment) runs other paths: no check."""
+    monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/bench", 0)
+    other = _pytest(pytester, monkeypatch, "", tier="tests/bench")
+    other.assert_outcomes(passed=1, skipped=1)
+    assert other.ret == 0 and SKIPS_ENV not in other.stdout.str()
 
 
 def test_the_pinned_counts_name_the_ci_tiers():
