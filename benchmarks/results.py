@@ -184,6 +184,17 @@ def transfer_latency(rows: list[dict]) -> list[str]:
     return out + [f"- bound: {d}" for d in defs] or out
 
 
+def faults(rows: list[dict]) -> list[str]:
+    """The generic table (rows recorded by hand too); below, verify's summary of the faulty run and what each
+    start that cut the books rolled back (resumes.json)."""
+    out = generic(rows)
+    for r in rows:
+        if r["metric"] == "faults_verify_disagreements":
+            out += [f"- verify: {r['summary']}"] + [f"- rolled back: {x}" for x in r.get("rollbacks", [])]
+            out += [f"- {x}" for x in r.get("problems", [])]
+    return out
+
+
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
     ("benchmarks.overhead", lambda m: m.startswith("fleet_vs_inprocess"), overhead),
     ("benchmarks.data_path", lambda m: m.startswith(("boba_batch", "scheduler_")), data_path),
@@ -194,6 +205,7 @@ RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[st
         lambda m: m in ("weight_sync", "wire_bound", "gloo_fraction_of_wire"),
         transfer_latency,
     ),
+    ("benchmarks.faults", lambda m: m.startswith("faults_"), faults),
 ]
 ORDER = [name for name, _, _ in RENDERERS]
 
@@ -205,7 +217,7 @@ def recognise(rows: list[dict]) -> str:
 
 def table_for(rows: list[dict]) -> list[str]:
     """A benchmark's own table for its measured rows; the generic one for rows recorded by hand."""
-    if any("note" in r for r in rows):
+    if any("note" in r for r in rows) and rows[0]["benchmark"] != "benchmarks.faults":
         return generic(rows)
     return next((fn for n, _, fn in RENDERERS if n == rows[0]["benchmark"]), generic)(rows)
 
