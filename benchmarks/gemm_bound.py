@@ -21,12 +21,13 @@ a fraction near 1 leaves nothing but faster GEMMs (a GPU) to gain.
   plain HF forward + log-softmax + backward of the same packed tokens beside it. The bound, the fused
   step and the HF step are timed in interleaved rounds (each once per round, the order rotated round to
   round, ``--repeats`` rounds after one warm-up each): every row carries its samples and the medians.
-  ``trainer_fused_step_vs_hf_plain_step`` is the fused step's median over the HF step's (> 1: the fused
-  step is slower; at the real shape it has been: 27 % at 1,024 tokens, 2026-12-02, one repeat, and the
-  interleaved runs' figures are in RESULTS.md). The chunked head recomputes each chunk's logits in
-  backward, one more head GEMM than the bound counts (``head_recompute_s`` is reported so a reader can
-  add it): at the real shape (2 layers, a 151,936-token vocabulary) the head is most of the GEMM work,
-  so that recompute is most of what the fused step pays over HF for not holding the T x V logits.
+  ``trainer_fused_step_vs_hf_plain_step`` is the fused step's time over the HF step's, the median of the
+  rounds' ratios (> 1: the fused step is slower; at the real shape it is: 27 % at 1,024 tokens in a
+  one-repeat run of 2026-12-02, 24 % in five interleaved rounds of 2026-12-06: RESULTS.md). The chunked
+  head recomputes each chunk's logits in backward, one more head GEMM than the bound counts
+  (``head_recompute_s``, reported so a reader can add it): at the real shape (2 layers, a 151,936-token
+  vocabulary) the head is most of the GEMM work, and that recompute (1.9 s of a 13 s step there) is most
+  of what the fused step pays over HF for not holding the T x V logits.
 """
 
 from __future__ import annotations
@@ -173,20 +174,25 @@ def _train_row(what: str, shape: str, T: int, steps: list[float], bounds: list[f
 
 
 def _vs_hf(shape: str, T: int, got: dict, recompute_s: float) -> dict:
-    """The trainer's fused step over a plain HF step, medians of the same interleaved rounds."""
+    """The trainer's fused step over a plain HF step: the median of their ratios round by round (each round
+    times both within seconds of each other, so a load that drifts between rounds cancels), with each
+    round's ratio and both medians beside it."""
+    per_round = [f / h for f, h in zip(got["trainer_fused_step"], got["hf_plain_step"])]
+    ratio = statistics.median(per_round)
     fused, hf = statistics.median(got["trainer_fused_step"]), statistics.median(got["hf_plain_step"])
     return {
         "metric": "trainer_fused_step_vs_hf_plain_step",
-        "value": fused / hf,
+        "value": ratio,
         "unit": "ratio",
         "shape": shape,
         "tokens": T,
+        "ratio_per_round": [round(x, 4) for x in per_round],
         "fused_step_s": fused,
         "hf_step_s": hf,
         "head_recompute_s": recompute_s,
-        "said": f"the trainer's fused step is {abs(fused / hf - 1):.0%} {'slower' if fused > hf else 'faster'} "
-        f"than a plain HF step at the {shape} shape ({T} tokens; its chunked head's recompute: "
-        f"{recompute_s:.2f} s of {fused:.2f} s)",
+        "said": f"the trainer's fused step is {abs(ratio - 1):.0%} {'slower' if ratio > 1 else 'faster'} than a "
+        f"plain HF step at the {shape} shape ({T} tokens, median of {len(per_round)} interleaved rounds; its "
+        f"chunked head's recompute: {recompute_s:.2f} s of {fused:.2f} s)",
         "loadavg": os.getloadavg()[0],
     }
 
