@@ -276,15 +276,20 @@ def _models(args) -> int:
 
 
 def _resolve_models(args, cfg) -> int | None:
-    """``gguf:SOURCE`` in model.path / ref.path / --model: imported (once, cached) and replaced by the
+    """``gguf:SOURCE`` in model.path / ref.path / reward.judge / --model: imported (once, cached) and replaced by the
     directory; exit 2 with one line when the import is refused."""
-    if not any(str(p or "").startswith("gguf:") for p in (cfg.model.path, cfg.ref.path, getattr(args, "model", None))):
+    paths = (cfg.model.path, cfg.ref.path, cfg.reward.judge, getattr(args, "model", None))
+    if not any(str(p or "").startswith("gguf:") for p in paths):
         return None
     try:
         for section in (cfg.model, cfg.ref):
             section.path, imported = resolve_model_path(section.path)
             if imported is not None:
                 print(f"areal-async: model {imported.line()}", file=sys.stderr)
+        if cfg.reward.judge:  # the reward model (reward/judge.py)
+            cfg.reward.judge, imported = resolve_model_path(cfg.reward.judge)
+            if imported is not None:
+                print(f"areal-async: reward.judge {imported.line()}", file=sys.stderr)
         if getattr(args, "model", None):
             args.model, _ = resolve_model_path(args.model)
     except ImportRefused as e:

@@ -21,6 +21,7 @@ Only msgpack-level imports here (no torch): the reward child imports this module
 
 from __future__ import annotations
 
+from dataclasses import field
 from typing import ClassVar, Optional
 
 from protocols.messages import SideMessage, side_message
@@ -69,6 +70,8 @@ class TrajectoryMeta(SideMessage):
     prompt_lengths: list[int]
     sample_ids: list[str]
     lengths: list[int]
+    # [] or one list a sample: output offsets where a new sequence starts (an agent's segments, trained apart)
+    segment_starts: list[list[int]] = field(default_factory=list)
 
     def validate(self) -> Optional[str]:
         return trajectory_counts_problem(self)
@@ -89,7 +92,18 @@ def trajectory_counts_problem(m) -> Optional[str]:
         return f"{n} sample ids but {len(m.lengths)} lengths: expected one length a sample"
     if sum(m.group_sizes) != n:
         return f"group sizes {m.group_sizes[:8]} sum to {sum(m.group_sizes)}, not to the {n} sample ids"
-    return _negative(m, "group_sizes", "prompt_lengths", "lengths")
+    return _negative(m, "group_sizes", "prompt_lengths", "lengths") or segments_problem(m)
+
+
+def segments_problem(m) -> Optional[str]:
+    """What is wrong with ``m.segment_starts`` (none, or increasing offsets inside each sample's output), or None."""
+    segs = getattr(m, "segment_starts", None) or []
+    if segs and len(segs) != len(m.sample_ids):
+        return f"{len(segs)} segment_starts lists for {len(m.sample_ids)} samples: expected none or one a sample"
+    for sid, starts, n in zip(m.sample_ids, segs, m.lengths):
+        if any(not isinstance(x, int) or not 0 < x < n for x in starts) or list(starts) != sorted(set(starts)):
+            return f"sample {sid!r}: segment_starts {list(starts)[:8]}: expected increasing offsets in (0, {n})"
+    return None
 
 
 _NOTE_BYTES = 8 * 1024 * 1024

@@ -9,6 +9,8 @@ Python). A single group is the one-group case of the one layout::
     meta (protocols.side.TrajectoryMeta), msgpack lists:
         group_ids[G], group_sizes[G], prompt_lengths[G]   group j: the next group_sizes[j] samples
         sample_ids[N], lengths[N]                         sample i: lengths[i] output tokens
+        segment_starts[N] (optional)                      sample i's output offsets where a new sequence
+                                                          starts (an agent's segments: trained apart)
     tensors, each 1D:
         prompt_ids   int32   (sum of prompt_lengths)  each group's prompt once, end to end
         output_ids   int32   (sum of lengths)         the samples' outputs end to end
@@ -56,6 +58,7 @@ class SampleView:
     logprobs: torch.Tensor
     versions: torch.Tensor
     loss_mask: Optional[torch.Tensor] = None
+    segment_starts: Optional[list[int]] = None  # output offsets where a new sequence starts (None: one sequence)
 
 
 @dataclass
@@ -72,6 +75,7 @@ class TrajectoryBatch:
     logprobs: torch.Tensor
     versions: torch.Tensor
     loss_mask: Optional[torch.Tensor] = None
+    segment_starts: Optional[list[list[int]]] = None  # one list a sample (an agent's segments); None: none
 
     # ---- building --------------------------------------------------------------------------
     @classmethod
@@ -85,6 +89,7 @@ class TrajectoryBatch:
         logprobs,
         versions,
         loss_mask=None,
+        segment_starts: Optional[list[list[int]]] = None,
     ) -> "TrajectoryBatch":
         """One group: its prompt once, its samples' outputs end to end (``lengths[i]`` tokens of sample i).
         Tensors or lists; converted to the wire dtypes (a tensor already in its dtype is kept as is)."""
@@ -100,6 +105,7 @@ class TrajectoryBatch:
             logprobs=_wire(logprobs, "logprobs"),
             versions=_wire(versions, "versions"),
             loss_mask=None if loss_mask is None else _wire(loss_mask, "loss_mask"),
+            segment_starts=_segments(segment_starts),
         )
 
     @classmethod
@@ -116,7 +122,10 @@ class TrajectoryBatch:
         lists = {f: [x for b in batches for x in getattr(b, f)] for f in _META_FIELDS}
         tensors = {f: torch.cat([getattr(b, f) for b in batches]) for f in _REQUIRED}
         mask = None if batches[0].loss_mask is None else torch.cat([b.loss_mask for b in batches])
-        return cls(**lists, **tensors, loss_mask=mask)
+        segs = None
+        if any(b.segment_starts for b in batches):
+            segs = [list(x) for b in batches for x in (b.segment_starts or [[]] * len(b.sample_ids))]
+        return cls(**lists, **tensors, loss_mask=mask, segment_starts=segs)
 
     @classmethod
     def of_samples(cls, samples: Sequence[SampleView]) -> "TrajectoryBatch":
@@ -132,6 +141,7 @@ class TrajectoryBatch:
                     [s.output_ids.numel() for s in run],
                     *(_cat([getattr(s, name) for s in run]) for name in ("output_ids", "logprobs", "versions")),
                     loss_mask=None if run[0].loss_mask is None else _cat([s.loss_mask for s in run]),
+                    segment_starts=[list(s.segment_starts or []) for s in run],
                 )
                 for run in runs
             ]
@@ -150,7 +160,10 @@ class TrajectoryBatch:
         return counts + sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def meta(self) -> dict:
-        return {f: getattr(self, f) for f in _META_FIELDS}
+        out = {f: getattr(self, f) for f in _META_FIELDS}
+        if self.segment_starts:
+            out["segment_starts"] = self.segment_starts
+        return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The named tensors of the layout (``loss_mask`` only when there is one)."""
@@ -183,6 +196,7 @@ class TrajectoryBatch:
                 f"{where}: tensors {sorted(names)}; expected {sorted(_REQUIRED)} and optionally 'loss_mask'"
             )
         batch = cls(m.group_ids, m.group_sizes, m.prompt_lengths, m.sample_ids, m.lengths, **tensors)
+        batch.segment_starts = _segments(m.segment_starts)
         batch._check_tensors(where)
         return batch
 
@@ -210,7 +224,8 @@ class TrajectoryBatch:
         prompt_of = [p for p, n in zip(prompts, sizes) for _ in range(n)]
         split = (t.split_with_sizes(lengths) for t in (self.output_ids, self.logprobs, self.versions))
         masks = itertools.repeat(None) if self.loss_mask is None else self.loss_mask.split_with_sizes(lengths)
-        return list(map(SampleView, self.sample_ids, gids, prompt_of, *split, masks))
+        segs = itertools.repeat(None) if not self.segment_starts else [s or None for s in self.segment_starts]
+        return list(map(SampleView, self.sample_ids, gids, prompt_of, *split, masks, segs))
 
 
 _META_FIELDS = ("group_ids", "group_sizes", "prompt_lengths", "sample_ids", "lengths")
@@ -229,6 +244,11 @@ def _wire(x, name: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x if x.dtype == dtype else x.to(dtype)
     return torch.tensor(list(x), dtype=dtype)
+
+
+def _segments(segs) -> Optional[list[list[int]]]:
+    """Per-sample segment starts, or None when no sample has any (the layout without them)."""
+    return [list(s) for s in segs] if segs and any(segs) else None
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

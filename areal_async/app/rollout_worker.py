@@ -3,6 +3,7 @@ vLLM servers this worker owns behind a ``RemoteEngine``) behind the rollout serv
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from typing import Optional
@@ -24,7 +25,11 @@ from areal_async.models.lora import LORA_BASE
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tokenizer import batch_decoder
+from areal_async.data.prompts import load_problems, prompt_encoder
+from areal_async.rollout.agent import AgentWorkflow, PromptTexts, trace_record
 from areal_async.rollout.episodes import Episodes, ErrorWindow
+from areal_async.rollout.openai_server import OpenAIServer
+from areal_async.rollout.server_auth import server_key
 from areal_async.rollout.remote import RemoteEngine, servers_of
 from areal_async.reward.pool import RewardPool
 from areal_async.rollout.record import RolloutRecord
@@ -62,20 +67,23 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
         weights,
         ep.rewards,
         max_active,
-        **workflow_parts(cfg, tok, run_dir, worker_id),
+        **(agent_parts if cfg.rollout.agent else workflow_parts)(cfg, tok, run_dir, worker_id),
         message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
         record=RolloutRecord(run_dir, worker_id),  # every run: what areal-async verify reads
     )
 
 
-def workflow_parts(cfg: ExperimentConfig, tok, run_dir: str | Path, worker_id: str) -> dict:
-    """The rollout workflow, its tokenizer, its scorer (reward.fn in this worker's own killable
-    processes) and the record of what it scored; nothing for plain sampling."""
-    if not cfg.rollout.workflow:
+def workflow_parts(
+    cfg: ExperimentConfig, tok, run_dir: str | Path, worker_id: str, workflow=None, name: str = ""
+) -> dict:
+    """The rollout workflow (``rollout.workflow``, or the given one), its tokenizer, its scorer (reward.fn in
+    this worker's own killable processes) and the record of what it scored; nothing for plain sampling."""
+    if not cfg.rollout.workflow and workflow is None:
         return {}
     r = cfg.rollout
-    errors = ErrorWindow(r.workflow, r.max_workflow_errors, r.workflow_error_window)
-    episodes = Episodes(load_callable(r.workflow)(), r.workflow, r.episode_timeout_s, errors)
+    workflow, name = (workflow, name) if workflow is not None else (load_callable(r.workflow)(), r.workflow)
+    errors = ErrorWindow(name, r.max_workflow_errors, r.workflow_error_window)
+    episodes = Episodes(workflow, name, r.episode_timeout_s, errors)
     pool = RewardPool.from_config(cfg.reward)
 
     async def score(completion: str, solutions: list) -> float:
@@ -83,6 +91,27 @@ def workflow_parts(cfg: ExperimentConfig, tok, run_dir: str | Path, worker_id: s
 
     record = RewardRecord(run_dir, worker_id)
     return {"episodes": episodes, "tokenizer": tok, "score": score, "reward_record": record}
+
+
+def agent_parts(cfg: ExperimentConfig, tok, run_dir: str | Path, worker_id: str) -> dict:
+    """``rollout.agent``: the agent workflow over this worker's OpenAI-compatible endpoint (``rollout/agent.py``),
+    its episodes counted like a workflow's; the endpoint's key is the run's server key."""
+    r, g = cfg.rollout, cfg.gconfig
+    host = os.environ.get(NODE_HOST_ENV) or cfg.cluster.host
+    limits = (g.max_new_tokens, max(r.agent_max_tokens, g.max_new_tokens))
+    server = OpenAIServer(tok, template_name(tok), limits, host, server_key())
+    d = cfg.train_dataset
+    texts = PromptTexts(lambda: load_problems(d, cfg.seed), prompt_encoder(tok, d.template), tok)
+    traces = trace_record(run_dir, worker_id) if r.dump_to_file else None
+    workflow = AgentWorkflow(load_callable(r.agent), r.agent, server, r.agent_drift, server_key(), texts, traces)
+    return workflow_parts(cfg, tok, run_dir, worker_id, workflow, r.agent)
+
+
+def template_name(tok) -> str:
+    """What drift is counted under: the tokenizer's name and a digest of its chat template."""
+    text = getattr(tok, "chat_template", None) or ""
+    name = Path(str(getattr(tok, "name_or_path", "") or "tokenizer")).name
+    return f"{name}#{hashlib.sha1(text.encode()).hexdigest()[:8]}" if text else f"{name}#no-template"
 
 
 def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path | None = None) -> TorchEngine:

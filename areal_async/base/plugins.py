@@ -15,11 +15,19 @@ import functools
 import importlib
 import inspect
 
-__all__ = ["load_callable", "contract_problem", "REWARD_SIGNATURE", "WORKFLOW_SIGNATURE", "FILTER_SIGNATURE"]
+__all__ = [
+    "load_callable",
+    "contract_problem",
+    "REWARD_SIGNATURE",
+    "WORKFLOW_SIGNATURE",
+    "FILTER_SIGNATURE",
+    "AGENT_SIGNATURE",
+]
 
 REWARD_SIGNATURE = "f(completion: str, solutions: list[str], **kwargs) -> float"
 WORKFLOW_SIGNATURE = "'async def arun_episode(self, engine, prompt)'"
 FILTER_SIGNATURE = "f(scores: list[float], **kwargs) -> bool (True keeps the group)"
+AGENT_SIGNATURE = "async def fn(client, task) -> float | (float, info)"
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,8 +85,10 @@ def contract_problem(path: str, kind: str = "auto") -> tuple[str, str | None]:
         kind = "workflow" if inspect.isclass(obj) else "reward"
     if kind == "dynamic_filter":
         return kind, _filter_problem(path, obj)
+    if kind == "agent":
+        return kind, _agent_problem(path, obj)
     if kind not in ("reward", "workflow"):
-        raise ValueError(f"kind={kind!r}: expected auto | reward | workflow | dynamic_filter")
+        raise ValueError(f"kind={kind!r}: expected auto | reward | workflow | dynamic_filter | agent")
     return kind, (_workflow_problem(path, obj) if kind == "workflow" else _reward_problem(path, obj))
 
 
@@ -90,6 +100,16 @@ def _filter_problem(path: str, fn) -> str | None:
         return f"wrong signature: dynamic filter {path!r} ({e}); it must be callable as {FILTER_SIGNATURE}"
     except ValueError:  # a builtin without a signature
         return None
+    return None
+
+
+def _agent_problem(path: str, fn) -> str | None:
+    """rollout.agent: awaited as fn(client, task) in the rollout worker's event loop."""
+    if inspect.isclass(fn) or not inspect.iscoroutinefunction(fn):
+        return f"wrong signature: agent {path!r} is not an async function; expected {AGENT_SIGNATURE}"
+    bad = signature_problem(fn, (None, {}))
+    if bad:
+        return f"wrong signature: agent {path!r} is {bad}; expected {AGENT_SIGNATURE}"
     return None
 
 

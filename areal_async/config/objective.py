@@ -175,7 +175,7 @@ def check_objective_fleet(cfg: Any) -> None:
         )
     uses_length = a.overlong_reward_penalty or a.mask_no_eos_with_zero or a.loss_agg_mode.endswith("-norm")
     require(
-        not uses_length or not cfg.rollout.workflow,
+        not uses_length or not cfg.rollout.episodic,
         "rollout.workflow",
         cfg.rollout.workflow,
         "'' with actor.overlong_reward_penalty, mask_no_eos_with_zero or loss_agg_mode=seq-mean-token-sum-norm "

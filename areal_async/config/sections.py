@@ -192,6 +192,24 @@ class RolloutConfig(Section):
         "multi-turn, tools; it scores its episodes with reward.fn in the rollout worker's own "
         "killable processes); '' = plain sampling scored by the reward workers.",
     )
+    agent: str = _f(
+        "",
+        "Dotted path 'module:fn' of an agent, async def fn(client, task) -> float | (float, info): client is an "
+        "openai.AsyncOpenAI on this rollout worker's OpenAI-compatible endpoint (any model name), task a dict "
+        "with prompt, solutions, prompt_id; every request it makes is one recorded turn of the episode, trained "
+        "from its exact token ids (docs/agents.md; the 'agent' extra installs openai). '' = no agent.",
+    )
+    agent_drift: str = _f(
+        "refuse",
+        "An agent turn whose prompt is not a token-level extension of the previous turn's prompt + completion "
+        "(template drift): 'refuse' aborts the episode's group with the reason (counted per template), "
+        "'segments' trains each consistent run of turns as its own sequence.",
+    )
+    agent_max_tokens: int = _f(
+        0,
+        "Most new tokens one agent request may ask for (max_tokens); a request without max_tokens gets "
+        "gconfig.max_new_tokens; 0 = gconfig.max_new_tokens is also the most.",
+    )
     gen_deadline_s: float = _f(
         600.0,
         "A group not generated this many seconds after it was issued is aborted "
@@ -234,6 +252,11 @@ class RolloutConfig(Section):
     )
     workflow_error_window: int = _f(100, "Episodes (the most recent ones) that max_workflow_errors counts over.")
 
+    @property
+    def episodic(self) -> bool:
+        """A workflow or an agent runs the episodes (the rollout worker scores them; loss masks)."""
+        return bool(self.workflow or self.agent)
+
     def check(self) -> None:
         require(
             _BACKEND_RE.match(self.backend) is not None,
@@ -251,6 +274,17 @@ class RolloutConfig(Section):
             self.workflow,
             "'' (plain sampling) or a dotted path 'module:Class'",
         )
+        require(
+            self.agent == "" or ":" in self.agent, "agent", self.agent, "'' (no agent) or a dotted path 'module:fn'"
+        )
+        require(
+            not (self.agent and self.workflow),
+            "agent",
+            self.agent,
+            f"'' while rollout.workflow={self.workflow!r} is set (an agent is the episode's workflow)",
+        )
+        one_of(self, "agent_drift", ("refuse", "segments"))
+        at_least(self, "agent_max_tokens", 0)
         require(self.gen_deadline_s >= 0, "gen_deadline_s", self.gen_deadline_s, ">= 0 (0 = no deadline)")
         require(
             self.dynamic_filter in ("", "nonzero_std") or ":" in self.dynamic_filter,
@@ -441,9 +475,28 @@ class RewardConfig(Section):
         "the request) is aborted (reason 'deadline') and its prompt re-issued; 0 = no "
         "deadline.",
     )
+    judge: str = _f(
+        "",
+        "A reward model instead of fn: a local HF model directory (or gguf:SOURCE, imported like model.path) that "
+        "reads each completion beside the reference; its yes/no verdict is the reward (reward/judge.py). Each "
+        "pool process loads it once and judges a share of checks in one batched generation, killed at "
+        "timeout_s like any check; '' = fn.",
+    )
+    judge_template: str = _f(
+        "Reference answer: {solution}\nStudent answer: {completion}\n"
+        "Does the student answer give the same final result as the reference answer? Answer yes or no.",
+        "The judge's prompt ({completion}, {solution}: the first reference), in the judge's chat template.",
+    )
+    judge_max_new_tokens: int = _f(4, "Tokens the judge generates (greedy) for its verdict.")
+    judge_startup_s: float = _f(300.0, "Seconds a pool process may take to load the judge before it is refused.")
 
     def check(self) -> None:
         require(":" in self.fn, "fn", self.fn, "a dotted path 'module:function'")
+        require(
+            "{completion}" in self.judge_template, "judge_template", self.judge_template, "a text with {completion}"
+        )
+        at_least(self, "judge_max_new_tokens", 1)
+        above(self, "judge_startup_s", 0)
         above(self, "timeout_s", 0)
         at_least(self, "n_procs", 1)
         require(

@@ -17,7 +17,10 @@ The reward function runs in this process's MAIN thread. The child exits when its
 (the parent closed the pool or died); a watchdog thread also exits it when it is re-parented
 (parent killed) so a long check cannot outlive the pool. The parent enforces timeouts by
 SIGKILL, so nothing here tries to be interruptible.
-Imports are kept minimal on purpose: no torch, no zmq — only what the reward function imports.
+Imports are kept minimal on purpose: no torch, no zmq — only what the reward function imports. A function
+with ``prepare`` (``reward.judge``) is prepared once before the memory cap (its model loaded), and one with
+``batch`` is called once per frame (``fn.batch(completions, solutions)``: one value or exception each); its
+first reply then comes when the whole frame is judged, so the frame has the first check's deadline.
 """
 
 from __future__ import annotations
@@ -68,6 +71,26 @@ def _run_one(fn, kwargs: dict, completion: str, solutions: list[str]) -> RewardR
     return RewardReply(score=float(value))
 
 
+def _run_batch(fn, kwargs: dict, completions: list, solutions: list) -> list[RewardReply]:
+    """``fn.batch``'s results as replies: a number is a score, an exception (returned or raised) an error."""
+    try:
+        values = fn.batch(completions, solutions, **kwargs)
+    except Exception as e:  # the whole frame failed: each check says so
+        values = [e] * len(completions)
+    if not isinstance(values, list) or len(values) != len(completions):
+        bad = RuntimeError(f"{fn.__name__}.batch returned {values!r:.100}; expected one value a completion")
+        values = [bad] * len(completions)
+    out = []
+    for v in values:
+        if isinstance(v, Exception):
+            out.append(RewardReply(error=f"{type(v).__name__}: {v}"[:2000]))
+        elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
+            out.append(RewardReply(score=float(v)))
+        else:
+            out.append(RewardReply(error=f"{fn.__name__}.batch gave {v!r:.100}; expected a finite real number"))
+    return out
+
+
 def _load(proto_in):
     """(fn, kwargs, ready message) from the init message."""
     try:
@@ -78,8 +101,12 @@ def _load(proto_in):
         return None, None, RewardReady(ready=False, error="no init message (stdin closed)")
     try:
         fn = load_callable(init.fn)
+        if hasattr(fn, "prepare"):  # a model-backed fn (reward.judge) loads it once, before the memory cap
+            fn.prepare(**init.kwargs)
     except ValueError as e:
         return None, None, RewardReady(ready=False, error=str(e))
+    except Exception as e:  # the model did not load: the pool reports the child failed to start, with why
+        return None, None, RewardReady(ready=False, error=f"{init.fn} failed to prepare: {type(e).__name__}: {e}")
     if init.memory_limit_mb:  # after the imports: the cap is for the checks, not for loading the function
         import resource
 
@@ -100,6 +127,11 @@ def _serve(fn, kwargs: dict, proto_in, proto_out) -> None:
             continue
         if tasks is None:
             return
+        if hasattr(fn, "batch"):  # one call for the frame (a judge's batched generation), then its replies
+            for reply in _run_batch(fn, kwargs, tasks.completions, tasks.solutions):
+                proto_out.write(replies.frame(reply))
+            proto_out.flush()
+            continue
         for completion, solutions in zip(tasks.completions, tasks.solutions):
             proto_out.write(replies.frame(_run_one(fn, kwargs, completion, solutions)))
             proto_out.flush()  # before the next check starts: it may hang and be killed

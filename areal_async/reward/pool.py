@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from areal_async.base.plugins import load_callable
 from areal_async.reward._wire import HEADER, encode_frame
+from areal_async.reward.judge import JUDGE_FN, judge_kwargs
 from protocols.messages import SideMessage, decode
 from protocols.side import RewardInit, RewardReady, RewardReply, RewardTasks
 
@@ -322,13 +323,16 @@ class RewardPool:
     def from_config(cls, cfg) -> "RewardPool":
         """Build from a ``RewardConfig``; ``cfg.precision`` goes to ``fn`` if it takes
         ``precision`` (or ``**kwargs``), so a plug-in without that knob still loads."""
-        fn_kwargs = {"precision": cfg.precision} if _accepts(load_callable(cfg.fn), "precision") else {}
+        judge = judge_kwargs(cfg)
+        fn = JUDGE_FN if judge is not None else cfg.fn
+        fn_kwargs = {"precision": cfg.precision} if _accepts(load_callable(fn), "precision") else {}
         return cls(
-            cfg.fn,
+            fn,
             n_procs=cfg.n_procs,
             timeout_s=cfg.timeout_s,
-            fn_kwargs=fn_kwargs,
+            fn_kwargs=judge if judge is not None else fn_kwargs,
             memory_limit_mb=cfg.memory_limit_mb,
+            startup_timeout_s=cfg.judge_startup_s if judge is not None else 60.0,
         )
 
     def pids(self) -> list[int]:

@@ -69,6 +69,7 @@ class RewardService:
         self.stop = asyncio.Event()
         self.counts = {"ok": 0, "timeout": 0, "error": 0}
         self._scoring, self._busy_since, self.busy_s = 0, 0.0, 0.0  # wall time with >= 1 group in the pool
+        self.checks, self.check_s = 0, 0.0  # completions scored, and the sum of their checks' wall times
         self.tasks: TaskSet | None = None
         self.exit_code = 0
         self.scoring = 0  # groups being scored now
@@ -175,7 +176,11 @@ class RewardService:
                 self.counts[out.status] = self.counts.get(out.status, 0) + 1
                 if out.status != "ok":
                     log.warning("sample %s scored 0: %s %s", sid, out.status, out.detail)
-        self.control.stats.update(self.counts, busy_s=round(self.busy_s, 4))
+        self.checks += sum(len(outs) for outs in per_group)
+        self.check_s += sum(o.elapsed_s for outs in per_group for o in outs)  # a judge's batch: its first reply
+        self.control.stats.update(
+            self.counts, busy_s=round(self.busy_s, 4), checks=self.checks, check_s=round(self.check_s, 4)
+        )
         return RewardResults(
             worker_id=self.worker_id,
             group_ids=[req.group_id for req in batch],

@@ -20,6 +20,7 @@ from typing import Awaitable, Callable, Optional
 from protocols.messages import GenerateRequest
 
 from areal_async.rollout.engine import GenRequest
+from areal_async.workflows.agent_trace import share_prompt
 from areal_async.workflows.base import EngineHandle, Episode, Generation, Prompt, RolloutWorkflow, Sampling
 
 ScoreFn = Callable[[str, list], Awaitable[float]]
@@ -83,13 +84,14 @@ class EpisodeFailed(Exception):
         self.reason, self.trace = reason, trace
 
 
-def episode_problem(ep, req: GenerateRequest) -> Optional[str]:
-    """What is wrong with a workflow's return value for one sample of ``req``, or None."""
+def episode_problem(ep, req: GenerateRequest, own_prompt: bool = False) -> Optional[str]:
+    """What is wrong with a workflow's return value for one sample of ``req``, or None. ``own_prompt``: the
+    workflow's episodes start from prompts of their own (an agent's chat template), not the request's."""
     if not isinstance(ep, Episode):
         return f"returned {type(ep).__name__}; expected an Episode"
     if why := ep.problem():
         return why
-    if ep.prompt_ids != list(req.prompt_ids):
+    if not own_prompt and ep.prompt_ids != list(req.prompt_ids):
         return "the episode's prompt_ids differ from the request's (an episode continues its prompt)"
     return None
 
@@ -116,6 +118,7 @@ class Episodes:
         self.errors = errors or ErrorWindow(name, -1, 1)  # every episode's outcome, in start order
         self.started: dict[asyncio.Task, float] = {}  # live episode task -> when it started
         self.groups: dict[str, asyncio.Task] = {}  # group id -> its group task
+        self.own_prompt = bool(getattr(workflow, "own_prompt", False))  # an agent: episodes start from their own
 
     def start(self, group_id: str, coro) -> asyncio.Task:
         """Run ``coro`` (which calls ``run_group``) as the task of group ``group_id``."""
@@ -144,10 +147,16 @@ class Episodes:
         prompt = prompt_of(req)
         tasks = [self._spawn(self._episode(engine, prompt, req, sid), sid) for sid in req.sample_ids]
         try:
-            return list(await asyncio.gather(*tasks))
+            episodes = list(await asyncio.gather(*tasks))
         finally:
             for t in tasks:  # one failed (or the group was cancelled): its siblings stop too
                 t.cancel()
+        if not self.own_prompt:
+            return episodes
+        try:  # an agent's episodes: one prompt for the group, their common prefix
+            return share_prompt(episodes)
+        except ValueError as e:
+            raise EpisodeFailed(f"workflow {self.name}, group {req.group_id}: {e}") from None
 
     def _spawn(self, coro, sid: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=f"episode {sid}")
@@ -173,7 +182,7 @@ class Episodes:
             ) from None
         except Exception as e:  # the workflow's own error: this group is aborted, the worker goes on
             raise EpisodeFailed(f"{where}: {type(e).__name__}: {e}", traceback.format_exc()) from None
-        if why := episode_problem(ep, req):
+        if why := episode_problem(ep, req, self.own_prompt):
             raise EpisodeFailed(f"{where}: {why}")
         return ep
 

@@ -426,7 +426,7 @@ class RolloutService:
         ready = TrajectoryReady(
             group_id=req.group_id,
             worker_id=self.worker_id,
-            n_prompt_tokens=len(req.prompt_ids),
+            n_prompt_tokens=len(episodes[0].prompt_ids),  # the request's, or an agent group's shared prompt
             sample_ids=sids,
             n_output_tokens=[len(ep.output_ids) for ep in episodes],
             version_min=[min(v) for v in trained],
@@ -498,4 +498,5 @@ def episode_batch(group_id: str, sample_ids: list[str], episodes: list[Episode])
         [len(ep.output_ids) for ep in episodes],
         *(cat(name) for name in ("output_ids", "logprobs", "versions")),
         loss_mask=cat("loss_mask"),
+        segment_starts=[list(ep.segment_starts) for ep in episodes],
     )

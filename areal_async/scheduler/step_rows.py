@@ -69,6 +69,9 @@ class StepRows:
             "gen_busy_s_total": self.workers.busy_s_total("rollout"),
             # reward workers' cumulative seconds with a group being scored, likewise
             "reward_busy_s_total": self.workers.busy_s_total("reward"),
+            # completions the reward workers scored and their checks' summed wall time (a judge's cost)
+            "reward_checks_total": int(self.workers.stat_total("reward", "checks")),
+            "reward_check_s_total": round(self.workers.stat_total("reward", "check_s"), 4),
         }
         self.step_t = now
         row.update(metrics_columns(self.weight_updates.last))

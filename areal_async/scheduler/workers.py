@@ -147,6 +147,10 @@ class WorkerTable:
         """The workers of ``role``: their cumulative busy seconds, from their last heartbeats."""
         return sum(r.busy_s for r in self.records.values() if r.role == role)
 
+    def stat_total(self, role: str, key: str) -> float:
+        """The workers of ``role``: the sum of one cumulative heartbeat stat (0 where a worker has none)."""
+        return sum(float(r.stats.get(key, 0) or 0) for r in self.records.values() if r.role == role)
+
     def status(self, now: float) -> dict[str, dict]:
         """``status.json``'s ``workers``: each worker's ``WorkerRecord.status``."""
         return {w: r.status(now) for w, r in self.records.items()}

@@ -442,12 +442,14 @@ def role_loads(cfg: ExperimentConfig) -> dict[str, str]:
         role = module.rsplit(".", 1)[-1]
         out[wid] = {
             "scheduler": f"tokenizer of {m.path or 'the character set'}; prompts {data}; template {d.template}",
-            "reward": f"reward.fn {cfg.reward.fn} in {cfg.reward.n_procs} process(es)"
-            + (" (idle: the workflow scores)" if cfg.rollout.workflow else ""),
+            "reward": (f"reward.judge {cfg.reward.judge}" if cfg.reward.judge else f"reward.fn {cfg.reward.fn}")
+            + f" in {cfg.reward.n_procs} process(es)"
+            + (" (idle: the workflow scores)" if cfg.rollout.episodic else ""),
             "trainer": f"policy {model}"
             + (f"; reference {cfg.ref.path or 'the initial policy'}" if cfg.actor.kl_ctl else ""),
             "rollout": f"{cfg.rollout.backend} engine of {model}"
-            + (f"; workflow {cfg.rollout.workflow}" if cfg.rollout.workflow else ""),
+            + (f"; workflow {cfg.rollout.workflow}" if cfg.rollout.workflow else "")
+            + (f"; agent {cfg.rollout.agent} on an OpenAI-compatible endpoint" if cfg.rollout.agent else ""),
         }[role]
     return out
 

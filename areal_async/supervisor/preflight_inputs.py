@@ -276,14 +276,17 @@ def _kv_cache(ctx: Context) -> list[Finding]:
 
 
 def check_plugins(ctx: Context) -> list[Finding]:
-    """reward.fn, rollout.workflow and a plug-in rollout.dynamic_filter import and have the right signature
-    (nothing is run)."""
+    """reward.fn, rollout.workflow, rollout.agent and a plug-in rollout.dynamic_filter import and have the right
+    signature (nothing is run)."""
     _on_workers_path()
     cfg, out = ctx.cfg, []
     dyn = cfg.rollout.dynamic_filter if ":" in cfg.rollout.dynamic_filter else ""  # '' or a built-in: no plug-in
+    if cfg.reward.judge:
+        out.append(_judge_finding(cfg.reward.judge))
     for key, path, kind in (
-        ("reward.fn", cfg.reward.fn, "reward"),
+        ("reward.fn", "" if cfg.reward.judge else cfg.reward.fn, "reward"),
         ("rollout.workflow", cfg.rollout.workflow, "workflow"),
+        ("rollout.agent", cfg.rollout.agent, "agent"),
         ("rollout.dynamic_filter", dyn, "dynamic_filter"),
     ):
         if not path:
@@ -296,6 +299,16 @@ def check_plugins(ctx: Context) -> list[Finding]:
         todo = fix if problem.startswith("cannot load") else f"fix the {kind} plug-in"
         out.append(error(key, path, problem, f"{todo}; check it with `areal-async check-plugin {path}`"))
     return out
+
+
+def _judge_finding(path: str) -> Finding:
+    """reward.judge: a local HF model directory (its model is loaded by each reward process, not here)."""
+    d = Path(path)
+    missing = [f for f in ("config.json", "tokenizer_config.json") if not (d / f).is_file()]
+    if not missing:
+        return ok("reward.judge", path, "a model directory: each reward process loads it once (reward/judge.py)")
+    what = f"not a model directory: {', '.join(missing)} missing"
+    return error("reward.judge", path, what, "give a local HF model directory or gguf:SOURCE")
 
 
 def _on_workers_path() -> None:

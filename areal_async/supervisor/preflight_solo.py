@@ -53,7 +53,7 @@ def check_recording(ctx: Context) -> list[Finding]:
         return []
     groups, n, new = cfg.train_dataset.batch_size, cfg.gconfig.n_samples, cfg.gconfig.max_new_tokens
     first, bound = _prompt_tokens(ctx)
-    mask, n_seqs = bool(cfg.rollout.workflow), groups * n
+    mask, n_seqs = cfg.rollout.episodic, groups * n
     per, most = step_bytes_bound(groups, n, first, new, mask), step_bytes_bound(groups, n, bound, new, mask)
     parent = ctx.run_dir
     while not parent.exists() and parent != parent.parent:

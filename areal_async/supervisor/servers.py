@@ -97,9 +97,9 @@ def server_key_env(cfg: ExperimentConfig) -> dict:
     """A fresh per-fleet key for the servers the supervisor starts (``rollout/server_auth.py``), as the
     environment of those servers and of the rollout workers; {} when attaching (the caller's own
     ``AREAL_SERVER_API_KEY``, if any, passes through)."""
-    if not uses_servers(cfg) or server_addresses(cfg):
+    if server_addresses(cfg) or not (uses_servers(cfg) or cfg.rollout.agent):
         return {}
-    return {API_KEY_ENV: new_server_key()}
+    return {API_KEY_ENV: new_server_key()}  # also the key of the rollout workers' OpenAI endpoint (rollout.agent)
 
 
 def server_commands(

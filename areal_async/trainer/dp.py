@@ -371,7 +371,8 @@ _PART_DTYPES = (torch.int64, torch.float32, torch.float64)
 
 def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
     """(ints, behaviour logprobs, scores). ints = [n, (n_prompt, n_out, group#) * n, prompt ids,
-    output ids, versions, loss mask (1 = trained)]; group ids become their first-appearance index (normalisation only
+    output ids, versions, loss mask (1 = trained), segment-start counts * n, segment starts]; group ids
+    become their first-appearance index (normalisation only
     compares them). Built by concatenating the trajectories' tensors: no per-token Python."""
     groups: dict[str, int] = {}
     head = [len(trajs)]
@@ -387,8 +388,10 @@ def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
     body = one_device_cat(
         [x for t, m in zip(trajs, masks) for x in (t.prompt_ids, t.output_ids, t.versions, m)], "trajectory tensors"
     )
+    segs = [list(t.segment_starts or []) for t in trajs]  # at the end: [k_0 .. k_n-1, starts of 0, of 1, ...]
+    tail = torch.tensor([len(x) for x in segs] + [a for x in segs for a in x], dtype=torch.int64)
     return [
-        torch.cat([torch.tensor(head, dtype=torch.int64), body.to(device="cpu", dtype=torch.int64)]),
+        torch.cat([torch.tensor(head, dtype=torch.int64), body.to(device="cpu", dtype=torch.int64), tail]),
         one_device_cat([t.behav_logp for t in trajs], "behaviour logprobs").to(device="cpu", dtype=torch.float32),
         torch.tensor([t.score for t in trajs], dtype=torch.float64),
     ]
@@ -397,7 +400,11 @@ def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
 def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -> list[Trajectory]:
     n = int(ints[0])
     head = ints[1 : 1 + 3 * n].view(n, 3).tolist()  # per sequence, not per token
-    parts = ints[1 + 3 * n :].split([k for n_p, n_o, _ in head for k in (n_p, n_o, n_o, n_o)])
+    sizes = [k for n_p, n_o, _ in head for k in (n_p, n_o, n_o, n_o)]
+    parts = ints[1 + 3 * n : 1 + 3 * n + sum(sizes)].split(sizes)
+    tail = ints[1 + 3 * n + sum(sizes) :].tolist()
+    counts, flat = tail[:n], iter(tail[n:])
+    segs = [[next(flat) for _ in range(k)] or None for k in counts]
     lps = logp.split([n_o for _, n_o, _ in head])
     masks = [parts[4 * i + 3].to(torch.bool) for i in range(n)]
     return [
@@ -410,6 +417,7 @@ def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -
             versions=parts[4 * i + 2],
             score=float(scores[i]),
             loss_mask=None if bool(masks[i].all()) else masks[i],
+            segment_starts=segs[i],
         )
         for i, (_, _, g) in enumerate(head)
     ]

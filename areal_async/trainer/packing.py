@@ -49,21 +49,51 @@ class PackedBatch:
     """Sequences laid end to end: ids_T[cu_seqlens[i]:cu_seqlens[i+1]] is sequence i."""
 
     ids_T: torch.Tensor  # int64 (T,)
-    position_ids_T: torch.Tensor  # int64 (T,), restarting at 0 per sequence
+    position_ids_T: torch.Tensor  # int64 (T,), restarting at 0 per sequence (and per segment)
     cu_seqlens: torch.Tensor  # int32 (N+1,)
     max_seqlen: int
+    # attention's boundaries when some sequence is ``Segmented`` (finer than cu_seqlens: each segment attends
+    # only within itself); None: the sequences' own
+    attn_cu: Optional[torch.Tensor] = None
+    attn_max: int = 0
 
     @property
     def lengths(self) -> list[int]:
         return self.cu_seqlens.diff().tolist()
 
+    @property
+    def attention_cu(self) -> torch.Tensor:
+        return self.cu_seqlens if self.attn_cu is None else self.attn_cu
+
+    @property
+    def attention_max(self) -> int:
+        return self.max_seqlen if self.attn_cu is None else self.attn_max
+
     def to(self, device: torch.device | str) -> "PackedBatch":
+        attn = None if self.attn_cu is None else self.attn_cu.to(device)
         return PackedBatch(
-            self.ids_T.to(device), self.position_ids_T.to(device), self.cu_seqlens.to(device), self.max_seqlen
+            self.ids_T.to(device),
+            self.position_ids_T.to(device),
+            self.cu_seqlens.to(device),
+            self.max_seqlen,
+            attn,
+            self.attn_max,
         )
 
 
-Seq = Union[Sequence[int], torch.Tensor, tuple[torch.Tensor, ...]]
+@dataclass(frozen=True)
+class Segmented:
+    """One sequence (its ``parts`` laid end to end, as a tuple sequence) whose attention and positions restart
+    at the offsets ``breaks``: an agent's turns after template drift, each segment trained on exactly the
+    context it was sampled from, while the sequence keeps one entry in ``cu_seqlens`` (so per-sequence
+    results, ``unpack``, stay one a trajectory). The last position of a segment scores the next segment's
+    first token from the wrong context: that token is its segment's prompt (loss mask 0), never trained."""
+
+    parts: tuple
+    breaks: tuple[int, ...]
+
+
+Seq = Union[Sequence[int], torch.Tensor, tuple[torch.Tensor, ...], Segmented]
 
 
 def pack(seqs: Sequence[Seq]) -> PackedBatch:
@@ -78,10 +108,10 @@ def pack(seqs: Sequence[Seq]) -> PackedBatch:
     """
     if not seqs:
         raise ValueError("pack() got no sequences; expected at least one")
-    pieces, lengths, host = [], [], True
+    pieces, lengths, spans, host = [], [], [], True
     for i, s in enumerate(seqs):
         n = 0
-        for x in s if _is_parts(s) else (s,):
+        for x in _parts(s):
             t = _id_tensor(x, i)
             pieces.append(t)
             host = host and t.is_cpu
@@ -89,6 +119,7 @@ def pack(seqs: Sequence[Seq]) -> PackedBatch:
         if n == 0:
             raise ValueError(f"sequence {i} is empty; expected >= 1 token each")
         lengths.append(n)
+        spans += _spans(s, n, i)
     ids_T = torch.empty(sum(lengths), dtype=torch.long)
     if host:  # numpy widens int32 -> int64 ~2x faster than torch.cat
         np.concatenate([p.numpy() for p in pieces], out=ids_T.numpy())
@@ -97,9 +128,28 @@ def pack(seqs: Sequence[Seq]) -> PackedBatch:
     longest = max(lengths)
     ramp = _ramp(longest)
     position_ids_T = torch.empty_like(ids_T)
-    np.concatenate([ramp[:n] for n in lengths], out=position_ids_T.numpy())
+    np.concatenate([ramp[:n] for n in spans], out=position_ids_T.numpy())
     cu_seqlens = torch.from_numpy(np.array([0, *itertools.accumulate(lengths)], dtype=np.int32))
-    return PackedBatch(ids_T, position_ids_T, cu_seqlens, longest)
+    if len(spans) == len(lengths):
+        return PackedBatch(ids_T, position_ids_T, cu_seqlens, longest)
+    attn_cu = torch.from_numpy(np.array([0, *itertools.accumulate(spans)], dtype=np.int32))
+    return PackedBatch(ids_T, position_ids_T, cu_seqlens, longest, attn_cu, max(spans))
+
+
+def _parts(s) -> tuple:
+    if isinstance(s, Segmented):
+        return s.parts
+    return s if _is_parts(s) else (s,)
+
+
+def _spans(s, n: int, i: int) -> list[int]:
+    """Lengths of the attention segments of sequence ``i`` (``n`` tokens): [n] unless it is ``Segmented``."""
+    if not isinstance(s, Segmented):
+        return [n]
+    bounds = [0, *s.breaks, n]
+    if any(not a < b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"sequence {i}: segment breaks {list(s.breaks)[:8]}; expected increasing offsets in (0, {n})")
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 def one_device_cat(pieces: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -112,7 +162,9 @@ def one_device_cat(pieces: Sequence[torch.Tensor], what: str) -> torch.Tensor:
 
 
 def seq_len(s: Seq) -> int:
-    """Tokens in one ``pack`` sequence (a tuple of tensors counts its parts' tokens)."""
+    """Tokens in one ``pack`` sequence (a tuple of tensors, or a ``Segmented``, counts its parts' tokens)."""
+    if isinstance(s, Segmented):
+        return sum(x.numel() for x in s.parts)
     return sum(x.numel() for x in s) if _is_parts(s) else len(s)
 
 
@@ -316,10 +368,10 @@ def select_attn_implementation(device: str | torch.device, dtype: torch.dtype = 
 def _attention_kwargs(model: torch.nn.Module, packed: PackedBatch, dtype: torch.dtype) -> dict:
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl in _FLASH_IMPLS or impl == VARLEN_IMPL:
-        cu = packed.cu_seqlens.to(torch.int32)
-        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+        cu, most = packed.attention_cu.to(torch.int32), packed.attention_max
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=most, max_length_k=most)
     if impl in _MASK_IMPLS:
-        return dict(attention_mask=block_causal_mask(packed.cu_seqlens, dtype))
+        return dict(attention_mask=block_causal_mask(packed.attention_cu, dtype))
     raise ValueError(
         f"attn_implementation={impl!r} is not supported by packing; expected one of "
         f"{_MASK_IMPLS + _FLASH_IMPLS + (VARLEN_IMPL,)}"
@@ -333,7 +385,7 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 def _logits(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
     """(T, V) logits of a packed batch (on the model's device)."""
     if _lean(model, lean):
-        return lean_forward.lean_logits(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.cu_seqlens))
+        return lean_forward.lean_logits(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.attention_cu))
     kwargs = _attention_kwargs(model, packed, _model_dtype(model))
     out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
     return out.logits[0]
@@ -390,7 +442,7 @@ def _through_root(model: torch.nn.Module, head: torch.nn.Linear, packed: PackedB
 def _hidden(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
     """(T, E) hidden states entering the lm head (HF's base model, or the lean forward)."""
     if _lean(model, lean):
-        return lean_forward.lean_hidden(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.cu_seqlens))
+        return lean_forward.lean_hidden(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.attention_cu))
     kwargs = _attention_kwargs(model, packed, _model_dtype(model))
     out = model.model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
     return out.last_hidden_state[0]

@@ -145,6 +145,7 @@ def _as_batch(trajs: Sequence[Trajectory]) -> TrajectoryBatch:
                 cat([t.behav_logp for t in run]),
                 cat([t.versions for t in run]),
                 loss_mask=cat([mask(t) for t in run]) if masked else None,
+                segment_starts=[list(t.segment_starts or []) for t in run],
             )
             for run in _runs(trajs)
         ]

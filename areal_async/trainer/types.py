@@ -13,6 +13,8 @@ import torch
 
 from protocols.trajectories import SampleView
 
+from areal_async.trainer.packing import Segmented
+
 
 @dataclass
 class Trajectory:
@@ -33,6 +35,9 @@ class Trajectory:
     score: float  # task score in [0,1] before reward scaling/bias
     # per output token: 1 = trained, 0 = not (environment or tool tokens of a rollout workflow); None = all trained
     loss_mask: Optional[torch.Tensor] = None
+    # output offsets where a new sequence starts (an agent's turns after template drift): the trainer restarts
+    # positions and attention there (``packing.Segmented``); None = one sequence
+    segment_starts: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         # one call per sample of every batch (8K at boba scale): tensors already of the right dtype pass
@@ -76,6 +81,7 @@ class Trajectory:
             view.versions,
             float(score),
             view.loss_mask,
+            view.segment_starts,
         )
 
     @property
@@ -84,9 +90,13 @@ class Trajectory:
         return torch.cat([self.prompt_ids, self.output_ids])
 
     @property
-    def seq_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt_ids, output_ids): ``packing.pack`` copies them straight into the packed batch."""
-        return self.prompt_ids, self.output_ids
+    def seq_parts(self):
+        """(prompt_ids, output_ids): ``packing.pack`` copies them straight into the packed batch; with
+        ``segment_starts``, the same parts as a ``Segmented`` sequence (attention restarts at each start)."""
+        if not self.segment_starts:
+            return self.prompt_ids, self.output_ids
+        n = self.prompt_ids.numel()
+        return Segmented((self.prompt_ids, self.output_ids), tuple(n + s for s in self.segment_starts))
 
     @property
     def min_version(self) -> int:

@@ -94,6 +94,9 @@ class Episode:
     reward: float = 0.0
     turns: int = 0
     finish_reason: str = "stop"
+    # output offsets where a new sequence starts (an agent's turns after template drift, trained as their own
+    # segment: positions and attention restart there); [] = one sequence
+    segment_starts: list[int] = field(default_factory=list)
 
     def problem(self) -> Optional[str]:
         """What is wrong with this episode, or None."""
@@ -118,6 +121,14 @@ class Episode:
             return f"turns={self.turns!r}: expected an int >= 1"
         if self.finish_reason not in FINISH:
             return f"finish_reason={self.finish_reason!r}: expected one of {', '.join(FINISH)}"
+        return self._segments_problem(n)
+
+    def _segments_problem(self, n: int) -> Optional[str]:
+        s = self.segment_starts
+        if not isinstance(s, list) or any(not 0 < x < n for x in s) or s != sorted(set(s)):
+            return f"segment_starts={_short(s)}: expected increasing output offsets in (0, {n})"
+        if any(self.loss_mask[a] for a in s):
+            return "a segment starts with a trained token; a segment starts with its own prompt (loss mask 0)"
         return None
 
     @property

@@ -96,3 +96,29 @@ def allocate_gib(completion, solutions):
     block = bytearray(int(float(completion) * (1 << 30)))
     block[:: 1 << 20] = b"x" * len(block[:: 1 << 20])
     return 1.0
+
+
+def batched_length(completion, solutions):
+    """A batch-aware fn (as reward.judge): ``batched_length.batch`` scores a frame in one call, writing
+    the frame's size to the file named by its first solution so a test sees how the checks were framed."""
+    (score,) = batched_length.batch([completion], [solutions])
+    return score
+
+
+def _batched_length_batch(completions, solutions):
+    import os
+
+    with open(solutions[0][0], "a") as f:
+        f.write(f"{os.getpid()} {len(completions)}\n")
+    out = []
+    for c in completions:
+        if c == "raise":
+            out.append(ValueError("no verdict in 'raise'"))
+        elif c == "hang":
+            time.sleep(60)
+        else:
+            out.append(len(c) / 10)
+    return out
+
+
+batched_length.batch = _batched_length_batch

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from areal_async.models.gguf_import import resolve_model_path
+
 from areal_async.config import ConfigError, describe, from_dict, load_config, rollout_dp_degree, to_dict
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -33,6 +35,8 @@ def test_preset_loads_and_dry_run_prints_the_same_config(path, cli):
     cfg = load_config(path)
     proc = cli("run", str(path), "--dry-run")
     assert proc.returncode == (2 if path.name in GPU_PRESETS else 0), proc.stderr
+    for section, key in ((cfg.model, "path"), (cfg.ref, "path"), (cfg.reward, "judge")):  # gguf:SOURCE: imported
+        setattr(section, key, resolve_model_path(getattr(section, key) or None)[0] or getattr(section, key))
     assert from_dict(yaml.safe_load(proc.stdout)) == cfg  # the printed config is the resolved one
     assert "# preflight of `areal-async run`" in proc.stdout and "\n# placement (" in proc.stdout
     if path.name in GPU_PRESETS:  # every missing input is named, the refusal is one line

@@ -77,7 +77,9 @@ def test_encode_batch_of_device_trajectories_copies_each_part_once():
     assert copies.n == 2  # the integer body and the logprobs; the head and scores are host values
     assert ints.is_cpu and logp.is_cpu and ints.dtype == torch.int64
     n_tok = sum(2 + 2 * (3 + i) + (3 + i) for i in range(6))  # prompt, output, versions, mask per trajectory
-    assert ints.numel() == 1 + 3 * 6 + n_tok and logp.numel() == sum(3 + i for i in range(6))
+    # then one segment-start count per trajectory (0 each: no agent segments) and no starts
+    assert ints.numel() == 1 + 3 * 6 + n_tok + 6 and logp.numel() == sum(3 + i for i in range(6))
+    assert ints[-6:].tolist() == [0] * 6
     assert ints[:4].tolist() == [6, 2, 3, 0]  # n, then (n_prompt, n_out, group#) of the first
 
 
