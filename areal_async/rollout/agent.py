@@ -85,6 +85,11 @@ class AgentWorkflow(RolloutWorkflow):
         self.episodes += 1
         return ep
 
+    def stats(self) -> dict:
+        """Heartbeat stats: the agent's turns and template drifts so far (per template in the log)."""
+        d = self.server.drift
+        return {"agent_turns": sum(d.turns.values()), "agent_drifts": sum(d.drifts.values())}
+
     def _dump(self, prompt: Prompt, trace: EpisodeTrace, reward: float, info, group_id) -> None:
         if self.traces is None:
             return

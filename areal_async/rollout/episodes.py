@@ -136,11 +136,12 @@ class Episodes:
 
     def stats(self) -> dict:
         oldest = min(self.started.values(), default=None)
+        extra = self.workflow.stats() if hasattr(self.workflow, "stats") else {}  # an agent's drift counts
         return {
             "workflow": self.name,
             "episodes": len(self.started),
             "episode_oldest_s": 0.0 if oldest is None else round(self.clock() - oldest, 1),
-        }
+        } | extra
 
     async def run_group(self, engine: WorkerEngine, req: GenerateRequest) -> list[Episode]:
         """The group's episodes in sample order; ``EpisodeFailed`` for the first that failed."""
