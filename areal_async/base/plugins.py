@@ -81,8 +81,8 @@ def contract_problem(path: str, kind: str = "auto") -> tuple[str, str | None]:
         obj = load_callable(path)
     except ValueError as e:
         return "unknown", f"cannot load: {e}"
-    if kind == "auto":
-        kind = "workflow" if inspect.isclass(obj) else "reward"
+    if kind == "auto":  # a class is a workflow, an async function an agent, anything else a reward fn
+        kind = "workflow" if inspect.isclass(obj) else "agent" if inspect.iscoroutinefunction(obj) else "reward"
     if kind == "dynamic_filter":
         return kind, _filter_problem(path, obj)
     if kind == "agent":

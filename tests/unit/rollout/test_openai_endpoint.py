@@ -192,3 +192,10 @@ def test_episodes_that_start_together_share_one_listening_socket():
 
     urls, n = asyncio.run(main())
     assert len(set(urls)) == 1 and n == 1
+
+
+def test_check_plugin_tells_an_agent_by_its_async_signature(cli):
+    ok = cli("check-plugin", "areal_async.workflows.calculator_agent:calculator_agent")
+    assert ok.returncode == 0 and "ok: agent" in ok.stdout and "not run" in ok.stdout
+    bad = cli("check-plugin", "areal_async.workflows.calculator_agent:calculator_agent", "--kind", "reward")
+    assert bad.returncode == 1  # as a reward fn it binds (completion, solutions) and then fails when run
