@@ -26,14 +26,21 @@ from dataclasses import dataclass, field
 from operator import countOf
 from typing import Any, Callable, ClassVar, Optional, Union
 
-import msgpack
-
 PROTOCOL_VERSION = 2  # 2: one TrajectoryReady / RewardRequest / RewardResult per group
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # control messages are small; tensors use tensor frames
 
 
 class ProtocolError(ValueError):
     """A frame that is not a valid message of this protocol version."""
+
+
+def _msgpack():
+    """msgpack, imported at the first encode or decode: the message classes import without it, so code that
+    only builds or validates them (the tensor frames' headers in GPU code) runs where msgpack is not installed
+    (the bare GPU box of ``scripts/gpu_check.sh``)."""
+    import msgpack
+
+    return msgpack
 
 
 REGISTRY: dict[str, type["Message"]] = {}  # control messages, looked up by the envelope's "t"
@@ -676,9 +683,9 @@ def encode(msg: Message) -> bytes:
             _type_error(value, tp, f"{msg.TYPE}.{name}")
     _check_consistent(msg)
     if not isinstance(msg, SideMessage):
-        return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
+        return _msgpack().packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, "b": msg.to_body()}, use_bin_type=True)
     body = msg.to_body()
-    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, **body} if msg.INLINE else body, use_bin_type=True)
+    return _msgpack().packb({"v": PROTOCOL_VERSION, "t": msg.TYPE, **body} if msg.INLINE else body, use_bin_type=True)
 
 
 def decode(data: bytes | memoryview, expect: Optional[tuple[type, ...]] = None) -> Message:
@@ -714,7 +721,7 @@ def _is_side(expect: Optional[tuple[type, ...]]) -> bool:
 
 def _unpack(data: bytes | memoryview) -> Any:
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return _msgpack().unpackb(data, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated exception types
         raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
 

@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from protocols.curve import CURVE_FRAME_OVERHEAD, secure
+from protocols.ports import free_tcp_port  # noqa: F401 (re-exported: its home without pyzmq)
 from protocols.messages import MAX_MESSAGE_BYTES, Message, ProtocolError, decode, encode
 from protocols.rejections import RejectionLog
 
@@ -77,14 +78,6 @@ def ipc_endpoint(sock_dir: str | Path, name: str) -> str:
             f"ipc socket path {str(path)!r} is too long ({len(str(path))} > 100 chars); use a shorter directory"
         )
     return f"ipc://{path}"
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_socket(

@@ -41,7 +41,6 @@ from areal_async.trainer.packing import one_device_cat
 from areal_async.trainer.micro_batches import allocate_micro_batches, karmarkar_karp
 from areal_async.trainer.types import Trajectory
 from areal_async.transport.buckets import plan
-from areal_async.transport.store import group_store
 
 # commands rank 0 broadcasts to the other ranks before each collective phase
 CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP = 1, 2, 3, 4
@@ -223,6 +222,8 @@ def init_data_parallel(rank: int, world: int, store: str, backend: str, timeout_
     if backend not in TRAINER_BACKENDS.values():
         raise ValueError(f"backend={backend!r}: expected one of {sorted(TRAINER_BACKENDS.values())} (trainer_backend)")
     import torch.distributed as dist
+
+    from areal_async.transport.store import group_store  # pyzmq: here, so the trainer's GPU code imports without it
 
     dist.init_process_group(
         backend,

@@ -44,10 +44,8 @@ from areal_async.transport import buckets as B
 from areal_async.transport.base import TensorChannel, Tensors, WeightChannel
 from areal_async.transport.frames import flat_bytes, header_bytes, layout, parse_header, tensor_views
 from areal_async.transport.notify import Pipe, deadline_of
-from areal_async.transport.store import gloo_host, group_store
 from protocols.messages import ProtocolError
 from protocols.side import GroupTensors
-from protocols.sockets import source_host
 
 WEIGHT_LANES = 2  # gloo groups a weight channel's bucket broadcasts alternate over: 247 MiB in 64 MiB slices,
 # one group 2.76 GB/s, two 3.72 (one host, loopback, two processes; measured here)
@@ -98,6 +96,9 @@ def gloo_options(store: str, timeout_s: float):
     """Gloo's options with its pairs bound to ``gloo_host`` (loopback for a group on one host)."""
     import torch.distributed as dist
 
+    from areal_async.transport.store import gloo_host  # pyzmq: imported where a group is built (notify.py)
+    from protocols.sockets import source_host
+
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     host = gloo_host(store, source_host())
@@ -114,6 +115,8 @@ class GlooGroup(Group):
         """``lanes``: gloo groups (each its own connections and thread) that broadcasts take in turn; every
         rank must pass the same number and broadcast the same buffers in the same order."""
         import torch.distributed as dist
+
+        from areal_async.transport.store import group_store
 
         check_rank(rank, world_size)
         if not isinstance(lanes, int) or lanes < 1:

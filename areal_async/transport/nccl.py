@@ -11,8 +11,10 @@ the group's stream, so a trainer's trajectory receive never queues behind its tr
 caller's stream is recorded on a receive buffer, so freeing it later waits for the caller's kernels
 that read it. ``wait`` blocks the host until the call is done (a send returns once the receiver has
 the bytes, like gloo's). CuPy's API (cupy/cuda/nccl.pyx, ``NcclCommunicator.send/recv(buf pointer,
-count, datatype, peer, stream pointer)``, ``bcast(buf pointer, int count, datatype, root, stream
-pointer)``: a C ``int`` count, so one call moves < 2 GiB - buckets are far below) takes the stream as
+count, datatype, peer, stream pointer)``, ``bcast(buf pointer, count, datatype, root, stream pointer)``, every
+count a ``size_t``: the signatures CuPy 14.2 embeds in its ``cupy_backends/cuda/libs/nccl`` module, e.g.
+``NcclCommunicator.bcast(self, intptr_t buff, size_t count, int datatype, int root, intptr_t stream)``, and its
+constructor ``NcclCommunicator(int ndev, bytes commId, int rank, NcclConfig config=None)``) takes the stream as
 ``torch.cuda.Stream.cuda_stream``. This stream handling has not run on a GPU (no GPU was lent to the
 session that wrote it); its order of calls is checked on CPU with a recording stand-in for
 ``torch.cuda`` (tests/unit/transport/test_nccl_streams.py), and ``scripts/gpu_check.sh`` runs it on one GPU.
@@ -59,7 +61,6 @@ from areal_async.transport.collective import (
     Group,
     check_rank,
 )
-from areal_async.transport.store import group_store
 
 UID_BYTES = 128
 Rendezvous = Callable[[Optional[bytes]], bytes]
@@ -189,6 +190,8 @@ class NcclGroup(Group):
             return rendezvous(mine)
         if store is None:
             raise ValueError("the nccl channel needs store='tcp://host:port' (or ipc://) or a rendezvous callable")
+        from areal_async.transport.store import group_store  # pyzmq: only where the id goes through the store
+
         s = group_store(store, self.rank, timeout_s)
         key = f"areal/{name}/nccl_unique_id"
         if mine is not None:

@@ -6,6 +6,9 @@ zmq channel the whole message travels here; for shm/gloo/nccl/cuda_ipc only a no
 band. PUSH blocks at the high-water mark instead of dropping (see ``protocols.sockets``), so a note
 is never lost. The receiver's PULL refuses frames over ``max_bytes`` (``ZMQ_MAXMSGSIZE``): a note
 is small (the control bound); the zmq channel, whose tensors travel here, passes its frame bound.
+
+pyzmq is imported when a pipe is made, not with this module: the channels that import it (gloo, nccl,
+cuda_ipc) then import without pyzmq, as the GPU checks of ``scripts/gpu_check.sh`` need on a bare box.
 """
 
 from __future__ import annotations
@@ -13,10 +16,7 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import zmq
-
 from protocols.messages import MAX_MESSAGE_BYTES, SideMessage, decode, encode
-from protocols.sockets import make_socket
 
 SEND_LINGER_MS = 5000  # a closing sender still flushes what it queued; LINGER 0 would drop it
 
@@ -29,7 +29,11 @@ class Pipe:
             raise ValueError(f"role={role!r}: expected 'sender' or 'receiver'")
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError(f"endpoint={endpoint!r}: expected a ZeroMQ address such as 'tcp://127.0.0.1:5555'")
-        self.role = role
+        import zmq
+
+        from protocols.sockets import make_socket
+
+        self.role, self._pollin = role, zmq.POLLIN
         self.ctx = zmq.Context.instance()
         if role == "sender":
             self.sock = make_socket(self.ctx, zmq.PUSH, connect=endpoint)
@@ -41,7 +45,7 @@ class Pipe:
     def wait(self, deadline: Optional[float]) -> None:
         """Block until a message is readable; ``TimeoutError`` at ``deadline`` (monotonic s)."""
         timeout_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+        if not self.sock.poll(timeout_ms, self._pollin):
             raise TimeoutError(f"no tensor message on {self.endpoint} in time")
 
     def send_note(self, note: SideMessage) -> None:

@@ -31,7 +31,7 @@ from areal_async.trainer.types import Trajectory
 from areal_async.transport import buckets as B
 from benchmarks.gpu_check.models import tiny_model
 from benchmarks.gpu_check.registry import Result
-from protocols.sockets import free_tcp_port
+from protocols.ports import free_tcp_port
 
 LR = 1e-4
 

@@ -21,7 +21,7 @@ from areal_async.trainer.dp import DataParallel, broadcast_module, trainer_backe
 from areal_async.trainer.loss import LossStats
 from areal_async.trainer.types import Trajectory
 from benchmarks.gpu_check.registry import Result
-from protocols.sockets import free_tcp_port
+from protocols.ports import free_tcp_port
 
 COLLECTIVES = ("broadcast", "all_gather", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 PHASES = ("broadcast_module", "command", "broadcast_batch", "all_gather_per_seq", "sum_stats")

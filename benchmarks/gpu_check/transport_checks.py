@@ -26,7 +26,7 @@ from areal_async.transport import make_weight_channel
 from areal_async.transport.frames import flat_bytes, layout, to_host, view_as
 from areal_async.transport.nccl import NcclGroup
 from benchmarks.gpu_check.registry import Result
-from protocols.sockets import free_tcp_port
+from protocols.ports import free_tcp_port
 
 
 def payloads(seed: int = 0) -> dict[str, torch.Tensor]:

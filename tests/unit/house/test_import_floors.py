@@ -72,6 +72,17 @@ LAZY: dict[tuple[str, str], str] = {
     "(a reward child) must not load the API",
     ("areal_async", "areal_async.config"): "the package root re-exports load_config on first use (as above)",
     **{
+        pair: "pyzmq: the GPU code imports without it (scripts/gpu_check.sh's bare box); only a group built "
+        "through the run's store, or a tensor channel's note pipe, needs it"
+        for pair in (
+            ("areal_async.trainer.dp", "areal_async.transport.store"),
+            ("areal_async.transport.collective", "areal_async.transport.store"),
+            ("areal_async.transport.collective", "protocols.sockets"),
+            ("areal_async.transport.nccl", "areal_async.transport.store"),
+            ("areal_async.transport.notify", "protocols.sockets"),
+        )
+    },
+    **{
         (f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
         for r in ("scheduler", "reward", "rollout", "trainer")
     },
@@ -203,6 +214,22 @@ def test_import_areal_async_cli_leaves_torch_out():
 @pytest.mark.parametrize("module", sorted(NEVER_LOADS))
 def test_light_entry_points_never_load_heavy_packages(module):
     assert loaded_by(f"import {module}", NEVER_LOADS[module]) == []
+
+
+# what runs on a GPU (the trainer, the NCCL/CUDA IPC channels, the embedded engine): scripts/gpu_check.sh runs it on
+# a bare box without pyzmq and msgpack, which only the control plane, the stores and the note pipes need
+GPU_CODE = (
+    "areal_async.trainer.actor",
+    "areal_async.trainer.sharded_ckpt",
+    "areal_async.transport.nccl",
+    "areal_async.transport.cuda_ipc",
+    "areal_async.rollout.torch_engine",
+    "areal_async.rollout.weight_group",
+)
+
+
+def test_the_gpu_code_loads_neither_pyzmq_nor_msgpack():
+    assert loaded_by("\n".join(f"import {m}" for m in GPU_CODE), ("zmq", "msgpack")) == []
 
 
 @pytest.mark.parametrize(
