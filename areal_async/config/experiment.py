@@ -82,7 +82,8 @@ class SGLangConfig(Section):
         "abort",
         "How servers stop for a weight update: 'abort' (running requests return their "
         "tokens and are resubmitted), 'retract' (kept, KV recomputed), 'in_place' (kept "
-        "with their old KV cache, SGLang's semantics).",
+        "with their old KV cache, SGLang's semantics). A LoRA run needs 'abort': a kept request holds "
+        "its adapter, whose unload then waits for it.",
     )
     weight_sync: str = _f(
         "distributed",
@@ -459,6 +460,22 @@ class ExperimentConfig(Section):
         key = "sglang.context_length" if b.startswith("sglang") else "vllm.max_model_len"
         have = self.sglang.context_length if b.startswith("sglang") else self.vllm.max_model_len
         require(have >= need, key, have, f">= train_dataset.max_prompt_len + gconfig.max_new_tokens = {need}")
+        require(
+            not b.startswith("sglang") or not self.actor.lora.rank or self.sglang.pause_mode == "abort",
+            "sglang.pause_mode",
+            self.sglang.pause_mode,
+            f"'abort' with actor.lora.rank={self.actor.lora.rank}: {LORA_KEEPS_ADAPTER}",
+        )
+
+
+# sglang 0.5.23: a request holds the adapter it was tokenized with (tokenizer_manager.py line 3791,
+# lora_registry.acquire) until it finishes; /unload_lora_adapter waits, holding lora_update_lock, until no request
+# holds it (tokenizer_control_mixin.py line 651, wait_for_unload)
+LORA_KEEPS_ADAPTER = (
+    "SGLang binds a request to the adapter it started with, so a request kept across the pause (retract, in_place) "
+    "holds the previous adapter: its unload waits for it while the server is paused (the update hangs), and after "
+    "the resume it would go on under the old adapter labelled with the new version"
+)
 
 
 def server_addresses(c: ExperimentConfig) -> list:

@@ -48,8 +48,9 @@ from typing import Optional
 
 import torch
 
-from protocols.sockets import free_tcp_port
+from protocols.ports import free_tcp_port
 
+from areal_async.config.experiment import LORA_KEEPS_ADAPTER
 from areal_async.models.lora import LoraSpec, save_adapter
 from areal_async.rollout import sglang_lora as L
 from areal_async.rollout import sglang_rules as R
@@ -95,6 +96,8 @@ class SGLangClient(HTTPServerClient):
             raise ValueError(f"pause_mode={pause_mode!r}: expected one of {PAUSE_MODES}")
         if weight_sync not in WEIGHT_SYNCS:
             raise ValueError(f"weight_sync={weight_sync!r}: expected one of {WEIGHT_SYNCS}")
+        if lora is not None and pause_mode != "abort":
+            raise ValueError(f"pause_mode={pause_mode!r} with LoRA: expected 'abort' ({LORA_KEEPS_ADAPTER})")
         if (weight_sync == "disk" or lora) and not disk_dir:
             raise ValueError("weight_sync='disk' and LoRA need disk_dir (a directory both sides can read)")
         self.address = address.rstrip("/")
@@ -167,11 +170,11 @@ class SGLangClient(HTTPServerClient):
             self._init_group()
         buckets = W.flattened_buckets(sd, self.bucket_bytes)
         if self.session:
-            self._call("POST", "/begin_weight_update", {})
+            self._begin_session()
         try:
             for i, b in enumerate(buckets):
                 body = self.update_body(b, str(version) if i == len(buckets) - 1 else None)
-                flat = b.flat(self._bucket_buffer(b.nbytes)).to("cuda" if self.group_backend == "nccl" else "cpu")
+                flat = b.flat(self._bucket_buffer(b.nbytes))
                 post = (self._call, "POST", "/update_weights_from_distributed", body, self.update_timeout_s)
                 with _Background(*post) as req:
                     self._broadcast(flat, req)
@@ -184,11 +187,35 @@ class SGLangClient(HTTPServerClient):
         if self.session:
             self._call("POST", "/end_weight_update", {})
 
+    def _begin_session(self) -> None:
+        """Open the update's session. One found open was left by this server's previous owner (a worker that died
+        mid-update; a server has one owner, ``remote.servers_of``): 0.5.23 refuses every begin until it is ended
+        (``BEGIN_TWICE``), so it is ended here and the begin asked again. A server without the route (404: an
+        SGLang release before the sessions, 0.5.20 and older) cannot be updated by this client: ``ServerTooOld``,
+        which ends the worker with the reason instead of marking the server down forever."""
+        try:
+            self._call("POST", "/begin_weight_update", {})
+        except HTTPStatusError as e:
+            if e.status == 404:
+                raise ServerTooOld(
+                    f"{self.address} has no /begin_weight_update (404): SGLang before 0.5.21 has no weight-update "
+                    "session; upgrade it (the gpu extra pins sglang>=0.5.21) or set sglang.weight_update_session=false"
+                ) from None
+            if e.status != R.BAD_REQUEST or R.BEGIN_TWICE not in _message(e.body):
+                raise
+            log.warning(
+                "%s: a weight-update session was left open (a previous owner died mid-update); ending it", self.address
+            )
+            self._call("POST", "/end_weight_update", {})
+            self._call("POST", "/begin_weight_update", {})
+
     def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
         """One buffer, as large as the largest bucket yet, that every bucket of every version is packed into: a
-        bucket's broadcast has ended (``_broadcast`` waits for it) before the next one is packed."""
+        bucket's broadcast has ended (``_broadcast`` waits for it) before the next one is packed. It lives where the
+        group broadcasts from (``group_device``: the host for gloo, this process's GPU for NCCL), whatever device
+        the received weights are on: ``Bucket.flat`` copies each tensor across."""
         if self._packed is None or self._packed.numel() < nbytes:
-            self._packed = torch.empty(nbytes, dtype=torch.uint8)
+            self._packed = torch.empty(nbytes, dtype=torch.uint8, device=group_device(self.group_backend))
         return self._packed
 
     def _broadcast(self, flat: torch.Tensor, req: "_Background") -> None:
@@ -296,6 +323,22 @@ class SGLangClient(HTTPServerClient):
         self._call("POST", "/update_weight_version", L.version_body(version))
         if old is not None and old != name:
             self._call("POST", "/unload_lora_adapter", {"lora_name": old})
+
+
+class ServerTooOld(Exception):
+    """The server lacks a route this client needs; not a ``ServerDown`` (reviving it cannot help)."""
+
+
+def _message(body) -> str:
+    return str(body.get("message", "")) if isinstance(body, dict) else str(body)
+
+
+def group_device(backend: str) -> torch.device:
+    """Where a weight group's broadcast reads its buffer: gloo from host memory (SGLang's side receives into its
+    CUDA tensor), NCCL from this process's current GPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class _Background:

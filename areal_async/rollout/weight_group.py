@@ -111,15 +111,24 @@ class Bucket:
 
     def flat(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The bytes rank 0 broadcasts: tensors back to back, as FlattenedTensorBucket packs them; written into
-        the front of ``out`` (uint8, >= ``nbytes``) when given, and that view returned. A buffer kept across
-        buckets and versions is written without page faults: a fresh tensor per 64 MiB bucket cost 6x the copy
-        (0.13B, 242 MiB: 145-165 ms vs 23 ms into a kept buffer, one thread)."""
+        the front of ``out`` (uint8, >= ``nbytes``, on any device) when given, and that view returned. A buffer
+        kept across buckets and versions is written without page faults: a fresh tensor per 64 MiB bucket cost
+        6x the copy (0.13B, 242 MiB: 145-165 ms vs 23 ms into a kept buffer, one thread).
+
+        Each tensor is copied into its slice of ``out`` (``copy_`` crosses devices: a CUDA tensor lands in a
+        host buffer as one device-to-host copy). ``torch.cat(parts, out=...)`` cannot do that: cat is a structured
+        kernel whose generated ``resize_out`` refuses an out tensor on another device than its inputs
+        (torchgen/dest/register_dispatch_key.py, torch 2.13: "Expected out tensor to have device ...")."""
         parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self.tensors]
         if out is None:
             return torch.cat(parts)
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < self.nbytes:
             raise ValueError(f"out: {out.dtype} {tuple(out.shape)}, expected a 1-D uint8 tensor of >= {self.nbytes}")
-        return torch.cat(parts, out=out[: self.nbytes])
+        at = 0
+        for p in parts:
+            out[at : at + p.numel()].copy_(p)
+            at += p.numel()
+        return out[: self.nbytes]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

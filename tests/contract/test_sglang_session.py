@@ -190,3 +190,14 @@ def test_a_bucket_the_server_refuses_ends_the_broadcast_at_once(server):
     client.session = True
     client.update_weights(5, sd)
     assert call(server, "GET", "/model_info")["weight_version"] == "5"
+
+
+def test_a_session_left_open_by_a_dead_owner_is_ended_and_the_update_goes_through(server):
+    """Item 8 of issue 36: the server's previous owner died between /begin_weight_update and /end_weight_update
+    (its session is still open: 0.5.23 refuses every later begin, BEGIN_TWICE). The new owner ends it, opens its
+    own and loads (main: the begin's 400 became ServerDown at every revival, the server stayed down)."""
+    assert call(server, "POST", "/begin_weight_update", {})["success"]  # the dead owner's session
+    sd = build_model(CFG.model, len(TOK), 9).state_dict()
+    SGLangClient(server, name="t-left-open", bucket_mb=0.05).update_weights(6, sd)
+    assert call(server, "GET", "/model_info")["weight_version"] == "6"
+    assert refused(server, "POST", "/end_weight_update", {})[0] == 400  # and the client closed its own

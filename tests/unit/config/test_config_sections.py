@@ -176,6 +176,18 @@ CROSS = [  # rules that join sections live on ExperimentConfig and name the full
         "cluster.node_hosts=['127.0.0.1', '127.0.0.2']",
         "tensor channel(s) shm reach one host only",
     ),  # the default weight channel is shm
+    *[
+        (
+            {
+                "rollout": RolloutConfig(backend="sglang"),
+                "actor": ActorConfig(lora=LoraConfig(rank=4)),
+                "sglang": SGLangConfig(pause_mode=mode),
+            },
+            f"sglang.pause_mode='{mode}'",
+            "SGLang binds a request to the adapter it started with",
+        )  # issue 36 item 6: the previous adapter's unload would wait for the paused requests forever
+        for mode in ("retract", "in_place")
+    ],
 ]
 
 

@@ -42,3 +42,21 @@ def test_the_client_keeps_one_buffer_as_large_as_the_largest_bucket():
     assert c._bucket_buffer(60) is first and c._bucket_buffer(100) is first  # reused: no new pages
     bigger = c._bucket_buffer(101)
     assert bigger is not first and bigger.numel() == 101 and c._bucket_buffer(7) is bigger
+
+
+def test_flat_writes_a_buffer_on_another_device_than_the_tensors():
+    """Item 1 of issue 36: a worker that received its weights on the GPU (weights over NCCL) packs them into the
+    host buffer a gloo group broadcasts. ``torch.cat(..., out=)`` refuses an out tensor on another device than its
+    inputs (a structured kernel's ``resize_out``); ``meta`` stands for the other device here, host tensors into a
+    meta buffer (the reverse direction, the only one a CPU machine can run: nothing is ever read back from meta)."""
+    [bucket] = flattened_buckets(SD, 1 << 20)
+    buf = torch.empty(16, dtype=torch.uint8, device="meta")
+    out = bucket.flat(buf)
+    assert out.device.type == "meta" and out.shape == (len(BYTES),)
+    host = torch.zeros(16, dtype=torch.uint8)  # and the same code on one device still writes the bytes
+    assert bytes(bucket.flat(host).tolist()) == BYTES
+
+
+def test_the_clients_buffer_is_where_its_group_broadcasts_from():
+    c = SGLangClient("http://127.0.0.1:9", name="t", group_backend="gloo")
+    assert c._bucket_buffer(8).device == torch.device("cpu")

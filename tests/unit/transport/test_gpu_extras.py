@@ -4,7 +4,8 @@ the wheels of the running torch's CUDA major.
 
 Independent fact (read from the sglang 0.5.23 wheel's METADATA): Requires-Dist torch==2.14.1,
 cuda-python>=13.0, flashinfer_python[cu13]==0.7.2, flash-attn-4>=4.0.0b18: a CUDA 13 stack. sglang 0.5.0
-required torch==2.8.0 (CUDA 12.8); the cu13 line is taken here from 0.5.20 on.
+required torch==2.8.0 (CUDA 12.8); the cu13 line is taken here from 0.5.21 on (0.5.20, also cu13, lacks the
+weight-update session routes).
 """
 
 from __future__ import annotations
