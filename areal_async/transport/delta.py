@@ -185,6 +185,11 @@ class DeltaWeightChannel(WeightChannel):
     def publish_end_waits(self) -> bool:
         return False
 
+    def prewarm(self, versions: int) -> None:
+        """The inner channel's room for ``versions`` full publications (a delta's payload is small and made
+        when needed): the trainer's prewarm reaches the wrapper, not the shm channel inside it."""
+        self.inner.prewarm(versions)
+
     def release(self, version: int) -> None:
         self.inner.release(2 * version)
         self.inner.release(2 * version + 1)

@@ -1,12 +1,12 @@
 """The order of NCCL stream operations in ``NcclGroup`` (item 10 of issue 23), checked without a GPU.
 
-``torch.cuda``'s stream API is replaced by a recorder (``CudaStreams`` is the seam) and CuPy's
-communicator by one that records its calls with CuPy's signatures (cupy/cuda/nccl.pyx:
-``send/recv(intptr_t buf, size_t count, int datatype, int peer, intptr_t stream)``,
-``bcast(intptr_t buff, int count, int datatype, int root, intptr_t stream)``). Expected: a receive
-(and a broadcast at a non-root rank) is never ordered after the caller's stream, whose training kernels
-it would queue behind, and its buffer is allocated on the group's stream; a send (and a broadcast from
-the root) waits for the caller's queued work first, since its bytes come from it.
+``torch.cuda``'s stream API is replaced by a recorder (``CudaStreams`` is the seam) and CuPy's communicator by
+one that records its calls with CuPy's signatures (cupy/cuda/nccl.pyx: ``send/recv(intptr_t buf, size_t count,
+int datatype, int peer, intptr_t stream)``, ``bcast(intptr_t buff, size_t count, int datatype, int root,
+intptr_t stream)``: CuPy 14.2's embedded signatures). Expected: a receive (and a broadcast at a non-root rank)
+is never ordered after the caller's stream, whose training kernels it would queue behind, and its buffer is
+allocated on the group's stream; a send (and a broadcast from the root) waits for the caller's queued work
+first, since its bytes come from it.
 """
 
 from __future__ import annotations

@@ -127,3 +127,24 @@ def test_close_unlinks_spares_still_being_made_and_prewarm_refuses_misuse():
         rx.close()
         pub.close()  # no_shm_leaks: the spares, made or being made, are gone too
     assert _segments(pub) == set()
+
+
+def test_the_delta_wrapper_forwards_prewarm_to_its_shm_channel():
+    """Item 10 of issue 36: with ``tensor_channel.weight_delta`` the trainer's prewarm reaches the wrapper,
+    which must pass it on (it was the base class's no-op): after v0 and prewarm(3), the inner shm publisher
+    holds v0's segment and two spares of its size; v1 (full, since v0 differs everywhere) then makes none."""
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=0.02, delta=True)
+    rx = make_weight_channel("shm", role="receiver", delta=True)
+    try:
+        pub.publish_begin(0, _weights(0))
+        pub.publish_end()
+        pub.prewarm(3)
+        _settle(pub.inner)
+        assert len(_segments(pub.inner)) == 3
+        sd = _weights(1)
+        m = pub.publish_begin(1, sd)
+        pub.publish_end()
+        assert_bit_exact(rx.receive(m), sd) and len(_segments(pub.inner)) == 3
+    finally:
+        rx.close()
+        pub.close()
