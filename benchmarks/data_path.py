@@ -2,7 +2,7 @@
 
     python -m benchmarks.data_path [--json PATH] [--prompts 512] [--samples 16] [--max-len 27000]
                                    [--transports shm zmq] [--mb-tokens 32768] [--workers 64] [--seconds 5]
-                                   [--service-seconds 10] [--mix-from RUN_DIR] [--no-service]
+                                   [--service-seconds 10] [--mix-from RUN_DIR] [--no-service] [--profile PATH]
 
 (1) One synthetic boba batch (512 prompts x 16 samples; output lengths lognormal, median 4K,
     capped at 27K; prompts 256 tokens; token ids int32, logprobs float32, versions int32) goes the
@@ -373,10 +373,10 @@ def scheduler_rows(n_workers: int, seconds: float) -> list[dict]:
     ]
 
 
-def service_rows(config: str, overrides: list[str], mix: Mix, seconds: float) -> list[dict]:
+def service_rows(config: str, overrides: list[str], mix: Mix, seconds: float, profile: str | None = None) -> list[dict]:
     """``scheduler_service_messages_per_s``: the real SchedulerService under the mix
-    (``benchmarks.common.scheduler_load.measure``)."""
-    m = scheduler_load.measure(config, overrides, mix, seconds)
+    (``benchmarks.common.scheduler_load.measure``; ``profile``: a cProfile window after it)."""
+    m = scheduler_load.measure(config, overrides, mix, seconds, profile=profile)
     rate = m.pop("value")
     return [
         {
@@ -452,6 +452,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--mix-from", default=None, help="a run dir whose summary.json gives the message mix")
     ap.add_argument("--no-service", action="store_true", help="skip the real-service figure")
     ap.add_argument("--no-batch", action="store_true", help="skip the boba batch (scheduler figures only)")
+    ap.add_argument(
+        "--profile", default=None, help="real service: a 5 s cProfile window after the measured one, to PATH"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as a fleet worker (cluster.torch_threads = 1); the bound is one thread too
     load0 = os.getloadavg()[0]
@@ -461,7 +464,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += transfer_rows(args.transports, groups, args.mb_tokens)
         del groups
     if not args.no_service:
-        rows += service_rows(SERVICE_CONFIG, [], mix_of(args.mix_from), args.service_seconds)
+        rows += service_rows(SERVICE_CONFIG, [], mix_of(args.mix_from), args.service_seconds, args.profile)
     rows += scheduler_rows(args.workers, args.seconds)
     for r in rows:
         r.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())

@@ -1,6 +1,7 @@
 """Alpha-beta model of the generation->training transfer and of the weight broadcast, 8..1024 GPUs.
 
     python -m benchmarks.scale_model [--from transfer_latency.json] [--json PATH] [--train-frac 0.25]
+                                     [--scheduler-from data_path.json]
 
 A message of n bytes over one link costs ``alpha + n / beta``. Two sources of (alpha, beta):
 
@@ -39,6 +40,10 @@ checksum on the trainer, verify on the receiver, the engine's copy into its para
 buckets pipelined (pack of bucket k+1 during the broadcast of bucket k), only the first bucket's pack
 and the last one's verify are exposed; the engine's load is a copy of the whole model. A MODEL, not a
 GPU measurement: nothing here has run on a GPU (the CPU multiples stand in for the device's).
+
+The control plane at 1000 and 10,000 GPUs (``--scheduler-from``, ``predict_scheduler_core_frac``): the
+fleet's messages a second to the scheduler over the real service's measured messages per CPU second
+(``benchmarks.data_path``'s ``scheduler_service_messages_per_s``), as ``benchmarks.common.control_scale`` says.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from typing import Optional
 
 import numpy as np
 
+from benchmarks.common.control_scale import control_rows
 from benchmarks.common.rows import write_rows
 
 GB = 1e9
@@ -98,6 +104,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=64.0, help="weight-sync bucket (tensor_channel.bucket_mb)")
     p.add_argument("--boba-prompts", type=int, default=512)
     p.add_argument("--boba-samples", type=int, default=16)
+    p.add_argument("--scheduler-from", help="data_path JSON (or .jsonl): the control plane's share of a core at scale")
     return p.parse_args(argv)
 
 
@@ -405,6 +412,24 @@ def print_verdicts(rows: list[dict]) -> None:
         )
 
 
+def read_rows(path: str) -> list[dict]:
+    """Rows of a ``--json`` file (a list) or of a results ``.jsonl`` (one row a line)."""
+    text = Path(path).read_text()
+    return (
+        json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+    )
+
+
+def print_control(rows: list[dict]) -> None:
+    """The control plane's rows (``benchmarks.common.control_scale``): a MODEL over a measured rate."""
+    for r in (r for r in rows if r["metric"] == "predict_scheduler_core_frac"):
+        print(
+            f"control plane at {r['gpus']} GPUs: {r['messages_per_s']:.0f} messages/s "
+            f"({', '.join(f'{k} {v:.0f}' for k, v in r['parts'].items())}) = {r['value']:.3f} of a core at "
+            f"{r['rate_messages_per_cpu_s']:.0f} messages per CPU-s ({r['assumptions']})"
+        )
+
+
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     a = parse_args(argv)
     measured = json.loads(Path(a.src).read_text()) if a.src else []
@@ -418,6 +443,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows += verdict_rows(rows)
     rows += update_rows(Cluster(a), copies_from(measured))
     print_report(rows, fits, boba, a.src)
+    if a.scheduler_from:
+        rows += control_rows(read_rows(a.scheduler_from), a.scheduler_from)
+        print_control(rows)
     if a.json:
         write_rows(a.json, rows)
     return rows

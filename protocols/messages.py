@@ -23,6 +23,7 @@ import dataclasses
 import operator
 import typing
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import countOf
 from typing import Any, Callable, ClassVar, Optional, Union
 
@@ -181,7 +182,7 @@ class GenerateRequests(Message):
 
     def validate(self) -> Optional[str]:
         why = _same_lengths(self, "group_ids", "prompt_keys", "sample_ids", "prompt_tokens", "solutions")
-        if why:
+        if why or 0 not in map(len, self.sample_ids):  # the common case decided in C
             return why
         for i, gid in enumerate(self.group_ids):
             if not self.sample_ids[i]:
@@ -309,7 +310,11 @@ class TrajectoriesReady(Message):
             return why
         if len(set(self.group_ids)) != len(self.group_ids):
             return f"group_ids repeat a group: {_short(self.group_ids)}"
-        for g in self.groups():
+        per_group = (self.sample_ids, self.n_output_tokens, self.version_min, self.version_max, self.finish_reasons)
+        n = list(map(len, self.sample_ids))  # the common case in C: every group's lists as long as its ids, none empty
+        if 0 not in n and all(list(map(len, lists)) == n for lists in per_group[1:]):
+            return None
+        for g in self.groups():  # the group at fault, named as its own TrajectoryReady would be
             why = g.validate()
             if why:
                 return f"group {g.group_id!r}: {why}"
@@ -408,6 +413,9 @@ class RewardResults(Message):
         why = _same_lengths(self, "group_ids", "sample_ids", "scores", "statuses", "details")
         if why:
             return why
+        n = list(map(len, self.sample_ids))  # the common case in C, as TrajectoriesReady.validate
+        if 0 not in n and all(list(map(len, lists)) == n for lists in (self.scores, self.statuses, self.details)):
+            return None
         for i, gid in enumerate(self.group_ids):
             n = {len(self.sample_ids[i]), len(self.scores[i]), len(self.statuses[i]), len(self.details[i])}
             if n != {len(self.sample_ids[i])} or not self.sample_ids[i]:
@@ -847,10 +855,25 @@ def _checker(tp: Any) -> Callable[[Any], bool]:
             return lambda v: isinstance(v, list) and _all_str(v)
         if item in (int, float):  # exactly int (float) items counted in C; else item by item (bools never)
             return lambda v: isinstance(v, list) and (countOf(map(type, v), item) == len(v) or all(map(ok_item, v)))
+        flat = _FLAT.get(typing.get_args(item)[0]) if typing.get_origin(item) is list else None
+        if flat is not None:  # per group, per sample: proved in C over all items at once, else item by item
+            return lambda v: _lists_of(v, flat) or (isinstance(v, list) and all(ok_item(x) for x in v))
         return lambda v: isinstance(v, list) and all(ok_item(x) for x in v)
     if tp is dict or origin is dict:
         return lambda v: isinstance(v, dict)
     return lambda v: isinstance(v, tp)
+
+
+def _lists_of(v: Any, flat: Callable[[list], bool]) -> bool:
+    """``v`` is exactly a list of exact lists whose items, all together, pass ``flat``: a sufficient
+    condition checked in C (a False here is decided again item by item)."""
+    return type(v) is list and countOf(map(type, v), list) == len(v) and flat(list(chain.from_iterable(v)))
+
+
+def _all_numbers(v: list) -> bool:
+    """Every item is exactly a float or an int (never a bool): what ``_is_float`` accepts, counted in C."""
+    types = list(map(type, v))
+    return countOf(types, float) + countOf(types, int) == len(types)
 
 
 def _all_str(v: list) -> bool:
@@ -860,6 +883,13 @@ def _all_str(v: list) -> bool:
     except TypeError:
         return False
     return True
+
+
+_FLAT: dict[type, Callable[[list], bool]] = {  # the item type of list[list[T]] -> all items are T, in C
+    str: lambda v: _all_str(v),
+    int: lambda v: countOf(map(type, v), int) == len(v),
+    float: _all_numbers,
+}
 
 
 def _type_name(tp: Any) -> str:

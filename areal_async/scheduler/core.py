@@ -36,14 +36,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from typing import Callable, Optional, Sequence
 
-from protocols.messages import BatchPlan, GenerateRequest, RewardResult, TrajectoryReady
+from protocols.messages import BatchPlan, GenerateRequest, GenerateRequests, RewardResult, TrajectoryReady
 
 from areal_async.scheduler.group_filter import GroupFilter
-from areal_async.scheduler.ledger import GroupState, Ledger, SampleRecord, SampleState
+from areal_async.scheduler.ledger import GroupRecord, GroupState, Ledger, SampleRecord, SampleState
 from areal_async.scheduler.prompt_memory import PromptMemory
-from areal_async.scheduler.staleness import can_admit, is_fresh_enough
+from areal_async.scheduler.staleness import admission_budget, is_fresh_enough
+
+_SAMPLE_ID, _SCORE = attrgetter("sample_id"), attrgetter("score")
 
 
 @dataclass
@@ -79,11 +83,14 @@ class SchedulerCore:
         problem: Callable[[int], tuple[list[int], list[str]]],
         log_sample: Callable[[SampleRecord], None] = lambda r: None,
         clock: Callable[[], float] = time.time,
+        log_samples: Optional[Callable[[list[SampleRecord]], None]] = None,
     ):
+        """``log_sample``: each record that ends (trained or aborted); ``log_samples``, when given, takes
+        the records that end together (a step's, a group's) in one call instead."""
         self.p = params
         self.cursor = cursor
         self.problem = problem  # problem index -> (prompt token ids, solutions)
-        self.log_sample = log_sample
+        self.log_samples = log_samples or (lambda recs: list(map(log_sample, recs)))
         self.clock = clock
         self.ledger = Ledger()
         self.version = 0
@@ -160,10 +167,45 @@ class SchedulerCore:
     def admit(self, only_short: bool = False) -> list[tuple[str, GenerateRequest]]:
         """Start as many groups as the staleness budget and concurrency cap allow; ``only_short`` (the
         run is stopping): no more than the planned steps waiting for a revision still lack."""
-        out = []
-        while self._may_admit() and (not only_short or self.running + len(self.ready) < self.short_need()):
-            out.append(self._issue(min(self.rollouts.values(), key=lambda r: (len(r.groups), r.worker_id))))
+        return [
+            (
+                wid,
+                GenerateRequest(
+                    g.group_id, g.prompt_id, list(g.sample_ids), list(ids), list(sol), self.version, **self.p.gen
+                ),
+            )
+            for wid, g, ids, sol in self._admitted(only_short)
+        ]
+
+    def admit_batches(self, only_short: bool = False) -> dict[str, GenerateRequests]:
+        """``admit``'s groups as one ``GenerateRequests`` per rollout worker (the groups admitted together),
+        built as columns: no message per group. The lists are the ledger's and the prompt table's own."""
+        cols: dict[str, tuple[list, ...]] = {}
+        for wid, g, prompt_ids, solutions in self._admitted(only_short):
+            c = cols.get(wid) or cols.setdefault(wid, ([], [], [], [], []))
+            for column, value in zip(c, (g.group_id, g.prompt_id, g.sample_ids, prompt_ids, solutions)):
+                column.append(value)
+        return {w: GenerateRequests(*c, min_version=self.version, **self.p.gen) for w, c in cols.items()}
+
+    def _admitted(self, only_short: bool) -> list[tuple[str, GroupRecord, list[int], list[str]]]:
+        """(worker, group, prompt ids, solutions) of each group issued now, in issue order (see ``admit``)."""
+        out, n = [], self._budget()  # counted once: issuing a group changes only `running`
+        while n > 0 and (not only_short or self.running + len(self.ready) < self.short_need()):
+            if not self.reissue and self._all_settled():
+                break  # no prompt to issue (a group still in flight may unsettle one)
+            worker = min(self.rollouts.values(), key=lambda r: (len(r.groups), r.worker_id))
+            out.append((worker.worker_id, *self._issue(worker)))
+            n -= 1
         return out
+
+    def _budget(self) -> int:
+        """How many groups may start now: the staleness budget (``staleness.admission_budget``) and the
+        concurrency cap, 0 before the trainer is ready, without rollout workers, or once finished."""
+        if self.finished or not self.trainer_ready or not self.rollouts:
+            return 0
+        running = self.running
+        budget = admission_budget(self.accepted, running, self.version, self.p.eta, self.p.batch_size)
+        return min(budget, self.p.max_concurrent - running)
 
     def short_need(self) -> int:
         """The groups that the planned steps waiting for a revision (``on_missing``) still lack."""
@@ -176,19 +218,10 @@ class SchedulerCore:
             return self.batch_groups
         return self.ahead_groups if step == self.next_step + 1 else None
 
-    def _may_admit(self) -> bool:
-        if self.finished or not self.trainer_ready or not self.rollouts:
-            return False
-        if self.running >= self.p.max_concurrent:
-            return False
-        if not self.reissue and self._all_settled():
-            return False  # no prompt to issue (a group still in flight may unsettle one)
-        return can_admit(self.accepted, self.running, self.version, self.p.eta, self.p.batch_size)
-
     def _all_settled(self) -> bool:
         return self.memory is not None and self.memory.all_settled(self.cursor.n)
 
-    def _issue(self, worker: RolloutState) -> tuple[str, GenerateRequest]:
+    def _issue(self, worker: RolloutState) -> tuple[GroupRecord, list[int], list[str]]:
         if self.reissue:
             idx, prompt_id = self.reissue.popleft()
         else:  # the memory passes over settled prompts before any group exists: admission never counts them
@@ -197,16 +230,7 @@ class SchedulerCore:
         worker.groups.add(g.group_id)
         self.issued_at[g.group_id] = self.clock()
         prompt_ids, solutions = self.problem(idx)
-        req = GenerateRequest(
-            group_id=g.group_id,
-            prompt_id=prompt_id,
-            sample_ids=list(g.sample_ids),
-            prompt_ids=list(prompt_ids),
-            solutions=list(solutions),
-            min_version=self.version,
-            **self.p.gen,
-        )
-        return worker.worker_id, req
+        return g, prompt_ids, solutions
 
     # ---- progress ------------------------------------------------------------------------
     def on_trajectory(self, m: TrajectoryReady) -> Optional[str]:
@@ -214,37 +238,48 @@ class SchedulerCore:
 
         Each sample is checked on its own: a refused one (unknown, of another group, already
         final, reported twice) changes nothing, and the others of the message still count."""
+        return self.on_generated(
+            m.group_id, m.sample_ids, m.n_output_tokens, m.version_min, m.version_max, m.finish_reasons, m.turns
+        )
+
+    def on_generated(self, gid: str, sids, n_tokens, vmins, vmaxs, finishes, turns=()) -> Optional[str]:
+        """``on_trajectory`` on one group's lists (a ``TrajectoriesReady``'s, with no message per group)."""
         led = self.ledger
-        whys, took = led.record_generated(m.group_id, m)
+        whys, took = led.record_generated(gid, sids, n_tokens, vmins, vmaxs, finishes, turns)
         if took:  # once per message: a per-sample check costs n^2 per group
-            self._on_maybe_ready(m.group_id, led.check_ready(m.group_id))
-        g = led.groups.get(m.group_id) if took else None  # nothing recorded: nothing changed
-        if g is not None and g.status == "running" and led.all_generated(m.group_id):
-            self.generated_at.setdefault(m.group_id, self.clock())  # now only the scores are missing
+            if led.check_ready(gid):
+                self._on_ready(gid)
+            elif led.groups[gid].status == GroupState.RUNNING and led.all_generated(gid):
+                self.generated_at.setdefault(gid, self.clock())  # now only the scores are missing
         return "; ".join(whys) or None
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
+        return self.on_scored(m.group_id, m.sample_ids, m.scores, m.statuses)
+
+    def on_scored(self, gid: str, sids, scores, statuses) -> Optional[str]:
+        """``on_reward`` on one group's lists (a ``RewardResults``'s)."""
         led = self.ledger
-        whys, took = led.record_rewarded(m.group_id, m)
-        if took:
-            self._on_maybe_ready(m.group_id, led.check_ready(m.group_id))
+        whys, took = led.record_rewarded(gid, sids, scores, statuses)
+        if took and led.check_ready(gid):
+            self._on_ready(gid)
         return "; ".join(whys) or None
 
-    def _on_maybe_ready(self, gid: str, ready: bool) -> None:
-        if ready:
-            worker = self.rollouts.get(self.ledger.groups[gid].worker)
-            if worker is not None:
-                worker.groups.discard(gid)
-            self._forget_times(gid)
-            scores = [self.ledger.samples[s].score for s in self.ledger.groups[gid].sample_ids]
-            self.scored[0], self.scored[1] = self.scored[0] + sum(scores), self.scored[1] + len(scores)
-            if self.memory is not None:
-                self.memory.record(self.ledger.groups[gid].problem_index, scores)
-            if self._filtered_out(gid):
-                return
-            self.accepted += 1
-            self.ready.append(gid)
+    def _on_ready(self, gid: str) -> None:
+        """A group just became ready (every sample generated and scored)."""
+        g = self.ledger.groups[gid]
+        worker = self.rollouts.get(g.worker)
+        if worker is not None:
+            worker.groups.discard(gid)
+        self._forget_times(gid)
+        scores = list(map(_SCORE, self.ledger.members[gid]))
+        self.scored[0], self.scored[1] = self.scored[0] + sum(scores), self.scored[1] + len(scores)
+        if self.memory is not None:
+            self.memory.record(g.problem_index, scores)
+        if self._filtered_out(gid):
+            return
+        self.accepted += 1
+        self.ready.append(gid)
 
     def _filtered_out(self, gid: str) -> bool:
         """Dynamic sampling: a group the filter drops is booked aborted, its prompt not re-issued (the
@@ -325,16 +360,23 @@ class SchedulerCore:
         return gids
 
     def _fresh_for(self, step: int) -> list[str]:
-        return [g for g in self.ready if is_fresh_enough(self.ledger.group_version_min(g), step, self.p.eta)]
+        return [g for g in self.ready if is_fresh_enough(self._vmin(g), step, self.p.eta)]
+
+    def _vmin(self, gid: str) -> int:
+        """A ready group's oldest token version (the ledger keeps it once the group is ready)."""
+        v = self.ledger.vmin.get(gid)
+        return self.ledger.group_version_min(gid) if v is None else v
 
     def _batch_plan(self, gids: list[str], step: int, new: Optional[list[str]] = None, revision: int = 0) -> BatchPlan:
         """The plan of ``gids`` for ``step``; ``new`` (default: all of them) are booked batched now."""
         self.ledger.mark_batched(gids if new is None else new, step)
         self.dropped_since_plan = 0
-        sids, owners, scores = [], [], []
+        sids, owners, scores, members = [], [], [], self.ledger.members
         for gid in gids:
-            for sid in self.ledger.groups[gid].sample_ids:
-                sids.append(sid), owners.append(gid), scores.append(self.ledger.samples[sid].score)
+            recs = members[gid]
+            sids += map(_SAMPLE_ID, recs)
+            owners += repeat(gid, len(recs))
+            scores += map(_SCORE, recs)
         plan = BatchPlan(
             step=step,
             sample_ids=sids,
@@ -348,13 +390,11 @@ class SchedulerCore:
 
     def _drop_stale(self) -> list[SampleRecord]:
         out = []
-        stale = [
-            g for g in self.ready if not is_fresh_enough(self.ledger.group_version_min(g), self.next_step, self.p.eta)
-        ]
+        stale = [g for g in self.ready if not is_fresh_enough(self._vmin(g), self.next_step, self.p.eta)]
         for gid in stale:
             self.ready.remove(gid)
             self.accepted -= 1
-            vmin = self.ledger.group_version_min(gid)
+            vmin = self._vmin(gid)
             why = f"stale: oldest token version {vmin} < step {self.next_step} - eta {self.p.eta}"
             out += self._abort(gid, why, reissue=True)
         return out
@@ -365,17 +405,17 @@ class SchedulerCore:
         if not self.trainer_busy or step != self.next_step:
             planned = self.next_step if self.trainer_busy else None
             raise ValueError(f"TrainStepDone for step {step}, but the trainer was planned step {planned}")
-        planned_ids = {s for g in self.batch_groups for s in self.ledger.groups[g].sample_ids}
-        unknown = [s for s in skipped_ids if s not in planned_ids]
-        if unknown:
-            raise ValueError(f"TrainStepDone for step {step} skipped {unknown[:3]}, which step {step} did not plan")
+        if skipped_ids:
+            planned_ids = {s for g in self.batch_groups for s in self.ledger.groups[g].sample_ids}
+            unknown = [s for s in skipped_ids if s not in planned_ids]
+            if unknown:
+                raise ValueError(f"TrainStepDone for step {step} skipped {unknown[:3]}, which step {step} did not plan")
         why = f"optimizer_step_skipped: step {step}'s optimizer step was not applied to this sample's minibatch"
         ended = self.ledger.mark_trained(self.batch_groups, frozenset(skipped_ids), why)
-        trained = [r for r in ended if r.status == SampleState.TRAINED]
-        for rec in ended:
-            self.log_sample(rec)
-        for rec in trained:
-            self.reissues.pop(rec.prompt_id, None)  # a trained prompt starts a fresh re-issue count
+        trained = [r for r in ended if r.status == SampleState.TRAINED] if skipped_ids else ended
+        self.log_samples(ended)
+        for prompt_id in {r.prompt_id for r in trained} if self.reissues else ():
+            self.reissues.pop(prompt_id, None)  # a trained prompt starts a fresh re-issue count
         # a batch planned ahead is the trainer's next step: it stays busy (also when on_missing emptied
         # it: the trainer holds that plan and waits for its revision)
         self.trainer_busy = self.ahead_groups is not None
@@ -483,9 +523,8 @@ class SchedulerCore:
         else:
             self.reissues.pop(g.prompt_id, None)
         recs = self.ledger.abort_group(gid, reason)
-        for rec in recs:
-            self.log_sample(rec)
-            self.aborted_since_plan.append(rec.sample_id)
+        self.log_samples(recs)
+        self.aborted_since_plan += map(_SAMPLE_ID, recs)
         return recs
 
     def _reissue(self, g, reason: str) -> str:

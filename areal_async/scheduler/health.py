@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from operator import attrgetter, countOf
 from typing import Iterable, Optional, Sequence
 
+_VMIN = attrgetter("version_min")
 IDLE_WINDOW_S = 20.0  # >= several heartbeats (cluster.heartbeat_s, 2 s by default)
 
 
@@ -37,10 +39,11 @@ def sample_health(trained: Iterable, step: int, eta: int) -> dict[str, float]:
     recs = list(trained)
     if not recs:
         return {}
-    lengths = sorted(r.n_output_tokens for r in recs)
-    row = {} if eta <= 0 else {"staleness_at_bound_frac": sum(step - r.version_min >= eta for r in recs) / len(recs)}
+    lengths = sorted(map(attrgetter("n_output_tokens"), recs))
+    at_bound = step - eta  # staleness step - version_min >= eta: version_min <= step - eta
+    row = {} if eta <= 0 else {"staleness_at_bound_frac": sum(v <= at_bound for v in map(_VMIN, recs)) / len(recs)}
     row |= {
-        "truncated_frac": sum(r.finish_reason == "length" for r in recs) / len(recs),
+        "truncated_frac": countOf(map(attrgetter("finish_reason"), recs), "length") / len(recs),
         "completion_len_mean": sum(lengths) / len(lengths),
         "completion_len_p50": nearest_rank(lengths, 0.5),
         "completion_len_p90": nearest_rank(lengths, 0.9),
@@ -50,16 +53,17 @@ def sample_health(trained: Iterable, step: int, eta: int) -> dict[str, float]:
 
 
 def group_spread(recs: Sequence) -> dict[str, float]:
+    """The groups (samples by ``group_id``, scored ones) whose every score is 0, and those whose every one is 1."""
     groups: dict[str, list[float]] = defaultdict(list)
-    for r in recs:
-        if r.score is not None:
-            groups[r.group_id].append(float(r.score))
+    for gid, score in zip(map(attrgetter("group_id"), recs), map(attrgetter("score"), recs)):
+        if score is not None:
+            groups[gid].append(score)
     if not groups:
         return {}
     n = len(groups)
-    return {
-        "groups_all_zero_frac": sum(all(s == 0.0 for s in g) for g in groups.values()) / n,
-        "groups_all_one_frac": sum(all(s == 1.0 for s in g) for g in groups.values()) / n,
+    return {  # countOf compares with ==, as float(score) == 0.0 did (an int 0 or a bool False counts)
+        "groups_all_zero_frac": sum(countOf(g, 0.0) == len(g) for g in groups.values()) / n,
+        "groups_all_one_frac": sum(countOf(g, 1.0) == len(g) for g in groups.values()) / n,
     }
 
 

@@ -14,9 +14,11 @@ caller logs: they never change the books.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from itertools import repeat
+from operator import attrgetter, countOf
 from typing import Optional
 
 
@@ -44,10 +46,10 @@ class GroupState(StrEnum):
 
 FINAL = (SampleState.TRAINED, SampleState.ABORTED)
 GROUP_FINAL = (GroupState.TRAINED, GroupState.ABORTED)
-_ORDER = (SampleState.ISSUED, SampleState.GENERATED, SampleState.REWARDED, SampleState.BATCHED, SampleState.TRAINED)
-_NEXT = dict(zip(_ORDER, _ORDER[1:]))  # the one legal step forward from each non-final state
 _ISSUED, _GENERATED, _REWARDED = SampleState.ISSUED, SampleState.GENERATED, SampleState.REWARDED
 _SCORABLE = (SampleState.ISSUED, SampleState.GENERATED)
+_BATCHED, _TRAINED = SampleState.BATCHED, SampleState.TRAINED
+_STATUS = attrgetter("status")  # a record's status, read in C over a group's records
 
 
 @dataclass(slots=True)
@@ -96,6 +98,12 @@ def _state(kind: type[StrEnum], value: str, what: str) -> StrEnum:
         raise ValueError(f"{what}: status {value!r} is not one of {[m.value for m in kind]}") from None
 
 
+@functools.cache
+def _suffixes(n: int) -> tuple[str, ...]:
+    """ ".0" .. ".<n-1>": a group's sample ids are its id and these."""
+    return tuple(f".{k}" for k in range(n))
+
+
 class LedgerError(RuntimeError):
     """An impossible transition: a bug in the caller, not bad input from the wire."""
 
@@ -112,17 +120,19 @@ class Ledger:
     members: dict[str, list[SampleRecord]] = field(default_factory=dict, repr=False)
     # group id -> its samples' records in order: a message about a whole group walks these, with no
     # per-sample lookup in ``samples`` (a large dict: each lookup is a few cache misses)
+    ended: list[str] = field(default_factory=list, repr=False)  # groups made final since forget_final
+    vmin: dict[str, int] = field(default_factory=dict, repr=False)  # ready (or later) group -> oldest version
 
     # ---- issuing -------------------------------------------------------------------------
     def issue_group(self, prompt_id: str, problem_index: int, n: int, worker: str, version: int) -> GroupRecord:
         gid = f"{self.id_prefix}g{self.n_groups_issued}"
         self.n_groups_issued += 1
-        sids = [f"{gid}.{k}" for k in range(n)]
+        sids = [gid + k for k in _suffixes(n)]
         self.n_samples_issued += n
-        self.groups[gid] = GroupRecord(gid, prompt_id, problem_index, sids, worker, version)
-        recs = self.members[gid] = [SampleRecord(sid, gid, prompt_id, problem_index, worker=worker) for sid in sids]
+        g = self.groups[gid] = GroupRecord(gid, prompt_id, problem_index, sids, worker, version)
+        recs = self.members[gid] = [SampleRecord(sid, gid, prompt_id, problem_index, _ISSUED, worker) for sid in sids]
         self.samples.update(zip(sids, recs))
-        return self.groups[gid]
+        return g
 
     # ---- progress ------------------------------------------------------------------------
     def refuse(self, sample_id: str, group_id: str, event: Optional[SampleState] = None) -> Optional[str]:
@@ -168,36 +178,29 @@ class Ledger:
             return self.members[gid]
         return list(map(self.samples.get, sids))
 
-    def record_generated(self, gid: str, m) -> tuple[list[str], bool]:
-        """Record the samples of a ``TrajectoryReady`` (parallel per-sample lists) of group ``gid``,
-        each checked on its own as ``refuse`` says. Returns (why each refused one was ignored,
-        whether any was recorded). One loop without a call per sample: the scheduler's hot path."""
+    def record_generated(self, gid: str, sids, n_tokens, vmins, vmaxs, finishes, turns) -> tuple[list[str], bool]:
+        """Record the samples of a ``TrajectoryReady`` of group ``gid`` (its parallel per-sample lists;
+        ``turns`` empty: one each), each checked on its own as ``refuse`` says. Returns (why each
+        refused one was ignored, whether any was recorded). One loop without a call per sample: the
+        scheduler's hot path."""
         whys, took = [], False
-        per_sample = zip(
-            self._records(gid, m.sample_ids),
-            m.sample_ids,
-            m.n_output_tokens,
-            m.version_min,
-            m.version_max,
-            m.finish_reasons,
-            m.turns or repeat(None),
-        )
-        for rec, sid, n_tokens, vmin, vmax, finish, turns in per_sample:
+        per_sample = zip(self._records(gid, sids), sids, n_tokens, vmins, vmaxs, finishes, turns or repeat(None))
+        for rec, sid, n_tok, vmin, vmax, finish, turn in per_sample:
             if rec is None or rec.group_id != gid or rec.status != _ISSUED:
                 whys.append(self.refuse(sid, gid, _GENERATED) or f"sample {sid!r}: status {rec.status}")
                 continue
-            if turns is not None:
-                rec.turns = turns
-            rec.version_min, rec.version_max, rec.n_output_tokens, rec.finish_reason = vmin, vmax, n_tokens, finish
+            if turn is not None:
+                rec.turns = turn
+            rec.version_min, rec.version_max, rec.n_output_tokens, rec.finish_reason = vmin, vmax, n_tok, finish
             rec.status = _GENERATED if rec.score is None else _REWARDED
             took = True
         return whys, took
 
-    def record_rewarded(self, gid: str, m) -> tuple[list[str], bool]:
-        """Record the scores of a ``RewardResult`` of group ``gid``, per sample as ``refuse`` says;
-        returns as ``record_generated``."""
+    def record_rewarded(self, gid: str, sids, scores, statuses) -> tuple[list[str], bool]:
+        """Record the scores of a ``RewardResult`` of group ``gid`` (its per-sample lists), per sample as
+        ``refuse`` says; returns as ``record_generated``."""
         whys, took = [], False
-        for rec, sid, score, status in zip(self._records(gid, m.sample_ids), m.sample_ids, m.scores, m.statuses):
+        for rec, sid, score, status in zip(self._records(gid, sids), sids, scores, statuses):
             if rec is None or rec.group_id != gid or rec.score is not None or rec.status not in _SCORABLE:
                 whys.append(self.refuse(sid, gid, _REWARDED) or f"sample {sid!r}: status {rec.status}")
                 continue
@@ -209,22 +212,26 @@ class Ledger:
 
     def check_ready(self, gid: str) -> bool:
         """Mark a running group READY if every sample is rewarded; True when it became so now."""
-        g = self.groups[gid]
-        if g.status == GroupState.RUNNING and all(r.status == _REWARDED for r in self.members[gid]):
+        g, recs = self.groups[gid], self.members[gid]
+        if g.status == GroupState.RUNNING and countOf(map(_STATUS, recs), _REWARDED) == len(recs):
             g.status = GroupState.READY
+            self.vmin[gid] = min(map(attrgetter("version_min"), recs))  # fixed from now on
             return True
         return False
 
     def all_generated(self, gid: str) -> bool:
         """Every sample of the group is past ISSUED (generated, or further)."""
-        return all(r.status != _ISSUED for r in self.members[gid])
+        return _ISSUED not in map(_STATUS, self.members[gid])
 
     def mark_batched(self, gids: list[str], step: int) -> None:
         for gid in gids:
             self._advance_group(gid, GroupState.READY, GroupState.BATCHED)
-            for sid in self.groups[gid].sample_ids:
-                self._advance(sid, SampleState.BATCHED)
-                self.samples[sid].train_step = step
+            recs = self.members[gid]
+            if countOf(map(_STATUS, recs), _REWARDED) != len(recs):
+                bad = next(r for r in recs if r.status != _REWARDED)
+                raise LedgerError(f"sample {bad.sample_id}: illegal transition {bad.status} -> {_BATCHED}")
+            for rec in recs:
+                rec.status, rec.train_step = _BATCHED, step
 
     def mark_trained(self, gids: list[str], skipped: frozenset = frozenset(), reason: str = "") -> list[SampleRecord]:
         """The batch's groups trained; a sample in ``skipped`` (its minibatch's optimizer step was
@@ -232,15 +239,21 @@ class Ledger:
         out = []
         for gid in gids:
             self._advance_group(gid, GroupState.BATCHED, GroupState.TRAINED)
-            for sid in self.groups[gid].sample_ids:
-                rec = self.samples[sid]
-                self._advance(sid, SampleState.TRAINED)  # checks that it was batched
-                if sid in skipped:
-                    rec.status, rec.reason = SampleState.ABORTED, reason
-                    self.n_aborted += 1
-                else:
-                    self.n_trained += 1
-                out.append(rec)
+            recs = self.members[gid]
+            if countOf(map(_STATUS, recs), _BATCHED) != len(recs):
+                bad = next(r for r in recs if r.status != _BATCHED)
+                raise LedgerError(f"sample {bad.sample_id}: illegal transition {bad.status} -> {_TRAINED}")
+            self.ended.append(gid)
+            for rec in recs:
+                rec.status = _TRAINED
+            out += recs
+        n_skipped = 0
+        for rec in out if skipped else ():
+            if rec.sample_id in skipped:
+                rec.status, rec.reason = SampleState.ABORTED, reason
+                n_skipped += 1
+        self.n_aborted += n_skipped
+        self.n_trained += len(out) - n_skipped
         return out
 
     def abort_group(self, gid: str, reason: str) -> list[SampleRecord]:
@@ -248,19 +261,12 @@ class Ledger:
         if g.status in GROUP_FINAL:
             raise LedgerError(f"group {gid}: cannot abort, already {g.status}")
         g.status = GroupState.ABORTED
-        out = []
-        for sid in g.sample_ids:
-            rec = self.samples[sid]
+        self.ended.append(gid)
+        out = self.members[gid]
+        for rec in out:
             rec.status, rec.reason = SampleState.ABORTED, reason
-            self.n_aborted += 1
-            out.append(rec)
-        return out
-
-    def _advance(self, sid: str, to: SampleState) -> None:
-        rec = self.samples[sid]
-        if _NEXT.get(rec.status) != to:
-            raise LedgerError(f"sample {sid}: illegal transition {rec.status} -> {to}")
-        rec.status = to
+        self.n_aborted += len(out)
+        return list(out)
 
     def _advance_group(self, gid: str, frm: GroupState, to: GroupState) -> None:
         g = self.groups[gid]
@@ -270,7 +276,9 @@ class Ledger:
 
     # ---- queries -------------------------------------------------------------------------
     def group_version_min(self, gid: str) -> int:
-        return min(self.samples[s].version_min for s in self.groups[gid].sample_ids)
+        """The oldest token version among the group's samples (kept from the moment it is ready)."""
+        v = self.vmin.get(gid)
+        return min(r.version_min for r in self.members[gid]) if v is None else v
 
     def open_groups(self) -> list[GroupRecord]:
         return [g for g in self.groups.values() if g.status not in GROUP_FINAL]
@@ -286,11 +294,17 @@ class Ledger:
         }
 
     def forget_final(self) -> None:
-        """Drop ended groups from memory (their lines are already in trajectories.jsonl)."""
-        for gid in [g.group_id for g in self.groups.values() if g.status in GROUP_FINAL]:
-            del self.members[gid]
-            for sid in self.groups.pop(gid).sample_ids:
-                self.samples.pop(sid)
+        """Drop ended groups from memory (their lines are already in trajectories.jsonl): those made
+        final since the last call (``ended``), not a walk over every group."""
+        ended, self.ended = self.ended, []
+        for gid in ended:
+            g = self.groups.get(gid)
+            if g is None or g.status not in GROUP_FINAL:
+                continue
+            del self.members[gid], self.groups[gid]
+            self.vmin.pop(gid, None)
+            for sid in g.sample_ids:
+                del self.samples[sid]
 
     # ---- checkpoint ----------------------------------------------------------------------
     def to_state(self) -> dict:
@@ -314,6 +328,8 @@ class Ledger:
         for s in state["samples"]:
             led.samples[s["sample_id"]] = SampleRecord(**s)
         led.members = {gid: [led.samples[s] for s in g.sample_ids] for gid, g in led.groups.items()}
+        led.ended = [gid for gid, g in led.groups.items() if g.status in GROUP_FINAL]
+        led.vmin = {gid: led.group_version_min(gid) for gid, g in led.groups.items() if g.status != GroupState.RUNNING}
         return led
 
 

@@ -9,7 +9,9 @@
 Metrics rows also go to the ``StatsSink``s given (TensorBoard, wandb: ``sinks.py``); a sink that
 fails is logged and dropped, and metrics.jsonl stays the record.
 
-Lines are flushed as they are written so a crash loses nothing already logged. A resumed run
+Lines are flushed as they are written so a crash loses nothing already logged; the samples that end
+together (a trained step's, an aborted group's) are written and flushed as one ``write``, each line
+as ``json.dumps(sample_line(rec))`` writes it (``sample_text``: the same bytes, without the dict). A resumed run
 truncates both jsonl files back to the byte offsets stored in its checkpoint and keeps what it
 cut in ``*.rolled_back.jsonl``: the books then continue from the checkpoint's accounting.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from json.encoder import encode_basestring_ascii as _str
 from pathlib import Path
 
 from areal_async.scheduler.ledger import SampleRecord, SampleState
@@ -46,6 +49,33 @@ def sample_line(rec: SampleRecord) -> dict:
     }
 
 
+def sample_text(rec: SampleRecord) -> str:
+    """``json.dumps(sample_line(rec))``, byte for byte, formatted straight from the record (an f-string:
+    a third of the time of the dict and the encoder). Values of any other type than the books hold (an
+    int that is not exactly an int, a score neither None nor a finite float, a str field that is not a
+    str) take ``json.dumps`` itself."""
+    s, step = rec.score, rec.train_step if rec.status == SampleState.TRAINED else None
+    ints = type(rec.version_min) is type(rec.version_max) is type(rec.n_output_tokens) is type(rec.turns) is int
+    finite = s is None or (type(s) is float and s - s == 0.0)
+    if not (ints and finite and (step is None or type(step) is int)):
+        return json.dumps(sample_line(rec))
+    try:
+        return (
+            f'{{"id": {_str(rec.sample_id)}, "prompt_id": {_str(rec.prompt_id)}, "group_id": {_str(rec.group_id)}, '
+            f'"status": {_str(rec.status)}, "train_step": {"null" if step is None else step}, '
+            f'"version_min": {rec.version_min}, "version_max": {rec.version_max}, '
+            f'"reward": {"null" if s is None else _repr(s)}, "reward_status": {_str(rec.reward_status)}, '
+            f'"n_output_tokens": {rec.n_output_tokens}, "finish_reason": {_str(rec.finish_reason)}, '
+            f'"turns": {rec.turns}, "worker": {_str(rec.worker)}, '
+            f'"reason": {_str(rec.reason) if rec.reason else "null"}}}'
+        )
+    except TypeError:  # a field that is not a str
+        return json.dumps(sample_line(rec))
+
+
+_repr = float.__repr__  # what json writes for a finite float
+
+
 class RunLog:
     def __init__(self, run_dir: str | Path, dump_trajectories: bool, sinks: list[StatsSink] | None = None):
         self.dir = Path(run_dir)
@@ -58,9 +88,13 @@ class RunLog:
         self.n_sample_lines = 0
 
     def sample(self, rec: SampleRecord) -> None:
-        self.n_sample_lines += 1
-        if self._traj:
-            self._traj.write(json.dumps(sample_line(rec)) + "\n")
+        self.samples([rec])
+
+    def samples(self, recs: list[SampleRecord]) -> None:
+        """The lines of samples that ended together: one write, one flush."""
+        self.n_sample_lines += len(recs)
+        if self._traj and recs:
+            self._traj.write("".join([sample_text(r) + "\n" for r in recs]))
             self._traj.flush()
 
     def metrics(self, row: dict) -> None:

@@ -62,8 +62,6 @@ from protocols.messages import (
     CheckpointSaved,
     Error,
     EvalDone,
-    GenerateRequest,
-    GenerateRequests,
     GroupAborted,
     Heartbeat,
     Message,
@@ -83,6 +81,7 @@ from protocols.messages import (
     TrajectoryReady,
     WeightsLoaded,
     WeightsPublished,
+    encode,
 )
 from protocols.rejections import RejectionLog
 from protocols.sockets import decode_logged, make_socket, send_message
@@ -126,7 +125,9 @@ class SchedulerService:
         self._status_path = self.run_dir / "status.json"
         self.ctx = zmq.asyncio.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
-        self.queued = zmq.Socket.shadow(self.sock.underlying)  # the same socket, read without a Future per frame
+        self.queued = zmq.Socket.shadow(self.sock.underlying)  # the same socket, used without a Future per frame
+        self._frame: tuple = (None, b"")  # the message being handled and its frame (_take)
+        self._waiting_sends = 0  # sends awaiting the socket (a peer at its high-water mark): later ones queue behind
         self.rejections = RejectionLog(log)  # bad frames and refusals: rate-limited lines, a count per peer a minute
         self.workers = WorkerTable()
         # samples accepted from rollout / reward workers, aborted as stale; groups admitted
@@ -146,15 +147,30 @@ class SchedulerService:
         self.rows = StepRows(self.core, self.counts, self.workers, self.weight_updates, t0, self.task_book, eta)
 
     # ---- plumbing ------------------------------------------------------------------------
-    async def send(self, worker_id: str, msg: Message) -> None:
+    async def send(self, worker_id: str, msg: Message, data: Optional[bytes] = None) -> None:
+        """``msg`` to a registered worker (``data``: its encoding, when one message goes to several)."""
         w = self.workers.get(worker_id)
         if w is None:
             log.error("no worker %r to send %s to", worker_id, msg.TYPE)
             return
         try:
-            await send_message(self.sock, msg, to=w.ident)
+            await self._send_frames([w.ident, encode(msg) if data is None else data])
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
             log.error("send %s to %s failed: %s", msg.TYPE, worker_id, e)
+
+    async def _send_frames(self, frames: list) -> None:
+        """Sent at once through the synchronous shadow when nothing waits before it (no Future a frame);
+        at the peer's high-water mark (``zmq.Again``), and behind a send that waits, as an awaited send."""
+        if not self._waiting_sends:
+            try:
+                return self.queued.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        self._waiting_sends += 1
+        try:
+            await self.sock.send_multipart(frames)
+        finally:
+            self._waiting_sends -= 1
 
     def role(self, role: str) -> list[str]:
         return self.workers.role(role)
@@ -203,6 +219,7 @@ class SchedulerService:
         ident, msg = decode_logged(frames, routed=True, where="scheduler", rejections=self.rejections)
         if msg is None:
             return await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
+        self._frame = (msg, frames[1])  # the message and its bytes, as checked: a forward sends them unchanged
         self.received[msg.TYPE] = self.received.get(msg.TYPE, 0) + 1
         if isinstance(msg, (TrajectoriesReady, RewardResults)):
             self.received_groups[msg.TYPE] = self.received_groups.get(msg.TYPE, 0) + len(msg.group_ids)
@@ -312,9 +329,17 @@ class SchedulerService:
             self._count(wid, "generated", len(m.sample_ids))
 
     async def _trajectories(self, wid: str, m: TrajectoriesReady) -> None:
-        """The groups of one engine step: each booked as its own TrajectoryReady."""
-        for g in m.groups():
-            await self._trajectory(wid, g)
+        """The groups of one engine step: each booked as its own TrajectoryReady (from the columns)."""
+        n, on_generated = 0, self.core.on_generated
+        for gid, sids, *cols in zip(
+            m.group_ids, m.sample_ids, m.n_output_tokens, m.version_min, m.version_max, m.finish_reasons
+        ):
+            why = on_generated(gid, sids, *cols)
+            if why:
+                log.warning("ignored trajectory from %s: %s", wid, why)
+            else:
+                n += len(sids)
+        self._count(wid, "generated", n)
 
     async def _reward(self, wid: str, m: RewardResult) -> None:
         if self.workers[wid].role == "rollout":  # a workflow's own rewards: only for the groups it holds
@@ -331,9 +356,16 @@ class SchedulerService:
             self._count(wid, "rewarded", len(m.sample_ids))
 
     async def _rewards(self, wid: str, m: RewardResults) -> None:
-        """Several groups' scores from a reward worker: each group booked as its own RewardResult."""
-        for result in m.results():
-            await self._reward(wid, result)
+        """Several groups' scores from a reward worker (``SENDERS``: never a rollout's): each group booked
+        as its own RewardResult, from the columns."""
+        n, on_scored = 0, self.core.on_scored
+        for gid, sids, scores, statuses in zip(m.group_ids, m.sample_ids, m.scores, m.statuses):
+            why = on_scored(gid, sids, scores, statuses)
+            if why:
+                log.warning("ignored reward from %s: %s", wid, why)
+            else:
+                n += len(sids)
+        self._count(wid, "rewarded", n)
 
     def _count(self, wid: str, what: str, n: int) -> None:
         """Samples a worker delivered (per worker: status throughput; in total: the metrics rows)."""
@@ -343,8 +375,10 @@ class SchedulerService:
     async def _weights_published(self, wid: str, m: WeightsPublished) -> None:
         self.latest_weights = m
         self.weight_updates.published(m.version, m.t_ready, m.t_sent)
+        msg, frame = self._frame  # the trainer's frame, checked by decode: forwarded as it came, to every rollout
+        data = bytes(frame) if msg is m else encode(m)
         for r in self.role("rollout"):
-            await self.send(r, m)
+            await self.send(r, m, data)
 
     async def _weights_loaded(self, wid: str, m: WeightsLoaded) -> None:
         self.core.on_weights_loaded(wid, m.version)
@@ -462,12 +496,9 @@ class SchedulerService:
             if plan is None:
                 break
             await self._send_plan(plan)
-        by_worker: dict[str, list[GenerateRequest]] = {}
-        for worker, req in self.core.admit(only_short):
-            self.counts["admitted"] += 1
-            by_worker.setdefault(worker, []).append(req)
-        for worker, reqs in by_worker.items():  # one message a worker: the groups admitted together
-            await self.send(worker, reqs[0] if len(reqs) == 1 else GenerateRequests.of(reqs))
+        for worker, batch in self.core.admit_batches(only_short).items():  # one message a worker
+            self.counts["admitted"] += len(batch.group_ids)
+            await self.send(worker, batch.requests()[0] if len(batch.group_ids) == 1 else batch)
 
     def _may_plan_ahead(self) -> bool:
         """Plan step n+1 while step n trains (η >= 1, the core checks it) unless a checkpoint

@@ -65,7 +65,7 @@ def build_core(
         skip_solved_after=cfg.rollout.skip_solved_after,
     )
     cursor = PromptCursor(len(lengths.kept), cfg.seed, d.shuffle)
-    return SchedulerCore(params, cursor, problem, log_sample=runlog.sample), lengths, book
+    return SchedulerCore(params, cursor, problem, log_samples=runlog.samples), lengths, book
 
 
 def open_books(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import attrgetter
 from typing import Optional
 
 from protocols.messages import TrainStepDone
@@ -48,14 +49,14 @@ class StepRows:
     def row(self, m: TrainStepDone, trained: list) -> dict:
         """Step ``m.step``'s row: ``trained`` (its samples' ledger records), the books, the workers' busy
         seconds, the weight update, the dynamic filter's drops, then the trainer's own metrics."""
-        now = time.time()
-        scores = [r.score for r in trained]
+        now, n = time.time(), len(trained)
+        vmins = list(map(attrgetter("version_min"), trained))
         row = {
             "step": m.step,
             "version": m.version,
-            "reward_mean": sum(scores) / max(1, len(scores)),
-            "staleness_max": max((m.step - r.version_min for r in trained), default=0),
-            "staleness_mean": sum(m.step - r.version_min for r in trained) / max(1, len(trained)),
+            "reward_mean": sum(map(attrgetter("score"), trained)) / max(1, n),
+            "staleness_max": m.step - min(vmins) if vmins else 0,
+            "staleness_mean": (m.step * n - sum(vmins)) / max(1, n),
             "samples_trained": len(trained),
             "samples_trained_total": self.core.ledger.n_trained,
             "samples_generated_total": self.counts["generated"],

@@ -84,6 +84,7 @@ class WorkerTable:
 
     def __init__(self) -> None:
         self.records: dict[str, WorkerRecord] = {}
+        self.by_ident: dict[bytes, WorkerRecord] = {}  # the routing identity that registered -> its record
         self.registrations: dict[str, int] = {}  # worker_id -> times registered (a lost worker's entry stays)
 
     def __contains__(self, wid: object) -> bool:
@@ -108,6 +109,7 @@ class WorkerTable:
         if worker_id in self.records:
             raise RuntimeError(f"worker {worker_id!r} is registered already: remove its record first")
         rec = self.records[worker_id] = WorkerRecord(worker_id, role, ident, pid, host, since=now, last_seen=now)
+        self.by_ident[ident] = rec
         self.registrations[worker_id] = self.registrations.get(worker_id, 0) + 1
         return rec
 
@@ -115,22 +117,24 @@ class WorkerTable:
         """The worker id of ``msg``'s sender, its record marked seen at ``now``; ``ValueError`` when it is
         not registered (a ``Ping`` needs no registration), not the connection that registered, or of a
         role that may not send ``msg`` (``SENDERS``)."""
-        wid = worker_of(ident)
-        w = self.records.get(wid)
-        if w is None:
+        w = self.by_ident.get(ident)  # a registered connection: one lookup, no parsing of the identity
+        if w is None or w.ident != ident:
+            wid = worker_of(ident)
+            if wid in self.records:
+                raise ValueError(f"{msg.TYPE} from {ident!r}, which is not the connection that registered as {wid!r}")
             if isinstance(msg, M.Ping):
                 return wid
             raise ValueError(f"{msg.TYPE} from unregistered peer {wid!r}")
-        if w.ident != ident:
-            raise ValueError(f"{msg.TYPE} from {ident!r}, which is not the connection that registered as {wid!r}")
         w.last_seen = now
         allowed = SENDERS.get(type(msg))
         if allowed and w.role not in allowed:
             raise ValueError(f"a {w.role} worker may not send {msg.TYPE!r} (only {' | '.join(allowed)})")
-        return wid
+        return w.worker_id
 
     def pop(self, wid: str) -> WorkerRecord:
-        return self.records.pop(wid)
+        rec = self.records.pop(wid)
+        self.by_ident.pop(rec.ident, None)
+        return rec
 
     def restarts(self, wid: str) -> int:
         return self.registrations.get(wid, 1) - 1

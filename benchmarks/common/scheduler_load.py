@@ -26,11 +26,16 @@ After the window the fleet is stopped first (its sockets flushed: a ``LINGER_MS`
 runs on until what it received stops moving (``DRAIN_QUIET_S``): ``fleet_counts`` (the null fleet's own
 count of what each of its workers sent and got, by message type, in its process) and ``drained_received``
 (the service's count over the whole run) are then two independent counts of the same messages.
+
+``profile`` (a path): after the measured window, a second window of ``profile_seconds`` under
+``cProfile`` (the service's thread: its event loop and everything it calls), its stats written
+there (``pstats``); the measured window is never profiled, so its figure carries no profiler cost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import cProfile
 import multiprocessing as mp
 import os
 import tempfile
@@ -278,7 +283,15 @@ def roles_of(cfg) -> dict[str, str]:
     return roles
 
 
-def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_steps: int = WARMUP_STEPS) -> dict:
+def measure(
+    config: str,
+    overrides: list[str],
+    mix: Mix,
+    seconds: float,
+    warmup_steps: int = WARMUP_STEPS,
+    profile: str | None = None,
+    profile_seconds: float = 5.0,
+) -> dict:
     """One measurement (see the module docstring); returns the row's fields."""
     cfg = load_config(config, ["total_train_steps=1000000000", *overrides])
     cpus = sorted(os.sched_getaffinity(0))
@@ -296,7 +309,8 @@ def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_
             os.sched_setaffinity(0, cpus[:1])
         try:
             child.start()
-            out = run_async(_serve_and_watch(cfg, ep, run_dir, (child, stop), seconds, warmup_steps))
+            prof = (profile, profile_seconds) if profile else None
+            out = run_async(_serve_and_watch(cfg, ep, run_dir, (child, stop), seconds, warmup_steps, prof))
         finally:
             os.sched_setaffinity(0, cpus)
             stop.set()
@@ -305,9 +319,12 @@ def measure(config: str, overrides: list[str], mix: Mix, seconds: float, warmup_
     return out | {"fleet_errors": errors[:5], "n_fleet_errors": len(errors), "fleet_counts": counts}
 
 
-async def _serve_and_watch(cfg, ep: RunManifest, run_dir: Path, fleet, seconds: float, warmup: int) -> dict:
-    """The service in this process: the window after ``warmup`` steps, then the fleet (``(process, stop
-    event)``) stopped and the service drained (``_drain``) before it stops."""
+async def _serve_and_watch(
+    cfg, ep: RunManifest, run_dir: Path, fleet, seconds: float, warmup: int, prof: tuple | None = None
+) -> dict:
+    """The service in this process: the window after ``warmup`` steps, (``prof``: (path, seconds)) a
+    profiled window, then the fleet (``(process, stop event)``) stopped and the service drained
+    (``_drain``) before it stops."""
     child, stop = fleet
     fleet_pid = child.pid
     encode = prompt_encoder(load_tokenizer(cfg.model.path), cfg.train_dataset.template)
@@ -317,6 +334,8 @@ async def _serve_and_watch(cfg, ep: RunManifest, run_dir: Path, fleet, seconds: 
         start = await _when(svc, lambda: svc.core.next_step >= warmup, timeout_s=WARMUP_TIMEOUT_S, fleet_pid=fleet_pid)
         await asyncio.sleep(seconds)
         end = _snapshot(svc, fleet_pid)
+        if prof is not None:
+            await _profiled(prof[0], prof[1])
         drained = await _drain(svc, child, stop)
     finally:
         svc.done.set()
@@ -338,6 +357,17 @@ async def _drain(svc, child, stop) -> dict:
             last, quiet_since = now, time.monotonic()
         await asyncio.sleep(0.05)
     return last or {}
+
+
+async def _profiled(path: str, seconds: float) -> None:
+    """``seconds`` of the service under cProfile, the stats written to ``path``."""
+    p = cProfile.Profile()
+    p.enable()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        p.disable()
+        p.dump_stats(path)
 
 
 async def _when(svc, cond, timeout_s: float, fleet_pid: int) -> dict:

@@ -27,14 +27,13 @@ if "workers.scheduler" in getattr(sys, "orig_argv", []):
     from areal_async.scheduler import core, service
 
     GATE, LIMIT = {gate!r}, {limit}
-    _may_admit = core.SchedulerCore._may_admit
+    _budget = core.SchedulerCore._budget
 
-    def may_admit(self):
-        if self.accepted + self.running >= LIMIT and not os.path.exists(GATE):
-            return False
-        return _may_admit(self)
+    def budget(self):  # the groups admission may start now: none past LIMIT while the gate is shut
+        n = _budget(self)
+        return n if os.path.exists(GATE) else min(n, LIMIT - self.accepted - self.running)
 
-    core.SchedulerCore._may_admit = may_admit
+    core.SchedulerCore._budget = budget
     _expire_groups = service.SchedulerService._expire_groups
 
     async def expire_groups(self):  # called every heartbeat_s by the scheduler's watchdog

@@ -312,6 +312,16 @@ def test_ledger_loads_a_checkpoint_written_before_the_state_enum_and_writes_the_
     assert '"status": "trained"' in line and '"train_step": 1' in line  # trajectories.jsonl unchanged
 
 
+def _generated(led, gid, m):
+    return led.record_generated(
+        gid, m.sample_ids, m.n_output_tokens, m.version_min, m.version_max, m.finish_reasons, m.turns
+    )
+
+
+def _rewarded(led, gid, m):
+    return led.record_rewarded(gid, m.sample_ids, m.scores, m.statuses)
+
+
 def test_group_messages_in_issue_order_in_another_order_and_after_a_restore_book_the_same():
     """A message naming its group's samples exactly in issue order walks the group's own records;
     another order looks each sample up. Both book each value on its own sample, and so does a
@@ -320,22 +330,22 @@ def test_group_messages_in_issue_order_in_another_order_and_after_a_restore_book
     a, b = led.issue_group("pa", 0, 3, "r0", 0), led.issue_group("pb", 1, 3, "r0", 0)
     m = traj_msg(a.group_id, a.sample_ids)
     m.n_output_tokens = [5, 6, 7]
-    assert led.record_generated(a.group_id, m) == ([], True)
+    assert _generated(led, a.group_id, m) == ([], True)
     m = traj_msg(b.group_id, list(reversed(b.sample_ids)))
     m.n_output_tokens = [7, 6, 5]
-    assert led.record_generated(b.group_id, m) == ([], True)
+    assert _generated(led, b.group_id, m) == ([], True)
     assert [led.samples[s].n_output_tokens for s in a.sample_ids + b.sample_ids] == [5, 6, 7, 5, 6, 7]
     assert led.all_generated(a.group_id) and led.all_generated(b.group_id)
     r = reward_msg(b.group_id, [b.sample_ids[2], b.sample_ids[0], b.sample_ids[1]])
     r.scores = [0.25, 0.5, 0.75]
-    assert led.record_rewarded(b.group_id, r) == ([], True) and led.check_ready(b.group_id)
+    assert _rewarded(led, b.group_id, r) == ([], True) and led.check_ready(b.group_id)
     assert [led.samples[s].score for s in b.sample_ids] == [0.5, 0.75, 0.25]
 
     old = Ledger.from_state(json.loads(OLD_LEDGER_JSON))  # g2: g2.0 generated, g2.1 issued
-    whys, took = old.record_generated("g2", traj_msg("g2", ["g2.0", "g2.1"], vmin=2, vmax=3))
+    whys, took = _generated(old, "g2", traj_msg("g2", ["g2.0", "g2.1"], vmin=2, vmax=3))
     assert whys == ["sample 'g2.0' already generated"] and took
     assert (old.samples["g2.0"].version_min, old.samples["g2.1"].version_min) == (1, 2)
-    assert old.record_rewarded("g2", reward_msg("g2", ["g2.0", "g2.1"])) == ([], True)
+    assert _rewarded(old, "g2", reward_msg("g2", ["g2.0", "g2.1"])) == ([], True)
     assert old.check_ready("g2") and old.groups["g2"].status is GroupState.READY
     old.mark_trained(["g1"])
     old.forget_final()
@@ -377,7 +387,7 @@ def test_plan_ahead_at_eta_one_is_depth_one_and_steps_end_in_order():
 
 def test_no_plan_ahead_at_eta_zero_or_without_leave():
     core = make_core(eta=0, B=1, n=2, steps=5)
-    (_, g0), (_, g1) = core.admit()[0], core._issue(core.rollouts["r1"])  # η = 0 admits one: g1 hand-built
+    (_, g0), (g1, *_) = core.admit()[0], core._issue(core.rollouts["r1"])  # η = 0 admits one: g1 hand-built (its group)
     finish_group(core, g0, 0, 0)
     finish_group(core, g1, 1, 1)  # fresh enough for step 1 even at η = 0 (1 >= 1 - 0)
     assert core.plan(ahead=True)[0].step == 0
@@ -402,7 +412,7 @@ def test_group_too_stale_for_the_next_step_is_not_planned_ahead():
     assert core.plan(ahead=True)[0].sample_ids == g2.sample_ids  # step 1
     finish_group(core, g1, 0, 1)  # oldest token 0: fresh for step 1 (planned), not for step 2 (0 < 2 - 1)
     assert core.plan(ahead=True)[0] is None
-    _, g3 = core._issue(core.rollouts["r0"])  # hand-built: a group begun at version 1
+    g3, *_ = core._issue(core.rollouts["r0"])  # hand-built: a group begun at version 1
     finish_group(core, g3, 1, 1)
     p2, _ = core.plan(ahead=True)
     assert (p2.step, p2.sample_ids) == (2, g3.sample_ids)  # g1, first in the ready queue, is passed over
