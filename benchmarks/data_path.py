@@ -79,7 +79,8 @@ from protocols.sockets import free_tcp_port
 from protocols.trajectories import TrajectoryBatch
 
 PROMPT_LEN = 256
-MESSAGES_TARGET = 50_000
+MESSAGES_TARGET = 50_000  # the bare-socket figure's
+SERVICE_TARGET = 20_000  # the real service's on one core (issue 40: >= 5x the 3.5-4.4k of 70d30db)
 SERVICE_CONFIG = "configs/tiny_arith.yaml"
 # what a default run's workers sent its scheduler per trainer step (summary.json of
 # `areal-async run configs/tiny_arith.yaml`, see benchmarks/RESULTS.md for the run)
@@ -387,8 +388,8 @@ def service_rows(config: str, overrides: list[str], mix: Mix, seconds: float, pr
             "config": config,
             "overrides": overrides,
             "mix": asdict(mix),
-            "target": MESSAGES_TARGET,
-            "meets_target": rate >= MESSAGES_TARGET,
+            "target": SERVICE_TARGET,
+            "meets_target": rate >= SERVICE_TARGET,
         }
     ]
 
