@@ -93,8 +93,10 @@ class LeanLlama:
     def forward(self, ids_BT, pos_BT, mask_BK, cache: KVCache, logits: bool):
         T0, (B, T) = cache.T, ids_BT.shape
         assert mask_BK.shape == (B, T0 + T) and cache.room >= T, (tuple(mask_BK.shape), T0, T, cache.room)
-        if T == 1 and cache.rows_last:
+        if T == 1 and cache.layout == "rows_last":
             x_BE = self._decode_one(ids_BT, pos_BT, mask_BK, cache)
+        elif T == 1 and cache.layout == "heads":
+            x_BE = self._decode_heads(ids_BT, pos_BT, mask_BK, cache)
         else:
             x_BE = self._forward_many(ids_BT, pos_BT, mask_BK, cache)
         cache.T = T0 + T
@@ -160,6 +162,26 @@ class LeanLlama:
             v_new[i].copy_(v)
             o_DB = _attend_rows_last(q, keys[i], values[i], lp.attn_scale, pad_KB, bufs)
             x_BE = lp.add_out(lp.o_proj, x_BE, o_DB.t())
+            x_BE = lp.add_out(lp.down, x_BE, lp.gated(lp.mlp_in(x_BE)))
+        return x_BE
+
+    def _decode_heads(self, ids_B1, pos_B1, mask_BK, cache: KVCache) -> torch.Tensor:
+        """One new token per row on a ``heads`` cache (CPU, head dims >= 64): activations (B, E), each
+        layer's new keys and values written into column T0 of its (B, h, C, D) blocks, attention by
+        ``_attend_heads`` (batched matmuls over each row's and kv head's contiguous keys), the residual
+        adds fused into the output projections (``_LayerPlan.add_out``)."""
+        T0, H, h = cache.T, self.n_heads, self.n_kv
+        x_BE = self._embed_tokens(ids_B1)[:, 0]
+        cos, sin = (c[:, 0] for c in self._rope(x_BE[:, None], pos_B1))  # (B, 1, D)
+        pad_BK = None if bool(mask_BK.all()) else mask_BK == 0
+        for i, lp in enumerate(self._layers):
+            qk, v = lp.qk_v(lp.attn_in(x_BE), H + h)  # (B, H + h, D), (B, h, D)
+            qk = _rotary(qk, cos, sin)
+            keys, values = cache.layer("k", i, T0 + 1), cache.layer("v", i, T0 + 1)  # (B, h, K, D) views
+            keys[:, :, T0] = qk[:, H:]
+            values[:, :, T0] = v
+            o_BX = _attend_heads(qk[:, :H], keys, values, lp.attn_scale, pad_BK)
+            x_BE = lp.add_out(lp.o_proj, x_BE, o_BX)
             x_BE = lp.add_out(lp.down, x_BE, lp.gated(lp.mlp_in(x_BE)))
         return x_BE
 
@@ -367,6 +389,22 @@ def _attend_rows_last(q_HDB, k_KhDB, v_KhDB, scale: float, pad_KB, bufs: _AttnBu
     return o if o.dtype == dtype else o.to(dtype)
 
 
+def _attend_heads(q_BHD, k_BhKD, v_BhKD, scale: float, pad_BK):
+    """One query per row over K cached keys of a ``heads`` cache (``pad_BK`` True at padding, or None):
+    each kv head's query heads as a group, (B h, G, D) x (B h, D, K) batched matmuls, softmax in the
+    cache's dtype (float32 here) -> (B, H * D). The keys of a (row, kv head) are one contiguous (K, D)
+    block of the cache, so the (B h, K, D) operands are views: nothing is copied but the query."""
+    (B, H, D), (h, K) = q_BHD.shape, k_BhKD.shape[1:3]
+    q_XGD = q_BHD.reshape(B * h, H // h, D)  # query head j reads kv head j // G (HF's repeat_kv)
+    s_XGK = torch.bmm(q_XGD, k_BhKD.reshape(B * h, K, D).transpose(1, 2))
+    if scale != 1.0:
+        s_XGK.mul_(scale)
+    if pad_BK is not None:
+        s_XGK.view(B, -1, K).masked_fill_(pad_BK[:, None], float("-inf"))
+    o_XGD = torch.bmm(torch.softmax(s_XGK, -1), v_BhKD.reshape(B * h, K, D))
+    return o_XGD.view(B, H * D)
+
+
 class _RopeTable:
     """cos and sign-folded sin (B, T, 1, D) per position, from the model's rotary module.
 
@@ -444,7 +482,7 @@ class HFDecoder:
         T0, T = cache.T, ids_BT.shape[1]
         assert mask_BK.shape[1] == T0 + T and cache.room >= T, (tuple(mask_BK.shape), T0, T, cache.room)
         if T0:
-            layers = range(cache.k.shape[1])
+            layers = range(cache.k.shape[cache.layer_dim])
             dyn = DynamicCache(ddp_cache_data=[(cache.bhkd("k", i, T0), cache.bhkd("v", i, T0)) for i in layers])
         else:
             dyn = DynamicCache(config=self.model.config)

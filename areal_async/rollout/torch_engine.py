@@ -46,7 +46,7 @@ from transformers import PreTrainedModel
 from areal_async.models.lora import EngineAdapter
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
 from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
-from areal_async.rollout.kv_cache import KVCache
+from areal_async.rollout.kv_cache import LAYOUTS, KVCache, default_layout
 from areal_async.rollout.kv_decoder import make_decoder
 from areal_async.rollout.sampling import SamplingMode, sample_tokens
 
@@ -130,6 +130,8 @@ class TorchEngine(RolloutEngine):
     ``lean``: compute Llama/Qwen2 models with ``kv_decoder.LeanLlama`` (False: always through the
     model's own HF ``forward``, ``kv_decoder.HFDecoder``; other architectures always use that).
     ``kv_cache_bytes``: the KV cache budget (``kv_budget``; 0 = no bound).
+    ``kv_layout``: the KV cache's layout (``kv_cache.LAYOUTS``; None: ``kv_cache.default_layout``, by the
+    model's head dim and device).
     ``adapter``: a LoRA run's ``models.lora.EngineAdapter`` on ``model`` (built on it before this engine):
     ``update_weights`` then takes the adapter's tensors alone and applies them through it.
     """
@@ -145,9 +147,12 @@ class TorchEngine(RolloutEngine):
         lean: bool = True,
         kv_cache_bytes: int = 0,
         adapter: Optional[EngineAdapter] = None,
+        kv_layout: Optional[str] = None,
     ):
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
+        if kv_layout is not None and kv_layout not in LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r}: expected one of {sorted(LAYOUTS)} or None (by the model)")
         if kv_cache_bytes < 0:
             raise ValueError(f"kv_cache_bytes={kv_cache_bytes!r}: expected >= 0 (0: no bound)")
         self.device = torch.device(device)
@@ -162,6 +167,7 @@ class TorchEngine(RolloutEngine):
         self.live_ids: set[str] = set()  # group ids queued or generating
         self.cohorts: list[_Cohort] = []
         self.decoder = make_decoder(self.model, lean)
+        self.kv_layout = kv_layout or default_layout(self.model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = model.config.max_position_embeddings
         dtype_size = next(self.model.parameters()).element_size()
@@ -334,7 +340,7 @@ class TorchEngine(RolloutEngine):
         mask_BT = torch.tensor(
             [[0] * (T - len(c)) + [1] * len(c) for c in contexts], dtype=torch.long, device=self.device
         ).view(B, T)
-        cache = KVCache.empty(self.model, B, T + room)
+        cache = KVCache.empty(self.model, B, T + room, self.kv_layout)
         if T == 0:  # all contexts empty (one-token prompts being recomputed): nothing to cache yet
             return cache, mask_BT
         pos_BT = (mask_BT.cumsum(1) - 1).clamp(min=0)

@@ -12,7 +12,7 @@ from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, SampleOutput
 from areal_async.rollout.kv_cache import KVCache
 from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
-from areal_async.rollout.sampling import draw_tokens, sample_tokens
+from areal_async.rollout.sampling import BLOCK, BLOCKED_MIN_V, draw_tokens, sample_tokens
 from areal_async.rollout.torch_engine import TorchEngine
 
 TOK = build_char_tokenizer()
@@ -70,20 +70,25 @@ def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_
     _assert_logprobs_match(model, reqs, outs, temperature)
 
 
-@pytest.mark.parametrize("arch,lean", [("llama", True), ("qwen2", True), ("llama", False)])
-def test_decoder_logprobs_equal_a_plain_hf_forward_to_1e5(arch, lean):
+@pytest.mark.parametrize(
+    "arch,lean,layout",
+    [("llama", True, None), ("qwen2", True, None), ("llama", False, None)]
+    + [(arch, True, layout) for arch in ("llama", "qwen2") for layout in ("heads", "columns")],
+)
+def test_decoder_logprobs_equal_a_plain_hf_forward_to_1e5(arch, lean, layout):
     """fp32, random biases and norm weights, GQA, mixed prompt lengths: every sampled token's
-    logprob equals HF's own no-cache forward of prompt + sample to 1e-5. Contexts run past 32
-    keys; frequent stop tokens end rows early, so finished rows sit in the batch (lazy
-    compaction) while others decode."""
+    logprob equals HF's own no-cache forward of prompt + sample to 1e-5, in every KV cache layout
+    (None: the default, rows-last at this head dim). Contexts run past 32 keys; frequent stop tokens
+    end rows early, so finished rows sit in the batch (lazy compaction) while others decode."""
     model = _model(cfg=ModelConfig(**{**SMALL.__dict__, "arch": arch}))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-    engine = TorchEngine(model, TOK, seed=7, version=0, lean=lean)
+    engine = TorchEngine(model, TOK, seed=7, version=0, lean=lean, kv_layout=layout)
     assert isinstance(engine.decoder, LeanLlama if lean else HFDecoder)
+    assert engine.kv_layout == (layout or "rows_last")
     assert not lean or all(lp.folded for lp in engine.decoder._layers) and engine.decoder._head is not None
     stops = tuple(range(10, 16))
     reqs = [_req(f"g{i}", p, n=4, max_new_tokens=40, stop_token_ids=stops) for i, p in enumerate(PROMPTS)]
@@ -156,10 +161,10 @@ def test_same_seed_reproduces_samples():
     assert sample(5) != sample(6)
 
 
-@pytest.mark.parametrize("max_batch_groups", [16, 1])
-def test_request_added_mid_generation_finishes_correctly(max_batch_groups):
+@pytest.mark.parametrize("max_batch_groups,layout", [(16, None), (1, None), (16, "heads"), (1, "heads")])
+def test_request_added_mid_generation_finishes_correctly(max_batch_groups, layout):
     model = _model()
-    engine = TorchEngine(model, TOK, seed=2, max_batch_groups=max_batch_groups, version=0)
+    engine = TorchEngine(model, TOK, seed=2, max_batch_groups=max_batch_groups, version=0, kv_layout=layout)
     # the late prompt is longer than the running context: the running cache gets left-padded
     first, late = _req("first", PROMPTS[3], max_new_tokens=10), _req("late", PROMPTS[2], n=2, max_new_tokens=4)
     engine.add_request(first)
@@ -185,10 +190,11 @@ def test_rows_left_after_the_longest_prompt_finishes_stay_correct():
     _assert_logprobs_match(model, reqs, outs, 1.0)
 
 
-def test_update_weights_mid_generation_recomputes_the_kv_cache():
+@pytest.mark.parametrize("layout", [None, "heads"])
+def test_update_weights_mid_generation_recomputes_the_kv_cache(layout):
     old, new = _model(seed=0), _model(seed=1)
     old_sd = {k: v.clone() for k, v in old.state_dict().items()}
-    engine = TorchEngine(_model(seed=0), TOK, seed=3, version=4)
+    engine = TorchEngine(_model(seed=0), TOK, seed=3, version=4, kv_layout=layout)
     reqs = [_req(f"g{i}", p, n=2, max_new_tokens=10) for i, p in enumerate(PROMPTS)]
     for r in reqs:
         engine.add_request(r)
@@ -304,6 +310,38 @@ def test_draw_tokens_follows_unnormalised_rows_and_never_draws_zero_mass():
     one_hot = torch.zeros(50, 6)
     one_hot[:, 5] = 1e-30  # only the last token has mass, and hardly any
     assert draw_tokens(one_hot, torch.Generator().manual_seed(0)).tolist() == [5] * 50
+
+
+def test_wide_rows_are_drawn_block_first_with_the_same_frequencies():
+    """Rows of >= BLOCKED_MIN_V tokens take the two-level draw: the frequencies of a hand-made row (mass in
+    the first, a middle and the padded last block, zero-mass blocks between, a zero inside a block)
+    follow the masses, and no zero-mass token is ever drawn."""
+    V = BLOCKED_MIN_V + 100  # not a multiple of BLOCK: the last block is padded with zeros
+    row = torch.zeros(V)
+    row[[3, 2 * BLOCK + 7, 2 * BLOCK + 9, V - 1]] = torch.tensor([1.0, 0.5, 2.0, 0.5])  # mass 4
+    tok_B, mass_B1 = draw_tokens(row.repeat(20000, 1), torch.Generator().manual_seed(5), with_mass=True)
+    assert set(tok_B.unique().tolist()) <= {3, 2 * BLOCK + 7, 2 * BLOCK + 9, V - 1}
+    counts = torch.bincount(tok_B, minlength=V).float()[[3, 2 * BLOCK + 7, 2 * BLOCK + 9, V - 1]] / 20000
+    torch.testing.assert_close(counts, torch.tensor([0.25, 0.125, 0.5, 0.125]), atol=0.015, rtol=0)
+    assert mass_B1.flatten().tolist() == [4.0] * 20000
+    tiny = torch.zeros(40, V)
+    tiny[:, BLOCK + 1] = 1e-30  # one token with hardly any mass, in the second block
+    assert draw_tokens(tiny, torch.Generator().manual_seed(0)).tolist() == [BLOCK + 1] * 40
+
+
+def test_sampled_logprobs_equal_log_softmax_at_a_wide_vocabulary():
+    """The sampler's logprob (no (B, V) log-softmax made) equals torch's log_softmax at the drawn token,
+    greedy and sampled rows mixed, temperature 1 and not."""
+    gen = torch.Generator().manual_seed(2)
+    z = torch.randn(16, 49152, generator=gen) * 4
+    greedy = torch.arange(16) % 3 == 0
+    for temp in (1.0, 0.7):
+        temp_B = torch.full((16,), temp)
+        tok, logp = sample_tokens(z, temp_B, torch.ones(16), greedy, gen)
+        scaled = torch.where(greedy[:, None], z, z / temp)
+        ref = torch.log_softmax(scaled, -1).gather(1, tok[:, None]).squeeze(1)
+        torch.testing.assert_close(logp, ref, atol=2e-5, rtol=0)
+        assert torch.equal(tok[greedy], z[greedy].argmax(-1))
 
 
 def test_greedy_tokens_and_logprobs_equal_hf_generate():
@@ -457,21 +495,57 @@ def test_group_output_builds_either_form_from_the_other():
         GroupOutput("g", [SampleOutput([1], [0.0], [0], "stop")], packed)
 
 
-@pytest.mark.parametrize("rows_last", [True, False])
+# each layout's shape for capacity 5, 2 layers, 3 kv heads, head dim 4, 6 rows; where its columns and rows are
+LAYOUT_SHAPES = {
+    "rows_last": ((5, 2, 3, 4, 6), 0, 4),
+    "columns": ((5, 2, 6, 3, 4), 0, 2),
+    "heads": ((2, 6, 3, 5, 4), 3, 1),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_SHAPES))
 @pytest.mark.parametrize("start", [0, 1, 3])
-def test_kv_cache_row_gathers_equal_index_select_of_the_filled_columns(rows_last, start):
-    """``select`` and ``repeat_rows`` gather through a 3D view; the filled columns must equal a
-    plain ``index_select`` of the 5D buffers, and the room after them must stay."""
+def test_kv_cache_row_gathers_equal_index_select_of_the_filled_columns(layout, start):
+    """``select`` and ``repeat_rows`` gather the filled columns of the chosen rows; they must equal a
+    plain ``index_select`` of the 5D buffers' filled columns, with the room after them kept."""
     gen = torch.Generator().manual_seed(0)
-    shape = (5, 2, 3, 4, 6) if rows_last else (5, 2, 6, 3, 4)  # capacity 5, 2 layers, 6 rows
+    shape, c, d = LAYOUT_SHAPES[layout]
     k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    cache = KVCache(k, v, 3, rows_last)
+    cache = KVCache(k, v, 3, layout)
     rows = torch.tensor([4, 0, 4, 5])
-    d = 4 if rows_last else 2
     for got, first in ((cache.select(rows, start), start), (cache.repeat_rows(rows), 0)):
-        assert got.T == 3 - first and got.k.shape[0] == 5 - first and got.n_rows == 4
+        assert got.T == 3 - first and got.k.shape[c] == 5 - first and got.n_rows == 4 and got.capacity == 5 - first
         for mine, full in ((got.k, k), (got.v, v)):
-            assert torch.equal(mine[: got.T], full[first:3].index_select(d, rows))
+            want = full.narrow(c, first, 3 - first).index_select(d, rows)
+            assert torch.equal(mine.narrow(c, 0, got.T), want)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUT_SHAPES))
+def test_kv_cache_merge_left_pads_the_shorter_cache_with_zeros(layout):
+    """Rows of the first cache then the second's; the one with fewer filled columns gets zero columns in
+    front, the room is the larger of the two (checked against a per-row rebuild by hand)."""
+    gen = torch.Generator().manual_seed(1)
+    shape, c, d = LAYOUT_SHAPES[layout]
+    a = KVCache(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), 3, layout)  # 3 + 2 room
+    b = KVCache(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), 1, layout)  # 1 + 4 room
+    m = a.merge(b)
+    assert (m.T, m.room, m.n_rows, m.nbytes) == (3, 4, 12, a.merged_nbytes(b))
+    for kind in "kv":
+        got = getattr(m, kind).narrow(c, 0, 3)
+        first = getattr(a, kind).narrow(c, 0, 3)
+        second = getattr(b, kind).narrow(c, 0, 1)
+        assert torch.equal(got.narrow(d, 0, 6), first)
+        assert torch.equal(got.narrow(d, 6, 6).narrow(c, 2, 1), second)
+        assert not got.narrow(d, 6, 6).narrow(c, 0, 2).any()
+
+
+def test_default_layout_follows_the_head_dim_and_a_bad_layout_is_refused():
+    assert TorchEngine(_model(), TOK).kv_layout == "rows_last"  # head dim 8
+    wide = ModelConfig(hidden_size=128, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                       num_key_value_heads=1)  # fmt: skip
+    assert TorchEngine(_model(cfg=wide), TOK).kv_layout == "heads"  # head dim 64
+    with pytest.raises(ValueError, match="kv_layout='rows'"):
+        TorchEngine(_model(), TOK, kv_layout="rows")
 
 
 # ---- the KV cache budget (rollout/kv_budget.py) ----------------------------------------------
