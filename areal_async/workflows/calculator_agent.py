@@ -33,3 +33,22 @@ async def calculator_agent(client, task, max_tokens: int = 12):
         calls += 1
         text += "=" + calculate(call.group(1)) + ">>"  # the stop string, then the tool's answer
     return await task["score"](text, task["solutions"]), {"calls": calls, "text": text}
+
+
+FEEDBACK = " Wrong, try again: "
+
+
+async def calculator_retry_agent(client, task, max_tries: int = 2, discount: float = 0.5):
+    """``calculator_agent`` with another try after a wrong answer (as ``multi_turn_math``): the prompt, the
+    attempt and ``FEEDBACK`` then the question again; try k (0-based) that is right scores ``discount ** k``.
+    A completions client never sees the end-of-sequence token that ended an attempt, so the retry prompt's
+    text does not continue the previous turn's ids: template drift, trained as two segments under
+    ``rollout.agent_drift: segments`` (and refused under ``refuse``)."""
+    prompt, history = task["prompt_text"], ""
+    for k in range(max_tries):
+        task_k = dict(task, prompt_text=prompt + history)
+        score, info = await calculator_agent(client, task_k)
+        if score > 0:
+            return discount**k, {"tries": k + 1, **info}
+        history += info["text"] + FEEDBACK + task["prompt"]
+    return 0.0, {"tries": max_tries, **info}

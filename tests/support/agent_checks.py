@@ -35,14 +35,20 @@ def traces(run_dir: Path) -> list[dict]:
 
 
 def turn_table(trace: dict, sample: dict) -> list[dict] | None:
-    """Per turn of a one-segment episode: where its prompt and completion sit in the trained sequence and
+    """Per turn of an episode (its segments too): where its prompt and completion sit in the trained sequence and
     whether the ids, mask, log-probs and versions there equal the turn's; None if the trace is not this sample's."""
     ids, n_p = sample["ids"], sample["n_prompt"]
-    rows = []
+    drift_turns = {int(d.split()[1]) for d in trace["drifts"]}  # "turn K (template ...): ..."
+    bases = [0] + [n_p + x for x in sample["segments"]]  # where each segment's own prompt starts
+    rows, seg = [], -1
     for k, t in enumerate(trace["turns"]):
+        seg += k == 0 or k in drift_turns
+        base = bases[seg] if seg < len(bases) else None
+        if base is None:
+            return None
         p, c = t["prompt_ids"], t["output_ids"]
-        at = slice(len(p) - n_p, len(p) - n_p + len(c))  # the completion's place in the output
-        if ids[: len(p)] != p or ids[len(p) : len(p) + len(c)] != c:
+        at = slice(base + len(p) - n_p, base + len(p) - n_p + len(c))  # the completion's place in the output
+        if ids[base : base + len(p)] != p or ids[base + len(p) : base + len(p) + len(c)] != c:
             return None
         rows.append(
             {
@@ -58,8 +64,8 @@ def turn_table(trace: dict, sample: dict) -> list[dict] | None:
             }
         )
     last = trace["turns"][-1]
-    full = len(last["prompt_ids"]) + len(last["output_ids"]) == len(ids)
-    return rows if full else None
+    full = bases[seg] + len(last["prompt_ids"]) + len(last["output_ids"]) == len(ids)
+    return rows if full and seg == len(bases) - 1 else None
 
 
 def match(run_dir: Path) -> list[tuple[str, dict, list[dict]]]:
@@ -69,10 +75,15 @@ def match(run_dir: Path) -> list[tuple[str, dict, list[dict]]]:
     for tr in traces(run_dir):
         by_group.setdefault(tr["group_id"], []).append(tr)
     out = []
-    for sid, s in samples.items():
-        for tr in by_group.get(s["group_id"], []):
-            rows = turn_table(tr, s)
-            if rows is not None:
-                out.append((sid, tr, rows))
-                break
+    for sid, s in samples.items():  # a group's episodes may share their ids (not their versions): each trace once,
+        pool = by_group.get(s["group_id"], [])  # the one that agrees in everything first
+        found = [(tr, rows) for tr in pool if (rows := turn_table(tr, s)) is not None]
+        if found:
+            tr, rows = next(((t, r) for t, r in found if all(_same(x) for x in r)), found[0])
+            pool.remove(tr)
+            out.append((sid, tr, rows))
     return out
+
+
+def _same(row: dict) -> bool:
+    return row["completion_ids"] == row["trained_ids"] and row["mask_all_1"] and row["versions_equal"]

