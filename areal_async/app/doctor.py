@@ -6,7 +6,9 @@ and stacks/, status.json, summary.json) and runs every check of ``doctor_checks.
 prints its evidence (figures from the run, sample completions, captured stacks) and advice (the
 config knob that moves it). Exit 0: no findings; 1: findings; 2: not a run directory. ``--json``
 prints one object: ``{"run_dir", "steps", "state", "findings": [{code, title, evidence, advice,
-stacks?}], "skipped", "notes"}``. No torch, no zmq: it runs beside a live fleet.
+stacks?}], "figures", "version0_gap", "skipped", "notes"}``; ``version0_gap`` (and a line of the text
+report) is the rollout engine's version-0 log-probs against the trainer's recompute: step 0's lag-0
+gap (tokens, p50, p99, max) and k3 KL. No torch, no zmq: it runs beside a live fleet.
 """
 
 from __future__ import annotations
@@ -70,6 +72,28 @@ def figures(run: RunData) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.items() if v is not None}
 
 
+VERSION0_KEYS = ("tokens", "logp_gap_p50", "logp_gap_p99", "logp_gap_max", "kl_k3")
+
+
+def version0_gap(run: RunData) -> dict[str, float]:
+    """The engine's version-0 log-probs against the trainer's recompute of the same weights: step 0's
+    lag-0 columns (``trainer/mismatch.py``); {} without a step 0 row or its proximal log-probs."""
+    row = next((r for r in run.rows if r.get("step") == 0), None)
+    if row is None or "tokens_lag0" not in row:
+        return {}
+    out = {k: row.get(f"{k}_lag0") for k in VERSION0_KEYS}
+    return {k: v for k, v in out.items() if isinstance(v, (int, float))}
+
+
+def version0_line(gap: dict[str, float], backend: str) -> str:
+    figs = ", ".join(f"{k.removeprefix('logp_gap_')} {gap[k]:.3g}" for k in VERSION0_KEYS[1:4] if k in gap)
+    k3 = f"; k3 KL {gap['kl_k3']:.3g} nats/token" if "kl_k3" in gap else ""
+    return (
+        f"  version 0 ({backend} engine vs the trainer's recompute, step 0's {gap.get('tokens', 0):.0f} tokens): "
+        f"|log p_behav - log p_prox| {figs}{k3}"
+    )
+
+
 def as_json(run: RunData, findings: list[Finding]) -> dict:
     return {
         "run_dir": str(run.run_dir),
@@ -77,6 +101,7 @@ def as_json(run: RunData, findings: list[Finding]) -> dict:
         "state": state(run),
         "findings": [f.as_dict() for f in findings],
         "figures": figures(run),
+        "version0_gap": version0_gap(run),
         "skipped": skipped(run),
         "notes": run.notes,
     }
@@ -88,6 +113,9 @@ def render(run: RunData, findings: list[Finding]) -> str:
     figs = figures(run)
     if figs:
         lines.append("  figures (second-half means unless named): " + ", ".join(f"{k} {v:g}" for k, v in figs.items()))
+    gap = version0_gap(run)
+    if gap:
+        lines.append(version0_line(gap, str(run.get("rollout.backend", "torch"))))
     for f in findings:
         lines += ["", f"[{f.code}] {f.title}"]
         lines += [f"  evidence: {e}" for e in f.evidence]

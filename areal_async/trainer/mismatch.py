@@ -5,14 +5,18 @@ lag ``step - version(t)`` (trainer steps since the weights that generated it). A
 by the weights being trained (lag 0) differs only by numerics (the engine's decode against the
 trainer's packed forward); each version of lag adds one update's move. Columns:
 
-    logp_gap_mean, logp_gap_p99            over every token of the step
-    logp_gap_mean_lag{k}, logp_gap_p99_lag{k}, tokens_lag{k}   the same, per lag k present
+    logp_gap_mean, logp_gap_p50, logp_gap_p99, logp_gap_max   over every token of the step
+    kl_k3                                  mean of k3 = (w - 1) - log w, w = exp(prox - behav): an
+                                           unbiased estimate of KL(behav || prox) from tokens drawn by behav
+    logp_gap_{mean,p50,p99,max}_lag{k}, kl_k3_lag{k}, tokens_lag{k}   the same, per lag k present
     ess_frac                               effective sample size of the importance weights
                                            w = exp(prox - behav), as a fraction of the tokens:
                                            (sum w)^2 / (n sum w^2), 1 when every w is equal
 
-p99 is the nearest-rank 99th percentile (the smallest value with >= 99 % of tokens at or below
-it: ``ceil(0.99 n)``-th smallest), so a hand count can check it.
+p50 and p99 are nearest-rank percentiles (the smallest value with >= 50 / 99 % of tokens at or below
+it: the ``ceil(q n)``-th smallest), so a hand count can check them. The lag-0 columns of step 0 are the
+engine's version-0 log-probs against the trainer's recompute of the same weights: numerics alone
+(``areal-async doctor`` shows them).
 """
 
 from __future__ import annotations
@@ -46,13 +50,23 @@ def mismatch_metrics(
         log_w, lags = log_w[keep], lags[keep]
     if log_w.numel() == 0:
         return {}
-    gap = log_w.abs()
-    out = {"logp_gap_mean": float(gap.mean()), "logp_gap_p99": nearest_rank(gap, 0.99), "ess_frac": ess_fraction(log_w)}
+    out = _gap_columns(log_w, "") | {"ess_frac": ess_fraction(log_w)}
     for lag in sorted(set(lags.tolist())):
-        g = gap[lags == lag]
-        out |= {f"logp_gap_mean_lag{lag}": float(g.mean()), f"logp_gap_p99_lag{lag}": nearest_rank(g, 0.99)}
-        out[f"tokens_lag{lag}"] = float(g.numel())
+        lw = log_w[lags == lag]
+        out |= _gap_columns(lw, f"_lag{lag}") | {f"tokens_lag{lag}": float(lw.numel())}
     return out
+
+
+def _gap_columns(log_w: torch.Tensor, suffix: str) -> dict[str, float]:
+    gap = log_w.abs()
+    k3 = torch.expm1(log_w.double()) - log_w.double()  # (w - 1) - log w, >= 0
+    return {
+        f"logp_gap_mean{suffix}": float(gap.mean()),
+        f"logp_gap_p50{suffix}": nearest_rank(gap, 0.5),
+        f"logp_gap_p99{suffix}": nearest_rank(gap, 0.99),
+        f"logp_gap_max{suffix}": float(gap.max()),
+        f"kl_k3{suffix}": float(k3.mean()),
+    }
 
 
 def ess_fraction(log_w: torch.Tensor) -> float:

@@ -289,3 +289,25 @@ def test_a_run_without_the_health_columns_says_what_was_skipped(tmp_path):
     assert doc["findings"] == []
     assert "no truncated_frac column in metrics.jsonl: its check was skipped" in doc["skipped"]
     assert "no entropy column in metrics.jsonl: its check was skipped" in doc["skipped"]
+
+
+def test_the_version_0_gap_of_step_0_is_shown(tmp_path, capsys):
+    """Step 0's lag-0 columns are the engine's version-0 log-probs against the trainer's recompute; shown as
+    one line (text) and ``version0_gap`` (json). Later steps' lag-0 columns are not version 0."""
+    v0 = {"tokens_lag0": 1200.0, "logp_gap_p50_lag0": 2e-6, "logp_gap_p99_lag0": 3e-5, "logp_gap_max_lag0": 6e-5}
+    v0["kl_k3_lag0"] = 1e-10
+
+    def change(k, r):
+        r.update(v0 if k == 0 else {"tokens_lag0": 50.0, "logp_gap_max_lag0": 0.3})
+
+    run = make_run(tmp_path, change=change)
+    assert doctor_main(str(run), False) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  version 0 (torch engine vs the trainer's recompute, step 0's 1200 tokens): "
+        "|log p_behav - log p_prox| p50 2e-06, p99 3e-05, max 6e-05; k3 KL 1e-10 nats/token"
+    ) in out.splitlines()
+    doc = as_json(*diagnose(run))
+    assert doc["version0_gap"] == {k.removesuffix("_lag0"): v for k, v in v0.items()} | {"tokens": 1200.0}
+    (tmp_path / "old").mkdir()
+    assert as_json(*diagnose(make_run(tmp_path / "old")))["version0_gap"] == {}  # no such columns: nothing shown

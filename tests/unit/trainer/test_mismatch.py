@@ -21,6 +21,12 @@ def test_gap_mean_p99_and_lags_by_hand():
     assert m["logp_gap_p99_lag1"] == pytest.approx(1.0)
     # log w = 0, 0.5, -1, 0: w = 1, 1.648721, 0.367879, 1; (sum w)^2 / (4 sum w^2)
     assert m["ess_frac"] == pytest.approx(4.016600**2 / (4 * 4.853617), rel=1e-5)
+    # p50: the ceil(0.5 * 4) = 2nd smallest of 0, 0, 0.5, 1; k3 = (w - 1) - log w: 0, 0.148721, 0.367879, 0
+    assert (m["logp_gap_p50"], m["logp_gap_max"]) == (0.0, 1.0)
+    assert m["kl_k3"] == pytest.approx((0.148721 + 0.367879) / 4, rel=1e-5)
+    assert (m["logp_gap_p50_lag0"], m["logp_gap_max_lag0"], m["kl_k3_lag0"]) == (0.0, 0.0, 0.0)
+    assert (m["logp_gap_p50_lag1"], m["logp_gap_max_lag1"]) == (0.5, 1.0)  # the 1st smallest of 0.5, 1
+    assert m["kl_k3_lag1"] == pytest.approx((0.148721 + 0.367879) / 2, rel=1e-5)
 
 
 def test_p99_is_the_nearest_rank():
