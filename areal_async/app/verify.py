@@ -8,12 +8,13 @@ The sources, written by four kinds of process (formats: ``base/records.py``, ``s
                summary.json            samples_lost
                resumes.json            per start: what its books continued from (the checkpoint's
                                        id prefix, groups issued, next step, groups in flight)
-    trainer    trainer_steps.jsonl     per step: the ids it trained, each one's min/max token version and
-                                       token counts read from the tensors it used, the score it trained
-                                       with, the ids whose optimizer step was skipped; ids that arrived
-                                       twice at its buffer
-    rollouts   rollout_records/*.jsonl per group produced: ids, min/max token version, token counts; per
-                                       weight version the engine acknowledged loading, a line
+    trainer    trainer_steps.jsonl     per step: the ids it trained, each one's min/max token version,
+                                       token counts and output-id digest read from the tensors it used,
+                                       the score it trained with, the ids whose optimizer step was
+                                       skipped; ids that arrived twice at its buffer
+    rollouts   rollout_records/*.jsonl per group produced: ids, min/max token version, token counts,
+                                       output-id digests; per weight version the engine acknowledged
+                                       loading, a line
     rewards    reward_records/*.jsonl  per group scored: ids, scores (written before the result left)
 
 Each disagreement is one ``Problem`` (kind, message):
@@ -33,6 +34,9 @@ Each disagreement is one ``Problem`` (kind, message):
                          engine had acknowledged loading (in that process, before the group's line)
     token_count          the output, prompt or trained token count of a sample in the tensors the
                          trainer used differs from what its rollout produced
+    token_ids            the output token ids the trainer trained differ from those its rollout generated
+                         (a digest of each side's ids, ``base/records.token_digest``): e.g. a
+                         decode and re-encode between them
     score_mismatch       the reward the books hold, or the score the trainer trained with, differs from
                          every score a reward record holds for the id
     not_scored           a sample with a reward (or trained) that no reward record holds
@@ -103,7 +107,7 @@ class Report:
             f"{c.get('produced', 0)} produced by {c.get('rollout_workers', 0)} rollout worker(s), "
             f"{c.get('rolled_back', 0)} rolled back by {c.get('resumes', 0)} resume(s) (resumes.json), "
             f"{c.get('skipped_steps', 0)} step(s) with a skipped optimizer step, eta {c.get('eta')}; compared: "
-            f"token counts of {c.get('tokens_compared', 0)}, scores of {c.get('scores_compared', 0)} "
+            f"token counts and ids of {c.get('tokens_compared', 0)}, scores of {c.get('scores_compared', 0)} "
             f"against {c.get('reward_records', 0)} reward record(s), version stamps of {c.get('stamps_checked', 0)} "
             f"against {c.get('loads_acknowledged', 0)} acknowledged load(s)"
         )

@@ -21,6 +21,7 @@ class Hit(NamedTuple):
     n_out: Optional[int]
     n_prompt: Optional[int]
     score: Optional[float]
+    digest: Optional[str]  # token_digest of the output ids it trained
 
 
 # ---- the trainer's record against the books --------------------------------------------------
@@ -59,7 +60,7 @@ def trained_by_trainer(src: Sources, p: list[Problem], counts: dict, per_step: d
     return dict(out), skipped_at
 
 
-_HIT_FIELDS = ("n_tokens", "n_out", "n_prompt", "scores")
+_HIT_FIELDS = ("n_tokens", "n_out", "n_prompt", "scores", "tok_digest")
 
 
 def _at(row: dict, name: str, i: int):
@@ -184,6 +185,14 @@ def token_counts(src: Sources, trained: dict, p: list[Problem]) -> int:
             diffs = [_token_diffs(h, m) for m in same]
             if all(diffs):
                 p.append(Problem("token_count", f"sample {sid!r} trained at step {h.step} with {diffs[0]}"))
+            elif h.digest is not None and all(m.digest not in (None, h.digest) for m in same):
+                p.append(
+                    Problem(
+                        "token_ids",
+                        f"sample {sid!r} trained at step {h.step} with output ids of digest {h.digest} (the trainer's "
+                        f"tensors); {same[0].worker} generated ids of digest {same[0].digest}",
+                    )
+                )
     return n
 
 

@@ -38,6 +38,7 @@ class Made:
     n_prompt: Optional[int]
     n_loss: Optional[int]  # trained tokens where a loss mask leaves some untrained (a workflow's episode)
     worker: str
+    digest: Optional[str] = None  # its output ids' token_digest (None: a record written before it was)
 
 
 @dataclass
@@ -128,8 +129,9 @@ def _produced(rollout: dict[str, list[dict]]) -> dict[str, list[Made]]:
             if g.get("kind", "group") != "group":
                 continue
             n_loss = g.get("n_loss") or [None] * len(g["ids"])
-            for sid, lo, hi, n, nl in zip(g["ids"], g["vmin"], g["vmax"], g["n_tokens"], n_loss):
-                out[sid].append(Made(lo, hi, n, g.get("n_prompt"), nl, worker))
+            digests = g.get("tok_digest") or [None] * len(g["ids"])
+            for sid, lo, hi, n, nl, d in zip(g["ids"], g["vmin"], g["vmax"], g["n_tokens"], n_loss, digests):
+                out[sid].append(Made(lo, hi, n, g.get("n_prompt"), nl, worker, d))
     return dict(out)
 
 

@@ -9,7 +9,8 @@ so that ``areal-async verify RUN_DIR`` (``areal_async.app.verify``) can check th
   their shares of the same broadcast batch and write nothing): one line per trainer step
   (``kind`` "step") with the sample ids in the order trained, each one's min/max per-token
   policy version, trained-token, output-token and prompt-token counts as read from the tensors the
-  step used, the score each was trained with, and whether the optimizer step was applied; and one
+  step used, a digest of each one's output token ids (``token_digest``), the score each was trained
+  with, and whether the optimizer step was applied; and one
   line (``kind`` "duplicate") per sample id that arrived twice at the trainer's buffer (the second
   copy refused). A resumed trainer moves the lines of steps at or after its checkpoint's next step to
   ``trainer_steps.rolled_back.jsonl`` (as the scheduler rolls its books back to the same checkpoint).
@@ -17,9 +18,10 @@ so that ``areal-async verify RUN_DIR`` (``areal_async.app.verify``) can check th
   opens it; a ``loaded`` line per weight version its engine acknowledged loading (written as the
   ``WeightsLoaded`` leaves); a ``group`` line per group it produced, written and flushed before the
   group's tensors leave for the trainer: sample ids, per-sample min/max version, output-token (and,
-  for a workflow's episodes, trained-token) counts, the prompt's token count. Nothing is rolled back
-  here: a sample produced after the checkpoint a run resumed from may be in no book (its prompt was
-  re-issued under an id of the resumed run's prefix, ``r<k>-``; ``resumes.json`` says which).
+  for a workflow's episodes, trained-token) counts and output-id digests, the prompt's token count.
+  Nothing is rolled back here: a sample produced after the checkpoint a run resumed from may be in no
+  book (its prompt was re-issued under an id of the resumed run's prefix, ``r<k>-``; ``resumes.json``
+  says which).
 - ``reward_records/<worker id>.jsonl`` (each reward worker, built-in or brought; a rollout worker
   for the episodes its workflow scored): one line per group scored, its ids, scores and statuses,
   written and flushed before the result leaves for the scheduler.
@@ -58,6 +60,18 @@ def recorded_steps(run_dir: str | Path) -> list[int]:
 
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def token_digest(ids) -> str:
+    """A sample's output token ids as 16 hex digits (blake2b of the ids as little-endian int32): the rollout
+    and the trainer each write it from the ids in their hands, so ``verify`` sees a decode and re-encode, or
+    any other change of ids between generation and training, as two digests that differ."""
+    import hashlib
+
+    import numpy as np
+
+    arr = ids.numpy() if hasattr(ids, "numpy") else np.asarray(ids)
+    return hashlib.blake2b(np.ascontiguousarray(arr, dtype="<i4").tobytes(), digest_size=8).hexdigest()
 
 
 def worker_record_path(run_dir: str | Path, folder: str, worker_id: str) -> Path:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 from protocols.messages import TrajectoryReady
 
-from areal_async.base.records import ROLLOUT_DIR, JsonlRecord, worker_record_path
+from areal_async.base.records import ROLLOUT_DIR, JsonlRecord, token_digest, worker_record_path
 
 
 class RolloutRecord:
@@ -28,22 +28,34 @@ class RolloutRecord:
         """The engine acknowledged loading ``version`` (its WeightsLoaded leaves next)."""
         self.file.write({"kind": "loaded", "version": int(version)})
 
-    def groups(self, groups: list[TrajectoryReady], n_loss: Optional[Sequence[list[int]]] = None) -> None:
+    def groups(
+        self,
+        groups: list[TrajectoryReady],
+        n_loss: Optional[Sequence[list[int]]] = None,
+        outputs: Optional[Sequence[Sequence]] = None,
+    ) -> None:
         """One line per group (the values its TrajectoryReady carries, written here first); ``n_loss``:
-        per group, its samples' trained-token counts where a loss mask leaves tokens untrained."""
+        per group, its samples' trained-token counts where a loss mask leaves tokens untrained; ``outputs``:
+        per group, its samples' output ids as generated (their digests are recorded)."""
         losses = n_loss if n_loss is not None else [None] * len(groups)
-        self.file.write(*(self.line(g, n) for g, n in zip(groups, losses)))
+        outs = outputs if outputs is not None else [None] * len(groups)
+        self.file.write(*(self.line(g, n, o) for g, n, o in zip(groups, losses, outs)))
 
-    def line(self, g: TrajectoryReady, n_loss: Optional[list[int]] = None) -> dict:
-        return {
-            "kind": "group",
-            "group_id": g.group_id,
-            "ids": list(g.sample_ids),
-            "vmin": list(g.version_min),
-            "vmax": list(g.version_max),
-            "n_tokens": list(g.n_output_tokens),
-            "n_prompt": g.n_prompt_tokens,
-        } | ({"n_loss": list(n_loss)} if n_loss is not None else {})
+    def line(self, g: TrajectoryReady, n_loss: Optional[list[int]] = None, outputs: Optional[Sequence] = None) -> dict:
+        digests = {"tok_digest": [token_digest(ids) for ids in outputs]} if outputs is not None else {}
+        return (
+            digests
+            | {
+                "kind": "group",
+                "group_id": g.group_id,
+                "ids": list(g.sample_ids),
+                "vmin": list(g.version_min),
+                "vmax": list(g.version_max),
+                "n_tokens": list(g.n_output_tokens),
+                "n_prompt": g.n_prompt_tokens,
+            }
+            | ({"n_loss": list(n_loss)} if n_loss is not None else {})
+        )
 
     def close(self) -> None:
         self.file.close()

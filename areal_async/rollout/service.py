@@ -353,7 +353,7 @@ class RolloutService:
             return
         groups = [self._trajectory(group, req) for group, req in items]
         if self.record is not None:  # before the tensors: whatever the trainer gets was recorded produced
-            self.record.groups(groups)
+            self.record.groups(groups, outputs=[g.packed.output_ids.split(list(g.packed.lengths)) for g, _ in items])
         # built and sent from the sender thread: a gloo/NCCL send blocks until the trainer takes it, and
         # the loop (heartbeats) must not
         sent = asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
@@ -435,7 +435,9 @@ class RolloutService:
             turns=[ep.turns for ep in episodes],
         )
         if self.record is not None:
-            self.record.groups([ready], n_loss=[[len(v) for v in trained]])
+            self.record.groups(
+                [ready], n_loss=[[len(v) for v in trained]], outputs=[[ep.output_ids for ep in episodes]]
+            )
         self.traj.send(*episode_batch(req.group_id, sids, episodes).encode())
         await self.control.send(ready)
         scores = [ep.reward for ep in episodes]

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from areal_async.base.records import TRAINER_STEPS, JsonlRecord, roll_back_steps
+from areal_async.base.records import TRAINER_STEPS, JsonlRecord, roll_back_steps, token_digest
 from areal_async.trainer.types import Trajectory
 
 
@@ -50,6 +50,7 @@ def step_line(
         "n_tokens": ntok,
         "n_out": [t.output_ids.numel() for t in trajs],
         "n_prompt": [t.prompt_ids.numel() for t in trajs],
+        "tok_digest": [token_digest(t.output_ids) for t in trajs],
         "scores": [t.score for t in trajs],
         "n_loss_tokens": sum(ntok[i] for i in kept),
         "version_min": min(vmin),

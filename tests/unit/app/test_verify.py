@@ -10,7 +10,9 @@ say the same, and g2 aborted as stale. resumes.json: one start, books new.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import struct
 import threading
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from areal_async.app.verify import Problem, verify_run
-from areal_async.base.records import roll_back_steps
+from areal_async.base.records import roll_back_steps, token_digest
 from areal_async.cli import main as cli_main
 from areal_async.rollout.engine import PackedSamples
 from areal_async.trainer.record import TrainerRecord, sample_versions, step_line
@@ -506,7 +508,7 @@ def test_the_cli_exits_0_when_the_sources_agree_and_1_naming_each_disagreement(t
     assert out.startswith(f"areal-async verify: {ok_dir}: the sources agree: 2 trainer steps, 4 samples trained")
     # compared: 4 trained samples' counts; 6 books' rewards + 4 trained scores; 6 stamps, 2 loads
     assert out.rstrip().endswith(
-        "compared: token counts of 4, scores of 10 against 1 reward record(s), version stamps of 6 against 2 "
+        "compared: token counts and ids of 4, scores of 10 against 1 reward record(s), version stamps of 6 against 2 "
         "acknowledged load(s)"
     )
     src = clean()
@@ -606,6 +608,41 @@ def traj(sid: str, versions: list[int], mask=None) -> Trajectory:
     return Trajectory(sid, "g", [1], list(range(n)), [0.0] * n, versions, 1.0, loss_mask=mask)
 
 
+def _blake(ids: list[int]) -> str:
+    """token_digest by hand: blake2b-64 of the ids packed as little-endian int32."""
+    return hashlib.blake2b(struct.pack(f"<{len(ids)}i", *ids), digest_size=8).hexdigest()
+
+
+def test_the_token_digest_by_hand_for_every_id_type():
+    want = _blake([5, 49151, 2])
+    assert token_digest([5, 49151, 2]) == want
+    assert (
+        token_digest(torch.tensor([5, 49151, 2]))
+        == token_digest(torch.tensor([5, 49151, 2], dtype=torch.int32))
+        == want
+    )
+    assert token_digest([5, 2, 49151]) != want and token_digest([]) == _blake([])
+
+
+def test_trained_ids_that_differ_from_the_generated_ones_are_caught_by_their_digests(tmp_path):
+    """The counts agree (a re-encoded completion can keep its length) but the ids do not."""
+    src = clean()
+    for rec in src["rollout"]:
+        if rec["kind"] == "group":
+            rec["tok_digest"] = [_blake([i] * n) for i, n in zip(range(len(rec["ids"])), rec["n_tokens"])]
+    for st, g in zip(src["trainer"], (src["rollout"][2], src["rollout"][4])):
+        st["tok_digest"] = list(g["tok_digest"])
+    assert verify_run(write(tmp_path / "ok", src)).ok
+    src["trainer"][1]["tok_digest"][0] = _blake([7, 7, 7, 7])  # g1.0 trained with other ids of its length
+    assert check(tmp_path, src) == [
+        Problem(
+            "token_ids",
+            f"sample 'g1.0' trained at step 1 with output ids of digest {_blake([7, 7, 7, 7])} (the trainer's "
+            f"tensors); rollout-0 generated ids of digest {_blake([0] * 4)}",
+        )
+    ]
+
+
 def test_the_step_line_reads_versions_and_loss_tokens_from_the_tensors():
     trajs = [traj("a", [3, 1, 2]), traj("b", [4]), traj("c", [5, 5])]
     assert sample_versions(trajs) == ([1, 4, 5], [3, 4, 5], [3, 1, 2])
@@ -623,6 +660,7 @@ def test_the_step_line_reads_versions_and_loss_tokens_from_the_tensors():
         "n_tokens": [3, 1, 2],
         "n_out": [3, 1, 2],
         "n_prompt": [1, 1, 1],
+        "tok_digest": [_blake([0, 1, 2]), _blake([0]), _blake([0, 1])],  # outputs range(n)
         "scores": [1.0, 1.0, 1.0],
         "n_loss_tokens": 5,
         "version_min": 1,
