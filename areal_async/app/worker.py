@@ -7,7 +7,9 @@ keep a failed process alive), so the supervisor restarts the worker or fails the
 
 A build that fails on an error no restart can fix (``BUILD_ERRORS``: an import, a config value, a
 missing file, a plug-in of the wrong shape) exits ``BUILD_FAILED_EXIT_CODE`` instead, its last log
-line ``BUILD_FAILED_MARK`` + the error: the supervisor stops the run at once and says why.
+line ``BUILD_FAILED_MARK`` + the error: the supervisor stops the run at once and says why. So does a
+loop that raises ``Unfixable`` (an error met at run time that a restarted worker would meet again), its
+last line ``UNFIXABLE_MARK`` + the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ import signal
 import sys
 from typing import Callable
 
-from areal_async.base.process import BUILD_ERRORS, BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK, setup_worker_logging
+from areal_async.base.process import (
+    BUILD_ERRORS,
+    BUILD_FAILED_EXIT_CODE,
+    BUILD_FAILED_MARK,
+    UNFIXABLE_MARK,
+    Unfixable,
+    setup_worker_logging,
+)
 from protocols.sockets import run_async
 
 FAILED_EXIT_CODE = 70  # EX_SOFTWARE: the worker's own loop failed (traceback in its log)
@@ -54,6 +63,10 @@ def run_worker(worker_id: str, build: Callable[[], object]) -> int:
     except _BuildFailed as e:
         log.exception("%s failed to build; exiting with code %d", worker_id, BUILD_FAILED_EXIT_CODE)
         log.error("%s%s: %s", BUILD_FAILED_MARK, type(e.error).__name__, e.error)
+        _exit_now(BUILD_FAILED_EXIT_CODE)
+    except Unfixable as e:
+        log.exception("%s failed; exiting with code %d", worker_id, BUILD_FAILED_EXIT_CODE)
+        log.error("%s%s", UNFIXABLE_MARK, e)
         _exit_now(BUILD_FAILED_EXIT_CODE)
     except BaseException:
         log.exception("%s failed; exiting with code %d", worker_id, FAILED_EXIT_CODE)

@@ -12,6 +12,16 @@ import sys
 # as its last line; the supervisor then fails the run at once instead of restarting or recovering.
 BUILD_FAILED_EXIT_CODE = 78
 BUILD_FAILED_MARK = "BUILD FAILED (no restart can fix this): "
+# the same exit for an error met at run time that no restart fixes (``Unfixable``: every inference server
+# refuses the trainer's weights), its last log line UNFIXABLE_MARK + the reason
+UNFIXABLE_MARK = "FAILED (no restart can fix this): "
+
+
+class Unfixable(RuntimeError):
+    """Raised by a worker's loop for a failure a restarted worker would meet again; the worker exits
+    BUILD_FAILED_EXIT_CODE and the supervisor fails the run at once, naming the message."""
+
+
 BUILD_ERRORS = (
     ImportError,
     SyntaxError,

@@ -64,7 +64,9 @@ class SGLangConfig(Section):
     dtype follow model.* and seed). On ``cluster.device=cpu`` the servers are the project's CPU twin."""
 
     context_length: int = _f(
-        32768, "Server context limit in tokens; must hold train_dataset.max_prompt_len + gconfig.max_new_tokens."
+        32768,
+        "Server context limit in tokens; must hold train_dataset.max_prompt_len + gconfig.max_new_tokens; "
+        "servers start with at most what SGLang derives from the model's config.",
     )
     mem_fraction_static: float = _f(0.9, "Fraction of GPU memory SGLang reserves for weights + KV cache, in (0, 1].")
     max_running_requests: Optional[int] = _f(
@@ -146,9 +148,9 @@ class VLLMConfig(Section):
     )
     max_model_len: int = _f(
         32768,
-        "vLLM context limit in tokens (the seed's max_model_len); capped at the built "
-        "tiny model's max_position_embeddings; must hold max_prompt_len + "
-        "max_new_tokens.",
+        "vLLM context limit in tokens (the seed's max_model_len); capped at what vLLM "
+        "derives from model.path's config (the built tiny model: its max_position_embeddings); "
+        "must hold max_prompt_len + max_new_tokens.",
     )
     gpu_memory_utilization: float = _f(0.9, "Fraction of GPU memory vLLM may use, in (0, 1] (cuda only).")
     cpu_kvcache_gb: float = _f(1.0, "KV cache of a CPU server in GiB (VLLM_CPU_KVCACHE_SPACE).")

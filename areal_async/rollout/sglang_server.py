@@ -57,7 +57,9 @@ from typing import Any, Optional
 import torch
 
 from areal_async.base.affinity import pin_self
+from areal_async.base.process import BUILD_ERRORS, BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.config import load_config
+from areal_async.models.context_limit import sglang_context, sglang_rule
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tokenizer import load_tokenizer
@@ -466,13 +468,21 @@ def _rest(engine: TorchEngine, sd: dict) -> dict:
 
 
 def build_state(args) -> CpuSGLangServer:
+    """The checkpoint at --model-path (as sglang.launch_server serves it), or with --config the run's policy:
+    model.path's checkpoint when the config sets one, else its built tiny model (random init: the weights
+    arrive by update before any request)."""
+    if args.config and not args.model_path:
+        cfg = load_config(args.config)
+        args.model_path, args.dtype = cfg.model.path or "", cfg.model.dtype
+        if not args.model_path:
+            tok = policy_tokenizer(cfg.model)
+            model = build_model(cfg.model, len(tok), cfg.seed)
     if args.model_path:
+        check_context_length(sglang_context(args.model_path)[0], args.context_length)
         model = load_model(args.model_path, args.dtype)
         tok = load_tokenizer(args.model_path)
     else:
-        cfg = load_config(args.config)
-        tok = policy_tokenizer(cfg.model)
-        model = build_model(cfg.model, len(tok), cfg.seed)  # random init: weights arrive by update
+        check_context_length(sglang_rule(model.config.to_dict())[0], args.context_length)
     engine = TorchEngine(model, tok, seed=args.random_seed, max_batch_groups=args.max_running_requests)
     return CpuSGLangServer(
         engine,
@@ -483,14 +493,33 @@ def build_state(args) -> CpuSGLangServer:
     )
 
 
+def check_context_length(derived: int, context_length: Optional[int]) -> None:
+    """--context-length longer than the one SGLang derives from the model's config is refused at start, in
+    SGLang 0.5.23's words (``srt/configs/model_config.py`` ``_derive_context_length``; its override variable,
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN, is not mirrored: the twin never serves past the model's
+    positions)."""
+    if context_length is not None and context_length > derived:
+        raise ValueError(
+            f"Warning: User-specified context_length ({context_length}) is greater than the derived context_length "
+            f"({derived}). This may lead to incorrect model outputs or CUDA errors. Note that the derived "
+            "context_length may differ from max_position_embeddings in the model's config. To allow overriding "
+            "this maximum, set the env var SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"
+        )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="areal_async.rollout.sglang_server", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-path", default="", help="HF model directory (as sglang.launch_server takes it)")
-    src.add_argument("--config", default="", help="areal-async config YAML: build its tiny model (random init)")
+    src.add_argument(
+        "--config",
+        default="",
+        help="areal-async config YAML: model.path's checkpoint, else its tiny model (random init)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--context-length", type=int, default=None, help="as SGLang: at most the model's (checked)")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--max-running-requests", type=int, default=64, help="requests decoded in one batch")
     p.add_argument("--served-model-name", default="areal-tiny")
@@ -505,7 +534,11 @@ def main(argv=None) -> int:
         pin_self(args.cpus)
     logging.basicConfig(level="INFO", format="%(asctime)s sglang-cpu %(levelname)s %(message)s")
     torch.set_num_threads(args.torch_threads)
-    state = build_state(args)
+    try:
+        state = build_state(args)
+    except BUILD_ERRORS as e:  # as a worker's build: the supervisor fails the run at once, no restart
+        log.error("%s%s: %s", BUILD_FAILED_MARK, type(e).__name__, e)
+        return BUILD_FAILED_EXIT_CODE
     srv = make_http_server(state, args.host, args.port)
     state.thread.start()
     log.info("serving on http://%s:%d", args.host, args.port)

@@ -17,7 +17,8 @@ every request without ``Authorization: Bearer KEY``, the dev routes and ``/healt
 check covers ``/v1`` routes only; without a key nothing is checked (as before);
 ``VLLM_CPU_KVCACHE_SPACE`` sizes the CPU KV cache in GiB (the default is far more than a tiny model needs);
 ``--enforce-eager`` skips graph capture; ``--max-model-len`` is capped at the built model's
-``max_position_embeddings`` (vLLM refuses a longer one); logprobs are vLLM's default ``raw_logprobs``
+``max_position_embeddings``, or at what vLLM derives from model.path's config (``models/context_limit.py``;
+vLLM refuses a longer one at start); logprobs are vLLM's default ``raw_logprobs``
 (log_softmax of the logits, our contract at temperature 1), or ``processed_logprobs`` when
 gconfig.temperature is not 1 (temperature applied; with top_p < 1 also renormalised over the nucleus,
 which our contract does not do: the config refuses that combination, config/objective.py). The inductor and
@@ -37,6 +38,7 @@ from pathlib import Path
 
 from areal_async.base.affinity import pin_self
 from areal_async.config import ExperimentConfig, load_config
+from areal_async.models.context_limit import capped
 from areal_async.models.tiny import build_model
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.rollout.server_auth import API_KEY_ENV
@@ -66,8 +68,10 @@ def write_model_dir(cfg: ExperimentConfig, model_dir: Path) -> Path:
 
 
 def max_model_len(cfg: ExperimentConfig) -> int:
+    """vllm.max_model_len, at most what vLLM derives from the served model (``models/context_limit.py``):
+    a longer one is refused by vLLM at start (an error no restart fixes)."""
     if cfg.model.path:
-        return cfg.vllm.max_model_len
+        return capped(cfg.vllm.max_model_len, cfg.model.path, "vllm")
     return min(cfg.vllm.max_model_len, cfg.model.max_position_embeddings)
 
 

@@ -19,8 +19,10 @@ process group, logging to ``RUN_DIR/logs/<worker>.log``); ``watch`` then decides
 - no trainer step for ``cluster.step_timeout_s`` (``watchdog.StepWatchdog``) -> a failure that names
   the role whose work is overdue and what everyone waited for;
 - a worker that exits BUILD_FAILED_EXIT_CODE (its build failed on an import, a config value, a
-  missing file: base/process.py)                               -> never restarted nor recovered: the
-  run fails at once with the worker's one-line reason;
+  missing file, or its loop met an ``Unfixable`` error: base/process.py), or an inference server whose
+  log shows it refused its configuration at start (``report.server_config_error``)
+                                                               -> never restarted nor recovered: the
+  run fails at once with the one-line reason;
 - a failure with ``recover.retries`` left                     -> in-run recovery: every child is
   stopped and the fleet is relaunched from the newest complete checkpoint (as a rerun with
   ``recover.mode=auto`` would be: the same exactly-once books); summary.json counts recoveries.
@@ -64,7 +66,7 @@ from areal_async.supervisor.plan import (
     worker_specs,
 )
 from areal_async.supervisor.progress import ProgressLine
-from areal_async.supervisor.report import build_failure, finish, tell_dead
+from areal_async.supervisor.report import build_failure, finish, server_config_error, tell_dead
 from areal_async.supervisor.rundir import Nodes, RunDir, remove_run_files, write_pids, write_run_dir
 from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, server_commands
 from areal_async.supervisor.watchdog import StepWatchdog, capture_hang, lost_log
@@ -230,9 +232,15 @@ class Supervisor:
     # ---- restart, recover ----------------------------------------------------------------
     def _no_restart(self, dead: Child) -> Optional[str]:
         """Why this dead worker is not restarted, or None if it is."""
+        return self._unfixable(dead) or why_no_restart(self.cfg, dead.role, dead.restarts, self._scheduler_done())
+
+    @staticmethod
+    def _unfixable(dead: Child) -> Optional[str]:
+        """Why no restart or recovery can help this dead child, or None: a worker that exited
+        BUILD_FAILED_EXIT_CODE, or a server whose log shows it refused its configuration at start."""
         if dead.proc.returncode == BUILD_FAILED_EXIT_CODE:
             return build_failure(dead.log_path)
-        return why_no_restart(self.cfg, dead.role, dead.restarts, self._scheduler_done())
+        return server_config_error(dead.log_path) if dead.role in SERVER_ROLES else None
 
     def _restart(self, dead: Child) -> None:
         """Start the same command again: the new process registers under the same id, and the
@@ -256,7 +264,7 @@ class Supervisor:
         newest = self._newest_checkpoint_step()
         if self._recovered_from is not None and newest > self._recovered_from:
             self.recoveries_in_a_row = 0  # the fleet made progress since the last recovery
-        build_failed = dead is not None and dead.proc.returncode == BUILD_FAILED_EXIT_CODE
+        build_failed = dead is not None and self._unfixable(dead) is not None
         recover, outcome = recovery_verdict(
             self.recoveries_in_a_row, self.recoveries, self.cfg.recover.retries, build_failed
         )
@@ -270,7 +278,7 @@ class Supervisor:
 
     def _report_dead(self, dead: Child, outcome: str) -> None:
         why = [f"declared lost by the scheduler: {dead.lost}"] if dead.lost else []
-        if dead.role in RESTARTABLE or dead.proc.returncode == BUILD_FAILED_EXIT_CODE:
+        if dead.role in RESTARTABLE or self._unfixable(dead):
             why.append(f"no restart: {self._no_restart(dead)}")
         why_s = f" ({'; '.join(why)})" if why else ""
         tell_dead(dead.name, dead.proc.pid, dead.proc.returncode, outcome + why_s, dead.log_path, 30)

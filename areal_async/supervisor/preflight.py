@@ -34,6 +34,7 @@ import yaml
 
 from areal_async.base.affinity import check_available
 from areal_async.config import ExperimentConfig, ModelConfig, parse_override
+from areal_async.models.context_limit import sglang_context, vllm_context
 from areal_async.supervisor.plan import worker_specs
 from areal_async.supervisor.placement import (
     PlacementError,
@@ -55,7 +56,7 @@ from areal_async.supervisor.preflight_inputs import (
     check_template,
 )
 from areal_async.supervisor.preflight_solo import check_recording, check_solo
-from areal_async.supervisor.servers import launch_blocker, uses_servers
+from areal_async.supervisor.servers import launch_blocker, server_role, uses_servers
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 __all__ = ["Context", "Finding", "preflight", "set_keys", "report", "context_for"]
@@ -325,7 +326,26 @@ def check_servers(ctx: Context) -> list[Finding]:
     why = launch_blocker(ctx.cfg)
     if why:
         return [Finding("error", "rollout.backend", f"{why}; or use rollout.backend=torch (the embedded engine)")]
-    return [ok("rollout.backend", ctx.cfg.rollout.backend, "its servers can start here (or are attached to)")]
+    return [ok("rollout.backend", ctx.cfg.rollout.backend, "its servers can start here (or are attached to)")] + (
+        _server_context(ctx.cfg)
+    )
+
+
+def _server_context(cfg: ExperimentConfig) -> list[Finding]:
+    """The servers' context: what the server derives from model.path's config must hold the longest request
+    (train_dataset.max_prompt_len + gconfig.max_new_tokens); the supervisor starts them capped at it."""
+    if not cfg.model.path or not (Path(cfg.model.path) / "config.json").is_file():
+        return []  # the built tiny model (config.py checks its positions), or the model check says why
+    vllm = server_role(cfg) == "vllm"
+    derived, source = vllm_context(cfg.model.path) if vllm else sglang_context(cfg.model.path)
+    d, new = cfg.train_dataset, cfg.gconfig.max_new_tokens
+    if derived is None or d.max_prompt_len + new <= derived:
+        return []
+    what = (
+        f"+ gconfig.max_new_tokens={new} = {d.max_prompt_len + new} tokens, more than the {derived} the "
+        f"{'vLLM' if vllm else 'SGLang'} servers derive from model.path ({source}); they would refuse such requests"
+    )
+    return [error("train_dataset.max_prompt_len", d.max_prompt_len, what, "lower it or gconfig.max_new_tokens")]
 
 
 # ---- disk --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from areal_async.base.process import BUILD_FAILED_MARK
+from areal_async.base.process import BUILD_FAILED_MARK, UNFIXABLE_MARK
 
 
 def how_it_ended(code: int) -> str:
@@ -26,10 +26,34 @@ def tail(path: Path, n: int) -> list[str]:
 
 
 def build_failure(log_path: Path) -> str:
-    """Why a worker that exited BUILD_FAILED_EXIT_CODE failed: its log's last BUILD_FAILED_MARK line."""
-    marked = [line.split(BUILD_FAILED_MARK, 1)[1] for line in tail(log_path, 40) if BUILD_FAILED_MARK in line]
-    why = marked[-1] if marked else "see its log"
-    return f"it failed to build ({why}), which no restart can fix"
+    """Why a worker that exited BUILD_FAILED_EXIT_CODE failed: its log's last BUILD_FAILED_MARK or
+    UNFIXABLE_MARK line (a build error, or one met at run time that no restart fixes)."""
+    for line in reversed(tail(log_path, 40)):
+        if BUILD_FAILED_MARK in line:
+            return f"it failed to build ({line.split(BUILD_FAILED_MARK, 1)[1]}), which no restart can fix"
+        if UNFIXABLE_MARK in line:
+            return f"it failed ({line.split(UNFIXABLE_MARK, 1)[1]}), which no restart can fix"
+    return "it failed to build (see its log), which no restart can fix"
+
+
+# What a vLLM server (exec'd, so it exits with vLLM's own code) writes when it refuses its configuration at
+# start: vLLM's configs are pydantic dataclasses (vllm/config/*.py), a refused value raises
+# pydantic_core.ValidationError ("1 validation error for ModelConfig" then "  Value error, ..."), and a bad
+# flag is argparse's "api_server.py: error: ..." (exit 2). Neither is fixed by starting it again.
+SERVER_CONFIG_ERRORS = ("ValidationError:", "api_server.py: error:")
+
+
+def server_config_error(log_path: Path) -> Optional[str]:
+    """Why a server refused its configuration at start (from its log's last lines), or None."""
+    lines = tail(log_path, 80)
+    for i in range(len(lines) - 1, -1, -1):
+        if any(sig in lines[i] for sig in SERVER_CONFIG_ERRORS):
+            detail = [x.strip() for x in lines[i + 1 : i + 3] if x.strip().startswith("Value error")]
+            why = (detail[0] if detail else lines[i].strip()).split(" [type=")[0]
+            first = why.split(". ", 1)[0]  # its first sentence: vLLM's go on with advice
+            first += "" if first == why else "."
+            return f"it refused its configuration at start ({first}), which no restart can fix"
+    return None
 
 
 def tell_dead(name: str, pid: int, code: int, what: str, log_path: Path, n_lines: int) -> None:

@@ -5,8 +5,9 @@ else talks to them, so each worker alone pauses them, updates their weights and 
 requests. With ``sglang.addresses`` / ``vllm.addresses`` the servers are already running and none is started.
 
 - ``cluster.device=cpu``: the project's SGLang-compatible CPU server
-  (``python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml``), random init:
-  the weights arrive over the weight group before any request;
+  (``python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml``): model.path's checkpoint
+  (as SGLang serves it), or the built tiny model at random init; the trainer's weights arrive over the
+  weight group before any request;
 - ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path``, server
   ``j`` started with ``CUDA_VISIBLE_DEVICES`` = its placement slot's GPU (``sglang-j``, rollout GPU
   ``j`` mapped through the supervisor's own ``CUDA_VISIBLE_DEVICES``, see ``placement.py``) and
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 from areal_async.config import ExperimentConfig, LoraConfig, n_servers, server_addresses
+from areal_async.models.context_limit import capped
 from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
 from areal_async.supervisor.placement import place, shape_of
 from protocols.sockets import free_tcp_port
@@ -164,6 +166,8 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
             str(cfg.seed * 1000 + j),
             "--torch-threads",
             str(cfg.cluster.torch_threads),
+            "--context-length",
+            str(context_length(cfg)),
         ]
         cmd += _lora_args(cfg)
         return cmd + (["--cpus", cfg.cluster.cpu_affinity.rollout] if cfg.cluster.cpu_affinity.rollout else [])
@@ -186,13 +190,21 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
         "--mem-fraction-static",
         str(s.mem_fraction_static),
         "--context-length",
-        str(s.context_length),
+        str(context_length(cfg)),
         "--random-seed",
         str(cfg.seed * 1000 + j),
     ]
     if s.max_running_requests:
         cmd += ["--max-running-requests", str(s.max_running_requests)]
     return cmd + _lora_args(cfg)
+
+
+def context_length(cfg: ExperimentConfig) -> int:
+    """sglang.context_length, at most what SGLang derives from model.path's config (``models/context_limit.py``):
+    SGLang refuses a longer one at start. The built tiny model: at most its max_position_embeddings."""
+    if not cfg.model.path:
+        return min(cfg.sglang.context_length, cfg.model.max_position_embeddings)
+    return capped(cfg.sglang.context_length, cfg.model.path, "sglang")
 
 
 def _lora_args(cfg: ExperimentConfig) -> list[str]:

@@ -122,6 +122,15 @@ BAD = [
         lambda t: "sft_warmup.lr=0.1: sft_warmup.steps=0: no warm-up runs",
     ),
     Bad(
+        "servers' context shorter than a request",
+        lambda t: ["rollout.backend=sglang", f"model.path={_p(t, 'no_tokenizer')}", "train_dataset.max_prompt_len=60"],
+        # LLAMA's max_position_embeddings: 64; tiny_arith's max_new_tokens: 12
+        lambda t: (
+            "train_dataset.max_prompt_len=60: + gconfig.max_new_tokens=12 = 72 tokens, more than the 64 the "
+            "SGLang servers derive from model.path (max_position_embeddings); they would refuse such requests; lower it"
+        ),
+    ),
+    Bad(
         "kv cache budget below one group",
         lambda t: ["rollout.kv_cache_mb=0.01"],
         lambda t: "rollout.kv_cache_mb=0.01: the longest request (train_dataset.max_prompt_len=",

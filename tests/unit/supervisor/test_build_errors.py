@@ -14,6 +14,7 @@ import pytest
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.config import load_config
 from areal_async.supervisor.fleet import Supervisor
+from areal_async.supervisor.report import server_config_error
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = "from areal_async.app.worker import run_worker\ndef build():\n    raise {exc}\nrun_worker('w', build)\n"
@@ -71,3 +72,25 @@ def test_the_supervisor_neither_restarts_nor_recovers_a_worker_that_failed_to_bu
         and "which no restart can fix" in err
     ), err
     assert took < 90, took  # the fleet's start on a busy machine; no restart delay is added
+
+
+def test_a_vllm_servers_refused_configuration_is_read_from_its_log(tmp_path):
+    """A real vLLM 0.32.0 server's log (tests/support/data/vllm-0.32.0/SOURCE.md) of the issue's failure: vLLM
+    refused --max-model-len 32768 on a model of 8192 positions with a pydantic ValidationError. That is a
+    configuration error no restart fixes; the log of a server that died otherwise (killed, crashed mid-run) is not."""
+    log = ROOT / "tests/support/data/vllm-0.32.0/max_model_len_refused.log"
+    assert server_config_error(log) == (
+        "it refused its configuration at start (Value error, User-specified max_model_len (32768) is greater than "
+        "the derived max_model_len (max_position_embeddings=8192.0 or model_max_length=None in model's config.json).)"
+        ", which no restart can fix"
+    )
+    crashed = tmp_path / "crashed.log"
+    lines = log.read_text().splitlines()
+    crashed.write_text("\n".join(lines[:30] + ["RuntimeError: EngineCore encountered an issue.", "Killed"]) + "\n")
+    assert server_config_error(crashed) is None
+    argparse = tmp_path / "argparse.log"
+    argparse.write_text("usage: api_server.py [-h] ...\napi_server.py: error: argument --dtype: invalid choice: 'f8'\n")
+    assert server_config_error(argparse) == (
+        "it refused its configuration at start (api_server.py: error: argument --dtype: invalid choice: 'f8'), "
+        "which no restart can fix"
+    )
