@@ -16,7 +16,9 @@ five calls and reuses everything here (routing, interruption, re-issue, revival)
                abort (we paused)   -> requeued: prompt + tokens so far, the remaining budget
                server unreachable  -> server marked down, sample requeued (its tokens so far kept)
     update_weights(v, sd): every healthy server in parallel: pause(mode) -> load v -> resume;
-             a server that fails is marked down and revived later with the newest weights
+             a server that fails is marked down and revived later with the newest weights; when every
+             server has refused the weights REFUSALS_TO_FAIL times in a row (``UpdateRefused``: a live
+             server's answer, not unreachability) the engine raises ``Unfixable`` naming the reason
 
 Per-token versions come from the server's answer (``meta_info.weight_versions`` spans, else
 ``weight_version`` for all tokens of that answer), never from what the client believes it
@@ -39,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from areal_async.base.process import Unfixable
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput
 
 log = logging.getLogger("areal_async.rollout.remote")
@@ -46,6 +49,16 @@ log = logging.getLogger("areal_async.rollout.remote")
 
 class ServerDown(ConnectionError):
     """A server cannot be used now (unreachable, timed out, or failed a weight update)."""
+
+
+class UpdateRefused(ServerDown):
+    """A live server answered a weight update with a refusal (its reason in the message): it stays down
+    until an update succeeds, and the same weights sent again meet the same answer."""
+
+
+# consecutive refusals (the push, then the revivals, one a revive_every_s) after which a server counts as
+# refusing the weights for good; when every server does, the engine raises Unfixable (no restart helps)
+REFUSALS_TO_FAIL = 3
 
 
 @dataclass
@@ -129,6 +142,8 @@ class _Server:
     down_since: float = 0.0
     next_check: float = 0.0
     reviving: Optional[Future] = None
+    refusals: int = 0  # weight updates refused in a row (UpdateRefused), 0 after one succeeds
+    refused: str = ""  # the last refusal's reason
 
 
 class RemoteEngine(RolloutEngine):
@@ -194,9 +209,11 @@ class RemoteEngine(RolloutEngine):
         for f, s in futures.items():
             try:
                 f.result()
+                s.refusals = 0
             except ServerDown as e:
                 self._down(s, e)
         self.version = version
+        self._check_refusals()
 
     def abort_all(self) -> list[GroupOutput]:
         for s in self.servers:
@@ -270,6 +287,8 @@ class RemoteEngine(RolloutEngine):
 
     # ---- failures ------------------------------------------------------------------------
     def _down(self, srv: _Server, err: Exception) -> None:
+        if isinstance(err, UpdateRefused):
+            srv.refusals, srv.refused = srv.refusals + 1, str(err)
         if srv.up:
             log.warning(
                 "server %s is down (%s); its requests go to the others and it is revived when it answers",
@@ -288,6 +307,7 @@ class RemoteEngine(RolloutEngine):
             elif srv.reviving is None and now >= srv.next_check:
                 srv.next_check = now + self.revive_every_s
                 srv.reviving = self.pool.submit(_bring_back, srv.client, self.weights)
+        self._check_refusals()
         if all(not s.up for s in self.servers):
             oldest = min(s.down_since for s in self.servers)
             if now - oldest > self.down_timeout_s:
@@ -296,16 +316,28 @@ class RemoteEngine(RolloutEngine):
                     f"{[s.client.address for s in self.servers]}"
                 )
 
+    def _check_refusals(self) -> None:
+        """Every server down, each having refused the weights REFUSALS_TO_FAIL times in a row: ``Unfixable``,
+        naming the first server's reason (a restarted worker would send the same weights to the same servers)."""
+        if all(not s.up and s.refusals >= REFUSALS_TO_FAIL for s in self.servers):
+            s = self.servers[0]
+            raise Unfixable(
+                f"every server refused the weights of v{self.version} {s.refusals} times in a row; "
+                f"{s.client.address}: {s.refused}"
+            )
+
     def _revived(self, srv: _Server, f: Future) -> None:
         srv.reviving = None
         try:
             pushed = f.result()
         except ServerDown as e:
+            if isinstance(e, UpdateRefused):
+                srv.refusals, srv.refused = srv.refusals + 1, str(e)
             log.info("server %s not back yet: %s", srv.client.address, e)
             return
         if self.weights is not None and pushed != self.weights[0]:
             return  # newer weights arrived meanwhile: the next check pushes those
-        srv.up = True
+        srv.up, srv.refusals = True, 0
         log.info("server %s is back (weights v%s)", srv.client.address, pushed)
 
 

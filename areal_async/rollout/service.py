@@ -17,7 +17,9 @@ The engine thread is the only one that touches the engine, so generation and wei
 never race; the event loop stays free to receive while a step runs. Trajectory tensors are sent
 from one sender thread (a gloo/NCCL send blocks until the trainer receives it): the loop, and
 with it the heartbeat, never waits on a peer. An exception in any loop ends the process
-non-zero (``TaskSet``); ``Shutdown(lost=True)`` from the scheduler does too.
+non-zero (``TaskSet``); ``Shutdown(lost=True)`` from the scheduler does too. An engine that raises
+``Unfixable`` (every server refuses the trainer's weights) ends it with that error, which the supervisor
+does not restart.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from protocols.messages import (
 from protocols.sockets import make_socket, send_message
 from protocols.trajectories import TrajectoryBatch
 
+from areal_async.base.process import Unfixable
 from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
 from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRequest, WorkerEngine
 from areal_async.rollout.record import RolloutRecord
@@ -99,6 +102,7 @@ class EngineThread(threading.Thread):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self.stopping = threading.Event()
+        self.failure: Optional[BaseException] = None  # what ended the thread, if anything did
         self.busy_s = 0.0
         self.step_t0: Optional[float] = None  # monotonic start of the engine step running now
 
@@ -127,8 +131,9 @@ class EngineThread(threading.Thread):
                 else:
                     self._wake.wait(0.05)
                     self._wake.clear()
-        except Exception:  # the worker must die loudly, not hang with a dead engine thread
+        except Exception as e:  # the worker must die loudly, not hang with a dead engine thread
             log.exception("engine thread failed")
+            self.failure = e
             self.on_groups(None, {})
 
     def _apply_weights(self) -> None:
@@ -253,6 +258,8 @@ class RolloutService:
             for rec in (self.record, self.reward_record):
                 if rec is not None:
                     rec.close()
+        if isinstance(self.engine.failure, Unfixable):  # e.g. every server refuses the weights: no restart
+            raise self.engine.failure
         if self.error:
             log.error("%s: exiting non-zero: %s", self.worker_id, self.error)
         return 1 if self.error else 0

@@ -58,7 +58,7 @@ from areal_async.rollout import weight_group as W
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import HTTPStatusError
 from areal_async.rollout.http_client import HTTPServerClient
-from areal_async.rollout.remote import Completion, ServerDown
+from areal_async.rollout.remote import Completion, ServerDown, UpdateRefused
 from areal_async.rollout.weights_file import save_state_file
 
 log = logging.getLogger("areal_async.rollout.sglang")
@@ -155,7 +155,10 @@ class SGLangClient(HTTPServerClient):
         except ServerDown:
             self._drop_group()
             raise
-        except (HTTPStatusError, RuntimeError, ValueError) as e:  # refused or broken mid-way: drop the group
+        except (HTTPStatusError, ValueError) as e:  # the server's answer refused it: drop the group
+            self._drop_group()
+            raise UpdateRefused(f"{self.address}: weight update to v{version} refused: {e}") from None
+        except RuntimeError as e:  # broken mid-way: drop the group
             self._drop_group()
             raise ServerDown(f"{self.address}: weight update to v{version} failed: {e}") from None
 

@@ -53,7 +53,7 @@ from areal_async.models.lora import LoraSpec, save_adapter
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import HTTPStatusError
 from areal_async.rollout.http_client import HTTPServerClient
-from areal_async.rollout.remote import Completion, ServerDown
+from areal_async.rollout.remote import Completion, ServerDown, UpdateRefused
 from areal_async.rollout.weights_file import save_state_file
 
 log = logging.getLogger("areal_async.rollout.vllm")
@@ -178,6 +178,8 @@ class VLLMClient(HTTPServerClient):
                 self._cv.notify_all()
             if isinstance(e, ServerDown):
                 raise
+            if isinstance(e, (HTTPStatusError, ValueError)):  # the server's answer (or its probe) refused it
+                raise UpdateRefused(f"{self.address}: weight update to v{version} refused: {e}") from None
             raise ServerDown(f"{self.address}: weight update to v{version} failed: {e}") from None
 
     def _reload(self, path: Path) -> None:

@@ -15,11 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_async.config import load_config
+from areal_async.base.process import Unfixable
+from areal_async.config import load_config, to_yaml
 from areal_async.models.tiny import build_model
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.http_json import call
-from areal_async.rollout.remote import RemoteEngine, ServerDown
+from areal_async.rollout.remote import REFUSALS_TO_FAIL, RemoteEngine, ServerDown
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.models.tokenizer import load_tokenizer
 from tests.support.sglang_fixtures import TINY, start_cpu_server, stop
@@ -215,3 +216,35 @@ def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights
     finally:
         stop(p0)
         stop(p1)
+
+
+def test_servers_that_refuse_every_update_end_the_engine_naming_their_reason(tmp_path):
+    """Two servers holding a smaller model than the policy (the issue's failure: the twin built the tiny model
+    where model.path named SmolLM2) refuse every update before the broadcast, as SGLang 0.5.23 refuses a
+    declaration its model cannot hold. The engine stops retrying after REFUSALS_TO_FAIL refusals of each
+    server and raises ``Unfixable`` with the server's own reason, instead of reviving them for ever."""
+    small = tmp_path / "small.yaml"
+    small.write_text(to_yaml(load_config(TINY, ["model.hidden_size=64", "model.intermediate_size=128"])))
+    servers = [start_cpu_server(small) for _ in range(2)]
+    try:
+        clients = [SGLangClient(u, name=f"t-refuse-{i}") for i, (_, u) in enumerate(servers)]
+        engine = RemoteEngine(clients, revive_every_s=0.2)
+        t = time.monotonic()
+        engine.update_weights(0, policy(3).state_dict())  # refused by both: down, not yet given up
+        assert [s.up for s in engine.servers] == [False, False]
+        engine.add_request(GenRequest("g0", TOK.encode("1+1="), 1, 4))
+        with pytest.raises(Unfixable) as failed:
+            while time.monotonic() - t < 120:
+                engine.step()
+        took = time.monotonic() - t
+        # the tiny policy's embedding: its character vocabulary x 128; the servers' largest parameter is 64 wide
+        assert f"every server refused the weights of v0 {REFUSALS_TO_FAIL} times in a row; {servers[0][1]}" in str(
+            failed.value
+        )
+        assert "declared with" in str(failed.value) and "more than the model's largest parameter" in str(failed.value)
+        assert took < 30, f"{took:.1f} s to give up"
+        assert all(s.refusals >= REFUSALS_TO_FAIL for s in engine.servers)
+        engine.close()
+    finally:
+        for p, _ in servers:
+            stop(p)
