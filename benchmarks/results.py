@@ -195,6 +195,30 @@ def faults(rows: list[dict]) -> list[str]:
     return out
 
 
+def real_model(rows: list[dict]) -> list[str]:
+    """Each row: what it measured (generator or variant, batch, threads), its median, its samples, CPU
+    figure and target; the settings of each generator below."""
+    lines = []
+    for r in rows:
+        what = " ".join(str(r[k]) for k in ("generator", "variant") if k in r) or r["metric"]
+        lines.append(
+            [
+                r["metric"].removeprefix("real_model_"),
+                what,
+                str(r.get("batch", r.get("tokens", ""))),
+                str(r.get("threads", "")),
+                number(r["value"]),
+                r["unit"],
+                " / ".join(number(x) for x in r.get("samples", r.get("per_round", []))),
+                number(r.get("cpu_tokens_per_s")) if "cpu_tokens_per_s" in r else "",
+                "" if "target" not in r else f"{number(r['target'])} ({'met' if r.get('meets_target') else 'not met'})",
+            ]
+        )
+    head = ["metric", "what", "batch/tokens", "threads", "median", "unit", "samples", "per CPU-s", "target"]
+    settings = sorted({(r["generator"], r["settings"]) for r in rows if "settings" in r})
+    return md_table(head, lines) + [f"- {g}: {s}" for g, s in settings]
+
+
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
     ("benchmarks.overhead", lambda m: m.startswith("fleet_vs_inprocess"), overhead),
     ("benchmarks.data_path", lambda m: m.startswith(("boba_batch", "scheduler_")), data_path),
@@ -206,6 +230,7 @@ RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[st
         transfer_latency,
     ),
     ("benchmarks.faults", lambda m: m.startswith("faults_"), faults),
+    ("benchmarks.real_model", lambda m: m.startswith("real_model_"), real_model),
 ]
 ORDER = [name for name, _, _ in RENDERERS]
 

@@ -433,6 +433,12 @@ class ActorConfig(ObjectiveConfig):
         "The lm head and log-softmax run this many tokens at a time (no micro-batch-sized tokens x vocab "
         "float32 tensor; trainer/chunked_head.py); 0 = the whole micro-batch's logits at once.",
     )
+    logits_whole_max_mb: int = _f(
+        256,
+        "A micro-batch's lm head runs whole when its float32 logits (tokens x vocab x 4 bytes) are at most this "
+        "many MiB, in chunks (logits_chunk_tokens) only above it: chunks cost one more head matmul in backward. "
+        "0 = chunk whenever the micro-batch is longer than a chunk.",
+    )
     gradient_checkpointing: bool = _f(
         False, "Recompute each decoder layer's activations in backward instead of keeping them (less memory)."
     )
@@ -451,6 +457,7 @@ class ActorConfig(ObjectiveConfig):
         within(self, "gae_lambda", "[0, 1]")
         at_least(self, "ppo_n_minibatches", 1)
         at_least(self, "logits_chunk_tokens", 0)
+        at_least(self, "logits_whole_max_mb", 0)
         super().check()
         check_objective_actor(self)
 

@@ -405,6 +405,7 @@ class PPOActor:
             allocation=alloc,
             packer=lambda mb: batch.packed([share[j] for j in mb]),
             chunk_tokens=self.cfg.logits_chunk_tokens,
+            whole_max_bytes=self.cfg.logits_whole_max_mb << 20,
         ):
             yield MicroBatchOut([share[j] for j in out.indices], out.logp_T, out.entropy_T, out.cu_seqlens)
         for _ in range(n_mb - len(own)):

@@ -77,6 +77,7 @@ def iter_micro_batches(
     allocation: Optional[list[list[int]]] = None,
     packer: Optional[Callable[[list[int]], PackedBatch]] = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    whole_max_bytes: int = 0,
 ) -> Iterator[MicroBatchOut]:
     """Run the model on balanced packed micro-batches, yielding each before computing the next,
     so a caller can backward and free one micro-batch's graph at a time.
@@ -85,13 +86,14 @@ def iter_micro_batches(
     them (data-parallel ranks plan theirs together); default: allocated here under the budget.
     ``packer``: indices -> their ``pack``ed sequences, when the caller keeps packed micro-batches
     (the actor packs once for the proximal recompute and the update); default ``pack``.
-    ``chunk_tokens``: ``forward_packed``'s (the lm head in chunks of that many tokens; 0: whole logits)."""
+    ``chunk_tokens``, ``whole_max_bytes``: ``forward_packed``'s (the lm head in chunks of that many tokens when
+    the whole logits would exceed that many bytes; 0: whole logits / chunked whenever longer than a chunk)."""
     if allocation is None:
         allocation = allocate_micro_batches([seq_len(s) for s in seqs], max_tokens_per_mb, oversize)
     for indices in allocation:
         packed = packer(indices) if packer is not None else pack([seqs[i] for i in indices])
         logp_T, entropy_T = forward_packed(
-            model, packed, temperature, with_entropy, entropy_grad, chunk_tokens=chunk_tokens
+            model, packed, temperature, with_entropy, entropy_grad, chunk_tokens, whole_max_bytes
         )
         yield MicroBatchOut(indices, logp_T, entropy_T, packed.cu_seqlens)
 

@@ -456,6 +456,7 @@ def forward_packed(
     entropy_grad: bool = True,
     lean: bool = True,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    whole_max_bytes: int = 0,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logp_T, entropy_T or None) for every packed position; position t scores token t+1.
 
@@ -465,6 +466,8 @@ def forward_packed(
     chunk_tokens: a micro-batch of more tokens than this goes through ``chunked_head`` (the lm
     head and log-softmax ``chunk_tokens`` tokens at a time: no (T, V) tensor), when the model's head
     allows it (``_head``); 0, a smaller micro-batch or another head: the whole (T, V) logits.
+    whole_max_bytes > 0: chunk only when the whole float32 logits would be larger than that
+    (``use_chunked_head``): below it the chunked head's one more head matmul in backward buys nothing.
 
     entropy_grad=False computes the entropy as a statistic only (no (T, V) softmax kept for
     backward).
@@ -478,7 +481,10 @@ def forward_packed(
     device = next(model.parameters()).device
     packed = packed.to(device)
     next_T = torch.roll(packed.ids_T, -1)
-    head = _head(model) if 0 < chunk_tokens < packed.ids_T.numel() else None
+    T = packed.ids_T.numel()
+    head = _head(model) if 0 < chunk_tokens < T else None
+    if head is not None and not use_chunked_head(T, head.weight.shape[0], chunk_tokens, whole_max_bytes):
+        head = None
     if head is not None:
 
         def fused(h_TE, w, b):
@@ -488,6 +494,14 @@ def forward_packed(
             return _through_root(model, head, packed, fused)
         return fused(_hidden(model, packed, lean), head.weight, head.bias)
     return _whole_logprobs(_logits(model, packed, lean), next_T, temperature, with_entropy, entropy_grad)
+
+
+def use_chunked_head(tokens: int, vocab: int, chunk_tokens: int, whole_max_bytes: int = 0) -> bool:
+    """Whether ``forward_packed`` runs the lm head in chunks: ``chunk_tokens`` > 0, more tokens than one
+    chunk, and (with ``whole_max_bytes`` > 0) whole float32 logits (tokens x vocab x 4 bytes) above it."""
+    if not 0 < chunk_tokens < tokens:
+        return False
+    return whole_max_bytes <= 0 or tokens * vocab * 4 > whole_max_bytes
 
 
 def _whole_logprobs(logits_TV, next_T, temperature: float, with_entropy: bool, entropy_grad: bool):

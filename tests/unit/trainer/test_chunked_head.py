@@ -231,3 +231,26 @@ def test_fsdp_sharded_model_takes_the_chunked_head_with_the_whole_logits_gradien
         assert sorted(got) == sorted(expected)
         for name, g in got.items():
             assert_rel_close(full_tensor(g).double(), expected[name])
+
+
+def test_the_head_is_chunked_only_when_the_whole_logits_would_exceed_the_limit(monkeypatch):
+    """25 tokens x 53 vocabulary x 4 bytes = 5,300 bytes of whole float32 logits: a limit of 5,300 keeps them
+    whole, 5,299 chunks them (as the old rule did whenever a micro-batch was longer than a chunk); a
+    micro-batch no longer than a chunk is whole whatever the limit. Which path ran: the chunked head's calls
+    counted, and the numbers equal to that path's own."""
+    from areal_async.trainer import packing
+
+    assert [packing.use_chunked_head(25, 53, 4, lim) for lim in (0, 5299, 5300)] == [True, True, False]
+    assert not packing.use_chunked_head(25, 53, 25, 1) and not packing.use_chunked_head(25, 53, 0, 1)
+    calls = []
+    real = packing.head_logprobs
+    monkeypatch.setattr(packing, "head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, packed = model64(VARLEN_IMPL), packed_batch()
+    whole_logp = forward_packed(model, packed, chunk_tokens=0)[0]
+    chunked_logp = forward_packed(model, packed, chunk_tokens=4)[0]
+    assert len(calls) == 1
+    assert torch.equal(forward_packed(model, packed, chunk_tokens=4, whole_max_bytes=5300)[0], whole_logp)
+    assert len(calls) == 1
+    assert torch.equal(forward_packed(model, packed, chunk_tokens=4, whole_max_bytes=5299)[0], chunked_logp)
+    assert len(calls) == 2
+    assert ActorConfig().logits_whole_max_mb == 256

