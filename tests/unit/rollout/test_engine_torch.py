@@ -415,6 +415,27 @@ def test_parameters_replaced_by_new_objects_are_used():
     _assert_logprobs_match(model, [req], _run(engine), 1.0)
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_reordered_head_follows_in_place_and_replaced_weights(fuse, monkeypatch):
+    """The lm head runs on a reordered copy of its weight (``_PackedHead``, CPU float32); changed in place,
+    then replaced by a new parameter, the next generation's logprobs still equal HF's own forward. Unfused
+    (models above ``FUSE_MAX_PARAMS``, as the real ones): the copy is of the head's own weight."""
+    if not fuse:
+        monkeypatch.setattr(LeanLlama, "FUSE_MAX_PARAMS", 0)
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=0, version=0)
+    assert engine.decoder._packed is not None and (engine.decoder._head is not None) == fuse
+    for change in ("none", "in place", "replaced"):
+        with torch.no_grad():
+            if change == "in place":
+                model.lm_head.weight.mul_(torch.linspace(0.5, 2.0, model.lm_head.weight.shape[1]))
+            elif change == "replaced":
+                model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.flip(0).clone())
+        req = _req(change, PROMPTS[2])
+        engine.add_request(req)
+        _assert_logprobs_match(model, [req], _run(engine), 1.0)
+
+
 def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
     """A third of the vocabulary stops a sample, so the samples of a group end at different steps
     and finished rows are compacted away (set aside) while their group still runs: every group
