@@ -356,7 +356,7 @@ def training(args) -> list[dict]:
     seqs = [torch.randint(0, cfg.vocab_size, (args.seq,), generator=g) for _ in range(max(1, args.tokens // args.seq))]
     packed = pack(seqs)
     T = packed.ids_T.numel()
-    chunk = args.chunk_tokens if use_chunked_head(T, cfg.vocab_size, args.chunk_tokens) else 0
+    chunk = args.chunk_tokens if use_chunked_head(T, cfg.vocab_size, args.chunk_tokens, _whole_max_bytes()) else 0
 
     def trainer():
         logp, _ = forward_packed(model, packed, with_entropy=True, entropy_grad=False, chunk_tokens=chunk)
@@ -394,6 +394,13 @@ def training(args) -> list[dict]:
          "value": statistics.median(got["bound"]) / statistics.median(got["trainer_step"]), **common}
     )  # fmt: skip
     return rows
+
+
+def _whole_max_bytes() -> int:
+    """``actor.logits_whole_max_mb``'s default in bytes: the trainer's choice of the chunked head."""
+    from areal_async.config.sections import ActorConfig
+
+    return ActorConfig().logits_whole_max_mb << 20
 
 
 def _linear_shapes(cfg) -> list[tuple[int, int]]:
@@ -480,7 +487,7 @@ def _trainer_peak(model, cfg, n: int, ckpt: bool, tokens: int, seq: int, chunk: 
     g = torch.Generator().manual_seed(0)
     packed = pack([torch.randint(0, cfg.vocab_size, (seq,), generator=g) for _ in range(max(1, tokens // seq))])
     T = packed.ids_T.numel()
-    chunk = chunk if use_chunked_head(T, cfg.vocab_size, chunk, 256 << 20) else 0  # actor.logits_whole_max_mb
+    chunk = chunk if use_chunked_head(T, cfg.vocab_size, chunk, _whole_max_bytes()) else 0
 
     def step(p):
         logp, _ = forward_packed(model, p, with_entropy=True, entropy_grad=False, chunk_tokens=chunk)
