@@ -95,6 +95,7 @@ def data_path(rows: list[dict]) -> list[str]:
             detail = f"{r['transport']}: {r['seconds']:.2f} s, CPU-time fraction {r['cpu_fraction']:.3f}"
         elif r["metric"] == "scheduler_service_messages_per_s":
             detail = (
+                f"{r['messages']} messages in {r['seconds']:.1f} s wall / {r['cpu_seconds']:.1f} CPU-s: "
                 f"{r['messages_per_cpu_s']:.0f} per CPU-s, {r['steps_per_s']:.0f} steps/s, "
                 f"{r['samples_trained_per_s']:.0f} samples/s, bound: {r['bound']}"
             )
