@@ -196,12 +196,19 @@ def faults(rows: list[dict]) -> list[str]:
     return out
 
 
+def _terms(r: dict) -> list[str]:
+    """A memory row's prediction and its terms, in MB; nothing for other rows."""
+    if "terms" not in r:
+        return []
+    return [f"{r['predicted'] / 1e6:.0f} MB", ", ".join(f"{k} {v / 1e6:.0f}" for k, v in r["terms"].items())]
+
+
 def real_model(rows: list[dict]) -> list[str]:
     """Each row: what it measured (generator or variant, batch, threads), its median, its samples, CPU
     figure and target; the settings of each generator below."""
     lines = []
     for r in rows:
-        what = " ".join(str(r[k]) for k in ("generator", "variant") if k in r) or r["metric"]
+        what = " ".join(str(r[k]) for k in ("generator", "variant", "case") if k in r) or r["metric"]
         lines.append(
             [
                 r["metric"].removeprefix("real_model_"),
@@ -214,8 +221,12 @@ def real_model(rows: list[dict]) -> list[str]:
                 number(r.get("cpu_tokens_per_s")) if "cpu_tokens_per_s" in r else "",
                 "" if "target" not in r else f"{number(r['target'])} ({'met' if r.get('meets_target') else 'not met'})",
             ]
+            + _terms(r)
         )
     head = ["metric", "what", "batch/tokens", "threads", "median", "unit", "samples", "per CPU-s", "target"]
+    if any("terms" in r for r in rows):  # memory rows: the prediction and its terms (bytes)
+        head += ["predicted", "terms"]
+        lines = [ln + [""] * (len(head) - len(ln)) for ln in lines]
     settings = sorted({(r["generator"], r["settings"]) for r in rows if "settings" in r})
     return md_table(head, lines) + [f"- {g}: {s}" for g, s in settings]
 
