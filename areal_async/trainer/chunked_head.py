@@ -131,3 +131,39 @@ def _chunk_grad(h_CE, weight_VE, bias_V, next_C, lse_C, ent_C, g_logp_C, g_ent_C
         dz_CV.sub_(p_CV.mul_(g_logp_C[:, None]))
         dz_CV.scatter_add_(-1, next_C[:, None], g_logp_C[:, None])
     return dz_CV.div_(temp)
+
+
+def whole_logprobs(z_TV: torch.Tensor, next_T: torch.Tensor, with_entropy: bool) -> tuple:
+    """(logp_T, entropy_T or None) of whole float32 logits ``z_TV`` (already divided by the temperature), the
+    entropy a statistic (no gradient): what ``z[t, next_t] - logsumexp(z_t)`` and ``-sum p log p`` return,
+    computed once into the softmax p, which is kept for backward instead of the logits, so backward is
+    ``g (onehot(next) - p)`` in one pass over p (autograd's logsumexp and gather backward make p again, a zero
+    (T, V) gradient for the gather, and their sum). At SmolLM2's 49,152-token head this is most of what a
+    whole-logits step spends outside the matmuls."""
+    return _WholeHead.apply(z_TV, next_T, with_entropy)
+
+
+class _WholeHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z_TV, next_T, with_entropy):
+        max_T1 = z_TV.amax(-1, keepdim=True)
+        p_TV = torch.sub(z_TV, max_T1).exp_()
+        sum_T1 = p_TV.sum(-1, keepdim=True)
+        p_TV.div_(sum_T1)
+        lse_T = (max_T1 + sum_T1.log()).squeeze(1)
+        logp_T = z_TV.gather(-1, next_T[:, None]).squeeze(1) - lse_T
+        ent_T = None
+        if with_entropy:  # H = lse - sum p z, the row dots as one batched matmul (no (T, V) product)
+            ent_T = lse_T - torch.bmm(p_TV.unsqueeze(1), z_TV.unsqueeze(2)).view(-1)
+        ctx.save_for_backward(p_TV, next_T)
+        ctx.mark_non_differentiable(*(() if ent_T is None else (ent_T,)))
+        return logp_T, ent_T
+
+    @staticmethod
+    def backward(ctx, g_logp_T, g_ent_T):
+        p_TV, next_T = ctx.saved_tensors
+        if g_logp_T is None:
+            return None, None, None
+        dz_TV = p_TV * -g_logp_T[:, None]
+        dz_TV.scatter_add_(-1, next_T[:, None], g_logp_T[:, None])
+        return dz_TV, None, None

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_async.trainer import lean_forward
-from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
+from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs, whole_logprobs
 
 _FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 _MASK_IMPLS = ("eager", "sdpa")
@@ -505,7 +505,11 @@ def use_chunked_head(tokens: int, vocab: int, chunk_tokens: int, whole_max_bytes
 
 
 def _whole_logprobs(logits_TV, next_T, temperature: float, with_entropy: bool, entropy_grad: bool):
-    logits_TV = logits_TV.float() / temperature
+    logits_TV = logits_TV.float()
+    if temperature != 1.0:
+        logits_TV = logits_TV / temperature
+    if not (with_entropy and entropy_grad and torch.is_grad_enabled()):  # the entropy, if any, a statistic
+        return whole_logprobs(logits_TV, next_T, with_entropy)
     # gather - logsumexp instead of log_softmax: no second (T, V) tensor for the whole vocab
     lse_T = torch.logsumexp(logits_TV, dim=-1)
     logp_T = logits_TV.gather(-1, next_T[:, None])[:, 0] - lse_T

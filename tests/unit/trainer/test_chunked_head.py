@@ -254,3 +254,25 @@ def test_the_head_is_chunked_only_when_the_whole_logits_would_exceed_the_limit(m
     assert torch.equal(forward_packed(model, packed, chunk_tokens=4, whole_max_bytes=5299)[0], chunked_logp)
     assert len(calls) == 2
     assert ActorConfig().logits_whole_max_mb == 256
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("lean", [True, False])
+def test_whole_logits_with_the_entropy_as_statistic_equal_the_written_out_float64(temperature, lean):
+    """The whole-logits path keeps the softmax for backward (``chunked_head.whole_logprobs``): logprobs, the
+    entropy statistic and every parameter's gradient of a weighted logprob sum equal log_softmax / softmax
+    written out over the model's own logits."""
+    model, packed = model64(VARLEN_IMPL, tie=True), packed_batch()
+    ref_logp, ref_ent = whole(model, packed, temperature)
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(ref_logp.shape[0], generator=g, dtype=torch.float64)
+    ref = grads(model, (w * ref_logp).sum())
+    logp, ent = forward_packed(model, packed, temperature, with_entropy=True, entropy_grad=False, lean=lean,
+                               chunk_tokens=0)  # fmt: skip
+    assert not ent.requires_grad
+    assert_rel_close(logp, ref_logp)
+    assert_rel_close(ent, ref_ent.detach())
+    got = grads(model, (w * logp).sum())
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert_rel_close(got[name], ref[name])
