@@ -38,16 +38,20 @@ def build_failure(log_path: Path) -> str:
 
 # What a vLLM server (exec'd, so it exits with vLLM's own code) writes when it refuses its configuration at
 # start: vLLM's configs are pydantic dataclasses (vllm/config/*.py), a refused value raises
-# pydantic_core.ValidationError ("1 validation error for ModelConfig" then "  Value error, ..."), and a bad
-# flag is argparse's "api_server.py: error: ..." (exit 2). Neither is fixed by starting it again.
-SERVER_CONFIG_ERRORS = ("ValidationError:", "api_server.py: error:")
+# pydantic_core.ValidationError ("1 validation error for ModelConfig" then "  Value error, ...") as the
+# exception that ends the process, and a bad flag is argparse's "api_server.py: error: ..." (exit 2) as its
+# last line. Neither is fixed by starting it again. Only the end of the log counts: the exception that ended
+# this life of the server, not a line an earlier request logged.
+CONFIG_ERROR = "ValidationError:"
+ARGPARSE_ERROR = "api_server.py: error:"
+END_LINES = 4  # the exception's message: its line, the validation detail, pydantic's link
 
 
 def server_config_error(log_path: Path) -> Optional[str]:
     """Why a server refused its configuration at start (from its log's last lines), or None."""
-    lines = tail(log_path, 80)
-    for i in range(len(lines) - 1, -1, -1):
-        if any(sig in lines[i] for sig in SERVER_CONFIG_ERRORS):
+    lines = [x for x in tail(log_path, 80) if x.strip()]
+    for i in range(len(lines) - 1, max(-1, len(lines) - 1 - END_LINES), -1):
+        if CONFIG_ERROR in lines[i] or ARGPARSE_ERROR in lines[i]:
             detail = [x.strip() for x in lines[i + 1 : i + 3] if x.strip().startswith("Value error")]
             why = (detail[0] if detail else lines[i].strip()).split(" [type=")[0]
             first = why.split(". ", 1)[0]  # its first sentence: vLLM's go on with advice

@@ -90,6 +90,9 @@ def test_a_vllm_servers_refused_configuration_is_read_from_its_log(tmp_path):
     assert server_config_error(crashed) is None
     argparse = tmp_path / "argparse.log"
     argparse.write_text("usage: api_server.py [-h] ...\napi_server.py: error: argument --dtype: invalid choice: 'f8'\n")
+    served = tmp_path / "served.log"  # a request's validation error logged long before the server was killed
+    served.write_text("\n".join(lines[40:] + ["INFO: 127.0.0.1 POST /v1/completions 200 OK"] * 5 + ["Killed"]) + "\n")
+    assert server_config_error(served) is None
     assert server_config_error(argparse) == (
         "it refused its configuration at start (api_server.py: error: argument --dtype: invalid choice: 'f8'), "
         "which no restart can fix"
