@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 from areal_async.app.policy import initial_policy
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
-from areal_async.data.prompts import Problem, load_jsonl, load_problems, prompt_encoder
+from areal_async.data.prompts import Problem, load_jsonl, load_problems, prompt_encoder, split_holdout
 from areal_async.models.tiny import load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool
@@ -178,11 +178,15 @@ def _row(p: Problem, completions: list[str], outcomes: list) -> dict:
 
 
 def eval_problems(cfg: ExperimentConfig, data: Optional[str] = None) -> list[Problem]:
-    """``data`` (a training-format jsonl), else ``evaluator.path``, else the training prompts; the first
-    ``evaluator.max_problems`` of them (0 = all). Nothing is filtered: ``check_fits`` refuses a prompt
-    the model cannot hold."""
+    """``data`` (a training-format jsonl), else ``evaluator.path``, else the held-out problems
+    (``train_dataset.holdout``), else the training prompts; the first ``evaluator.max_problems`` of them
+    (0 = all). Nothing is filtered: ``check_fits`` refuses a prompt the model cannot hold."""
     path = data or cfg.evaluator.path
-    problems = load_jsonl(path) if path else load_problems(cfg.train_dataset, cfg.seed)
+    if path:
+        problems = load_jsonl(path)
+    else:
+        problems = load_problems(cfg.train_dataset, cfg.seed)
+        problems = split_holdout(problems, cfg.train_dataset.holdout)[1] or problems
     return problems[: cfg.evaluator.max_problems] if cfg.evaluator.max_problems else problems
 
 

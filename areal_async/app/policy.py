@@ -7,7 +7,7 @@ both evaluate identical weights (same seed, same warm-up batches).
 from __future__ import annotations
 
 from areal_async.config import ExperimentConfig
-from areal_async.data.prompts import keep_short, load_problems, prompt_encoder, sft_examples
+from areal_async.data.prompts import keep_short, prompt_encoder, sft_examples, training_problems
 from areal_async.models.tiny import load_policy
 from areal_async.trainer.sft import SFTTrainer
 
@@ -21,12 +21,12 @@ def initial_policy(cfg: ExperimentConfig):
 
 def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
     """The optional SFT warm-up that makes the initial weights (version 0), on the training prompts
-    within ``train_dataset.max_prompt_len`` rendered with ``train_dataset.template``."""
+    (not the held-out ones) within ``train_dataset.max_prompt_len`` rendered with ``train_dataset.template``."""
     if cfg.sft_warmup.steps == 0:
         return []
     d = cfg.train_dataset
-    problems = load_problems(d, cfg.seed)
-    kept = keep_short(problems, prompt_encoder(tok, d.template), d.max_prompt_len).kept
+    problems, train = training_problems(d, cfg.seed)  # never the held-out ones (train_dataset.holdout)
+    kept = keep_short(problems, prompt_encoder(tok, d.template), d.max_prompt_len, among=train).kept
     examples = sft_examples([problems[i] for i in kept], tok, d.template)
     if not examples:
         raise ValueError("sft_warmup.steps > 0 but the training dataset has no 'answer' fields to imitate")

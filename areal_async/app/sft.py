@@ -49,7 +49,7 @@ from areal_async.app.evaluate import Sampling, sample_completions, torch_eval_en
 from areal_async.base.private import private_dir
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.data.prompts import Problem, load_problems, prompt_encoder, sft_examples
+from areal_async.data.prompts import Problem, prompt_encoder, sft_examples, training_problems
 from areal_async.models.tiny import load_model, load_policy, save_policy
 from areal_async.reward.pool import RewardPool
 from areal_async.trainer.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
@@ -174,7 +174,8 @@ def prepare_data(cfg: ExperimentConfig, tok) -> SFTData:
     Prompts longer than ``train_dataset.max_prompt_len`` tokens are dropped (the seed's filter);
     a dataset without any 'answer' is an error, problems without one are kept for evaluation only.
     """
-    problems = load_problems(cfg.train_dataset, cfg.seed)
+    everything, train_idx = training_problems(cfg.train_dataset, cfg.seed)  # train_dataset.holdout stays out
+    problems = [everything[i] for i in train_idx]
     _require_answers(cfg, problems)
     d, enc = cfg.train_dataset, prompt_encoder(tok, cfg.train_dataset.template)
     kept = [p for p in problems if len(enc(p.prompt)) <= d.max_prompt_len]

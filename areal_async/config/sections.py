@@ -109,6 +109,11 @@ class DatasetConfig(Section):
         "tokenizer's chat template, one user turn) or 'r1' (chat template of prompt + the "
         "seed's 'Please reason step by step...' instruction, then '<think>\\n').",
     )
+    instruction: str = _f(
+        "",
+        "Appended to every problem's prompt after a space, before the template (RL, SFT, evaluation alike): an "
+        "answer-format instruction such as 'Give only the result as your final answer.'; '' = none.",
+    )
     shuffle: bool = _f(True, "Shuffle prompts each epoch (seeded).")
     size: int = _f(2000, "tiny_arith, reasoning_gym: number of generated problems (reasoning_gym: all tasks together).")
     max_operand: int = _f(9, "tiny_arith: operands are drawn from 0..max_operand.")
@@ -120,6 +125,13 @@ class DatasetConfig(Section):
         "curriculum levels 1, 2, ... (config/gym_tasks.py).",
     )
     curriculum: CurriculumConfig = _sub(CurriculumConfig, "reasoning_gym: when a task with `levels` moves up.")
+    holdout: int = _f(
+        0,
+        "Problems held out of training: the last `holdout` distinct prompts (walking back from the end) are never "
+        "issued, warmed up on or SFT-trained, nor is any training problem with the same prompt; evaluation "
+        "(`areal-async eval`, evaluator.freq_steps) runs on them unless evaluator.path or --data says otherwise. "
+        "0 = none (evaluation on the training prompts).",
+    )
 
     def check(self) -> None:
         one_of(self, "type", DATASET_TYPES)
@@ -129,6 +141,13 @@ class DatasetConfig(Section):
         at_least(self, "max_prompt_len", 1)
         at_least(self, "size", 1)
         at_least(self, "max_operand", 1)
+        at_least(self, "holdout", 0)
+        require(
+            self.type == "jsonl" or self.holdout < self.size,
+            "holdout",
+            self.holdout,
+            f"fewer than size={self.size} (some problems must be left to train on)",
+        )
         require(bool(self.ops) and set(self.ops) <= set("+-*"), "ops", self.ops, "a non-empty string of '+-*'")
         if self.type == "reasoning_gym":
             tasks = parse_tasks(self.tasks)

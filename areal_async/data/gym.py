@@ -9,7 +9,8 @@ Slot i holds problem ``local`` of its task ``t``: item ``local`` of reasoning-gy
 ``create_dataset(name, **config_at(level), seed=s(t, level), size=count_t)``, made on demand (items
 are addressable: reasoning-gym seeds each item from seed + index). The curriculum raises a task's
 ``level`` (``set_level``); its slots then hold that level's items. Each problem's reference solution is
-its entry as JSON (``gym_entry.encode_entry``) and its SFT answer the oracle answer boxed.
+its entry as JSON (``gym_entry.encode_entry``) and its SFT answer the oracle answer boxed; its prompt is the
+question followed by ``train_dataset.instruction``, when one is set.
 
 reasoning-gym is the optional 'gym' extra, imported when the first dataset is made (``require_gym``
 raises one line saying how to install it).
@@ -20,7 +21,7 @@ from __future__ import annotations
 from areal_async.config import DatasetConfig
 from areal_async.config.gym_tasks import GymTask, apportion, parse_tasks
 from areal_async.data.gym_entry import encode_entry
-from areal_async.data.problem import Problem
+from areal_async.data.problem import Problem, with_instruction
 
 __all__ = ["GymSource", "interleave", "require_gym", "gym_problems", "GYM_INSTALL"]
 
@@ -46,8 +47,8 @@ def interleave(counts: list[int]) -> list[tuple[int, int]]:
 class GymSource:
     """The mixture's problems, slot by slot, each task at its current curriculum level."""
 
-    def __init__(self, tasks: list[GymTask], size: int, seed: int):
-        self.tasks, self.seed = tasks, seed
+    def __init__(self, tasks: list[GymTask], size: int, seed: int, instruction: str = ""):
+        self.tasks, self.seed, self.instruction = tasks, seed, instruction
         self.counts = apportion([t.weight for t in tasks], size)
         self.slots = interleave(self.counts)
         self.levels = [0] * len(tasks)
@@ -55,7 +56,7 @@ class GymSource:
 
     @classmethod
     def from_config(cls, cfg: DatasetConfig, seed: int) -> "GymSource":
-        return cls(parse_tasks(cfg.tasks), cfg.size, seed)
+        return cls(parse_tasks(cfg.tasks), cfg.size, seed, cfg.instruction)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -67,7 +68,8 @@ class GymSource:
         t, local = self.slots[slot]
         entry = self.dataset(t, self.levels[t])[local]
         name = self.tasks[t].name
-        return Problem(slot, entry["question"], (encode_entry(name, entry),), f"\\boxed{{{entry['answer']}}}")
+        problem = Problem(slot, entry["question"], (encode_entry(name, entry),), f"\\boxed{{{entry['answer']}}}")
+        return with_instruction(problem, self.instruction)
 
     def problems(self) -> list[Problem]:
         return [self.problem(i) for i in range(len(self.slots))]

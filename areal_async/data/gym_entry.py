@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["encode_entry", "decode_entry", "GYM_REWARD_FN"]
+__all__ = ["encode_entry", "decode_entry", "GYM_REWARD_FN", "GYM_REWARD_FNS"]
 
 _KEYS = ("task", "answer", "metadata")
 GYM_REWARD_FN = "areal_async.reward.gym_reward:gym_reward"  # the plug-in that reads these entries
+GYM_REWARD_FNS = (GYM_REWARD_FN, "areal_async.reward.gym_reward:gym_plain_reward")  # ... and its plain-text twin
 
 
 def encode_entry(task: str, entry: dict) -> str:

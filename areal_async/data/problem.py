@@ -11,3 +11,10 @@ class Problem:
     prompt: str
     solutions: tuple[str, ...]
     answer: str = ""  # a completion used by the SFT warm-up; empty when the dataset has none
+
+
+def with_instruction(problem: Problem, instruction: str) -> Problem:
+    """The problem with ``instruction`` appended to its prompt after a space (``train_dataset.instruction``)."""
+    if not instruction:
+        return problem
+    return Problem(problem.index, f"{problem.prompt} {instruction}", problem.solutions, problem.answer)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from areal_async.config import DatasetConfig
 from areal_async.data.gym import gym_problems
-from areal_async.data.problem import Problem
+from areal_async.data.problem import Problem, with_instruction
 from areal_async.data.templates import render_prompt_ids, render_prompt_text
 
 
@@ -84,9 +84,38 @@ def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> 
 
 
 def load_problems(cfg: DatasetConfig, seed: int) -> list[Problem]:
+    """The dataset's problems, each prompt followed by ``cfg.instruction`` when one is set."""
     if cfg.type == "reasoning_gym":
-        return gym_problems(cfg, seed)  # imports reasoning-gym (the 'gym' extra) only now
-    return tiny_arith(cfg, seed) if cfg.type == "tiny_arith" else load_jsonl(cfg.path)
+        return gym_problems(cfg, seed)  # imports reasoning-gym (the 'gym' extra) only now; instructed there
+    problems = tiny_arith(cfg, seed) if cfg.type == "tiny_arith" else load_jsonl(cfg.path)
+    return [with_instruction(p, cfg.instruction) for p in problems]
+
+
+def split_holdout(problems: list[Problem], n: int) -> tuple[list[int], list[Problem]]:
+    """(indices of the training problems, the held-out problems) for ``train_dataset.holdout`` = ``n``: the
+    last ``n`` distinct prompts, walking back from the end, are held out (in their order), and no training
+    problem has a held-out prompt (a generator may repeat one). ValueError when fewer than ``n`` distinct
+    prompts exist or none would be left to train on."""
+    if n == 0:
+        return list(range(len(problems))), []
+    held: dict[str, int] = {}
+    for i in range(len(problems) - 1, -1, -1):
+        if len(held) == n:
+            break
+        held.setdefault(problems[i].prompt, i)
+    train = [i for i, p in enumerate(problems) if p.prompt not in held]
+    if len(held) < n or not train:
+        raise ValueError(
+            f"train_dataset.holdout={n}: the {len(problems)} problems hold {len(set(p.prompt for p in problems))} "
+            "distinct prompts; expected more than holdout (some left to train on)"
+        )
+    return train, [problems[i] for i in sorted(held.values())]
+
+
+def training_problems(cfg: DatasetConfig, seed: int) -> tuple[list[Problem], list[int]]:
+    """(every problem, the indices of those trained on: all but the held-out ones, ``split_holdout``)."""
+    problems = load_problems(cfg, seed)
+    return problems, split_holdout(problems, cfg.holdout)[0]
 
 
 class PromptCursor:
@@ -149,18 +178,20 @@ class LengthFilter:
         )
 
 
-def keep_short(problems: list[Problem], encode, max_prompt_len: int) -> LengthFilter:
-    """The seed's filter: problems whose encoded prompt has at most ``max_prompt_len`` tokens.
-    Raises ``ValueError`` when none is left (naming the limit and the shortest prompt)."""
-    lengths = [len(encode(p.prompt)) for p in problems]
-    kept = [i for i, n in enumerate(lengths) if n <= max_prompt_len]
+def keep_short(problems: list[Problem], encode, max_prompt_len: int, among: list[int] | None = None) -> LengthFilter:
+    """The seed's filter: problems (those at the indices ``among``, default all) whose encoded prompt has
+    at most ``max_prompt_len`` tokens. Raises ``ValueError`` when none is left (naming the limit and the
+    shortest prompt)."""
+    among = list(range(len(problems))) if among is None else among
+    lengths = {i: len(encode(problems[i].prompt)) for i in among}
+    kept = [i for i in among if lengths[i] <= max_prompt_len]
     if not kept:
         raise ValueError(
-            f"train_dataset.max_prompt_len={max_prompt_len}: every one of the {len(problems)} prompts "
-            f"is longer (shortest {min(lengths, default=0)} tokens after the template)"
+            f"train_dataset.max_prompt_len={max_prompt_len}: every one of the {len(among)} prompts "
+            f"is longer (shortest {min(lengths.values(), default=0)} tokens after the template)"
         )
-    dropped = [n for n in lengths if n > max_prompt_len]
-    return LengthFilter(kept, len(problems), max_prompt_len, max(dropped, default=0))
+    dropped = [n for n in lengths.values() if n > max_prompt_len]
+    return LengthFilter(kept, len(among), max_prompt_len, max(dropped, default=0))
 
 
 def sft_examples(problems: list[Problem], tokenizer, template: str) -> list[tuple[list[int], list[int]]]:

@@ -7,6 +7,9 @@ last ``\\boxed{}``) and hands it, with the entry, to that task's own ``score_ans
 reward pool's killable child processes like math-verify: same ``reward.timeout_s`` (a check past it is
 SIGKILLed and scores 0, status 'timeout'), same memory cap, and an exception is status 'error'.
 
+``gym_plain_reward`` reads the answer from plain text instead: the completion's last number (``plain_answer``),
+for models that answer in a sentence rather than a box or a tag.
+
 Covered: a completion with no stated answer scores 0.0 (the scorer is not asked); several solutions
 score their best; a solution that is not such an entry raises ValueError (status 'error'), naming it.
 Not covered: partial-credit rules; whatever the task's scorer returns (reasoning-gym's are in [0, 1])
@@ -22,8 +25,9 @@ import reasoning_gym  # the 'gym' extra: loaded with this plug-in, inside the po
 
 from areal_async.data.gym_entry import GYM_REWARD_FN, decode_entry, encode_entry
 from areal_async.reward.answers import final_answer
+from areal_async.reward.plain_answer import last_number
 
-__all__ = ["gym_reward", "encode_entry", "decode_entry", "GYM_REWARD_FN"]
+__all__ = ["gym_reward", "gym_plain_reward", "encode_entry", "decode_entry", "GYM_REWARD_FN"]
 
 
 @functools.cache
@@ -39,6 +43,20 @@ def gym_reward(completion: str, solutions: list[str]) -> float:
         raise ValueError(f"solutions must be a non-empty list of reasoning-gym entries, got {solutions!r:.80}")
     entries = [decode_entry(s) for s in solutions]
     answer = final_answer(completion)
+    if answer is None:
+        return 0.0
+    return max(float(_scorer(task)(answer, entry)) for task, entry in entries)
+
+
+def gym_plain_reward(completion: str, solutions: list[str]) -> float:
+    """``gym_reward`` for answers stated in plain text: the completion's last number (``plain_answer.last_number``,
+    GSM8K's flexible extract) under each entry's task scorer; 0.0 when it wrote no number."""
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}: {completion!r:.80}")
+    if not isinstance(solutions, (list, tuple)) or not solutions:
+        raise ValueError(f"solutions must be a non-empty list of reasoning-gym entries, got {solutions!r:.80}")
+    entries = [decode_entry(s) for s in solutions]
+    answer = last_number(completion)
     if answer is None:
         return 0.0
     return max(float(_scorer(task)(answer, entry)) for task, entry in entries)

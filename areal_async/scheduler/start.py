@@ -20,7 +20,7 @@ from typing import Optional
 from areal_async.base.manifest import RunManifest
 from areal_async.config import ExperimentConfig
 from areal_async.data.gym import GymSource
-from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems
+from areal_async.data.prompts import LengthFilter, PromptCursor, keep_short, load_problems, split_holdout
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.group_filter import build_group_filter
 from areal_async.scheduler.runlog import RunLog
@@ -38,8 +38,9 @@ def build_core(
     d = cfg.train_dataset
     source = GymSource.from_config(d, cfg.seed) if d.type == "reasoning_gym" else None
     problems = source.problems() if source is not None else load_problems(d, cfg.seed)
-    lengths = keep_short(problems, tokenize, d.max_prompt_len)
-    log.info("train_dataset: %s", lengths.describe())
+    train, held = split_holdout(problems, d.holdout)  # the held-out problems are never issued
+    lengths = keep_short(problems, tokenize, d.max_prompt_len, among=train)
+    log.info("train_dataset: %s; %d held out (train_dataset.holdout)", lengths.describe(), len(held))
     kept = [problems[i] for i in lengths.kept]
     book = None if source is None else TaskBook(source, lengths.kept, kept, tokenize, d.max_prompt_len, d.curriculum)
     problem = book.table if book is not None else PromptTable(kept, tokenize, lambda i: 0)

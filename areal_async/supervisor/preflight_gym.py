@@ -13,7 +13,7 @@ import difflib
 
 from areal_async.config.gym_tasks import GymTask, parse_tasks
 from areal_async.data.gym import GYM_INSTALL, GymSource, require_gym
-from areal_async.data.gym_entry import GYM_REWARD_FN, encode_entry
+from areal_async.data.gym_entry import GYM_REWARD_FN, GYM_REWARD_FNS, encode_entry
 from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
 
 N_SAMPLES = 8  # problems per task looked at for the tokenizer's alphabet
@@ -35,7 +35,7 @@ def check_gym_dataset(ctx: Context) -> list[Finding]:
     ctx.texts = _texts(rg, source)
     shares = ", ".join(f"{t.name} {n}" for t, n in zip(tasks, source.counts))
     out = [ok("train_dataset.tasks", [t.name for t in tasks], f"{d.size} problems: {shares}")]
-    if ctx.cfg.reward.fn != GYM_REWARD_FN:
+    if ctx.cfg.reward.fn not in GYM_REWARD_FNS:
         what = "is not the reasoning-gym scorer: the solutions it gets are reasoning-gym entries (JSON)"
         out.append(warn("reward.fn", ctx.cfg.reward.fn, what, f"set reward.fn={GYM_REWARD_FN} unless yours reads them"))
     return out

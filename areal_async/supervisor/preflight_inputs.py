@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from areal_async.base.plugins import contract_problem
+from areal_async.data.problem import with_instruction
 from areal_async.data.prompts import read_jsonl_head, tiny_arith
 from areal_async.data.templates import render_prompt_ids
 from areal_async.rollout.kv_budget import MIB, KVBudget, bytes_per_position
@@ -153,7 +154,7 @@ def check_dataset(ctx: Context) -> list[Finding]:
         return check_gym_dataset(ctx)
     if d.type == "tiny_arith":
         problems = tiny_arith(d, ctx.cfg.seed)
-        ctx.first_prompt = problems[0].prompt
+        ctx.first_prompt = with_instruction(problems[0], d.instruction).prompt
         out = [ok("train_dataset.type", d.type, f"{len(problems)} problems generated locally")]
         if len(problems) < d.size:
             out.append(
@@ -167,7 +168,7 @@ def check_dataset(ctx: Context) -> list[Finding]:
         return out
     found = jsonl_file("train_dataset.path", d.path, need_answer=ctx.cmd == "sft")
     if found.level == "ok":
-        ctx.first_prompt = read_jsonl_head(d.path, 1)[0][1].prompt
+        ctx.first_prompt = with_instruction(read_jsonl_head(d.path, 1)[0][1], d.instruction).prompt
     return [found]
 
 

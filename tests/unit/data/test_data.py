@@ -4,8 +4,13 @@ import json
 
 import pytest
 
-from areal_async.config import DatasetConfig
-from areal_async.data.prompts import load_jsonl, tiny_arith
+from areal_async.app.evaluate import eval_problems
+from areal_async.config import DatasetConfig, from_dict
+from areal_async.config.base import ConfigError
+from areal_async.data.problem import Problem
+from areal_async.data.prompts import load_jsonl, load_problems, split_holdout, tiny_arith
+from areal_async.scheduler.runlog import RunLog
+from areal_async.scheduler.start import build_core
 from areal_async.reward.math_verify_reward import boxed_math_reward
 
 
@@ -45,3 +50,50 @@ def test_jsonl_loads_and_names_bad_lines(tmp_path):
     bad.write_text("\n")
     with pytest.raises(ValueError, match="no problems"):
         load_jsonl(bad)
+
+
+def _problems(prompts: str) -> list:
+    return [Problem(i, p, ("0",)) for i, p in enumerate(prompts.split())]
+
+
+def test_holdout_is_the_last_distinct_prompts_and_no_training_problem_repeats_one():
+    # a b c a d c b e: walking back, e b c d are the last 4 distinct prompts (the trailing b and c
+    # count once); the training problems are what is left without those prompts: a (twice)
+    probs = _problems("a b c a d c b e")
+    train, held = split_holdout(probs, 4)
+    assert [p.prompt for p in held] == ["d", "c", "b", "e"]  # in their order, at their last occurrence
+    assert [probs[i].prompt for i in train] == ["a", "a"]
+    assert split_holdout(probs, 0) == (list(range(8)), [])
+    with pytest.raises(ValueError, match="holdout=5: the 8 problems hold 5 distinct prompts"):
+        split_holdout(probs, 5)  # nothing left to train on
+
+
+def test_holdout_of_a_generated_task_is_refused_when_it_is_not_below_size():
+    with pytest.raises(ConfigError, match="holdout"):
+        DatasetConfig(size=10, holdout=10)
+
+
+def test_the_scheduler_never_issues_a_held_out_problem_and_eval_takes_them(tmp_path):
+    cfg = from_dict({}, ["train_dataset.size=81", "train_dataset.holdout=20", "evaluator.max_problems=0"])
+    problems = tiny_arith(cfg.train_dataset, cfg.seed)
+    held = {p.prompt for p in problems[-20:]}  # tiny_arith's prompts are distinct: the last 20 are held out
+    core, lengths, _ = build_core(cfg, lambda text: [ord(c) for c in text], RunLog(tmp_path, False, []))
+    assert lengths.n_total == 61 and len(lengths.kept) == 61
+    issued = {"".join(map(chr, core.problem(i)[0])) for i in range(len(lengths.kept))}
+    assert len(issued) == 61 and not issued & held
+    assert [p.prompt for p in eval_problems(cfg)] == [p.prompt for p in problems[-20:]]
+
+
+def test_the_instruction_follows_every_prompt_of_every_source(tmp_path):
+    plain = load_problems(DatasetConfig(size=5), seed=3)
+    told = load_problems(DatasetConfig(size=5, instruction="Answer briefly."), seed=3)
+    assert [p.prompt for p in told] == [f"{p.prompt} Answer briefly." for p in plain]
+    assert [p.solutions for p in told] == [p.solutions for p in plain]  # the references are untouched
+    lines = tmp_path / "d.jsonl"
+    lines.write_text(json.dumps({"prompt": "2+2=", "solutions": ["4"]}) + "\n")
+    assert load_problems(DatasetConfig(type="jsonl", path=str(lines), instruction="Go."), 0)[0].prompt == "2+2= Go."
+    pytest.importorskip("reasoning_gym")
+    gym = {"type": "reasoning_gym", "size": 3, "tasks": [{"name": "chain_sum", "weight": 1.0}]}
+    bare = load_problems(DatasetConfig(**gym), seed=1)
+    with_it = load_problems(DatasetConfig(**gym, instruction="Go."), seed=1)
+    assert [p.prompt for p in with_it] == [f"{p.prompt} Go." for p in bare]

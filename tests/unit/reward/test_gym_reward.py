@@ -67,3 +67,20 @@ async def test_right_wrong_and_malformed_answers_in_the_reward_pool(pool):
     for (completion, _, score, status), out in zip(cases, outs):
         assert (out.score, out.status) == (score, status), (completion, out)
     assert "is not a reasoning-gym entry" in outs[-1].detail
+
+
+async def test_gym_plain_reward_in_the_reward_pool():
+    e = rg.create_dataset("basic_arithmetic", seed=5, size=1, min_terms=3, max_terms=3, operators=("+", "-", "*"))[0]
+    value = eval(e["metadata"]["expression"])  # the expression's own value, independent of the scorer
+    sol = [encode_entry("basic_arithmetic", e)]
+    cases = [
+        (f"The answer is {value}.", sol, 1.0, "ok"),  # stated in a sentence, not boxed
+        (f"{value} + 1 = {value + 1}", sol, 0.0, "ok"),  # the last number is wrong
+        ("I do not know.", sol, 0.0, "ok"),
+        ("7", ["7"], 0.0, "error"),  # a plain answer where an entry belongs: an error, named
+    ]
+    with RewardPool("areal_async.reward.gym_reward:gym_plain_reward", n_procs=1, timeout_s=10.0) as pool:
+        outs = await pool.score_many([(c, s) for c, s, _, _ in cases])
+    for (completion, _, score, status), out in zip(cases, outs):
+        assert (out.score, out.status) == (score, status), (completion, out)
+    assert "is not a reasoning-gym entry" in outs[-1].detail
