@@ -93,7 +93,13 @@ def iter_micro_batches(
     for indices in allocation:
         packed = packer(indices) if packer is not None else pack([seqs[i] for i in indices])
         logp_T, entropy_T = forward_packed(
-            model, packed, temperature, with_entropy, entropy_grad, chunk_tokens, whole_max_bytes
+            model,
+            packed,
+            temperature,
+            with_entropy,
+            entropy_grad,
+            chunk_tokens=chunk_tokens,
+            whole_max_bytes=whole_max_bytes,
         )
         yield MicroBatchOut(indices, logp_T, entropy_T, packed.cu_seqlens)
 

@@ -256,6 +256,26 @@ def test_the_head_is_chunked_only_when_the_whole_logits_would_exceed_the_limit(m
     assert ActorConfig().logits_whole_max_mb == 256
 
 
+def test_the_micro_batch_loop_hands_forward_packed_its_chunk_and_its_limit(monkeypatch):
+    """``iter_micro_batches`` (the trainer's forward) passes ``chunk_tokens`` and ``whole_max_bytes`` as such. Main
+    passed them by position into forward_packed's ``(lean, chunk_tokens)``: the chunk became ``lean`` and the
+    limit (256 MiB by default) the chunk, so no micro-batch's head was ever chunked (found by the gpu_check twin
+    fsdp2_chunked_checkpointing, issue 36). Same sequences and limits as the test above, through the loop."""
+    from areal_async.trainer import packing
+    from areal_async.trainer.logprobs import iter_micro_batches
+
+    calls = []
+    real = packing.head_logprobs
+    monkeypatch.setattr(packing, "head_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (9, 4, 12)]  # one micro-batch of 25 tokens
+    model = model64(VARLEN_IMPL)
+    for limit, chunked in ((5300, 0), (5299, 1), (0, 1)):
+        calls.clear()
+        list(iter_micro_batches(model, seqs, 1.0, 64, chunk_tokens=4, whole_max_bytes=limit))
+        assert len(calls) == chunked, (limit, calls)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("lean", [True, False])
 def test_whole_logits_with_the_entropy_as_statistic_equal_the_written_out_float64(temperature, lean):
