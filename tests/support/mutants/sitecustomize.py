@@ -54,15 +54,16 @@ def applied(name: str, role: str, ids: list[str], step=None) -> None:
 
 
 def patch_runlog(mod) -> None:
-    orig = mod.RunLog.sample
+    orig = mod.RunLog.samples  # the lines of samples that ended together (RunLog.sample goes through it)
 
-    def sample(self, rec):
-        if rec.status == "trained" and rec.train_step >= 1 and claim("dropped"):
-            applied("dropped", "scheduler", [rec.sample_id], rec.train_step)
-            return None
-        return orig(self, rec)
+    def samples(self, recs):
+        hit = next((r for r in recs if r.status == "trained" and r.train_step >= 1), None)
+        if hit is not None and claim("dropped"):
+            applied("dropped", "scheduler", [hit.sample_id], hit.train_step)
+            recs = [r for r in recs if r is not hit]
+        return orig(self, recs)
 
-    mod.RunLog.sample = sample
+    mod.RunLog.samples = samples
 
 
 def patch_trainer(mod) -> None:
