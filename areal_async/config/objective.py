@@ -56,6 +56,11 @@ class ObjectiveConfig(Section):
     behav_imp_weight_cap: Optional[float] = _f(
         None, "TIS: the decoupled loss's behaviour weight exp(prox - behav) truncated at this cap (> 1); None = off."
     )
+    m2_threshold: Optional[float] = _f(
+        None,
+        "M2PO: each minibatch's tokens with the largest (behav - prox)^2 leave the loss (and its token count) until "
+        "the mean of the rest is below this (AReaL's m2_threshold, e.g. 0.04); None = off.",
+    )
     prox_logp_method: str = _f(
         "recompute",
         "recompute (the proximal forward) | loglinear (AReaL: behav + alpha * (logp - behav), "
@@ -81,6 +86,8 @@ def check_objective(c: Any) -> None:
     _check_overlong(c)
     cap = c.behav_imp_weight_cap
     require(cap is None or cap > 1, "behav_imp_weight_cap", cap, "> 1 or None (TIS off)")
+    m2 = c.m2_threshold
+    require(m2 is None or m2 > 0, "m2_threshold", m2, "> 0 or None (M2PO off)")
 
 
 def check_objective_actor(c: Any) -> None:
@@ -148,6 +155,14 @@ def _check_decoupled(c: Any) -> None:
         "behav_imp_weight_cap",
         cap,
         "None with rejection_sampling.mode=clamp (that already truncates the weight, at rejection_sampling.upper)",
+    )
+    m2 = c.m2_threshold
+    require(
+        m2 is None or (c.use_decoupled_loss and c.prox_logp_method == "recompute"),
+        "m2_threshold",
+        m2,
+        "None unless use_decoupled_loss=true with prox_logp_method=recompute (M2PO masks by (behav - prox)^2 "
+        "over the whole minibatch, before its update: it needs the proximal forward)",
     )
     require(
         c.prox_logp_method == "recompute" or c.use_decoupled_loss,

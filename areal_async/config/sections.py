@@ -327,7 +327,18 @@ class RejectionSamplingConfig(Section):
     upper: float = _f(5.0, "Tokens whose importance weight exceeds this are rejected.")
     mode: str = _f("mask", "'mask' drops rejected tokens from the loss; 'clamp' clips their weight to 'upper'.")
     level: str = _f(
-        "token", "'token' or 'sequence' (a sequence judged by exp(mean log weight), its tokens share that weight)."
+        "token", "'token' or 'sequence' (a sequence judged by its weight of `agg`, its tokens share that weight)."
+    )
+    lower: Optional[float] = _f(
+        None,
+        "Lower bound: tokens (sequences) whose weight is below it are rejected too; None = none. With level "
+        "'token', mode 'mask', lower 0.5 and upper 5 this is IcePop (docs/objectives.md#off-policy-corrections).",
+    )
+    agg: str = _f(
+        "mean",
+        "level 'sequence' only: the sequence's weight is exp(mean log w), the geometric mean (geometric "
+        "sequence mask), or 'sum': exp(sum log w), the sequence's importance ratio (MIS, masked importance "
+        "sampling).",
     )
 
     def check(self) -> None:
@@ -335,6 +346,10 @@ class RejectionSamplingConfig(Section):
         one_of(self, "level", ("token", "sequence"))
         above(self, "upper", 1)
         one_of(self, "mode", ("mask", "clamp"))
+        one_of(self, "agg", ("mean", "sum"))
+        lo = self.lower
+        require(lo is None or 0 < lo < 1, "lower", lo, "None or in (0, 1) (a weight of 1 is on-policy)")
+        require(self.agg == "mean" or self.level == "sequence", "agg", self.agg, "'mean' unless level='sequence'")
 
 
 @dataclass

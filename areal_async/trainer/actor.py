@@ -38,6 +38,7 @@ import torch
 from areal_async.config import ActorConfig
 from areal_async.models import lora
 from areal_async.trainer.advantages import advantages_flat, scaled_rewards
+from areal_async.trainer.corrections import m2po_keep, masked_block
 from areal_async.trainer.dp import (
     DataParallel,
     ShardedWeights,
@@ -94,6 +95,8 @@ class _Batch:
         self.adv: Optional[torch.Tensor] = None
         self.ref: Optional[torch.Tensor] = None  # reference logprobs, kept for kl_in='loss'
         self.scale: Optional[torch.Tensor] = None  # per-token loss coefficients (loss_agg_mode other than token-mean)
+        self.m2keep: Optional[torch.Tensor] = None  # M2PO's kept tokens (actor.m2_threshold), set per minibatch
+        self.n_m2po = 0  # tokens M2PO took out of the loss, every minibatch
         self._all = list(range(len(trajs)))
         self._packed: dict[tuple[int, ...], PackedBatch] = {}
 
@@ -204,6 +207,8 @@ class PPOActor:
         mode (no dropout)."""
         if not self.cfg.recompute_logprob or self.cfg.ppo_n_minibatches != 1 or self.cfg.kl_ctl > 0:
             return False
+        if self.cfg.m2_threshold is not None:  # M2PO masks the minibatch before its update
+            return False
         if self.cfg.prox_logp_method == "loglinear":  # the proximal logprobs are approximated instead
             return False
         cfg = getattr(self.model, "config", None)
@@ -282,6 +287,7 @@ class PPOActor:
         m["skipped_steps"] = float(skipped)
         m["optimizer_steps"] = float(len(grad_norms) - skipped)
         m["masked_tokens"] = float((~batch.mask).sum())  # workflow env tokens, not trained
+        m |= masked_block(float(batch.mask.sum()), stats.n_rejected, float(batch.n_m2po))
         return m | self._mismatch(batch)
 
     def _mismatch(self, batch: _Batch) -> dict[str, float]:
@@ -440,8 +446,8 @@ class PPOActor:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)  # the grads are None here: forwards ahead keep none
         where = batch.token_index(idx)
-        mask = batch.cat("mask", idx, where)
-        n_tokens = int(mask.sum())  # the loss denominator: rejected tokens stay in it
+        mask = self._m2po(batch, idx, where)
+        n_tokens = int(mask.sum())  # the loss denominator: rejected tokens stay in it (M2PO's leave it)
         seq_lens = [batch.n_out[i] for i in idx]
         if self.cfg.loss_agg_mode != "token-mean":
             self._set_scale(batch, where, agg_scale(mask, seq_lens, self.cfg.loss_agg_mode, self.max_new_tokens))
@@ -463,6 +469,22 @@ class PPOActor:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return stats, grad_norm, n_mb, stepped
+
+    def _m2po(self, batch: _Batch, idx: list[int], where: Optional[torch.Tensor]) -> torch.Tensor:
+        """The minibatch's trained tokens, less those M2PO masks (``actor.m2_threshold``; kept in
+        ``batch.m2keep`` for the micro-batches, counted in ``batch.n_m2po``)."""
+        mask = batch.cat("mask", idx, where)
+        if self.cfg.m2_threshold is None:
+            return mask
+        keep = m2po_keep(batch.cat("behav", idx, where), batch.cat("prox", idx, where), mask, self.cfg.m2_threshold)
+        batch.n_m2po += int((mask & ~keep).sum())
+        if where is None:
+            batch.m2keep = keep
+        else:
+            if batch.m2keep is None:
+                batch.m2keep = torch.zeros_like(batch.mask)
+            batch.m2keep.index_copy_(0, where.to(keep.device), keep)
+        return keep
 
     def _micro_loss(
         self, batch: _Batch, traj_idx: list[int], mb: MicroBatchOut, n_tokens: int
@@ -487,7 +509,7 @@ class PPOActor:
             self.cfg,
             n_tokens=n_tokens,
             entropy=entropy,
-            loss_mask=batch.cat("mask", traj_idx, where),
+            loss_mask=batch.cat("mask" if batch.m2keep is None else "m2keep", traj_idx, where),
             scale=batch.cat("scale", traj_idx, where),
             seq_lens=[batch.n_out[i] for i in traj_idx],
             ref_logp=batch.cat("ref", traj_idx, where),

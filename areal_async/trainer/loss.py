@@ -24,7 +24,8 @@ Covered:
   (``agg_scale``; verl's ``agg_loss``, Dr.GRPO's constant normaliser as TRL's ``dr_grpo``);
 - AReaL's log-linear proximal approximation (``loglinear_prox``).
 
-Not covered: value losses (no critic), SAPO, M2PO.
+Not covered: value losses (no critic), SAPO. M2PO's mask is ``corrections.m2po_keep`` (the actor applies it
+per minibatch, before the update).
 All inputs are flat per-token tensors of the same shape (the caller concatenates sequences;
 ``seq_lens`` gives their lengths where a sequence-level quantity is needed).
 """
@@ -107,8 +108,14 @@ def behav_importance(
     cap: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, keep): w = exp(prox - behav), rejection applied per rs, then TIS: min(w, cap).
-    Constants (no grad). At ``rs.level='sequence'`` a sequence is judged by, and each of its tokens
-    weighted with, exp(mean over its ``mask`` tokens of log w) (AReaL's sequence level, ratio metric)."""
+    Constants (no grad). Judged against [``rs.lower``, ``rs.upper``] (no lower bound when None; AReaL's
+    ``_check_bounds``, areal/utils/functional/functional.py L167-182): at level 'token' with a lower bound
+    and mode 'mask' this is IcePop's token mask. At ``rs.level='sequence'`` a sequence is judged by, and
+    each of its tokens weighted with, its weight over its ``mask`` tokens: ``agg='mean'`` exp(mean log w),
+    the geometric mean (AReaL's sequence level, ratio metric; verl's seq_mean_k1 "Geo-RS"), ``agg='sum'``
+    exp(sum log w), the sequence's importance ratio (verl's Seq-MIS: rollout_is=sequence weights,
+    rollout_corr_helper.py L537-544, judged as seq_sum_k1; log sums clamped at +-20 as verl's
+    SAFETY_BOUND, L75)."""
     log_w = prox_logp.detach().float() - behav_logp.detach().float()
     weight = torch.exp(log_w)
     keep = torch.ones_like(weight, dtype=torch.bool)
@@ -117,14 +124,30 @@ def behav_importance(
     if rs.metric == "ratio":
         if rs.level == "sequence":
             idx, n = _seq(seq_lens, log_w, "rejection_sampling.level=sequence")
-            weight = torch.exp(segment_mean(log_w, mask if mask is not None else keep, idx, n))
+            weight = torch.exp(_seq_log_weight(log_w, mask if mask is not None else keep, idx, n, rs.agg))
+        lower = 0.0 if rs.lower is None else rs.lower
         if rs.mode == "mask":
-            keep = weight <= rs.upper
+            keep = (weight <= rs.upper) & (weight >= lower)
         elif rs.mode == "clamp":
-            weight = weight.clamp(max=rs.upper)
+            weight = weight.clamp(min=lower, max=rs.upper)
         else:
             raise ValueError(f"rejection_sampling.mode={rs.mode!r}: expected 'mask' or 'clamp'")
     return (weight.clamp(max=cap) if cap is not None else weight), keep
+
+
+SAFETY_BOUND = 20.0  # verl's bound on a sequence's log weight before exp (rollout_corr_helper.py L75)
+
+
+def _seq_log_weight(log_w: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor, n: int, agg: str) -> torch.Tensor:
+    """Each token gets its sequence's log weight: the mean (agg 'mean') or the sum (agg 'sum', clamped
+    at +-SAFETY_BOUND) of log w over the sequence's ``mask`` tokens."""
+    if agg == "mean":
+        return segment_mean(log_w, mask, idx, n)
+    if agg != "sum":
+        raise ValueError(f"rejection_sampling.agg={agg!r}: expected 'mean' or 'sum'")
+    m = mask.to(log_w.dtype)
+    sums = torch.zeros(n, dtype=log_w.dtype, device=log_w.device).index_add(0, idx, log_w * m)
+    return sums.clamp(-SAFETY_BOUND, SAFETY_BOUND)[idx]
 
 
 def loss_weights(

@@ -12,6 +12,11 @@ trainer's packed forward); each version of lag adds one update's move. Columns:
     ess_frac                               effective sample size of the importance weights
                                            w = exp(prox - behav), as a fraction of the tokens:
                                            (sum w)^2 / (n sum w^2), 1 when every w is equal
+    ratio_max, ratio_p99, ratio_p1, ratio_min   the weight w = exp(prox - behav) itself: its tails, the
+                                           values IcePop / MIS / TIS bounds cut (float64, then float)
+
+With the masked fractions of ``corrections.masked_block`` (what the active corrections took out of the
+loss) these are the step's mismatch block, which ``areal-async plot`` draws and ``doctor`` reads.
 
 p50 and p99 are nearest-rank percentiles (the smallest value with >= 50 / 99 % of tokens at or below
 it: the ``ceil(q n)``-th smallest), so a hand count can check them. The lag-0 columns of step 0 are the
@@ -33,7 +38,7 @@ def nearest_rank(values: torch.Tensor, q: float) -> float:
     if n == 0:
         return float("nan")
     k = max(1, math.ceil(q * n))
-    return float(values.float().kthvalue(k).values)
+    return float((values if values.is_floating_point() else values.float()).kthvalue(k).values)
 
 
 def mismatch_metrics(
@@ -50,7 +55,7 @@ def mismatch_metrics(
         log_w, lags = log_w[keep], lags[keep]
     if log_w.numel() == 0:
         return {}
-    out = _gap_columns(log_w, "") | {"ess_frac": ess_fraction(log_w)}
+    out = _gap_columns(log_w, "") | {"ess_frac": ess_fraction(log_w)} | ratio_columns(log_w)
     for lag in sorted(set(lags.tolist())):
         lw = log_w[lags == lag]
         out |= _gap_columns(lw, f"_lag{lag}") | {f"tokens_lag{lag}": float(lw.numel())}
@@ -66,6 +71,18 @@ def _gap_columns(log_w: torch.Tensor, suffix: str) -> dict[str, float]:
         f"logp_gap_p99{suffix}": nearest_rank(gap, 0.99),
         f"logp_gap_max{suffix}": float(gap.max()),
         f"kl_k3{suffix}": float(k3.mean()),
+    }
+
+
+def ratio_columns(log_w: torch.Tensor) -> dict[str, float]:
+    """max, p99, p1 and min (nearest rank) of w = exp(log_w), exponentiated in float64 (exp of a float32
+    log weight past 88 would be inf)."""
+    w = torch.exp(log_w.double())
+    return {
+        "ratio_max": float(w.max()),
+        "ratio_p99": nearest_rank(w, 0.99),
+        "ratio_p1": nearest_rank(w, 0.01),
+        "ratio_min": float(w.min()),
     }
 
 
