@@ -1,7 +1,8 @@
 """``areal-async doctor RUN_DIR [--json]``: is this run healthy, and if not, why.
 
 Reads a run directory, live or finished (``doctor_run.py``: metrics.jsonl with the health columns of
-``scheduler/health.py`` and ``trainer/mismatch.py``, reward_samples/, logs/, lost.jsonl, hangs.jsonl
+``scheduler/health.py`` and ``trainer/mismatch.py``, the mismatch block and the long tail's columns,
+reward_samples/, logs/, lost.jsonl, hangs.jsonl
 and stacks/, status.json, summary.json) and runs every check of ``doctor_checks.py``. Each finding
 prints its evidence (figures from the run, sample completions, captured stacks) and advice (the
 config knob that moves it). Exit 0: no findings; 1: findings; 2: not a run directory. ``--json``
@@ -61,6 +62,10 @@ FIGURES = (  # shown on every report (means over the second half; reward also ov
     "logp_gap_mean",
     "logp_gap_p99",
     "ess_frac",
+    "kl_k3",
+    "ratio_p99",
+    "masked_frac",
+    "tail_s",
 )
 
 
@@ -69,6 +74,8 @@ def figures(run: RunData) -> dict[str, float]:
     late = halves(run.rows)
     out = {k: mean(run.series(k, late)) for k in FIGURES}
     out["reward_mean_first_quarter"] = mean(run.series("reward_mean", quarters(run.rows)[0])) if run.rows else None
+    wasted, trained = sum(run.series("wasted_tokens", late)), sum(run.series("trained_tokens", late))
+    out["wasted_per_trained"] = wasted / trained if trained else None  # generated, never trained (issue 42)
     return {k: round(v, 4) for k, v in out.items() if v is not None}
 
 

@@ -38,6 +38,14 @@ AT_BOUND_FRAC, FED_IDLE = 0.75, 0.25
 # the trainer up), so there the idle fractions are shown, not found
 IDLE_FRAC = 0.75
 GAP_GROWTH, GAP_FLOOR = 2.0, 0.05  # last/first quarter mean log-prob gap, and a floor in nats/token
+# the off-policy corrections (IcePop, sequence masks, M2PO: docs/objectives.md) took a tenth of the trained
+# tokens out of the loss over the second half: the data is too far off-policy for its bounds, and the run
+# trains on what the masks leave (healthy tiny_arith runs at eta 1 mask ~0 %; IcePop's paper reports masking
+# well under 1 % of tokens on a healthy MoE run)
+MASKED_FRAC = 0.1
+# the last group of each batch kept the trainer waiting a third of the step over the second half, with no
+# over-provisioning: the long tail decides the step time (rollout.over_provision aborts such stragglers)
+TAIL_FRAC = 1 / 3
 SILENT_FACTOR = 3.0  # a live worker's heartbeat older than this many heartbeat periods
 
 
@@ -297,6 +305,51 @@ def check_gap(run: RunData) -> list[Finding]:
     return [Finding("mismatch_growing", "the behaviour vs proximal log-prob gap grows", ev, advice)]
 
 
+def check_masking(run: RunData) -> list[Finding]:
+    """The mismatch block (``trainer/mismatch.py``, ``trainer/corrections.py``): corrections masking a large
+    share of the trained tokens."""
+    late = halves(run.rows)
+    masked = mean(run.series("masked_frac", late))
+    if len(run.rows) < MIN_ROWS or masked is None or masked < MASKED_FRAC:
+        return []
+    figs = {k: mean(run.series(k, late)) for k in ("masked_frac_rs", "masked_frac_m2po", "kl_k3", "ratio_p99")}
+    ev = [f"masked_frac {_pct(masked)} of the trained tokens over the second half"]
+    ev += [f"{k} {v:.4g}" for k, v in figs.items() if v is not None]
+    rs = run.get("actor.rejection_sampling", {}) or {}
+    ev.append(
+        f"actor.rejection_sampling level={rs.get('level', 'token')} lower={rs.get('lower')} "
+        f"upper={rs.get('upper')} agg={rs.get('agg', 'mean')}, actor.m2_threshold={run.get('actor.m2_threshold')}"
+    )
+    advice = (
+        "the batches are too far off-policy for the corrections' bounds, and the update learns from what they "
+        "leave: lower rollout.max_head_offpolicyness or actor.optimizer.lr (staleness), or look at the "
+        "version-0 gap (the engine's numerics) before widening the bounds"
+    )
+    return [Finding("mismatch_masking", f"the corrections mask {_pct(masked)} of the trained tokens", ev, advice)]
+
+
+def check_long_tail(run: RunData) -> list[Finding]:
+    """``tail_s`` against ``step_s`` over the second half, when nothing over-provisions."""
+    late = halves(run.rows)
+    tail, step = mean(run.series("tail_s", late)), mean(run.series("step_s", late))
+    if len(run.rows) < MIN_ROWS or tail is None or not step or tail < TAIL_FRAC * step:
+        return []
+    if (run.get("rollout.over_provision", 0) or 0) > 0:
+        return []
+    ev = [
+        (
+            f"tail_s mean {tail:.2f}s of step_s {step:.2f}s over the second half: the batch's last group kept the "
+            "trainer waiting that long after the one before it"
+        ),
+        f"rollout.max_head_offpolicyness={run.get('rollout.max_head_offpolicyness')}, rollout.over_provision=0",
+    ]
+    advice = (
+        "start a few groups beyond what a step needs and abort the stragglers once the batch is full "
+        "(rollout.over_provision, e.g. 0.25; aborted groups are re-issued, their tokens counted in wasted_tokens)"
+    )
+    return [Finding("long_tail", f"the batch's last group costs {_pct(tail / step)} of the step", ev, advice)]
+
+
 def check_restarts(run: RunData) -> list[Finding]:
     out = []
     if run.restarts:
@@ -396,6 +449,8 @@ CHECKS: list[Callable[[RunData], list[Finding]]] = [
     check_staleness,
     check_idle,
     check_gap,
+    check_masking,
+    check_long_tail,
     check_restarts,
     check_silence,
     check_hangs,

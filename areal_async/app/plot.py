@@ -19,6 +19,12 @@ and ``trajectories.jsonl`` when the run dumped it; writes into ``RUN_DIR/plots``
                      idle fractions per role (when the run has them)
     weights.png      weight updates: seconds from the optimizer step's end to every rollout
                      generating with the new weights, stacked by phase, per version (when timed)
+    mismatch.png     the mismatch block (docs/objectives.md#off-policy-corrections): behaviour vs
+                     proximal k3 KL, the tails of w = exp(prox - behav) (log scale), and the fraction
+                     of trained tokens each correction masked (when the run has the block)
+    longtail.png     the long tail (docs/running.md#the-long-tail): tail_s, the seconds the last group of
+                     each batch kept the trainer waiting, and wasted_tokens (generated, never trained) per
+                     trained token, per step (when the run has them)
     tasks.png        a reasoning-gym mixture (rows with task/<name>/* columns): reward per task per
                      step and its moving average, each task's share of the samples trained so far,
                      and its curriculum level (tasks with levels)
@@ -111,6 +117,10 @@ def plot_run(run_dir: str | Path, out_dir: Optional[str | Path] = None) -> list[
         figures.append(("weights.png", lambda ax: _weights(ax, steps)))
     if any("truncated_frac" in r for r in steps):
         figures.append(("health.png", lambda ax: _health(ax, steps)))
+    if any("ratio_p99" in r for r in steps):
+        figures.append(("mismatch.png", lambda ax: _panels(ax, steps, MISMATCH_PANELS)))
+    if any("tail_s" in r for r in steps):
+        figures.append(("longtail.png", lambda ax: _panels(ax, _with_waste(steps), LONGTAIL_PANELS)))
     if task_names(steps):
         figures.append(("tasks.png", lambda ax: _tasks(ax, steps)))
     paths = []
@@ -131,7 +141,14 @@ def _pyplot():
 
 
 def _layout(name: str) -> tuple[int, int]:
-    return {"staleness.png": (1, 2), "loss.png": (2, 3), "tasks.png": (1, 3), "health.png": (2, 2)}.get(name, (1, 1))
+    return {
+        "staleness.png": (1, 2),
+        "loss.png": (2, 3),
+        "tasks.png": (1, 3),
+        "health.png": (2, 2),
+        "mismatch.png": (1, 3),
+        "longtail.png": (1, 2),
+    }.get(name, (1, 1))
 
 
 def _title(run_dir: Path, name: str) -> str:
@@ -145,6 +162,8 @@ def _title(run_dir: Path, name: str) -> str:
         "weights.png": "Weight updates",
         "tasks.png": "Tasks of the mixture",
         "health.png": "Health (areal-async doctor)",
+        "mismatch.png": "Mismatch block (behaviour vs proximal)",
+        "longtail.png": "Long tail",
     }[name]
     return f"{what} - {run_dir.name}"
 
@@ -283,6 +302,42 @@ def _health(axes, steps: list[dict]) -> None:
         ax.set(xlabel="trainer step", ylabel=unit, title=title)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=7)
+
+
+MISMATCH_PANELS = (  # (keys, title, unit, log y)
+    (["kl_k3"], "k3 KL, behaviour vs proximal", "nats / token", False),
+    (["ratio_max", "ratio_p99", "ratio_p1", "ratio_min"], "w = exp(prox - behav)", "weight (log scale)", True),
+    (["masked_frac", "masked_frac_rs", "masked_frac_m2po"], "masked by the corrections", "fraction of tokens", False),
+)
+LONGTAIL_PANELS = (
+    (["tail_s"], "the last group of the batch", "seconds the trainer waited", False),
+    (["wasted_per_trained"], "generated, never trained", "wasted tokens / trained token", False),
+)
+
+
+def _with_waste(steps: list[dict]) -> list[dict]:
+    """Rows with ``wasted_per_trained`` = wasted_tokens / trained_tokens of the step (where both are there)."""
+    out = []
+    for r in steps:
+        w, n = r.get("wasted_tokens"), r.get("trained_tokens")
+        out.append(r | ({"wasted_per_trained": w / n} if isinstance(w, (int, float)) and n else {}))
+    return out
+
+
+def _panels(axes, steps: list[dict], panels) -> None:
+    """One panel per entry, each key a line (raw thin, moving average bold)."""
+    w, colors = window_for(len(steps)), ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    for ax, (keys, title, unit, log) in zip(axes, panels):
+        for key, color in zip(keys, colors):
+            xs, ys = _xy(steps, key)
+            if ys:
+                _series(ax, xs, ys, key, color, w)
+        if log:
+            ax.set_yscale("log")
+        ax.set(xlabel="trainer step", ylabel=unit, title=title)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best", fontsize=7)
 
 
 def _eval(ax, evals: list[dict]) -> None:

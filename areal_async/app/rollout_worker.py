@@ -135,6 +135,7 @@ def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path | N
         max_batch_groups=cfg.rollout.max_batch_groups,
         kv_cache_bytes=int(cfg.rollout.kv_cache_mb * (1 << 20)),
         adapter=adapter,
+        on_weights=cfg.rollout.on_weights,
     )
 
 
@@ -168,7 +169,11 @@ def sglang_engine(
         for j, a in enumerate(mine)
     ]
     return RemoteEngine(
-        clients, max_in_flight=max_in_flight, down_timeout_s=s.server_down_timeout_s, ready_timeout_s=s.update_timeout_s
+        clients,
+        max_in_flight=max_in_flight,
+        down_timeout_s=s.server_down_timeout_s,
+        ready_timeout_s=s.update_timeout_s,
+        on_weights=cfg.rollout.on_weights,
     )
 
 
@@ -210,6 +215,7 @@ def vllm_engine(
         max_in_flight=max_in_flight,
         down_timeout_s=v.server_down_timeout_s,
         ready_timeout_s=v.startup_timeout_s,
+        on_weights=cfg.rollout.on_weights,
     )
 
 

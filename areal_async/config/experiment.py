@@ -468,6 +468,35 @@ class ExperimentConfig(Section):
             self.sglang.pause_mode,
             f"'abort' with actor.lora.rank={self.actor.lora.rank}: {LORA_KEEPS_ADAPTER}",
         )
+        self._check_on_weights()
+
+    def _check_on_weights(self) -> None:
+        """rollout.on_weights through the servers' pause modes: SGLang's in_place IS keep (the running requests
+        resume on their old KV cache), so each needs the other; vLLM cannot label a kept request's tokens."""
+        b, ow, mode = self.rollout.backend, self.rollout.on_weights, self.sglang.pause_mode
+        if b.startswith("sglang"):
+            require(
+                ow != "keep" or mode == "in_place",
+                "rollout.on_weights",
+                ow,
+                "recompute | finish unless sglang.pause_mode=in_place (SGLang keeps a paused request's KV cache only "
+                "under in_place: set both)",
+            )
+            require(
+                mode != "in_place" or ow == "keep",
+                "sglang.pause_mode",
+                mode,
+                "abort | retract unless rollout.on_weights=keep (in_place resumes on the KV cache the old weights "
+                "computed, which only rollout.on_weights=keep opts into: invariant 4)",
+            )
+        require(
+            not (b.startswith("vllm") and ow == "keep"),
+            "rollout.on_weights",
+            ow,
+            f"recompute | finish with rollout.backend={b}: vLLM reports no per-token weight version and the client "
+            "does not stream, so the tokens a request kept across /pause?mode=keep made before and after the "
+            "update cannot be told apart (every token must carry the version that made it)",
+        )
 
 
 # sglang 0.5.23: a request holds the adapter it was tokenized with (tokenizer_manager.py line 3791,

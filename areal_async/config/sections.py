@@ -270,6 +270,20 @@ class RolloutConfig(Section):
         "more than half its episodes, not one with routine tool errors; -1 = never fail.",
     )
     workflow_error_window: int = _f(100, "Episodes (the most recent ones) that max_workflow_errors counts over.")
+    on_weights: str = _f(
+        "recompute",
+        "What sequences in flight do when new weights arrive: 'recompute' (their KV cache recomputed under the "
+        "new weights, AReaL's interruptible rollout), 'keep' (they go on with the KV cache the old weights "
+        "computed, PipelineRL's in-flight update; tokens after it carry the new version, staleness counts the "
+        "oldest) or 'finish' (no new sequence starts until they end under the old weights, then the update). "
+        "sglang: 'keep' is sglang.pause_mode=in_place; vllm: 'keep' is refused (docs/running.md#weight-updates).",
+    )
+    over_provision: float = _f(
+        0.0,
+        "Long tail (APRIL): start ceil(F x batch_size) groups beyond the staleness budget while a group can still "
+        "be accepted; once (eta + v + 1) x batch_size are accepted, the groups still running are aborted as "
+        "stragglers and their prompts re-issued (tail_s, wasted_tokens in metrics.jsonl); 0 = off.",
+    )
 
     @property
     def episodic(self) -> bool:
@@ -317,6 +331,10 @@ class RolloutConfig(Section):
         require(self.episode_timeout_s >= 0, "episode_timeout_s", self.episode_timeout_s, ">= 0 (0 = no bound)")
         require(self.max_workflow_errors >= -1, "max_workflow_errors", self.max_workflow_errors, "an integer >= -1")
         at_least(self, "workflow_error_window", 1)
+        one_of(self, "on_weights", ("recompute", "keep", "finish"))
+        require(
+            0 <= self.over_provision <= 4, "over_provision", self.over_provision, "in [0, 4] (extra groups / batch)"
+        )
 
 
 @dataclass

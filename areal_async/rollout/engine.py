@@ -161,16 +161,26 @@ class GroupOutput:
         return f"GroupOutput({self.group_id!r}, {self.n_samples} samples)"
 
 
+ON_WEIGHTS = ("recompute", "keep", "finish")  # rollout.on_weights
+
+
 class RolloutEngine(ABC):
     """Token-level generation engine hosting one policy.
 
     ``version`` is the version of the loaded weights, -1 before the first load. Every generated
     token records the version that produced it; weights may change between two ``step`` calls,
     mid-generation, and an implementation must never mix a KV cache computed by one version with
-    weights of another (invariant 4).
+    weights of another (invariant 4) unless ``on_weights`` is "keep" (the run opted in: the cache
+    computed by the old weights is kept, the tokens after the update carry the new version).
+
+    ``on_weights`` (``rollout.on_weights``): "recompute" (the running sequences continue under the new
+    weights, their cache recomputed), "keep" (they continue on their old cache) or "finish" (the
+    rollout worker's engine thread holds new work, ``hold_new``, steps until ``in_flight`` is False,
+    then loads: they finish under the old weights).
     """
 
     version: int = -1
+    on_weights: str = "recompute"
 
     @abstractmethod
     def add_request(self, req: GenRequest) -> None:
@@ -191,3 +201,15 @@ class RolloutEngine(ABC):
     @abstractmethod
     def abort_all(self) -> list[GroupOutput]:
         """Finish everything now: unfinished samples keep their tokens and get finish_reason "abort"."""
+
+    def in_flight(self) -> bool:
+        """Whether any started sequence is unfinished (``on_weights`` "finish" waits for False)."""
+        return self.has_work()
+
+    def hold_new(self, hold: bool) -> None:  # noqa: B027 (optional: engines without one start nothing new anyway)
+        """While ``hold``, start no queued request (running ones go on)."""
+
+    def abort_groups(self, group_ids: list[str]) -> dict[str, int]:
+        """Stop these groups now and forget them; returns each one's tokens generated so far (wasted). The
+        default stops nothing (an engine without it finishes them; the scheduler refuses their results)."""
+        return {}

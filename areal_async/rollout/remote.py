@@ -42,7 +42,8 @@ from typing import Optional
 import torch
 
 from areal_async.base.process import Unfixable
-from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine, SampleOutput
+from areal_async.rollout.http_json import HTTPStatusError
+from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, GroupOutput, RolloutEngine, SampleOutput
 
 log = logging.getLogger("areal_async.rollout.remote")
 
@@ -106,6 +107,9 @@ class ServerClient(ABC):
     def abort_all(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """End every running request now (best effort)."""
 
+    def abort(self, rid: str) -> None:  # noqa: B027 (optional: a no-op by default; its answer is then discarded)
+        """End the running request ``rid`` now (best effort)."""
+
     def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Free what the client holds."""
 
@@ -159,7 +163,14 @@ class RemoteEngine(RolloutEngine):
         revive_every_s: float = 1.0,
         max_attempts: int = 100,
         ready_timeout_s: float = 300.0,
+        on_weights: str = "recompute",
     ):
+        """``on_weights`` (``rollout.on_weights``): "keep" needs clients that keep a paused request's cache
+        (SGLang's in_place, checked by the config); "finish" is the rollout worker's drain (``hold_new``,
+        ``in_flight``), so no request runs when the servers pause; "recompute" is whatever the clients' pause
+        does to running requests (abort and resubmit, or retract)."""
+        if on_weights not in ON_WEIGHTS:
+            raise ValueError(f"on_weights={on_weights!r}: expected one of {ON_WEIGHTS}")
         if not clients:
             raise ValueError("clients=[]: a remote engine needs at least one server")
         if max_in_flight < 1:
@@ -174,6 +185,7 @@ class RemoteEngine(RolloutEngine):
         self.weights: Optional[tuple[int, dict]] = None
         self.version = -1
         self.resubmitted = 0  # samples sent again after an abort (interruption) or a lost server
+        self.on_weights, self.holding = on_weights, False
         for f in [self.pool.submit(s.client.wait_ready, ready_timeout_s) for s in self.servers]:
             f.result()
 
@@ -215,6 +227,31 @@ class RemoteEngine(RolloutEngine):
         self.version = version
         self._check_refusals()
 
+    def in_flight(self) -> bool:
+        """A request running, or a sample with tokens waiting to be resubmitted."""
+        return bool(self.inflight) or any(smp.out for smp in self.queue)
+
+    def hold_new(self, hold: bool) -> None:
+        self.holding = hold
+
+    def abort_groups(self, group_ids: list[str]) -> dict[str, int]:
+        """Forget the groups (queued samples dropped, running requests aborted at their servers, best effort;
+        an answer that still comes is discarded): {group id: tokens its samples held here}."""
+        out = {}
+        for gid in [g for g in group_ids if g in self.groups]:
+            g = self.groups.pop(gid)
+            out[gid] = sum(len(s.output_ids) for s in g.samples if s is not None)
+            out[gid] += sum(len(smp.out) for smp in self.queue if smp.group is g)
+            for smp, srv in [(smp, srv) for smp, srv in self.inflight.values() if smp.group is g]:
+                out[gid] += len(smp.out)
+                try:
+                    srv.client.abort(smp.rid())
+                except (ServerDown, HTTPStatusError) as e:  # its answer is discarded when it comes
+                    log.info("abort of %s at %s failed: %s", smp.rid(), srv.client.address, e)
+        if out:
+            self.queue = deque(smp for smp in self.queue if smp.group.req.group_id in self.groups)
+        return out
+
     def abort_all(self) -> list[GroupOutput]:
         for s in self.servers:
             if s.up:
@@ -245,18 +282,29 @@ class RemoteEngine(RolloutEngine):
     def _dispatch(self) -> None:
         while self.queue and len(self.inflight) < self.max_in_flight:
             up = [s for s in self.servers if s.up]
-            if not up:
+            smp = self._next_sample() if up else None
+            if smp is None:
                 return
             srv = min(up, key=lambda s: s.load)
-            smp = self.queue.popleft()
             req = smp.group.req
             f = self.pool.submit(srv.client.generate, smp.rid(), req.prompt_ids + smp.out, smp.remaining, req)
             self.inflight[f] = (smp, srv)
             srv.load += 1
 
+    def _next_sample(self) -> Optional[_Sample]:
+        """The next sample to send: the queue's first, or while ``holding`` the first already started."""
+        if not self.holding:
+            return self.queue.popleft()
+        smp = next((x for x in self.queue if x.out), None)
+        if smp is not None:
+            self.queue.remove(smp)
+        return smp
+
     def _collect(self, f: Future) -> list[GroupOutput]:
         smp, srv = self.inflight.pop(f)
         srv.load -= 1
+        if self.groups.get(smp.group.req.group_id) is not smp.group:  # its group was aborted meanwhile
+            return []
         try:
             c = f.result()
         except ServerDown as e:

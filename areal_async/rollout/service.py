@@ -12,6 +12,11 @@ Two threads of control::
     per engine step: RewardRequests (its groups, one message a reward worker) -> reward workers (PUSH),
                 tensors -> trainer (tensor channel), one TrajectoriesReady -> scheduler
     <── WeightsLoaded(version) ─────────────────── after each weight switch
+    AbortGroups > engine.abort ───────────────────> between two steps: abort_groups (stragglers, deadlines)
+    <── GroupsStopped(tokens) ──────────────────── the tokens they had generated (wasted)
+
+``rollout.on_weights=finish``: a pending update waits until nothing is in flight; meanwhile the engine
+starts no new sequence (``hold_new``) and the running ones end under the old weights (``drain_s``).
 
 The engine thread is the only one that touches the engine, so generation and weight updates
 never race; the event loop stays free to receive while a step runs. Trajectory tensors are sent
@@ -46,6 +51,7 @@ from protocols.messages import (
     RewardRequests,
     RewardResult,
     GroupAborted,
+    GroupsStopped,
     Shutdown,
     TrajectoriesReady,
     TrajectoryReady,
@@ -91,10 +97,13 @@ class EngineThread(threading.Thread):
         on_groups: Callable[[list, dict], None],
         on_loaded: Callable[[int, dict], None],
         max_active_groups: int,
+        on_stopped: Callable[[dict], None] = lambda counts: None,
     ):
         super().__init__(name="engine", daemon=True)
-        self.engine, self.on_groups, self.on_loaded = engine, on_groups, on_loaded
+        self.engine, self.on_groups, self.on_loaded, self.on_stopped = engine, on_groups, on_loaded, on_stopped
         self.inbox: "queue.Queue[GenerateRequest]" = queue.Queue()
+        self.aborts: "queue.Queue[list[str]]" = queue.Queue()
+        self.drain_t0: Optional[float] = None  # on_weights=finish: when the running sequences began to drain
         self.waiting: list[GenerateRequest] = []
         self.requests: dict[str, GenerateRequest] = {}
         self.max_active = max_active_groups
@@ -110,6 +119,11 @@ class EngineThread(threading.Thread):
         self.inbox.put(req)
         self._wake.set()
 
+    def abort(self, group_ids: list[str]) -> None:
+        """Drop these groups at the next step boundary (queued or generating)."""
+        self.aborts.put(list(group_ids))
+        self._wake.set()
+
     def offer_weights(self, version: int, state_dict: dict, times: Optional[dict] = None) -> None:
         with self._lock:  # newest wins: an older pending update is dropped unseen
             if self._weights is None or version > self._weights.version:
@@ -119,6 +133,7 @@ class EngineThread(threading.Thread):
     def run(self) -> None:
         try:
             while not self.stopping.is_set():
+                self._apply_aborts()
                 self._apply_weights()
                 self._admit()
                 if self.engine.has_work():
@@ -136,23 +151,56 @@ class EngineThread(threading.Thread):
             self.failure = e
             self.on_groups(None, {})
 
+    def _apply_aborts(self) -> None:
+        """The groups the scheduler aborted leave the waiting list and the engine; their tokens are reported."""
+        gids: set[str] = set()
+        while not self.aborts.empty():
+            gids.update(self.aborts.get_nowait())
+        if not gids:
+            return
+        self._take_inbox()
+        self.waiting = [r for r in self.waiting if r.group_id not in gids]
+        stopped = self.engine.abort_groups(sorted(gids & set(self.requests)))
+        for gid in stopped:
+            self.requests.pop(gid, None)
+        if stopped:
+            self.on_stopped(stopped)
+
+    def _drain(self, version: int) -> bool:
+        """on_weights=finish: True while sequences started under the old weights still run (nothing new starts)."""
+        if self.engine.on_weights != "finish" or version <= self.engine.version or not self.engine.in_flight():
+            return False
+        if self.drain_t0 is None:
+            self.drain_t0 = time.time()
+            self.engine.hold_new(True)
+        return True
+
     def _apply_weights(self) -> None:
         with self._lock:
+            if self._weights is not None and self._drain(self._weights.version):
+                return
             pending, self._weights = self._weights, None
         if pending is not None and pending.version > self.engine.version:
             times = pending.times
             times["load_start"] = time.time()
+            if self.drain_t0 is not None:
+                times["drain_s"] = times["load_start"] - max(self.drain_t0, times.get("received", self.drain_t0))
+                self.drain_t0 = None
+                self.engine.hold_new(False)
             self.engine.update_weights(pending.version, pending.state_dict)
             times["loaded"] = time.time()
             times.update(getattr(self.engine, "update_split", None) or {})  # load_s / recompute_s, if it says
             self.on_loaded(pending.version, times)
 
-    def _admit(self) -> None:
+    def _take_inbox(self) -> None:
         while True:
             try:
                 self.waiting.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
+
+    def _admit(self) -> None:
+        self._take_inbox()
         keep = []
         for req in self.waiting:
             if isinstance(req, SubRequest) and req.future.done():
@@ -211,7 +259,9 @@ class RolloutService:
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
         self.n_reward_peers = max(1, len(reward_endpoints))  # a step's groups go out in this many messages
         self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.engine = EngineThread(engine, self._groups_from_thread, self._loaded_from_thread, max_active_groups)
+        self.engine = EngineThread(
+            engine, self._groups_from_thread, self._loaded_from_thread, max_active_groups, self._stopped_from_thread
+        )
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.stop = asyncio.Event()
         self.error: Optional[str] = None
@@ -230,6 +280,9 @@ class RolloutService:
 
     def _loaded_from_thread(self, version: int, times: dict) -> None:
         self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("loaded", (version, times)))
+
+    def _stopped_from_thread(self, counts: dict) -> None:
+        self.loop.call_soon_threadsafe(self.outbox.put_nowait, ("stopped", counts))
 
     # ---- main ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -308,8 +361,10 @@ class RolloutService:
             self._note_waiting()
 
     def _abort_groups(self, m: AbortGroups) -> None:
-        """The scheduler aborted these groups (past a deadline): their workflow episodes are cancelled
-        (plain sampling finishes what the engine holds; the scheduler refuses its late trajectory)."""
+        """The scheduler aborted these groups (past a deadline, stragglers): their workflow episodes are
+        cancelled, or the engine drops them (a trajectory that was already on its way is refused)."""
+        if self.episodes is None:
+            self.engine.abort(m.group_ids)
         n = self.episodes.cancel(m.group_ids) if self.episodes is not None else 0
         log.warning("%s: %d group(s) aborted (%s); %d cancelled here", self.worker_id, len(m.group_ids), m.reason, n)
 
@@ -333,7 +388,11 @@ class RolloutService:
     async def _out_loop(self) -> None:
         while True:
             kind, payload = await self.outbox.get()
-            if kind == "loaded":
+            if kind == "stopped":
+                gids = sorted(payload)
+                n = [int(payload[g]) for g in gids]
+                await self.control.send(GroupsStopped(worker_id=self.worker_id, group_ids=gids, n_output_tokens=n))
+            elif kind == "loaded":
                 version, times = payload
                 if self.record is not None:  # the engine's acknowledgement, as it leaves
                     self.record.loaded(version)

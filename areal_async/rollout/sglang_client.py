@@ -139,6 +139,10 @@ class SGLangClient(HTTPServerClient):
     def abort_all(self) -> None:
         self._call("POST", "/abort_request", {"abort_all": True})
 
+    def abort(self, rid: str) -> None:
+        """SGLang's ``/abort_request {rid}`` (io_struct.py ``AbortReq``): the request ends "abort" now."""
+        self._call("POST", "/abort_request", {"rid": rid})
+
     # ---- weights -------------------------------------------------------------------------
     def reset(self) -> None:
         self._drop_group()

@@ -266,7 +266,9 @@ class CpuSGLangServer(TwinLora):
             if body.get("abort_all"):
                 self._deliver(self.engine.abort_all())
                 return
-            w = self.waiters.pop(str(body.get("rid", "")), None)  # compute runs on; the caller is answered now
+            rid = str(body.get("rid", ""))
+            w = self.waiters.pop(rid, None)  # the caller is answered now
+            self.engine.abort_groups([rid])  # and its compute stops (an unknown rid: nothing)
             if w is not None:
                 w.result = self._response(w, _Aborted())
                 w.done.set()

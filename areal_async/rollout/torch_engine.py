@@ -19,7 +19,12 @@ Weight updates (AReaL's interrupt-and-resume): ``update_weights`` loads the new 
 throws away every cohort's KV cache and recomputes it by prefilling prompt + tokens generated so
 far under the NEW weights; decoding then continues. Tokens sampled before the update keep their
 old version and old logprobs, tokens after it carry the new version. No KV entry computed by old
-weights is ever read by new ones (invariant 4).
+weights is ever read by new ones (invariant 4). ``on_weights="keep"`` (PipelineRL's in-flight update,
+opted into by the run) loads and keeps every cache: the next tokens attend to keys and values the old
+weights computed, and carry the new version. ``on_weights="finish"``: the rollout worker holds new
+groups (``hold_new``) and steps until nothing is ``in_flight`` before it calls ``update_weights``, so
+the running sequences end under the old weights and there is no cache left to recompute.
+``abort_groups`` drops groups (queued or running) and says how many tokens each had generated.
 
 The forward passes run on a preallocated KV cache (``kv_decoder.KVCache``: a decode step writes
 one column in place) through ``kv_decoder.LeanLlama`` for Llama/Qwen2 (the HF modules' weights,
@@ -44,7 +49,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from areal_async.models.lora import EngineAdapter
-from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
+from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
 from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
 from areal_async.rollout.kv_cache import LAYOUTS, KVCache, default_layout
 from areal_async.rollout.kv_decoder import make_decoder
@@ -148,7 +153,10 @@ class TorchEngine(RolloutEngine):
         kv_cache_bytes: int = 0,
         adapter: Optional[EngineAdapter] = None,
         kv_layout: Optional[str] = None,
+        on_weights: str = "recompute",
     ):
+        if on_weights not in ON_WEIGHTS:
+            raise ValueError(f"on_weights={on_weights!r}: expected one of {ON_WEIGHTS}")
         if max_batch_groups < 1:
             raise ValueError(f"max_batch_groups={max_batch_groups!r}: expected an integer >= 1")
         if kv_layout is not None and kv_layout not in LAYOUTS:
@@ -174,6 +182,7 @@ class TorchEngine(RolloutEngine):
         self.kv_budget = KVBudget(bytes_per_position(model.config, dtype_size), kv_cache_bytes)
         self.kv_peak_bytes = 0  # the most bytes the live KV caches held between two steps
         self.update_split: dict[str, float] = {}  # the last update_weights: load_s (copy), recompute_s (KV)
+        self.on_weights, self._hold = on_weights, False
 
     # ---- the seam ------------------------------------------------------------------------------
 
@@ -192,10 +201,13 @@ class TorchEngine(RolloutEngine):
         for cohort in self.cohorts:
             finished += self._decode(cohort)
         self.cohorts = [c for c in self.cohorts if c.rows]
+        if self._hold:  # on_weights=finish: the running rows drain under the old weights
+            return finished
         return finished + self._admit_pending()  # new rows get their first token from the prefill
 
     def update_weights(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load ``state_dict`` as ``version``; recompute every running KV cache under it.
+        """Load ``state_dict`` as ``version``; recompute every running KV cache under it (``on_weights``
+        "keep": keep the caches).
 
         The state dict is checked in full first (names and shapes); on a mismatch a ``ValueError``
         names the first bad key and nothing is loaded, so the engine keeps the old weights. With an
@@ -213,9 +225,48 @@ class TorchEngine(RolloutEngine):
         self.version = version
         t1 = time.perf_counter()
         with torch.inference_mode():
-            for cohort in self.cohorts:
+            for cohort in self.cohorts if self.on_weights != "keep" else ():
                 self._recompute(cohort)
         self.update_split = {"load_s": t1 - t0, "recompute_s": time.perf_counter() - t1}
+
+    def in_flight(self) -> bool:
+        return bool(self.cohorts)
+
+    def hold_new(self, hold: bool) -> None:
+        self._hold = hold
+
+    def abort_groups(self, group_ids: list[str]) -> dict[str, int]:
+        """Drop the groups ``group_ids`` (queued or running; unknown ids are ignored): {group id: output
+        tokens its samples had generated}. The other rows of their cohorts go on undisturbed."""
+        gone = set(group_ids) & self.live_ids
+        if not gone:
+            return {}
+        out = {g.req.group_id: 0 for g in self.pending if g.req.group_id in gone}
+        self.pending = [g for g in self.pending if g.req.group_id not in gone]
+        for c in self.cohorts:
+            out |= self._drop_rows(c, gone)
+        self.cohorts = [c for c in self.cohorts if c.rows]
+        self.live_ids -= gone
+        return out
+
+    def _drop_rows(self, c: _Cohort, gone: set[str]) -> dict[str, int]:
+        """Remove the rows of the groups ``gone`` from ``c``; their tokens (rows in it, and samples already
+        set aside) by group."""
+        n_gen, out, keep = c.t["n_gen_B"].tolist(), {}, []
+        for i, (g, s) in enumerate(c.rows):
+            gid = g.req.group_id
+            if gid not in gone:
+                keep.append(i)
+                continue
+            if gid not in out:  # the group's finished samples that left the batch
+                out[gid] = sum(x.output_ids.numel() for x in g.samples if x is not None)
+            out[gid] += n_gen[i] if g.samples[s] is None else 0
+        if len(keep) < len(c.rows):
+            if keep:
+                c.select(torch.tensor(keep, dtype=torch.long, device=self.device))
+            else:
+                c.rows = []
+        return out
 
     def abort_all(self) -> list[GroupOutput]:
         out: list[GroupOutput] = []

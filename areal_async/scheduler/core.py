@@ -4,6 +4,8 @@
 
     dataset cursor ──> re-issue queue first, then next prompt (rollout.skip_solved_after: settled ones passed over)
          │   admission: can_admit(accepted, running, v, η, B) and running < max_concurrent
+         │   (rollout.over_provision: E groups more while accepted < (η + v + 1) B; when it gets
+         │   there every group still running is cut as a straggler and re-issued: long_tail.py)
          v
     GenerateRequest(group of n, min_version=v) ──> rollout worker with the fewest groups
          │
@@ -27,8 +29,8 @@ so are its generated groups whose tensors never reached the trainer (``on_missin
 that named one revised to B groups again. Units: B = ``train_dataset.batch_size`` groups per step;
 each group has n samples.
 
-A little over 500 lines: one state machine over one ledger (admission, readiness, plans and their
-revisions, deadlines, checkpoints); each part changes the others' fields.
+About 600 lines: one state machine over one ledger (admission, readiness, plans and their revisions,
+deadlines, stragglers); each part changes the others' fields. Its checkpoint state is core_state.py.
 """
 
 from __future__ import annotations
@@ -42,10 +44,12 @@ from typing import Callable, Optional, Sequence
 
 from protocols.messages import BatchPlan, GenerateRequest, GenerateRequests, RewardResult, TrajectoryReady
 
+from areal_async.scheduler.core_state import core_state, restore_core
 from areal_async.scheduler.group_filter import GroupFilter
 from areal_async.scheduler.ledger import GroupRecord, GroupState, Ledger, SampleRecord, SampleState
+from areal_async.scheduler.long_tail import LongTail, extra_groups, straggler_reason
 from areal_async.scheduler.prompt_memory import PromptMemory
-from areal_async.scheduler.staleness import admission_budget, is_fresh_enough
+from areal_async.scheduler.staleness import accept_bound, admission_budget, is_fresh_enough
 
 _SAMPLE_ID, _SCORE = attrgetter("sample_id"), attrgetter("score")
 
@@ -71,6 +75,7 @@ class SchedulerParams:
     group_filter: Optional[GroupFilter] = None  # rollout.dynamic_filter: judges each group once it is scored
     filter_max_gen_batches: int = 0  # the filter dropping this many batches for one step fails the run (0: never)
     skip_solved_after: int = 0  # rollout.skip_solved_after: prompts settled by their last k groups are skipped (0: off)
+    over_provision: float = 0.0  # rollout.over_provision: E = ceil(F B) groups beyond the bound (long_tail.py)
 
 
 class SchedulerCore:
@@ -118,6 +123,9 @@ class SchedulerCore:
         self.dropped_since_plan = 0  # groups the dynamic filter dropped since the last batch was planned
         k = params.skip_solved_after
         self.memory: Optional[PromptMemory] = PromptMemory(k) if k > 0 else None  # prompt_memory.py
+        self.extra = extra_groups(params.over_provision, params.batch_size)
+        self.tail = LongTail(clock)  # tail_s and wasted tokens (long_tail.py)
+        self.stragglers: list[SampleRecord] = []  # cut since the service last took them (cut_stragglers)
 
     # ---- workers -------------------------------------------------------------------------
     def add_rollout(self, worker_id: str) -> None:
@@ -125,6 +133,7 @@ class SchedulerCore:
 
     def on_trainer_ready(self, version: int, next_step: int) -> None:
         self.trainer_ready, self.version, self.next_step = True, version, next_step
+        self.tail.trainer_free()
 
     def on_weights_loaded(self, worker_id: str, version: int) -> None:
         if worker_id in self.rollouts:
@@ -204,7 +213,7 @@ class SchedulerCore:
         if self.finished or not self.trainer_ready or not self.rollouts:
             return 0
         running = self.running
-        budget = admission_budget(self.accepted, running, self.version, self.p.eta, self.p.batch_size)
+        budget = admission_budget(self.accepted, running, self.version, self.p.eta, self.p.batch_size, self.extra)
         return min(budget, self.p.max_concurrent - running)
 
     def short_need(self) -> int:
@@ -246,12 +255,37 @@ class SchedulerCore:
         """``on_trajectory`` on one group's lists (a ``TrajectoriesReady``'s, with no message per group)."""
         led = self.ledger
         whys, took = led.record_generated(gid, sids, n_tokens, vmins, vmaxs, finishes, turns)
+        if whys:  # a group aborted while it ran (past a deadline, a straggler) finished anyway: wasted tokens
+            self.tail.wasted += self._late_tokens(sids, n_tokens)
         if took:  # once per message: a per-sample check costs n^2 per group
             if led.check_ready(gid):
                 self._on_ready(gid)
             elif led.groups[gid].status == GroupState.RUNNING and led.all_generated(gid):
                 self.generated_at.setdefault(gid, self.clock())  # now only the scores are missing
         return "; ".join(whys) or None
+
+    def _late_tokens(self, sids, n_tokens) -> int:
+        """Tokens of the reported samples that were aborted (or forgotten after their abort)."""
+        recs = map(self.ledger.samples.get, sids)
+        return sum(n for r, n in zip(recs, n_tokens) if r is None or r.status == SampleState.ABORTED)
+
+    def on_stopped(self, n_tokens: Sequence[int]) -> None:
+        """A rollout's engine stopped aborted groups mid-generation (``GroupsStopped``): their tokens."""
+        self.tail.wasted += sum(n_tokens)
+
+    def cut_stragglers(self) -> list[SampleRecord]:
+        """``rollout.over_provision``: the records of the groups cut as stragglers since the last call (the
+        service stops them at their workers; ``long_tail.py``)."""
+        out, self.stragglers = self.stragglers, []
+        return out
+
+    def _cut_running(self) -> None:
+        """The accepted groups just reached the bound: every group still running is aborted, its prompt
+        re-issued."""
+        bound = accept_bound(self.version, self.p.eta, self.p.batch_size)
+        why = straggler_reason(self.accepted, bound, self.version, self.p.eta, self.p.over_provision)
+        for gid in sorted(g for r in self.rollouts.values() for g in r.groups):
+            self.stragglers += self._abort(gid, why, reissue=True)
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
@@ -272,6 +306,7 @@ class SchedulerCore:
         if worker is not None:
             worker.groups.discard(gid)
         self._forget_times(gid)
+        self.tail.ready(gid)
         scores = list(map(_SCORE, self.ledger.members[gid]))
         self.scored[0], self.scored[1] = self.scored[0] + sum(scores), self.scored[1] + len(scores)
         if self.memory is not None:
@@ -280,6 +315,8 @@ class SchedulerCore:
             return
         self.accepted += 1
         self.ready.append(gid)
+        if self.extra and self.accepted == accept_bound(self.version, self.p.eta, self.p.batch_size):
+            self._cut_running()
 
     def _filtered_out(self, gid: str) -> bool:
         """Dynamic sampling: a group the filter drops is booked aborted, its prompt not re-issued (the
@@ -338,11 +375,13 @@ class SchedulerCore:
         if not self.trainer_busy:
             gids = [self.ready.popleft() for _ in range(self.p.batch_size)]
             self.batch_groups, self.trainer_busy = gids, True
+            self.tail.planned(self.next_step, gids, waited=True)
             return self._batch_plan(gids, self.next_step), aborted
         gids = self._ahead_batch() if ahead else None
         if gids is None:
             return None, aborted
         self.ahead_groups = gids
+        self.tail.planned(self.next_step + 1, gids, waited=False)
         return self._batch_plan(gids, self.next_step + 1), aborted
 
     def _ahead_batch(self) -> Optional[list[str]]:
@@ -413,6 +452,8 @@ class SchedulerCore:
         why = f"optimizer_step_skipped: step {step}'s optimizer step was not applied to this sample's minibatch"
         ended = self.ledger.mark_trained(self.batch_groups, frozenset(skipped_ids), why)
         trained = [r for r in ended if r.status == SampleState.TRAINED] if skipped_ids else ended
+        self.tail.wasted += sum(r.n_output_tokens for r in ended if r.status == SampleState.ABORTED)
+        self.tail.trainer_free()
         self.log_samples(ended)
         for prompt_id in {r.prompt_id for r in trained} if self.reissues else ():
             self.reissues.pop(prompt_id, None)  # a trained prompt starts a fresh re-issue count
@@ -518,6 +559,8 @@ class SchedulerCore:
         g = self.ledger.groups[gid]
         self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
         self._forget_times(gid)
+        self.tail.forget(gid)
+        self.tail.wasted += sum(r.n_output_tokens for r in self.ledger.members[gid])
         if reissue and not self.finished:
             reason = self._reissue(g, reason)
         else:
@@ -561,49 +604,9 @@ class SchedulerCore:
         self.ledger.id_prefix = f"r{attempt}-"
 
     def state(self) -> dict:
-        """Everything a resumed run needs to continue the same books (JSON-able). Taken between
-        steps only: the trainer saves it before its next step, so no batch may be planned then."""
-        if self.trainer_busy:
-            raise ValueError(f"scheduler state asked for while step {self.next_step} is planned; only between steps")
-        return {
-            "version": self.version,
-            "next_step": self.next_step,
-            "cursor": self.cursor.state(),
-            "reissue": [list(x) for x in self.reissue],
-            "ledger": self.ledger.to_state(),
-            "resumes": self.resumes,
-            "reissues": dict(self.reissues),
-            "n_reissued": dict(self.n_reissued),
-        } | ({"prompt_memory": self.memory.state()} if self.memory is not None else {})
+        """Everything a resumed run needs to continue the same books (JSON-able; ``core_state.py``)."""
+        return core_state(self)
 
     def restore(self, state: dict, at_least: int = 0) -> list[SampleRecord]:
-        """Continue from a checkpoint's state. Groups that were open at the checkpoint (their
-        samples neither trained nor aborted then) are aborted now with a reason and their
-        prompts re-issued first; returns those records (already logged). New ids get the prefix
-        ``r<k>-``, k = the checkpoint's resumes + 1, or ``at_least`` if more: two attempts resumed
-        from the same checkpoint (a recovery that failed again before a newer one) must not
-        issue the same ids."""
-        self.version, self.next_step = int(state["version"]), int(state["next_step"])
-        c = self.cursor
-        self.cursor = type(c).from_state(c.n, c.seed, c.shuffle, state["cursor"])
-        self.resumes = max(int(state.get("resumes", 0)) + 1, at_least)
-        self.ledger = Ledger.from_state(state["ledger"])
-        self.ledger.id_prefix = f"r{self.resumes}-"
-        self.reissue = deque(tuple(x) for x in state["reissue"])
-        self.reissues = {str(k): int(v) for k, v in state.get("reissues", {}).items()}
-        self.n_reissued.update({k: int(v) for k, v in state.get("n_reissued", {}).items()})
-        if self.memory is not None:
-            self.memory.restore(state.get("prompt_memory", {}))
-        self.accepted = self.next_step * self.p.batch_size  # every group still open is re-issued below
-        self.finished = self.next_step >= self.p.total_steps
-        out = []
-        for g in self.ledger.open_groups():
-            out += self._abort(
-                g.group_id,
-                f"recovered: in flight at the checkpoint after step {self.next_step - 1}; prompt re-issued",
-                reissue=True,
-            )
-        self.ledger.forget_final()
-        self.aborted_since_plan = []
-        self.short_steps, self.revisions = set(), {}
-        return out
+        """Continue from a checkpoint's state (``core_state.py``); returns the records aborted on the way."""
+        return restore_core(self, state, at_least)

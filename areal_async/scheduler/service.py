@@ -63,6 +63,7 @@ from protocols.messages import (
     Error,
     EvalDone,
     GroupAborted,
+    GroupsStopped,
     Heartbeat,
     Message,
     Ping,
@@ -265,6 +266,7 @@ class SchedulerService:
             TrainStepDone: self._step_done,
             Error: self._worker_error,
             GroupAborted: self._group_aborted,
+            GroupsStopped: self._groups_stopped,
             EvalDone: self._eval_done,
             CheckpointSaved: self._checkpoint_saved,
             HeldReply: self._held_reply,
@@ -422,6 +424,10 @@ class SchedulerService:
         recs = self.core.abort_running(m.group_id, f"workflow_error: {m.reason}")
         log.warning("group %s aborted by %s (%d samples): %s", m.group_id, wid, len(recs), m.reason[:300])
 
+    async def _groups_stopped(self, wid: str, m: GroupsStopped) -> None:
+        """Aborted groups its engine stopped mid-generation: their tokens are wasted (long_tail.py)."""
+        self.core.on_stopped(m.n_output_tokens)
+
     async def _step_done(self, wid: str, m: TrainStepDone) -> None:
         trained = self.core.on_step_done(m.step, m.version, m.skipped_ids)
         self.runlog.metrics(self.rows.row(m, trained))
@@ -496,6 +502,7 @@ class SchedulerService:
             if plan is None:
                 break
             await self._send_plan(plan)
+        await self._stop_at_workers(self.core.cut_stragglers(), "straggler")  # rollout.over_provision
         for worker, batch in self.core.admit_batches(only_short).items():  # one message a worker
             self.counts["admitted"] += len(batch.group_ids)
             await self.send(worker, batch.requests()[0] if len(batch.group_ids) == 1 else batch)
@@ -551,13 +558,18 @@ class SchedulerService:
         if expired:
             reasons = sorted({r.reason for r in expired})
             log.warning("%d samples past their deadline aborted: %s", len(expired), "; ".join(reasons)[:500])
-            by_worker: dict[str, list[str]] = {}  # their holders stop the work (a workflow's episodes)
-            for r in expired:
-                if r.worker in self.workers and r.group_id not in by_worker.get(r.worker, []):
-                    by_worker.setdefault(r.worker, []).append(r.group_id)
-            for worker, gids in by_worker.items():
-                await self.send(worker, AbortGroups(group_ids=gids, reason="deadline"))
+            await self._stop_at_workers(expired, "deadline")
             await self._drive()
+
+    async def _stop_at_workers(self, aborted: list, reason: str) -> None:
+        """The groups of these aborted records stop at the rollout workers holding them (``AbortGroups``:
+        the engine drops them, a workflow's episodes are cancelled)."""
+        by_worker: dict[str, list[str]] = {}
+        for r in aborted:
+            if r.worker in self.workers and r.group_id not in by_worker.get(r.worker, []):
+                by_worker.setdefault(r.worker, []).append(r.group_id)
+        for worker, gids in by_worker.items():
+            await self.send(worker, AbortGroups(group_ids=gids, reason=reason))
 
     async def _lose(self, wid: str, why: str, tell: bool = True) -> None:
         """Forget a worker and re-issue its work. ``tell``: it may still be alive (timed out, not

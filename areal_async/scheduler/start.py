@@ -64,6 +64,7 @@ def build_core(
         group_filter=build_group_filter(cfg.rollout.dynamic_filter),
         filter_max_gen_batches=cfg.rollout.dynamic_filter_max_gen_batches,
         skip_solved_after=cfg.rollout.skip_solved_after,
+        over_provision=cfg.rollout.over_provision,
     )
     cursor = PromptCursor(len(lengths.kept), cfg.seed, d.shuffle)
     return SchedulerCore(params, cursor, problem, log_samples=runlog.samples), lengths, book

@@ -45,6 +45,7 @@ class StepRows:
         self._filter_last = {"groups": 0, "samples": 0, "errors": 0}  # rollout.dynamic_filter's counts at the last row
         self._scored_last = [0.0, 0]  # core.scored at the last row
         self._skipped_last = 0  # core.memory.skipped_draws at the last row
+        self._wasted_last = core.tail.wasted  # the long tail's wasted tokens at the last row (long_tail.py)
 
     def row(self, m: TrainStepDone, trained: list) -> dict:
         """Step ``m.step``'s row: ``trained`` (its samples' ledger records), the books, the workers' busy
@@ -75,6 +76,7 @@ class StepRows:
             "reward_check_s_total": round(self.workers.stat_total("reward", "check_s"), 4),
         }
         self.step_t = now
+        row.update(self._long_tail(m.step, trained))
         row.update(metrics_columns(self.weight_updates.last))
         row.update(self._filter_counts())
         row.update(self._memory_counts())
@@ -86,6 +88,17 @@ class StepRows:
             row["reward_mean_scored"] = (total - total0) / (n - n0)
         row.update({k: v for k, v in m.metrics.items() if k not in row})
         return row | self._health(row, trained)
+
+    def _long_tail(self, step: int, trained: list) -> dict:
+        """``tail_s``, and output tokens generated and never trained since the last row beside those trained."""
+        tail = self.core.tail
+        wasted, self._wasted_last = tail.wasted - self._wasted_last, tail.wasted
+        return {
+            "tail_s": tail.take_tail(step),
+            "wasted_tokens": wasted,
+            "wasted_tokens_total": tail.wasted,
+            "trained_tokens": sum(map(attrgetter("n_output_tokens"), trained)),
+        }
 
     def _health(self, row: dict, trained: list) -> dict:
         """scheduler/health.py's columns: truncation, lengths, group rewards, idle fractions."""

@@ -11,7 +11,8 @@ few microseconds outside its own split):
   count in the receive phase);
 - ``notify_s``: the message's hop through the scheduler to the worker;
 - ``receive_s``: the worker's channel ``receive`` (wire, checksums verified);
-- ``queue_s``: waiting for the engine thread to reach a step boundary;
+- ``queue_s``: waiting for the engine thread to reach a step boundary; under ``rollout.on_weights=finish``
+  it holds ``drain_s`` too, the running sequences ending under the old weights (a column of its own);
 - ``load_s`` / ``recompute_s``: the engine's copy into its parameters and its KV-cache recompute
   (one ``engine_s`` when the engine does not split them).
 
@@ -68,6 +69,7 @@ def _row(version: int, p: dict) -> dict:
         "receive_s": t["received"] - t["manifest"],
         "queue_s": t["load_start"] - t["received"],
         **engine,
+        "drain_s": t.get("drain_s", 0.0),  # part of queue_s (on_weights=finish)
         "slowest_worker": wid,
         "workers": len(p["loads"]),
     }
@@ -79,4 +81,5 @@ def metrics_columns(last: dict) -> dict:
         return {}
     out = {"weight_update_s": last["weight_update_s"], "weight_update_version": last["weight_update_version"]}
     out.update({f"weight_update_{k}": last[k] for k in PHASES})
+    out["weight_update_drain_s"] = last.get("drain_s", 0.0)
     return out

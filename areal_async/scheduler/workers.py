@@ -21,6 +21,7 @@ SENDERS: dict[type, tuple[str, ...]] = {  # the roles that may send a message ty
     M.TrajectoriesReady: ("rollout",),
     M.WeightsLoaded: ("rollout",),
     M.GroupAborted: ("rollout",),
+    M.GroupsStopped: ("rollout",),
     M.RewardResult: ("reward", "rollout"),
     M.RewardResults: ("reward",),
     M.WeightsPublished: ("trainer",),

@@ -134,6 +134,7 @@ SAMPLES = {
     "error": M.Error(code="bad", detail="why", worker_id="x"),
     "group_aborted": M.GroupAborted(group_id="g1", worker_id="rollout-0", reason="workflow m:W, sample g1.0: boom"),
     "abort_groups": M.AbortGroups(group_ids=["g1", "g2"], reason="deadline"),
+    "groups_stopped": M.GroupsStopped(worker_id="rollout-0", group_ids=["g1", "g2"], n_output_tokens=[7, 0]),
     "ping": M.Ping(nonce=1),
     "pong": M.Pong(nonce=1),
 }

@@ -248,3 +248,46 @@ def test_servers_that_refuse_every_update_end_the_engine_naming_their_reason(tmp
     finally:
         for p, _ in servers:
             stop(p)
+
+
+def test_finish_lets_the_running_requests_end_under_the_old_weights(server):
+    """rollout.on_weights=finish (issue 42): the engine holds new samples while the running ones end; the servers
+    are then paused with nothing running, and everything after carries the new version."""
+    a, b = policy(51), policy(52)
+    engine = RemoteEngine([SGLangClient(server, name="t-finish")], on_weights="finish")
+    engine.update_weights(0, a.state_dict())
+    prompt, later = TOK.encode("7+8="), TOK.encode("2+2=")
+    engine.add_request(GenRequest("old", prompt, 4, 24))
+    engine.step()  # dispatched
+    engine.hold_new(True)
+    engine.add_request(GenRequest("new", later, 4, 24))
+    done, t = {}, time.monotonic()
+    while engine.in_flight():
+        assert time.monotonic() - t < 120, "the running requests did not end"
+        done.update((g.group_id, [plain(s) for s in g.samples]) for g in engine.step())
+    assert list(done) == ["old"] and len(engine.queue) == 4 and not engine.inflight  # "new" never sent
+    engine.update_weights(1, b.state_dict())
+    engine.hold_new(False)
+    done.update((k, v.samples) for k, v in run_all(engine).items())
+    for gid, model, version, ids in (("old", a, 0, prompt), ("new", b, 1, later)):
+        for s in done[gid]:
+            assert s.versions == [version] * len(s.output_ids)
+            assert s.logprobs == pytest.approx(logprobs_under(model, ids, s.output_ids), abs=1e-4)
+
+
+def test_abort_groups_stops_the_requests_at_the_server(server):
+    """A group the scheduler cut (a straggler) is forgotten here and aborted at its server (/abort_request by
+    rid); the other group finishes as if alone."""
+    a = policy(61)
+    engine = RemoteEngine([SGLangClient(server, name="t-abort")])
+    engine.update_weights(0, a.state_dict())
+    prompt = TOK.encode("9+9=")
+    engine.add_request(GenRequest("cut", prompt, 2, 56))
+    engine.add_request(GenRequest("kept", prompt, 2, 8, greedy=True))
+    engine.step()
+    assert engine.abort_groups(["cut", "unknown"]) == {"cut": 0}  # nothing came back yet: no tokens held here
+    t = time.monotonic()
+    out = run_all(engine)
+    assert list(out) == ["kept"] and time.monotonic() - t < 60
+    want = greedy_under(a, prompt, 8)
+    assert all(s.output_ids == want for s in out["kept"].samples)

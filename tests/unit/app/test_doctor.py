@@ -311,3 +311,29 @@ def test_the_version_0_gap_of_step_0_is_shown(tmp_path, capsys):
     assert doc["version0_gap"] == {k.removesuffix("_lag0"): v for k, v in v0.items()} | {"tokens": 1200.0}
     (tmp_path / "old").mkdir()
     assert as_json(*diagnose(make_run(tmp_path / "old")))["version0_gap"] == {}  # no such columns: nothing shown
+
+
+def test_corrections_masking_a_tenth_of_the_tokens(tmp_path):
+    def masked(k, r):
+        r.update(masked_frac=0.15, masked_frac_rs=0.05, masked_frac_m2po=0.1, kl_k3=0.02, ratio_p99=4.5)
+
+    (f,) = diagnose(make_run(tmp_path, change=masked))[1]
+    assert f.code == "mismatch_masking" and "15%" in f.title
+    assert f.evidence[:2] == ["masked_frac 15% of the trained tokens over the second half", "masked_frac_rs 0.05"]
+    assert "rollout.max_head_offpolicyness" in f.advice
+    figs = as_json(*diagnose(tmp_path))["figures"]
+    assert (figs["masked_frac"], figs["kl_k3"], figs["ratio_p99"]) == (0.15, 0.02, 4.5)
+    # a few percent masked is what the bounds are for: shown, not found
+    assert codes(make_run(tmp_path, change=lambda k, r: r.update(masked_frac=0.03))) == []
+
+
+def test_a_long_tail_without_over_provisioning(tmp_path):
+    def tail(k, r):
+        r.update(tail_s=0.5, wasted_tokens=10, trained_tokens=1000)  # step_s 1.0: half the step
+
+    (f,) = diagnose(make_run(tmp_path, change=tail))[1]
+    assert f.code == "long_tail" and "50%" in f.title and "rollout.over_provision" in f.advice
+    assert as_json(*diagnose(tmp_path))["figures"]["wasted_per_trained"] == 0.01
+    (tmp_path / "config.yaml").write_text(CFG.replace("rollout: {", "rollout: {over_provision: 0.25, "))
+    assert codes(tmp_path) == []  # already over-provisioned: shown, not found
+    assert codes(make_run(tmp_path, change=lambda k, r: r.update(tail_s=0.2))) == []

@@ -97,6 +97,18 @@ def with_health_columns(run_dir: Path) -> None:
                 rollout_idle_frac=0.8,
                 groups_all_zero_frac=0.1,
                 groups_all_one_frac=0.2,
+                # the mismatch block and the long tail (issue 42)
+                kl_k3=0.002,
+                ratio_max=3.0,
+                ratio_p99=1.4,
+                ratio_p1=0.7,
+                ratio_min=0.2,
+                masked_frac=0.01,
+                masked_frac_rs=0.01,
+                masked_frac_m2po=0.0,
+                tail_s=0.3,
+                wasted_tokens=40,
+                trained_tokens=400,
             )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
@@ -116,15 +128,17 @@ def test_plot_writes_every_figure_as_a_valid_png_and_health_with_its_columns(tmp
         "eval.png",
         "weights.png",
         "health.png",
+        "mismatch.png",
+        "longtail.png",
     ]
-    for p in paths[:-1]:
+    for p in paths[:-3] + paths[-2:]:
         width, height = png_size(p)
         assert p.parent == tmp_path / "run" / "plots" and width >= 500 and height >= 350 and p.stat().st_size > 10_000
     import matplotlib.image
 
     assert matplotlib.image.imread(paths[0]).shape[2] in (3, 4)  # decodes as an image, not just a header
-    width, height = png_size(paths[-1])
-    assert width >= 1000 and height >= 700 and paths[-1].stat().st_size > 20_000
+    width, height = png_size(paths[-3])  # health.png: 2 x 2 panels
+    assert width >= 1000 and height >= 700 and paths[-3].stat().st_size > 20_000
 
 
 def test_plot_cli_fails_clearly_on_an_empty_run_dir(tmp_path, cli):

@@ -264,3 +264,37 @@ def _imported_after(module: str, names: set[str]) -> str:
 def test_config_imports_no_transport_or_torch_and_transport_no_config():
     assert _imported_after("areal_async.config", {"torch", "areal_async.transport"}) == "[]"  # dry runs stay fast
     assert _imported_after("areal_async.transport.factory", {"areal_async.config"}) == "[]"
+
+
+ON_WEIGHTS_REFUSED = [  # issue 42: rollout.on_weights through the servers' pause modes
+    (["rollout.backend=sglang", "rollout.on_weights=keep"], "rollout.on_weights='keep'", "sglang.pause_mode=in_place"),
+    (
+        ["rollout.backend=sglang", "sglang.pause_mode=in_place"],
+        "sglang.pause_mode='in_place'",
+        "rollout.on_weights=keep",
+    ),
+    (["rollout.backend=vllm", "rollout.on_weights=keep"], "rollout.on_weights='keep'", "no per-token weight version"),
+    (["rollout.on_weights=drain"], "rollout.on_weights='drain'", "recompute | keep | finish"),
+    (["rollout.over_provision=-0.5"], "rollout.over_provision=-0.5", "in [0, 4]"),
+]
+
+
+@pytest.mark.parametrize("overrides,start,expected", ON_WEIGHTS_REFUSED, ids=[r[1] for r in ON_WEIGHTS_REFUSED])
+def test_on_weights_and_pause_modes_must_agree(overrides, start, expected):
+    from areal_async.config import from_dict
+
+    with pytest.raises(ConfigError) as e:
+        from_dict({}, overrides)
+    assert str(e.value).startswith(start) and expected in str(e.value), str(e.value)
+
+
+def test_on_weights_accepted_combinations():
+    from areal_async.config import from_dict
+
+    for o in (
+        ["rollout.backend=sglang", "rollout.on_weights=keep", "sglang.pause_mode=in_place"],
+        ["rollout.backend=sglang", "rollout.on_weights=finish", "sglang.pause_mode=retract"],
+        ["rollout.backend=vllm", "rollout.on_weights=finish"],
+        ["rollout.on_weights=keep", "rollout.over_provision=0.25"],
+    ):
+        from_dict({}, o)
