@@ -36,7 +36,7 @@ from areal_async.rollout.record import RolloutRecord
 from areal_async.rollout.service import RolloutService, message_bytes
 from areal_async.rollout.sglang_client import SGLangClient
 from areal_async.rollout.torch_engine import TorchEngine
-from areal_async.rollout.vllm_client import VLLMClient
+from areal_async.rollout.vllm_client import ProbeRef, VLLMClient
 from areal_async.rollout.vllm_server import SERVED_NAME
 from areal_async.supervisor.placement import place, server_group_backend, shape_of
 
@@ -203,6 +203,7 @@ def vllm_engine(
             probe_ids=probe.ids if probe else None,
             probe_expected=probe,
             probe_atol=v.probe_atol,
+            probe_dtype=cfg.model.dtype,  # the servers' dtype: what the probe can hold them to
             request_timeout_s=v.request_timeout_s,
             update_timeout_s=v.update_timeout_s,
             lora=lora.LoraSpec.of(cfg.actor.lora),
@@ -230,7 +231,7 @@ class ProbeReference:
         )
         self.model.eval()
         self.lock = threading.Lock()
-        self.cache: dict[int, list[float]] = {}
+        self.cache: dict[int, ProbeRef] = {}
         self.lora, self.lora_base = lora.LoraSpec.of(cfg.actor.lora), lora_base
         self._base: Optional[dict] = None
 
@@ -242,12 +243,25 @@ class ProbeReference:
             self._base = load_model(self.lora_base, "float32").state_dict()
         return lora.merge_into(self._base, state_dict, self.lora)
 
-    def __call__(self, version: int, state_dict: dict) -> list[float]:
+    def __call__(self, version: int, state_dict: dict) -> ProbeRef:
         with self.lock:
             if version not in self.cache:
                 self.model.load_state_dict(self._full(state_dict))
-                self.cache = {version: logprobs_of(self.model, self.ids)}
+                self.cache = {version: probe_reference(self.model, self.ids)}
             return self.cache[version]
+
+
+@torch.no_grad()
+def probe_reference(model, ids: list[int]) -> ProbeRef:
+    """The probe's reference (``vllm_client.ProbeRef``): one float32 forward, per position i >= 1 the logprob of
+    ids[i], the most likely token and its lead over the runner-up."""
+    logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)[:-1]
+    top2 = logp.topk(2, dim=-1)
+    return ProbeRef(
+        [float(logp[i, t]) for i, t in enumerate(ids[1:])],
+        top2.indices[:, 0].tolist(),
+        (top2.values[:, 0] - top2.values[:, 1]).tolist(),
+    )
 
 
 @torch.no_grad()

@@ -166,7 +166,12 @@ class VLLMConfig(Section):
         "After each weight update, the server's logprobs of a fixed sequence must equal the "
         "trainer's weights' own (computed in the worker); else the server counts as failed.",
     )
-    probe_atol: float = _f(2e-3, "Largest |logprob difference| the probe accepts.")
+    probe_atol: float = _f(
+        2e-3,
+        "Largest |logprob difference| the probe accepts from a float32 server; bfloat16/float16 servers are "
+        "held to what their precision can promise (mean |difference| <= 32 machine epsilons and the top-1 "
+        "tokens: rollout/vllm_client.py).",
+    )
     startup_timeout_s: float = _f(900.0, "A server not healthy this long after start counts as down.")
     request_timeout_s: float = _f(
         3600.0, "A /v1/completions call taking longer marks its server down (work re-issued)."

