@@ -8,6 +8,7 @@ rules that join sections live on ``ExperimentConfig`` (``experiment.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from areal_async.base.affinity import parse_cpu_list
 from areal_async.config.base import CpuList, Section, _f, above, at_least, one_of, require
@@ -143,6 +144,11 @@ class ClusterConfig(Section):
         "GPUs per machine (the seed: 8); bounds the rollout backend's data-parallel degree "
         "dN and the placement (supervisor/placement.py).",
     )
+    gpu_memory_gib: Optional[float] = _f(
+        None,
+        "Memory of one GPU in GiB (cluster.device=cuda), for the preflight's memory budget per GPU "
+        "(supervisor/weight_path.py); None = nvidia-smi's on this machine, else 80 assumed and nothing refused on it.",
+    )
     n_trainer_ranks: int = _f(
         1,
         "Data-parallel trainer processes: FSDP2 over gloo (cpu) / NCCL (cuda, one GPU each), "
@@ -181,6 +187,7 @@ class ClusterConfig(Section):
         one_of(self, "device", ("cpu", "cuda"))
         at_least(self, "n_nodes", 1)
         at_least(self, "n_gpus_per_node", 1)
+        require(self.gpu_memory_gib is None or self.gpu_memory_gib > 0, "gpu_memory_gib", self.gpu_memory_gib, "> 0")
         at_least(self, "n_trainer_ranks", 1)
         self._check_node_hosts()
 

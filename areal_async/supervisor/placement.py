@@ -22,12 +22,14 @@ that sees one GPU (torch 2.13 ``device_mesh.py`` ``_setup_world_group_and_device
 ``set_device(int(LOCAL_RANK))``; the node-local rank there is an invalid ordinal). ``Slot.local_rank``
 keeps the index among the trainer ranks of a node, for the record.
 
-Weight paths (the design, item 2 of issue 23): a rollout worker relays the trainer's weights to the
-servers it owns and shares their GPUs, so its server group cannot be NCCL (NCCL ``init.cc``: two
+Weight paths (items 2 of issue 23 and 5 of issue 36): a rollout worker relays the trainer's weights to
+the servers it owns and shares their GPUs, so its server group cannot be NCCL (NCCL ``init.cc``: two
 ranks of one communicator on one GPU fail "Duplicate GPU detected ... ncclInvalidUsage"):
-``server_group_backend`` makes it gloo (SGLang receives a gloo broadcast into its CUDA tensor). The
-trainer→rollout channels (NCCL in the GPU presets) join trainer rank 0 with every rollout worker,
-each on its own GPU. ``tensor_channel.weights: cuda_ipc`` colocates instead: every rollout worker on
+``server_group_backend`` makes it gloo (SGLang receives a gloo broadcast into its CUDA tensor). The GPU
+presets take the trainer's weights and the trajectories over shm (``weight_path.py`` says why: nothing of
+the worker's on the server's GPU); NCCL trainer→rollout channels, where chosen, join trainer rank 0 with
+every rollout worker, each on its own GPU, and the preflight checks what they put beside the server.
+``tensor_channel.weights: cuda_ipc`` colocates instead: every rollout worker on
 trainer rank 0's GPU (the only layout where the receiver can open the sender's memory), which is
 also the 1-GPU layout (torch engine + one trainer rank on GPU 0; trajectories over zmq/shm).
 

@@ -28,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import yaml
 
@@ -57,6 +57,16 @@ from areal_async.supervisor.preflight_inputs import (
 )
 from areal_async.supervisor.preflight_solo import check_recording, check_solo
 from areal_async.supervisor.servers import launch_blocker, server_role, uses_servers
+from areal_async.supervisor.weight_path import (
+    DTYPE_BYTES,
+    SHM_VERSIONS,
+    account,
+    gpu_memory,
+    lora_param_count,
+    param_count,
+    server_gpu_overflow,
+    version_bytes,
+)
 from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
 
 __all__ = ["Context", "Finding", "preflight", "set_keys", "report", "context_for"]
@@ -350,19 +360,34 @@ def _server_context(cfg: ExperimentConfig) -> list[Finding]:
 
 # ---- disk --------------------------------------------------------------------------------------
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+def _sizes(ctx: Context) -> tuple[Optional[int], int]:
+    """(policy parameters, adapter parameters), or (None, 0) when the shape cannot be read here."""
+    if ctx.cfg.model.path and not (Path(ctx.cfg.model.path) / "config.json").is_file():
+        return None, 0
+    vocab = len(ctx.tokenizer) if ctx.tokenizer is not None else 100
+    try:
+        return param_count(ctx.cfg, vocab), lora_param_count(ctx.cfg, vocab)
+    except (KeyError, ValueError, TypeError, OSError, yaml.YAMLError):
+        return None, 0
 
 
-def param_count(cfg: ExperimentConfig, vocab: int) -> int:
-    """Parameters of the policy (its config.json when model.path is set, else the built shape)."""
-    m = vars(cfg.model).copy()
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        m.update(yaml.safe_load((Path(cfg.model.path) / "config.json").read_text()) or {})
-        vocab = int(m.get("vocab_size", vocab))
-    h, layers, inter = int(m["hidden_size"]), int(m["num_hidden_layers"]), int(m["intermediate_size"])
-    kv = h // int(m["num_attention_heads"]) * int(m.get("num_key_value_heads") or m["num_attention_heads"])
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h
-    return vocab * h * (1 if m.get("tie_word_embeddings") else 2) + layers * per_layer + h
+def check_gpu_memory(ctx: Context) -> list[Finding]:
+    """A server's GPU must hold what the processes beside it allocate there (``weight_path.server_gpu_overflow``);
+    refused on a known GPU size (cluster.gpu_memory_gib or nvidia-smi), warned on the assumed one."""
+    params, lora_params = _sizes(ctx)
+    if ctx.cfg.cluster.device != "cuda" or not ctx.placement or params is None:
+        return []
+    gpu, source = gpu_memory(ctx.cfg)
+    nbytes = version_bytes(ctx.cfg, params, lora_params)
+    over = server_gpu_overflow(ctx.cfg, ctx.placement, nbytes, params, gpu)
+    if over is None:
+        return [ok("cluster.device", "cuda", f"every server GPU holds what is placed beside it ({source} size)")]
+    key, value, what = over
+    todo = "use tensor_channel.weights=shm and trajectories=shm (the rollout workers then allocate nothing on the GPU)"
+    if source == "assumed":
+        return [warn(key, value, f"{what} (GPU size assumed)", todo + ", or set cluster.gpu_memory_gib")]
+    return [error(key, value, what, todo + ", or lower the server's memory fraction")]
 
 
 def check_disk(ctx: Context) -> list[Finding]:
@@ -393,6 +418,23 @@ def check_disk(ctx: Context) -> list[Finding]:
     return [ok("saver.keep_last", s.keep_last, f"{what}; {_size(free)} free")]
 
 
+def check_shm_space(ctx: Context) -> list[Finding]:
+    """``tensor_channel.weights=shm`` on this machine (the local launcher): /dev/shm must hold the versions the
+    trainer keeps at once (a container's default /dev/shm is 64 MiB)."""
+    params, lora_params = _sizes(ctx)
+    shm = Path("/dev/shm")
+    if ctx.cfg.tensor_channel.weights != "shm" or ctx.cfg.cluster.launcher != "local" or params is None:
+        return []
+    if not shm.is_dir():
+        return []  # the channel itself says it needs /dev/shm
+    need, free = SHM_VERSIONS * version_bytes(ctx.cfg, params, lora_params), shutil.disk_usage(shm).free
+    what = f"{SHM_VERSIONS} versions held at once need {_size(need)} of /dev/shm"
+    if need > free:
+        todo = "enlarge /dev/shm (docker run --shm-size), or use tensor_channel.weights=zmq"
+        return [error("tensor_channel.weights", "shm", f"{what} but {_size(free)} is free", todo)]
+    return [ok("tensor_channel.weights", "shm", f"{what}; {_size(free)} free")]
+
+
 # ---- running the checks ------------------------------------------------------------------------
 
 RUN_CHECKS = (
@@ -409,11 +451,16 @@ RUN_CHECKS = (
     check_lora,
     check_template,
     check_disk,
+    check_gpu_memory,
+    check_shm_space,
     check_solo,
     check_recording,
 )
 SFT_CHECKS = tuple(
-    c for c in RUN_CHECKS if c not in (check_placement, check_cpus, check_servers, check_solo, check_recording)
+    c
+    for c in RUN_CHECKS
+    if c
+    not in (check_placement, check_cpus, check_servers, check_solo, check_recording, check_gpu_memory, check_shm_space)
 )
 
 
@@ -503,4 +550,10 @@ def report(ctx: Context, findings: list[Finding], cmd: str) -> str:
         lines.append(f"#   {wid:12s} {_where(ctx.placement.get(wid)):16s} loads {what}")
     if ctx.cfg.cluster.device == "cuda" and ctx.placement:
         lines += group_report(ctx.placement, shape_of(ctx.cfg))
+    if cmd == "run":
+        params, lora_params = _sizes(ctx)
+        if params is None:
+            lines.append("# weight path: model.path has no config.json here, so the sizes per hop are unknown")
+        else:
+            lines += account(ctx.cfg, ctx.placement, params, lora_params)
     return "\n".join(lines) + "\n"

@@ -62,7 +62,9 @@ def placement_refusals() -> Result:
     refusals = {
         "one GPU": lambda: place(replace(shape, n_gpus_per_node=1)),
         "parent list 4,5,6,7 for 8 GPUs": lambda: place(shape_of(cfg, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})),
-        "colocated with NCCL trajectories": lambda: place(replace(shape, colocate=True, servers="", rollout_gpus=0)),
+        "colocated with NCCL trajectories": lambda: place(
+            replace(shape, colocate=True, servers="", rollout_gpus=0, nccl_channels=("trajectories",))
+        ),
         "trainer on a server GPU": lambda: check_layout(dict(place(shape), **{"trainer-1": Slot(0, (0,), 1)}), shape),
     }
     missed = [k for k, fn in refusals.items() if not _refused(fn)]

