@@ -292,20 +292,6 @@ def check_layout(placement: dict[str, Slot], shape: ClusterShape) -> None:
                 raise PlacementError(f"cuda_ipc: {w} on GPU {s.physical} cannot open trainer memory on {t0.physical}")
 
 
-def exclusive_gpu_counts(placement: dict[str, Slot], order: list[str]) -> dict[str, int]:
-    """GPUs each process asks a scheduler (Ray) for: a GPU is counted once, by the first process in
-    ``order`` that holds it (a server before the rollout worker beside it, trainer rank 0 before the
-    rollout workers colocated with it), so a shared GPU is not asked for twice."""
-    taken: set[tuple[int, int]] = set()
-    out = {}
-    for w in order:
-        s = placement.get(w)
-        mine = {(s.node, g) for g in s.gpus} - taken if s is not None else set()
-        taken |= mine
-        out[w] = len(mine)
-    return out
-
-
 def gpus_needed_on(placement: dict[str, Slot], node: int) -> int:
     """How many GPUs of ``node`` the placement uses (highest local index + 1)."""
     used = [g for s in placement.values() if s.node == node for g in s.gpus]

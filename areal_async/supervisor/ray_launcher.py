@@ -2,7 +2,7 @@
 
 ``RayLauncher(cfg)`` connects to an existing cluster (``cluster.ray_address``, e.g. ``auto`` or
 ``ray://head:10001``) or starts a local one, and reserves one placement group for the run: one
-bundle per worker process (``{"CPU": 1}``; rollout workers and trainer ranks on a GPU run add
+bundle per worker process (``{"CPU": 1}``; servers, rollout workers and trainer ranks on a GPU run add
 their GPUs), packed onto as few nodes as fit (``PACK``) or one bundle set per node
 (``cluster.n_nodes`` > 1: ``SPREAD`` across them). ``start`` creates a ``_Holder`` actor in the
 worker's bundle, which runs the worker's command as a child process (its own session, log
@@ -10,6 +10,14 @@ appended to the run directory, which every node must mount) and reports it back:
 ``wait`` / ``signal`` are actor calls. A holder whose actor dies (its node lost) reports the
 worker as killed (-9), so the supervisor's rules (restart, fail, stop) apply unchanged. The
 launch token travels in the actor call's environment, never on a command line.
+
+Processes that share a GPU (a rollout worker beside the servers it owns; the rollout workers beside trainer
+rank 0 under ``cuda_ipc``) share one bundle (``ray_plan``): a bundle lies on one node, and Ray, not the planner,
+picks which of that node's GPUs a bundle's actors get. The first process to hold a GPU (in the run's order:
+servers before their workers, trainer rank 0 before the workers beside it) owns it and asks Ray for it; a
+process that only shares GPUs asks for none and starts with the ids Ray gave their owners (``ray.get_gpu_ids``
+in the owner's actor), so it names the same device. Read against Ray's placement-group and ``get_gpu_ids``
+semantics and run on a local Ray with logical GPUs (tests/e2e/test_ray_launcher.py); never on real GPUs.
 
 ``ray`` is an optional dependency (``pip install -e '.[ray]'``); it is imported here only when a
 Ray launcher is built, so the local and Slurm launchers never load it.
@@ -20,13 +28,14 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from areal_async.config import ExperimentConfig, n_servers, server_addresses
 from areal_async.supervisor.launchers import Launched, Launcher, popen_logged
 from areal_async.supervisor.plan import device_placement, worker_specs
-from areal_async.supervisor.placement import exclusive_gpu_counts
+from areal_async.supervisor.placement import Slot
 from areal_async.supervisor.servers import server_role, uses_servers
 
 CALL_TIMEOUT_S = 30.0  # an actor call unanswered this long is asked again later (poll) or times out (wait)
@@ -43,6 +52,12 @@ class _Holder:
 
     def ready(self) -> bool:
         return True
+
+    def gpu_ids(self) -> list[int]:
+        """The GPUs Ray gave this actor (its bundle's, as many as it asked for)."""
+        import ray
+
+        return [int(g) for g in ray.get_gpu_ids()]
 
     def start(self, cmd: list[str], env: dict, log_path: str) -> int:
         import ray
@@ -108,16 +123,63 @@ class RayProcess(Launched):
             self._call("signal", sig)
 
 
-def bundle_addresses(table: dict, nodes: list[dict], names: list[str]) -> dict[str, str]:
-    """Worker name -> the address of the node Ray put its bundle on (``placement_group_table(pg)``'s
+def bundle_addresses(table: dict, nodes: list[dict], home: dict[str, int]) -> dict[str, str]:
+    """Worker name -> the address of the node Ray put its bundle (``home[name]``) on (``placement_group_table(pg)``'s
     ``bundles_to_node_id`` and ``ray.nodes()``' ``NodeID`` / ``NodeManagerAddress``)."""
     ip = {n["NodeID"]: n["NodeManagerAddress"] for n in nodes}
-    return {names[int(k)]: ip[v] for k, v in table["bundles_to_node_id"].items()}
+    node_of = {int(k): ip[v] for k, v in table["bundles_to_node_id"].items()}
+    return {name: node_of[k] for name, k in home.items()}
 
 
-def bundles_of(names: list[str], gpus: dict[str, int]) -> list[dict]:
-    """One bundle per worker: a CPU, and the worker's GPUs (``gpus``: name -> count)."""
-    return [{"CPU": 1.0} | ({"GPU": float(gpus[n])} if gpus.get(n) else {}) for n in names]
+@dataclass
+class RayPlan:
+    """The placement group's bundles and, per worker: its bundle (``home``), the GPUs it asks Ray for (``own``),
+    and for a process that only shares GPUs, where each of its GPUs comes from: (owner, index among the owner's)."""
+
+    bundles: list[dict]
+    home: dict[str, int]
+    own: dict[str, int]
+    borrowed: dict[str, list[tuple[str, int]]]
+
+
+def ray_plan(placement: dict[str, Slot], names: list[str]) -> RayPlan:
+    """One bundle per group of processes that share GPUs (one per process otherwise), a CPU per process and each
+    distinct GPU once; a GPU's owner is the first of ``names`` that holds it (module docstring)."""
+    owner: dict[tuple[int, int], tuple[str, int]] = {}
+    own, borrowed = {}, {}
+    for name in names:
+        s = placement.get(name)
+        gpus = [(s.node, g) for g in s.gpus] if s is not None else []
+        mine = [k for k in gpus if k not in owner]
+        if mine and len(mine) != len(gpus):
+            raise RayLaunchError(
+                f"{name} would own some of its GPUs and share others {gpus}: not a layout the planner makes"
+            )
+        owner |= {k: (name, i) for i, k in enumerate(mine)}
+        own[name] = len(mine)
+        if gpus and not mine:
+            borrowed[name] = [owner[k] for k in gpus]
+    group = {n: n for n in names}  # union-find: a sharer joins its owners' group
+
+    def root(n: str) -> str:
+        while group[n] != n:
+            n = group[n]
+        return n
+
+    for name, pairs in borrowed.items():
+        for o, _ in pairs:
+            group[root(o)] = root(name)
+    bundles, home, index = [], {}, {}
+    for name in names:
+        r = root(name)
+        if r not in index:
+            index[r] = len(bundles)
+            bundles.append({"CPU": 0.0})
+        k = home[name] = index[r]
+        bundles[k]["CPU"] += 1.0
+        if own[name]:
+            bundles[k]["GPU"] = bundles[k].get("GPU", 0.0) + own[name]
+    return RayPlan(bundles, home, own, borrowed)
 
 
 class RayLauncher(Launcher):
@@ -128,7 +190,7 @@ class RayLauncher(Launcher):
     def __init__(
         self,
         names: list[str],
-        gpus: dict[str, int],
+        placement: dict[str, Slot],
         address: str = "",
         n_nodes: int = 1,
         ready_timeout_s: float = 120.0,
@@ -138,6 +200,7 @@ class RayLauncher(Launcher):
         except ImportError:
             raise RayLaunchError("cluster.launcher=ray needs the ray package: pip install -e '.[ray]'") from None
         self.ray = ray
+        self.plan = plan = ray_plan(placement, list(names))
         self._own = not ray.is_initialized()
         self._before = _descendants(os.getpid())  # processes that are not the local Ray's (never reaped)
         if self._own:
@@ -145,24 +208,26 @@ class RayLauncher(Launcher):
                 ray.init(address=address, log_to_driver=False)
             else:  # a local Ray with room for every bundle (logical CPUs: workers share the real ones)
                 _become_subreaper()  # its processes' orphans stay below this process, for close() to reap
-                ray.init(num_cpus=len(names), num_gpus=sum(gpus.values()), include_dashboard=False, log_to_driver=False)
+                ray.init(
+                    num_cpus=len(names), num_gpus=sum(plan.own.values()), include_dashboard=False, log_to_driver=False
+                )
         from ray.util.placement_group import placement_group
 
         self.names = list(names)
-        self.pg = placement_group(bundles_of(self.names, gpus), strategy="SPREAD" if n_nodes > 1 else "PACK")
+        self.pg = placement_group(plan.bundles, strategy="SPREAD" if n_nodes > 1 else "PACK")
         try:
             ray.get(self.pg.ready(), timeout=ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise RayLaunchError(
                 f"the Ray cluster could not place {len(self.names)} bundles "
-                f"{bundles_of(self.names, gpus)} within {ready_timeout_s:.0f}s: "
+                f"{plan.bundles} within {ready_timeout_s:.0f}s: "
                 f"available {ray.available_resources()}"
             ) from None
         self._addresses: dict[str, str] = {}  # worker name -> its bundle's node address (multi-node runs)
         if n_nodes > 1:
             from ray.util.placement_group import placement_group_table
 
-            self._addresses = bundle_addresses(placement_group_table(self.pg), ray.nodes(), self.names)
+            self._addresses = bundle_addresses(placement_group_table(self.pg), ray.nodes(), plan.home)
         self._holder = ray.remote(num_cpus=1)(_Holder)
         self.actors: dict[str, object] = {}  # worker name -> its holder (a restart reuses it: same bundle)
         # every holder up front, started in parallel: Ray starts a Python process for each
@@ -172,11 +237,12 @@ class RayLauncher(Launcher):
     def _new_holder(self, name: str):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        k = self.names.index(name)
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg, placement_group_bundle_index=k)
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=self.pg, placement_group_bundle_index=self.plan.home[name]
+        )
         actor = self._holder.options(
             scheduling_strategy=strategy,
-            num_gpus=self.pg.bundle_specs[k].get("GPU", 0),
+            num_gpus=self.plan.own[name],
             name=f"areal-{name}-{time.monotonic_ns()}",
         ).remote()
         self.actors[name] = actor
@@ -188,6 +254,8 @@ class RayLauncher(Launcher):
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
         if name not in self.names:
             raise RayLaunchError(f"worker {name!r} has no bundle in this run's placement group ({self.names})")
+        if name in self.plan.borrowed:  # its GPUs are its owners': the ids Ray gave them
+            env = dict(env, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in self._borrowed_ids(name)))
         try:
             actor = self.actors[name]
             pid = self.ray.get(actor.start.remote(list(cmd), dict(env), str(log_path)), timeout=START_TIMEOUT_S)
@@ -195,6 +263,13 @@ class RayLauncher(Launcher):
             actor = self._new_holder(name)
             pid = self.ray.get(actor.start.remote(list(cmd), dict(env), str(log_path)), timeout=START_TIMEOUT_S)
         return RayProcess(self.ray, actor, pid, name)
+
+    def _borrowed_ids(self, name: str) -> list[int]:
+        ids = {
+            o: self.ray.get(self.actors[o].gpu_ids.remote(), timeout=CALL_TIMEOUT_S)
+            for o, _ in self.plan.borrowed[name]
+        }
+        return [ids[o][i] for o, i in self.plan.borrowed[name]]
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -278,10 +353,12 @@ def ray_launcher(cfg: ExperimentConfig) -> RayLauncher:
     ours = uses_servers(cfg) and not server_addresses(cfg)  # servers the supervisor starts itself
     names = [f"{server_role(cfg)}-{j}" for j in range(n_servers(cfg) if ours else 0)]
     names += [wid for wid, _, _ in worker_specs(cfg)]
-    gpus = exclusive_gpu_counts(device_placement(cfg, gpus_here=10**6), names)  # a shared GPU asked for once
+    placement = device_placement(cfg, gpus_here=10**6)  # a shared GPU asked for once (ray_plan)
     if cfg.cluster.n_nodes > 1 and cfg.cluster.control != "tcp":
         raise RayLaunchError(
             f"cluster.n_nodes={cfg.cluster.n_nodes} with cluster.control={cfg.cluster.control!r}: workers on "
             "other nodes cannot reach ipc sockets; set cluster.control=tcp"
         )
-    return RayLauncher(names, gpus, address=cfg.cluster.ray_address, n_nodes=cfg.cluster.n_nodes)
+    if cfg.cluster.device != "cuda":
+        placement = {}  # no GPU: one bundle a process
+    return RayLauncher(names, placement, address=cfg.cluster.ray_address, n_nodes=cfg.cluster.n_nodes)

@@ -13,17 +13,20 @@ import time
 
 import pytest
 
-from areal_async.supervisor.ray_launcher import bundle_addresses, bundles_of
+from areal_async.config import load_config
+from areal_async.supervisor.placement import Slot, place, shape_of
+from areal_async.supervisor.ray_launcher import RayLauncher, bundle_addresses, ray_plan
 from tests.support.admission_gate import admission_gate
 from tests.support.fleet import ROOT, check_books, cli, finish_ok, wait_for_metrics
 
 
-def test_bundles_give_each_worker_a_cpu_and_its_gpus():
-    assert bundles_of(["scheduler", "rollout-0", "trainer"], {"rollout-0": 2, "trainer": 1, "scheduler": 0}) == [
-        {"CPU": 1.0},
-        {"CPU": 1.0, "GPU": 2.0},
-        {"CPU": 1.0, "GPU": 1.0},
-    ]
+def test_processes_that_share_a_gpu_share_a_bundle_and_only_its_owner_asks_ray_for_it():
+    p = {"sglang-0": Slot(0, (0,)), "rollout-0": Slot(0, (0,)), "trainer": Slot(0, (1,), 0), "scheduler": Slot(0)}
+    plan = ray_plan(p, ["sglang-0", "scheduler", "trainer", "rollout-0"])
+    assert plan.bundles == [{"CPU": 2.0, "GPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}]
+    assert plan.home == {"sglang-0": 0, "scheduler": 1, "trainer": 2, "rollout-0": 0}
+    assert plan.own == {"sglang-0": 1, "scheduler": 0, "trainer": 1, "rollout-0": 0}
+    assert plan.borrowed == {"rollout-0": [("sglang-0", 0)]}
 
 
 def test_a_multi_node_run_binds_on_the_node_ray_put_each_bundle_on():
@@ -33,8 +36,36 @@ def test_a_multi_node_run_binds_on_the_node_ray_put_each_bundle_on():
         {"NodeID": "aa", "NodeManagerAddress": "10.0.0.1", "Alive": True},
         {"NodeID": "bb", "NodeManagerAddress": "10.0.0.2", "Alive": True},
     ]
-    got = bundle_addresses(table, nodes, ["scheduler", "trainer", "rollout-0"])
+    got = bundle_addresses(table, nodes, {"scheduler": 0, "trainer": 1, "rollout-0": 2})
     assert got == {"scheduler": "10.0.0.1", "trainer": "10.0.0.2", "rollout-0": "10.0.0.1"}
+
+
+PRINT_GPUS = "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"
+
+
+@pytest.mark.slow
+def test_a_worker_beside_its_server_names_the_gpu_ray_gave_the_server(tmp_path):
+    """Item 9 of issue 36, on a local Ray with 4 logical GPUs (ids 0-3): the planner maps sglang:d2 and two
+    trainer ranks onto the supervisor's CUDA_VISIBLE_DEVICES=4,5,6,7, but Ray picks the ids; each rollout worker
+    must start with the id Ray gave the server beside it (main: it kept the planner's 4 or 5), and the four
+    owners get four different GPUs."""
+    pytest.importorskip("ray")
+    over = ["cluster.n_gpus_per_node=4", "rollout.backend=sglang:d2", "cluster.n_rollout_workers=2"]
+    cfg = load_config("configs/boba_grpo.yaml", over + ["cluster.n_trainer_ranks=2"])
+    placement = place(shape_of(cfg, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}))
+    names = ["sglang-0", "sglang-1", "scheduler", "trainer", "trainer-1", "rollout-0", "rollout-1"]
+    launcher = RayLauncher(names, {n: placement[n] for n in names})
+    try:
+        for n in names:
+            env = dict(os.environ) | (placement[n].env() if placement[n].gpus else {})
+            assert launcher.start(n, [sys.executable, "-c", PRINT_GPUS], env, tmp_path / f"{n}.log").wait(120) == 0
+        got = {n: (tmp_path / f"{n}.log").read_text().strip() for n in names}
+    finally:
+        launcher.close()
+    assert [placement[n].env()["CUDA_VISIBLE_DEVICES"] for n in ("sglang-0", "rollout-0")] == ["4", "4"]  # planner's
+    assert got["rollout-0"] == got["sglang-0"] and got["rollout-1"] == got["sglang-1"], got
+    owners = [got[n] for n in ("sglang-0", "sglang-1", "trainer", "trainer-1")]
+    assert sorted(owners) == ["0", "1", "2", "3"], got  # Ray's ids, one GPU each
 
 
 REAP = """

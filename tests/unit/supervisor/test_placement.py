@@ -221,10 +221,11 @@ def test_the_supervisor_refuses_the_boba_layout_on_a_machine_with_too_few_gpus()
 def test_a_shared_gpu_is_asked_of_ray_once():
     """Ray's bundles: boba's servers hold GPUs 0-3, the rollout workers beside them ask for none, the four
     trainer ranks one each: 8 GPUs for an 8-GPU node (counting the workers too would ask for 12)."""
-    from areal_async.supervisor.placement import exclusive_gpu_counts, shape_of
+    from areal_async.supervisor.placement import shape_of
+    from areal_async.supervisor.ray_launcher import ray_plan
 
     p = place(shape_of(gpu_cfg(), {}))
     order = [f"sglang-{j}" for j in range(4)] + ["scheduler", "reward-0", "trainer", "trainer-1", "trainer-2"]
-    got = exclusive_gpu_counts(p, order + ["trainer-3"] + [f"rollout-{i}" for i in range(4)])
+    got = ray_plan(p, order + ["trainer-3"] + [f"rollout-{i}" for i in range(4)]).own
     assert sum(got.values()) == 8 and [got[f"rollout-{i}"] for i in range(4)] == [0] * 4
     assert [got[w] for w in ("sglang-0", "trainer-3", "scheduler")] == [1, 1, 0]
