@@ -1,5 +1,6 @@
-"""The box itself: versions, devices, CuPy/NCCL, and the packages the other checks import. Imports nothing of
-the project (it must report a missing pyzmq/msgpack, which the project's modules import)."""
+"""The box itself: versions, devices, CuPy/NCCL, and which optional packages are here. Imports nothing of the
+project. pyzmq and msgpack are optional: only the checks that start a fleet or use the run's store need them
+(they are skipped without them, saying so), so a box without them passes this check and names them."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ import importlib.util
 import torch
 import transformers
 
-from benchmarks.gpu_check.registry import Result
-
-# what the checks import besides torch/transformers (pip names: the .whl/ folder of scripts/gpu_check.sh)
-NEEDED = {"zmq": "pyzmq", "msgpack": "msgpack", "yaml": "pyyaml", "safetensors": "safetensors", "numpy": "numpy"}
+from benchmarks.gpu_check.registry import CHECKS, PIP_NAMES, Result
 
 
 def environment() -> Result:
-    """Versions and devices; fails when a package the checks import is missing (named with its wheel)."""
+    """Versions and devices; the optional packages missing here and the checks that skip for them."""
     info = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -25,11 +23,11 @@ def environment() -> Result:
     if torch.cuda.is_available():
         info["device_name"] = torch.cuda.get_device_name(0)
     info.update(_cupy())
-    missing = [pip for mod, pip in NEEDED.items() if importlib.util.find_spec(mod) is None]
-    info["missing"] = missing
-    if missing:
-        return Result(False, f"missing {missing}: put their wheels in .whl/ (see scripts/gpu_check.sh)", info)
-    return Result(True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), {info['devices']} GPU(s)", info)
+    absent = [mod for mod in PIP_NAMES if importlib.util.find_spec(mod) is None]
+    info["missing"] = [PIP_NAMES[m] for m in absent]
+    info["skip_for_them"] = [c.name for c in CHECKS if set(c.needs) & set(absent)]
+    more = f"; without {info['missing']}: {info['skip_for_them']} skip (wheels in .whl/ run them)" if absent else ""
+    return Result(True, f"torch {torch.__version__} (CUDA {torch.version.cuda}), {info['devices']} GPU(s){more}", info)
 
 
 def _cupy() -> dict:

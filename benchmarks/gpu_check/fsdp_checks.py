@@ -1,5 +1,11 @@
-"""FSDP2 on one GPU: the sharded step equals the plain step, the shards publish the same bytes, and a DCP
-checkpoint round trip with an HF export that transformers loads back.
+"""FSDP2 on one GPU: the sharded step equals the plain step (also above ``logits_chunk_tokens`` with gradient
+checkpointing, and for a LoRA adapter), the shards publish the same bytes, and a DCP checkpoint round trip with
+an HF export that transformers loads back.
+
+``fsdp2_chunked_checkpointing``: micro-batches of 256 tokens with ``logits_chunk_tokens`` 32, so the head runs in
+chunks through the FSDP root (``packing._through_root``, counted), and ``gradient_checkpointing`` on; against the
+plain step with whole logits and no checkpointing. ``fsdp2_lora_step``: the same with a rank-4 adapter on
+q_proj/v_proj (``models.lora.inject``): the adapter's update against the plain step's, the base frozen.
 
 Each check runs in its own process (the runner spawns it) in a one-rank trainer group joined with
 ``trainer_backend(dev)`` ("cpu:gloo,cuda:nccl" on CUDA, as a run does). CPU twins: ``dev="cpu"`` (gloo),
@@ -12,6 +18,7 @@ update is above 0.8; and most elements moved at all (so the comparison is not of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +30,8 @@ import torch.distributed as dist
 import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
+from areal_async.models import lora
+from areal_async.trainer import packing
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.dp import DataParallel, full_tensor, trainer_backend
 from areal_async.trainer.packing import select_attn_implementation
@@ -147,3 +156,132 @@ def dcp_roundtrip_hf_export(dev: str) -> Result:
     data = {"weights_equal": same, "architectures": arch, "hf_equal": hf_equal, "files": files}
     ok = same and arch == ["LlamaForCausalLM"] and hf_equal
     return Result(ok, f"DCP round trip equal: {same}; HF export {arch}, loaded weights equal: {hf_equal}", data)
+
+
+CHUNK = 32  # logits_chunk_tokens of the chunked check: micro-batches of 256 tokens go through the head in 8 chunks
+LORA = lora.LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+
+
+def long_trajectories() -> list[Trajectory]:
+    """16 sequences of 16 tokens (3 prompt + 13 output): one micro-batch of 256 tokens, > CHUNK."""
+    return [
+        Trajectory(
+            f"s{i}",
+            f"g{i // 4}",
+            [1, 2, 3 + i % 3],
+            [(4 + 7 * i + j) % 60 + 2 for j in range(13)],
+            [-4.0] * 13,
+            [0] * 13,
+            float(i % 2),
+        )  # fmt: skip
+        for i in range(16)
+    ]
+
+
+def _variant_actor(dev: str, compute_dtype, dp: DataParallel, fused: bool, adapter: bool) -> PPOActor:
+    """The tiny model (with a LoRA adapter when ``adapter``); ``fused``: chunked head + gradient checkpointing."""
+    model = tiny_model(0)
+    if adapter:
+        lora.inject(model, LORA, seed=0)
+    model.set_attn_implementation(select_attn_implementation(dev, compute_dtype or torch.float32))
+    cfg = ActorConfig(
+        optimizer=OptimizerConfig(lr=LR),
+        mb_spec=MicroBatchSpec(256),
+        logits_chunk_tokens=CHUNK if fused else 0,
+        logits_whole_max_mb=0,  # chunk whatever the whole logits' size (a real model's vocabulary would)
+        gradient_checkpointing=fused,
+    )
+    return PPOActor(model, cfg, 1.0, 10, device=dev, dp=dp, compute_dtype=compute_dtype)
+
+
+def _variant_update(dev: str, compute_dtype, dp: DataParallel, fused: bool, adapter: bool, before: dict):
+    a = _variant_actor(dev, compute_dtype, dp, fused, adapter)
+    a.train_step(long_trajectories())
+    after = full_cpu(a.model)
+    return {k: after[k] - before[k] for k in before}, a
+
+
+def _before(adapter: bool) -> dict:
+    model = tiny_model(0)
+    if adapter:
+        lora.inject(model, LORA, seed=0)
+    return full_cpu(model)
+
+
+@contextlib.contextmanager
+def _counting_through_root():
+    """Count the FSDP root's chunked-head forwards (``packing._through_root``) inside the block."""
+    calls, real = [], packing._through_root
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    packing._through_root = counted
+    try:
+        yield calls
+    finally:
+        packing._through_root = real
+
+
+def _fused_vs_plain(dev: str, adapter: bool) -> tuple[dict, dict]:
+    """(updates by variant, facts) of the plain step and the FSDP2 fp32/bf16 steps with the chunked head and
+    checkpointing; for a LoRA run the updates are the adapter's and the base's moves are reported."""
+    backend = one_rank_group(dev)
+    try:
+        before = _before(adapter)
+        plain, _ = _variant_update(dev, None, DataParallel.single(), False, adapter, before)
+        with _counting_through_root() as calls:
+            fp32, a = _variant_update(dev, torch.float32, DataParallel(0, 1), True, adapter, before)
+            bf16, _ = _variant_update(dev, torch.bfloat16, DataParallel(0, 1), True, adapter, before)
+        facts = {
+            "backend": backend,
+            "chunked_head_calls": len(calls),
+            "checkpointing": _checkpointing(a.model),
+        }
+    finally:
+        dist.destroy_process_group()
+    return {"plain": plain, "fp32": fp32, "bf16": bf16}, facts
+
+
+def _judge(updates: dict, keys: list[str], facts: dict) -> Result:
+    """The thresholds of ``fsdp2_step_vs_plain`` over ``keys``; the chunked head and checkpointing must have run."""
+    flat = {v: torch.cat([u[k].reshape(-1) for k in keys]) for v, u in updates.items()}
+    frac = float(((flat["plain"] - flat["fp32"]).abs() > 1e-3 * LR).float().mean())
+    cos = float(torch.nn.functional.cosine_similarity(flat["plain"], flat["bf16"], dim=0))
+    moved = float((flat["plain"] != 0).float().mean())
+    data = facts | {"fp32_frac_off": frac, "bf16_cos": cos, "moved": moved, "tensors": len(keys)}
+    ok = frac < 1e-3 and cos > 0.8 and moved > 0.3 and facts["chunked_head_calls"] > 0 and facts["checkpointing"]
+    detail = (
+        f"fp32: {frac:.1e} of elements off by > 1e-3*lr; bf16: cos {cos:.4f}; {moved:.0%} moved; chunked head "
+        f"through the FSDP root {facts['chunked_head_calls']}x; checkpointing {facts['checkpointing']}"
+    )
+    return Result(ok, detail, data)
+
+
+def fsdp2_chunked_checkpointing(dev: str) -> Result:
+    updates, facts = _fused_vs_plain(dev, adapter=False)
+    return _judge(updates, sorted(updates["plain"]), facts)
+
+
+def fsdp2_lora_step(dev: str) -> Result:
+    """The adapter's update matches; the base weights do not move in any variant."""
+    updates, facts = _fused_vs_plain(dev, adapter=True)
+    keys = sorted(k for k in updates["plain"] if _adapter(k))
+    base_moved = {v: max(float(u[k].abs().max()) for k in u if not _adapter(k)) for v, u in updates.items()}
+    res = _judge(updates, keys, facts | {"base_max_move": base_moved})
+    if any(m != 0 for m in base_moved.values()) or not keys:
+        return Result(False, f"the frozen base moved {base_moved} (or no adapter: {len(keys)} tensors)", res.data)
+    return res
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Whether HF's activation checkpointing is on (transformers 5's name, else the older one)."""
+    return bool(
+        getattr(model, "is_activation_checkpointing", None) or getattr(model, "is_gradient_checkpointing", False)
+    )
+
+
+def _adapter(name: str) -> bool:
+    """A LoRA tensor's state-dict name (``...q_proj.lora_A.default.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name

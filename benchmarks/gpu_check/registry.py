@@ -4,7 +4,10 @@ A check is a function ``() -> Result`` (or ``(dev) -> Result`` when it has a CPU
 ``CHECKS``. The runner imports nothing of the project itself: a check's module is imported when the
 check runs, in a spawned child (its own process group and CUDA context; killed at its timeout) unless
 ``isolate=False``. Checks that need CUDA are skipped without it ("skipped: no CUDA"); ``--cpu-twins``
-runs those that have a CPU twin with ``dev="cpu"`` (gloo for NCCL) instead, to try their code here.
+runs those that have a CPU twin with ``dev="cpu"`` (gloo or a host communicator for NCCL) instead.
+A check that needs what a bare GPU box lacks (``needs``: pyzmq and msgpack for what starts a fleet or
+uses the run's store, a CUDA vLLM environment) is skipped saying so ("skipped: pyzmq missing"); the
+others import neither pyzmq nor msgpack (tests/bench/test_gpu_check.py holds them to it).
 The whole run stays inside ``BUDGET_S`` (8 minutes on the check box, less the start-up).
 """
 
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
+import os
 import multiprocessing as mp
 import queue
 import sys
@@ -33,6 +38,7 @@ class Check:
     timeout_s: float = 120.0
     isolate: bool = True  # run in a spawned child
     cpu_twin: bool = False  # the function takes ``dev``; on CPU it can run with dev="cpu" (--cpu-twins)
+    needs: tuple[str, ...] = ()  # modules a bare GPU box lacks (PIP_NAMES), or "vllm": a CUDA vLLM environment
 
 
 @dataclass
@@ -42,16 +48,26 @@ class Result:
     data: dict = field(default_factory=dict)
 
 
+FLEET = ("zmq", "msgpack")  # what the control plane and the run's store import
+PIP_NAMES = {"zmq": "pyzmq", "msgpack": "msgpack"}
+
 CHECKS: list[Check] = [
     Check("environment", "env_checks:environment", False, 60, isolate=False),
     Check("flash_attn_choice", "attention_checks:flash_attn_choice", False, 60, isolate=False),
     Check("trainer_group_backend", "trainer_checks:trainer_group_backend", False, 120, isolate=False, cpu_twin=True),
-    Check("nccl_group_loopback", "transport_checks:nccl_group_loopback", True, 90),
-    Check("nccl_weight_publish", "transport_checks:nccl_weight_publish", True, 90),
-    Check("trajectories_to_host", "transport_checks:trajectories_to_host", True, 60),
-    Check("fsdp2_step_vs_plain", "fsdp_checks:fsdp2_step_vs_plain", True, 150, cpu_twin=True),
-    Check("dcp_roundtrip_hf_export", "fsdp_checks:dcp_roundtrip_hf_export", True, 120, cpu_twin=True),
     Check("placement_refusals", "placement_checks:placement_refusals", False, 60, isolate=False),
+    Check("nccl_group_loopback", "transport_checks:nccl_group_loopback", True, 90, cpu_twin=True),
+    Check("nccl_weight_publish", "transport_checks:nccl_weight_publish", True, 90, cpu_twin=True),
+    Check("nccl_run_store", "transport_checks:nccl_run_store", True, 90, cpu_twin=True, needs=FLEET),
+    Check("cuda_ipc_two_processes", "transport_checks:cuda_ipc_two_processes", True, 120),
+    Check("trajectories_to_host", "transport_checks:trajectories_to_host", True, 60),
+    Check("engine_decode_vs_hf", "engine_checks:engine_decode_vs_hf", True, 90, cpu_twin=True),
+    Check("fsdp2_step_vs_plain", "fsdp_checks:fsdp2_step_vs_plain", True, 150, cpu_twin=True),
+    Check("fsdp2_chunked_checkpointing", "fsdp_checks:fsdp2_chunked_checkpointing", True, 150, cpu_twin=True),
+    Check("fsdp2_lora_step", "fsdp_checks:fsdp2_lora_step", True, 150, cpu_twin=True),
+    Check("dcp_roundtrip_hf_export", "fsdp_checks:dcp_roundtrip_hf_export", True, 120, cpu_twin=True),
+    Check("one_gpu_run", "run_checks:one_gpu_run", True, 430, cpu_twin=True, needs=FLEET),
+    Check("vllm_weight_transfer", "run_checks:vllm_weight_transfer", True, 600, needs=("vllm",)),
 ]
 
 
@@ -97,14 +113,31 @@ def _in_child(check: Check, dev: Optional[str], timeout_s: float) -> Result:
     return res
 
 
-def run_check(check: Check, cuda: bool, cpu_twins: bool = False, timeout_s: Optional[float] = None) -> dict:
-    """One check's JSON row: skipped when it needs CUDA and there is none (unless it runs as a CPU twin)."""
+def missing(check: Check) -> Optional[str]:
+    """Why a check cannot run on this box for lack of a package or environment, or None."""
+    for need in check.needs:
+        if need == "vllm":
+            py = os.environ.get("VLLM_PYTHON")
+            if not (py and os.access(py, os.X_OK)) and importlib.util.find_spec("vllm") is None:
+                return "skipped: no CUDA vLLM environment (set VLLM_PYTHON)"
+        elif importlib.util.find_spec(need) is None:
+            return f"skipped: {PIP_NAMES.get(need, need)} missing"
+    return None
+
+
+def run_check(
+    check: Check, cuda: bool, cpu_twins: bool = False, timeout_s: Optional[float] = None, in_process: bool = False
+) -> dict:
+    """One check's JSON row: skipped when it needs CUDA and there is none (unless it runs as a CPU twin), or
+    a package or environment this box lacks."""
     t0 = time.monotonic()
     dev = "cuda" if cuda else "cpu"
     if check.needs_cuda and not cuda and not (cpu_twins and check.cpu_twin):
         return _row(check, "skipped", "skipped: no CUDA", {}, t0)
+    if (why := missing(check)) is not None:
+        return _row(check, "skipped", why, {}, t0)
     limit = check.timeout_s if timeout_s is None else min(timeout_s, check.timeout_s)
-    if check.isolate:
+    if check.isolate and not in_process:
         res = _in_child(check, dev, limit)
     else:
         try:
@@ -124,14 +157,16 @@ def _row(check: Check, status: str, detail: str, data: dict, t0: float) -> dict:
     }
 
 
-def run_all(checks: list[Check], cuda: bool, cpu_twins: bool = False, budget_s: float = BUDGET_S) -> list[dict]:
+def run_all(
+    checks: list[Check], cuda: bool, cpu_twins: bool = False, budget_s: float = BUDGET_S, in_process: bool = False
+) -> list[dict]:
     rows, t0 = [], time.monotonic()
     for check in checks:
         left = budget_s - (time.monotonic() - t0)
         if left < 5:
             row = _row(check, "fail", f"not run: the {budget_s:.0f} s budget is spent", {}, time.monotonic())
         else:
-            row = run_check(check, cuda, cpu_twins, timeout_s=left)
+            row = run_check(check, cuda, cpu_twins, timeout_s=left, in_process=in_process)
         print(json.dumps(row, default=str), flush=True)
         rows.append(row)
     return rows
@@ -142,6 +177,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
     ap.add_argument("--list", action="store_true", help="print the check names and exit")
     ap.add_argument("--cpu-twins", action="store_true", help="without CUDA, run the checks' CPU twins (gloo)")
+    ap.add_argument(
+        "--in-process", action="store_true", help="run every check in this process (no timeouts; CPU twins in CI)"
+    )
     a = ap.parse_args(argv)
     if a.list:
         print("\n".join(f"{c.name}\t{'cuda' if c.needs_cuda else 'any'}\t{c.target}" for c in CHECKS))
@@ -156,5 +194,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ImportError as e:  # nothing can run: said as the environment check's line
         print(json.dumps(_row(CHECKS[0], "fail", f"torch is not importable ({e})", {}, time.monotonic())))
         return 1
-    rows = run_all([c for c in CHECKS if not names or c.name in names], torch.cuda.is_available(), a.cpu_twins)
+    chosen = [c for c in CHECKS if not names or c.name in names]
+    rows = run_all(chosen, torch.cuda.is_available(), a.cpu_twins, in_process=a.in_process)
     return 1 if any(r["status"] == "fail" for r in rows) else 0

@@ -16,5 +16,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("check", [c for c in CHECKS if c.needs_cuda], ids=lambda c: c.name)
 def test_gpu_check_passes(check):
+    """Passes, or skips for a package or environment the box lacks (``registry.missing``: pyzmq for the run)."""
     row = run_check(check, cuda=True)
+    if row["status"] == "skipped" and check.needs:
+        pytest.skip(row["detail"])
     assert row["status"] == "pass", row
