@@ -267,7 +267,10 @@ def room_text(h: Holding, gpu: int) -> str:
     key = "sglang.mem_fraction_static" if h.who.startswith("sglang") else "vllm.gpu_memory_utilization"
     text = f"{key}={h.fraction:g} leaves {gb(rest)} of a {gpu / GiB:.1f} GiB GPU"
     if own:
-        text += f", of which SGLang 0.5.23 keeps {gb(own)} for its activations and CUDA graphs (memory_hook.py)"
+        text += (
+            f", of which SGLang 0.5.23 reserves at least {gb(own)} for its activations and CUDA graphs when it "
+            "sizes its own fraction (memory_hook.py)"
+        )
     return f"{text}: room for {gb(room)}"
 
 
