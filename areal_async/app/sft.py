@@ -221,7 +221,7 @@ def _eval_max_new_tokens(cfg: ExperimentConfig) -> int:
 def _check_lengths(cfg: ExperimentConfig, data: SFTData, max_positions: int, tok) -> None:
     """Every training sequence fits the model (and the micro-batch budget unless oversize is own_mb);
     every evaluated prompt + evaluator max_new_tokens fits the model."""
-    longest = max(len(p) + len(a) for p, a in data.train)
+    longest = max(len(ex[0]) + len(ex[1]) for ex in data.train)
     if longest > max_positions:
         raise ValueError(
             f"a training sequence has {longest} tokens (prompt + answer + eos): expected <= the "

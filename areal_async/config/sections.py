@@ -118,6 +118,12 @@ class DatasetConfig(Section):
     size: int = _f(2000, "tiny_arith, reasoning_gym: number of generated problems (reasoning_gym: all tasks together).")
     max_operand: int = _f(9, "tiny_arith: operands are drawn from 0..max_operand.")
     ops: str = _f("+", "tiny_arith: operators to draw from, e.g. '+-'.")
+    tool_share: float = _f(
+        0.0,
+        "tiny_arith: the share of problems whose SFT answer is a calculator call, `<<3+4=` then the tool's "
+        "`7>>` (context, not imitated) then `\\boxed{7}`: tool-use traces for the warm-up of the calculator "
+        "tool and agent (configs/agent_calculator.yaml); the rest answer directly.",
+    )
     tasks: list = _f(
         [],
         "reasoning_gym: the mixture, a list of {name, weight, config, levels}: a reasoning-gym task, its share "
@@ -149,6 +155,7 @@ class DatasetConfig(Section):
             f"fewer than size={self.size} (some problems must be left to train on)",
         )
         require(bool(self.ops) and set(self.ops) <= set("+-*"), "ops", self.ops, "a non-empty string of '+-*'")
+        require(0.0 <= self.tool_share <= 1.0, "tool_share", self.tool_share, "a share in [0, 1]")
         if self.type == "reasoning_gym":
             tasks = parse_tasks(self.tasks)
             counts = apportion([t.weight for t in tasks], self.size)

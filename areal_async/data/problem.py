@@ -10,7 +10,9 @@ class Problem:
     index: int
     prompt: str
     solutions: tuple[str, ...]
-    answer: str = ""  # a completion used by the SFT warm-up; empty when the dataset has none
+    # a completion used by SFT and the warm-up; empty when the dataset has none. A tuple is a tool-use trace:
+    # pieces alternating model text, a tool's output (context, not imitated), model text, ..., model text
+    answer: str | tuple[str, ...] = ""
 
 
 def with_instruction(problem: Problem, instruction: str) -> Problem:

@@ -36,10 +36,14 @@ def tiny_arith(cfg: DatasetConfig, seed: int) -> list[Problem]:
     rng.shuffle(items)
     values = [a + b if op == "+" else a - b if op == "-" else a * b for a, op, b in items[: cfg.size]]
     width = len(str(max(abs(v) for v in values)))
+    tools = random.Random(seed + 1)  # its own stream: tool_share leaves the problems and their order alone
     out = []
     for i, ((a, op, b), value) in enumerate(zip(items, values)):
         shown = f"{value:0{width}d}" if value >= 0 else str(value)
-        out.append(Problem(i, f"{a}{op}{b}=", (str(value),), f"\\boxed{{{shown}}}"))
+        answer = f"\\boxed{{{shown}}}"
+        if tools.random() < cfg.tool_share:  # the calculator's trace: call, the tool's result, the answer
+            answer = (f"<<{a}{op}{b}=", f"{value}>>", f"\\boxed{{{value}}}")
+        out.append(Problem(i, f"{a}{op}{b}=", (str(value),), answer))
     return out
 
 
@@ -80,7 +84,20 @@ def _problem_from_json(line: str, lineno: int, path: str | Path, index: int) -> 
     sols_ok = isinstance(sols, list) and sols and all(isinstance(s, str) for s in sols)
     if not isinstance(prompt, str) or not sols_ok:
         raise ValueError(f'{path}:{lineno}: expected {{"prompt": str, "solutions": [str, ...]}}')
-    return Problem(index, prompt, tuple(sols), obj.get("answer", "") if isinstance(obj.get("answer", ""), str) else "")
+    return Problem(index, prompt, tuple(sols), _answer(obj.get("answer", ""), lineno, path))
+
+
+def _answer(answer, lineno: int, path: str | Path) -> str | tuple[str, ...]:
+    """A jsonl line's optional "answer": a string, or a tool-use trace as an odd-length list of strings
+    (model text, tool output, ..., model text); anything else is an error naming the line."""
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, list) and len(answer) % 2 == 1 and all(isinstance(x, str) for x in answer):
+        return tuple(answer)
+    raise ValueError(
+        f'{path}:{lineno}: "answer" must be a string or an odd-length list of strings (model text, tool output, '
+        f"..., model text), got {str(answer)[:60]}"
+    )
 
 
 def load_problems(cfg: DatasetConfig, seed: int) -> list[Problem]:
@@ -194,8 +211,18 @@ def keep_short(problems: list[Problem], encode, max_prompt_len: int, among: list
     return LengthFilter(kept, len(among), max_prompt_len, max(dropped, default=0))
 
 
-def sft_examples(problems: list[Problem], tokenizer, template: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + eos) for every problem that has an answer (SFT and warm-up)."""
+def sft_examples(problems: list[Problem], tokenizer, template: str) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, answer ids + eos, answer mask) for every problem that has an answer (SFT and warm-up).
+    A tool-use trace's pieces are tokenized one by one, as a tool loop builds its episode; its tool outputs
+    get mask 0 (context the model reads, not text it imitates)."""
     enc = prompt_encoder(tokenizer, template)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return [(enc(p.prompt), tokenizer.encode(p.answer, add_special_tokens=False) + eos) for p in problems if p.answer]
+    out = []
+    for p in (p for p in problems if p.answer):
+        pieces = (p.answer,) if isinstance(p.answer, str) else p.answer
+        ids, mask = [], []
+        for k, piece in enumerate(pieces):
+            piece_ids = tokenizer.encode(piece, add_special_tokens=False)
+            ids, mask = ids + piece_ids, mask + [1 - k % 2] * len(piece_ids)
+        out.append((enc(p.prompt), ids + eos, mask + [1] * len(eos)))
+    return out

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on (prompt, answer) token pairs, packed like the RL update.
 
 Covered: ``sft_step`` (one optimizer step: answer-token NLL, token-level mean over the whole
-batch, packed micro-batches with gradient accumulation, grad clipping) and ``SFTTrainer``, the
+batch, packed micro-batches with gradient accumulation, grad clipping; an optional answer mask
+leaves out answer tokens that are context, e.g. a tool's output in a tool-use trace) and ``SFTTrainer``, the
 small loop behind ``sft_warmup`` (seeded shuffling, cycling through the examples).
 Not covered: loss on prompt tokens (never trained), data loading/tokenization (callers pass ids).
 """
@@ -19,16 +20,28 @@ from areal_async.trainer.logprobs import iter_micro_batches
 from areal_async.trainer.optim import build_optimizer, clip_grad_norm
 from areal_async.trainer.packing import select_attn_implementation
 
-Example = tuple[list[int], list[int]]  # (prompt_ids, answer_ids)
+# (prompt_ids, answer_ids) or (prompt_ids, answer_ids, answer_mask): mask 0 marks answer tokens that are
+# context, not imitated (a tool's output inside a tool-use trace)
+Example = tuple[list[int], list[int]] | tuple[list[int], list[int], list[int]]
+
+
+def answer_mask(example: Example) -> list[int]:
+    return list(example[2]) if len(example) > 2 else [1] * len(example[1])
 
 
 def _check_examples(examples: Sequence[Example]) -> None:
     if not examples:
         raise ValueError("sft_step got no examples; expected at least one (prompt_ids, answer_ids)")
-    for i, (prompt, answer) in enumerate(examples):
+    for i, ex in enumerate(examples):
+        prompt, answer, mask = ex[0], ex[1], answer_mask(ex)
         if not prompt or not answer:
             raise ValueError(
                 f"example {i}: prompt has {len(prompt)} and answer {len(answer)} tokens; expected >= 1 of each"
+            )
+        if len(mask) != len(answer) or set(mask) - {0, 1} or 1 not in mask:
+            raise ValueError(
+                f"example {i}: answer mask {mask[:8]} ({len(mask)} long): expected one 0/1 per answer token "
+                f"({len(answer)}), a 1 among them"
             )
 
 
@@ -41,17 +54,19 @@ def sft_step(
     grad_clip: float = 1.0,
     oversize: str = "error",
 ) -> dict:
-    """One optimizer step of NLL on answer tokens; returns loss, n_tokens, grad_norm."""
+    """One optimizer step of NLL on answer tokens (those of mask 1); returns loss, n_tokens, grad_norm."""
     _check_examples(examples)
-    seqs = [list(p) + list(a) for p, a in examples]
-    n_tokens = sum(len(a) for _, a in examples)  # global count: micro-batches sum to a token mean
+    seqs = [list(ex[0]) + list(ex[1]) for ex in examples]
+    masks = [answer_mask(ex) for ex in examples]
+    n_tokens = sum(map(sum, masks))  # global count: micro-batches sum to a token mean
     model.train()
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for mb in iter_micro_batches(model, seqs, 1.0, max_tokens_per_mb, oversize):
         # answer token j is scored by position P+j-1 of the L-1 next-token logprobs
         logp = mb.tails([len(examples[i][0]) - 1 for i in mb.indices])[0]
-        loss = -logp.sum() / n_tokens
+        w = torch.tensor([m for i in mb.indices for m in masks[i]], dtype=logp.dtype, device=logp.device)
+        loss = -(logp * w).sum() / n_tokens
         loss.backward()
         total += float(loss.detach())
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)

@@ -30,6 +30,39 @@ def test_tiny_arith_mixed_ops_keep_negative_answers_plain():
     assert neg and all(p.answer == f"\\boxed{{{p.solutions[0]}}}" for p in neg)
 
 
+def test_tiny_arith_tool_share_answers_some_problems_with_calculator_traces_and_moves_nothing_else():
+    cfg = dict(size=400, max_operand=99, ops="+")
+    plain = tiny_arith(DatasetConfig(**cfg), seed=3)
+    mixed = tiny_arith(DatasetConfig(**cfg, tool_share=0.3), seed=3)
+    every = tiny_arith(DatasetConfig(**cfg, tool_share=1.0), seed=3)
+    same = [(p.prompt, p.solutions) for p in plain]
+    assert same == [(p.prompt, p.solutions) for p in mixed] == [(p.prompt, p.solutions) for p in every]
+    for p in every:  # "a+b=" -> "<<a+b=", the tool's "SUM>>", "\boxed{SUM}" (unpadded: the tool's digits)
+        a, b = p.prompt[:-1].split("+")
+        total = str(int(a) + int(b))
+        assert p.answer == (f"<<{a}+{b}=", f"{total}>>", f"\\boxed{{{total}}}")
+        assert boxed_math_reward("".join(p.answer), list(p.solutions)) == 1.0
+    traced = [q for q in mixed if isinstance(q.answer, tuple)]
+    assert 0.24 * 400 <= len(traced) <= 0.36 * 400  # Binomial(400, 0.3): mean 120, sd 9.2; a seeded draw
+    assert all(q.answer == e.answer for q, e in zip(mixed, every) if isinstance(q.answer, tuple))
+    assert all(q.answer == p.answer for q, p in zip(mixed, plain) if isinstance(q.answer, str))
+    with pytest.raises(ConfigError, match="tool_share"):
+        DatasetConfig(tool_share=1.5).validate()
+
+
+def test_jsonl_answer_may_be_a_tool_trace_of_odd_length(tmp_path):
+    path = tmp_path / "t.jsonl"
+    trace = ["<<3+4=", "7>>", "\\boxed{7}"]
+    path.write_text(json.dumps({"prompt": "3+4=", "solutions": ["7"], "answer": trace}) + "\n")
+    assert load_jsonl(path)[0].answer == ("<<3+4=", "7>>", "\\boxed{7}")
+    good = json.dumps({"prompt": "q", "solutions": ["7"]})
+    for bad, shown in ((trace[:2], "['<<3+4=', '7>>']"), (["a", 1, "b"], "['a', 1, 'b']"), ({"x": 1}, "{'x': 1}")):
+        path.write_text(good + "\n" + json.dumps({"prompt": "q", "solutions": ["7"], "answer": bad}) + "\n")
+        with pytest.raises(ValueError, match=r't.jsonl:2: "answer" must be a string or an odd-length list') as e:
+            load_jsonl(path)
+        assert str(e.value).endswith("got " + shown)
+
+
 def test_jsonl_loads_and_names_bad_lines(tmp_path):
     good = tmp_path / "d.jsonl"
     good.write_text(

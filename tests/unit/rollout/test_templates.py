@@ -40,8 +40,18 @@ def test_templates_render_the_expected_text_and_ids():
     assert prompt_encoder(tok, "chat")("3+4=") == [1] + char_ids("User: 3+4=\nAssistant: ")
     assert prompt_encoder(tok, "r1")("3+4=") == [1] + char_ids(R1_TEXT)
     # SFT examples carry the same prompt ids; the answer follows the template's "<think>\n"
-    ((prompt, answer),) = sft_examples([Problem(0, "3+4=", ("7",), "\\boxed{7}")], tok, "r1")
-    assert prompt == [1] + char_ids(R1_TEXT) and answer == char_ids("\\boxed{7}") + [2]
+    ((prompt, answer, mask),) = sft_examples([Problem(0, "3+4=", ("7",), "\\boxed{7}")], tok, "r1")
+    assert prompt == [1] + char_ids(R1_TEXT) and answer == char_ids("\\boxed{7}") + [2] and mask == [1] * 10
+
+
+def test_a_tool_trace_answer_is_its_pieces_with_the_tool_output_masked():
+    # the calculator's trace: the model writes "<<3+4=" (6 chars), the tool "7>>" (3), the model "\boxed{7}" (9)
+    tok = build_char_tokenizer()
+    trace = Problem(0, "3+4=", ("7",), ("<<3+4=", "7>>", "\\boxed{7}"))
+    ((prompt, answer, mask),) = sft_examples([trace], tok, "none")
+    assert prompt == [1, 24, 16, 25, 34]
+    assert answer == char_ids("<<3+4=7>>\\boxed{7}") + [2]
+    assert mask == [1] * 6 + [0] * 3 + [1] * 9 + [1]  # eos imitated
 
 
 def test_r1_adds_no_second_think_when_the_chat_template_has_one(tmp_path):

@@ -291,6 +291,20 @@ def test_sft_loss_is_answer_token_nll_and_decreases():
     assert last["loss"] < first["loss"] - 0.5
 
 
+def test_sft_answer_mask_leaves_context_tokens_out_of_the_loss():
+    model = tiny_model()
+    # a tool-use trace: model [5, 6], tool output [11, 12] (mask 0), model [7]; a plain answer [8, 9]
+    examples = [([1, 2], [5, 6, 11, 12, 7], [1, 1, 0, 0, 1]), ([3], [8, 9])]
+    lp0, lp1 = (output_logp(model, p, a) for p, a, *_ in examples)
+    want = -float(lp0[[0, 1, 4]].sum() + lp1.sum()) / 5  # 3 + 2 imitated tokens
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    step = sft_step(model, opt, examples, max_tokens_per_mb=8)  # 7 + 3 positions: two micro-batches
+    assert step["n_tokens"] == 5 and step["loss"] == pytest.approx(want, abs=1e-5)
+    for bad in ([1, 1, 0, 0], [1, 1, 2, 0, 1], [0, 0, 0, 0, 0]):
+        with pytest.raises(ValueError, match="example 0: answer mask"):
+            sft_step(model, opt, [([1, 2], [5, 6, 11, 12, 7], bad)], 16)
+
+
 def test_sft_trainer_runs_configured_steps():
     model = tiny_model()
     examples = [([1, 2], [5, 6, 7]), ([3], [8, 9]), ([4, 4, 4], [10])]
