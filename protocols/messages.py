@@ -330,6 +330,7 @@ class RewardRequest(Message):
     sample_ids: list[str]
     completions: list[str]
     solutions: list[str]
+    prompt: str = ""  # the question, for a reward that reads it (reward.judge); "" when none is sent
 
     def validate(self) -> Optional[str]:
         return _same_lengths(self, "sample_ids", "completions")
@@ -339,18 +340,22 @@ class RewardRequest(Message):
 class RewardRequests(Message):
     """rollout worker -> reward workers (PUSH/PULL work queue): several groups to score, one message
     (a ``RewardRequest`` each, as parallel lists per group: ``sample_ids[i]`` are group
-    ``group_ids[i]``'s samples, ``completions[i]`` theirs, ``solutions[i]`` its references)."""
+    ``group_ids[i]``'s samples, ``completions[i]`` theirs, ``solutions[i]`` its references, ``prompts[i]``
+    its question when the reward reads it; ``prompts`` empty when none is sent)."""
 
     TYPE: ClassVar[str] = "reward_requests"
     group_ids: list[str]
     sample_ids: list[list[str]]
     completions: list[list[str]]
     solutions: list[list[str]]
+    prompts: list[str] = field(default_factory=list)
 
     def validate(self) -> Optional[str]:
         why = _same_lengths(self, "group_ids", "sample_ids", "completions", "solutions")
         if why:
             return why
+        if self.prompts and len(self.prompts) != len(self.group_ids):
+            return f"{len(self.prompts)} prompts for {len(self.group_ids)} groups: expected none or one a group"
         for i, gid in enumerate(self.group_ids):
             n, m = len(self.sample_ids[i]), len(self.completions[i])
             if n != m or n == 0:
@@ -359,6 +364,7 @@ class RewardRequests(Message):
 
     @classmethod
     def of(cls, requests: list["RewardRequest"]) -> "RewardRequests":
+        prompts = [r.prompt for r in requests] if any(r.prompt for r in requests) else []
         return cls(
             **_columns(
                 requests,
@@ -366,13 +372,15 @@ class RewardRequests(Message):
                 sample_ids="sample_ids",
                 completions="completions",
                 solutions="solutions",
-            )
+            ),
+            prompts=prompts,
         )
 
     def requests(self) -> list[RewardRequest]:
         """One ``RewardRequest`` per group (already checked: no second validation)."""
+        prompts = self.prompts or [""] * len(self.group_ids)
         return [
-            RewardRequest(gid, self.sample_ids[i], self.completions[i], self.solutions[i])
+            RewardRequest(gid, self.sample_ids[i], self.completions[i], self.solutions[i], prompts[i])
             for i, gid in enumerate(self.group_ids)
         ]
 

@@ -256,20 +256,24 @@ class RewardReady(SideMessage):
 
 @side_message
 class RewardTasks(SideMessage):
-    """pool -> child, repeated: score ``completions[i]`` against ``solutions[i]``, in order, one
-    ``RewardReply`` each, written as soon as that check ends (the pool times every check on its own)."""
+    """pool -> child, repeated: score ``completions[i]`` against ``solutions[i]`` (and its question
+    ``prompts[i]``, when the pool was given questions: a judge reads them), in order, one ``RewardReply``
+    each, written as soon as that check ends (the pool times every check on its own)."""
 
     TYPE: ClassVar[str] = "reward_tasks"
     INLINE: ClassVar[bool] = False
     MAX_BYTES: ClassVar[int] = _PIPE_BYTES
     completions: list[str]
     solutions: list[list[str]]
+    prompts: Optional[list[str]] = None
 
     def validate(self) -> Optional[str]:
         if not self.completions:
             return "no completions: expected at least one task"
         if len(self.solutions) != len(self.completions):
             return f"{len(self.completions)} completions but {len(self.solutions)} solution lists: expected one each"
+        if self.prompts is not None and len(self.prompts) != len(self.completions):
+            return f"{len(self.completions)} completions but {len(self.prompts)} prompts: expected one each"
         return None
 
 

@@ -70,6 +70,7 @@ def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutSer
         **(agent_parts if cfg.rollout.agent else workflow_parts)(cfg, tok, run_dir, worker_id),
         message_bytes=message_bytes(cfg.tensor_channel.max_message_mb),
         record=RolloutRecord(run_dir, worker_id),  # every run: what areal-async verify reads
+        question=prompt_texts(cfg, tok) if cfg.reward.judge else None,  # the judge reads the question
     )
 
 
@@ -86,8 +87,8 @@ def workflow_parts(
     episodes = Episodes(workflow, name, r.episode_timeout_s, errors)
     pool = RewardPool.from_config(cfg.reward)
 
-    async def score(completion: str, solutions: list) -> float:
-        return (await pool.score(completion, solutions)).score
+    async def score(completion: str, solutions: list, prompt: str | None = None) -> float:
+        return (await pool.score(completion, solutions, prompt)).score
 
     record = RewardRecord(run_dir, worker_id)
     return {"episodes": episodes, "tokenizer": tok, "score": score, "reward_record": record}
@@ -100,11 +101,17 @@ def agent_parts(cfg: ExperimentConfig, tok, run_dir: str | Path, worker_id: str)
     host = os.environ.get(NODE_HOST_ENV) or cfg.cluster.host
     limits = (g.max_new_tokens, max(r.agent_max_tokens, g.max_new_tokens))
     server = OpenAIServer(tok, template_name(tok), limits, host, server_key())
-    d = cfg.train_dataset
-    texts = PromptTexts(lambda: load_problems(d, cfg.seed), prompt_encoder(tok, d.template), tok)
     traces = trace_record(run_dir, worker_id) if r.dump_to_file else None
-    workflow = AgentWorkflow(load_callable(r.agent), r.agent, server, r.agent_drift, server_key(), texts, traces)
+    workflow = AgentWorkflow(
+        load_callable(r.agent), r.agent, server, r.agent_drift, server_key(), prompt_texts(cfg, tok), traces
+    )
     return workflow_parts(cfg, tok, run_dir, worker_id, workflow, r.agent)
+
+
+def prompt_texts(cfg: ExperimentConfig, tok) -> PromptTexts:
+    """prompt ids -> the dataset's prompt text (an agent's ``task["prompt"]``, the judge's question)."""
+    d = cfg.train_dataset
+    return PromptTexts(lambda: load_problems(d, cfg.seed), prompt_encoder(tok, d.template), tok)
 
 
 def template_name(tok) -> str:

@@ -544,14 +544,15 @@ class RewardConfig(Section):
     judge: str = _f(
         "",
         "A reward model instead of fn: a local HF model directory (or gguf:SOURCE, imported like model.path) that "
-        "reads each completion beside the reference; its yes/no verdict is the reward (reward/judge.py). Each "
-        "pool process loads it once and judges a share of checks in one batched generation, killed at "
-        "timeout_s like any check; '' = fn.",
+        "reads each question, its completion and the reference; its yes/no verdict is the reward "
+        "(reward/judge.py). Each pool process loads it once and judges a share of checks in one batched "
+        "generation, killed at timeout_s like any check; '' = fn.",
     )
     judge_template: str = _f(
-        "Reference answer: {solution}\nStudent answer: {completion}\n"
+        "Question: {question}\nReference answer: {solution}\nStudent answer: {completion}\n"
         "Does the student answer give the same final result as the reference answer? Answer yes or no.",
-        "The judge's prompt ({completion}, {solution}: the first reference), in the judge's chat template.",
+        "The judge's prompt ({question}: the dataset's prompt text; {completion}; {solution}: the first reference), "
+        "in the judge's chat template.",
     )
     judge_max_new_tokens: int = _f(4, "Tokens the judge generates (greedy) for its verdict.")
     judge_startup_s: float = _f(300.0, "Seconds a pool process may take to load the judge before it is refused.")

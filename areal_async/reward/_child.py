@@ -6,6 +6,7 @@ child's stdin/stdout, never pickle, one task at a time:
     parent -> child  RewardInit  {"fn": "mod:func", "kwargs": {...}, "memory_limit_mb": N}   once, first
     child  -> parent RewardReady {"ready": true, "pid": ...} | {"ready": false, "error": "..."}
     parent -> child  RewardTasks {"completions": ["...", ...], "solutions": [["..."], ...]}  repeated
+                                 (+ "prompts": ["...", ...]: the questions, when the pool was given them)
     child  -> parent RewardReply {"score": 1.0} | {"error": "..."}   one per completion, in order
 
 The pool sends a share of checks in one frame; each reply is written (and flushed) as soon as
@@ -19,8 +20,8 @@ The reward function runs in this process's MAIN thread. The child exits when its
 SIGKILL, so nothing here tries to be interruptible.
 Imports are kept minimal on purpose: no torch, no zmq — only what the reward function imports. A function
 with ``prepare`` (``reward.judge``) is prepared once before the memory cap (its model loaded), and one with
-``batch`` is called once per frame (``fn.batch(completions, solutions)``: one value or exception each); its
-first reply then comes when the whole frame is judged, so the frame has the first check's deadline.
+``batch`` is called once per frame (``fn.batch(completions, solutions[, prompts=...])``: one value or exception
+each); its first reply then comes when the whole frame is judged, so the frame has the first check's deadline.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ def _run_one(fn, kwargs: dict, completion: str, solutions: list[str]) -> RewardR
     return RewardReply(score=float(value))
 
 
-def _run_batch(fn, kwargs: dict, completions: list, solutions: list) -> list[RewardReply]:
-    """``fn.batch``'s results as replies: a number is a score, an exception (returned or raised) an error."""
+def _run_batch(fn, kwargs: dict, completions: list, solutions: list, prompts=None) -> list[RewardReply]:
+    """``fn.batch``'s results as replies: a number is a score, an exception (returned or raised) an error.
+    ``prompts`` (the questions, when the frame carries them) go to it as ``prompts=``."""
     try:
-        values = fn.batch(completions, solutions, **kwargs)
+        values = fn.batch(completions, solutions, **kwargs, **({} if prompts is None else {"prompts": prompts}))
     except Exception as e:  # the whole frame failed: each check says so
         values = [e] * len(completions)
     if not isinstance(values, list) or len(values) != len(completions):
@@ -128,7 +130,7 @@ def _serve(fn, kwargs: dict, proto_in, proto_out) -> None:
         if tasks is None:
             return
         if hasattr(fn, "batch"):  # one call for the frame (a judge's batched generation), then its replies
-            for reply in _run_batch(fn, kwargs, tasks.completions, tasks.solutions):
+            for reply in _run_batch(fn, kwargs, tasks.completions, tasks.solutions, tasks.prompts):
                 proto_out.write(replies.frame(reply))
             proto_out.flush()
             continue

@@ -1,20 +1,23 @@
-"""A reward model in the reward pool (``reward.judge``): a language model reads each completion beside the
-reference and its parsed verdict is the reward.
+"""A reward model in the reward pool (``reward.judge``): a language model reads each question, its completion
+and the reference, and its parsed verdict is the reward.
 
 ``reward.judge: DIR`` (a local HF model directory, or ``gguf:SOURCE`` imported like ``model.path``) makes the
 reward pool run ``judge`` instead of ``reward.fn``: every child process of the pool loads the model once
 (``prepare``, before the child's memory cap), and each frame of checks the pool sends it (a group's share)
 is judged in one batched greedy generation (``judge.batch``: left-padded, ``reward.judge_max_new_tokens``
-new tokens). The prompt is ``reward.judge_template`` with ``{completion}`` and ``{solution}`` filled in,
-rendered through the judge's chat template when it has one; the verdict is the first ``yes`` or ``no`` of
-the generated text (1.0 / 0.0; case-insensitive, whole words). A generation with neither is an ``error``
-outcome (score 0, the text in its detail), a hung or slow batch is killed at ``reward.timeout_s`` like any
-check (a batch must finish within it), and the pool's outcomes carry each check's wall time, which the
-reward workers report (``reward_check_s_total``, ``reward_checks_total`` in ``metrics.jsonl``).
+new tokens). The prompt is ``reward.judge_template`` with ``{question}`` (the dataset's prompt text),
+``{completion}`` and ``{solution}`` filled in, rendered through the judge's chat template when it has one;
+the verdict is the first ``yes`` or ``no`` of the generated text (1.0 / 0.0; case-insensitive, whole
+words). A generation with neither is an ``error`` outcome (score 0, the text in its detail), a hung or slow
+batch is killed at ``reward.timeout_s`` like any check (a batch must finish within it), and the pool's
+outcomes carry each check's wall time, which the reward workers report (``reward_check_s_total``,
+``reward_checks_total`` in ``metrics.jsonl``).
 
-The reward pipe carries completions and reference solutions, not prompts: the judge grades a completion
-against the reference (reference-guided grading), without the question. Not covered: a judge served by a
-separate server, sampling the judge, scores other than yes/no.
+The question travels with the completions when a judge is configured: the rollout worker looks the group's
+prompt ids up in the run's dataset (``rollout.agent.PromptTexts``) and puts the text on its reward request
+(``RewardRequest.prompt``), the pool passes it to ``judge.batch`` as ``prompts=``. A template that names
+``{question}`` with a check that carries none is that check's ``error`` outcome, never a blank question.
+Not covered: a judge served by a separate server, sampling the judge, scores other than yes/no.
 
 torch and transformers are imported by ``prepare`` in the pool's children only: the reward worker that
 builds the pool (and loads this module to check it) never loads them.
@@ -26,7 +29,7 @@ import re
 from typing import Optional
 
 DEFAULT_TEMPLATE = (
-    "Reference answer: {solution}\nStudent answer: {completion}\n"
+    "Question: {question}\nReference answer: {solution}\nStudent answer: {completion}\n"
     "Does the student answer give the same final result as the reference answer? Answer yes or no."
 )
 VERDICT = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
@@ -44,9 +47,16 @@ def parse_verdict(text: str) -> float:
     return 1.0 if m.group(1).lower() == "yes" else 0.0
 
 
-def prompt_text(tokenizer, template: str, completion: str, solutions: list[str]) -> str:
+class NoQuestion(ValueError):
+    """The judge's template reads ``{question}`` and the check carried none."""
+
+
+def prompt_text(tokenizer, template: str, completion: str, solutions: list[str], question: str = "") -> str:
     """The judge's prompt for one completion (the first reference solution), chat-templated when possible."""
-    body = template.format(completion=completion.strip(), solution=(solutions[0] if solutions else "").strip())
+    if "{question}" in template and not question:
+        raise NoQuestion("the judge's template reads {question} but this check carried no question")
+    sol = (solutions[0] if solutions else "").strip()
+    body = template.format(question=question.strip(), completion=completion.strip(), solution=sol)
     if getattr(tokenizer, "chat_template", None):
         msgs = [{"role": "user", "content": body}]
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
@@ -85,22 +95,32 @@ def generate(texts: list[str]) -> list[str]:
     return tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
-def judge_batch(completions: list[str], solutions: list[list[str]], **kwargs) -> list:
-    """One score (or the ``NoVerdict`` that stands for an error) per completion, from one batched generation."""
+def judge_batch(completions: list[str], solutions: list[list[str]], prompts: Optional[list[str]] = None, **kwargs):
+    """One score (or the ``NoVerdict``/``NoQuestion`` that stands for an error) per completion, from one batched
+    generation of those that have a prompt; ``prompts``: each completion's question."""
     prepare(**kwargs)
-    texts = [prompt_text(_STATE["tok"], _STATE["template"], c, s) for c, s in zip(completions, solutions)]
+    questions = prompts if prompts is not None else [""] * len(completions)
     out: list = []
-    for text in generate(texts):
+    for c, s, q in zip(completions, solutions, questions):
         try:
-            out.append(parse_verdict(text))
-        except NoVerdict as e:
+            out.append(prompt_text(_STATE["tok"], _STATE["template"], c, s, q))
+        except NoQuestion as e:
             out.append(e)
-    return out
+    texts = generate([t for t in out if isinstance(t, str)]) if any(isinstance(t, str) for t in out) else []
+    verdicts = iter(texts)
+    return [_verdict(next(verdicts)) if isinstance(t, str) else t for t in out]
 
 
-def judge(completion: str, solutions: list[str], **kwargs) -> float:
-    """``reward.fn``'s signature: one completion judged (a pool child calls ``judge.batch`` for a frame)."""
-    (score,) = judge_batch([completion], [solutions], **kwargs)
+def _verdict(text: str):
+    try:
+        return parse_verdict(text)
+    except NoVerdict as e:
+        return e
+
+
+def judge(completion: str, solutions: list[str], prompt: str = "", **kwargs) -> float:
+    """``reward.fn``'s signature (+ the question): one completion judged (a pool child calls ``judge.batch``)."""
+    (score,) = judge_batch([completion], [solutions], [prompt], **kwargs)
     if isinstance(score, Exception):
         raise score
     return score

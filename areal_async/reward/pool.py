@@ -177,7 +177,11 @@ class _Slot:
         outs = []
         t0 = time.monotonic()
         try:
-            tasks = RewardTasks(completions=[c for c, _ in items], solutions=[list(sols) for _, sols in items])
+            tasks = RewardTasks(
+                completions=[it[0] for it in items],
+                solutions=[list(it[1]) for it in items],
+                prompts=[it[2] for it in items] if len(items[0]) > 2 else None,  # questions, when given
+            )
             _write_frame(proc, encode_frame(tasks), t0 + self.timeout_s)
             for _ in items:
                 outcome = _reply_outcome(_read_body(proc, t0 + self.timeout_s, self.rbuf))
@@ -295,6 +299,8 @@ class RewardPool:
 
     ``fn(completion: str, solutions: list[str], **fn_kwargs) -> float`` runs in a child's main
     thread; a check running past ``timeout_s`` is killed and scores 0 with status ``"timeout"``.
+    An item may carry its question (``(completion, solutions, prompt)``): a batch fn (the judge) gets the
+    questions as ``prompts=``; a plain fn never sees them.
     """
 
     def __init__(
@@ -339,30 +345,35 @@ class RewardPool:
         """Pids of the live children (for monitoring and tests)."""
         return [pid for pid in (slot.pid() for slot in self._slots) if pid is not None]
 
-    def score_sync(self, completion: str, solutions: list[str]) -> RewardOutcome:
+    def score_sync(self, completion: str, solutions: list[str], prompt: str | None = None) -> RewardOutcome:
         """Score one completion, blocking the calling thread (at most ~timeout_s once a child is free)."""
         self._check_open()
-        _check_item(completion, solutions)
-        return self._score_blocking([(completion, solutions)])[0]
+        item = _item(completion, solutions, prompt)
+        return self._score_blocking([item])[0]
 
-    async def score(self, completion: str, solutions: list[str]) -> RewardOutcome:
-        """Score one completion without blocking the event loop."""
+    async def score(self, completion: str, solutions: list[str], prompt: str | None = None) -> RewardOutcome:
+        """Score one completion (with its question ``prompt``, for a judge) without blocking the event loop."""
         self._check_open()
-        _check_item(completion, solutions)
+        item = _item(completion, solutions, prompt)
         loop = asyncio.get_running_loop()
-        return (await loop.run_in_executor(self._executor, self._score_blocking, [(completion, solutions)]))[0]
+        return (await loop.run_in_executor(self._executor, self._score_blocking, [item]))[0]
 
-    async def score_many(self, items: list[tuple[str, list[str]]]) -> list[RewardOutcome]:
-        """Score ``(completion, solutions)`` pairs over all children; results in input order.
+    async def score_many(self, items: list[tuple]) -> list[RewardOutcome]:
+        """Score ``(completion, solutions)`` pairs (or ``(completion, solutions, prompt)`` triples, all of one
+        kind) over all children; results in input order.
 
         The items are dealt round-robin into one share per child (at most ``n_procs``), and each
         share goes to its child as one frame: a group costs a round trip per child, not per
         sample. Timeouts stay per check (see ``_Slot.run``)."""
         if not isinstance(items, (list, tuple)):
             raise TypeError(f"items must be a list of (completion, solutions) pairs, got {type(items).__name__}")
+        size = len(items[0]) if items and isinstance(items[0], (list, tuple)) else 2
         for item in items:
-            if not (isinstance(item, (list, tuple)) and len(item) == 2):
-                raise TypeError(f"each item must be a (completion, solutions) pair, got {item!r:.80}")
+            if not (isinstance(item, (list, tuple)) and len(item) == size in (2, 3)):
+                raise TypeError(
+                    f"each item must be a (completion, solutions) pair or, all of them, a (completion, solutions, "
+                    f"prompt) triple, got {item!r:.80}"
+                )
             _check_item(*item)
         self._check_open()
         k = min(self.n_procs, len(items))
@@ -442,11 +453,18 @@ def _accepts(fn, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
-def _check_item(completion, solutions) -> None:
+def _check_item(completion, solutions, prompt: str = "") -> None:
     if not isinstance(completion, str):
         raise TypeError(f"completion must be a str, got {type(completion).__name__}: {completion!r:.80}")
     if not isinstance(solutions, (list, tuple)) or not all(isinstance(s, str) for s in solutions):
         raise TypeError(f"solutions must be a list of str, got {solutions!r:.80}")
+    if not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}: {prompt!r:.80}")
+
+
+def _item(completion, solutions, prompt) -> tuple:
+    _check_item(completion, solutions, "" if prompt is None else prompt)
+    return (completion, solutions) if prompt is None else (completion, solutions, prompt)
 
 
 _LIVE_POOLS: "weakref.WeakSet[RewardPool]" = weakref.WeakSet()

@@ -147,7 +147,7 @@ class RewardService:
         self.scoring += len(batch)
         self._note_waiting()
         try:
-            outs = await self.pool.score_many([(c, req.solutions) for req in batch for c in req.completions])
+            outs = await self.pool.score_many(_items(batch))
         finally:
             self.slots.release()
             self._started.pop(id(batch), None)
@@ -198,3 +198,11 @@ class RewardService:
         self._scoring += delta
         if self._scoring == 0:
             self.busy_s += now - self._busy_since
+
+
+def _items(batch: list[RewardRequest]) -> list[tuple]:
+    """The pool's checks: (completion, solutions), or with the group's question when the requests carry one
+    (a judge's run: the rollout worker sends it); a batch mixing both gives every check its question or ""."""
+    if any(req.prompt for req in batch):
+        return [(c, req.solutions, req.prompt) for req in batch for c in req.completions]
+    return [(c, req.solutions) for req in batch for c in req.completions]

@@ -30,6 +30,7 @@ does not restart.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -244,6 +245,7 @@ class RolloutService:
         message_bytes: int = MESSAGE_BYTES,
         record: Optional[RolloutRecord] = None,
         reward_record: Optional[RewardRecord] = None,
+        question: Optional[Callable[[list[int]], str]] = None,
     ):
         """``decode``: completions' token ids -> their texts, many at once (``models.tokenizer.batch_decoder``).
         ``episodes`` (a workflow's, with the ``tokenizer`` and the ``score`` coroutine it needs; its
@@ -253,7 +255,8 @@ class RolloutService:
         many payload bytes (a larger group travels alone). ``record``: this worker's own record of
         the groups it produced and the versions it loaded (``rollout/record.py``), each group written before
         its tensors go out; ``reward_record``: the scores a workflow gave its episodes (``base/records.py``),
-        written before they go to the scheduler."""
+        written before they go to the scheduler. ``question``: prompt ids -> the dataset's prompt text, for a
+        reward that reads the question (``reward.judge``): it goes with every reward request and check."""
         self.worker_id, self.control, self.decode = worker_id, control, decode
         self.traj, self.weights = traj_channel, weight_channel
         self.reward_sock = make_socket(ctx, zmq.PUSH, connect=reward_endpoints)
@@ -272,6 +275,7 @@ class RolloutService:
         self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="traj-send")  # one thread: sends in order
         self.message_bytes = message_bytes
         self.record, self.reward_record = record, reward_record
+        self.question = question
 
     # ---- thread -> loop ------------------------------------------------------------------
     def _groups_from_thread(self, groups: Optional[list], requests: dict) -> None:
@@ -430,6 +434,7 @@ class RolloutService:
                 sample_ids=list(req.sample_ids[: group.n_samples]),
                 completions=[next(texts) for _ in range(group.n_samples)],
                 solutions=req.solutions,
+                prompt=self.question(req.prompt_ids) if self.question is not None else "",
             )
             for group, req in items
         ]
@@ -466,7 +471,10 @@ class RolloutService:
 
     # ---- workflow episodes ---------------------------------------------------------------
     async def _run_workflow(self, req: GenerateRequest) -> None:
-        handle = WorkerEngine(self.engine.submit, self.tokenizer, self.score, req.group_id, req.min_version)
+        score = self.score
+        if self.question is not None and score is not None:  # the judge reads the episode's question
+            score = functools.partial(score, prompt=self.question(req.prompt_ids))
+        handle = WorkerEngine(self.engine.submit, self.tokenizer, score, req.group_id, req.min_version)
         try:
             episodes = await self.episodes.run_group(handle, req)
         except EpisodeFailed as e:  # this group is aborted (and re-issued); the worker goes on

@@ -342,6 +342,12 @@ def test_reward_requests_split_into_one_request_per_group_and_back():
     ]
     assert m.requests() == reqs
     assert M.RewardRequests.of(reqs) == m
+    assert m.prompts == [] and all(r.prompt == "" for r in m.requests())  # no question sent: none on the wire
+    asked = [dataclasses.replace(reqs[0], prompt="3+4="), dataclasses.replace(reqs[1], prompt="4+4=")]
+    both = M.RewardRequests.of(asked)
+    assert both.prompts == ["3+4=", "4+4="] and decode(encode(both)).requests() == asked
+    with pytest.raises(ProtocolError, match="1 prompts for 2 groups: expected none or one a group"):
+        encode(dataclasses.replace(both, prompts=["3+4="]))
 
 
 def test_reward_results_split_into_one_result_per_group():

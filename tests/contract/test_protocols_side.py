@@ -89,6 +89,10 @@ ROUND_TRIPS = [
         RewardTasks(completions=["\\boxed{2}", "3"], solutions=[["2"], ["3", "three"]]),
         {"completions": ["\\boxed{2}", "3"], "solutions": [["2"], ["3", "three"]]},
     ),
+    (
+        RewardTasks(completions=["2"], solutions=[["2"]], prompts=["1+1="]),  # with the questions (a judge)
+        {"completions": ["2"], "solutions": [["2"]], "prompts": ["1+1="]},
+    ),
     (RewardReply(score=1.0), {"score": 1.0}),
     (RewardReply(error="ZeroDivisionError: x"), {"error": "ZeroDivisionError: x"}),
 ]
@@ -180,6 +184,11 @@ BAD = [  # (bytes, expected types, words the error must contain)
         "reward_tasks.solutions: expected list[list[str]], got list",
     ),
     (_bad({"completions": ["c"], "solutions": [[]], "n": 1}), (RewardTasks,), "reward_tasks: unknown field 'n'"),
+    (
+        _bad({"completions": ["c", "d"], "solutions": [[], []], "prompts": ["q"]}),
+        (RewardTasks,),
+        "reward_tasks: 2 completions but 1 prompts: expected one each",
+    ),
     (
         _bad({"completions": ["c", "d"], "solutions": [["2"]]}),
         (RewardTasks,),

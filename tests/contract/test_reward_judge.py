@@ -1,8 +1,10 @@
-"""reward.judge on a real model: SmolLM2-135M-Instruct (the real-model presets' checkpoint) judging fixed
-completions in the real reward pool (killable child processes, one batched left-padded generation a frame)
-gives, completion by completion, the verdict of a reference written out here: the same prompt (its chat
-template applied by transformers), a greedy loop of full forwards one token at a time (no KV cache, no
-padding, one completion at a time), the first whole yes/no read by this file's own regex."""
+"""reward.judge on a real model: SmolLM2-135M-Instruct (the real-model presets' checkpoint) judging fixed,
+hand-labelled completions of fixed questions in the real reward pool (killable child processes, one batched
+left-padded generation a frame, the question passed with each check) gives, completion by completion, the
+verdict of a reference written out here: the same prompt (its chat template applied by transformers), a
+greedy loop of full forwards one token at a time (no KV cache, no padding, one completion at a time), the
+first whole yes/no read by this file's own regex. Its agreement with the hand labels is printed (-s): a
+135M judge is weak, and the figure is reported as measured (docs/agents.md), not asserted."""
 
 from __future__ import annotations
 
@@ -16,17 +18,23 @@ from areal_async.config.sections import RewardConfig
 from areal_async.reward.pool import RewardPool
 from tests.support.smollm2 import INSTALL, model_dir
 
-SOLUTION = "7"
-COMPLETIONS = [
-    "3 + 4 = 7, so the answer is \\boxed{7}.",
-    "The answer is 12.",
-    "7",
-    "I think the result is 8.",
-    "Seven.",
-    "It is 7 apples.",
-    "The answer is \\boxed{9}.",
-    "",
+# (question, reference, completion, hand label: does the completion give the reference's result?)
+LABELLED = [
+    ("3+4=", "7", "3 + 4 = 7, so the answer is \\boxed{7}.", 1.0),
+    ("3+4=", "7", "The answer is 12.", 0.0),
+    ("3+4=", "7", "7", 1.0),
+    ("3+4=", "7", "I think the result is 8.", 0.0),
+    ("3+4=", "7", "Seven.", 1.0),
+    ("3+4=", "7", "It is 7 apples.", 1.0),
+    ("3+4=", "7", "The answer is \\boxed{9}.", 0.0),
+    ("3+4=", "7", "", 0.0),
+    ("12+5=", "17", "12 + 5 = 17", 1.0),
+    ("12+5=", "17", "12 + 5 = 15", 0.0),
+    ("9+9=", "18", "The sum is 18.", 1.0),
+    ("9+9=", "18", "The sum is 81.", 0.0),
 ]
+QUESTIONS = [q for q, *_ in LABELLED]
+COMPLETIONS = [c for _, _, c, _ in LABELLED]
 
 
 def reference(path, cfg: RewardConfig) -> list:
@@ -36,8 +44,9 @@ def reference(path, cfg: RewardConfig) -> list:
     tok = AutoTokenizer.from_pretrained(path)
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     out = []
-    for c in COMPLETIONS:
-        body = cfg.judge_template.replace("{completion}", c.strip()).replace("{solution}", SOLUTION)
+    for q, sol, c, _ in LABELLED:
+        body = cfg.judge_template.replace("{completion}", c.strip()).replace("{solution}", sol)
+        body = body.replace("{question}", q)
         text = tok.apply_chat_template([{"role": "user", "content": body}], tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         new = []
@@ -58,9 +67,11 @@ def test_the_pools_judge_equals_the_reference_on_fixed_completions():
         pytest.skip(f"SmolLM2's package is not installed (scripts/setup.sh: {INSTALL})")
     cfg = RewardConfig(judge=str(path), n_procs=2, timeout_s=120, memory_limit_mb=0)
     with RewardPool.from_config(cfg) as pool:
-        outs = asyncio.run(pool.score_many([(c, [SOLUTION]) for c in COMPLETIONS]))
+        outs = asyncio.run(pool.score_many([(c, [sol], q) for q, sol, c, _ in LABELLED]))
     want = reference(path, cfg)
     got = [o.score if o.status == "ok" else None for o in outs]
     assert got == want, [(c, o.status, o.detail) for c, o in zip(COMPLETIONS, outs)]
     assert all(o.status in ("ok", "error") for o in outs)
     assert all("no yes/no verdict" in o.detail for o in outs if o.status == "error")
+    agree = [g == label for g, (*_, label) in zip(got, LABELLED)]  # no verdict counts as a disagreement
+    print(f"judge vs hand labels: {sum(agree)}/{len(agree)} agree; verdicts {got}")

@@ -122,3 +122,25 @@ def _batched_length_batch(completions, solutions):
 
 
 batched_length.batch = _batched_length_batch
+
+
+def sum_judge(completion, solutions):
+    """A batch-aware fn that reads the question (as reward.judge does): ``sum_judge.batch`` scores 1.0 when the
+    completion is the sum asked by its question ``"A+B="``, whatever the solutions say; no question: an error."""
+    (score,) = sum_judge.batch([completion], [solutions])
+    if isinstance(score, Exception):
+        raise score
+    return score
+
+
+def _sum_judge_batch(completions, solutions, prompts=None):
+    if prompts is None:
+        return [ValueError("no question came with the check")] * len(completions)
+    out = []
+    for c, q in zip(completions, prompts):
+        a, b = q.rstrip("=").split("+")
+        out.append(float(c.strip() == str(int(a) + int(b))))
+    return out
+
+
+sum_judge.batch = _sum_judge_batch
