@@ -4,6 +4,7 @@ malformed check is reported as failed and makes the exit status non-zero."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -104,6 +105,21 @@ def test_failures_are_reported_and_set_the_exit_status(capsys):
 def test_a_hanging_check_is_stopped_at_its_timeout():
     row = run_check(_bad("hangs", isolate=True, timeout_s=3), cuda=False)
     assert row["status"] == "fail" and row["detail"].startswith("no answer in 3 s") and row["seconds"] < 30
+
+
+def test_a_spent_budget_fails_only_the_checks_that_would_have_run(monkeypatch, capsys):
+    """After the budget, a check this box would skip anyway (no CUDA; no vLLM environment) is still "skipped",
+    not a failure that sets the exit status of a healthy box (main: every one after the budget failed)."""
+    monkeypatch.delenv("VLLM_PYTHON", raising=False)
+    vllm = Check("needs_vllm", "tests.support.gpu_check_fixtures:fails", False, needs=("vllm",))
+    gpu_only = Check("gpu_only", "tests.support.gpu_check_fixtures:fails", True)
+    rows = run_all([gpu_only, vllm, _bad("fails")], cuda=False, budget_s=0)
+    capsys.readouterr()
+    want_vllm = "skipped: no CUDA vLLM environment (set VLLM_PYTHON)"
+    if importlib.util.find_spec("vllm") is not None:  # a vLLM in this interpreter counts as the environment
+        want_vllm = "not run: the 0 s budget is spent"
+    assert [r["detail"] for r in rows] == ["skipped: no CUDA", want_vllm, "not run: the 0 s budget is spent"]
+    assert [r["status"] for r in rows] == ["skipped", "fail" if want_vllm.startswith("not") else "skipped", "fail"]
 
 
 def test_main_exit_status(monkeypatch, capsys):
