@@ -9,6 +9,7 @@ compute in ``model.dtype``). Rank 0 is the ``TrainerService``; ranks 1..K-1 are 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -30,8 +31,16 @@ from areal_async.reward.pool import RewardPool
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import prune
+from areal_async.trainer.final_model import exporter, write_final
 from areal_async.trainer.frozen import FrozenActor, weight_schedule
-from areal_async.trainer.dp import CMD_SAVE, DataParallel, broadcast_module, init_data_parallel, trainer_backend
+from areal_async.trainer.dp import (
+    CMD_EXPORT,
+    CMD_SAVE,
+    DataParallel,
+    broadcast_module,
+    init_data_parallel,
+    trainer_backend,
+)
 from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.recording import Recorder, machine_header
@@ -66,8 +75,10 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         restore_actor(actor, ckpt)
         start_step, start_version = ckpt["step"] + 1, ckpt["version"]
     write_shards = _shard_writer(actor, dtype, spec, str(lora_base_dir(run_dir)))
+    export = exporter(actor.model, dtype, rank, spec, str(lora_base_dir(run_dir)))
     if rank > 0:
-        return FollowerRank(actor, write_shards, dtype, _bucket_bytes(cfg))
+        return FollowerRank(actor, write_shards, dtype, _bucket_bytes(cfg), export)
+    tell = functools.partial(actor.dp.command, CMD_EXPORT, 0)  # the other ranks gather with rank 0
     return _service(
         cfg,
         ep,
@@ -77,6 +88,7 @@ def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> Trainer
         tok,
         checkpointer=_checkpointer(cfg, run_dir, actor, tok, write_shards),
         start=(start_step, start_version),
+        final_model=functools.partial(write_final, run_dir, export, tok, tell),
     )
 
 
@@ -84,8 +96,11 @@ def _bucket_bytes(cfg: ExperimentConfig) -> int:
     return int(cfg.tensor_channel.bucket_mb * (1 << 20))
 
 
-def _service(cfg, ep, run_dir, worker_id: str, actor, tok, checkpointer, start: tuple[int, int]) -> TrainerService:
-    """Rank 0's service around ``actor``: its channels, evaluator and records; ``start``: (step, version)."""
+def _service(
+    cfg, ep, run_dir, worker_id: str, actor, tok, checkpointer, start: tuple[int, int], final_model=None
+) -> TrainerService:
+    """Rank 0's service around ``actor``: its channels, evaluator and records; ``start``: (step, version);
+    ``final_model``: writes RUN_DIR/model after the last step (trainer/final_model.py)."""
     ctx = zmq.asyncio.Context()
     return TrainerService(
         control_client(ctx, cfg, ep, "trainer", worker_id),
@@ -104,6 +119,7 @@ def _service(cfg, ep, run_dir, worker_id: str, actor, tok, checkpointer, start: 
         # rank 0 holds the whole batch: it alone writes; with the books per sample (areal-async verify)
         record=TrainerRecord(run_dir, start[0]),  # every run: what areal-async verify reads
         recorder=_recorder(cfg, run_dir, start[0]),
+        final_model=final_model,
     )
 
 

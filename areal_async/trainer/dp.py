@@ -43,8 +43,8 @@ from areal_async.trainer.types import Trajectory
 from areal_async.transport.buckets import plan
 
 # commands rank 0 broadcasts to the other ranks before each collective phase
-CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP = 1, 2, 3, 4
-CMD_NAMES = {CMD_TRAIN: "train", CMD_PUBLISH: "publish", CMD_SAVE: "save", CMD_STOP: "stop"}
+CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_EXPORT = 1, 2, 3, 4, 5
+CMD_NAMES = {CMD_TRAIN: "train", CMD_PUBLISH: "publish", CMD_SAVE: "save", CMD_STOP: "stop", CMD_EXPORT: "export"}
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@
                               on). The scheduler aborts their groups and sends a BatchPlan revision
                               for any step that named one: the step waits for it and trains it.
       Shutdown              ─> exit (non-zero when the scheduler declared this trainer lost)
+    after the run's last step: the policy to RUN_DIR/model (``final_model``, trainer/final_model.py), then
+      its TrainStepDone (the scheduler ends the run on it)
     periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
       weights are published and before TrainStepDone: evaluate (executor) ─> EvalDone(version, metrics)
 
@@ -39,6 +41,7 @@ broadcasts a command to ranks 1..K-1 (``FollowerRank``), which have no control p
     train:   CMD_TRAIN, batch broadcast  ──> train_step on the same batch (their shares)
     publish: CMD_PUBLISH, gathers bucket by bucket while the channel packs ──> the same gathers
     save:    CMD_SAVE + checkpoint path  ──> DCP save of their shards, export gather
+    export:  CMD_EXPORT + directory      ──> the final policy's gather (trainer/final_model.py)
     shutdown: CMD_STOP                   ──> exit 0
 """
 
@@ -51,7 +54,7 @@ import logging
 import math
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -72,7 +75,7 @@ from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.plan_book import PlanBook
-from areal_async.trainer.dp import CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
+from areal_async.trainer.dp import CMD_EXPORT, CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.recording import Recorder
 from areal_async.trainer.types import Trajectory
@@ -108,6 +111,7 @@ class TrainerService:
         record: Optional[TrainerRecord] = None,
         recorder: Optional[Recorder] = None,
         held_grace_s: float = HELD_GRACE_S,
+        final_model: Optional[Callable[[], object]] = None,
     ):
         """``overlap_publish``: TrainStepDone before the weights are published, except after step
         ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
@@ -115,7 +119,9 @@ class TrainerService:
         trainer waits for a BatchPlan, once that many trajectories are in, the update's first
         forward runs on them (``PPOActor.forward_ahead``) as their rewards are scored; the plan's
         step uses it when it names the same samples (0: never). ``record``: the trainer's own record
-        of each step (``trainer/record.py``), written before its TrainStepDone; None: none."""
+        of each step (``trainer/record.py``), written before its TrainStepDone; None: none.
+        ``final_model``: writes the policy after the last step (``final_model.write_final``, its
+        directory returned), before that step's TrainStepDone; None: nothing is kept."""
         if forward_ahead_samples and not actor.can_forward_ahead:
             raise ValueError(
                 f"forward_ahead_samples={forward_ahead_samples} but this actor cannot run a forward ahead "
@@ -144,6 +150,7 @@ class TrainerService:
         self._inbox: asyncio.Queue = asyncio.Queue()  # control messages for _loop (HeldQuery: answered beside it)
         self.book = PlanBook()  # the plans held, their revisions, the samples given up on
         self.held_grace_s = held_grace_s  # a HeldQuery's wait for tensors still in flight
+        self.final_model = final_model
 
     async def run(self) -> int:
         self.waiting("registration")
@@ -367,6 +374,12 @@ class TrainerService:
             publish_bytes=float(self.publish_bytes),
         )
         await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
+        if last and self.final_model is not None:
+            self.waiting("writing the final policy")
+            t = time.perf_counter()
+            path = await loop.run_in_executor(None, self.final_model)
+            metrics["final_model_s"] = time.perf_counter() - t
+            log.info("the final policy (version %d) written to %s", self.version, path)
         skipped = [trajs[i].sample_id for i in sorted(self.actor.skipped_indices)]
         await self.control.send(
             TrainStepDone(
@@ -441,8 +454,9 @@ class TrainerService:
 class FollowerRank:
     """Trainer ranks 1..K-1: no sockets; each runs the collective phases rank 0 commands."""
 
-    def __init__(self, actor: PPOActor, save_shards, publish_dtype: torch.dtype, bucket_bytes: int):
-        self.actor, self.save_shards = actor, save_shards
+    def __init__(self, actor: PPOActor, save_shards, publish_dtype: torch.dtype, bucket_bytes: int, export=None):
+        """``export(directory)``: this rank's part of writing the final policy (``final_model.exporter``)."""
+        self.actor, self.save_shards, self.export = actor, save_shards, export
         self.publish_dtype, self.bucket_bytes = publish_dtype, bucket_bytes
 
     async def run(self) -> int:
@@ -471,6 +485,8 @@ class FollowerRank:
                 self.actor.publish_state(self.publish_dtype, self.bucket_bytes).gather_all()
             elif op == CMD_SAVE:
                 self.save_shards(text)
+            elif op == CMD_EXPORT and self.export is not None:
+                self.export(text)
             elif op == CMD_STOP:
                 log.info("rank %d: stop", dp.rank)
                 return 0

@@ -1,6 +1,7 @@
 """A LoRA run of the tiny preset as a real fleet: the trainer publishes the adapter alone every version, the
 rollouts generate with it (the run completes only if they load every version), the base is written once
-and the checkpoint holds the adapter alone."""
+and the checkpoint holds the adapter alone; the run ends with its policy merged into a plain model
+(RUN_DIR/model)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from areal_async import Fleet, load_config
 from areal_async.models.lora import load_adapter
@@ -46,3 +50,22 @@ def test_a_lora_run_publishes_and_checkpoints_the_adapter_alone(tmp_path):
     assert sum(t.numel() * 4 for t in sd.values()) == adapter_bytes
     assert any(r["grad_norm"] > 0 and r["optimizer_steps"] > 0 for r in rows)
     assert any(t.abs().sum() > 0 for k, t in sd.items() if "lora_B" in k)  # B starts at zero: it trained
+    # the run's final policy (RUN_DIR/model): a plain model, the base with W + (alpha / r) B A at every
+    # adapted layer, merged here by hand from the last checkpoint's adapter file
+    base = load_file(run / "lora_base" / "model.safetensors")
+    raw = load_file(ckpt / "adapter" / "adapter_model.safetensors")
+    final = load_file(run / "model" / "model.safetensors")
+    assert final.keys() == base.keys()
+    merged = 0
+    for name, w in base.items():
+        a = raw.get(f"base_model.model.{name.removesuffix('.weight')}.lora_A.weight")
+        if a is None:
+            assert final[name].equal(w), name
+            continue
+        b = raw[f"base_model.model.{name.removesuffix('.weight')}.lora_B.weight"]
+        torch.testing.assert_close(final[name], w + (8 / 4) * (b @ a), rtol=0, atol=1e-6)
+        merged += 1
+    assert merged == 2 * 2  # q_proj and v_proj of 2 layers
+    assert AutoModelForCausalLM.from_pretrained(run / "model", local_files_only=True).num_parameters() == sum(
+        t.numel() for t in base.values()
+    )
