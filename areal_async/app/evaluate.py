@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from areal_async.app.policy import initial_policy
+from areal_async.base import cores
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import Problem, load_jsonl, load_problems, prompt_encoder, split_holdout
@@ -120,6 +121,7 @@ def sample_completions(
         engine.add_request(s.request(f"eval-{i}", ids))
     done = {}
     while engine.has_work():
+        cores.pace()  # cluster.share_cores: the periodic evaluator's threads, step by step
         done.update({g.group_id: g for g in engine.step()})
     return [[decode(smp.output_ids) for smp in done[f"eval-{i}"].samples] for i in range(len(prompts))]
 
@@ -228,14 +230,15 @@ class PeriodicEvaluator:
 
     def __call__(self, version: int, state_dict: dict) -> dict:
         self.model.load_state_dict(state_dict)
-        res = evaluate(
-            torch_eval_engine(self.cfg, self.model, self.tok),
-            self.tok,
-            self.encode,
-            self.problems,
-            self.pool,
-            self.sampling,
-        )
+        with cores.working():
+            res = evaluate(
+                torch_eval_engine(self.cfg, self.model, self.tok),
+                self.tok,
+                self.encode,
+                self.problems,
+                self.pool,
+                self.sampling,
+            )
         s = res.summary
         return {
             "eval_pass1": s["pass1"],

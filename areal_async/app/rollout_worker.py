@@ -17,6 +17,7 @@ from areal_async.app.wiring import control_client, load_run
 from areal_async.base.endpoints import NODE_HOST_ENV
 from areal_async.base.records import RewardRecord
 from areal_async.base.manifest import RunManifest
+from areal_async.base import cores
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, server_addresses
 from areal_async.base.plugins import load_callable
@@ -46,6 +47,8 @@ PROBE_TEXT = "7+8=\\boxed{15}"  # the fixed sequence whose logprobs check a vLLM
 def build_rollout(run_dir: str | Path, worker_id: str, index: int) -> RolloutService:
     cfg, ep = load_run(run_dir)
     setup_torch_process(cfg.cluster)
+    if cfg.rollout.backend == "torch":  # the embedded engine computes here; a server client does not
+        cores.install_for(run_dir, cfg.cluster, "rollout", index)
     tok = policy_tokenizer(cfg.model)
     max_active = max(1, cfg.rollout.max_concurrent_rollouts // cfg.cluster.n_rollout_workers + 1)
     if cfg.rollout.backend.startswith("sglang"):

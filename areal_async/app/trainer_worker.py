@@ -22,6 +22,7 @@ from areal_async.app.evaluate import PeriodicEvaluator
 from areal_async.app.policy import warmup
 from areal_async.app.rollout_worker import torch_engine_model
 from areal_async.app.wiring import control_client, load_run
+from areal_async.base import cores
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.models import lora
@@ -55,6 +56,7 @@ UNGATED_WEIGHT_CHANNELS = ("shm", "zmq")
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
     cfg, ep = load_run(run_dir)
     setup_torch_process(cfg.cluster)
+    cores.install_for(run_dir, cfg.cluster, "trainer", rank)  # cluster.share_cores (base/cores.py)
     if cfg.mode == "rollout_only":
         return _frozen_trainer(cfg, ep, run_dir, worker_id)
     resume = ep.resume_from

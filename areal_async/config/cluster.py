@@ -130,6 +130,13 @@ class ClusterConfig(Section):
         "role and what it waited for; 0 = no watchdog.",
     )
     torch_threads: int = _f(1, "torch intra-op threads per worker process.")
+    share_cores: bool = _f(
+        False,
+        "Threads that follow the work: the trainer ranks and embedded rollout engines on this machine split its "
+        "CPUs among those busy at the moment, re-divided before each decoder layer (forward and backward) and "
+        "engine step, so a role that waits holds no core the busy one could use; OpenMP idle threads sleep "
+        "(OMP_WAIT_POLICY=PASSIVE). Replaces torch_threads for them (base/cores.py). One node only.",
+    )
     retained_heap_mb: int = _f(
         256,
         "MiB of freed memory each torch worker keeps in its heap instead of returning it to the OS "
@@ -183,6 +190,12 @@ class ClusterConfig(Section):
             f"0 (no watchdog) or > heartbeat_s={self.heartbeat_s}",
         )
         at_least(self, "torch_threads", 1)
+        require(
+            not self.share_cores or self.n_nodes == 1,
+            "share_cores",
+            self.share_cores,
+            f"false with n_nodes={self.n_nodes} (the CPU table is one machine's)",
+        )
         at_least(self, "retained_heap_mb", 0)
         one_of(self, "device", ("cpu", "cuda"))
         at_least(self, "n_nodes", 1)

@@ -68,6 +68,7 @@ from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRe
 from areal_async.rollout.record import RolloutRecord
 from areal_async.base.records import RewardRecord
 from areal_async.workflows.base import Episode
+from areal_async.base import cores
 from areal_async.base.control import ControlClient
 from areal_async.base.aio import TaskSet
 
@@ -138,6 +139,7 @@ class EngineThread(threading.Thread):
                 self._apply_weights()
                 self._admit()
                 if self.engine.has_work():
+                    cores.mark(True)  # cluster.share_cores: busy, this step's threads (base/cores.py)
                     t = self.step_t0 = time.perf_counter()
                     done = self.engine.step()
                     self.step_t0 = None
@@ -145,6 +147,7 @@ class EngineThread(threading.Thread):
                     if done:
                         self.on_groups(done, self.requests)
                 else:
+                    cores.mark(False)  # waiting: its CPUs go to whoever computes
                     self._wake.wait(0.05)
                     self._wake.clear()
         except Exception as e:  # the worker must die loudly, not hang with a dead engine thread
@@ -188,6 +191,7 @@ class EngineThread(threading.Thread):
                 times["drain_s"] = times["load_start"] - max(self.drain_t0, times.get("received", self.drain_t0))
                 self.drain_t0 = None
                 self.engine.hold_new(False)
+            cores.mark(True)  # the load and its KV recompute compute too
             self.engine.update_weights(pending.version, pending.state_dict)
             times["loaded"] = time.time()
             times.update(getattr(self.engine, "update_split", None) or {})  # load_s / recompute_s, if it says

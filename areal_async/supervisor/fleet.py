@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from areal_async.base.cores import WAIT_POLICY_ENV
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE
 from areal_async.config import ExperimentConfig
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
@@ -140,6 +141,8 @@ class Supervisor:
             TOKENIZERS_PARALLELISM="false",
             PYTHONUNBUFFERED="1",
         )
+        if self.cfg.cluster.share_cores:  # idle OpenMP threads must sleep, not spin (base/cores.py)
+            self._env = WAIT_POLICY_ENV | self._env
         rd = self.rundir
         for name, cmd in server_commands(self.cfg, self.run_dir, rd.manifest.servers, rd.server_key):
             self._start(name, cmd, self._env | rd.server_env | device_env(self.cfg, self.placement.get(name)))

@@ -33,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from areal_async.base import cores
+
 DEFAULT_CHUNK_TOKENS = 1024  # actor.logits_chunk_tokens' default (benchmarks/memory.py: its peak)
 
 
@@ -75,6 +77,7 @@ class _FusedHead(torch.autograd.Function):
         ent_T = torch.empty_like(logp_T) if with_entropy else None
         for a in range(0, T, chunk):
             b = min(a + chunk, T)
+            cores.pace()  # cluster.share_cores: each chunk's threads (base/cores.py)
             z_CV = _chunk_logits(h_TE[a:b], weight_VE, bias_V, temperature)
             lse_C = torch.logsumexp(z_CV, dim=-1)
             lse_T[a:b] = lse_C
@@ -95,6 +98,7 @@ class _FusedHead(torch.autograd.Function):
         db_V = torch.zeros(bias_V.shape, dtype=torch.float32, device=bias_V.device) if need_b else None
         for a in range(0, T, ctx.chunk):
             b = min(a + ctx.chunk, T)
+            cores.pace()
             g_logp_C, g_ent_C, ent_C = (None if x is None else x[a:b] for x in (g_logp_T, g_ent_T, ent_T))
             dz_CV = _chunk_grad(h_TE[a:b], weight_VE, bias_V, next_T[a:b], lse_T[a:b], ent_C, g_logp_C, g_ent_C, temp)
             dz_CV = dz_CV.to(h_TE.dtype)

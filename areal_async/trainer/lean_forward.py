@@ -28,6 +28,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from areal_async.base import cores
 from areal_async.models.lean_ops import STATIC_ROPE_TYPES
 from areal_async.models.lean_ops import linear as _linear
 from areal_async.models.lean_ops import rms_norm as _norm
@@ -74,12 +75,14 @@ def lean_hidden(model: torch.nn.Module, ids_T: torch.Tensor, pos_T: torch.Tensor
     With HF's activation checkpointing on (``actor.enable_checkpointing``, for the config's
     ``actor.gradient_checkpointing``: it sets the base model's ``gradient_checkpointing``) and grad on,
     each decoder layer runs under ``torch.utils.checkpoint`` (non-reentrant): only its input is
-    kept, its activations are recomputed in backward."""
+    kept, its activations are recomputed in backward. With ``cluster.share_cores`` each layer's forward and
+    backward first takes this worker's share of the CPUs (``base/cores.py``)."""
     m = model.model
     x_TE = m.embed_tokens(ids_T)
     cos_T1D, sin_T1D = _rope_table(model, x_TE.dtype, x_TE.device).lookup(pos_T)
     ckpt = torch.is_grad_enabled() and getattr(m, "gradient_checkpointing", False)  # set by HF's enable
     for layer in m.layers:
+        x_TE = cores.pace(x_TE)  # cluster.share_cores: this layer's threads (and its backward's)
         if ckpt:
             x_TE = checkpoint(_layer, layer, x_TE, cos_T1D, sin_T1D, plan, use_reentrant=False)
         else:

@@ -71,6 +71,7 @@ from protocols.messages import (
     WeightsPublished,
 )
 
+from areal_async.base import cores
 from areal_async.base.control import ControlClient
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.buffer import TrajectoryBuffer
@@ -260,7 +261,8 @@ class TrainerService:
             try:
                 trajs = [Trajectory.of(view, math.nan) for _, view in self.buffer.peek(n)]
                 start = time.perf_counter()
-                ahead = self.actor.forward_ahead(trajs)
+                with cores.working():
+                    ahead = self.actor.forward_ahead(trajs)
                 fut.set_result((ahead, start, time.perf_counter()))
             except BaseException as e:  # raised where the step takes it (_take_ahead)
                 fut.set_exception(e)
@@ -419,7 +421,8 @@ class TrainerService:
         c0 = time.thread_time()
         self.actor.dp.command(CMD_TRAIN, step)
         rng = self.recorder.rng_state() if self.recorder is not None else None
-        metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs), ahead=ahead)
+        with cores.working():  # cluster.share_cores: busy, the threads paced per layer (base/cores.py)
+            metrics = self.actor.train_step(self.actor.dp.broadcast_batch(trajs), ahead=ahead)
         if self.recorder is not None:  # the batch as trained, in its order; replay runs it again
             t = time.perf_counter()
             metrics["record_bytes"] = self.recorder.step(step, step + 1, trajs, rng)
@@ -480,7 +483,8 @@ class FollowerRank:
             op, arg, text = dp.command()
             log.debug("rank %d: %s %d", dp.rank, CMD_NAMES.get(op, op), arg)
             if op == CMD_TRAIN:
-                self.actor.train_step(dp.broadcast_batch(None))
+                with cores.working():
+                    self.actor.train_step(dp.broadcast_batch(None))
             elif op == CMD_PUBLISH:
                 self.actor.publish_state(self.publish_dtype, self.bucket_bytes).gather_all()
             elif op == CMD_SAVE:

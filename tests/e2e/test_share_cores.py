@@ -1,0 +1,59 @@
+"""cluster.share_cores as a real fleet: every torch worker (the trainer and the two rollout workers of the tiny
+preset) has its byte in RUN_DIR/cores and starts with OpenMP's idle threads asleep; the table says who computes
+while the run goes and is all idle once it ended; the books are exact. How much faster it is:
+benchmarks/share_cores.py."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_async.base.cores import CORES_FILE
+from tests.support.fleet import ROOT, assert_verified, cli, finish_ok, wait_for_metrics
+from tests.support.procs import descendants
+
+pytestmark = pytest.mark.slow
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(kv.decode().split("=", 1) for kv in raw if b"=" in kv)
+
+
+def _worker_id(pid: int) -> str | None:
+    argv = Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    return argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else None
+
+
+def test_torch_workers_share_one_table_and_sleep_when_idle(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        cli(run, "total_train_steps=8", "cluster.share_cores=true"),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_metrics(run, proc)
+    workers, seen_busy = {}, set()
+    deadline = time.monotonic() + 20
+    while proc.poll() is None and time.monotonic() < deadline and len(seen_busy) < 2:
+        for pid in descendants(proc.pid):
+            try:
+                if (wid := _worker_id(pid)) is not None:
+                    workers[wid] = _environ(pid)
+            except (OSError, ValueError):
+                continue
+        table = (run / CORES_FILE).read_bytes()
+        seen_busy |= {i for i, b in enumerate(table) if b}
+        time.sleep(0.01)
+    finish_ok(proc)
+    assert {"trainer", "rollout-0", "rollout-1", "scheduler", "reward-0"} <= set(workers), workers
+    assert all(env["OMP_WAIT_POLICY"] == "PASSIVE" for env in workers.values())
+    table = (run / CORES_FILE).read_bytes()
+    assert len(table) == 3 and table == b"\0\0\0"  # trainer, rollout-0, rollout-1: all idle at the end
+    assert seen_busy and seen_busy <= {0, 1, 2}  # someone was seen computing while the run went
+    assert_verified(run, 8)
