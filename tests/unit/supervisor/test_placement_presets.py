@@ -30,6 +30,8 @@ SERVER = ("sglang", "vllm")
 
 def preset(name: str, nodes: int, gpn: int, scaled: bool):
     over = [f"cluster.n_nodes={nodes}", f"cluster.n_gpus_per_node={gpn}", "cluster.device=cuda"]
+    # the CPU presets' one-machine knobs (issue 41's smollm2 presets): off, as a GPU cluster would set them
+    over += ["cluster.share_cores=false", "evaluator.freq_steps=0"]
     cfg = load_config(f"configs/{name}", over)
     if scaled:  # servers fill node 0 (one worker each), the trainer ranks take every other GPU
         d = min(gpn, nodes * gpn // 2)
