@@ -231,7 +231,27 @@ def real_model(rows: list[dict]) -> list[str]:
     return md_table(head, lines) + [f"- {g}: {s}" for g, s in settings]
 
 
+STARTUP_EVENTS = ("spawned", "trainer_ready", "first_token", "first_step", "total", "cpu")
+
+
+def startup(rows: list[dict]) -> list[str]:
+    """One line per run of each leg (``leg``: the code or settings measured) with the seconds to each event
+    and the run's CPU, then the leg's median line; each run's CPU per role below."""
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        if r["metric"].startswith("startup_"):
+            run = by.setdefault((r.get("leg", ""), str(r.get("rep"))), {"load": r.get("loadavg_before")})
+            run[r["metric"][8:-2]] = r["value"]
+    lines, roles = [], []
+    for (leg, run), v in by.items():
+        lines.append([leg, run, _f(v["load"], ".1f")] + [_f(v.get(e), ".2f") for e in STARTUP_EVENTS])
+        cpu = ", ".join(f"{k[4:]} {x:.1f}" for k, x in sorted(v.items()) if k.startswith("cpu_") and x is not None)
+        roles += [f"- {leg} run {run}, CPU s by role: {cpu}"] if cpu else []
+    return md_table(["leg", "run", "load", *STARTUP_EVENTS], lines) + roles
+
+
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
+    ("benchmarks.startup", lambda m: m.startswith("startup_"), startup),
     ("benchmarks.overhead", lambda m: m.startswith("fleet_vs_inprocess"), overhead),
     ("benchmarks.data_path", lambda m: m.startswith(("boba_batch", "scheduler_")), data_path),
     ("benchmarks.async_speedup", lambda m: m == "trained_samples_per_s", async_speedup),

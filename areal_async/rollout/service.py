@@ -116,6 +116,7 @@ class EngineThread(threading.Thread):
         self.failure: Optional[BaseException] = None  # what ended the thread, if anything did
         self.busy_s = 0.0
         self.step_t0: Optional[float] = None  # monotonic start of the engine step running now
+        self.stepped = False  # an engine step has ended (the first tokens were generated)
 
     def submit(self, req: GenerateRequest) -> None:
         self.inbox.put(req)
@@ -144,6 +145,9 @@ class EngineThread(threading.Thread):
                     done = self.engine.step()
                     self.step_t0 = None
                     self.busy_s += time.perf_counter() - t
+                    if not self.stepped:  # the start-up's end, as benchmarks/startup.py reads it from the log
+                        self.stepped = True
+                        log.info("first tokens generated (weights v%d)", self.engine.version)
                     if done:
                         self.on_groups(done, self.requests)
                 else:
