@@ -40,6 +40,7 @@ from areal_async.app.verify import verify_run
 from areal_async.config import ConfigError, describe, load_config, to_yaml
 from areal_async.models.gguf_import import ImportRefused, import_gguf, resolve_model_path
 from areal_async.supervisor.fleet import run_fleet
+from areal_async.supervisor.forkserver import ForkServer, ForkServerLauncher, start_fork_server
 from areal_async.supervisor.plan import LaunchError
 from areal_async.supervisor.ray_launcher import RayLaunchError, ray_launcher
 from areal_async.supervisor.slurm import run_slurm
@@ -422,13 +423,24 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out or f"runs/eval-{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
         return run_eval(cfg, args.model, args.data, out)
     run_dir = Path(args.run_dir or f"runs/{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    refused = _preflight(args, cfg, run_dir)
-    if refused is not None:
-        return refused
-    if args.cmd == "sft":
-        from areal_async.app.sft import run_sft
+    # the fork server imports the trainer's and rollouts' modules while the preflight runs (supervisor/forkserver.py)
+    server = start_fork_server(cfg) if args.cmd == "run" and not args.dry_run else None
+    try:
+        refused = _preflight(args, cfg, run_dir)
+        if refused is not None:
+            return refused
+        if args.cmd == "sft":
+            from areal_async.app.sft import run_sft
 
-        return run_sft(cfg, run_dir)
+            return run_sft(cfg, run_dir)
+        return _run(args, cfg, run_dir, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run(args, cfg, run_dir: Path, server: ForkServer | None) -> int:
+    """``areal-async run`` after its preflight: the fleet on this machine, Slurm or Ray (or mode=train_only)."""
     if cfg.mode == "train_only":
         return _train_only(cfg, run_dir)
     progress = False if args.no_progress else None
@@ -441,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"areal-async: {e}", file=sys.stderr)
             return 2
         return run_fleet(cfg, run_dir, progress=progress, launcher=launcher)
-    return run_fleet(cfg, run_dir, progress=progress)
+    return run_fleet(cfg, run_dir, progress=progress, launcher=ForkServerLauncher(server) if server else None)
 
 
 if __name__ == "__main__":

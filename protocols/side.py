@@ -15,6 +15,8 @@ field map), so no peer sees a change but the stricter checks.
   the run's (CURVE-authenticated) sockets (``transport.store``).
 - ``RewardInit``, ``RewardReady``, ``RewardTasks``, ``RewardReply``: the reward pool <-> child pipe
   (length-prefixed frames, ``areal_async.reward._wire``).
+- ``ForkServerReady``, ``ForkRequest``, ``Forked``, ``ForkExited``: the supervisor <-> its fork server
+  pipe (the same frames; ``areal_async.supervisor.forkserver``).
 
 Only msgpack-level imports here (no torch): the reward child imports this module.
 """
@@ -291,3 +293,69 @@ class RewardReply(SideMessage):
         if (self.score is None) == (self.error is None):
             return "expected exactly one of score and error"
         return None
+
+
+# ---- supervisor <-> its fork server (supervisor/zygote.py): {"v", "t", <fields>}, one pipe each way ----
+
+_FORK_BYTES = 1 << 20  # a command line and an environment
+
+
+@side_message
+class ForkServerReady(SideMessage):
+    """fork server -> supervisor, once, first: the modules imported (``ready``), or why not (``error``)."""
+
+    TYPE: ClassVar[str] = "fork_server_ready"
+    MAX_BYTES: ClassVar[int] = _FORK_BYTES
+    ready: bool
+    pid: int
+    error: Optional[str] = None
+
+    def validate(self) -> Optional[str]:
+        if not self.ready and self.error is None:
+            return "not ready without an error"
+        return None
+
+
+@side_message
+class ForkRequest(SideMessage):
+    """supervisor -> fork server: start ``argv`` (``[python, "-m", MODULE, *ARGS]``) as worker ``name`` in its
+    own session, stdout and stderr appended to ``log_path``, with exactly ``env``, in ``cwd``."""
+
+    TYPE: ClassVar[str] = "fork_request"
+    MAX_BYTES: ClassVar[int] = _FORK_BYTES
+    name: str
+    argv: list[str]
+    env: dict
+    cwd: str
+    log_path: str
+
+    def validate(self) -> Optional[str]:
+        bad = [k for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str))]
+        return f"env entry {bad[0]!r} is not str -> str" if bad else None
+
+
+@side_message
+class Forked(SideMessage):
+    """fork server -> supervisor, one per request, in order: the child's pid, or why none started."""
+
+    TYPE: ClassVar[str] = "forked"
+    MAX_BYTES: ClassVar[int] = _FORK_BYTES
+    name: str
+    pid: Optional[int] = None
+    error: Optional[str] = None
+
+    def validate(self) -> Optional[str]:
+        if (self.pid is None) == (self.error is None):
+            return "expected exactly one of pid and error"
+        return None
+
+
+@side_message
+class ForkExited(SideMessage):
+    """fork server -> supervisor: a child it started ended; ``code`` as ``subprocess`` gives it (>= 0 the
+    exit status, -N killed by signal N)."""
+
+    TYPE: ClassVar[str] = "fork_exited"
+    MAX_BYTES: ClassVar[int] = _FORK_BYTES
+    pid: int
+    code: int

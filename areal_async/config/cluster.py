@@ -137,6 +137,12 @@ class ClusterConfig(Section):
         "engine step, so a role that waits holds no core the busy one could use; OpenMP idle threads sleep "
         "(OMP_WAIT_POLICY=PASSIVE). Replaces torch_threads for them (base/cores.py). One node only.",
     )
+    fork_server: bool = _f(
+        True,
+        "Local CPU runs: the trainer and rollout processes are forked from one process that imported "
+        "their modules (torch, transformers) once, while the preflight runs (supervisor/forkserver.py); "
+        "false: each imports its own. Ignored on cuda and under Slurm or Ray.",
+    )
     retained_heap_mb: int = _f(
         256,
         "MiB of freed memory each torch worker keeps in its heap instead of returning it to the OS "

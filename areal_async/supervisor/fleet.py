@@ -40,7 +40,6 @@ progress line is drawn from ``metrics.jsonl`` (``progress.py``).
 from __future__ import annotations
 
 import dataclasses
-import os
 import signal
 import subprocess
 import sys
@@ -49,9 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from areal_async.base.cores import WAIT_POLICY_ENV
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE
 from areal_async.config import ExperimentConfig
+from areal_async.supervisor.forkserver import worker_env
 from areal_async.supervisor.launchers import Launched, Launcher, LocalLauncher
 from areal_async.supervisor.memory import PeakRss
 from areal_async.supervisor.placement import Slot
@@ -134,15 +133,7 @@ class Supervisor:
 
     def start_all(self) -> None:
         """The inference servers, then every worker in start order; then pids.json."""
-        self._env = dict(
-            os.environ,
-            AREAL_T0=repr(self.t0),
-            OMP_NUM_THREADS=str(self.cfg.cluster.torch_threads),
-            TOKENIZERS_PARALLELISM="false",
-            PYTHONUNBUFFERED="1",
-        )
-        if self.cfg.cluster.share_cores:  # idle OpenMP threads must sleep, not spin (base/cores.py)
-            self._env = WAIT_POLICY_ENV | self._env
+        self._env = worker_env(self.cfg) | {"AREAL_T0": repr(self.t0)}
         rd = self.rundir
         for name, cmd in server_commands(self.cfg, self.run_dir, rd.manifest.servers, rd.server_key):
             self._start(name, cmd, self._env | rd.server_env | device_env(self.cfg, self.placement.get(name)))

@@ -3,7 +3,7 @@
 - ``proc_cpu_s`` / ``tree_cpu``: user + system CPU seconds of a live pid / of every live process
   under a root pid.
 - ``TreeCPU``: a thread sampling a tree every ``period_s`` seconds, summed per role (``fleet_role``
-  by default: scheduler, trainer, rollout-i, reward-i, reward-pool, supervisor), together with a
+  by default: scheduler, trainer, rollout-i, reward-i, reward-pool, fork-server, supervisor), together with a
   progress count (e.g. metrics rows written so far); ``cpu_per_step`` turns its samples into CPU
   seconds per step over a steady window.
 - ``cpu_busy_s`` (all processes, /proc/stat), ``own_cpu_s`` (this process and its reaped
@@ -64,6 +64,8 @@ def fleet_role(pid: int) -> Optional[str]:
         return argv[argv.index("--worker-id") + 1]
     if "areal_async.reward._child" in argv:
         return "reward-pool"
+    if "areal_async.supervisor.zygote" in argv:
+        return "fork-server"
     return "supervisor" if _is_supervisor(argv) else "other"
 
 

@@ -1,0 +1,163 @@
+"""The fork server (supervisor/forkserver.py, zygote.py) with real processes: a child it forks is checked
+against the same command started by ``subprocess.Popen`` (the ordinary way, and the independent reference):
+argv, /proc cmdline, environment, directory, session, stdin, signal dispositions, its log, threads joined
+and atexit run at exit, exit codes and signals. Then the rules that send a start the ordinary way."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_async.supervisor.forkserver import (
+    EXIT_UNKNOWN,
+    ForkedProcess,
+    ForkServer,
+    ForkServerLauncher,
+)
+from areal_async.supervisor.launchers import LocalProcess, popen_logged
+
+ROOT = Path(__file__).resolve().parents[3]
+PROBE = "tests.support.fork_probe"
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    env = dict(os.environ, AREAL_T0="1.0")
+    s = ForkServer(env, ["json"])  # not the probe: `python -m` runs a module no one imported yet
+    assert s.wait_ready(120) is None
+    yield s
+    s.close()
+
+
+def _probe(tmp_path: Path, tag: str, *args: str) -> tuple[list[str], Path]:
+    return [sys.executable, "-m", PROBE, str(tmp_path / f"{tag}.json"), *args], tmp_path / f"{tag}.log"
+
+
+def _wait_file(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def test_a_forked_child_is_what_popen_would_start(server, tmp_path):
+    env = dict(server.env, AREAL_T0="2.5", AREAL_LAUNCH_TOKEN="tok")  # what differs per worker
+    runs = {}
+    for tag in ("popen", "forked"):
+        cmd, log = _probe(tmp_path, tag, "3")
+        if tag == "popen":
+            proc = LocalProcess(popen_logged(cmd, env, log))
+        else:
+            proc = ForkedProcess(server, server.fork(tag, cmd, env, log))
+        runs[tag] = (proc.wait(60), json.loads((tmp_path / f"{tag}.json").read_text()), log.read_text())
+    (code_p, rep_p, log_p), (code_f, rep_f, log_f) = runs["popen"], runs["forked"]
+    assert code_p == code_f == 3
+    assert log_p == log_f == "probe stdout\nprobe stderr\n"
+    for key in ("env", "cwd", "session_leader", "group_leader", "stdin", "signals", "name"):
+        assert rep_f[key] == rep_p[key], key
+    assert rep_p["session_leader"] and rep_p["stdin"] == "/dev/null" and rep_p["name"] == "__main__"
+    # argv and cmdline name each one's own output file: the same but for the tag
+    assert rep_f["argv"] == [a.replace("popen", "forked") for a in rep_p["argv"]]
+    assert rep_f["cmdline"] == [a.replace("popen", "forked") for a in rep_p["cmdline"]]
+    assert rep_p["cmdline"][:3] == [sys.executable, "-m", PROBE]
+    for tag in ("popen", "forked"):  # the non-daemon thread was joined, then atexit ran
+        assert (tmp_path / f"{tag}.json.thread").read_text() == "joined"
+        assert (tmp_path / f"{tag}.json.atexit").read_text() == "ran"
+
+
+def test_signals_and_exit_codes_match_popen(server, tmp_path):
+    cmd, log = _probe(tmp_path, "forked", "--sleep", "60")
+    child = ForkedProcess(server, server.fork("a", cmd, server.env, log))
+    ref = LocalProcess(popen_logged(_probe(tmp_path, "popen", "--sleep", "60")[0], server.env, tmp_path / "p.log"))
+    assert child.poll() is None and ref.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=0.2)
+    child.signal(signal.SIGTERM)
+    ref.signal(signal.SIGTERM)
+    assert child.wait(30) == ref.wait(30) == -signal.SIGTERM
+    assert child.returncode == -signal.SIGTERM
+    child.signal(signal.SIGTERM)  # ended: nothing is sent, nothing raised
+
+
+def test_a_child_outlives_its_server_and_reports_exit_unknown_once_it_ends(server, tmp_path):
+    cmd, log = _probe(tmp_path, "forked", "--sleep", "60")
+    child = ForkedProcess(server, server.fork("a", cmd, server.env, log))
+    server.proc.kill()
+    server.proc.wait()
+    time.sleep(0.2)
+    assert child.poll() is None  # still running, now a child of init
+    os.killpg(child.pid, signal.SIGKILL)
+    assert child.wait(30) == EXIT_UNKNOWN
+
+
+def test_close_ends_the_server_and_not_its_children(server, tmp_path):
+    cmd, log = _probe(tmp_path, "forked", "--sleep", "60")
+    pid = server.fork("a", cmd, server.env, log)
+    server.close()
+    assert server.proc.returncode == 0
+    os.kill(pid, 0)  # alive (raises if not)
+    os.killpg(pid, signal.SIGKILL)
+
+
+def test_what_is_forked_and_what_starts_the_ordinary_way(server):
+    cmd = [sys.executable, "-m", "workers.rollout", "--run-dir", "/r", "--worker-id", "rollout-0", "--index", "0"]
+    assert server.forkable(cmd, dict(server.env, AREAL_LAUNCH_TOKEN="t", AREAL_NODE_HOST="h")) is None
+    assert server.forkable(cmd, dict(server.env, OMP_NUM_THREADS="7")) == (
+        "its environment differs from the fork server's in ['OMP_NUM_THREADS']"
+    )
+    assert "PYTHONPATH" in server.forkable(cmd, {k: v for k, v in server.env.items()} | {"PYTHONPATH": "/x"})
+    assert server.forkable([sys.executable, "-m", "workers.scheduler"], server.env) == ""  # not served: silent
+    assert server.forkable(["/other/python", "-m", "workers.rollout"], server.env) == ""
+    long = cmd + ["--cpus", "0," * 2000 + "1"]
+    assert server.forkable(long, server.env) == "its command line is longer than the fork server's room for it"
+
+
+def test_a_server_that_cannot_import_sends_its_starts_the_ordinary_way(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(ROOT)
+    broken = ForkServer(dict(os.environ), ["no_such_module_for_the_fork_server"])
+    try:
+        why = broken.wait_ready(120)
+        assert why == "its imports failed (ModuleNotFoundError: No module named 'no_such_module_for_the_fork_server')"
+        launcher = ForkServerLauncher(broken)
+        log = tmp_path / "trainer.log"
+        proc = launcher.start("trainer", [sys.executable, "-m", "workers.trainer", "--help"], broken.env, log)
+        assert isinstance(proc, LocalProcess) and proc.wait(60) == 0
+        assert log.read_text().startswith("usage: workers.trainer")
+        told = f"areal-async: warning: fork server: {why}; trainer starts with a fresh interpreter\n"
+        assert capsys.readouterr().err == told
+    finally:
+        broken.close()
+
+
+def _module_level_environ_reads(path: Path) -> list[str]:
+    """``os.environ`` / ``os.getenv`` / ``environ`` uses outside any function of ``path``."""
+    tree = ast.parse(path.read_text())
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            name = child.attr if isinstance(child, ast.Attribute) else child.id if isinstance(child, ast.Name) else ""
+            if name in ("environ", "getenv") and not inside:
+                found.append(f"{path.relative_to(ROOT)}:{child.lineno}")
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def test_no_module_reads_the_environment_at_import():
+    """What lets a request's AREAL_* variables differ from the server's (FORKABLE_ENV_DIFF): the project
+    reads the environment only inside functions, so a module the server imported read none of it."""
+    found = [hit for pkg in ("areal_async", "protocols", "workers") for p in sorted((ROOT / pkg).rglob("*.py"))
+             for hit in _module_level_environ_reads(p)]  # fmt: skip
+    assert found == []
