@@ -33,6 +33,12 @@ class SFTWarmupConfig(Section):
     steps: int = _f(0, "SFT steps on the training prompts' reference answers; 0 disables.")
     batch_size: int = _f(64, "Sequences per SFT step.")
     lr: float = _f(3e-3, "SFT learning rate.")
+    cache: bool = _f(
+        True,
+        "Keep the warmed-up weights of a built model on CPU in ~/.cache/areal-async/warmup, keyed by everything "
+        "that decides them (config, data, code, libraries, CPU): a later run with the same key loads them, "
+        "bit-identical, instead of training (app/warmup_cache.py).",
+    )
 
     def check(self) -> None:
         at_least(self, "steps", 0)
