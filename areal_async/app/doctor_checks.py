@@ -224,7 +224,7 @@ def check_length_runaway(run: RunData) -> list[Finding]:
 
 
 def check_staleness(run: RunData) -> list[Finding]:
-    eta = run.get("rollout.max_head_offpolicyness")
+    eta = run.eta
     late = halves(run.rows)
     frac, t_idle = mean(run.series("staleness_at_bound_frac", late)), mean(run.series("trainer_idle_frac", late))
     if not eta or eta < 2 or frac is None or t_idle is None or len(run.rows) < MIN_ROWS:
@@ -258,7 +258,7 @@ def check_idle(run: RunData) -> list[Finding]:
     late, out = halves(run.rows), []
     if len(run.rows) < MIN_ROWS:
         return []
-    eta = run.get("rollout.max_head_offpolicyness")
+    eta = run.eta
     knobs = {
         "trainer": f"the trainer waits for data: more generation (cluster.n_rollout_workers, rollout."
         f"max_concurrent_rollouts) or more overlap (rollout.max_head_offpolicyness, now {eta})",

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
+from areal_async.base.eta import EtaError, EtaMode
 from areal_async.base.manifest import ManifestError, RunManifest
 from areal_async.base.stacks import read_hangs
 
@@ -58,6 +59,14 @@ class RunData:
                 return default
             node = node[part]
         return node
+
+    @property
+    def eta(self) -> Optional[int]:
+        """η as every reader takes it (``EtaMode.of_mapping``, base/eta.py); None when the config gives none."""
+        try:
+            return EtaMode.of_mapping(self.cfg).eta
+        except EtaError:
+            return None
 
     def series(self, key: str, rows: Optional[list[dict]] = None) -> list[float]:
         """``key`` of every row that has it (finite numbers only)."""

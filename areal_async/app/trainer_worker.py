@@ -23,6 +23,7 @@ from areal_async.app.policy import warmup
 from areal_async.app.rollout_worker import torch_engine_model
 from areal_async.app.wiring import control_client, load_run
 from areal_async.base import cores
+from areal_async.base.eta import EtaMode
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.models import lora
@@ -47,10 +48,6 @@ from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.recording import Recorder, machine_header
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.sharded_ckpt import export_adapter, export_full, has_shards, load_shards, save_shards
-
-# weight channels whose publication needs no receiver to take part (the trainer may publish after
-# TrainStepDone, see trainer/service.py); gloo/nccl broadcast to live receivers, cuda_ipc not tried
-UNGATED_WEIGHT_CHANNELS = ("shm", "zmq")
 
 
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
@@ -115,7 +112,7 @@ def _service(
         publish_dtype=to_dtype(cfg.model.dtype),
         bucket_bytes=_bucket_bytes(cfg),
         evaluator=_evaluator(cfg, tok),
-        overlap_publish=cfg.tensor_channel.weights in UNGATED_WEIGHT_CHANNELS,
+        mode=EtaMode.of(cfg),
         total_steps=cfg.total_train_steps,
         forward_ahead_samples=_forward_ahead_samples(cfg, actor),
         # rank 0 holds the whole batch: it alone writes; with the books per sample (areal-async verify)
@@ -171,9 +168,9 @@ def restore_actor(actor: PPOActor, ckpt: dict) -> None:
 
 
 def _forward_ahead_samples(cfg: ExperimentConfig, actor: PPOActor) -> int:
-    """A step's samples when its first forward may run ahead (``actor.forward_ahead``): at eta = 0
-    every trajectory the trainer receives while it waits is of its next step; else 0."""
-    on = cfg.actor.forward_ahead and cfg.rollout.max_head_offpolicyness == 0 and actor.can_forward_ahead
+    """A step's samples when its first forward may run ahead (``EtaMode.forward_ahead``: at eta = 0 every
+    trajectory the trainer receives while it waits is of its next step) and the actor can; else 0."""
+    on = EtaMode.of(cfg).forward_ahead and actor.can_forward_ahead
     return cfg.train_dataset.batch_size * cfg.gconfig.n_samples if on else 0
 
 

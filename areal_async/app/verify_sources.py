@@ -13,6 +13,7 @@ from typing import Optional
 
 import yaml
 
+from areal_async.base.eta import EtaError, EtaMode
 from areal_async.base.records import REWARD_DIR, ROLLOUT_DIR, TRAINER_STEPS, read_jsonl
 
 RESUMES = "resumes.json"
@@ -158,8 +159,8 @@ def _starts(run_dir: Path, problems: list[Problem]) -> list[dict]:
 def _eta(run_dir: Path, eta: Optional[int], problems: list[Problem]) -> Optional[int]:
     if eta is not None:
         return eta
-    try:
-        return int(yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["max_head_offpolicyness"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError) as e:
+    try:  # read as every reader reads it (base/eta.py)
+        return EtaMode.of_mapping(yaml.safe_load((run_dir / "config.yaml").read_text())).eta
+    except (OSError, EtaError, yaml.YAMLError) as e:
         problems.append(Problem("source", f"{run_dir}/config.yaml gives no rollout.max_head_offpolicyness ({e})"))
         return None

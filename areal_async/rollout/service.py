@@ -426,7 +426,8 @@ class RolloutService:
         RewardRequests message a reward worker (``reward_batches``); once both are out, one
         TrajectoriesReady for them all (the scheduler takes a group's score and trajectory in either
         order; the tensors precede it). At eta = 0 the trainer runs the step's first forward on the
-        tensors while the rewards are scored (``actor.forward_ahead``): the tensors go first."""
+        tensors while the rewards are scored (``actor.forward_ahead``): the tensors go first, at every eta
+        (the η mode, ``base/eta.py``: nothing waits on the order at eta >= 1)."""
         if not items:
             return
         groups = [self._trajectory(group, req) for group, req in items]

@@ -44,12 +44,13 @@ from typing import Callable, Optional, Sequence
 
 from protocols.messages import BatchPlan, GenerateRequest, GenerateRequests, RewardResult, TrajectoryReady
 
+from areal_async.base.eta import EtaMode
+from areal_async.base.staleness import accept_bound, admission_budget
 from areal_async.scheduler.core_state import core_state, restore_core
 from areal_async.scheduler.group_filter import GroupFilter
 from areal_async.scheduler.ledger import GroupRecord, GroupState, Ledger, SampleRecord, SampleState
 from areal_async.scheduler.long_tail import LongTail, extra_groups, straggler_reason
 from areal_async.scheduler.prompt_memory import PromptMemory
-from areal_async.scheduler.staleness import accept_bound, admission_budget, is_fresh_enough
 
 _SAMPLE_ID, _SCORE = attrgetter("sample_id"), attrgetter("score")
 
@@ -92,7 +93,7 @@ class SchedulerCore:
     ):
         """``log_sample``: each record that ends (trained or aborted); ``log_samples``, when given, takes
         the records that end together (a step's, a group's) in one call instead."""
-        self.p = params
+        self.p, self.mode = params, EtaMode(params.eta)  # the mode: plan-ahead and the freshness rule (base/eta.py)
         self.cursor = cursor
         self.problem = problem  # problem index -> (prompt token ids, solutions)
         self.log_samples = log_samples or (lambda recs: list(map(log_sample, recs)))
@@ -388,7 +389,7 @@ class SchedulerCore:
         """B ready groups (completion order) fresh enough for ``next_step + 1``, taken off the ready
         queue; None when plan ahead is not allowed now or too few are fresh."""
         step = self.next_step + 1
-        if self.p.eta < 1 or self.ahead_groups is not None or step >= self.p.total_steps:
+        if not self.mode.plan_ahead or self.ahead_groups is not None or step >= self.p.total_steps:
             return None
         fresh = self._fresh_for(step)
         if len(fresh) < self.p.batch_size:
@@ -399,7 +400,7 @@ class SchedulerCore:
         return gids
 
     def _fresh_for(self, step: int) -> list[str]:
-        return [g for g in self.ready if is_fresh_enough(self._vmin(g), step, self.p.eta)]
+        return [g for g in self.ready if self.mode.fresh_enough(self._vmin(g), step)]
 
     def _vmin(self, gid: str) -> int:
         """A ready group's oldest token version (the ledger keeps it once the group is ready)."""
@@ -429,7 +430,7 @@ class SchedulerCore:
 
     def _drop_stale(self) -> list[SampleRecord]:
         out = []
-        stale = [g for g in self.ready if not is_fresh_enough(self._vmin(g), self.next_step, self.p.eta)]
+        stale = [g for g in self.ready if not self.mode.fresh_enough(self._vmin(g), self.next_step)]
         for gid in stale:
             self.ready.remove(gid)
             self.accepted -= 1

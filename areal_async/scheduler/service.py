@@ -89,6 +89,7 @@ from protocols.sockets import decode_logged, make_socket, send_message
 
 from areal_async.config import ExperimentConfig
 from areal_async.base.control import worker_of
+from areal_async.base.eta import EtaMode
 from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import Roster
 from areal_async.scheduler.start import open_books
@@ -144,7 +145,7 @@ class SchedulerService:
         self.done = asyncio.Event()
         self.exit_code = 0
         self.failure = ""  # why the run failed (Error workflow_failed), logged last
-        eta = cfg.rollout.max_head_offpolicyness
+        eta = EtaMode.of(cfg).eta
         self.rows = StepRows(self.core, self.counts, self.workers, self.weight_updates, t0, self.task_book, eta)
 
     # ---- plumbing ------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from areal_async.base.eta import EtaMode
 from areal_async.base.manifest import RunManifest
 from areal_async.config import ExperimentConfig
 from areal_async.data.gym import GymSource
@@ -48,7 +49,7 @@ def build_core(
     params = SchedulerParams(
         batch_size=cfg.train_dataset.batch_size,
         n_samples=g.n_samples,
-        eta=cfg.rollout.max_head_offpolicyness,
+        eta=EtaMode.of(cfg).eta,
         total_steps=cfg.total_train_steps,
         max_concurrent=cfg.rollout.max_concurrent_rollouts,
         gen=dict(

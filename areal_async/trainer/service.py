@@ -8,18 +8,19 @@
       thread runs the update's first forward on them (``PPOActor.forward_ahead``) while their
       rewards are scored; the step takes it when its BatchPlan names the same samples
     control loop:
-      BatchPlan(step, ids) ─> wait until every planned id is in the buffer
-                           ─> PPOActor.train_step (executor thread: the loop keeps receiving)
-                           ─> TrainStepDone(step, version=step+1), then the weights of that version
-                              are published while the scheduler admits and plans (the rollouts wait
-                              for them by min_version: at η = 0 the step's GenerateRequests are then
-                              all queued when the weights land, one decode batch; at η >= 1 the
-                              trainer's publication overlaps planning and generation). The next
-                              message is handled only once they are out. Publish first instead when
-                              ``overlap_publish`` is off (a collective weight channel: its receivers
-                              must be alive to take part), after the run's last step (the scheduler
-                              stops the rollouts on its TrainStepDone) and when the periodic
-                              evaluator is due.
+      BatchPlan(step, ids) ─> train(plan), five named stages:
+        gather   wait until every planned id is in the buffer; each sample's token versions checked
+                 against this trainer's own version and η (``check_fresh``: a stale plan is refused)
+        ahead    the forward run ahead (η = 0), kept if it ran on the plan's samples, else dropped
+        train    PPOActor.train_step (executor thread: the loop keeps receiving)
+        publish  the weights of version step+1, while the scheduler admits and plans when
+                 ``EtaMode.publish_overlap`` (the rollouts wait for them by min_version: at η = 0 the
+                 step's GenerateRequests are then all queued when the weights land, one decode batch;
+                 at η >= 1 the publication overlaps planning and generation); the next message is
+                 handled only once they are out. Published first instead when the weight channel is
+                 collective (its receivers must be alive to take part), after the run's last step (the
+                 scheduler stops the rollouts on its TrainStepDone) and when the evaluator is due
+        report   the periodic evaluation when due, then TrainStepDone(step, version=step+1)
       CheckpointRequest     ─> save model, optimizer, scheduler state (checkpoint.py); CheckpointSaved
       HeldQuery (a rollout worker died; answered at once, beside the loop) ─> after a grace for
                               tensors in flight, HeldReply(the ids that never came; refused from now
@@ -73,6 +74,7 @@ from protocols.messages import (
 
 from areal_async.base import cores
 from areal_async.base.control import ControlClient
+from areal_async.base.eta import EtaMode
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.plan_book import PlanBook
@@ -92,6 +94,35 @@ INLINE_PUBLISH_BYTES = 4 << 20  # a state dict up to this size is packed on the 
 HELD_GRACE_S = 2.0
 
 
+SYNCHRONOUS = EtaMode(0)  # the default mode: the strictest staleness bound
+
+
+class StalePlan(RuntimeError):
+    """A plan named a sample this trainer may not train (``check_fresh``): the run stops, nothing is trained."""
+
+
+def check_fresh(mode: EtaMode, step: int, version: int, got: dict) -> None:
+    """Refuse (``StalePlan``, naming the first bad sample) a planned batch holding a token older than this
+    trainer's own ``version`` allows (``mode.fresh_enough``: version >= step - eta) or newer than it: the
+    trainer checks the bound itself from the tensors it received, never trusting the plan for it.
+    ``version`` is the trainer's (it trains step v on the weights of version v); ``step`` the plan's."""
+    if step != version:
+        raise StalePlan(f"a plan for step {step} reached the trainer at version {version}; expected step == version")
+    views = [v for v in got.values() if v.versions.numel()]
+    if not views:
+        return
+    flat = torch.cat([v.versions for v in views])
+    if mode.fresh_enough(int(flat.min()), version) and int(flat.max()) <= version:
+        return
+    for sid, v in got.items():
+        lo, hi = (int(v.versions.min()), int(v.versions.max())) if v.versions.numel() else (version, version)
+        if not (mode.fresh_enough(lo, version) and hi <= version):
+            raise StalePlan(
+                f"step {step}: planned sample {sid!r} has tokens of versions {lo}..{hi}; this trainer (version "
+                f"{version}, eta {mode.eta}) trains only versions {version - mode.eta}..{version}: the plan is refused"
+            )
+
+
 class TrainerService:
     def __init__(
         self,
@@ -106,7 +137,7 @@ class TrainerService:
         publish_dtype: torch.dtype = torch.float32,
         bucket_bytes: int = 64 << 20,
         evaluator=None,
-        overlap_publish: bool = True,
+        mode: EtaMode = SYNCHRONOUS,
         total_steps: Optional[int] = None,
         forward_ahead_samples: int = 0,
         record: Optional[TrainerRecord] = None,
@@ -114,9 +145,10 @@ class TrainerService:
         held_grace_s: float = HELD_GRACE_S,
         final_model: Optional[Callable[[], object]] = None,
     ):
-        """``overlap_publish``: TrainStepDone before the weights are published, except after step
-        ``total_steps - 1`` (see the module docstring); its ``publish_s`` is then the previous
-        step's publication. ``forward_ahead_samples``: the samples of a step at eta = 0; while the
+        """``mode``: the run's η mode (``base/eta.py``): the staleness bound every planned sample is
+        checked against, and ``publish_overlap`` (TrainStepDone before the weights are published,
+        except after step ``total_steps - 1``; its ``publish_s`` is then the previous step's
+        publication). ``forward_ahead_samples``: the samples of a step at eta = 0; while the
         trainer waits for a BatchPlan, once that many trajectories are in, the update's first
         forward runs on them (``PPOActor.forward_ahead``) as their rewards are scored; the plan's
         step uses it when it names the same samples (0: never). ``record``: the trainer's own record
@@ -134,7 +166,7 @@ class TrainerService:
         # the task that arms it once the weights' publication is out (see _arm_ahead)
         self._ahead: Optional[concurrent.futures.Future] = None
         self._arming: Optional[asyncio.Task] = None
-        self.overlap_publish, self.total_steps = overlap_publish, total_steps
+        self.mode, self.total_steps = mode, total_steps
         self._publishing: Optional[asyncio.Task] = None
         self.publish_s = 0.0
         self.publish_bytes = 0  # the tensors of the last publication (a LoRA run's: the adapter alone)
@@ -260,6 +292,9 @@ class TrainerService:
                 return  # disarmed first
             try:
                 trajs = [Trajectory.of(view, math.nan) for _, view in self.buffer.peek(n)]
+                if len(trajs) < n:  # a step took some meanwhile (its plan came first): nothing to run ahead on
+                    fut.set_result(None)
+                    return
                 start = time.perf_counter()
                 with cores.working():
                     ahead = self.actor.forward_ahead(trajs)
@@ -271,8 +306,8 @@ class TrainerService:
             asyncio.get_running_loop().run_in_executor(None, run)
 
     async def _take_ahead(self, plan: Optional[BatchPlan]) -> tuple[Optional[ForwardAhead], float]:
-        """Disarm, and (the forward run ahead if it is of ``plan``'s samples, else None; its seconds
-        before the plan came). A forward not started is cancelled; one started is waited for (the
+        """Stage 2 (ahead): disarm, and (the forward run ahead if it is of ``plan``'s samples, else None; its
+        seconds before the plan came). A forward not started is cancelled; one started is waited for (the
         model is in use) and dropped when the plan names other samples or there is no plan."""
         fut, arming, self._ahead, self._arming = self._ahead, self._arming, None, None
         if fut is None:
@@ -283,14 +318,15 @@ class TrainerService:
             return None, 0.0
         came = time.perf_counter()
         try:
-            ahead, start, end = await asyncio.wrap_future(fut)
+            result = await asyncio.wrap_future(fut)
         except Exception:
             if plan is not None:
                 raise
             log.exception("trainer: the forward run ahead failed (no step takes it)")
             return None, 0.0
-        if plan is None:
+        if plan is None or result is None:
             return None, 0.0
+        ahead, start, end = result
         if len(ahead.sample_ids) != len(plan.sample_ids) or set(ahead.sample_ids) != set(plan.sample_ids):
             log.info(
                 "trainer: the forward run ahead on %d trajectories is dropped: the plan of step %d names %d "
@@ -339,58 +375,68 @@ class TrainerService:
             self.weights.release(version - VERSIONS_KEPT)
 
     async def train(self, plan: BatchPlan) -> None:
+        """One step, as named stages: gather -> ahead -> train -> publish -> report (docs/loop.md)."""
         if plan.step != self.next_step:
             raise RuntimeError(f"BatchPlan for step {plan.step}, but the trainer is at step {self.next_step}")
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        plan = self.book.latest(plan)
+        t = {"start": time.perf_counter()}
+        plan, got = await self._gather(plan)
+        t["gathered"] = time.perf_counter()
         ahead, ahead_s = await self._take_ahead(plan)  # waiting for its forward's end: training time
-        t_ahead = time.perf_counter()
-        plan, got = await self._take_plan(plan)
-        if ahead is not None and set(ahead.sample_ids) != set(plan.sample_ids):
-            log.info("trainer: the forward run ahead is dropped: step %d's plan was revised", plan.step)
-            ahead = None
-        if ahead is None:
-            trajs = [Trajectory.of(got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
-        else:  # the plan's samples in the order their forward ran
-            score = dict(zip(plan.sample_ids, plan.scores))
-            trajs = [Trajectory.of(got[sid], score[sid]) for sid in ahead.sample_ids]
-        t1 = time.perf_counter()
+        trajs = self._batch(plan, got, ahead)
+        t["ahead"] = time.perf_counter()
         self.waiting(f"its own train_step (step {plan.step})")
-        metrics = await loop.run_in_executor(None, self._train_ranks, plan.step, trajs, ahead)
-        t2 = time.perf_counter()
-        self._t_ready = {plan.step + 1: time.time()}  # the update's clock starts at the optimizer step's end
-        self.next_step, self.version = plan.step + 1, plan.step + 1
-        last = self.total_steps is not None and self.next_step >= self.total_steps
-        due = self.evaluator is not None and self.evaluator.due(self.version)
-        overlap = self.overlap_publish and not last and not due
-        if overlap:  # the rollouts wait for these weights by min_version; the trainer waits in _loop
-            self._publishing = asyncio.ensure_future(self.publish(self.version))
-        else:
-            await self.publish(self.version)
+        metrics = await asyncio.get_running_loop().run_in_executor(None, self._train_ranks, plan.step, trajs, ahead)
+        t["trained"] = time.perf_counter()
+        await self._publish_step()
         metrics.update(
-            wait_data_s=t1 - t_ahead,
-            train_s=t2 - t1 + t_ahead - t0,
+            wait_data_s=t["gathered"] - t["start"],
+            train_s=t["trained"] - t["gathered"],
             ahead_s=ahead_s,
             publish_s=self.publish_s,
             publish_bytes=float(self.publish_bytes),
         )
-        await self.evaluate()  # before TrainStepDone: after the last step the scheduler ends the run
-        if last and self.final_model is not None:
+        await self._report(plan, trajs, metrics)
+
+    async def _gather(self, plan: BatchPlan) -> tuple[BatchPlan, dict]:
+        """Stage 1: the tensors of the step's latest plan, each sample checked against this trainer's own
+        version and the staleness bound (``check_fresh``: refused, not trusted)."""
+        plan, got = await self._take_plan(self.book.latest(plan))
+        check_fresh(self.mode, plan.step, self.version, got)
+        return plan, got
+
+    def _batch(self, plan: BatchPlan, got: dict, ahead: Optional[ForwardAhead]) -> list[Trajectory]:
+        """Stage 2's result: the step's trajectories, in the order its forward ran ahead when one did."""
+        if ahead is None:
+            return [Trajectory.of(got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
+        score = dict(zip(plan.sample_ids, plan.scores))
+        return [Trajectory.of(got[sid], score[sid]) for sid in ahead.sample_ids]
+
+    async def _publish_step(self) -> None:
+        """Stage 4: the new version out to the rollouts; overlapped with what follows (``EtaMode.publish_overlap``)
+        except after the run's last step and when the evaluator is due, which read the published weights."""
+        self._t_ready = {self.next_step + 1: time.time()}  # the update's clock starts at the optimizer step's end
+        self.next_step = self.version = self.next_step + 1
+        last = self.total_steps is not None and self.next_step >= self.total_steps
+        due = self.evaluator is not None and self.evaluator.due(self.version)
+        if self.mode.publish_overlap and not last and not due:  # the rollouts wait for it by min_version
+            self._publishing = asyncio.ensure_future(self.publish(self.version))
+        else:
+            await self.publish(self.version)
+
+    async def _report(self, plan: BatchPlan, trajs: list[Trajectory], metrics: dict) -> None:
+        """Stage 5: the evaluation when due (before TrainStepDone: after the last step the scheduler ends the
+        run), the final policy after the last step, then TrainStepDone with the step's metrics and the samples
+        whose optimizer step was skipped."""
+        await self.evaluate()
+        if self.total_steps is not None and self.next_step >= self.total_steps and self.final_model is not None:
             self.waiting("writing the final policy")
             t = time.perf_counter()
-            path = await loop.run_in_executor(None, self.final_model)
+            path = await asyncio.get_running_loop().run_in_executor(None, self.final_model)
             metrics["final_model_s"] = time.perf_counter() - t
             log.info("the final policy (version %d) written to %s", self.version, path)
         skipped = [trajs[i].sample_id for i in sorted(self.actor.skipped_indices)]
-        await self.control.send(
-            TrainStepDone(
-                step=plan.step,
-                version=self.version,
-                metrics={k: float(v) for k, v in metrics.items()},
-                skipped_ids=skipped,
-            )
-        )
+        done = {k: float(v) for k, v in metrics.items()}
+        await self.control.send(TrainStepDone(step=plan.step, version=self.version, metrics=done, skipped_ids=skipped))
 
     async def _take_plan(self, plan: BatchPlan) -> tuple[BatchPlan, dict]:
         """The tensors of the step's latest plan, out of the buffer: a plan naming a sample given up on

@@ -9,7 +9,7 @@ import pytest
 from areal_async.data.prompts import PromptCursor
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.scheduler.long_tail import extra_groups
-from areal_async.scheduler.staleness import accept_bound, admission_budget
+from areal_async.base.staleness import accept_bound, admission_budget
 from tests.unit.scheduler.test_scheduler_core import finish_group, reward_msg, traj_msg
 
 

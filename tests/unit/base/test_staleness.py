@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from areal_async.scheduler.staleness import admission_budget, can_admit, is_fresh_enough
+from areal_async.base.staleness import admission_budget, can_admit, is_fresh_enough
 
 
 def test_eta_zero_admits_exactly_one_batch_per_version():
