@@ -182,3 +182,12 @@ def test_every_benchmark_is_in_the_benchmarks_table():
     names += [p.name for p in sorted((ROOT / "benchmarks").iterdir()) if (p / "__main__.py").exists()]
     missing = [n for n in names if f"| `{n}` |" not in text]
     assert not missing, f"benchmarks/README.md has no row for {missing}"
+
+
+def test_every_link_of_the_loop_page_names_a_symbol_that_exists():
+    """docs/loop.md's file:line links name a function, class or Class.method of the file; a renamed or
+    removed one fails here (a moved line does not: `python scripts/loop_links.py` refreshes the numbers)."""
+    links = _script("loop_links")
+    text = (ROOT / "docs/loop.md").read_text()
+    _, gone, _ = links.resolve(text)
+    assert len(links.LINK.findall(text)) >= 30 and gone == []
