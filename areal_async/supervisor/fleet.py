@@ -328,6 +328,7 @@ class Supervisor:
     def on_signal(self, signum: int, frame) -> None:
         self._signal = signum
         self._n_signals += 1
+        self.launcher.interrupt()  # a start waiting on its launcher (the fork server's imports) ends now
 
     def _stop_on_signal(self) -> int:
         """SIGINT/SIGTERM: a final checkpoint (at most saver.final_grace_s), then stop everyone."""

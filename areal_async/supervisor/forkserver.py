@@ -49,6 +49,7 @@ FORKED_MODULES = {
 FORKABLE_ENV_DIFF = ("AREAL_",)  # read by the workers at run time, by no module at import (tests/unit/supervisor)
 ROOM = 2048  # bytes of command line a forked child can show (the server's own argument that holds the room)
 READY_TIMEOUT_S = 300.0  # the server's imports; a start waits this long for them, then starts the ordinary way
+NOT_READY = "not ready in time"
 REPLY_TIMEOUT_S = 60.0
 EXIT_UNKNOWN = 255  # a forked child that ended after its server died: its status is lost
 
@@ -121,7 +122,7 @@ class ForkServer:
             self._cond.wait_for(lambda: self._ready is not None or self._gone is not None, timeout)
             if self._ready is not None:
                 return None if self._ready.ready else f"its imports failed ({self._ready.error})"
-            return f"the fork server is gone ({self._gone}){self._stderr_tail()}" if self._gone else "not ready in time"
+            return f"the fork server is gone ({self._gone}){self._stderr_tail()}" if self._gone else NOT_READY
 
     def _stderr_tail(self) -> str:
         try:
@@ -233,11 +234,15 @@ class ForkServerLauncher(LocalLauncher):
     def __init__(self, server: ForkServer):
         self.server = server
         self.told: set[str] = set()
+        self.interrupted = False
+
+    def interrupt(self) -> None:
+        self.interrupted = True
 
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
         why = self.server.forkable(cmd, env)
         if why is None:
-            why = self.server.wait_ready()
+            why = self._ready()
         if why is None:
             try:
                 return ForkedProcess(self.server, self.server.fork(name, cmd, env, log_path))
@@ -247,6 +252,15 @@ class ForkServerLauncher(LocalLauncher):
             self.told.add(why)
             print(f"areal-async: warning: fork server: {why}; {name} starts with a fresh interpreter", file=sys.stderr)
         return super().start(name, cmd, env, log_path, node)
+
+    def _ready(self, timeout: float = READY_TIMEOUT_S) -> Optional[str]:
+        """``ForkServer.wait_ready`` in 0.1 s slices: a signal to the run (``interrupt``) ends the wait, so a
+        run stopped while the server still imports (a loaded machine: minutes) stops at once, as without it."""
+        deadline = time.monotonic() + timeout
+        while (why := self.server.wait_ready(0.1)) == NOT_READY and not self.interrupted:
+            if time.monotonic() >= deadline:
+                return why
+        return "the run is stopping" if why == NOT_READY else why
 
     def close(self) -> None:
         self.server.close()

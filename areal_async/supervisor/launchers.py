@@ -62,6 +62,10 @@ class Launcher(ABC):
     def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Release the backend's resources (called once the run's processes are stopped)."""
 
+    def interrupt(self) -> None:  # noqa: B027 (optional: a no-op by default)
+        """The run is being stopped (the supervisor got SIGINT/SIGTERM; called from its signal handler): a
+        ``start`` that waits on the backend stops waiting. Only sets a flag: it may run inside a wait."""
+
 
 class LocalProcess(Launched):
     """A ``subprocess.Popen`` that leads its own session: ``signal`` reaches its whole process group."""

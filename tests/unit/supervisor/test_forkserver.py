@@ -138,6 +138,30 @@ def test_a_server_that_cannot_import_sends_its_starts_the_ordinary_way(monkeypat
         broken.close()
 
 
+def test_a_signal_to_the_run_ends_a_start_waiting_for_the_server_s_imports(monkeypatch, tmp_path, capsys):
+    """SIGTERM while the server still imports (a loaded machine: minutes): the supervisor's handler calls
+    ``interrupt`` and the waiting start goes the ordinary way at once, as every start did without a server."""
+    monkeypatch.chdir(ROOT)
+    slow = ForkServer(dict(os.environ), ["tests.support.slow_import"])  # its import sleeps 60 s
+    launcher = ForkServerLauncher(slow)
+    try:
+        old = signal.signal(signal.SIGALRM, lambda *_: launcher.interrupt())  # as Supervisor.on_signal does
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        t0 = time.monotonic()
+        log = tmp_path / "trainer.log"
+        proc = launcher.start("trainer", [sys.executable, "-m", "workers.trainer", "--help"], slow.env, log)
+        waited = time.monotonic() - t0
+        assert isinstance(proc, LocalProcess) and proc.wait(60) == 0
+        assert 0.5 <= waited < 10, waited  # the 0.5 s until the signal, not the import's 60 s
+        told = "areal-async: warning: fork server: the run is stopping; trainer starts with a fresh interpreter\n"
+        assert capsys.readouterr().err == told
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        launcher.close()
+    assert slow.proc.returncode == -signal.SIGKILL  # still importing at close: stdin's EOF unread, killed after 5 s
+
+
 def _module_level_environ_reads(path: Path) -> list[str]:
     """``os.environ`` / ``os.getenv`` / ``environ`` uses outside any function of ``path``."""
     tree = ast.parse(path.read_text())
