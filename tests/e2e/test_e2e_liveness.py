@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.admission_gate import admission_gate
-from tests.support.fleet import ROOT, cli, finish_ok, leaked_segments, read_jsonl, wait_for
+from tests.support.fleet import ROOT, cli, finish_ok, leaked_segments, read_jsonl, stop, wait_for
 from tests.support.procs import alive, descendants, survivors
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,9 @@ def wait_steps(run_dir: Path, proc: subprocess.Popen, n: int, timeout: float = 1
     path = run_dir / "metrics.jsonl"
     while not path.exists() or len(path.read_text().splitlines()) < n:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"fewer than {n} steps within {timeout}s"
+        if time.monotonic() >= deadline:
+            stop(proc)  # a failing test leaves no fleet behind
+            raise AssertionError(f"fewer than {n} steps within {timeout}s")
         time.sleep(0.1)
 
 

@@ -5,6 +5,8 @@ books checked against the invariants (staleness bound, exactly-once accounting, 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -44,7 +46,9 @@ def finish_ok(proc: subprocess.Popen, timeout: float = 240) -> str:
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         seen |= descendants(proc.pid)
-        assert time.monotonic() < deadline, "run did not finish in time"
+        if time.monotonic() >= deadline:
+            stop(proc)
+            raise AssertionError("run did not finish in time")
         time.sleep(0.3)
     out, err = proc.communicate()
     assert proc.returncode == 0, out[-2000:] + err[-4000:]
@@ -56,8 +60,25 @@ def wait_for_metrics(run_dir: Path, proc: subprocess.Popen, timeout: float = 180
     deadline = time.monotonic() + timeout
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no trainer step within the deadline"
+        if time.monotonic() >= deadline:
+            stop(proc)
+            raise AssertionError("no trainer step within the deadline")
         time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
+    """Stop a run a test gave up on, so that a failing test leaves no fleet behind: SIGTERM to its
+    supervisor (which stops every process it started); SIGKILL to it and what it started after ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *descendants(proc.pid)]:  # still under it now: its own, no reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
