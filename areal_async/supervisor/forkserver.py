@@ -206,6 +206,8 @@ def _alive(pid: int) -> bool:
 class ForkedProcess(Launched):
     """A child of the fork server, watched and stopped like a local child (its own session)."""
 
+    on_this_machine = True
+
     def __init__(self, server: ForkServer, pid: int):
         self.server, self.pid = server, pid
 

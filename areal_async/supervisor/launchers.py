@@ -31,6 +31,7 @@ class Launched(ABC):
 
     pid: int  # the process id on its node (for logs and pids.json)
     returncode: Optional[int] = None
+    on_this_machine: bool = False  # a pid of this machine (signals, /proc, the hang capture reach it)
 
     @abstractmethod
     def poll(self) -> Optional[int]:
@@ -69,6 +70,8 @@ class Launcher(ABC):
 
 class LocalProcess(Launched):
     """A ``subprocess.Popen`` that leads its own session: ``signal`` reaches its whole process group."""
+
+    on_this_machine = True
 
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc

@@ -22,7 +22,7 @@ from areal_async.base.records import JsonlTail
 from areal_async.config import ExperimentConfig
 from areal_async.scheduler.overdue import overdue
 from areal_async.supervisor.hangs import capture_stacks, file_size
-from areal_async.supervisor.launchers import Launched, LocalProcess
+from areal_async.supervisor.launchers import Launched
 
 
 class StepWatchdog:
@@ -61,7 +61,7 @@ class StepWatchdog:
 
 def capture_hang(run_dir: Path, procs: dict[str, Launched], why: str) -> None:
     """The stacks of every running local process (a Ray or Slurm process is on another node: skipped)."""
-    pids = {name: p.pid for name, p in procs.items() if isinstance(p, LocalProcess) and p.poll() is None}
+    pids = {name: p.pid for name, p in procs.items() if p.on_this_machine and p.poll() is None}
     cap = capture_stacks(run_dir, pids, why)
     got = sorted(w for w, e in cap["workers"].items() if e["dumped"])
     where = run_dir / "stacks"

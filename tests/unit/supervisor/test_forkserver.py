@@ -23,6 +23,7 @@ from areal_async.supervisor.forkserver import (
     ForkServerLauncher,
 )
 from areal_async.supervisor.launchers import LocalProcess, popen_logged
+from areal_async.supervisor.watchdog import capture_hang
 
 ROOT = Path(__file__).resolve().parents[3]
 PROBE = "tests.support.fork_probe"
@@ -106,6 +107,22 @@ def test_close_ends_the_server_and_not_its_children(server, tmp_path):
     assert server.proc.returncode == 0
     os.kill(pid, 0)  # alive (raises if not)
     os.killpg(pid, signal.SIGKILL)
+
+
+def test_the_hang_capture_reaches_a_forked_worker(server, tmp_path):
+    """The step watchdog's capture (supervisor/watchdog.capture_hang) dumps a forked child's stacks as a
+    Popen child's: both are processes of this machine (``Launched.on_this_machine``)."""
+    cmd = [sys.executable, "-m", "tests.support.stack_probe", str(tmp_path), "trainer"]
+    child = ForkedProcess(server, server.fork("trainer", cmd, server.env, tmp_path / "trainer.log"))
+    try:
+        _wait_file(tmp_path / "ready")
+        capture_hang(tmp_path, {"trainer": child}, "a test")
+        (cap,) = [json.loads(x) for x in (tmp_path / "hangs.jsonl").read_text().splitlines()]
+        assert cap["workers"]["trainer"]["dumped"] and cap["workers"]["trainer"]["pid"] == child.pid
+        assert "in wait_here" in (tmp_path / "stacks" / "trainer.txt").read_text()
+    finally:
+        child.signal(signal.SIGKILL)
+        child.wait(30)
 
 
 def test_what_is_forked_and_what_starts_the_ordinary_way(server):
