@@ -102,25 +102,33 @@ class StalePlan(RuntimeError):
 
 
 def check_fresh(mode: EtaMode, step: int, version: int, got: dict) -> None:
-    """Refuse (``StalePlan``, naming the first bad sample) a planned batch holding a token older than this
-    trainer's own ``version`` allows (``mode.fresh_enough``: version >= step - eta) or newer than it: the
+    """Refuse (``StalePlan``, naming the first bad sample) a planned batch holding a trained token older than
+    this trainer's own ``version`` allows (``mode.fresh_enough``: version >= step - eta) or newer than it: the
     trainer checks the bound itself from the tensors it received, never trusting the plan for it.
     ``version`` is the trainer's (it trains step v on the weights of version v); ``step`` the plan's."""
     if step != version:
         raise StalePlan(f"a plan for step {step} reached the trainer at version {version}; expected step == version")
-    views = [v for v in got.values() if v.versions.numel()]
+    trained = {sid: trained_versions(v) for sid, v in got.items()}
+    views = [t for t in trained.values() if t.numel()]
     if not views:
         return
-    flat = torch.cat([v.versions for v in views])
+    flat = torch.cat(views)
     if mode.fresh_enough(int(flat.min()), version) and int(flat.max()) <= version:
         return
-    for sid, v in got.items():
-        lo, hi = (int(v.versions.min()), int(v.versions.max())) if v.versions.numel() else (version, version)
+    for sid, t in trained.items():
+        lo, hi = (int(t.min()), int(t.max())) if t.numel() else (version, version)
         if not (mode.fresh_enough(lo, version) and hi <= version):
             raise StalePlan(
                 f"step {step}: planned sample {sid!r} has tokens of versions {lo}..{hi}; this trainer (version "
                 f"{version}, eta {mode.eta}) trains only versions {version - mode.eta}..{version}: the plan is refused"
             )
+
+
+def trained_versions(view) -> torch.Tensor:
+    """The versions of a sample's trained tokens (loss mask 1). A workflow's environment and tool tokens
+    (loss mask 0) carry version -1 and come from no policy (``workflows/base.py``): staleness is judged by
+    the model's tokens alone, as the rollout's ``version_min`` and the scheduler judge it."""
+    return view.versions if view.loss_mask is None else view.versions[view.loss_mask != 0]
 
 
 class TrainerService:

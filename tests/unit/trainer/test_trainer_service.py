@@ -447,6 +447,21 @@ def test_the_trainer_checks_each_planned_sample_against_its_own_version(eta, ver
         check_fresh(EtaMode(eta), version, version, got)
 
 
+def test_a_multi_turn_sample_is_judged_by_its_trained_tokens_alone():
+    """A workflow's tool and environment tokens (loss mask 0) carry version -1 (workflows/base.py): at version
+    3, eta 1, a sample whose model turns are of versions 2 and 3 is fresh; unmasked, the -1 would be stale."""
+    versions, mask = torch.tensor([2, 2, -1, -1, 3]), torch.tensor([1, 1, 0, 0, 1], dtype=torch.int8)
+
+    def view(v, m=None):
+        return {"m": SampleView("m", "g", torch.tensor([1]), torch.zeros(5, dtype=torch.long), torch.zeros(5), v, m)}
+
+    check_fresh(EtaMode(1), 3, 3, view(versions, mask))
+    with pytest.raises(StalePlan, match=re.escape("'m' has tokens of versions -1..3" + BOUND.format(1, 2))):
+        check_fresh(EtaMode(1), 3, 3, view(versions))
+    with pytest.raises(StalePlan, match=re.escape("'m' has tokens of versions 1..2" + BOUND.format(1, 2))):
+        check_fresh(EtaMode(1), 3, 3, view(versions - 1, mask))
+
+
 def test_a_plan_for_another_step_than_the_trainer_version_is_refused():
     with pytest.raises(StalePlan, match="a plan for step 4 reached the trainer at version 3"):
         check_fresh(EtaMode(1), 4, 3, _views(a=[3]))
