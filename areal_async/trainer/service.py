@@ -103,24 +103,23 @@ class StalePlan(RuntimeError):
 
 def check_fresh(mode: EtaMode, step: int, version: int, got: dict) -> None:
     """Refuse (``StalePlan``, naming the first bad sample) a planned batch holding a trained token older than
-    this trainer's own ``version`` allows (``mode.fresh_enough``: version >= step - eta) or newer than it: the
-    trainer checks the bound itself from the tensors it received, never trusting the plan for it.
-    ``version`` is the trainer's (it trains step v on the weights of version v); ``step`` the plan's."""
+    this trainer's own ``version`` allows (``mode.fresh_enough``: version >= step - eta): the trainer checks the
+    staleness bound itself from the tensors it received, never trusting the plan for it. ``version`` is the
+    trainer's (it trains step v on the weights of version v); ``step`` the plan's. A token stamped newer than
+    any published version is a stamping bug, not staleness: ``areal-async verify`` names it (version_unloaded,
+    against the rollouts' acknowledged loads; tests/e2e/test_verify_mutants.py injects one)."""
     if step != version:
         raise StalePlan(f"a plan for step {step} reached the trainer at version {version}; expected step == version")
     trained = {sid: trained_versions(v) for sid, v in got.items()}
     views = [t for t in trained.values() if t.numel()]
-    if not views:
-        return
-    flat = torch.cat(views)
-    if mode.fresh_enough(int(flat.min()), version) and int(flat.max()) <= version:
+    if not views or mode.fresh_enough(int(torch.cat(views).min()), version):
         return
     for sid, t in trained.items():
-        lo, hi = (int(t.min()), int(t.max())) if t.numel() else (version, version)
-        if not (mode.fresh_enough(lo, version) and hi <= version):
+        if t.numel() and not mode.fresh_enough(int(t.min()), version):
             raise StalePlan(
-                f"step {step}: planned sample {sid!r} has tokens of versions {lo}..{hi}; this trainer (version "
-                f"{version}, eta {mode.eta}) trains only versions {version - mode.eta}..{version}: the plan is refused"
+                f"step {step}: planned sample {sid!r} has tokens of versions {int(t.min())}..{int(t.max())}; this "
+                f"trainer (version {version}, eta {mode.eta}) trains only versions {version - mode.eta} and newer: "
+                "the plan is refused"
             )
 
 

@@ -424,7 +424,7 @@ def _views(**versions: list[int]) -> dict:
     }
 
 
-BOUND = "; this trainer (version 3, eta {}) trains only versions {}..3"
+BOUND = "; this trainer (version 3, eta {}) trains only versions {} and newer"
 
 
 @pytest.mark.parametrize(
@@ -434,7 +434,7 @@ BOUND = "; this trainer (version 3, eta {}) trains only versions {}..3"
         (0, 3, {"a": [3, 3], "b": [2, 3]}, "'b' has tokens of versions 2..3" + BOUND.format(0, 3)),
         (2, 3, {"a": [1, 2, 3]}, None),
         (2, 3, {"a": [1, 2, 3], "b": [0, 3]}, "'b' has tokens of versions 0..3" + BOUND.format(2, 1)),
-        (1, 3, {"a": [3, 4]}, "'a' has tokens of versions 3..4" + BOUND.format(1, 2)),
+        (1, 3, {"a": [3, 4]}, None),  # newer than published: a stamping bug, verify's (version_unloaded)
         (0, 3, {"a": [], "b": [3]}, None),  # no output token: nothing to be stale
     ],
 )
