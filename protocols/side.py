@@ -328,9 +328,13 @@ class ForkRequest(SideMessage):
     env: dict
     cwd: str
     log_path: str
+    # signal numbers the supervisor ignores as it asks: exec keeps SIG_IGN, so Popen's child would ignore them too
+    ignored: list[int] = field(default_factory=list)
 
     def validate(self) -> Optional[str]:
         bad = [k for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str))]
+        if not all(isinstance(s, int) and 0 < s < 65 for s in self.ignored):
+            return f"ignored signals {self.ignored!r}: expected signal numbers"
         return f"env entry {bad[0]!r} is not str -> str" if bad else None
 
 

@@ -51,6 +51,9 @@ ROOM = 2048  # bytes of command line a forked child can show (the server's own a
 READY_TIMEOUT_S = 300.0  # the server's imports; a start waits this long for them, then starts the ordinary way
 NOT_READY = "not ready in time"
 REPLY_TIMEOUT_S = 60.0
+# the signals a forked child sets as exec would leave them: ignored where the supervisor ignores them as it
+# asks (a run started in the background, or under nohup), else a fresh interpreter's default
+CHILD_SIGNALS = (signals.SIGINT, signals.SIGTERM, signals.SIGHUP, signals.SIGCHLD, signals.SIGUSR1, signals.SIGUSR2)
 EXIT_UNKNOWN = 255  # a forked child that ended after its server died: its status is lost
 
 
@@ -146,7 +149,10 @@ class ForkServer:
 
     def fork(self, name: str, cmd: list[str], env: dict[str, str], log_path: Path) -> int:
         """The pid of ``cmd`` forked as ``name``; ForkError if none started."""
-        req = ForkRequest(name=name, argv=list(cmd), env=dict(env), cwd=self.cwd, log_path=str(log_path))
+        ignored = [int(s) for s in CHILD_SIGNALS if signals.getsignal(s) == signals.SIG_IGN]
+        req = ForkRequest(
+            name=name, argv=list(cmd), env=dict(env), cwd=self.cwd, log_path=str(log_path), ignored=ignored
+        )
         with self._lock:
             try:
                 self.proc.stdin.write(encode_frame(req))

@@ -167,8 +167,9 @@ def _become(req: ForkRequest, log_fd: int, own: tuple) -> None:
         os.setsid()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+            signal.signal(sig, signal.SIG_IGN if sig in req.ignored else signal.SIG_DFL)
+        # as a fresh interpreter has it: Python installs its handler only where SIGINT was not ignored at exec
+        signal.signal(signal.SIGINT, signal.SIG_IGN if signal.SIGINT in req.ignored else signal.default_int_handler)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)

@@ -50,7 +50,18 @@ def _wait_file(path: Path, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_a_forked_child_is_what_popen_would_start(server, tmp_path):
+@pytest.fixture(params=["sigint_handled", "sigint_ignored"])
+def sigint(request):
+    """The supervisor's SIGINT as it starts a worker: Python's handler, or ignored (a run started in the
+    background by a non-interactive shell, as CI may start it). exec keeps an ignored signal ignored, and a
+    fresh interpreter then keeps it so; else it installs its KeyboardInterrupt handler ("int")."""
+    ignored = request.param == "sigint_ignored"
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if ignored else signal.default_int_handler)
+    yield "ignore" if ignored else "int"
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_forked_child_is_what_popen_would_start(server, tmp_path, sigint):
     env = dict(server.env, AREAL_T0="2.5", AREAL_LAUNCH_TOKEN="tok")  # what differs per worker
     runs = {}
     for tag in ("popen", "forked"):
@@ -66,6 +77,7 @@ def test_a_forked_child_is_what_popen_would_start(server, tmp_path):
     for key in ("env", "cwd", "session_leader", "group_leader", "stdin", "signals", "name"):
         assert rep_f[key] == rep_p[key], key
     assert rep_p["session_leader"] and rep_p["stdin"] == "/dev/null" and rep_p["name"] == "__main__"
+    assert rep_f["signals"]["SIGINT"] == rep_p["signals"]["SIGINT"] == sigint
     # argv and cmdline name each one's own output file: the same but for the tag
     assert rep_f["argv"] == [a.replace("popen", "forked") for a in rep_p["argv"]]
     assert rep_f["cmdline"] == [a.replace("popen", "forked") for a in rep_p["cmdline"]]
