@@ -36,8 +36,17 @@ def watch_versions(url: str, stop: threading.Event, seen: list) -> None:
         time.sleep(0.05)
 
 
+def _wait_log(path, text: str, proc, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and text in path.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"{path.name} never said {text!r}"
+        time.sleep(0.05)
+
+
 def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(tmp_path, monkeypatch):
-    run_dir, steps, eta = tmp_path / "run", 40, 2
+    # 120 steps: with the fork server and the warm-up cache, 40 tiny steps took 4 s, over before the kill below
+    # reached a worker (CI, 12-06: rollout-0 started after the run had finished and never saw its server down)
+    run_dir, steps, eta = tmp_path / "run", 120, 2
     proc = subprocess.Popen(
         cli(run_dir, "rollout.backend=sglang", f"total_train_steps={steps}", f"rollout.max_head_offpolicyness={eta}"),
         cwd=ROOT,
@@ -46,6 +55,7 @@ def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(t
         text=True,
     )
     wait_for_metrics(run_dir, proc, timeout=300)
+    _wait_log(run_dir / "logs" / "rollout-0.log", "first tokens generated", proc)  # its worker uses sglang-0
     servers = json.loads((run_dir / "endpoints.json").read_text())["servers"]
     with pytest.raises(HTTPStatusError) as refused:  # the servers serve only the run's key (server_auth.py)
         call(servers[1], "GET", "/model_info", timeout_s=5.0)
