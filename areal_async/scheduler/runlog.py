@@ -23,6 +23,7 @@ import logging
 import os
 from json.encoder import encode_basestring_ascii as _str
 from pathlib import Path
+from typing import Iterable, Optional
 
 from areal_async.scheduler.ledger import SampleRecord, SampleState
 from areal_async.scheduler.sinks import StatsSink
@@ -76,6 +77,70 @@ def sample_text(rec: SampleRecord) -> str:
 _repr = float.__repr__  # what json writes for a finite float
 
 
+def samples_text(recs: Iterable[SampleRecord]) -> str:
+    """The lines of ``recs``, each ``sample_text(rec) + "\n"`` byte for byte. Records that end together come
+    group by group (a step's, an aborted group's): the fields a group's records share (the very same
+    objects: prompt, group, status, step, worker, reason) are formatted once per run of them, the rest per
+    record. A record of any other type than the books hold takes ``sample_text``."""
+    parts, last, shared = [], _NONE, None
+    for rec in recs:
+        if (
+            rec.group_id is not last.group_id
+            or rec.prompt_id is not last.prompt_id
+            or rec.status is not last.status
+            or rec.train_step is not last.train_step
+            or rec.worker is not last.worker
+            or rec.reason is not last.reason
+        ):
+            last, shared = rec, _shared(rec)
+        s = rec.score
+        if (
+            shared is None
+            or type(rec.version_min) is not int
+            or type(rec.version_max) is not int
+            or type(rec.n_output_tokens) is not int
+            or type(rec.turns) is not int
+            or not (s is None or (type(s) is float and s - s == 0.0))
+            or type(rec.sample_id) is not str
+            or type(rec.reward_status) is not str
+            or type(rec.finish_reason) is not str
+        ):
+            parts.append(sample_text(rec) + "\n")
+            continue
+        parts.append(
+            f'{{"id": {_str(rec.sample_id)}, {shared[0]}{rec.version_min}, "version_max": {rec.version_max}, '
+            f'"reward": {"null" if s is None else _repr(s)}, "reward_status": {_str(rec.reward_status)}, '
+            f'"n_output_tokens": {rec.n_output_tokens}, "finish_reason": {_str(rec.finish_reason)}, '
+            f'"turns": {rec.turns}{shared[1]}'
+        )
+    return "".join(parts)
+
+
+def _shared(rec: SampleRecord) -> Optional[tuple[str, str]]:
+    """The text around a record's own fields (``_own``): what its group's records share; None: odd types."""
+    step = rec.train_step if rec.status == SampleState.TRAINED else None
+    if not (step is None or type(step) is int) or type(rec.reason) is not str:
+        return None
+    try:
+        head = (
+            f'"prompt_id": {_str(rec.prompt_id)}, "group_id": {_str(rec.group_id)}, "status": {_str(rec.status)}, '
+            f'"train_step": {"null" if step is None else step}, "version_min": '
+        )
+        tail = f', "worker": {_str(rec.worker)}, "reason": {_str(rec.reason) if rec.reason else "null"}}}\n'
+    except TypeError:
+        return None
+    return head, tail
+
+
+class _Nothing:
+    """A record whose fields are nobody's: the first record of a call starts a run of its own."""
+
+    group_id = prompt_id = status = train_step = worker = reason = object()
+
+
+_NONE = _Nothing()
+
+
 class RunLog:
     def __init__(self, run_dir: str | Path, dump_trajectories: bool, sinks: list[StatsSink] | None = None):
         self.dir = Path(run_dir)
@@ -94,7 +159,7 @@ class RunLog:
         """The lines of samples that ended together: one write, one flush."""
         self.n_sample_lines += len(recs)
         if self._traj and recs:
-            self._traj.write("".join([sample_text(r) + "\n" for r in recs]))
+            self._traj.write(samples_text(recs))
             self._traj.flush()
 
     def metrics(self, row: dict) -> None:
