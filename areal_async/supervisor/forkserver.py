@@ -190,7 +190,14 @@ class ForkServer:
         return code
 
     def close(self) -> None:
-        """End the server (stdin's EOF; SIGKILL after 5 s). Its children are not touched."""
+        """End the server: stdin's EOF once it is ready (SIGKILL after 5 s); its children are not touched. A
+        server still importing has forked nothing and reads no EOF until its imports end (seconds; a refused
+        run waited the whole 5 s for it): SIGKILL at once."""
+        with self._cond:
+            importing = self._ready is None and self._gone is None
+        if importing and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()

@@ -13,8 +13,10 @@ import importlib.util
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Iterator
 
 from areal_async.base.plugins import contract_problem
 from areal_async.data.problem import with_instruction
@@ -131,18 +133,29 @@ def model_files(key: str, path: str) -> Finding | None:
 def model_config(key: str, path: str) -> Finding | None:
     """An error when transformers cannot load the directory's config (locally); None when it can."""
     try:
-        _offline()
-        from transformers import AutoConfig  # imports torch: only for a directory that may hold a model
+        with _offline():
+            from transformers import AutoConfig  # imports torch: only for a directory that may hold a model
 
-        AutoConfig.from_pretrained(path, local_files_only=True)
+            AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # an unknown model_type, a missing field ...
         return error(key, path, f"its config.json does not load ({first_line(e)}; {OFFLINE})", _todo(key), e)
     return None
 
 
-def _offline() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+@contextmanager
+def _offline() -> Iterator[None]:
+    """``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` for the load inside, restored after: the supervisor's
+    environment is what its workers inherit, and one the fork server (started before the preflight) did not
+    see would make every worker start from a fresh interpreter instead of a fork."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys if saved[k] is None})
+    try:
+        yield
+    finally:
+        for k in keys:
+            if saved[k] is None:
+                os.environ.pop(k, None)
 
 
 # ---- the data ----------------------------------------------------------------------------------

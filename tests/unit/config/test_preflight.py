@@ -485,3 +485,23 @@ def test_the_python_api_writes_only_the_keys_set_so_the_preflight_refuses_none_i
     dumped.write_text(to_yaml(cfg, changed_only=True))
     ctx = context_for(load_config(str(dumped)), str(dumped), [], "run", bad_files / "runs" / "dumped2")
     assert {f.key for f in preflight(ctx, stop_at_error=False) if f.level == "error"} == {"train_dataset.path"}
+
+
+def test_the_preflight_leaves_the_environment_its_workers_inherit_as_it_found_it(tmp_path, monkeypatch):
+    """The model check loads config.json offline, but the supervisor's environment is what every worker inherits
+    and what the fork server (started before the preflight) was started with: a variable the preflight left
+    behind made every worker of a real-model run start from a fresh interpreter ("its environment differs from
+    the fork server's in ['HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE']")."""
+    import os
+
+    from areal_async.supervisor.preflight_inputs import model_config
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(LLAMA))
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    assert model_config("model.path", str(tmp_path / "m")) is None
+    assert {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"} & set(os.environ) == set()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # a user's own setting stays as it was
+    assert model_config("model.path", str(tmp_path / "m")) is None
+    assert os.environ["HF_HUB_OFFLINE"] == "0" and "TRANSFORMERS_OFFLINE" not in os.environ
