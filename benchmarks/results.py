@@ -105,6 +105,15 @@ def data_path(rows: list[dict]) -> list[str]:
     return md_table(["metric", "value", "unit", "detail"], lines)
 
 
+def scheduler_cpu(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        rate = f"{r['messages_per_service_cpu_s']:.0f} per service CPU-s"
+        detail = f"{r['steps']} steps, {r['messages']} messages: {rate} (in-process, no sockets)"
+        lines.append([r["metric"], _f(r["value"]), r["unit"], detail])
+    return md_table(["metric", "value", "unit", "detail"], lines)
+
+
 def async_speedup(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
@@ -253,6 +262,7 @@ def startup(rows: list[dict]) -> list[str]:
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
     ("benchmarks.startup", lambda m: m.startswith("startup_"), startup),
     ("benchmarks.overhead", lambda m: m.startswith("fleet_vs_inprocess"), overhead),
+    ("benchmarks.scheduler_cpu", lambda m: m == "scheduler_service_cpu_ms_per_step", scheduler_cpu),
     ("benchmarks.data_path", lambda m: m.startswith(("boba_batch", "scheduler_")), data_path),
     ("benchmarks.async_speedup", lambda m: m == "trained_samples_per_s", async_speedup),
     ("benchmarks.trainer_ranks", lambda m: m.startswith("tokens_per_s_"), trainer_ranks),

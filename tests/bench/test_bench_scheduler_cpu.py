@@ -29,3 +29,15 @@ def test_the_heartbeats_flag_changes_only_the_mix_heartbeats(tmp_path):
     # 20 a step from the fleet's 4 workers, round-robin, after each of the 4 plans answered: at least 3 * 20
     assert row["received_total"]["heartbeat"] >= 60
     assert (tmp_path / "r.json").exists()
+
+
+def test_its_rows_are_recognised_and_rendered_as_its_own():
+    from benchmarks import results
+
+    row = {"metric": "scheduler_service_cpu_ms_per_step", "value": 2.2, "unit": "ms", "steps": 1500}
+    row |= {"messages": 17085, "messages_per_service_cpu_s": 5177.27}
+    assert results.recognise([row]) == "benchmarks.scheduler_cpu"
+    assert results.scheduler_cpu([row])[-1] == (
+        "| scheduler_service_cpu_ms_per_step | 2.200 | ms | 1500 steps, 17085 messages: 5177 per service CPU-s "
+        "(in-process, no sockets) |"
+    )
