@@ -72,6 +72,7 @@ from areal_async.trainer.micro_batches import allocate_micro_batches
 from areal_async.trainer.types import Trajectory
 from areal_async.transport import make_tensor_channel
 from benchmarks.common import scheduler_load, write_rows
+from benchmarks.common.heartbeat_load import measure_heartbeats
 from benchmarks.common.scheduler_load import Mix
 from benchmarks.common.timing import Copier
 from protocols.messages import Heartbeat, RewardResult, TrajectoryReady, decode, encode
@@ -394,6 +395,15 @@ def service_rows(config: str, overrides: list[str], mix: Mix, seconds: float, pr
     ]
 
 
+def heartbeat_rows(config: str, rates: list[float], seconds: float) -> list[dict]:
+    """``scheduler_service_heartbeat_core_frac`` per rate: the real service's share of its core at that many
+    lone heartbeats a second, nothing else flowing (``benchmarks.common.heartbeat_load``)."""
+    return [
+        {"metric": "scheduler_service_heartbeat_core_frac", "unit": "cores", **measure_heartbeats(config, r, seconds)}
+        for r in rates
+    ]
+
+
 class _Prompts:
     """A prompt cursor for the simulation: always problem 0, fresh prompt ids."""
 
@@ -427,6 +437,11 @@ def describe(r: dict) -> str:
             f"{r['transport']}: {r['seconds']:.2f} s, {r['gbps']:.2f} GB/s vs memcpy {r['bound_gbps']:.2f} GB/s "
             f"of {r['bound_bytes'] / 1e9:.2f} GB; CPU-time fraction {r['cpu_fraction']:.3f}"
         )
+    if r["metric"] == "scheduler_service_heartbeat_core_frac":
+        return (
+            f"{r['heartbeats_per_s']:.0f} lone heartbeats/s through the real service: {r['cpu_us_per_heartbeat']:.0f} "
+            "CPU-us each"
+        )
     if r["metric"] == "scheduler_service_messages_per_s":
         return (
             f"real service, {r['messages']} messages in {r['seconds']:.1f} s, {r['messages_per_cpu_s']:.0f} per "
@@ -456,6 +471,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument(
         "--profile", default=None, help="real service: a 5 s cProfile window after the measured one, to PATH"
     )
+    ap.add_argument(
+        "--heartbeat-rates", type=float, nargs="*", default=[], help="real service: its core share at each rate"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # as a fleet worker (cluster.torch_threads = 1); the bound is one thread too
     load0 = os.getloadavg()[0]
@@ -466,12 +484,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         del groups
     if not args.no_service:
         rows += service_rows(SERVICE_CONFIG, [], mix_of(args.mix_from), args.service_seconds, args.profile)
+    rows += heartbeat_rows(SERVICE_CONFIG, args.heartbeat_rates, args.service_seconds)
     rows += scheduler_rows(args.workers, args.seconds)
     for r in rows:
         r.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())
         print(
-            f"{r['metric']:<50} {r['value']:>12.3f} {r['unit']:<11} {describe(r)}  (target {r['target']}, "
-            f"{'met' if r['meets_target'] else 'NOT met' if r['meets_target'] is False else '-'})"
+            f"{r['metric']:<50} {r['value']:>12.3f} {r['unit']:<11} {describe(r)}  (target {r.get('target')}, "
+            f"{'met' if r.get('meets_target') else 'NOT met' if r.get('meets_target') is False else '-'})"
         )
     print(f"load average {load0:.2f} before, {os.getloadavg()[0]:.2f} after, {os.cpu_count()} CPUs")
     if args.json:

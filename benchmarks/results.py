@@ -93,6 +93,9 @@ def data_path(rows: list[dict]) -> list[str]:
     for r in rows:
         if "transport" in r:
             detail = f"{r['transport']}: {r['seconds']:.2f} s, CPU-time fraction {r['cpu_fraction']:.3f}"
+        elif r["metric"] == "scheduler_service_heartbeat_core_frac":
+            rate = f"{r['heartbeats_per_s']:.0f} lone heartbeats/s"
+            detail = f"{rate} through the real service, {r['cpu_us_per_heartbeat']:.0f} CPU-us each"
         elif r["metric"] == "scheduler_service_messages_per_s":
             detail = (
                 f"{r['messages']} messages in {r['seconds']:.1f} s wall / {r['cpu_seconds']:.1f} CPU-s: "
@@ -101,7 +104,8 @@ def data_path(rows: list[dict]) -> list[str]:
             )
         else:
             detail = f"{r['messages_per_cpu_s']:.0f} per CPU-s (bare socket, {r['workers']} workers)"
-        lines.append([r["metric"], _f(r["value"], ".3f" if r["unit"] == "fraction" else ".0f"), r["unit"], detail])
+        spec = ".3f" if r["unit"] in ("fraction", "cores") else ".0f"
+        lines.append([r["metric"], _f(r["value"], spec), r["unit"], detail])
     return md_table(["metric", "value", "unit", "detail"], lines)
 
 

@@ -56,7 +56,7 @@ from typing import Optional
 
 import numpy as np
 
-from benchmarks.common.control_scale import control_rows
+from benchmarks.common.control_scale import control_rows, control_rows_by_kind
 from benchmarks.common.rows import write_rows
 
 GB = 1e9
@@ -428,6 +428,11 @@ def print_control(rows: list[dict]) -> None:
             f"({', '.join(f'{k} {v:.0f}' for k, v in r['parts'].items())}) = {r['value']:.3f} of a core at "
             f"{r['rate_messages_per_cpu_s']:.0f} messages per CPU-s ({r['assumptions']})"
         )
+    for r in (r for r in rows if r["metric"] == "predict_scheduler_core_frac_by_kind"):
+        print(
+            f"  by kind: heartbeats measured alone {r['heartbeat_core_frac']:.3f} + the rest at the mix's rate "
+            f"{r['rest_core_frac']:.3f} = {r['value']:.3f} of a core"
+        )
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
@@ -444,7 +449,8 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows += update_rows(Cluster(a), copies_from(measured))
     print_report(rows, fits, boba, a.src)
     if a.scheduler_from:
-        rows += control_rows(read_rows(a.scheduler_from), a.scheduler_from)
+        sched = read_rows(a.scheduler_from)
+        rows += control_rows(sched, a.scheduler_from) + control_rows_by_kind(sched, a.scheduler_from)
         print_control(rows)
     if a.json:
         write_rows(a.json, rows)

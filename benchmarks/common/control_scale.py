@@ -63,3 +63,38 @@ def control_rows(rows: list[dict], source: str = "") -> list[dict]:
             }
         )
     return out
+
+
+def control_rows_by_kind(rows: list[dict], source: str = "") -> list[dict]:
+    """``predict_scheduler_core_frac_by_kind`` at each of ``CONTROL_GPUS`` whose heartbeat rate was measured on
+    its own (``scheduler_service_heartbeat_core_frac`` at ``gpus / heartbeat_s`` a second, within 1 %): that
+    measured share for the heartbeats, plus the group and weight messages at the mix's rate (``service_rate``,
+    whose messages carry ~11 groups each: an upper bound for them). None measured: no rows."""
+    beats = [r for r in rows if r.get("metric") == "scheduler_service_heartbeat_core_frac"]
+    if not beats:
+        return []
+    rate, measured = service_rate(rows)
+    out = []
+    for gpus in CONTROL_GPUS:
+        parts = control_messages(gpus)
+        hb = [r for r in beats if abs(r["heartbeats_per_s"] - parts["heartbeats"]) <= 0.01 * parts["heartbeats"]]
+        if not hb:
+            continue
+        beat_frac = max(r["value"] for r in hb)  # the costliest of the measurements at this rate
+        rest = parts["groups"] + parts["weights"]
+        out.append(
+            {
+                "metric": "predict_scheduler_core_frac_by_kind",
+                "value": beat_frac + rest / rate,
+                "unit": "cores",
+                "gpus": gpus,
+                "messages_per_s": sum(parts.values()),
+                "parts": parts,
+                "heartbeat_core_frac": beat_frac,
+                "rest_core_frac": rest / rate,
+                "rate_messages_per_cpu_s": rate,
+                "rate_source": source or measured.get("commit", ""),
+                "assumptions": ASSUMED,
+            }
+        )
+    return out

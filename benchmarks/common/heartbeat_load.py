@@ -1,0 +1,121 @@
+"""The real SchedulerService's share of its core at a steady heartbeat rate (``benchmarks.data_path
+--heartbeat-rates``): the part of a large fleet's control traffic that grows with its workers.
+
+At 1000 GPUs a fleet sends its scheduler ~500 heartbeats a second, at 10,000 ~5,000, against ~51 group
+messages and 67 / 667 weight messages (``control_scale.control_messages``): heartbeats are most of the
+traffic, and a heartbeat costs the service far less than the measured mix's average message (~11 groups
+each). Here the service of ``scheduler_load`` (the same config, ipc control socket, roster, one CPU) has
+its config's workers registered by a paced fleet in a child process, which then sends only heartbeats,
+round-robin from its workers, evenly spaced at ``rate`` a second: each one wakes the service's loop and is
+decoded, checked, booked and followed by a ``_drive`` (with no trainer ready it plans and admits nothing),
+as a lone heartbeat at scale is; the watchdog writes ``status.json`` every ``cluster.heartbeat_s``.
+Measured over ``seconds`` after a settle: the service process's CPU seconds (its thread and ZeroMQ's I/O
+thread) over wall seconds, the heartbeats it took, CPU microseconds per heartbeat. Not in it: the size of
+a 10,000-worker table (``status.json`` lists every worker; this fleet has the config's 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import zmq
+
+from areal_async.base.control import routing_identity
+from areal_async.base.manifest import RunManifest
+from areal_async.base.runkeys import Roster, write_run_keys
+from areal_async.config import load_config
+from areal_async.data.prompts import prompt_encoder
+from areal_async.models.tokenizer import load_tokenizer
+from areal_async.scheduler.service import SchedulerService
+from benchmarks.common.scheduler_load import LINGER_MS, reap, roles_of
+from protocols import messages as M
+from protocols.sockets import ipc_endpoint, make_socket, run_async
+
+SETTLE_S = 1.0  # after every worker registered and the paced heartbeats began
+PACE_SLEEP_S = 0.0001  # the fleet's loop: send what is due, sleep this long
+
+
+def _paced_fleet(control: str, roles: dict, tokens: dict, rate: float, seconds: float, cpus: list, q) -> None:
+    """Register the config's workers, then heartbeats at ``rate`` a second for ``seconds``; puts the count sent."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    ctx = zmq.Context()
+    socks = {w: make_socket(ctx, zmq.DEALER, connect=control, identity=routing_identity(w)) for w in roles}
+    sent = 0
+    try:
+        for wid, role in roles.items():
+            socks[wid].send(M.encode(M.Register(role=role, worker_id=wid, pid=os.getpid(), token=tokens[wid])))
+        for wid, s in socks.items():
+            if not s.poll(30_000) or not isinstance(M.decode(s.recv()), M.RegisterAck):
+                raise RuntimeError(f"paced fleet: no RegisterAck for {wid}")
+        wids, t0 = list(socks), time.monotonic()
+        while (elapsed := time.monotonic() - t0) < seconds:
+            while sent < int(elapsed * rate):
+                wid = wids[sent % len(wids)]
+                socks[wid].send(M.encode(M.Heartbeat(worker_id=wid, ts=time.time(), stats={"samples": sent})))
+                sent += 1
+            time.sleep(PACE_SLEEP_S)
+    finally:
+        for s in socks.values():
+            s.close(LINGER_MS)
+        ctx.term()
+        q.put(sent)
+
+
+def measure_heartbeats(config: str, rate: float, seconds: float) -> dict:
+    """One rate (see the module docstring); returns the row's fields."""
+    cfg = load_config(config, ["total_train_steps=1000000000"])
+    cpus = sorted(os.sched_getaffinity(0))
+    with tempfile.TemporaryDirectory(prefix="sched-hb-") as tmp:
+        ep = RunManifest(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        roles = roles_of(cfg)
+        tokens = write_run_keys(run_dir, roles)
+        spawn = mp.get_context("spawn")
+        q = spawn.Queue()
+        fleet_s = SETTLE_S + seconds + 2.0  # the fleet outlasts the window
+        child = spawn.Process(target=_paced_fleet, args=(ep.control, roles, tokens, rate, fleet_s, cpus[1:], q))
+        if cpus:
+            os.sched_setaffinity(0, cpus[:1])
+        try:
+            child.start()
+            out = run_async(_serve(cfg, ep, run_dir, len(roles), seconds))
+        finally:
+            os.sched_setaffinity(0, cpus)
+            reap(child, grace_s=fleet_s + 30)
+        sent = q.get(timeout=5) if not q.empty() else None
+    return out | {"rate_asked": rate, "fleet_sent": sent}
+
+
+async def _serve(cfg, ep: RunManifest, run_dir: Path, n_workers: int, seconds: float) -> dict:
+    encode = prompt_encoder(load_tokenizer(cfg.model.path), cfg.train_dataset.template)
+    svc = SchedulerService(cfg, ep, run_dir, t0=time.time(), tokenize=encode, roster=Roster.of_run(run_dir))
+    task = asyncio.create_task(svc.run())
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(svc.workers)) < n_workers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(list(svc.workers))} of {n_workers} workers registered in 60 s")
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(SETTLE_S)
+        a = (time.perf_counter(), time.process_time(), svc.received.get("heartbeat", 0))
+        await asyncio.sleep(seconds)
+        b = (time.perf_counter(), time.process_time(), svc.received.get("heartbeat", 0))
+    finally:
+        svc.done.set()
+        await asyncio.wait_for(task, 10)
+    wall, cpu, n = b[0] - a[0], b[1] - a[1], b[2] - a[2]
+    return {
+        "value": cpu / wall,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "heartbeats": n,
+        "heartbeats_per_s": n / wall,
+        "cpu_us_per_heartbeat": cpu / n * 1e6 if n else None,
+    }
