@@ -28,6 +28,8 @@ from tests.support.fleet import (
     leaked_segments,
     read_jsonl,
     run_ok,
+    stop,
+    wait_for,
     wait_for_metrics,
 )
 from tests.support.procs import descendants, survivors
@@ -269,20 +271,33 @@ def test_unavailable_cpus_are_refused_before_anything_starts(tmp_path):
 def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exact(tmp_path):
     """SIGKILL a rollout worker and the reward worker mid-run: the supervisor restarts each, the
     scheduler aborts and re-issues what they held, and the run finishes with every sample
-    trained or aborted exactly once."""
+    trained or aborted exactly once.
+    A shut admission gate (tests/support/admission_gate.py) holds the fleet at 6 of its 10 steps until the
+    scheduler has seen both new incarnations register, so the run cannot end before they do, however fast
+    the machine (before, 80 steps were to make that likely)."""
     run_dir = tmp_path / "run"
-    steps = 80  # long enough that the restarted workers register well before the run ends
+    steps = 10
+    gate = admission_gate(tmp_path, steps=6)
     proc = subprocess.Popen(
         cli(run_dir, f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=gate.env,
     )
     wait_for_metrics(run_dir, proc)
     pids = json.loads((run_dir / "pids.json").read_text())
     os.kill(pids["rollout-1"], signal.SIGKILL)
     os.kill(pids["reward-0"], signal.SIGKILL)
+    sched_log = run_dir / "logs" / "scheduler.log"
+    again = ("registered rollout rollout-1 (pid ", "registered reward reward-0 (pid ")
+    try:  # each registered twice: its first incarnation, then the one the supervisor restarted
+        wait_for(lambda: all(sched_log.read_text().count(r) == 2 for r in again), 180, "both restarts to register")
+    except AssertionError:
+        stop(proc)
+        raise
+    gate.open()
     err = finish_ok(proc)
     assert "worker rollout-1" in err and "restarting it (1/2)" in err
     assert "worker reward-0" in err
