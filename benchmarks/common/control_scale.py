@@ -68,8 +68,9 @@ def control_rows(rows: list[dict], source: str = "") -> list[dict]:
 def control_rows_by_kind(rows: list[dict], source: str = "") -> list[dict]:
     """``predict_scheduler_core_frac_by_kind`` at each of ``CONTROL_GPUS`` whose heartbeat rate was measured on
     its own (``scheduler_service_heartbeat_core_frac`` at ``gpus / heartbeat_s`` a second, within 1 %): that
-    measured share for the heartbeats, plus the group and weight messages at the mix's rate (``service_rate``,
-    whose messages carry ~11 groups each: an upper bound for them). None measured: no rows."""
+    measured share for the heartbeats, plus the group and weight messages at the mix's rate (``service_rate``:
+    its messages carry ~11 groups each; a lone weight message, like a lone heartbeat at a few hundred a
+    second, pays its own loop wakeup and costs about as much: an estimate, not a bound). None measured: no rows."""
     beats = [r for r in rows if r.get("metric") == "scheduler_service_heartbeat_core_frac"]
     if not beats:
         return []
