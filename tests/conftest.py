@@ -109,6 +109,8 @@ class SkipCount:
         tw = session.config.pluginmanager.get_plugin("terminalreporter")
         if not tier or tier not in [a.rstrip("/") for a in session.config.args]:
             return  # not the tier's own run (a pytest started inside a test inherits the environment)
+        if hasattr(session.config, "workerinput"):
+            return  # a pytest-xdist worker sees only its share: its controller counts (every report reaches it)
         if len(self.skips) == expected:
             if tw is not None:
                 tw.write_line(f"\n{SKIPS_ENV}: {tier}: {expected} skip(s), as EXPECTED_SKIPS (tests/conftest.py) pins")

@@ -78,9 +78,10 @@ def test_a_forked_child_is_what_popen_would_start(server, tmp_path, sigint):
         assert rep_f[key] == rep_p[key], key
     assert rep_p["session_leader"] and rep_p["stdin"] == "/dev/null" and rep_p["name"] == "__main__"
     assert rep_f["signals"]["SIGINT"] == rep_p["signals"]["SIGINT"] == sigint
-    # argv and cmdline name each one's own output file: the same but for the tag
-    assert rep_f["argv"] == [a.replace("popen", "forked") for a in rep_p["argv"]]
-    assert rep_f["cmdline"] == [a.replace("popen", "forked") for a in rep_p["cmdline"]]
+    # argv and cmdline name each one's own output file: the same but for the tag (the file's name alone: a
+    # pytest-xdist worker's tmp_path holds "popen-gw0")
+    assert rep_f["argv"] == [a.replace("popen.json", "forked.json") for a in rep_p["argv"]]
+    assert rep_f["cmdline"] == [a.replace("popen.json", "forked.json") for a in rep_p["cmdline"]]
     assert rep_p["cmdline"][:3] == [sys.executable, "-m", PROBE]
     for tag in ("popen", "forked"):  # the non-daemon thread was joined, then atexit ran
         assert (tmp_path / f"{tag}.json.thread").read_text() == "joined"
