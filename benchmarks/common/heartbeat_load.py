@@ -23,48 +23,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import zmq
-
-from areal_async.base.control import routing_identity
 from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import Roster, write_run_keys
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.scheduler.service import SchedulerService
-from benchmarks.common.scheduler_load import LINGER_MS, reap, roles_of
-from protocols import messages as M
-from protocols.sockets import ipc_endpoint, make_socket, run_async
+from benchmarks.common.paced_fleet import paced_heartbeats
+from benchmarks.common.scheduler_load import reap, roles_of
+from protocols.sockets import ipc_endpoint, run_async
 
 SETTLE_S = 1.0  # after every worker registered and the paced heartbeats began
-PACE_SLEEP_S = 0.0001  # the fleet's loop: send what is due, sleep this long
-
-
-def _paced_fleet(control: str, roles: dict, tokens: dict, rate: float, seconds: float, cpus: list, q) -> None:
-    """Register the config's workers, then heartbeats at ``rate`` a second for ``seconds``; puts the count sent."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    ctx = zmq.Context()
-    socks = {w: make_socket(ctx, zmq.DEALER, connect=control, identity=routing_identity(w)) for w in roles}
-    sent = 0
-    try:
-        for wid, role in roles.items():
-            socks[wid].send(M.encode(M.Register(role=role, worker_id=wid, pid=os.getpid(), token=tokens[wid])))
-        for wid, s in socks.items():
-            if not s.poll(30_000) or not isinstance(M.decode(s.recv()), M.RegisterAck):
-                raise RuntimeError(f"paced fleet: no RegisterAck for {wid}")
-        wids, t0 = list(socks), time.monotonic()
-        while (elapsed := time.monotonic() - t0) < seconds:
-            while sent < int(elapsed * rate):
-                wid = wids[sent % len(wids)]
-                socks[wid].send(M.encode(M.Heartbeat(worker_id=wid, ts=time.time(), stats={"samples": sent})))
-                sent += 1
-            time.sleep(PACE_SLEEP_S)
-    finally:
-        for s in socks.values():
-            s.close(LINGER_MS)
-        ctx.term()
-        q.put(sent)
 
 
 def measure_heartbeats(config: str, rate: float, seconds: float) -> dict:
@@ -79,8 +48,8 @@ def measure_heartbeats(config: str, rate: float, seconds: float) -> dict:
         tokens = write_run_keys(run_dir, roles)
         spawn = mp.get_context("spawn")
         q = spawn.Queue()
-        fleet_s = SETTLE_S + seconds + 2.0  # the fleet outlasts the window
-        child = spawn.Process(target=_paced_fleet, args=(ep.control, roles, tokens, rate, fleet_s, cpus[1:], q))
+        fleet_s = SETTLE_S + seconds + 1.0  # the fleet outlasts the window
+        child = spawn.Process(target=paced_heartbeats, args=(ep.control, roles, tokens, rate, fleet_s, cpus[1:], q))
         if cpus:
             os.sched_setaffinity(0, cpus[:1])
         try:
