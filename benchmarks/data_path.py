@@ -87,11 +87,14 @@ SERVICE_CONFIG = "configs/tiny_arith.yaml"
 # `areal-async run configs/tiny_arith.yaml`, see benchmarks/RESULTS.md for the run)
 DEFAULT_MIX = Mix(
     heartbeats=1.39,  # 139 in 100 steps; per step they grow with the step's wall time (1 a worker a heartbeat_s)
-    traj_groups=11,  # (3158 groups in 233 TrajectoriesReady + 74 TrajectoryReady) / 307 messages
-    reward_groups=12,  # 3232 groups in 262 RewardResults
+    traj_groups=11,  # (3158 groups in 233 batches of TrajectoryReady + 74 lone ones) / 307 messages
+    reward_groups=12,  # 3232 groups in 262 batches of RewardResult
     n_metrics=24,  # the trainer's metrics in a TrainStepDone (a metrics row less the scheduler's 15)
     source="areal-async run configs/tiny_arith.yaml total_train_steps=100 at b179fa4 (2026-12-01)",
-    per_step={  # that run's summary.json messages_received / 100 steps (4 registers and a TrainerReady left out)
+    # that run's summary.json messages_received / 100 steps (4 registers and a TrainerReady left out), under
+    # the names of its time: trajectories_ready and reward_results are now "batch:trajectory_ready" and
+    # "batch:reward_result"
+    per_step={
         "heartbeat": 1.39,
         "reward_results": 2.62,
         "train_step_done": 1.0,

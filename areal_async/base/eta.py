@@ -14,7 +14,7 @@ forward_ahead       the trainer runs the update's first forward     no: a step's
 (app/trainer_       on a step's trajectories as they arrive, while  plan; there is no wait to fill
 worker)             their rewards are scored (actor.forward_ahead)
 publish_overlap     TrainStepDone, then the weights: the step's     the same order; the publication overlaps
-(trainer/service)   GenerateRequests are all queued when the        planning and generation (rollouts keep
+(trainer/service)   generate requests are all queued when the       planning and generation (rollouts keep
                     weights land (one decode batch)                 generating with the weights they have)
 tensors first       the rollout sends a step's tensors before its   the same order: nothing waits on it, so the
 (rollout/service)   reward requests: the forward ahead needs them   rollout has one path and no switch to consult

@@ -14,7 +14,7 @@ frame is logged and dropped, and the scheduler refuses what a worker of that rol
 
 - ``areal_async.client.reward.RewardWorker(run_dir, score, slot=0)``: serves reward slot ``slot`` (one of the
   ``cluster.n_external_reward_workers`` endpoints the supervisor keeps free): every group of the
-  ``RewardRequests`` (or ``RewardRequest``) a rollout worker sends it is scored with ``score(completion, solutions)``
+  ``RewardRequest`` (alone or in a ``Batch``) a rollout worker sends it is scored with ``score(completion, solutions)``
   (a plain or async function returning a float in [0, 1]) and one ``RewardResult`` per group
   goes to the scheduler. A score that raises, or is not a finite number in [0, 1], counts as 0
   with status ``error`` and the reason in ``details``. ``run()`` blocks until the run's

@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Union
 import zmq
 import zmq.asyncio
 
-from protocols.messages import RewardRequest, RewardRequests, RewardResult, Shutdown
+from protocols.messages import Batch, RewardRequest, RewardResult, Shutdown, unbatch
 from protocols.sockets import make_socket, recv_message, run_async
 
 from areal_async.base.control import ControlClient
@@ -81,8 +81,8 @@ class RewardWorker:
     async def _serve(self, control: ControlClient, pull) -> None:
         slots = asyncio.Semaphore(self.concurrency)
         while True:
-            _, msg = await recv_message(pull, expect=(RewardRequest, RewardRequests), where=self.worker_id)
-            for req in [] if msg is None else msg.requests() if isinstance(msg, RewardRequests) else [msg]:
+            _, msg = await recv_message(pull, expect=(RewardRequest, Batch), where=self.worker_id)
+            for req in [] if msg is None else unbatch(msg):
                 await slots.acquire()
                 asyncio.create_task(self._answer(control, req, slots))
 

@@ -1,14 +1,14 @@
-"""The reward worker process: RewardRequests from a PULL queue, scores from a killable pool.
+"""The reward worker process: reward requests from a PULL queue, scores from a killable pool.
 
-Rollout workers PUSH ``RewardRequests`` frames (the groups of one engine step, split over the reward
-workers) to every reward worker's PULL socket (ZeroMQ spreads them round-robin); a
+Rollout workers PUSH a ``Batch`` of ``RewardRequest`` each (the groups of one engine step, split over the
+reward workers) to every reward worker's PULL socket (ZeroMQ spreads them round-robin); a lone
 ``RewardRequest`` (one group) is taken too. A group's completions are scored by
 ``RewardPool`` (math-verify in killable processes, up to ``n_procs`` checks at once). At most
 ``n_procs`` batches are taken off the queue at a time, so an idle reward worker is not starved by
 a busy one; a batch is one message's groups plus those already queued on this worker's socket (up
 to ``MAX_BATCH_GROUPS``, read without waiting), scored in one pool call (a round trip per child per
-batch, not per group), and its groups' scores go to the scheduler in one ``RewardResults``
-(booked group by group, as a ``RewardResult`` each). A malformed frame is logged and dropped;
+batch, not per group), and its groups' scores go to the scheduler in one ``Batch`` of ``RewardResult``
+(booked group by group). A malformed frame is logged and dropped;
 the worker keeps serving. Anything else that raises (a ``score_many`` that fails instead of
 scoring 0) ends the process non-zero with its traceback (``TaskSet``): the supervisor restarts it
 and the scheduler re-issues what it held; the group deadline (``reward.deadline_s``) covers a
@@ -24,7 +24,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from protocols.messages import RewardRequest, RewardRequests, RewardResults, Shutdown
+from protocols.messages import Batch, RewardRequest, RewardResult, Shutdown, unbatch
 from protocols.sockets import decode_logged, make_socket, recv_message
 
 from areal_async.reward.pool import RewardPool
@@ -38,11 +38,7 @@ log = logging.getLogger("areal_async.reward")
 MAX_BATCH_GROUPS = 32  # requests scored in one pool call (one taken plus those already queued)
 
 
-_REQUESTS = (RewardRequest, RewardRequests)  # one group, or several (one message per engine step)
-
-
-def _groups(msg: RewardRequest | RewardRequests) -> list[RewardRequest]:
-    return msg.requests() if isinstance(msg, RewardRequests) else [msg]
+_REQUESTS = (RewardRequest, Batch)  # one group, or a Batch of them (one message per engine step)
 
 
 class RewardService:
@@ -121,7 +117,7 @@ class RewardService:
             if msg is None:
                 continue
             await self.slots.acquire()
-            batch = _groups(msg)
+            batch = unbatch(msg)
             batch += self._queued(MAX_BATCH_GROUPS - len(batch))
             self.tasks.spawn(self._score(batch), f"reward.score.{batch[0].group_id}+{len(batch) - 1}")
 
@@ -137,11 +133,11 @@ class RewardService:
                 break
             _, msg = decode_logged(frames, expect=_REQUESTS, where=self.worker_id)
             if msg is not None:
-                out += _groups(msg)
+                out += unbatch(msg)
         return out
 
     async def _score(self, batch: list[RewardRequest]) -> None:
-        """Score the batch's groups in one pool call; their scores go out in one RewardResults."""
+        """Score the batch's groups in one pool call; their scores go out in one Batch of RewardResult."""
         self._busy(+1)
         self._started[id(batch)] = time.monotonic()
         self.scoring += len(batch)
@@ -167,7 +163,7 @@ class RewardService:
             )
         await self.control.send(self._results(batch, per_group))
 
-    def _results(self, batch: list[RewardRequest], per_group: list[list]) -> RewardResults:
+    def _results(self, batch: list[RewardRequest], per_group: list[list]) -> Batch:
         """The batch's scores as one message (each group booked as its own RewardResult)."""
         for req, outs in zip(batch, per_group):
             if self.samples is not None:
@@ -181,13 +177,18 @@ class RewardService:
         self.control.stats.update(
             self.counts, busy_s=round(self.busy_s, 4), checks=self.checks, check_s=round(self.check_s, 4)
         )
-        return RewardResults(
-            worker_id=self.worker_id,
-            group_ids=[req.group_id for req in batch],
-            sample_ids=[list(req.sample_ids) for req in batch],
-            scores=[[float(o.score) for o in outs] for outs in per_group],
-            statuses=[[o.status for o in outs] for outs in per_group],
-            details=[[o.detail[:500] for o in outs] for outs in per_group],
+        return Batch.of(
+            [
+                RewardResult(
+                    group_id=req.group_id,
+                    worker_id=self.worker_id,
+                    sample_ids=list(req.sample_ids),
+                    scores=[float(o.score) for o in outs],
+                    statuses=[o.status for o in outs],
+                    details=[o.detail[:500] for o in outs],
+                )
+                for req, outs in zip(batch, per_group)
+            ]
         )
 
     def _busy(self, delta: int) -> None:

@@ -9,8 +9,8 @@ Two threads of control::
                       ─> pending weights (newest) >  between two steps: update_weights
                                                      (interrupt; KV recomputed; resume)
     <── finished groups ────────────────────────── step() ... group done
-    per engine step: RewardRequests (its groups, one message a reward worker) -> reward workers (PUSH),
-                tensors -> trainer (tensor channel), one TrajectoriesReady -> scheduler
+    per engine step: RewardRequest Batch (its groups, one a reward worker) -> reward workers (PUSH),
+                tensors -> trainer (tensor channel), one TrajectoryReady Batch -> scheduler
     <── WeightsLoaded(version) ─────────────────── after each weight switch
     AbortGroups > engine.abort ───────────────────> between two steps: abort_groups (stragglers, deadlines)
     <── GroupsStopped(tokens) ──────────────────── the tokens they had generated (wasted)
@@ -45,19 +45,18 @@ import zmq.asyncio
 
 from protocols.messages import (
     AbortGroups,
+    Batch,
     Error,
     GenerateRequest,
-    GenerateRequests,
     RewardRequest,
-    RewardRequests,
     RewardResult,
     GroupAborted,
     GroupsStopped,
     Shutdown,
-    TrajectoriesReady,
     TrajectoryReady,
     WeightsLoaded,
     WeightsPublished,
+    batched,
 )
 from protocols.sockets import make_socket, send_message
 from protocols.trajectories import TrajectoryBatch
@@ -356,8 +355,10 @@ class RolloutService:
     async def _recv_loop(self) -> None:
         while True:
             msg = await self.control.recv()
-            if isinstance(msg, (GenerateRequest, GenerateRequests)):
-                self._take_requests(msg.requests() if isinstance(msg, GenerateRequests) else [msg])
+            if isinstance(msg, GenerateRequest):
+                self._take_requests([msg])
+            elif isinstance(msg, Batch) and msg.item_type is GenerateRequest:  # the groups admitted together
+                self._take_requests(msg.items())
             elif isinstance(msg, AbortGroups):
                 self._abort_groups(msg)
             elif isinstance(msg, WeightsPublished):
@@ -423,8 +424,8 @@ class RolloutService:
     async def _publish_groups(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
         """The groups one engine step finished: every group's tensors go out from the sender thread
         (one hop for all) while this loop decodes the texts and sends their reward requests, in one
-        RewardRequests message a reward worker (``reward_batches``); once both are out, one
-        TrajectoriesReady for them all (the scheduler takes a group's score and trajectory in either
+        Batch of RewardRequest a reward worker (``reward_batches``); once both are out, one
+        Batch of TrajectoryReady for them all (the scheduler takes a group's score and trajectory in either
         order; the tensors precede it). At eta = 0 the trainer runs the step's first forward on the
         tensors while the rewards are scored (``actor.forward_ahead``): the tensors go first, at every eta
         (the η mode, ``base/eta.py``: nothing waits on the order at eta >= 1)."""
@@ -459,8 +460,8 @@ class RolloutService:
             self.traj.send(*batch.encode())
 
     async def _trajectories_ready(self, groups: list[TrajectoryReady]) -> None:
-        """The groups of one engine step in one TrajectoriesReady (a lone group: a TrajectoryReady)."""
-        await self.control.send(groups[0] if len(groups) == 1 else TrajectoriesReady.of(groups))
+        """The groups of one engine step in one Batch (a lone group: its TrajectoryReady alone)."""
+        await self.control.send(batched(groups))
         self.n_samples += sum(len(g.sample_ids) for g in groups)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
@@ -556,12 +557,12 @@ def trajectory_messages(batches: list[TrajectoryBatch], max_bytes: int) -> list[
     return out
 
 
-def reward_batches(requests: list[RewardRequest], n_peers: int) -> list[RewardRequests]:
+def reward_batches(requests: list[RewardRequest], n_peers: int) -> list[Batch]:
     """The groups to score as ``min(n_peers, len(requests))`` messages of consecutive groups, sizes
     differing by at most one: one message a reward worker (PUSH deals them round-robin), not one a group."""
     k = min(n_peers, len(requests))
     bounds = [len(requests) * i // k for i in range(k + 1)]
-    return [RewardRequests.of(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [Batch.of(requests[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def _split_list(x: torch.Tensor, lengths: list[int]) -> list[list]:

@@ -42,7 +42,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Callable, Optional, Sequence
 
-from protocols.messages import BatchPlan, GenerateRequest, GenerateRequests, RewardResult, TrajectoryReady
+from protocols.messages import Batch, BatchPlan, GenerateRequest, RewardResult, TrajectoryReady
 
 from areal_async.base.eta import EtaMode
 from areal_async.base.staleness import accept_bound, admission_budget
@@ -187,15 +187,21 @@ class SchedulerCore:
             for wid, g, ids, sol in self._admitted(only_short)
         ]
 
-    def admit_batches(self, only_short: bool = False) -> dict[str, GenerateRequests]:
-        """``admit``'s groups as one ``GenerateRequests`` per rollout worker (the groups admitted together),
-        built as columns: no message per group. The lists are the ledger's and the prompt table's own."""
+    def admit_batches(self, only_short: bool = False) -> dict[str, Batch]:
+        """``admit``'s groups as one ``Batch`` of ``GenerateRequest`` per rollout worker (the groups admitted
+        together), built as columns: no message per group. The lists are the ledger's and the prompt table's own."""
         cols: dict[str, tuple[list, ...]] = {}
         for wid, g, prompt_ids, solutions in self._admitted(only_short):
             c = cols.get(wid) or cols.setdefault(wid, ([], [], [], [], []))
             for column, value in zip(c, (g.group_id, g.prompt_id, g.sample_ids, prompt_ids, solutions)):
                 column.append(value)
-        return {w: GenerateRequests(*c, min_version=self.version, **self.p.gen) for w, c in cols.items()}
+        return {w: Batch("generate_request", self._request_columns(*c)) for w, c in cols.items()}
+
+    def _request_columns(self, gids: list, pids: list, sids: list, prompt_ids: list, solutions: list) -> dict:
+        """The columns of a ``Batch`` of ``GenerateRequest``: per group, and the settings all groups share."""
+        shared = {"min_version": self.version, **self.p.gen}
+        per_group = {"group_id": gids, "prompt_id": pids, "sample_ids": sids, "prompt_ids": prompt_ids}
+        return per_group | {"solutions": solutions} | {k: [v] * len(gids) for k, v in shared.items()}
 
     def _admitted(self, only_short: bool) -> list[tuple[str, GroupRecord, list[int], list[str]]]:
         """(worker, group, prompt ids, solutions) of each group issued now, in issue order (see ``admit``)."""
@@ -248,14 +254,8 @@ class SchedulerCore:
 
         Each sample is checked on its own: a refused one (unknown, of another group, already
         final, reported twice) changes nothing, and the others of the message still count."""
-        return self.on_generated(
-            m.group_id, m.sample_ids, m.n_output_tokens, m.version_min, m.version_max, m.finish_reasons, m.turns
-        )
-
-    def on_generated(self, gid: str, sids, n_tokens, vmins, vmaxs, finishes, turns=()) -> Optional[str]:
-        """``on_trajectory`` on one group's lists (a ``TrajectoriesReady``'s, with no message per group)."""
-        led = self.ledger
-        whys, took = led.record_generated(gid, sids, n_tokens, vmins, vmaxs, finishes, turns)
+        led, gid, sids, n_tokens = self.ledger, m.group_id, m.sample_ids, m.n_output_tokens
+        whys, took = led.record_generated(gid, sids, n_tokens, m.version_min, m.version_max, m.finish_reasons, m.turns)
         if whys:  # a group aborted while it ran (past a deadline, a straggler) finished anyway: wasted tokens
             self.tail.wasted += self._late_tokens(sids, n_tokens)
         if took:  # once per message: a per-sample check costs n^2 per group
@@ -290,12 +290,8 @@ class SchedulerCore:
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
-        return self.on_scored(m.group_id, m.sample_ids, m.scores, m.statuses)
-
-    def on_scored(self, gid: str, sids, scores, statuses) -> Optional[str]:
-        """``on_reward`` on one group's lists (a ``RewardResults``'s)."""
-        led = self.ledger
-        whys, took = led.record_rewarded(gid, sids, scores, statuses)
+        led, gid = self.ledger, m.group_id
+        whys, took = led.record_rewarded(gid, m.sample_ids, m.scores, m.statuses)
         if took and led.check_ready(gid):
             self._on_ready(gid)
         return "; ".join(whys) or None
@@ -472,7 +468,7 @@ class SchedulerCore:
     def unconfirmed(self, worker_id: str) -> list[str]:
         """The samples of ``worker_id``'s groups that are generated and scored but not trained (ready or
         planned). The trainer holds their tensors, unless they died in the worker's send queue: a
-        worker sends a group's tensors, then its ``TrajectoriesReady``, and a SIGKILL between the
+        worker sends a group's tensors, then its ``TrajectoryReady``, and a SIGKILL between the
         send and the bytes leaving the process loses the first but not the second."""
         live = (GroupState.READY, GroupState.BATCHED)
         return [

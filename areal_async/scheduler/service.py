@@ -57,6 +57,7 @@ import zmq.asyncio
 
 from protocols.messages import (
     AbortGroups,
+    Batch,
     BatchPlan,
     CheckpointRequest,
     CheckpointSaved,
@@ -71,18 +72,17 @@ from protocols.messages import (
     Register,
     RegisterAck,
     RewardResult,
-    RewardResults,
     Shutdown,
     StatusRequest,
     TrainerReady,
     TrainStepDone,
     HeldQuery,
     HeldReply,
-    TrajectoriesReady,
     TrajectoryReady,
     WeightsLoaded,
     WeightsPublished,
     encode,
+    unbatch,
 )
 from protocols.rejections import RejectionLog
 from protocols.sockets import decode_logged, make_socket, send_message
@@ -136,8 +136,8 @@ class SchedulerService:
         self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0, "trajectories_lost": 0}
         self._held_queries = 0  # HeldQuery ids sent; the lost worker of each unanswered one:
         self._held_lost: dict[int, str] = {}
-        # frames taken, by message type, and the groups the batched ones carried (summary.json: the
-        # run's traffic, the mix benchmarks.data_path replays through this service)
+        # frames taken, by message type ("batch:<type>" for a Batch), and the messages the batches carried
+        # (summary.json: the run's traffic, the mix benchmarks.data_path replays through this service)
         self.received: dict[str, int] = {}
         self.received_groups: dict[str, int] = {}
         self.latest_weights: Optional[WeightsPublished] = None
@@ -222,9 +222,10 @@ class SchedulerService:
         if msg is None:
             return await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
         self._frame = (msg, frames[1])  # the message and its bytes, as checked: a forward sends them unchanged
-        self.received[msg.TYPE] = self.received.get(msg.TYPE, 0) + 1
-        if isinstance(msg, (TrajectoriesReady, RewardResults)):
-            self.received_groups[msg.TYPE] = self.received_groups.get(msg.TYPE, 0) + len(msg.group_ids)
+        key = msg.TYPE if type(msg) is not Batch else f"batch:{msg.kind}"
+        self.received[key] = self.received.get(key, 0) + 1
+        if type(msg) is Batch:
+            self.received_groups[key] = self.received_groups.get(key, 0) + msg.size
         try:
             await self.handle(ident, msg)
         except (ValueError, KeyError) as e:
@@ -257,10 +258,9 @@ class SchedulerService:
         return {
             Heartbeat: self._heartbeat,
             Ping: self._ping,
+            Batch: self._batch,
             TrajectoryReady: self._trajectory,
-            TrajectoriesReady: self._trajectories,
             RewardResult: self._reward,
-            RewardResults: self._rewards,
             WeightsPublished: self._weights_published,
             WeightsLoaded: self._weights_loaded,
             TrainerReady: self._trainer_ready,
@@ -272,6 +272,15 @@ class SchedulerService:
             CheckpointSaved: self._checkpoint_saved,
             HeldReply: self._held_reply,
         }
+
+    async def _batch(self, wid: str, m: Batch) -> None:
+        """Several messages of one type (an engine step's groups, a reward worker's scores): each handled as
+        if it had come alone (the sender's role was checked for their type)."""
+        handler = self._handler_map.get(m.item_type)
+        if handler is None or handler == self._batch:
+            raise ValueError(f"scheduler does not accept {m.kind!r} messages")
+        for item in m.items():
+            await handler(wid, item)
 
     async def _heartbeat(self, wid: str, msg: Heartbeat) -> None:
         self.workers[wid].stats = msg.stats
@@ -331,19 +340,6 @@ class SchedulerService:
         else:
             self._count(wid, "generated", len(m.sample_ids))
 
-    async def _trajectories(self, wid: str, m: TrajectoriesReady) -> None:
-        """The groups of one engine step: each booked as its own TrajectoryReady (from the columns)."""
-        n, on_generated = 0, self.core.on_generated
-        for gid, sids, *cols in zip(
-            m.group_ids, m.sample_ids, m.n_output_tokens, m.version_min, m.version_max, m.finish_reasons
-        ):
-            why = on_generated(gid, sids, *cols)
-            if why:
-                log.warning("ignored trajectory from %s: %s", wid, why)
-            else:
-                n += len(sids)
-        self._count(wid, "generated", n)
-
     async def _reward(self, wid: str, m: RewardResult) -> None:
         if self.workers[wid].role == "rollout":  # a workflow's own rewards: only for the groups it holds
             g = self.core.ledger.groups.get(m.group_id)
@@ -357,18 +353,6 @@ class SchedulerService:
             log.warning("ignored reward from %s: %s", wid, why)
         else:
             self._count(wid, "rewarded", len(m.sample_ids))
-
-    async def _rewards(self, wid: str, m: RewardResults) -> None:
-        """Several groups' scores from a reward worker (``SENDERS``: never a rollout's): each group booked
-        as its own RewardResult, from the columns."""
-        n, on_scored = 0, self.core.on_scored
-        for gid, sids, scores, statuses in zip(m.group_ids, m.sample_ids, m.scores, m.statuses):
-            why = on_scored(gid, sids, scores, statuses)
-            if why:
-                log.warning("ignored reward from %s: %s", wid, why)
-            else:
-                n += len(sids)
-        self._count(wid, "rewarded", n)
 
     def _count(self, wid: str, what: str, n: int) -> None:
         """Samples a worker delivered (per worker: status throughput; in total: the metrics rows)."""
@@ -505,8 +489,8 @@ class SchedulerService:
             await self._send_plan(plan)
         await self._stop_at_workers(self.core.cut_stragglers(), "straggler")  # rollout.over_provision
         for worker, batch in self.core.admit_batches(only_short).items():  # one message a worker
-            self.counts["admitted"] += len(batch.group_ids)
-            await self.send(worker, batch.requests()[0] if len(batch.group_ids) == 1 else batch)
+            self.counts["admitted"] += batch.size
+            await self.send(worker, batch if batch.size > 1 else unbatch(batch)[0])
 
     def _may_plan_ahead(self) -> bool:
         """Plan step n+1 while step n trains (η >= 1, the core checks it) unless a checkpoint

@@ -18,12 +18,10 @@ from areal_async.base.control import worker_of
 ROLES = ("rollout", "reward", "trainer")
 SENDERS: dict[type, tuple[str, ...]] = {  # the roles that may send a message type (others: any registered)
     M.TrajectoryReady: ("rollout",),
-    M.TrajectoriesReady: ("rollout",),
     M.WeightsLoaded: ("rollout",),
     M.GroupAborted: ("rollout",),
     M.GroupsStopped: ("rollout",),
-    M.RewardResult: ("reward", "rollout"),
-    M.RewardResults: ("reward",),
+    M.RewardResult: ("reward", "rollout"),  # a rollout's: a workflow's own scores, of the groups it holds
     M.WeightsPublished: ("trainer",),
     M.TrainerReady: ("trainer",),
     M.TrainStepDone: ("trainer",),
@@ -117,7 +115,7 @@ class WorkerTable:
     def sender(self, ident: bytes, msg: M.Message, now: float) -> str:
         """The worker id of ``msg``'s sender, its record marked seen at ``now``; ``ValueError`` when it is
         not registered (a ``Ping`` needs no registration), not the connection that registered, or of a
-        role that may not send ``msg`` (``SENDERS``)."""
+        role that may not send ``msg`` (``SENDERS``; a ``Batch``: its items' type)."""
         w = self.by_ident.get(ident)  # a registered connection: one lookup, no parsing of the identity
         if w is None or w.ident != ident:
             wid = worker_of(ident)
@@ -127,9 +125,10 @@ class WorkerTable:
                 return wid
             raise ValueError(f"{msg.TYPE} from unregistered peer {wid!r}")
         w.last_seen = now
-        allowed = SENDERS.get(type(msg))
+        cls = msg.item_type if type(msg) is M.Batch else type(msg)
+        allowed = SENDERS.get(cls)
         if allowed and w.role not in allowed:
-            raise ValueError(f"a {w.role} worker may not send {msg.TYPE!r} (only {' | '.join(allowed)})")
+            raise ValueError(f"a {w.role} worker may not send {cls.TYPE!r} (only {' | '.join(allowed)})")
         return w.worker_id
 
     def pop(self, wid: str) -> WorkerRecord:

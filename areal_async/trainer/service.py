@@ -15,7 +15,7 @@
         train    PPOActor.train_step (executor thread: the loop keeps receiving)
         publish  the weights of version step+1, while the scheduler admits and plans when
                  ``EtaMode.publish_overlap`` (the rollouts wait for them by min_version: at η = 0 the
-                 step's GenerateRequests are then all queued when the weights land, one decode batch;
+                 step's generate requests are then all queued when the weights land, one decode batch;
                  at η >= 1 the publication overlaps planning and generation); the next message is
                  handled only once they are out. Published first instead when the weight channel is
                  collective (its receivers must be alive to take part), after the run's last step (the

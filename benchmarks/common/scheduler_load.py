@@ -3,18 +3,19 @@
 The service is the one a run uses (``scheduler/service.py``: its event loop on uvloop, the drain of
 queued frames, per-message identity and role checks, the ledger, ``metrics.jsonl`` and
 ``trajectories.jsonl`` written through ``RunLog``, ``status.json`` every heartbeat, replies and
-forwards: ``GenerateRequests``, ``BatchPlan``, ``WeightsPublished`` to every rollout worker),
+forwards: a ``Batch`` of ``GenerateRequest``, ``BatchPlan``, ``WeightsPublished`` to every rollout worker),
 built from a real config (default ``configs/tiny_arith.yaml``) on an ipc control socket, in this
 process, pinned to one CPU. Its peers are a null fleet in a child process on the other CPUs: the
 config's trainer, rollout and reward workers as DEALER sockets that register and then answer at
 once, with no model and no compute, in the protocol's order: a rollout worker answers its
-``GenerateRequests`` with ``TrajectoriesReady`` (``traj_groups`` groups a message) and the
-reward worker scores those groups in ``RewardResults`` (``reward_groups`` a message); every
+requests with a ``Batch`` of ``TrajectoryReady`` (``traj_groups`` groups a message) and the
+reward worker scores those groups in a ``Batch`` of ``RewardResult`` (``reward_groups`` a message); every
 rollout worker answers ``WeightsPublished`` with ``WeightsLoaded``; the trainer answers each
 ``BatchPlan`` with ``WeightsPublished`` (a real shm manifest of the config's model) and
 ``TrainStepDone`` (``n_metrics`` metrics); ``heartbeats`` per step come round-robin from the
 workers. The mix (``Mix``) is what a real run sent: ``Mix.of_summary`` reads it from a run's
-``summary.json`` (``messages_received`` by type, ``groups_in_batched_messages``, per step).
+``summary.json`` (``messages_received`` by type, ``groups_in_batched_messages``, per step; a run from before
+the generic ``Batch`` counted ``trajectories_ready`` and ``reward_results`` instead, read as the same).
 
 Measured over ``seconds`` after ``warmup_steps`` trainer steps: messages the service took per
 wall second and per CPU second of this process (the service's thread and ZeroMQ's I/O thread),
@@ -71,8 +72,8 @@ class Mix:
     """Per trainer step, what a run's workers send the scheduler (see the module docstring)."""
 
     heartbeats: float
-    traj_groups: int  # groups per TrajectoriesReady (1: TrajectoryReady)
-    reward_groups: int  # groups per RewardResults (1: RewardResult)
+    traj_groups: int  # groups per Batch of TrajectoryReady (1: a lone TrajectoryReady)
+    reward_groups: int  # groups per Batch of RewardResult (1: a lone RewardResult)
     n_metrics: int = 30  # metrics per TrainStepDone
     source: str = ""
     per_step: dict = field(default_factory=dict)  # the run's messages per step, by type (to compare with)
@@ -82,14 +83,15 @@ class Mix:
         """From a run's summary.json: heartbeats per step, groups per trajectory and reward message."""
         got, groups, steps = summary["messages_received"], summary["groups_in_batched_messages"], summary["steps"]
 
-        def per_message(batched: str, single: str) -> int:
+        def per_message(single: str, before_batch: str) -> int:
+            batched = f"batch:{single}" if f"batch:{single}" in got else before_batch
             n_msgs = got.get(batched, 0) + got.get(single, 0)
             return max(1, round((groups.get(batched, 0) + got.get(single, 0)) / max(1, n_msgs)))
 
         return cls(
             heartbeats=got.get("heartbeat", 0) / max(1, steps),
-            traj_groups=per_message("trajectories_ready", "trajectory_ready"),
-            reward_groups=per_message("reward_results", "reward_result"),
+            traj_groups=per_message("trajectory_ready", "trajectories_ready"),
+            reward_groups=per_message("reward_result", "reward_results"),
             n_metrics=n_metrics,
             source=source,
             per_step=per_step(got, steps),
@@ -159,7 +161,7 @@ class NullFleet:
 
     def on_message(self, wid: str, msg: M.Message) -> None:
         self.count("got", wid, msg)
-        if isinstance(msg, (M.GenerateRequests, M.GenerateRequest)):
+        if isinstance(msg, (M.Batch, M.GenerateRequest)):  # the scheduler batches only generate requests
             self.pending.setdefault(wid, []).extend(_groups(msg))
         elif isinstance(msg, M.WeightsPublished):
             self.send(wid, M.WeightsLoaded(worker_id=wid, version=msg.version))
@@ -182,8 +184,8 @@ class NullFleet:
     def generated(self, wid: str, groups: list[tuple[str, list[str], int]]) -> None:
         for chunk in _chunks(groups, self.mix.traj_groups):
             ready = [_ready(gid, sids, wid, version) for gid, sids, version in chunk]
-            self.send(wid, ready[0] if len(ready) == 1 else M.TrajectoriesReady.of(ready))
-        for chunk in _chunks(groups, self.mix.reward_groups):  # a reward worker always sends RewardResults
+            self.send(wid, M.batched(ready))
+        for chunk in _chunks(groups, self.mix.reward_groups):  # a reward worker always sends a Batch
             self.send(self.reward, _scored(chunk, self.reward))
 
     def beats(self, n: float) -> None:
@@ -202,9 +204,7 @@ class NullFleet:
 
 def _groups(msg) -> list[tuple[str, list[str], int]]:
     """(group id, sample ids, the version its tokens come from: the request's min_version)."""
-    if isinstance(msg, M.GenerateRequest):
-        return [(msg.group_id, list(msg.sample_ids), msg.min_version)]
-    return [(g, list(s), msg.min_version) for g, s in zip(msg.group_ids, msg.sample_ids)]
+    return [(r.group_id, list(r.sample_ids), r.min_version) for r in M.unbatch(msg)]
 
 
 def _chunks(items: list, n: int) -> list[list]:
@@ -225,15 +225,10 @@ def _ready(gid: str, sids: list[str], wid: str, version: int) -> M.TrajectoryRea
     )
 
 
-def _scored(groups: list[tuple[str, list[str], int]], wid: str) -> M.RewardResults:
+def _scored(groups: list[tuple[str, list[str], int]], wid: str) -> M.Batch:
     """As ``reward.service.RewardService._results`` builds it: every sample scored 1.0, ok."""
-    return M.RewardResults(
-        worker_id=wid,
-        group_ids=[g[0] for g in groups],
-        sample_ids=[list(g[1]) for g in groups],
-        scores=[[1.0] * len(g[1]) for g in groups],
-        statuses=[["ok"] * len(g[1]) for g in groups],
-        details=[[""] * len(g[1]) for g in groups],
+    return M.Batch.of(
+        [M.RewardResult(g, wid, list(s), [1.0] * len(s), ["ok"] * len(s), [""] * len(s)) for g, s, _ in groups]
     )
 
 

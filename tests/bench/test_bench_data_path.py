@@ -8,20 +8,26 @@ from benchmarks.common import check_rows, scheduler_load as sl
 from protocols import messages as M
 
 
-def test_a_runs_summary_gives_the_mix_per_step():
-    """The default run's counts: 139 heartbeats in 100 steps; 3158 groups in 233 TrajectoriesReady plus
-    74 lone TrajectoryReady = 3232 groups in 307 messages (10.5 -> 11 a message); 3232 groups in 262
-    RewardResults (12.3 -> 12)."""
+@pytest.mark.parametrize(
+    "traj, reward",
+    [("batch:trajectory_ready", "batch:reward_result"), ("trajectories_ready", "reward_results")],
+    ids=["batch", "before the batch envelope"],
+)
+def test_a_runs_summary_gives_the_mix_per_step(traj, reward):
+    """The default run's counts: 139 heartbeats in 100 steps; 3158 groups in 233 batches of TrajectoryReady
+    plus 74 lone TrajectoryReady = 3232 groups in 307 messages (10.5 -> 11 a message); 3232 groups in 262
+    batches of RewardResult (12.3 -> 12). A summary of a run before the Batch envelope names the batches
+    by their old types; it gives the same mix."""
     summary = {
         "steps": 100,
         "messages_received": {
             "heartbeat": 139,
-            "trajectories_ready": 233,
+            traj: 233,
             "trajectory_ready": 74,
-            "reward_results": 262,
+            reward: 262,
             "train_step_done": 100,
         },
-        "groups_in_batched_messages": {"trajectories_ready": 3158, "reward_results": 3232},
+        "groups_in_batched_messages": {traj: 3158, reward: 3232},
     }
     mix = sl.Mix.of_summary(summary, n_metrics=24, source="r")
     assert (mix.heartbeats, mix.traj_groups, mix.reward_groups, mix.n_metrics) == (1.39, 11, 12, 24)
@@ -67,29 +73,21 @@ class Recorded(sl.NullFleet):
 
 
 def test_the_null_fleet_answers_in_the_mixs_chunks_with_the_requested_versions(tmp_path):
-    """25 groups given at min_version 3: TrajectoriesReady of 11, 11 and 3 groups from the rollout
-    worker, RewardResults of 12, 12 and 1 from the reward worker (always the batched message)."""
+    """25 groups given at min_version 3: batches of 11, 11 and 3 TrajectoryReady from the rollout
+    worker, of 12, 12 and 1 RewardResult from the reward worker (always a batch)."""
     fleet = Recorded(tmp_path, sl.Mix(heartbeats=1.39, traj_groups=11, reward_groups=12))
     try:
-        req = M.GenerateRequests(
-            group_ids=[f"g{i}" for i in range(25)],
-            prompt_keys=[f"p{i}" for i in range(25)],
-            sample_ids=[[f"g{i}.{j}" for j in range(4)] for i in range(25)],
-            prompt_tokens=[[1, 2]] * 25,
-            solutions=[["3"]] * 25,
-            min_version=3,
-            max_new_tokens=4,
-        )
+        sids = [[f"g{i}.{j}" for j in range(4)] for i in range(25)]
+        req = M.Batch.of([M.GenerateRequest(f"g{i}", f"p{i}", sids[i], [1, 2], ["3"], 3, 4) for i in range(25)])
         fleet.on_message("rollout-0", req)
         assert fleet.sent == []  # answered when the frames that arrived together are all in
         fleet.flush()
         traj = [m for w, m in fleet.sent if w == "rollout-0"]
         scored = [m for w, m in fleet.sent if w == "reward-0"]
-        assert [len(m.group_ids) for m in traj] == [11, 11, 3] and isinstance(traj[0], M.TrajectoriesReady)
-        assert [len(m.group_ids) for m in scored] == [12, 12, 1]
-        assert all(isinstance(m, M.RewardResults) for m in scored)
-        assert {v for m in traj for vs in m.version_min for v in vs} == {3}
-        assert [g for m in traj for g in m.group_ids] == req.group_ids
+        assert [m.size for m in traj] == [11, 11, 3] and {m.kind for m in traj} == {"trajectory_ready"}
+        assert [m.size for m in scored] == [12, 12, 1] and {m.kind for m in scored} == {"reward_result"}
+        assert {v for m in traj for g in m.items() for v in g.version_min} == {3}
+        assert [g.group_id for m in traj for g in m.items()] == [f"g{i}" for i in range(25)]
     finally:
         fleet.close()
 

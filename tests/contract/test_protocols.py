@@ -1,7 +1,6 @@
 """Wire protocol: typed msgpack messages, tensor frames, and receivers that survive bad frames."""
 
 import asyncio
-import dataclasses
 import logging
 import os
 
@@ -13,6 +12,7 @@ import zmq.asyncio
 
 from protocols import messages as M
 from protocols.messages import PROTOCOL_VERSION, REGISTRY, ProtocolError, decode, encode
+from protocols.side import ShmRetire
 from protocols.sockets import make_socket, recv_message, send_message
 from protocols.tensors import decode_tensors, encode_tensors
 
@@ -33,19 +33,6 @@ SAMPLES = {
         greedy=False,
         stop_token_ids=[2],
     ),
-    "generate_requests": M.GenerateRequests(
-        group_ids=["g1", "g2"],
-        prompt_keys=["e0p1", "e0p2"],
-        sample_ids=[["g1.0", "g1.1"], ["g2.0", "g2.1"]],
-        prompt_tokens=[[1, 5, 6], [1, 7]],
-        solutions=[["7"], ["8", "eight"]],
-        min_version=2,
-        max_new_tokens=8,
-        temperature=0.7,
-        top_p=0.9,
-        greedy=False,
-        stop_token_ids=[2],
-    ),
     "trajectory_ready": M.TrajectoryReady(
         group_id="g1",
         worker_id="r0",
@@ -56,24 +43,14 @@ SAMPLES = {
         version_max=[2, -1],
         finish_reasons=["stop", "length"],
     ),
-    "trajectories_ready": M.TrajectoriesReady(
-        worker_id="r0",
-        group_ids=["g1", "g2"],
-        n_prompt_tokens=[3, 5],
-        sample_ids=[["g1.0", "g1.1"], ["g2.0"]],
-        n_output_tokens=[[4, 0], [7]],
-        version_min=[[1, -1], [2]],
-        version_max=[[2, -1], [3]],
-        finish_reasons=[["stop", "length"], ["stop"]],
+    "batch": M.Batch.of(
+        [
+            M.RewardResult("g1", "w", ["g1.0", "g1.1"], [1.0, 0.0], ["ok", "timeout"], ["", "killed after 5.0 s"]),
+            M.RewardResult("g2", "w", ["g2.0"], [0.5], ["ok"], [""]),
+        ]
     ),
     "reward_request": M.RewardRequest(
         group_id="g1", sample_ids=["g1.0", "g1.1"], completions=["\\boxed{7}", ""], solutions=["7"]
-    ),
-    "reward_requests": M.RewardRequests(
-        group_ids=["g1", "g2"],
-        sample_ids=[["g1.0", "g1.1"], ["g2.0"]],
-        completions=[["\\boxed{7}", ""], ["8"]],
-        solutions=[["7"], ["8", "eight"]],
     ),
     "reward_result": M.RewardResult(
         group_id="g1",
@@ -82,14 +59,6 @@ SAMPLES = {
         scores=[1.0, 0.0],
         statuses=["ok", "timeout"],
         details=["", "killed after 5.0 s"],
-    ),
-    "reward_results": M.RewardResults(
-        worker_id="w",
-        group_ids=["g1", "g2"],
-        sample_ids=[["g1.0", "g1.1"], ["g2.0"]],
-        scores=[[1.0, 0.0], [0.5]],
-        statuses=[["ok", "timeout"], ["ok"]],
-        details=[["", "killed after 5.0 s"], [""]],
     ),
     "batch_plan": M.BatchPlan(step=0, sample_ids=["a"], group_ids=["g"], scores=[0.5], aborted_ids=["b"], revision=1),
     "held_query": M.HeldQuery(query_id=3, worker_id="rollout-1", sample_ids=["a", "b"]),
@@ -234,195 +203,154 @@ def test_group_messages_with_inconsistent_lists_are_rejected(body, needle):
         encode(M.RewardRequest(group_id="g", sample_ids=["g.0"], completions=["a", "b"], solutions=["1"]))
 
 
-def _results_body(**over):
-    body = {
-        "worker_id": "w",
-        "group_ids": ["g1", "g2"],
+# --------------------------------------------------------------------------------------------
+# the generic batch envelope: several messages of one type in one frame
+# --------------------------------------------------------------------------------------------
+
+READY = [  # an engine step's two groups, each as it would come alone (written out by hand)
+    M.TrajectoryReady("g1", "r0", 3, ["g1.0", "g1.1"], [4, 0], [1, -1], [2, -1], ["stop", "length"]),
+    M.TrajectoryReady("g2", "r0", 5, ["g2.0"], [7], [2], [3], ["stop"], turns=[2]),
+]
+
+
+def _ready_columns(**over):
+    """The wire form of a Batch of READY, by hand: one column a field, under the field's own name."""
+    columns = {
+        "group_id": ["g1", "g2"],
+        "worker_id": ["r0", "r0"],
+        "n_prompt_tokens": [3, 5],
         "sample_ids": [["g1.0", "g1.1"], ["g2.0"]],
-        "scores": [[1.0, 0.0], [0.5]],
-        "statuses": [["ok", "ok"], ["ok"]],
-        "details": [["", ""], [""]],
+        "n_output_tokens": [[4, 0], [7]],
+        "version_min": [[1, -1], [2]],
+        "version_max": [[2, -1], [3]],
+        "finish_reasons": [["stop", "length"], ["stop"]],
+        "turns": [[], [2]],
     }
-    return {**body, **over}
+    return {**columns, **over}
+
+
+def test_a_batch_is_each_message_as_it_would_come_alone():
+    """A hand-written batch frame decodes to the hand-written messages; ``Batch.of`` those messages
+    encodes to exactly that frame's map."""
+    frame = envelope(t="batch", b={"kind": "trajectory_ready", "columns": _ready_columns()})
+    msg = decode(frame)
+    assert isinstance(msg, M.Batch) and msg.kind == "trajectory_ready" and msg.size == 2
+    assert msg.items() == READY and msg.item_type is M.TrajectoryReady
+    assert msgpack.unpackb(encode(M.Batch.of(READY))) == msgpack.unpackb(frame)
+    assert decode(encode(M.Batch.of(READY))).items() == READY
+
+
+def test_one_message_goes_alone_several_in_a_batch_and_either_unpacks_to_messages():
+    assert M.batched(READY[:1]) is READY[0] and M.unbatch(READY[0]) == [READY[0]]
+    assert isinstance(M.batched(READY), M.Batch) and M.unbatch(M.batched(READY)) == READY
 
 
 @pytest.mark.parametrize(
-    "body, needle",
+    "kind, columns, needle",
     [
+        ("launch_missiles", _ready_columns(), r"batch: kind 'launch_missiles' is not a message type a batch carries"),
+        ("batch", {"kind": ["ping"], "columns": [{}]}, r"kind 'batch' is not a message type a batch carries"),
+        ("heartbeat", {"worker_id": ["r0"], "ts": [1.0]}, r"columns of heartbeat: missing \['stats'\], unknown \[\]"),
+        ("ping", {"nonce": [1], "extra": [2]}, r"columns of ping: missing \[\], unknown \['extra'\]"),
+        ("ping", {"nonce": 1}, r"batch: ping.nonce \(a column\): expected a list, got int"),
+        ("ping", {"nonce": []}, r"batch: no items"),
         (
-            _results_body(scores=[[1.0, 0.0]]),
-            r"reward_results: parallel lists differ in length: group_ids=2, .*scores=1",
+            "trajectory_ready",
+            _ready_columns(n_prompt_tokens=[3]),
+            r"batch: columns differ in length: group_id=2, worker_id=2, n_prompt_tokens=1, sample_ids=2",
         ),
-        (_results_body(group_ids=[], sample_ids=[], scores=[], statuses=[], details=[]), "group_ids is empty"),
         (
-            _results_body(scores=[[1.0, 0.0], [0.5, 1.0]]),
-            r"reward_results: group 'g2' \(#1\): sample_ids=1, scores=2, statuses=1, details=1: expected equal",
+            "trajectory_ready",
+            _ready_columns(n_output_tokens=[[4, 0], [True]]),
+            r"batch: trajectory_ready.n_output_tokens \(a column\): expected list\[list\[int\]\], got list",
         ),
-        (_results_body(statuses=[[], ["ok"]]), r"group 'g1' \(#0\): sample_ids=2, scores=2, statuses=0, details=2"),
+        ("ping", {"nonce": [1, "2"]}, r"batch: ping.nonce \(a column\): expected list\[int\], got list \[1, '2'\]"),
         (
-            _results_body(
-                sample_ids=[["g1.0", "g1.1"], []],
-                scores=[[1.0, 0.0], []],
-                statuses=[["ok", "ok"], []],
-                details=[["", ""], []],
+            "trajectory_ready",
+            _ready_columns(version_max=[[2], [3]]),
+            (
+                r"batch: trajectory_ready #0 \(group_id 'g1'\): parallel lists differ in length: sample_ids=2, "
+                r"n_output_tokens=2, version_min=2, version_max=1, finish_reasons=2"
             ),
-            r"group 'g2' \(#1\): sample_ids=0, scores=0, statuses=0, details=0: expected equal and > 0",
         ),
-        (_results_body(scores=[[1.0, "0"], [0.5]]), r"reward_results.scores: expected list\[list\[float\]\]"),
-    ],
-)
-def test_reward_results_with_inconsistent_lists_are_rejected_naming_the_group(body, needle):
-    """Several groups' scores in one message: a list that does not line up with its group's samples
-    would pair a score with the wrong sample, so it is refused on decode and on encode."""
-    with pytest.raises(ProtocolError, match=needle):
-        decode(envelope(t="reward_results", b=body))
-    with pytest.raises(ProtocolError, match=needle):
-        encode(M.RewardResults(**body))
-
-
-def test_generate_requests_split_into_one_request_per_group_and_back():
-    m = SAMPLES["generate_requests"]
-    shared = dict(min_version=2, max_new_tokens=8, temperature=0.7, top_p=0.9, greedy=False, stop_token_ids=[2])
-    reqs = [
-        M.GenerateRequest("g1", "e0p1", ["g1.0", "g1.1"], [1, 5, 6], ["7"], **shared),
-        M.GenerateRequest("g2", "e0p2", ["g2.0", "g2.1"], [1, 7], ["8", "eight"], **shared),
-    ]
-    assert m.requests() == reqs
-    assert M.GenerateRequests.of(reqs) == m
-    other = dataclasses.replace(reqs[1], min_version=3)
-    with pytest.raises(ValueError, match=r"group 'g2' has min_version=3, group 'g1' 2: one GenerateRequests"):
-        M.GenerateRequests.of([reqs[0], other])
-
-
-@pytest.mark.parametrize(
-    "over, needle",
-    [
-        ({"prompt_keys": ["e0p1"]}, r"generate_requests: parallel lists differ in length: group_ids=2, prompt_keys=1"),
-        ({"sample_ids": [["g1.0"], []]}, r"generate_requests: group 'g2' \(#1\) has no sample_ids"),
-        ({"prompt_tokens": [[1], ["x"]]}, r"generate_requests.prompt_tokens: expected list\[list\[int\]\]"),
-    ],
-)
-def test_generate_requests_with_inconsistent_lists_are_rejected_naming_the_group(over, needle):
-    body = {**SAMPLES["generate_requests"].to_body(), **over}
-    with pytest.raises(ProtocolError, match=needle):
-        decode(envelope(t="generate_requests", b=body))
-
-
-def _requests_body(**over):
-    body = {
-        "group_ids": ["g1", "g2"],
-        "sample_ids": [["g1.0", "g1.1"], ["g2.0"]],
-        "completions": [["a", "b"], ["c"]],
-        "solutions": [["1"], ["2"]],
-    }
-    return {**body, **over}
-
-
-@pytest.mark.parametrize(
-    "body, needle",
-    [
-        (_requests_body(solutions=[["1"]]), r"reward_requests: parallel lists differ in length: .*solutions=1"),
-        (_requests_body(completions=[["a"], ["c"]]), r"group 'g1' \(#0\): sample_ids=2, completions=1: expected"),
-        (_requests_body(sample_ids=[["g1.0", "g1.1"], []], completions=[["a", "b"], []]), r"group 'g2' \(#1\)"),
-        (_requests_body(solutions=[["1"], "2"]), r"reward_requests.solutions: expected list\[list\[str\]\]"),
-    ],
-)
-def test_reward_requests_with_inconsistent_lists_are_rejected_naming_the_group(body, needle):
-    with pytest.raises(ProtocolError, match=needle):
-        decode(envelope(t="reward_requests", b=body))
-    with pytest.raises(ProtocolError, match=needle):
-        encode(M.RewardRequests(**body))
-
-
-def test_reward_requests_split_into_one_request_per_group_and_back():
-    m = SAMPLES["reward_requests"]
-    reqs = [
-        M.RewardRequest("g1", ["g1.0", "g1.1"], ["\\boxed{7}", ""], ["7"]),
-        M.RewardRequest("g2", ["g2.0"], ["8"], ["8", "eight"]),
-    ]
-    assert m.requests() == reqs
-    assert M.RewardRequests.of(reqs) == m
-    assert m.prompts == [] and all(r.prompt == "" for r in m.requests())  # no question sent: none on the wire
-    asked = [dataclasses.replace(reqs[0], prompt="3+4="), dataclasses.replace(reqs[1], prompt="4+4=")]
-    both = M.RewardRequests.of(asked)
-    assert both.prompts == ["3+4=", "4+4="] and decode(encode(both)).requests() == asked
-    with pytest.raises(ProtocolError, match="1 prompts for 2 groups: expected none or one a group"):
-        encode(dataclasses.replace(both, prompts=["3+4="]))
-
-
-def test_reward_results_split_into_one_result_per_group():
-    m = SAMPLES["reward_results"]
-    assert m.results() == [
-        M.RewardResult("g1", "w", ["g1.0", "g1.1"], [1.0, 0.0], ["ok", "timeout"], ["", "killed after 5.0 s"]),
-        M.RewardResult("g2", "w", ["g2.0"], [0.5], ["ok"], [""]),
-    ]
-
-
-def test_trajectories_ready_is_one_trajectory_ready_per_group():
-    """An engine step's groups in one message: decoded, each group is the TrajectoryReady a
-    rollout worker would have sent for it alone (values written out by hand)."""
-    msg = decode(encode(SAMPLES["trajectories_ready"]))
-    assert msg.groups() == [
-        M.TrajectoryReady("g1", "r0", 3, ["g1.0", "g1.1"], [4, 0], [1, -1], [2, -1], ["stop", "length"]),
-        M.TrajectoryReady("g2", "r0", 5, ["g2.0"], [7], [2], [3], ["stop"]),
-    ]
-
-
-def _ready_body(**over):
-    body = SAMPLES["trajectories_ready"].to_body()
-    body.update(over)
-    return body
-
-
-@pytest.mark.parametrize(
-    "over, needle",
-    [
-        ({"n_prompt_tokens": [3]}, r"parallel lists differ in length: group_ids=2, n_prompt_tokens=1"),
         (
-            {
-                "group_ids": [],
-                "n_prompt_tokens": [],
-                "sample_ids": [],
-                "n_output_tokens": [],
-                "version_min": [],
-                "version_max": [],
-                "finish_reasons": [],
-            },
-            "group_ids is empty",
+            "trajectory_ready",
+            _ready_columns(sample_ids=[["g1.0", "g1.1"], []], n_output_tokens=[[4, 0], []], version_min=[[1, -1], []],
+                           version_max=[[2, -1], []], finish_reasons=[["stop", "length"], []], turns=[[], []]),
+            r"batch: trajectory_ready #1 \(group_id 'g2'\): sample_ids is empty",
         ),
-        ({"group_ids": ["g1", "g1"]}, r"group_ids repeat a group: \['g1', 'g1'\]"),
-        ({"version_max": [[2], [3]]}, r"group 'g1': parallel lists differ in length: sample_ids=2, .*version_max=1"),
         (
-            {
-                "sample_ids": [["g1.0", "g1.1"], []],
-                "n_output_tokens": [[4, 0], []],
-                "version_min": [[1, -1], []],
-                "version_max": [[2, -1], []],
-                "finish_reasons": [["stop", "length"], []],
-            },
-            "group 'g2': sample_ids is empty",
+            "trajectory_ready",
+            _ready_columns(turns=[[], [2, 1]]),
+            r"batch: trajectory_ready #1 \(group_id 'g2'\): turns has 2 entries for 1 samples \(expected none or one",
         ),
-        ({"n_output_tokens": [[4, 0], [True]]}, r"n_output_tokens: expected list\[list\[int\]\]"),
+        ("trajectory_ready", _ready_columns(group_id=["g1", "g1"]), r"batch: trajectory_ready.group_id 'g1' repeats"),
+        (
+            "reward_result",
+            {"group_id": ["g1", "g2"], "worker_id": ["w", "w"], "sample_ids": [["g1.0"], ["g2.0"]],
+             "scores": [[1.0], [0.5, 1.0]], "statuses": [["ok"], ["ok"]], "details": [[""], [""]]},
+            r"batch: reward_result #1 \(group_id 'g2'\): parallel lists differ in length: sample_ids=1, scores=2",
+        ),
+        (
+            "groups_stopped",  # a type with a validate of its own: each item's decides (no KEY: numbered only)
+            {"worker_id": ["r0", "r0"], "group_ids": [["g1"], ["g2"]], "n_output_tokens": [[3], [-1]],
+             "reason": ["", ""]},
+            r"batch: groups_stopped #1: n_output_tokens \[-1\]: expected counts >= 0",
+        ),
+    ],
+)  # fmt: skip
+def test_a_bad_batch_is_refused_naming_the_column_or_the_item(kind, columns, needle):
+    """A batch is checked as if each message had come alone: columns complete and even, each typed as a
+    list of its field's type, each message consistent (named by its group), no group twice. Refused on
+    decode and on encode alike."""
+    with pytest.raises(ProtocolError, match=needle):
+        decode(envelope(t="batch", b={"kind": kind, "columns": columns}))
+    with pytest.raises(ProtocolError, match=needle):
+        encode(M.Batch(kind=kind, columns=columns))
+
+
+def test_a_batch_is_made_of_one_control_message_type():
+    scored = M.RewardResult("g1", "w", ["g1.0"], [1.0], ["ok"], [""])
+    with pytest.raises(ValueError, match="one message type: trajectory_ready and reward_result given"):
+        M.Batch.of([READY[0], scored])
+    for bad in ([], [M.Batch.of(READY)], [ShmRetire(segs=["s"])]):  # none, a batch of batches, a side format
+        with pytest.raises(ValueError, match="a batch carries one or more control messages"):
+            M.Batch.of(bad)
+
+
+def test_a_receiver_takes_batches_only_of_the_types_it_expects():
+    """``Batch`` in ``expect``: batches of the other types named there; without it, no batch at all."""
+    frame = encode(M.Batch.of(READY))
+    assert decode(frame, expect=(M.TrajectoryReady, M.Batch)).items() == READY
+    with pytest.raises(ProtocolError, match=r"unexpected batch of 'trajectory_ready' here \(expected reward_request"):
+        decode(frame, expect=(M.RewardRequest, M.Batch))
+    with pytest.raises(ProtocolError, match="unexpected message type 'batch' here"):
+        decode(frame, expect=(M.TrajectoryReady,))
+
+
+@pytest.mark.parametrize(
+    "frame, needle",
+    [
+        (envelope(t="trajectories_ready", b={}), "unknown message type 'trajectories_ready'"),
+        (envelope(t="reward_results", b={}, v=2), r"protocol version 2 is not supported \(this side speaks 3\)"),
     ],
 )
-def test_trajectories_ready_with_bad_lists_is_rejected(over, needle):
-    """Per group and per sample the lists must pair up (else a sample would be booked with another's
-    counts), a group appears once, and the items are typed; refused on decode and on encode."""
-    with pytest.raises(ProtocolError, match="trajectories_ready.*" + needle):
-        decode(envelope(t="trajectories_ready", b=_ready_body(**over)))
-    with pytest.raises(ProtocolError, match="trajectories_ready.*" + needle):
-        encode(M.TrajectoriesReady(**_ready_body(**over)))
+def test_a_peer_of_the_plural_types_gets_a_clear_refusal(frame, needle):
+    """Protocol 2's plural twins (generate_requests, trajectories_ready, reward_requests, reward_results)
+    are gone in 3: such a frame is refused by its version, or by its type name."""
+    assert PROTOCOL_VERSION == 3
+    with pytest.raises(ProtocolError, match=needle):
+        decode(frame)
 
 
-def test_trajectories_ready_of_joins_one_workers_groups_and_refuses_others():
-    groups = SAMPLES["trajectories_ready"].groups()
-    assert M.TrajectoriesReady.of(groups) == SAMPLES["trajectories_ready"]
-    other = dataclasses.replace(groups[1], worker_id="r1")
-    with pytest.raises(ValueError, match=r"group 'g2' has worker 'r1', not 'r0'"):
-        M.TrajectoriesReady.of([groups[0], other])
-    episodes = dataclasses.replace(groups[1], turns=[2])
-    with pytest.raises(ValueError, match=r"group 'g2' has turns \[2\]: a TrajectoriesReady carries neither"):
-        M.TrajectoriesReady.of([groups[0], episodes])
+def test_a_group_with_no_samples_is_refused_alone_as_in_a_batch():
+    body = dict(SAMPLES["generate_request"].to_body(), sample_ids=[])
+    with pytest.raises(ProtocolError, match="generate_request: sample_ids is empty"):
+        decode(envelope(t="generate_request", b=body))
+    columns = {k: [v, v] for k, v in SAMPLES["generate_request"].to_body().items()}
+    columns["group_id"], columns["sample_ids"] = ["g1", "g2"], [["g1.0"], []]
+    with pytest.raises(ProtocolError, match=r"generate_request #1 \(group_id 'g2'\): sample_ids is empty"):
+        decode(envelope(t="batch", b={"kind": "generate_request", "columns": columns}))
 
 
 def test_unexpected_type_is_rejected_where_a_specific_one_is_expected():

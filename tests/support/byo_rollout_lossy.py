@@ -1,6 +1,6 @@
 """A bring-your-own rollout worker that dies the way a SIGKILL between its two sends makes one die:
 the tensors of its first engine step's groups never leave the process (the sender drops them), their
-``TrajectoriesReady`` and reward requests do, and the process exits 9 two seconds later without a
+``TrajectoryReady`` batch and reward requests do, and the process exits 9 two seconds later without a
 word. The ids dropped are written to ``<run_dir>/../dropped.json`` first. For
 tests/e2e/test_external_worker.py: the scheduler must learn from the trainer that those tensors
 never came (HeldQuery), abort the groups and revise the plan that named them."""

@@ -72,7 +72,7 @@ async def started_fleet(svc, ctx, tokens):
     await trainer.register(timeout_s=5)
     await trainer.send(M.TrainerReady(version=0, next_step=0))
     got = await asyncio.wait_for(worker.recv(), 5)
-    assert isinstance(got, (M.GenerateRequest, M.GenerateRequests))  # several groups admitted at once: one message
+    assert all(isinstance(r, M.GenerateRequest) for r in M.unbatch(got))  # several groups admitted at once: one message
     return trainer, worker
 
 

@@ -106,22 +106,22 @@ async def test_the_reward_worker_gives_each_check_its_groups_question(tmp_path):
     try:
         ident, _ = await next_of(scheduler, M.Register)
         await send_message(scheduler, M.RegisterAck(worker_id="reward-0", version=0), to=ident)
-        many = M.RewardRequests.of(  # the solutions say nothing: only the question tells right from wrong
+        many = M.Batch.of(  # the solutions say nothing: only the question tells right from wrong
             [
                 M.RewardRequest("g1", ["g1.0", "g1.1", "g1.2"], ["7", "8", " 7"], ["?"], prompt="3+4="),
                 M.RewardRequest("g2", ["g2.0", "g2.1"], ["11", "10"], ["?"], prompt="9+2="),
             ]
         )
-        assert many.prompts == ["3+4=", "9+2="]
+        assert many.columns["prompt"] == ["3+4=", "9+2="]
         await send_message(push, many)
         got = {}
         while len(got) < 2:
-            _, batch = await next_of(scheduler, M.RewardResults)
-            got.update({r.group_id: (r.scores, r.statuses) for r in batch.results()})
+            _, batch = await next_of(scheduler, M.Batch)
+            got.update({r.group_id: (r.scores, r.statuses) for r in batch.items()})
         assert got == {"g1": ([1.0, 0.0, 1.0], ["ok"] * 3), "g2": ([1.0, 0.0], ["ok"] * 2)}
         await send_message(push, M.RewardRequest("g3", ["g3.0"], ["7"], ["7"]))  # no question sent
-        _, batch = await next_of(scheduler, M.RewardResults)
-        ((res),) = batch.results()
+        _, batch = await next_of(scheduler, M.Batch)
+        ((res),) = batch.items()
         assert res.statuses == ["error"] and "no question" in res.details[0]
     finally:
         if ident is not None:

@@ -1,5 +1,5 @@
 """The reward worker behind real sockets: a group's completions in one RewardRequest come back in
-a RewardResults with a score per sample (real math-verify in the real killable pool); groups
+a Batch of RewardResult with a score per sample (real math-verify in the real killable pool); groups
 queued together come back together, each with its own scores; a malformed frame on its work queue
 is logged and dropped while it keeps serving."""
 
@@ -70,9 +70,8 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
                     group_id="g1", sample_ids=[f"g1.{k}" for k in range(4)], completions=completions, solutions=["7"]
                 ),
             )
-            _, batch = await next_of(scheduler, M.RewardResults)
-        assert batch.worker_id == "reward-0" and batch.group_ids == ["g1"]
-        (res,) = batch.results()
+            _, batch = await next_of(scheduler, M.Batch)
+        (res,) = batch.items()
         assert res.group_id == "g1" and res.worker_id == "reward-0"
         assert res.sample_ids == ["g1.0", "g1.1", "g1.2", "g1.3"]
         assert res.scores == [1.0, 1.0, 0.0, 0.0] and res.statuses == ["ok"] * 4
@@ -98,8 +97,8 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
             )
         got = {}
         while len(got) < len(answers):
-            _, batch = await next_of(scheduler, M.RewardResults)
-            for res in batch.results():
+            _, batch = await next_of(scheduler, M.Batch)
+            for res in batch.items():
                 assert res.group_id not in got, f"group {res.group_id} scored twice"
                 got[res.group_id] = res
         assert set(got) == set(answers)
@@ -108,8 +107,8 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
             assert got[gid].scores == [1.0, 0.0, 0.0] and got[gid].statuses == ["ok"] * 3
         assert svc.counts["ok"] == 4 + 15 and svc.scoring == 0
 
-        # several groups in one RewardRequests (a rollout worker's engine step): each scored as its own
-        many = M.RewardRequests.of(
+        # several groups in one Batch (a rollout worker's engine step): each scored as its own
+        many = M.Batch.of(
             [
                 M.RewardRequest(
                     group_id="g7", sample_ids=["g7.0", "g7.1"], completions=["\\boxed{3}", "x"], solutions=["3"]
@@ -121,8 +120,8 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
         await send_message(push, many)
         got = {}
         while len(got) < 3:
-            _, batch = await next_of(scheduler, M.RewardResults)
-            for res in batch.results():
+            _, batch = await next_of(scheduler, M.Batch)
+            for res in batch.items():
                 assert res.group_id not in got, f"group {res.group_id} scored twice"
                 got[res.group_id] = res
         assert {g: (r.sample_ids, r.scores) for g, r in got.items()} == {
@@ -146,5 +145,5 @@ async def test_reward_worker_scores_a_group_in_one_result_and_survives_bad_frame
 def test_reward_batches_one_message_a_reward_worker_groups_in_order(n_groups, n_peers, sizes):
     reqs = [M.RewardRequest(f"g{i}", [f"g{i}.0"], ["c"], ["s"]) for i in range(n_groups)]
     batches = reward_batches(reqs, n_peers)
-    assert [len(b.group_ids) for b in batches] == sizes
-    assert [r for b in batches for r in b.requests()] == reqs
+    assert [b.size for b in batches] == sizes and all(b.kind == "reward_request" for b in batches)
+    assert [r for b in batches for r in b.items()] == reqs

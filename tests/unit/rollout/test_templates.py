@@ -158,8 +158,8 @@ async def test_rl_issues_r1_ids_to_the_engine_and_filters_a_long_prompt(tmp_path
         await recv(trainer, M.RegisterAck)
         await recv(rollout, M.RegisterAck)
         await send_message(trainer, M.TrainerReady(version=0, next_step=0))
-        batch = await recv(rollout, M.GenerateRequests)  # eta=2: more than one batch admitted, in one message
-        reqs = batch.requests()[:2]
+        batch = await recv(rollout, M.Batch)  # eta=2: more than one batch admitted, in one message
+        reqs = batch.items()[:2]
         for r in reqs:
             thread.submit(r)
         assert await asyncio.to_thread(engine.got.wait, 5)

@@ -117,13 +117,13 @@ async def _fleet(tmp_path, overrides: list[str]):
 
 
 async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_path, caplog):
-    """A reward worker's RewardResults (several groups, one message) books each group as its own
+    """A reward worker's Batch of RewardResult (several groups, one message) books each group as its own
     RewardResult: the BatchPlan carries every sample's own score; the same results sent again
-    change nothing; a rollout worker may not send one."""
+    change nothing; the trainer may not send one (the role check applies to the batch's items)."""
     async with _fleet(
         tmp_path, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
     ) as (svc, rollout, reward, trainer):
-        reqs = (await _next(rollout, M.GenerateRequests)).requests()  # eta 0: one batch of 2 groups, one message
+        reqs = (await _next(rollout, M.Batch)).items()  # eta 0: one batch of 2 groups, one message
         assert len(reqs) == 2
         for r in reqs:
             await send_message(
@@ -140,17 +140,13 @@ async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_pat
                 ),
             )
         scores = {r.group_id: [0.25 + k, 0.75 + k] for k, r in enumerate(reqs)}
-        results = M.RewardResults(
-            worker_id="reward-0",
-            group_ids=[r.group_id for r in reqs],
-            sample_ids=[r.sample_ids for r in reqs],
-            scores=[scores[r.group_id] for r in reqs],
-            statuses=[["ok", "timeout"] for _ in reqs],
-            details=[["", "killed"] for _ in reqs],
-        )
-        await send_message(rollout, results)  # only reward workers send these
-        err = await _next(rollout, M.Error)
-        assert err.code == "refused" and "rollout worker may not send 'reward_results'" in err.detail
+        results = M.Batch.of(
+            [M.RewardResult(r.group_id, "reward-0", r.sample_ids, scores[r.group_id], ["ok", "timeout"], ["", "killed"])
+             for r in reqs]
+        )  # fmt: skip
+        await send_message(trainer, results)  # only reward (and, for their own groups, rollout) workers send these
+        err = await _next(trainer, M.Error)
+        assert err.code == "refused" and "trainer worker may not send 'reward_result'" in err.detail
         assert svc.counts["rewarded"] == 0
         await send_message(reward, results)
         plan = await _next(trainer, M.BatchPlan)
@@ -169,23 +165,17 @@ async def test_reward_results_book_each_group_once_and_plan_their_scores(tmp_pat
 
 
 async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_path):
-    """One TrajectoriesReady for an engine step's two groups: each sample is booked generated once
+    """One Batch of TrajectoryReady for an engine step's two groups: each sample is booked generated once
     (the same message again changes nothing), and with the scores the batch is planned."""
     async with _fleet(
         tmp_path, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
     ) as (svc, rollout, reward, trainer):
-        reqs = (await _next(rollout, M.GenerateRequests)).requests()
+        reqs = (await _next(rollout, M.Batch)).items()
         assert len(reqs) == 2
-        ready = M.TrajectoriesReady(
-            worker_id="rollout-0",
-            group_ids=[r.group_id for r in reqs],
-            n_prompt_tokens=[len(r.prompt_ids) for r in reqs],
-            sample_ids=[r.sample_ids for r in reqs],
-            n_output_tokens=[[3, 1] for _ in reqs],
-            version_min=[[0, 0] for _ in reqs],
-            version_max=[[0, 0] for _ in reqs],
-            finish_reasons=[["stop", "length"] for _ in reqs],
-        )
+        ready = M.Batch.of(
+            [M.TrajectoryReady(r.group_id, "rollout-0", len(r.prompt_ids), r.sample_ids, [3, 1], [0, 0], [0, 0],
+                               ["stop", "length"]) for r in reqs]
+        )  # fmt: skip
         sids = [sid for r in reqs for sid in r.sample_ids]
         for _ in range(2):  # the second copy is refused sample by sample
             await send_message(rollout, ready)
@@ -195,7 +185,7 @@ async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_
             assert svc.counts["generated"] == 4
         await send_message(reward, ready)  # only a rollout worker may report trajectories
         err = await _next(reward, M.Error)
-        assert "reward worker may not send 'trajectories_ready'" in err.detail
+        assert "reward worker may not send 'trajectory_ready'" in err.detail
         for r in reqs:
             result = M.RewardResult(r.group_id, "reward-0", r.sample_ids, [1.0, 0.0], ["ok", "ok"], ["", ""])
             await send_message(reward, result)
@@ -218,7 +208,7 @@ async def _complete(rollout, reward, reqs, version: int) -> None:
 
 
 def _requests(msg) -> list:
-    return msg.requests() if isinstance(msg, M.GenerateRequests) else [msg]
+    return M.unbatch(msg)
 
 
 async def test_plan_ahead_at_eta_one_stops_before_a_due_checkpoint(tmp_path):
@@ -229,14 +219,14 @@ async def test_plan_ahead_at_eta_one_stops_before_a_due_checkpoint(tmp_path):
         tmp_path,
         ["train_dataset.batch_size=1", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=1", "saver.freq_steps=2"],
     ) as (svc, rollout, reward, trainer):
-        reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        reqs = _requests(await _next(rollout, (M.Batch, M.GenerateRequest)))
         assert len(reqs) == 2  # (η + v + 1) * B
         await _complete(rollout, reward, reqs, 0)
         p0, p1 = await _next(trainer, M.BatchPlan), await _next(trainer, M.BatchPlan)
         assert (p0.step, p1.step) == (0, 1)  # both out before any TrainStepDone
         assert [p0.sample_ids, p1.sample_ids] == [r.sample_ids for r in reqs]
         await send_message(trainer, M.TrainStepDone(step=0, version=1, metrics={}))
-        more = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        more = _requests(await _next(rollout, (M.Batch, M.GenerateRequest)))
         assert len(more) == 1 and more[0].min_version == 1
         await _complete(rollout, reward, more, 1)
         await send_message(rollout, M.Ping(nonce=7))
@@ -257,8 +247,8 @@ async def test_a_workflow_failure_aborts_its_group_and_too_many_fail_the_run(tmp
     ends the run non-zero with the message, telling every worker."""
     over = ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_concurrent_rollouts=2"]
     async with _fleet(tmp_path, over) as (svc, rollout, reward, trainer):
-        first = await _next(rollout, M.GenerateRequests)
-        g0, p0 = first.group_ids[0], first.prompt_keys[0]
+        first = (await _next(rollout, M.Batch)).items()
+        g0, p0 = first[0].group_id, first[0].prompt_id
         why = "workflow m:Flaky, sample %s.1: RuntimeError: sandbox down" % g0
         await send_message(reward, M.GroupAborted(group_id=g0, worker_id="reward-0", reason=why))
         err = await _next(reward, M.Error)
@@ -294,7 +284,7 @@ async def test_stop_asks_a_final_checkpoint_only_of_a_trainer_that_learns(tmp_pa
         tmp_path,
         ["train_dataset.batch_size=1", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0", f"mode={mode}"],
     ) as (svc, rollout, reward, trainer):
-        reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        reqs = _requests(await _next(rollout, (M.Batch, M.GenerateRequest)))
         await _complete(rollout, reward, reqs, 0)
         await _next(trainer, M.BatchPlan)
         await send_message(trainer, M.TrainStepDone(step=0, version=1, metrics={}))
@@ -316,7 +306,7 @@ async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_abor
     over = ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
     async with _fleet(tmp_path, over) as (svc, rollout, reward, trainer):
         ctx = zmq.asyncio.Context.instance()
-        reqs = _requests(await _next(rollout, (M.GenerateRequests, M.GenerateRequest)))
+        reqs = _requests(await _next(rollout, (M.Batch, M.GenerateRequest)))
         await _complete(rollout, reward, reqs, 0)
         plan = await _next(trainer, M.BatchPlan)
         assert (plan.step, plan.revision, plan.group_ids) == (0, 0, [r.group_id for r in reqs for _ in range(2)])
@@ -332,7 +322,7 @@ async def test_a_restarted_rollout_workers_undelivered_groups_are_asked_for_abor
         if stopping:
             svc.request_stop()
         await send_message(trainer, M.HeldReply(query_id=query.query_id, missing_ids=lost.sample_ids))
-        redo = _requests(await _next(again, (M.GenerateRequests, M.GenerateRequest)))
+        redo = _requests(await _next(again, (M.Batch, M.GenerateRequest)))
         assert [r.prompt_id for r in redo] == [lost.prompt_id] and redo[0].group_id != lost.group_id
         recs = [svc.core.ledger.samples[s] for s in lost.sample_ids]
         assert all(r.status == "aborted" and r.reason.startswith("trajectories_lost") for r in recs)

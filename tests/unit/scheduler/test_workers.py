@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocols.messages import Heartbeat, Ping, RewardResults, TrainStepDone
+from protocols.messages import Batch, Heartbeat, Ping, RewardResult, TrainStepDone
 
 from areal_async.config.experiment import SaverConfig
 from areal_async.scheduler.saves import Saves
@@ -30,9 +30,10 @@ def test_a_sender_must_be_registered_on_its_own_connection_and_of_a_role_that_ma
         t.sender(b"stranger", Heartbeat(worker_id="stranger", ts=0.0), now=106.0)
     with pytest.raises(ValueError, match="a rollout worker may not send 'train_step_done' \\(only trainer\\)"):
         t.sender(b"rollout-0", STEP_DONE, now=106.0)
-    with pytest.raises(ValueError, match="a trainer worker may not send 'reward_results' \\(only reward\\)"):
-        t.sender(b"trainer", RewardResults(worker_id="trainer", group_ids=[], sample_ids=[], scores=[],
-                                           statuses=[], details=[]), now=106.0)  # fmt: skip
+    scored = RewardResult("g1", "trainer", ["g1.0"], [1.0], ["ok"], [""])
+    for msg in (scored, Batch.of([scored])):  # a batch is checked for its items' type
+        with pytest.raises(ValueError, match=r"trainer worker may not send 'reward_result' \(only reward \| rollout\)"):
+            t.sender(b"trainer", msg, now=106.0)
     t.records["rollout-0"].ident = b"rollout-0-old-connection"
     with pytest.raises(ValueError, match="not the connection that registered as 'rollout-0'"):
         t.sender(b"rollout-0", Heartbeat(worker_id="rollout-0", ts=0.0), now=107.0)

@@ -359,7 +359,7 @@ def plan_of(step: int, groups: dict, revision: int = 0) -> M.BatchPlan:
 
 @pytest.mark.parametrize("query_first", [False, True], ids=["plan-then-query", "query-then-stale-plan"])
 async def test_samples_that_never_came_are_given_up_on_and_the_step_trains_its_revised_plan(tmp_path, query_first):
-    """A rollout worker died after its TrajectoriesReady but before its tensors left: step 0's plan
+    """A rollout worker died after its TrajectoryReady batch but before its tensors left: step 0's plan
     names group gB, whose tensors never come. The scheduler's HeldQuery (gA and gB) is answered with
     gB's ids alone, after the grace (gA's are in); the trainer waits for the revision (gA + gC) and
     trains exactly that: its published weights equal an independent replay of gA + gC, and gB's
