@@ -37,8 +37,10 @@ def test_keep_decodes_on_the_old_cache_with_the_new_weights(layout):
     for r in reqs:
         engine.add_request(r)
     outs = {o.group_id: o for _ in range(4) for o in engine.step()}  # 4 tokens each under version 4
+    recomputed, recompute = [], engine._recompute
+    engine._recompute = lambda cohort: (recomputed.append(cohort), recompute(cohort))[1]
     engine.update_weights(5, new.state_dict())
-    assert engine.update_split["recompute_s"] < 1e-3  # nothing recomputed
+    assert recomputed == []  # nothing recomputed (counted, not timed: a 1 ms bound failed under load)
     outs.update(_run(engine))
     differs = 0
     for r in reqs:
