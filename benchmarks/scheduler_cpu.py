@@ -6,7 +6,7 @@ The service (``scheduler/service.py``, built from ``configs/tiny_arith.yaml`` as
 builds it) is driven in this thread by the null fleet's own logic (``scheduler_load.NullFleet``: the same
 answers, the same mix, ``DEFAULT_MIX`` unless ``--heartbeats`` sets its heartbeats per step): each round
 hands the fleet's frames to the service's frame handler (``_take``, up to ``DRAIN_MAX`` frames, then one
-``_drive``, as its serve loop does per wakeup) and the service's replies to the fleet. Its books, lines
+``_drive``, as its router's serve loop does per wakeup) and the service's replies to the fleet. Its books, lines
 and replies are the real ones; what it does not have is ZeroMQ (sends and receives, the I/O thread), the
 event loop's wakeups and a second process. The fleet's time is taken out (``thread_time`` around its
 calls), so ``service_cpu_ms_per_step`` is the service's CPU alone: a figure the machine's load moves much
@@ -32,7 +32,8 @@ from areal_async.base.runkeys import Roster, write_run_keys
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.scheduler.service import DRAIN_MAX, SchedulerService
+from areal_async.scheduler.router import DRAIN_MAX
+from areal_async.scheduler.service import SchedulerService
 from benchmarks.common import scheduler_load as sl, write_rows
 from benchmarks.data_path import DEFAULT_MIX, SERVICE_CONFIG
 from protocols import messages as M
@@ -66,7 +67,7 @@ class Driver:
         async def keep(frames: list) -> None:  # the service's sends, kept for the fleet
             self.outbox.append(frames)
 
-        svc._send_frames = keep
+        svc.router.send_frames = keep
 
     async def round(self) -> None:
         frames, self.fleet.inbox = self.fleet.inbox, []
@@ -116,8 +117,7 @@ async def measure(mix: sl.Mix, steps: int, warmup: int = 5, profile: str | None 
             return await _window(drive, warmup + steps, profile)
         finally:
             svc.runlog.close()
-            svc.sock.close(0)
-            svc.ctx.term()
+            svc.router.close()
 
 
 async def _window(drive: Driver, end: int, profile: str | None) -> dict:

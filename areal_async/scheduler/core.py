@@ -30,7 +30,8 @@ that named one revised to B groups again. Units: B = ``train_dataset.batch_size`
 each group has n samples.
 
 About 600 lines: one state machine over one ledger (admission, readiness, plans and their revisions,
-deadlines, stragglers); each part changes the others' fields. Its checkpoint state is core_state.py.
+stragglers); each part changes the others' fields. Its checkpoint state is core_state.py, the group
+deadlines (issue and generation times, which groups are overdue) deadlines.py.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from protocols.messages import Batch, BatchPlan, GenerateRequest, RewardResult, 
 from areal_async.base.eta import EtaMode
 from areal_async.base.staleness import accept_bound, admission_budget
 from areal_async.scheduler.core_state import core_state, restore_core
+from areal_async.scheduler.deadlines import Deadlines
 from areal_async.scheduler.group_filter import GroupFilter
 from areal_async.scheduler.ledger import GroupRecord, GroupState, Ledger, SampleRecord, SampleState
 from areal_async.scheduler.long_tail import LongTail, extra_groups, straggler_reason
@@ -115,8 +117,7 @@ class SchedulerCore:
         self.finished = False
         self.aborted_since_plan: list[str] = []
         self.resumes = 0
-        self.issued_at: dict[str, float] = {}  # running group -> clock() at issue (deadlines)
-        self.generated_at: dict[str, float] = {}  # running group -> clock() when its trajectory was reported
+        self.deadlines = Deadlines(clock, params.gen_deadline_s, params.reward_deadline_s)  # deadlines.py
         self.reissues: dict[str, int] = {}  # prompt id -> times re-issued since it was last trained
         self.n_reissued = {"prompts": 0, "samples": 0, "dropped": 0}
         # [sum of scores, samples] of every group scored (trained later, dropped by the filter or waiting)
@@ -244,7 +245,7 @@ class SchedulerCore:
             idx, prompt_id = self.cursor.next() if self.memory is None else self.memory.draw(self.cursor)
         g = self.ledger.issue_group(prompt_id, idx, self.p.n_samples, worker.worker_id, self.version)
         worker.groups.add(g.group_id)
-        self.issued_at[g.group_id] = self.clock()
+        self.deadlines.issued(g.group_id)
         prompt_ids, solutions = self.problem(idx)
         return g, prompt_ids, solutions
 
@@ -262,7 +263,7 @@ class SchedulerCore:
             if led.check_ready(gid):
                 self._on_ready(gid)
             elif led.groups[gid].status == GroupState.RUNNING and led.all_generated(gid):
-                self.generated_at.setdefault(gid, self.clock())  # now only the scores are missing
+                self.deadlines.generated(gid)  # now only the scores are missing
         return "; ".join(whys) or None
 
     def _late_tokens(self, sids, n_tokens) -> int:
@@ -302,7 +303,7 @@ class SchedulerCore:
         worker = self.rollouts.get(g.worker)
         if worker is not None:
             worker.groups.discard(gid)
-        self._forget_times(gid)
+        self.deadlines.forget(gid)
         self.tail.ready(gid)
         scores = list(map(_SCORE, self.ledger.members[gid]))
         self.scored[0], self.scored[1] = self.scored[0] + sum(scores), self.scored[1] + len(scores)
@@ -521,41 +522,14 @@ class SchedulerCore:
 
     # ---- deadlines -----------------------------------------------------------------------
     def expire(self) -> list[SampleRecord]:
-        """Abort (and re-issue) every running group past its deadline: not generated within
-        ``gen_deadline_s`` of its issue, or not scored within ``reward_deadline_s`` of its
-        generation (a reward worker died with its request, or the request was lost)."""
-        now, out = self.clock(), []
-        for gid, t_issue in list(self.issued_at.items()):
-            g = self.ledger.groups.get(gid)
-            if g is None or g.status != "running":
-                self._forget_times(gid)
-                continue
-            t_gen = self.generated_at.get(gid)
-            if t_gen is not None and self.p.reward_deadline_s > 0 and now - t_gen > self.p.reward_deadline_s:
-                out += self._abort(
-                    gid,
-                    f"deadline: no score {now - t_gen:.1f}s after generation "
-                    f"(reward.deadline_s={self.p.reward_deadline_s:g})",
-                    reissue=True,
-                )
-            elif t_gen is None and self.p.gen_deadline_s > 0 and now - t_issue > self.p.gen_deadline_s:
-                out += self._abort(
-                    gid,
-                    f"deadline: not generated {now - t_issue:.1f}s after issue to {g.worker} "
-                    f"(rollout.gen_deadline_s={self.p.gen_deadline_s:g})",
-                    reissue=True,
-                )
-        return out
-
-    def _forget_times(self, gid: str) -> None:
-        self.issued_at.pop(gid, None)
-        self.generated_at.pop(gid, None)
+        """Abort (and re-issue) every running group past its deadline (``deadlines.py``)."""
+        return [r for gid, why in self.deadlines.overdue(self.ledger.groups) for r in self._abort(gid, why, True)]
 
     # ---- ending --------------------------------------------------------------------------
     def _abort(self, gid: str, reason: str, reissue: bool) -> list[SampleRecord]:
         g = self.ledger.groups[gid]
         self.rollouts.get(g.worker, RolloutState("")).groups.discard(gid)
-        self._forget_times(gid)
+        self.deadlines.forget(gid)
         self.tail.forget(gid)
         self.tail.wasted += sum(r.n_output_tokens for r in self.ledger.members[gid])
         if reissue and not self.finished:

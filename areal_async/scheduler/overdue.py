@@ -19,13 +19,14 @@ SILENT_HEARTBEATS = 3  # a worker whose last heartbeat is older than this many p
 def open_work(core, now: float, plan_t: Optional[float]) -> dict:
     """The oldest unfinished work of each kind, from the scheduler core's books (``now``: its clock);
     ``plan_t``: when the step in training was planned (None: the trainer is idle)."""
-    gen = [(t, g) for g, t in core.issued_at.items() if g not in core.generated_at]
+    times = core.deadlines
+    gen = [(t, g) for g, t in times.issued_at.items() if g not in times.generated_at]
     work: dict = {"generate": None, "score": None, "train": None}
     if gen:
         t, gid = min(gen)
         work["generate"] = {"group": gid, "worker": core.ledger.groups[gid].worker, "age_s": round(now - t, 1)}
-    if core.generated_at:
-        gid, t = min(core.generated_at.items(), key=lambda kv: kv[1])
+    if times.generated_at:
+        gid, t = min(times.generated_at.items(), key=lambda kv: kv[1])
         work["score"] = {"group": gid, "worker": core.ledger.groups[gid].worker, "age_s": round(now - t, 1)}
     if core.trainer_busy and plan_t is not None:
         work["train"] = {"step": core.next_step, "age_s": round(now - plan_t, 1)}

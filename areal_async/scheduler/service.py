@@ -33,11 +33,11 @@ Liveness (never hang silently):
 - SIGUSR1 (sent by the supervisor on SIGTERM): stop planning, have the trainer checkpoint the
   last finished step, then shut the fleet down.
 
-The parts without the socket live beside it: the worker records and who may send what
-(``workers.py``), what the run starts from (``start.py``), ``status.json`` and the status report
-(``status.py``), the metrics rows and the summary (``step_rows.py``), the checkpoint schedule
-(``saves.py``). This module is a little over 500 lines because what is left is one object: the
-handlers of 15 message types over one set of books and one socket.
+The parts beside it: the socket itself, its drain of queued frames, decode and sends (``router.py``),
+the worker records and who may send what (``workers.py``), what the run starts from (``start.py``),
+``status.json`` and the status report (``status.py``), the metrics rows and the summary
+(``step_rows.py``), the checkpoint schedule (``saves.py``). This module is a little over 500 lines
+because what is left is one object: the handlers of 15 message types over one set of books.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Optional
 
 import zmq
-import zmq.asyncio
 
 from protocols.messages import (
     AbortGroups,
@@ -84,14 +83,13 @@ from protocols.messages import (
     encode,
     unbatch,
 )
-from protocols.rejections import RejectionLog
-from protocols.sockets import decode_logged, make_socket, send_message
 
 from areal_async.config import ExperimentConfig
 from areal_async.base.control import worker_of
 from areal_async.base.eta import EtaMode
 from areal_async.base.manifest import RunManifest
 from areal_async.base.runkeys import Roster
+from areal_async.scheduler.router import Router
 from areal_async.scheduler.start import open_books
 from areal_async.scheduler.status import status_doc, status_report, waiting_for
 from areal_async.scheduler.saves import Saves
@@ -101,9 +99,6 @@ from areal_async.scheduler.workers import ROLES, WorkerRecord, WorkerTable
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.scheduler")
-
-
-DRAIN_MAX = 256  # frames handled per wakeup before the core is driven (admit, plan) once
 
 
 class SchedulerService:
@@ -125,12 +120,9 @@ class SchedulerService:
         self.saves = Saves(cfg.saver, self.core.next_step - 1 if ckpt_state is not None else -1)
         self.stopping = False  # SIGUSR1: final checkpoint, then shut down
         self._status_path = self.run_dir / "status.json"
-        self.ctx = zmq.asyncio.Context()
-        self.sock = make_socket(self.ctx, zmq.ROUTER, bind=endpoints.control)
-        self.queued = zmq.Socket.shadow(self.sock.underlying)  # the same socket, used without a Future per frame
+        self.router = Router(endpoints.control, log)  # the ROUTER socket: drain, decode, send (router.py)
+        self.rejections = self.router.rejections
         self._frame: tuple = (None, b"")  # the message being handled and its frame (_take)
-        self._waiting_sends = 0  # sends awaiting the socket (a peer at its high-water mark): later ones queue behind
-        self.rejections = RejectionLog(log)  # bad frames and refusals: rate-limited lines, a count per peer a minute
         self.workers = WorkerTable()
         # samples accepted from rollout / reward workers, aborted as stale; groups admitted
         self.counts = {"generated": 0, "rewarded": 0, "stale": 0, "admitted": 0, "trajectories_lost": 0}
@@ -156,23 +148,9 @@ class SchedulerService:
             log.error("no worker %r to send %s to", worker_id, msg.TYPE)
             return
         try:
-            await self._send_frames([w.ident, encode(msg) if data is None else data])
+            await self.router.send_frames([w.ident, encode(msg) if data is None else data])
         except zmq.ZMQError as e:  # ROUTER_MANDATORY: the peer is gone
             log.error("send %s to %s failed: %s", msg.TYPE, worker_id, e)
-
-    async def _send_frames(self, frames: list) -> None:
-        """Sent at once through the synchronous shadow when nothing waits before it (no Future a frame);
-        at the peer's high-water mark (``zmq.Again``), and behind a send that waits, as an awaited send."""
-        if not self._waiting_sends:
-            try:
-                return self.queued.send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-        self._waiting_sends += 1
-        try:
-            await self.sock.send_multipart(frames)
-        finally:
-            self._waiting_sends -= 1
 
     def role(self, role: str) -> list[str]:
         return self.workers.role(role)
@@ -180,7 +158,7 @@ class SchedulerService:
     async def run(self) -> int:
         self.tasks = tasks = TaskSet()
         tasks.spawn(self._watchdog(), "scheduler.watchdog", forever=True)
-        tasks.spawn(self._serve(), "scheduler.serve", forever=True)
+        tasks.spawn(self.router.serve(self._take, self._drive), "scheduler.serve", forever=True)
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGUSR1, self.request_stop)
         try:
@@ -189,38 +167,17 @@ class SchedulerService:
         finally:
             loop.remove_signal_handler(signal.SIGUSR1)
             tasks.cancel()
-            self.rejections.flush()
             self.runlog.close()
-            self.sock.close(0)
-            self.ctx.term()
+            self.router.close()
         if self.failure:
             log.error("run failed: %s", self.failure)  # the last line: what the supervisor shows first
         return self.exit_code
 
-    async def _serve(self) -> None:
-        """Per wakeup: the frame that woke us and those already queued behind it (up to
-        ``DRAIN_MAX``, taken without waiting), each handled in order; then one ``_drive``."""
-        while True:
-            frames, n = await self.sock.recv_multipart(), 0
-            while frames is not None:
-                await self._take(frames)
-                n += 1
-                frames = self._queued_frames() if n < DRAIN_MAX else None
-            await self._drive()
-
-    def _queued_frames(self) -> Optional[list]:
-        """A frame already queued, or None. Read through the synchronous shadow of the socket: the
-        asyncio socket would do the same read wrapped in a Future (about 2 us a frame); the next
-        ``await self.sock.recv_multipart()`` checks the socket's events first, so nothing is missed."""
-        try:
-            return self.queued.recv_multipart(flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-
     async def _take(self, frames: list) -> None:
-        ident, msg = decode_logged(frames, routed=True, where="scheduler", rejections=self.rejections)
+        """One frame: decoded (a bad one refused by the router), counted, handled; a refusal answered."""
+        ident, msg = await self.router.decode(frames)
         if msg is None:
-            return await self._reply_error(ident, "bad_frame", "frame rejected; see scheduler log")
+            return
         self._frame = (msg, frames[1])  # the message and its bytes, as checked: a forward sends them unchanged
         key = msg.TYPE if type(msg) is not Batch else f"batch:{msg.kind}"
         self.received[key] = self.received.get(key, 0) + 1
@@ -231,14 +188,7 @@ class SchedulerService:
         except (ValueError, KeyError) as e:
             why = f"refused {msg.TYPE}"
             self.rejections.reject("scheduler", ident, why, "message %s from %r refused: %s", msg.TYPE, ident, e)
-            await self._reply_error(ident, "refused", str(e))
-
-    async def _reply_error(self, ident: Optional[bytes], code: str, detail: str) -> None:
-        if ident is not None:
-            try:
-                await send_message(self.sock, Error(code=code, detail=detail), to=ident)
-            except zmq.ZMQError:
-                pass  # sender vanished: nothing to tell
+            await self.router.reply_error(ident, "refused", str(e))
 
     # ---- events --------------------------------------------------------------------------
     async def handle(self, ident: bytes, msg: Message) -> None:
@@ -302,10 +252,9 @@ class SchedulerService:
             overdue_now=self._status_doc()["overdue"],
             weight_update=self.weight_updates.last,
         )
-        try:
-            await send_message(self.sock, report, to=ident)
-        except zmq.ZMQError as e:
-            log.warning("status reply to %r failed: %s", ident, e)
+        failed = await self.router.send_to(ident, report)
+        if failed is not None:
+            log.warning("status reply to %r failed: %s", ident, failed)
 
     async def _register(self, ident: bytes, m: Register) -> None:
         if m.role not in ROLES:
@@ -564,10 +513,7 @@ class SchedulerService:
         w = self.workers.pop(wid)
         if tell:
             self._record_lost(wid, w, why)
-            try:
-                await send_message(self.sock, Shutdown(reason=f"lost: {why}", lost=True), to=w.ident)
-            except zmq.ZMQError:
-                pass  # gone already
+            await self.router.send_to(w.ident, Shutdown(reason=f"lost: {why}", lost=True))  # gone already: fine
         if w.role == "trainer":
             self.core.trainer_ready = False  # no plan can be sent; the supervisor fails or recovers the run
             log.error("the trainer is lost: no further steps in this fleet")

@@ -59,7 +59,7 @@ def waiting_for(core: SchedulerCore, has_trainer: bool, rows: StepRows, stopping
     if c.trainer_busy:
         ago = time.time() - rows.plan_at.get(step, rows.step_t)
         return f"the trainer to finish step {step} (planned {ago:.0f}s ago)"
-    scoring = sum(1 for gid in c.generated_at if getattr(c.ledger.groups.get(gid), "status", "") == "running")
+    scoring = sum(1 for gid in c.deadlines.generated_at if getattr(c.ledger.groups.get(gid), "status", "") == "running")
     return (
         f"{len(c.ready)}/{c.p.batch_size} groups ready for step {step}: {c.running - scoring} generating on "
         f"{len(c.rollouts)} rollout worker(s), {scoring} waiting for a score"

@@ -41,7 +41,7 @@ MATCHED = {
     "publication after TrainStepDone (trainer/service)": "an overlap with planning; in-process the engine "
     "takes the trainer's tensors with no copy, cheaper than any channel",
     "reward checks batched per pool child (reward/pool)": "no pool in-process: the reward function is called directly",
-    "scheduler drains up to DRAIN_MAX frames per wakeup, uvloop (scheduler/service)": "no event loop or socket "
+    "scheduler drains up to DRAIN_MAX frames per wakeup, uvloop (scheduler/router)": "no event loop or socket "
     "in-process",
 }
 VARIANTS = ("plain", "matched")

@@ -65,7 +65,7 @@ def scheduler(run_dir, port):
 
 async def started_fleet(svc, ctx, tokens):
     """A registered trainer and rollout-0 holding generation work."""
-    endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    endpoint = svc.router.sock.getsockopt_string(zmq.LAST_ENDPOINT)
     trainer = ControlClient(ctx, endpoint, "trainer", "trainer", 60.0, token=tokens["trainer"])
     worker = ControlClient(ctx, endpoint, "rollout", "rollout-0", 60.0, token=tokens["rollout-0"])
     await worker.register(timeout_s=5)
@@ -155,7 +155,7 @@ async def test_keyed_impostor_is_refused_and_the_worker_keeps_its_work(keyed_run
         held = set(svc.core.rollouts["rollout-0"].groups)
         ident = svc.workers["rollout-0"].ident
         assert held
-        endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = svc.router.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         claims = [
             ("rollout", "rollout-0", ""),  # the live worker's id, no token
             ("rollout", "rollout-0", tokens["reward-0"]),  # another worker's token
@@ -198,7 +198,7 @@ async def test_oversize_frame_is_dropped_at_the_socket(keyed_run, caplog):
     ctx = zmq.asyncio.Context()
     try:
         trainer, worker = await started_fleet(svc, ctx, tokens)
-        endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = svc.router.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         big = make_socket(ctx, zmq.DEALER, connect=endpoint, identity="big/1")
         with caplog.at_level(logging.INFO):
             caplog.clear()
@@ -272,7 +272,7 @@ async def test_a_flood_of_bad_frames_writes_a_bounded_log_with_counts_that_add_u
     task = asyncio.create_task(svc.run())
     ctx = zmq.asyncio.Context()
     try:
-        endpoint = svc.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = svc.router.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         flood = make_socket(ctx, zmq.DEALER, connect=endpoint, identity="fuzz/0")
         for k in range(2000):
             await flood.send(os.urandom(1 + k % 64))

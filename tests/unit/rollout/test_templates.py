@@ -174,4 +174,4 @@ async def test_rl_issues_r1_ids_to_the_engine_and_filters_a_long_prompt(tmp_path
         rollout.close(0)
         trainer.close(0)
         ctx.term()
-        svc.sock.close(0)
+        svc.router.sock.close(0)

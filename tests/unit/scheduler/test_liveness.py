@@ -145,7 +145,7 @@ def test_a_scored_group_is_not_expired_and_deadlines_can_be_off():
     core.on_trajectory(traj_msg(req.group_id, req.sample_ids))
     core.on_reward(reward_msg(req.group_id, req.sample_ids))
     clock.t += 1e6
-    assert core.expire() == [] and core.issued_at == {} and core.generated_at == {}
+    assert core.expire() == [] and core.deadlines.issued_at == {} and core.deadlines.generated_at == {}
     off = deadline_core([], clock, gen=0.0, reward=0.0)
     off.admit()
     clock.t += 1e6
