@@ -80,9 +80,10 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     assert len(text.splitlines()) <= 200
     blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     run, tests = blocks[0].strip(), blocks[1].strip()
-    assert run == "./scripts/setup.sh && .venv/bin/areal-async run configs/tiny_arith.yaml --run-dir runs/tiny"
+    assert run == "./scripts/setup.sh && .venv/bin/areal-async run configs/smollm2_math.yaml --run-dir runs/smol"
     assert tests == "./scripts/setup.sh && .venv/bin/python -m pytest -q"
-    assert (ROOT / "configs/tiny_arith.yaml").exists() and (ROOT / "scripts/setup.sh").exists()
+    assert (ROOT / "configs/smollm2_math.yaml").exists() and (ROOT / "scripts/setup.sh").exists()
+    assert "`.venv/bin/areal-async run configs/tiny_arith.yaml --run-dir runs/tiny`" in text  # the smoke run
     assert text.index(blocks[0]) < text.index("## ")  # before any section
     assert "has never run" in text or "never run" in text  # the GPU section says what has not run
     assert ".venv/bin/python -m pytest tests/unit -q" in text  # the documented inner loop
