@@ -95,13 +95,18 @@ def patch_reward(mod) -> None:
     orig = mod.RewardService._results
 
     def _results(self, batch, per_group):
+        from protocols.wire import Batch, unbatch
+
         msg = orig(self, batch, per_group)
-        for i, scores in enumerate(msg.scores):
+        items = unbatch(msg)  # the RewardResult of each group the message carries
+        for i, res in enumerate(items):
+            scores = res.scores
             if len(set(scores)) > 1 and claim("misaligned"):
                 rotated = scores[1:] + scores[:1]
-                hurt = [sid for sid, a, b in zip(msg.sample_ids[i], scores, rotated) if a != b]
+                hurt = [sid for sid, a, b in zip(res.sample_ids, scores, rotated) if a != b]
                 applied("misaligned", "reward", hurt)
-                return dataclasses.replace(msg, scores=[*msg.scores[:i], rotated, *msg.scores[i + 1 :]])
+                items[i] = dataclasses.replace(res, scores=rotated)
+                return Batch.of(items) if type(msg) is Batch else items[0]
         return msg
 
     mod.RewardService._results = _results
