@@ -19,19 +19,18 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import tempfile
 import time
 from pathlib import Path
 
 from areal_async.base.manifest import RunManifest
-from areal_async.base.runkeys import Roster, write_run_keys
+from areal_async.base.runkeys import Roster
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.scheduler.service import SchedulerService
 from benchmarks.common.paced_fleet import paced_heartbeats
-from benchmarks.common.scheduler_load import reap, roles_of
-from protocols.sockets import ipc_endpoint, run_async
+from benchmarks.common.scheduler_load import reap, service_dir
+from protocols.sockets import run_async
 
 SETTLE_S = 1.0  # after every worker registered and the paced heartbeats began
 
@@ -40,12 +39,7 @@ def measure_heartbeats(config: str, rate: float, seconds: float) -> dict:
     """One rate (see the module docstring); returns the row's fields."""
     cfg = load_config(config, ["total_train_steps=1000000000"])
     cpus = sorted(os.sched_getaffinity(0))
-    with tempfile.TemporaryDirectory(prefix="sched-hb-") as tmp:
-        ep = RunManifest(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
-        run_dir = Path(tmp) / "run"
-        run_dir.mkdir()
-        roles = roles_of(cfg)
-        tokens = write_run_keys(run_dir, roles)
+    with service_dir(cfg, "sched-hb-") as (ep, run_dir, roles, tokens):
         spawn = mp.get_context("spawn")
         q = spawn.Queue()
         fleet_s = SETTLE_S + seconds + 1.0  # the fleet outlasts the window

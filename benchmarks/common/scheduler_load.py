@@ -41,8 +41,10 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import zmq
 
@@ -270,6 +272,18 @@ def reap(child, grace_s: float = 30.0) -> None:
         child.join()
 
 
+@contextmanager
+def service_dir(cfg, prefix: str) -> Iterator[tuple[RunManifest, Path, dict, dict]]:
+    """A temporary run for a service measured in this process: its endpoints, run directory, the roles of
+    ``cfg`` and their keys (registrations are checked against a real roster); removed on exit."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        ep = RunManifest(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
+        run_dir = Path(tmp) / "run"
+        run_dir.mkdir()
+        roles = roles_of(cfg)
+        yield ep, run_dir, roles, write_run_keys(run_dir, roles)
+
+
 def roles_of(cfg) -> dict[str, str]:
     """Worker id -> role of the config's fleet (the ids the supervisor gives them)."""
     roles = {"trainer": "trainer"}
@@ -290,12 +304,7 @@ def measure(
     """One measurement (see the module docstring); returns the row's fields."""
     cfg = load_config(config, ["total_train_steps=1000000000", *overrides])
     cpus = sorted(os.sched_getaffinity(0))
-    with tempfile.TemporaryDirectory(prefix="sched-") as tmp:
-        ep = RunManifest(ipc_endpoint(tmp, "c"), ipc_endpoint(tmp, "t"), [], tmp)
-        run_dir = Path(tmp) / "run"
-        run_dir.mkdir()
-        roles = roles_of(cfg)
-        tokens = write_run_keys(run_dir, roles)  # registrations are checked against a real roster
+    with service_dir(cfg, "sched-") as (ep, run_dir, roles, tokens):
         spawn = mp.get_context("spawn")
         stop, q = spawn.Event(), spawn.Queue()
         args = (ep.control, roles, tokens, asdict(mix), shm_manifest(cfg), cpus[1:], stop, q)
