@@ -240,10 +240,21 @@ def run(opts: Opts) -> list[dict]:
         for kind in opts.transports:
             rows += run_transfers(peer, kind, opts, bar)
             rows += run_weights(peer, kind, opts, weight_bound, bar)
-        rows += B.run_rows(peer, opts.backends, opts.weight_reps, weight_bound, weight_row)
         if "gloo" in opts.transports and opts.device == "cpu":  # gloo's wire here: loopback TCP
             rows.append(wire_row(peer, max(opts.sizes), 3 if opts.quick else 5, weight_bound))
+        try:
+            rows += B.run_rows(peer, opts.backends, opts.weight_reps, weight_bound, weight_row)
+        except Exception as e:  # a backend row that fails loses nothing measured before it; the run still fails
+            raise PartialRun([info] + rows) from e
     return [info] + rows
+
+
+class PartialRun(Exception):
+    """A backend row failed after ``rows`` were measured: ``main`` writes them, then fails naming the cause."""
+
+    def __init__(self, rows: list[dict]) -> None:
+        super().__init__(f"{len(rows)} rows measured before a backend row failed")
+        self.rows = rows
 
 
 def run_transfers(peer: Peer, kind: str, opts: Opts, bar) -> list[dict]:
@@ -450,10 +461,15 @@ def weight_row(
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     a = parse_args(argv)
-    rows = run(build_opts(a))
+    try:
+        rows, failed = run(build_opts(a)), None
+    except PartialRun as e:
+        rows, failed = e.rows, e
     show(rows)
     if a.json:
         write_rows(a.json, rows)
+    if failed is not None:
+        raise SystemExit(f"transfer_latency: {failed} ({failed.__cause__!r}); those rows are written") from failed
     if a.plot:
         transfer_plot(rows, a.plot)
     return rows

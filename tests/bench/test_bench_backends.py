@@ -4,6 +4,7 @@ by hand-made timelines whose phases are worked out by hand here, and which (back
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -70,6 +71,16 @@ def test_vllm_phases_split_the_update_at_its_calls():
     assert got["server_load_s"] == pytest.approx(0.060) and got["server_load_source"] == "client"
 
 
+def test_a_bucket_answered_before_its_broadcast_returns_has_no_load_and_a_shorter_wire():
+    """The client's thread noted the broadcast's return 1 ms after the server answered the bucket's call (a real
+    1.5B run crashed on load = -0.78 ms): the wire ends at the answer and that bucket's load is 0."""
+    events = [dict(e) for e in SGLANG]
+    events[2] = ev("broadcast", 10.008, 10.016)  # bucket 0's call answered at 10.015
+    got = B.backend_phases("sglang", answer(events, 10.003, 10.0285, 10.035), 10.0)
+    assert got["phases"]["wire_s"] == pytest.approx((7 + 3) / 1e3)  # 10.008 -> 10.015, then bucket 1's 3 ms
+    assert got["phases"]["load_s"] == pytest.approx((0 + 2) / 1e3)  # bucket 1: 10.019 -> 10.021
+
+
 @pytest.mark.parametrize(
     "events, t1, needle",
     [
@@ -107,3 +118,23 @@ def test_vllm_rows_without_its_environment_are_skipped_with_a_note(monkeypatch, 
     notes: list[str] = []
     assert B.cases(args(quick=False), notes) == [("sglang", "tiny")]  # the full run's default asks for vLLM too
     assert len(notes) == 1 and notes[0].startswith("backend rows of vllm skipped:") and "setup_vllm.sh" in notes[0]
+
+
+def test_a_failed_backend_row_keeps_the_rows_measured_before_it(monkeypatch, tmp_path):
+    """A 25-minute run lost every row to one backend's phase error: now the rows are written, then it fails."""
+    from benchmarks import transfer_latency as T
+
+    measured = [{"metric": "run_info", "value": 0, "unit": ""}, {"metric": "memcpy_gbps", "value": 9.5, "unit": "GB/s"}]
+
+    def failing_run(opts):
+        try:
+            raise ValueError("phases are not disjoint")
+        except ValueError as e:
+            raise T.PartialRun(measured) from e
+
+    monkeypatch.setattr(T, "run", failing_run)
+    monkeypatch.setattr(T, "show", lambda rows: None)
+    out = tmp_path / "rows.json"
+    with pytest.raises(SystemExit, match="2 rows measured before a backend row failed.*not disjoint"):
+        T.main(["--quick", "--json", str(out)])
+    assert [r["metric"] for r in json.loads(out.read_text())] == ["run_info", "memcpy_gbps"]
