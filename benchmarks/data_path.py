@@ -69,7 +69,6 @@ from areal_async.rollout.engine import PackedSamples, SampleOutput
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.trainer.packing import pack
 from areal_async.trainer.micro_batches import allocate_micro_batches
-from areal_async.trainer.types import Trajectory
 from areal_async.transport import make_tensor_channel
 from benchmarks.common import scheduler_load, write_rows
 from benchmarks.common.heartbeat_load import measure_heartbeats
@@ -186,7 +185,7 @@ def _one_batch(tx, rx, groups, mb_tokens: int) -> tuple[tuple[float, float], int
         while len(ctl) <= i:
             time.sleep(0)
         decode(ctl[i], (TrajectoryReady,))
-        trajs += [Trajectory.of(v, 1.0) for v in TrajectoryBatch.decode(key, meta, tensors).samples()]
+        trajs += [v.scored(1.0) for v in TrajectoryBatch.decode(key, meta, tensors).samples()]
     mbs = allocate_micro_batches(
         [t.prompt_ids.numel() + t.output_ids.numel() for t in trajs], mb_tokens, oversize="own_mb"
     )

@@ -47,7 +47,7 @@ from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
 from areal_async.trainer import actor as actor_mod, logprobs as logprobs_mod
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.dp import DataParallel
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from benchmarks.common import write_rows
 from protocols.sockets import free_tcp_port
 

@@ -1,22 +1,29 @@
-"""One trajectory batch: the samples of one or more groups, in the one layout rollout and trainer share.
+"""The one trajectory type: ``TrajectoryBatch`` (columns) and its row ``Trajectory`` (one sample).
 
 A rollout worker builds a ``TrajectoryBatch`` (one group: ``TrajectoryBatch.group``; the groups one
 engine step finished: ``TrajectoryBatch.join``) and sends ``channel.send(*batch.encode())``; the
 trainer turns what it receives back into one (``TrajectoryBatch.decode(*channel.recv())``) and
-into per-sample views (``samples()``: views of the message's tensors, no copy, no per-token
-Python). A single group is the one-group case of the one layout::
+into its rows (``samples()``: ``Trajectory`` objects whose tensors are views of the message's, no
+copy, no per-token Python); the trainer's rank broadcast sends a step's rows as
+``TrajectoryBatch.of_samples(rows).encode()`` (``trainer/dp.py``), and the step's recording is the
+same encode in a file (``trainer/recording.py``). A single group is the one-group case::
 
     meta (protocols.side.TrajectoryMeta), msgpack lists:
         group_ids[G], group_sizes[G], prompt_lengths[G]   group j: the next group_sizes[j] samples
         sample_ids[N], lengths[N]                         sample i: lengths[i] output tokens
         segment_starts[N] (optional)                      sample i's output offsets where a new sequence
                                                           starts (an agent's segments: trained apart)
-    tensors, each 1D:
+    tensors, each 1D, one dtype a field from the engine to the trainer:
         prompt_ids   int32   (sum of prompt_lengths)  each group's prompt once, end to end
         output_ids   int32   (sum of lengths)         the samples' outputs end to end
         logprobs     float32 (sum of lengths)         behaviour logprob of each output token
         versions     int32   (sum of lengths)         policy version of each output token
-        loss_mask    int8    (sum of lengths)         optional (a workflow's episodes): 1 trained, 0 not
+        loss_mask    bool    (sum of lengths)         optional (a workflow's episodes): True trained
+        score        float64 (N)                      optional (the trainer's step: each sample's score)
+
+The columns are declared once, as the fields of ``Trajectory`` made with ``column`` (``COLUMNS``):
+a new per-token field is one ``column`` field there; the batch's building, joining, encoding,
+decoding, checking and splitting into rows all follow from it.
 
 The counts travel in the meta, not as tensors: a message of a few small groups pays for a frame
 per tensor on both sides (about 5 us each here), and the receiver needs them as Python ints anyway.
@@ -29,7 +36,8 @@ where it is made.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import torch
@@ -37,45 +45,127 @@ import torch
 from protocols.messages import ProtocolError, build
 from protocols.side import TrajectoryMeta, trajectory_counts_problem
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "prompt_ids": torch.int32,
-    "output_ids": torch.int32,
-    "logprobs": torch.float32,
-    "versions": torch.int32,
-    "loss_mask": torch.int8,  # optional
-}
-_REQUIRED = frozenset(WIRE_DTYPES) - {"loss_mask"}
+TOKEN, PROMPT, SAMPLE = "token", "prompt", "sample"  # what a column has one entry of
 
 
-@dataclass(slots=True)
-class SampleView:
-    """One sample of a ``TrajectoryBatch``: its ids and views of the batch's tensors (wire dtypes)."""
+def column(dtype: torch.dtype, per: str = TOKEN, *, optional: bool = False, fill: float = 0):
+    """A field of ``Trajectory`` that is a column of ``TrajectoryBatch``: its one dtype, what it has
+    one entry of, and (``optional``) the value a row without it contributes when others have it."""
+    meta = {"dtype": dtype, "per": per, "optional": optional, "fill": fill}
+    return field(default=None, metadata=meta) if optional else field(metadata=meta)
+
+
+@dataclass(frozen=True)
+class Segmented:
+    """One sequence (its ``parts`` laid end to end, as a tuple sequence) whose attention and positions restart
+    at the offsets ``breaks``: an agent's turns after template drift, each segment trained on exactly the
+    context it was sampled from, while the sequence keeps one entry in ``cu_seqlens`` (so per-sequence
+    results, ``unpack``, stay one a trajectory). The last position of a segment scores the next segment's
+    first token from the wrong context: that token is its segment's prompt (loss mask 0), never trained."""
+
+    parts: tuple
+    breaks: tuple[int, ...]
+
+
+@dataclass(slots=True, eq=False)
+class Trajectory:
+    """One sample: prompt + generated output, its per-token fields 1D tensors of their column's dtype.
+
+    A row of a ``TrajectoryBatch`` (``samples()``) holds views of the batch's tensors; built by hand,
+    lists and other dtypes are converted once and the fields are checked (``ValueError`` naming
+    the first bad one)."""
 
     sample_id: str
-    group_id: str
-    prompt_ids: torch.Tensor
-    output_ids: torch.Tensor
-    logprobs: torch.Tensor
-    versions: torch.Tensor
-    loss_mask: Optional[torch.Tensor] = None
-    segment_starts: Optional[list[int]] = None  # output offsets where a new sequence starts (None: one sequence)
+    group_id: str  # the n samples of one prompt share it
+    prompt_ids: torch.Tensor = column(torch.int32, PROMPT)
+    output_ids: torch.Tensor = column(torch.int32)
+    # behaviour logprob of each output token: log_softmax(logits / temperature)[token], before top-p
+    logprobs: torch.Tensor = column(torch.float32)
+    versions: torch.Tensor = column(torch.int32)  # policy version of the weights that produced each token
+    score: float = column(torch.float64, SAMPLE, optional=True, fill=math.nan)  # task score, NaN: unknown
+    # per output token: True = trained, False = not (a workflow's environment or tool tokens); None = all trained
+    loss_mask: Optional[torch.Tensor] = column(torch.bool, optional=True, fill=1)
+    # output offsets where a new sequence starts (an agent's turns after template drift): the trainer restarts
+    # positions and attention there (``seq_parts``); None = one sequence
+    segment_starts: Optional[list[int]] = None
+
+    def __post_init__(self) -> None:
+        self.score = math.nan if self.score is None else float(self.score)
+        for name, dtype in TENSOR_COLUMNS.items():
+            x = getattr(self, name)
+            if x is not None and not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.dim() == 1):
+                setattr(self, name, _as_column(x, name))
+        self._check()
+
+    def _check(self) -> None:
+        where = f"trajectory {self.sample_id!r}"
+        n = self.output_ids.numel()
+        if self.prompt_ids.numel() == 0:
+            raise ValueError(f"{where}: empty prompt_ids; expected >= 1 prompt token")
+        if n == 0:
+            raise ValueError(f"{where}: empty output_ids; expected >= 1 generated token")
+        for name in TOKEN_COLUMNS:
+            x = getattr(self, name)
+            if x is not None and x.numel() != n:
+                raise ValueError(f"{where}: len({name})={x.numel()}, expected len(output_ids)={n}")
+        if self.loss_mask is not None and not bool(self.loss_mask.any()):
+            raise ValueError(f"{where}: loss_mask trains no token; expected at least one True")
+
+    def scored(self, score: float) -> "Trajectory":
+        """This row (its tensors kept as they are) with ``score``, its fields checked."""
+        return replace(self, score=score)
+
+    @property
+    def seq_ids(self) -> torch.Tensor:
+        """Prompt followed by output: what the trainer feeds the model (a new tensor)."""
+        return torch.cat([self.prompt_ids, self.output_ids])
+
+    @property
+    def seq_parts(self):
+        """(prompt_ids, output_ids): ``packing.pack`` copies them straight into the packed batch; with
+        ``segment_starts``, the same parts as a ``Segmented`` sequence (attention restarts at each start)."""
+        if not self.segment_starts:
+            return self.prompt_ids, self.output_ids
+        n = self.prompt_ids.numel()
+        return Segmented((self.prompt_ids, self.output_ids), tuple(n + s for s in self.segment_starts))
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version that produced any trained token (staleness is judged by it)."""
+        return int(self.model_versions.min())
+
+    @property
+    def model_versions(self) -> torch.Tensor:
+        """Versions of the trained tokens (a workflow's environment tokens carry -1)."""
+        return self.versions if self.loss_mask is None else self.versions[self.loss_mask]
 
 
-@dataclass
+_SPEC = {f.name: f.metadata for f in fields(Trajectory) if "dtype" in f.metadata}
+COLUMNS: dict[str, torch.dtype] = {name: m["dtype"] for name, m in _SPEC.items()}  # name -> its one dtype
+OPTIONAL = frozenset(name for name, m in _SPEC.items() if m["optional"])
+TOKEN_COLUMNS = tuple(name for name, m in _SPEC.items() if m["per"] == TOKEN)
+TENSOR_COLUMNS = {name: d for name, d in COLUMNS.items() if _SPEC[name]["per"] != SAMPLE}  # tensors in a row
+_META_FIELDS = ("group_ids", "group_sizes", "prompt_lengths", "sample_ids", "lengths")
+
+
+@dataclass(eq=False)
 class TrajectoryBatch:
-    """The samples of ``group_ids`` in the layout of the module docstring (tensors in their wire dtypes)."""
+    """The samples of ``group_ids`` in the layout of the module docstring: ``columns`` maps each column
+    present to its 1D tensor (of its dtype); a column is also an attribute (``batch.logprobs``; an
+    optional one absent: None)."""
 
     group_ids: list[str]
     group_sizes: list[int]
     prompt_lengths: list[int]
     sample_ids: list[str]
     lengths: list[int]
-    prompt_ids: torch.Tensor
-    output_ids: torch.Tensor
-    logprobs: torch.Tensor
-    versions: torch.Tensor
-    loss_mask: Optional[torch.Tensor] = None
+    columns: dict[str, torch.Tensor]
     segment_starts: Optional[list[list[int]]] = None  # one list a sample (an agent's segments); None: none
+
+    def __getattr__(self, name: str):
+        if name in COLUMNS:  # (called only for names that are not attributes)
+            return self.__dict__.get("columns", {}).get(name)
+        raise AttributeError(f"TrajectoryBatch has no attribute {name!r}")
 
     # ---- building --------------------------------------------------------------------------
     @classmethod
@@ -90,62 +180,74 @@ class TrajectoryBatch:
         versions,
         loss_mask=None,
         segment_starts: Optional[list[list[int]]] = None,
+        **more,
     ) -> "TrajectoryBatch":
-        """One group: its prompt once, its samples' outputs end to end (``lengths[i]`` tokens of sample i).
-        Tensors or lists; converted to the wire dtypes (a tensor already in its dtype is kept as is)."""
-        prompt = _wire(prompt_ids, "prompt_ids")
+        """One group: its prompt once, its samples' outputs end to end (``lengths[i]`` tokens of sample i);
+        ``more``: other optional columns by name. Tensors or lists, converted to their column's dtype (a
+        1D tensor already of it is kept as is)."""
+        given = dict(prompt_ids=prompt_ids, output_ids=output_ids, logprobs=logprobs, versions=versions)
+        given.update(loss_mask=loss_mask, **more)
+        unknown = sorted(set(given) - set(COLUMNS))
+        if unknown:
+            raise ValueError(f"TrajectoryBatch.group {group_id!r}: unknown columns {unknown}; expected {list(COLUMNS)}")
+        columns = {name: _as_column(x, name) for name, x in given.items() if x is not None}
         return cls(
             group_ids=[group_id],
             group_sizes=[len(sample_ids)],
-            prompt_lengths=[prompt.numel()],
+            prompt_lengths=[columns["prompt_ids"].numel()],
             sample_ids=list(sample_ids),
             lengths=[int(n) for n in lengths],
-            prompt_ids=prompt,
-            output_ids=_wire(output_ids, "output_ids"),
-            logprobs=_wire(logprobs, "logprobs"),
-            versions=_wire(versions, "versions"),
-            loss_mask=None if loss_mask is None else _wire(loss_mask, "loss_mask"),
+            columns=columns,
             segment_starts=_segments(segment_starts),
         )
 
     @classmethod
     def join(cls, batches: Sequence["TrajectoryBatch"]) -> "TrajectoryBatch":
-        """Several batches as one, in order (one batch: itself). With a loss mask on all or on none."""
+        """Several batches as one, in order (one batch: itself; one copy of each column). An optional
+        column on some batches only is refused (``of_samples`` fills one in for the rows without it)."""
         if not batches:
             raise ValueError("TrajectoryBatch.join got no batches; expected at least one")
         if len(batches) == 1:
             return batches[0]
-        if len({b.loss_mask is None for b in batches}) > 1:
-            raise ValueError(
-                "TrajectoryBatch.join: some batches carry a loss mask and some do not; expected all or none"
-            )
+        names = list(batches[0].columns)
+        if any(list(b.columns) != names for b in batches):
+            have = sorted({tuple(b.columns) for b in batches})
+            raise ValueError(f"TrajectoryBatch.join: the batches carry different columns {have}; expected the same")
         lists = {f: [x for b in batches for x in getattr(b, f)] for f in _META_FIELDS}
-        tensors = {f: torch.cat([getattr(b, f) for b in batches]) for f in _REQUIRED}
-        mask = None if batches[0].loss_mask is None else torch.cat([b.loss_mask for b in batches])
+        columns = {name: torch.cat([b.columns[name] for b in batches]) for name in names}
         segs = None
         if any(b.segment_starts for b in batches):
             segs = [list(x) for b in batches for x in (b.segment_starts or [[]] * len(b.sample_ids))]
-        return cls(**lists, **tensors, loss_mask=mask, segment_starts=segs)
+        return cls(**lists, columns=columns, segment_starts=segs)
 
     @classmethod
-    def of_samples(cls, samples: Sequence[SampleView]) -> "TrajectoryBatch":
-        """Views back into one batch (a copy): consecutive samples of one group id share its group (and
-        the first one's prompt); with a loss mask on all samples or on none."""
-        runs = [list(run) for _, run in itertools.groupby(samples, key=lambda s: s.group_id)]
-        return cls.join(
+    def of_samples(cls, rows: Sequence[Trajectory]) -> "TrajectoryBatch":
+        """Rows back into one batch (one copy of each column): consecutive rows of one group id and one
+        prompt share a group. An optional column that some rows have is filled in for the others with
+        its ``fill`` (a loss mask: all trained; a score: NaN); one no row has is left out."""
+        if not rows:
+            raise ValueError("TrajectoryBatch.of_samples got no rows; expected at least one")
+        _one_device(rows)
+        runs = [list(run) for _, run in itertools.groupby(rows, key=_RunKey)]
+        present = [n for n in OPTIONAL if n != "score" and any(getattr(r, n) is not None for r in rows)]
+        scores = [r.score for r in rows]
+        batch = cls.join(
             [
                 cls.group(
                     run[0].group_id,
-                    [s.sample_id for s in run],
+                    [r.sample_id for r in run],
                     run[0].prompt_ids,
-                    [s.output_ids.numel() for s in run],
-                    *(_cat([getattr(s, name) for s in run]) for name in ("output_ids", "logprobs", "versions")),
-                    loss_mask=None if run[0].loss_mask is None else _cat([s.loss_mask for s in run]),
-                    segment_starts=[list(s.segment_starts or []) for s in run],
+                    [r.output_ids.numel() for r in run],
+                    *(_cat([getattr(r, n) for r in run]) for n in ("output_ids", "logprobs", "versions")),
+                    segment_starts=[list(r.segment_starts or []) for r in run],
+                    **{n: _cat([_filled(r, n) for r in run]) for n in present},
                 )
                 for run in runs
             ]
         )
+        if not all(math.isnan(s) for s in scores):
+            batch.columns["score"] = torch.tensor(scores, dtype=COLUMNS["score"])
+        return batch
 
     # ---- the wire --------------------------------------------------------------------------
     @property
@@ -157,7 +259,7 @@ class TrajectoryBatch:
     def nbytes(self) -> int:
         """Payload bytes: the tensors', and 4 a count in the meta (as if they were int32 tensors)."""
         counts = 4 * (len(self.group_ids) + len(self.sample_ids))
-        return counts + sum(t.numel() * t.element_size() for t in self.tensors().values())
+        return counts + sum(t.numel() * t.element_size() for t in self.columns.values())
 
     def meta(self) -> dict:
         out = {f: getattr(self, f) for f in _META_FIELDS}
@@ -166,23 +268,18 @@ class TrajectoryBatch:
         return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The named tensors of the layout (``loss_mask`` only when there is one)."""
-        out = {"prompt_ids": self.prompt_ids, "output_ids": self.output_ids}
-        out.update(logprobs=self.logprobs, versions=self.versions)
-        if self.loss_mask is not None:
-            out["loss_mask"] = self.loss_mask
-        return out
+        """The columns present, in their declared order."""
+        return {name: self.columns[name] for name in COLUMNS if name in self.columns}
 
     def encode(self) -> tuple[str, dict[str, torch.Tensor], dict]:
         """(key, tensors, meta): the arguments of ``TensorChannel.send``, checked first (the counts'
         consistency and the tensors against them; the meta's field types are the receiver's check)."""
         where = f"trajectory message {self.group_ids[0] if self.group_ids else '(no group)'!r}"
-        meta = self.meta()
         why = trajectory_counts_problem(self)
         if why:
             raise ProtocolError(f"{where}: trajectory_meta: {why}")
         self._check_tensors(where)
-        return self.key, self.tensors(), meta
+        return self.key, self.tensors(), self.meta()
 
     @classmethod
     def decode(cls, key: str, meta: dict, tensors: dict[str, torch.Tensor]) -> "TrajectoryBatch":
@@ -191,44 +288,85 @@ class TrajectoryBatch:
         where = f"trajectory message {key!r}"
         m = _meta(where, meta)
         names = set(tensors) if isinstance(tensors, dict) else set()
-        if not _REQUIRED <= names <= set(WIRE_DTYPES):
+        if not _REQUIRED <= names <= set(COLUMNS):
             raise ProtocolError(
-                f"{where}: tensors {sorted(names)}; expected {sorted(_REQUIRED)} and optionally 'loss_mask'"
+                f"{where}: tensors {sorted(names)}; expected {sorted(_REQUIRED)} and optionally {sorted(OPTIONAL)}"
             )
-        batch = cls(m.group_ids, m.group_sizes, m.prompt_lengths, m.sample_ids, m.lengths, **tensors)
+        batch = cls(m.group_ids, m.group_sizes, m.prompt_lengths, m.sample_ids, m.lengths, dict(tensors))
         batch.segment_starts = _segments(m.segment_starts)
         batch._check_tensors(where)
         return batch
 
     def _check_tensors(self, where: str) -> None:
-        """Every tensor 1D of its wire dtype and as long as the counts say."""
-        n = sum(self.lengths)
-        for name, dtype in WIRE_DTYPES.items():
-            t = getattr(self, name)
-            if t is None and name == "loss_mask":
+        """Every column 1D of its dtype and as long as the counts say."""
+        want = {TOKEN: (sum(self.lengths), "the output lengths' sum"), SAMPLE: (len(self.sample_ids), "one a sample")}
+        want[PROMPT] = (sum(self.prompt_lengths), "the prompt lengths' sum")
+        for name, dtype in COLUMNS.items():
+            t = self.columns.get(name)
+            if t is None and name in OPTIONAL:
                 continue
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
                 got = f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ProtocolError(f"{where}: {name} is {got}; expected a 1D {dtype} tensor")
-            if name == "prompt_ids":
-                _count(where, name, t.numel(), "the prompt lengths' sum", sum(self.prompt_lengths))
-            else:
-                _count(where, name, t.numel(), "the output lengths' sum", n)
+            n, what = want[_SPEC[name]["per"]]
+            if t.numel() != n:  # (the message is built only when it is wrong)
+                raise ProtocolError(f"{where}: {name} has {t.numel()} entries; expected {n} ({what})")
 
     # ---- reading ---------------------------------------------------------------------------
-    def samples(self) -> list[SampleView]:
-        """One view per sample, in order (views of this batch's tensors: no copy)."""
-        lengths, sizes = self.lengths, self.group_sizes
+    def samples(self) -> list[Trajectory]:
+        """One row per sample, in order: views of this batch's tensors (no copy), not checked again (the
+        batch was); ``Trajectory.scored`` checks a row the trainer takes."""
+        lengths, sizes, n = self.lengths, self.group_sizes, len(self.sample_ids)
         prompts = [self.prompt_ids] if len(sizes) == 1 else self.prompt_ids.split_with_sizes(self.prompt_lengths)
-        gids = [g for g, n in zip(self.group_ids, sizes) for _ in range(n)]
-        prompt_of = [p for p, n in zip(prompts, sizes) for _ in range(n)]
-        split = (t.split_with_sizes(lengths) for t in (self.output_ids, self.logprobs, self.versions))
-        masks = itertools.repeat(None) if self.loss_mask is None else self.loss_mask.split_with_sizes(lengths)
-        segs = itertools.repeat(None) if not self.segment_starts else [s or None for s in self.segment_starts]
-        return list(map(SampleView, self.sample_ids, gids, prompt_of, *split, masks, segs))
+        per_row = {
+            "group_id": [g for g, k in zip(self.group_ids, sizes) for _ in range(k)],
+            "prompt_ids": [p for p, k in zip(prompts, sizes) for _ in range(k)],
+            "score": self.score.tolist() if self.score is not None else [math.nan] * n,
+            "segment_starts": [s or None for s in self.segment_starts] if self.segment_starts else [None] * n,
+        }
+        for name in TOKEN_COLUMNS:
+            t = self.columns.get(name)
+            per_row[name] = [None] * n if t is None else t.split_with_sizes(lengths)
+        rows = []
+        for i, sid in enumerate(self.sample_ids):
+            row = object.__new__(Trajectory)
+            row.sample_id = sid
+            for name, values in per_row.items():
+                setattr(row, name, values[i])
+            rows.append(row)
+        return rows
 
 
-_META_FIELDS = ("group_ids", "group_sizes", "prompt_lengths", "sample_ids", "lengths")
+_REQUIRED = frozenset(COLUMNS) - OPTIONAL
+
+
+class _RunKey:
+    """``itertools.groupby`` key: rows of one group id and one prompt (the same tensor, or equal ones)."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: Trajectory):
+        self.row = row
+
+    def __eq__(self, other: "_RunKey") -> bool:
+        a, b = self.row, other.row
+        if a.group_id != b.group_id:
+            return False
+        p, q = a.prompt_ids, b.prompt_ids
+        return p is q or (p.shape == q.shape and p.device == q.device and torch.equal(p, q))
+
+
+def _one_device(rows: Sequence[Trajectory]) -> None:
+    devices = {t.device for r in rows for t in (r.prompt_ids, r.output_ids, r.logprobs, r.versions)}
+    if len(devices) > 1:
+        raise ValueError(f"trajectory tensors are on {sorted(map(str, devices))}; expected all on one device")
+
+
+def _filled(row: Trajectory, name: str) -> torch.Tensor:
+    x = getattr(row, name)
+    if x is not None:
+        return x
+    return torch.full((row.output_ids.numel(),), _SPEC[name]["fill"], dtype=COLUMNS[name], device=row.output_ids.device)
 
 
 def _meta(where: str, meta) -> TrajectoryMeta:
@@ -238,11 +376,12 @@ def _meta(where: str, meta) -> TrajectoryMeta:
         raise ProtocolError(f"{where}: {e}") from None
 
 
-def _wire(x, name: str) -> torch.Tensor:
-    """``x`` as a 1D tensor of the wire dtype of ``name`` (kept as is when it already is one)."""
-    dtype = WIRE_DTYPES[name]
+def _as_column(x, name: str) -> torch.Tensor:
+    """``x`` as a 1D tensor of the dtype of column ``name`` (kept as is when it already is one)."""
+    dtype = COLUMNS[name]
     if isinstance(x, torch.Tensor):
-        return x if x.dtype == dtype else x.to(dtype)
+        x = x if x.dtype == dtype else x.to(dtype)
+        return x.reshape(-1) if x.dim() != 1 else x
     return torch.tensor(list(x), dtype=dtype)
 
 
@@ -253,8 +392,3 @@ def _segments(segs) -> Optional[list[list[int]]]:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _count(where: str, name: str, have: int, what: str, want: int) -> None:
-    if have != want:  # (the message is built only when it is wrong)
-        raise ProtocolError(f"{where}: {name} has {have} entries; expected {want} ({what})")

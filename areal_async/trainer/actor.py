@@ -52,7 +52,7 @@ from areal_async.trainer.loss import LossStats, agg_scale, count_kept_tokens, lo
 from areal_async.trainer.mismatch import GapCollector, mismatch_metrics
 from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
 from areal_async.trainer.packing import PackedBatch, forward_packed, one_device_cat, pack
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 
@@ -78,7 +78,7 @@ class _Batch:
         self.lengths = [p + o for p, o in zip(self.n_prompt, self.n_out)]
         self.out_start = np.cumsum([0] + self.n_out[:-1], dtype=np.int64)
         # one concatenation on the trajectories' device (the host, as the trainer keeps them), one move
-        self.behav = one_device_cat([t.behav_logp for t in trajs], "behaviour logprobs").to(device, torch.float32)
+        self.behav = one_device_cat([t.logprobs for t in trajs], "behaviour logprobs").to(device, torch.float32)
         # trained output tokens (a workflow's environment tokens are not): bool per output token
         if all(t.loss_mask is None for t in trajs):
             self.mask = torch.ones(self.behav.numel(), dtype=torch.bool, device=device)

@@ -36,7 +36,7 @@ import torch
 
 from areal_async.config import NORM_LEVELS, ActorConfig, NormConfig
 from areal_async.trainer.loss import kl_estimate
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 
 def scaled_rewards(scores: Sequence[float], reward_bias: float, reward_scaling: float) -> torch.Tensor:

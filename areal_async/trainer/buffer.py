@@ -1,5 +1,5 @@
 """The trainer's trajectory buffer: a receiver thread decodes each trajectory message from the rollouts
-(``protocols.trajectories.TrajectoryBatch``) and keeps one ``SampleView`` per sample id until a step
+(``protocols.trajectories.TrajectoryBatch``) and keeps one ``Trajectory`` per sample id until a step
 takes it (or the scheduler aborts it)."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import time
 from collections import OrderedDict
 from typing import Callable, Optional
 
-from protocols.messages import ProtocolError
-from protocols.trajectories import SampleView, TrajectoryBatch
-
 from areal_async.transport.frames import to_host
+from protocols.messages import ProtocolError
+from protocols.trajectories import Trajectory, TrajectoryBatch
 
 log = logging.getLogger("areal_async.trainer")
 
@@ -23,7 +22,7 @@ MAX_DROPPED = 100_000  # aborted ids whose tensors have not come (yet): oldest f
 
 class TrajectoryBuffer:
     """Trajectories received from rollouts (``protocols.trajectories.TrajectoryBatch`` messages), as one
-    ``SampleView`` per sample id (views of the message's tensors; filled by a thread).
+    ``Trajectory`` per sample id (views of the message's tensors; filled by a thread).
 
     Bounded: an aborted sample's tensors are freed when it is dropped, or refused once when they
     arrive later (the id is then forgotten); ids whose tensors never come (their worker died)
@@ -41,7 +40,7 @@ class TrajectoryBuffer:
         on_duplicate: Optional[Callable[[str, str], None]] = None,
     ):
         self.channel = channel
-        self.items: dict[str, SampleView] = {}
+        self.items: dict[str, Trajectory] = {}
         self.dropped: OrderedDict[str, None] = OrderedDict()
         self.taken: OrderedDict[str, None] = OrderedDict()
         self.max_dropped = max_dropped
@@ -79,9 +78,9 @@ class TrajectoryBuffer:
             if call is not None:  # in this thread, the buffer unlocked: nothing else arrives meanwhile
                 call()
 
-    def _add(self, key: str, samples: list[SampleView]) -> Optional[Callable[[], None]]:
+    def _add(self, key: str, samples: list[Trajectory]) -> Optional[Callable[[], None]]:
         """Buffer a message's samples (an id's first copy in it); returns the watch's call if they complete it."""
-        first: dict[str, SampleView] = {}
+        first: dict[str, Trajectory] = {}
         dups: list[tuple[str, str]] = []
         for s in samples:
             if s.sample_id in first:
@@ -124,7 +123,7 @@ class TrajectoryBuffer:
             self._watch = None if call is None else (n, call)
             return True
 
-    def peek(self, n: int) -> list[tuple[str, SampleView]]:
+    def peek(self, n: int) -> list[tuple[str, Trajectory]]:
         """The first ``n`` items in arrival order (left in the buffer)."""
         with self.cond:
             return list(itertools.islice(self.items.items(), n))
@@ -137,14 +136,14 @@ class TrajectoryBuffer:
             while len(self.dropped) > self.max_dropped:
                 self.dropped.popitem(last=False)
 
-    def take_ready(self, ids: list[str]) -> Optional[dict[str, SampleView]]:
+    def take_ready(self, ids: list[str]) -> Optional[dict[str, Trajectory]]:
         """Every id's item if all have arrived (taken out of the buffer), else None (nothing taken); never blocks."""
         with self.cond:
             if any(i not in self.items for i in ids):
                 return None
             return self._pop(ids)
 
-    def _pop(self, ids: list[str]) -> dict[str, SampleView]:
+    def _pop(self, ids: list[str]) -> dict[str, Trajectory]:
         """Take ``ids`` out (the lock held), remembering them: a later copy is a duplicate."""
         self.taken.update(dict.fromkeys(ids))
         while len(self.taken) > self.max_dropped:
@@ -153,7 +152,7 @@ class TrajectoryBuffer:
 
     def take(
         self, ids: list[str], timeout_s: float, revised: Optional[Callable[[], bool]] = None
-    ) -> Optional[dict[str, SampleView]]:
+    ) -> Optional[dict[str, Trajectory]]:
         """Block until every id arrived; raise naming the missing ones after timeout_s. ``revised``:
         checked at each wake-up (``wake``); once true, return None (nothing taken)."""
         deadline = time.monotonic() + timeout_s

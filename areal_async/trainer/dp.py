@@ -36,11 +36,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from protocols.messages import ProtocolError
+from protocols.trajectories import Trajectory, TrajectoryBatch
+
 from areal_async.trainer.loss import LossStats
-from areal_async.trainer.packing import one_device_cat
 from areal_async.trainer.micro_batches import allocate_micro_batches, karmarkar_karp
-from areal_async.trainer.types import Trajectory
 from areal_async.transport.buckets import plan
+from areal_async.transport.frames import align, flat_bytes, header_bytes, layout, parse_header, tensor_views
 
 # commands rank 0 broadcasts to the other ranks before each collective phase
 CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_EXPORT = 1, 2, 3, 4, 5
@@ -116,14 +118,13 @@ class DataParallel:
             return list(trajs or [])
         import torch.distributed as dist
 
-        parts = encode_batch(trajs) if self.rank == 0 else None
-        sizes = torch.tensor([p.numel() for p in parts] if parts else [0, 0, 0], dtype=torch.int64)
-        dist.broadcast(sizes, 0)
-        if parts is None:
-            parts = [torch.empty(int(n), dtype=d) for n, d in zip(sizes.tolist(), _PART_DTYPES)]
-        for p in parts:
-            dist.broadcast(p, 0)
-        return decode_batch(*parts)
+        buf = encode_batch(trajs) if self.rank == 0 else None
+        size = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, 0)
+        if buf is None:
+            buf = torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, 0)
+        return decode_batch(buf)
 
     def all_gather_per_seq(
         self, mine: dict[int, torch.Tensor], shares: list[list[int]], lengths: Sequence[int]
@@ -249,10 +250,9 @@ def shard_model(model: torch.nn.Module, compute_dtype: torch.dtype, device: torc
     reduction is forced to SUM (``set_force_sum_reduction_for_comms``).
 
     Works for a group of one rank too (the mixed-precision path of a single trainer)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    import torch.distributed as dist
 
     model = model.to(device=device, dtype=torch.float32)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -364,61 +364,41 @@ class ShardedWeights(Mapping):
 
 
 # --------------------------------------------------------------------------------------------
-# the batch on the wire between ranks: three flat tensors, no pickle
+# the batch on the wire between ranks: the trajectory type's own encode, in one uint8 buffer
 # --------------------------------------------------------------------------------------------
 
-_PART_DTYPES = (torch.int64, torch.float32, torch.float64)
+_LEN = 8  # the header's length, little-endian, in the buffer's first bytes
 
 
-def encode_batch(trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
-    """(ints, behaviour logprobs, scores). ints = [n, (n_prompt, n_out, group#) * n, prompt ids,
-    output ids, versions, loss mask (1 = trained), segment-start counts * n, segment starts]; group ids
-    become their first-appearance index (normalisation only
-    compares them). Built by concatenating the trajectories' tensors: no per-token Python."""
-    groups: dict[str, int] = {}
-    head = [len(trajs)]
-    for t in trajs:
-        head += [t.prompt_ids.numel(), t.output_ids.numel(), groups.setdefault(t.group_id, len(groups))]
-    masks = [
-        t.loss_mask
-        if t.loss_mask is not None
-        else torch.ones(t.output_ids.numel(), dtype=torch.bool, device=t.output_ids.device)
-        for t in trajs
-    ]
-    # one kernel on the trajectories' device and one copy to the host per part (gloo sends host tensors)
-    body = one_device_cat(
-        [x for t, m in zip(trajs, masks) for x in (t.prompt_ids, t.output_ids, t.versions, m)], "trajectory tensors"
-    )
-    segs = [list(t.segment_starts or []) for t in trajs]  # at the end: [k_0 .. k_n-1, starts of 0, of 1, ...]
-    tail = torch.tensor([len(x) for x in segs] + [a for x in segs for a in x], dtype=torch.int64)
-    return [
-        torch.cat([torch.tensor(head, dtype=torch.int64), body.to(device="cpu", dtype=torch.int64), tail]),
-        one_device_cat([t.behav_logp for t in trajs], "behaviour logprobs").to(device="cpu", dtype=torch.float32),
-        torch.tensor([t.score for t in trajs], dtype=torch.float64),
-    ]
+def encode_batch(trajs: Sequence[Trajectory]) -> torch.Tensor:
+    """The step's rows as one host uint8 buffer: ``[header length | header | payload]``, the header the
+    tensor channels' (``TensorHeader``: key, the batch's meta, one spec a column), the payload each
+    column of ``TrajectoryBatch.of_samples(trajs).encode()`` at a 64-byte aligned offset. Sample ids,
+    group ids, scores and every optional column travel as on the rollouts' wire. Rows on a device are
+    laid out there and copied to the host once (gloo sends host tensors)."""
+    key, tensors, meta = TrajectoryBatch.of_samples(trajs).encode()
+    header = header_bytes(key, meta, tensors)
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    offsets, total = layout(sizes)
+    start = align(_LEN + len(header))
+    head = torch.zeros(start, dtype=torch.uint8)
+    head[:_LEN] = torch.frombuffer(bytearray(len(header).to_bytes(_LEN, "little")), dtype=torch.uint8)
+    head[_LEN : _LEN + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    body = torch.zeros(total, dtype=torch.uint8, device=trajs[0].output_ids.device)
+    for t, off, n in zip(tensors.values(), offsets, sizes):
+        body[off : off + n] = flat_bytes(t.to(body.device))
+    return torch.cat([head, body.cpu()])
 
 
-def decode_batch(ints: torch.Tensor, logp: torch.Tensor, scores: torch.Tensor) -> list[Trajectory]:
-    n = int(ints[0])
-    head = ints[1 : 1 + 3 * n].view(n, 3).tolist()  # per sequence, not per token
-    sizes = [k for n_p, n_o, _ in head for k in (n_p, n_o, n_o, n_o)]
-    parts = ints[1 + 3 * n : 1 + 3 * n + sum(sizes)].split(sizes)
-    tail = ints[1 + 3 * n + sum(sizes) :].tolist()
-    counts, flat = tail[:n], iter(tail[n:])
-    segs = [[next(flat) for _ in range(k)] or None for k in counts]
-    lps = logp.split([n_o for _, n_o, _ in head])
-    masks = [parts[4 * i + 3].to(torch.bool) for i in range(n)]
-    return [
-        Trajectory(
-            sample_id=f"b{i}",
-            group_id=f"g{g}",
-            prompt_ids=parts[4 * i],
-            output_ids=parts[4 * i + 1],
-            behav_logp=lps[i],
-            versions=parts[4 * i + 2],
-            score=float(scores[i]),
-            loss_mask=None if bool(masks[i].all()) else masks[i],
-            segment_starts=segs[i],
-        )
-        for i, (_, _, g) in enumerate(head)
-    ]
+def decode_batch(buf: torch.Tensor) -> list[Trajectory]:
+    """``encode_batch``'s buffer back as rows (views of ``buf``), every field checked
+    (``ProtocolError`` naming the first mismatch)."""
+    raw = buf.numpy()
+    n = int.from_bytes(raw[:_LEN].tobytes(), "little")
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not 0 < n <= buf.numel() - _LEN:
+        raise ProtocolError(f"rank batch: {buf.dtype}[{buf.numel()}] with header length {n}; expected encode_batch's")
+    header = parse_header(raw[_LEN : _LEN + n].tobytes())
+    sizes = [s.get("nbytes", -1) if isinstance(s, dict) else -1 for s in header.specs]
+    offsets, _ = layout(sizes)
+    tensors = tensor_views(header, buf[align(_LEN + n) :], offsets, sizes)
+    return [row.scored(row.score) for row in TrajectoryBatch.decode(header.key, header.meta, tensors).samples()]

@@ -21,7 +21,7 @@ import torch
 from areal_async.models.tiny import load_model
 from areal_async.trainer.checkpoint_dirs import COMPLETE
 from areal_async.trainer.dp import DataParallel
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 log = logging.getLogger("areal_async.trainer")
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from areal_async.trainer import lean_forward
 from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs, whole_logprobs
+from protocols.trajectories import Segmented
 
 _FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
 _MASK_IMPLS = ("eager", "sdpa")
@@ -79,18 +80,6 @@ class PackedBatch:
             attn,
             self.attn_max,
         )
-
-
-@dataclass(frozen=True)
-class Segmented:
-    """One sequence (its ``parts`` laid end to end, as a tuple sequence) whose attention and positions restart
-    at the offsets ``breaks``: an agent's turns after template drift, each segment trained on exactly the
-    context it was sampled from, while the sequence keeps one entry in ``cu_seqlens`` (so per-sequence
-    results, ``unpack``, stay one a trajectory). The last position of a segment scores the next segment's
-    first token from the wrong context: that token is its segment's prompt (loss mask 0), never trained."""
-
-    parts: tuple
-    breaks: tuple[int, ...]
 
 
 Seq = Union[Sequence[int], torch.Tensor, tuple[torch.Tensor, ...], Segmented]

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from areal_async.base.records import TRAINER_STEPS, JsonlRecord, roll_back_steps, token_digest
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 
 def sample_versions(trajs: Sequence[Trajectory]) -> tuple[list[int], list[int], list[int]]:

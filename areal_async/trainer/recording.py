@@ -10,9 +10,9 @@ Layout, inside the run directory::
 A step file is safetensors (no pickle: it loads without running code) holding the step's trajectories,
 in the order the step trained them, in the wire's one layout (``protocols.trajectories.TrajectoryBatch``:
 each group's prompt once, outputs, behaviour logprobs, versions and the optional loss mask end to end,
-in their wire dtypes) plus::
+in their one dtypes, with its ``score`` column: float64, the reward the scheduler planned, one per
+trajectory), plus::
 
-    scores      float64, the reward the scheduler planned, one per trajectory
     rng_torch   uint8, torch's CPU RNG state just before the step
 
 and string metadata: ``format``, ``step``, ``version`` (the version the step produced) and
@@ -32,12 +32,10 @@ from typing import Sequence
 
 import torch
 
-from protocols.messages import ProtocolError
-from protocols.trajectories import TrajectoryBatch
-
 from areal_async.base.private import private_dir
 from areal_async.base.records import RECORDING_DIR, RECORDING_HEADER, recorded_steps
-from areal_async.trainer.types import Trajectory
+from protocols.messages import ProtocolError
+from protocols.trajectories import Trajectory, TrajectoryBatch
 
 __all__ = ["RECORDING_DIR", "Recorder", "RecordingError", "read_header", "read_step", "recorded_steps", "write_step"]
 
@@ -111,54 +109,14 @@ def _get(d, key):
     return d.get(key) if isinstance(d, dict) else None
 
 
-def _runs(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
-    """Consecutive trajectories of one group with one prompt (the layout keeps a group's prompt once)."""
-    runs: list[list[Trajectory]] = []
-    for t in trajs:
-        last = runs[-1][-1] if runs else None
-        same = last is not None and last.group_id == t.group_id and torch.equal(last.prompt_ids, t.prompt_ids)
-        if same:
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    return runs
-
-
-def _as_batch(trajs: Sequence[Trajectory]) -> TrajectoryBatch:
-    """The trajectories in the wire layout (a loss mask on none, or on all: all ones where one had none)."""
-    masked = any(t.loss_mask is not None for t in trajs)
-
-    def mask(t: Trajectory):
-        return None if not masked else torch.ones(t.output_ids.numel()) if t.loss_mask is None else t.loss_mask
-
-    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([p.reshape(-1).cpu() for p in parts])
-
-    return TrajectoryBatch.join(
-        [
-            TrajectoryBatch.group(
-                run[0].group_id,
-                [t.sample_id for t in run],
-                run[0].prompt_ids.cpu(),
-                [t.output_ids.numel() for t in run],
-                cat([t.output_ids for t in run]),
-                cat([t.behav_logp for t in run]),
-                cat([t.versions for t in run]),
-                loss_mask=cat([mask(t) for t in run]) if masked else None,
-                segment_starts=[list(t.segment_starts or []) for t in run],
-            )
-            for run in _runs(trajs)
-        ]
-    )
-
-
 def encode_step(step: int, version: int, trajs: Sequence[Trajectory], rng_state: torch.Tensor):
     """(tensors, metadata) of one step's file."""
     if not trajs:
         raise ValueError("no trajectories to record")
-    _, tensors, layout = _as_batch(trajs).encode()
-    tensors = dict(tensors)
-    tensors["scores"] = torch.tensor([float(x.score) for x in trajs], dtype=torch.float64)
+    batch = TrajectoryBatch.of_samples(trajs)
+    batch.columns.setdefault("score", torch.full((len(trajs),), float("nan"), dtype=torch.float64))
+    _, tensors, layout = batch.encode()
+    tensors = {name: t.cpu() for name, t in tensors.items()}
     tensors[RNG_KEY] = rng_state.detach().to(torch.uint8).reshape(-1).clone()
     meta = {"format": FORMAT, "step": str(step), "version": str(version), "trajectory_meta": json.dumps(layout)}
     return tensors, meta
@@ -207,14 +165,18 @@ def _load(path: Path) -> tuple[dict, dict]:
 
 
 def _decode(path: Path, t: dict, meta: dict) -> RecordedStep:
-    scores, rng = t.pop("scores"), t.pop(RNG_KEY)
+    rng = t.pop(RNG_KEY)
+    if "scores" in t:  # written before the one trajectory type: its score column's name, an int8 loss mask
+        t["score"] = t.pop("scores")
+        if "loss_mask" in t and t["loss_mask"].dtype == torch.int8:
+            t["loss_mask"] = t["loss_mask"].bool()
+    if "score" not in t:
+        raise RecordingError(f"{path}: no score column; expected one float64 score a trajectory")
     try:
-        views = TrajectoryBatch.decode(path.name, json.loads(meta["trajectory_meta"]), t).samples()
+        rows = TrajectoryBatch.decode(path.name, json.loads(meta["trajectory_meta"]), t).samples()
+        trajs = [r.scored(r.score) for r in rows]
     except ProtocolError as e:
         raise RecordingError(f"{path}: {e}") from None
-    if scores.dtype != torch.float64 or scores.numel() != len(views):
-        raise RecordingError(f"{path}: {scores.numel()} {scores.dtype} scores for {len(views)} trajectories")
-    trajs = [Trajectory.of(v, s) for v, s in zip(views, scores.tolist())]
     return RecordedStep(int(meta["step"]), int(meta["version"]), trajs, rng, path)
 
 

@@ -3,7 +3,7 @@
 ::
 
     start: model (+ optional SFT warm-up) = version 0 ──publish──> rollouts; TrainerReady
-    trajectory receiver thread (buffer.py): tensor channel ──> TrajectoryBatch.decode ──> buffer[sample_id] = SampleView
+    trajectory receiver thread (buffer.py): tensor channel ──> TrajectoryBatch.decode ──> buffer[sample_id] = a row
       forward ahead (eta = 0, ``forward_ahead_samples``): once a step's trajectories are in, this
       thread runs the update's first forward on them (``PPOActor.forward_ahead``) while their
       rewards are scored; the step takes it when its BatchPlan names the same samples
@@ -71,6 +71,7 @@ from protocols.messages import (
     TrainStepDone,
     WeightsPublished,
 )
+from protocols.trajectories import Trajectory
 
 from areal_async.base import cores
 from areal_async.base.control import ControlClient
@@ -81,7 +82,6 @@ from areal_async.trainer.plan_book import PlanBook
 from areal_async.trainer.dp import CMD_EXPORT, CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
 from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.recording import Recorder
-from areal_async.trainer.types import Trajectory
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.trainer")
@@ -298,7 +298,7 @@ class TrainerService:
             if not fut.set_running_or_notify_cancel():
                 return  # disarmed first
             try:
-                trajs = [Trajectory.of(view, math.nan) for _, view in self.buffer.peek(n)]
+                trajs = [view.scored(math.nan) for _, view in self.buffer.peek(n)]
                 if len(trajs) < n:  # a step took some meanwhile (its plan came first): nothing to run ahead on
                     fut.set_result(None)
                     return
@@ -414,9 +414,9 @@ class TrainerService:
     def _batch(self, plan: BatchPlan, got: dict, ahead: Optional[ForwardAhead]) -> list[Trajectory]:
         """Stage 2's result: the step's trajectories, in the order its forward ran ahead when one did."""
         if ahead is None:
-            return [Trajectory.of(got[sid], score) for sid, score in zip(plan.sample_ids, plan.scores)]
+            return [got[sid].scored(score) for sid, score in zip(plan.sample_ids, plan.scores)]
         score = dict(zip(plan.sample_ids, plan.scores))
-        return [Trajectory.of(got[sid], score[sid]) for sid in ahead.sample_ids]
+        return [got[sid].scored(score[sid]) for sid in ahead.sample_ids]
 
     async def _publish_step(self) -> None:
         """Stage 4: the new version out to the rollouts; overlapped with what follows (``EtaMode.publish_overlap``)

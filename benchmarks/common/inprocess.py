@@ -22,7 +22,7 @@ from areal_async.rollout.service import _split_list
 from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.packing import select_attn_implementation
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 PHASES = ("gen", "reward", "train", "publish", "wait")
 

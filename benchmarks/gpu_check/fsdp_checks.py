@@ -36,7 +36,7 @@ from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.dp import DataParallel, full_tensor, trainer_backend
 from areal_async.trainer.packing import select_attn_implementation
 from areal_async.trainer.sharded_ckpt import export_full, load_shards, save_shards
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from areal_async.transport import buckets as B
 from benchmarks.gpu_check.models import tiny_model
 from benchmarks.gpu_check.registry import Result

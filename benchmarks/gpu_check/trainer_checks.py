@@ -19,7 +19,7 @@ from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from areal_async.trainer.dp import DataParallel, broadcast_module, trainer_backend
 from areal_async.trainer.loss import LossStats
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from benchmarks.gpu_check.registry import Result
 from protocols.ports import free_tcp_port
 

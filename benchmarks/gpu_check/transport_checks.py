@@ -32,7 +32,7 @@ import torch
 
 from areal_async.trainer.dp import encode_batch
 from areal_async.trainer.packing import pack
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from areal_async.transport import buckets as B
 from areal_async.transport import make_weight_channel
 from areal_async.transport.collective import CollectiveWeightChannel
@@ -247,14 +247,14 @@ def trajectories_to_host() -> Result:
             t.group_id,
             t.prompt_ids.cuda(),
             t.output_ids.cuda(),
-            t.behav_logp.cuda(),
+            t.logprobs.cuda(),
             t.versions.cuda(),
             t.score,
         )
         for t in cpu
     ]
     same_pack = torch.equal(pack([t.seq_parts for t in gpu]).ids_T, pack([t.seq_parts for t in cpu]).ids_T)
-    same_enc = all(torch.equal(a, b) for a, b in zip(encode_batch(gpu), encode_batch(cpu)))
+    same_enc = torch.equal(encode_batch(gpu), encode_batch(cpu))
     ok = equal and one_copy and same_pack and same_enc
     data = {"equal": equal, "one_host_buffer": one_copy, "pack_equal": same_pack, "encode_equal": same_enc}
     return Result(ok, ", ".join(f"{k}: {v}" for k, v in data.items()), data)

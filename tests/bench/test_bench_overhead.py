@@ -148,7 +148,7 @@ def test_the_matched_loop_builds_the_same_trajectories_as_the_plain_one(tmp_path
     assert len(plain) == len(matched) == cfg.train_dataset.batch_size * cfg.gconfig.n_samples
     for a, b in zip(plain, matched):
         assert (a.sample_id, a.group_id, a.score) == (b.sample_id, b.group_id, b.score)
-        for f in ("prompt_ids", "output_ids", "behav_logp", "versions"):
+        for f in ("prompt_ids", "output_ids", "logprobs", "versions"):
             assert torch.equal(getattr(a, f).to(getattr(b, f).dtype), getattr(b, f)), f
     assert {t.score for t in plain} <= {0.0, 1.0}
 

@@ -14,7 +14,7 @@ import zmq
 from protocols.messages import ProtocolError
 from protocols.sockets import ipc_endpoint
 from protocols.tensors import encode_tensors
-from protocols.trajectories import SampleView, TrajectoryBatch
+from protocols.trajectories import Trajectory, TrajectoryBatch
 
 from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.transport.factory import make_tensor_channel
@@ -60,14 +60,14 @@ def test_two_groups_encode_to_the_documented_layout_and_decode_to_views():
     assert c.output_ids.data_ptr() == t["output_ids"].data_ptr() + 3 * 4 and c.loss_mask is None  # views
 
 
-def test_one_group_is_the_one_group_case_and_the_mask_travels_as_int8():
+def test_one_group_is_the_one_group_case_and_the_mask_travels_as_bool():
     key, t, meta = TrajectoryBatch.group(
         "g", ["s"], torch.tensor([7, 8]), [2], [1, 2], [-1.0, -2.0], [0, 0], [0, 1]
     ).encode()
     assert meta == {"group_ids": ["g"], "group_sizes": [1], "prompt_lengths": [2], "sample_ids": ["s"], "lengths": [2]}
-    assert t["loss_mask"].dtype == torch.int8 and t["prompt_ids"].dtype == I32
+    assert t["loss_mask"].dtype == torch.bool and t["prompt_ids"].dtype == I32
     (s,) = TrajectoryBatch.decode(key, meta, t).samples()
-    assert s.loss_mask.tolist() == [0, 1] and s.prompt_ids.tolist() == [7, 8]
+    assert s.loss_mask.tolist() == [False, True] and s.prompt_ids.tolist() == [7, 8]
 
 
 def test_views_join_back_into_the_same_batch():
@@ -82,7 +82,7 @@ def test_views_join_back_into_the_same_batch():
 def test_join_refuses_batches_with_and_without_a_mask():
     plain = TrajectoryBatch.group("p", ["x"], [1], [1], [2], [-1.0], [0])
     masked = TrajectoryBatch.group("m", ["y"], [1], [1], [2], [-1.0], [0], [1])
-    with pytest.raises(ValueError, match="some batches carry a loss mask and some do not"):
+    with pytest.raises(ValueError, match="the batches carry different columns"):
         TrajectoryBatch.join([plain, masked])
 
 
@@ -102,13 +102,13 @@ def _bad_messages():
         ({**meta, "sample_ids": ["a", "b", 3]}, t, "trajectory_meta.sample_ids: expected list\\[str\\]"),
         ("not a map", t, "body is str"),
         (meta, {k: v for k, v in t.items() if k != "versions"}, "tensors \\[.*\\]; expected \\[.*'versions'\\]"),
-        (meta, {**t, "extra": torch.zeros(1)}, "expected .* and optionally 'loss_mask'"),
+        (meta, {**t, "extra": torch.zeros(1)}, "expected .* and optionally \\['loss_mask', 'score'\\]"),
         (meta, {**t, "output_ids": t["output_ids"].long()}, "output_ids is torch.int64 of shape \\(6,\\)"),
         (meta, {**t, "logprobs": t["logprobs"].view(2, 3)}, "logprobs is torch.float32 of shape \\(2, 3\\)"),
         ({**meta, "prompt_lengths": [2, 1]}, t, "prompt_ids has 4 entries; expected 3 \\(the prompt lengths' sum\\)"),
         ({**meta, "lengths": [2, 2, 3]}, t, "output_ids has 6 entries; expected 7 \\(the output lengths' sum\\)"),
         (meta, {**t, "versions": short}, "versions has 5 entries; expected 6 \\(the output lengths' sum\\)"),
-        (meta, {**t, "loss_mask": torch.ones(4, dtype=torch.int8)}, "loss_mask has 4 entries; expected 6"),
+        (meta, {**t, "loss_mask": torch.ones(4, dtype=torch.bool)}, "loss_mask has 4 entries; expected 6"),
     ]
 
 
@@ -156,7 +156,7 @@ def test_bad_and_short_frames_over_a_real_channel_are_logged_and_the_buffer_goes
         raw.close(0)
         tx.close()
         rx.close()
-    assert list(buf.items) == ["d"] and isinstance(buf.items["d"], SampleView)
+    assert list(buf.items) == ["d"] and isinstance(buf.items["d"], Trajectory)
     errors = sorted(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
     assert errors == [  # the raw socket is another connection: its frame may come before or after the others
         "refused: trajectory message 'g0': trajectory_meta: unknown field 'group_id'",

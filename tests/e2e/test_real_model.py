@@ -32,7 +32,7 @@ from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, ca
 from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
 from areal_async.supervisor.servers import server_commands
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from protocols.sockets import free_tcp_port
 from tests.support.fleet import ROOT
 from tests.support.real_model import (

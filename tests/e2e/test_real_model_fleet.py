@@ -114,7 +114,7 @@ def check_recorded_steps(run_dir, trained: list[dict]) -> None:
                 with torch.no_grad():
                     logits = hf(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
                 ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out)[:, None])[:, 0]
-                gaps += (ref - t.behav_logp.float()).abs().tolist()
+                gaps += (ref - t.logprobs.float()).abs().tolist()
     print(f"step 0, behaviour vs HF's forward: max |diff| {max(gaps):.2e} over {len(gaps)} tokens")
     assert len(gaps) == sum(b["n_output_tokens"] for b in trained if b["train_step"] == 0)
     assert max(gaps) <= 1e-4

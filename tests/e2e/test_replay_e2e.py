@@ -100,4 +100,4 @@ def test_rollout_only_generates_with_fixed_weights_and_the_fleet_columns(tmp_pat
                 logp = torch.log_softmax(model(ids).logits[0, :-1].float() / cfg.gconfig.temperature, -1)
             n = t.output_ids.numel()
             mine = logp[-n:].gather(1, t.output_ids.long()[:, None])[:, 0]
-            assert torch.allclose(mine, t.behav_logp, atol=2e-4), (s, t.sample_id)
+            assert torch.allclose(mine, t.logprobs, atol=2e-4), (s, t.sample_id)

@@ -23,7 +23,7 @@ def trained_samples(run_dir: Path) -> dict[str, dict]:
                 "ids": torch.cat([t.prompt_ids, t.output_ids]).tolist(),
                 "n_prompt": t.prompt_ids.numel(),
                 "mask": mask.tolist(),
-                "logprobs": t.behav_logp.tolist(),
+                "logprobs": t.logprobs.tolist(),
                 "versions": t.versions.tolist(),
                 "segments": list(t.segment_starts or []),
             }

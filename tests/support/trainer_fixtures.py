@@ -3,7 +3,7 @@ whose spawned ranks import it too)."""
 
 import torch
 
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 
 def make_trajs():

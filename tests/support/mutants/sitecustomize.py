@@ -87,7 +87,7 @@ def _cut(t):
     """The trajectory with its last output token gone from every per-token tensor."""
     mask = t.loss_mask[:-1] if t.loss_mask is not None else None
     return dataclasses.replace(
-        t, output_ids=t.output_ids[:-1], behav_logp=t.behav_logp[:-1], versions=t.versions[:-1], loss_mask=mask
+        t, output_ids=t.output_ids[:-1], logprobs=t.logprobs[:-1], versions=t.versions[:-1], loss_mask=mask
     )
 
 

@@ -27,7 +27,7 @@ from areal_async.models.tiny import load_policy
 from areal_async.trainer.dp import DataParallel
 from areal_async.trainer.recording import Recorder, machine_header, read_step, step_path, write_step
 from areal_async.trainer.sharded_ckpt import save_shards
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]
 OVERRIDES = [
@@ -129,7 +129,7 @@ def test_corrupted_recording_gives_exit_1(run_dir, tmp_path, capsys):
     bad = tmp_path / "run"
     shutil.copytree(run_dir, bad)
     rec = read_step(step_path(bad, 4))
-    rec.trajs[2].behav_logp[0] -= 0.5
+    rec.trajs[2].logprobs[0] -= 0.5
     write_step(bad, 4, 5, rec.trajs, rec.rng_state)
     assert main(["replay", str(bad), "--steps", "3:5"]) == 1
     err = capsys.readouterr().err

@@ -26,7 +26,7 @@ from areal_async.cli import main as cli_main
 from areal_async.rollout.engine import PackedSamples
 from areal_async.trainer.record import TrainerRecord, sample_versions, step_line
 from areal_async.trainer.buffer import TrajectoryBuffer
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 PRODUCED = [  # (group, ids, vmin, vmax, n_tokens)
     ("g0", ["g0.0", "g0.1"], [0, 0], [0, 0], [3, 2]),

@@ -13,7 +13,7 @@ from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from areal_async.transport.buckets import plan
 
 
@@ -53,7 +53,7 @@ def _traj(i: int, prompt: list[int], out: list[int], score: float) -> Trajectory
         group_id=f"g{i // 2}",
         prompt_ids=torch.tensor(prompt),
         output_ids=torch.tensor(out),
-        behav_logp=torch.full((n,), -2.0),
+        logprobs=torch.full((n,), -2.0),
         versions=torch.zeros(n, dtype=torch.long),
         score=score,
     )

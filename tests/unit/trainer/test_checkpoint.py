@@ -12,7 +12,7 @@ from areal_async.config import ActorConfig, OptimizerConfig
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
 from areal_async.trainer.checkpoint_dirs import COMPLETE, latest_complete_checkpoint, prune
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 torch.set_num_threads(1)
 

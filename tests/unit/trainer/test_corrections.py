@@ -132,7 +132,7 @@ def test_m2po_in_the_actor_takes_tokens_out_of_the_loss_and_its_count():
     model = tiny_model()
     trajs = make_trajs(model)  # on-policy: 12 output tokens, 6 in the first two trajectories
     for tr in trajs[:2]:
-        tr.behav_logp = tr.behav_logp - 3.0  # m2 = 9 on these 6 tokens, ~0 on the other 6
+        tr.logprobs = tr.logprobs - 3.0  # m2 = 9 on these 6 tokens, ~0 on the other 6
     # dropping j of the 9s leaves mean 9 (6 - j) / (12 - j): < 1 only at j = 6
     m = PPOActor(model, boba_cfg(m2_threshold=1.0), 1.0, 10).train_step(trajs)
     assert (m["masked_frac_m2po"], m["masked_frac_rs"], m["masked_frac"]) == (0.5, 0.0, 0.5)

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from areal_async.trainer.frozen import FrozenActor, weight_schedule
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 
 def _model(seed: int) -> torch.nn.Module:

@@ -63,7 +63,7 @@ def test_the_actor_reports_the_gap_by_lag(n_minibatches):
     for t in trajs:
         t.versions = torch.full_like(t.versions, 2)
     for t in trajs[:2]:  # generated a version earlier, 3 nats less likely than the proximal policy says
-        t.behav_logp = t.behav_logp - 3.0
+        t.logprobs = t.logprobs - 3.0
         t.versions = torch.full_like(t.versions, 1)
     m = actor.train_step(trajs)
     assert m["tokens_lag1"] == 6.0 and m["tokens_lag0"] == 6.0

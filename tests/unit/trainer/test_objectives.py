@@ -28,7 +28,7 @@ from areal_async.trainer.loss import (
     policy_loss,
     surrogate,
 )
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 D = torch.float64
 NONE = NormConfig(mean_level="none", std_level="none")

@@ -19,7 +19,7 @@ from areal_async.trainer.recording import (
     step_path,
     write_step,
 )
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 
 def batch() -> list[Trajectory]:
@@ -67,7 +67,7 @@ def test_round_trip_keeps_every_field_and_the_order(tmp_path):
     assert torch.equal(rec.rng_state, rng)
     for got, want in zip(rec.trajs, batch(), strict=True):
         assert (got.sample_id, got.group_id, got.score) == (want.sample_id, want.group_id, want.score)
-        for f in ("prompt_ids", "output_ids", "behav_logp", "versions"):
+        for f in ("prompt_ids", "output_ids", "logprobs", "versions"):
             assert torch.equal(getattr(got, f), getattr(want, f).to(getattr(got, f).dtype)), f
         assert torch.equal(got.loss_mask, torch.ones_like(got.loss_mask) if want.loss_mask is None else want.loss_mask)
     assert recorded_steps(tmp_path) == [7]
@@ -75,7 +75,7 @@ def test_round_trip_keeps_every_field_and_the_order(tmp_path):
 
 def test_the_wire_layout_prompt_once_a_group_and_its_dtypes():
     """Groups of consecutive samples with one prompt: g0's prompt (3 tokens) once, g1's (1 token) once; a sample of
-    g0 coming after g1 is a group of its own. Per output token: int32 id + float32 logprob + int32 version + int8
+    g0 coming after g1 is a group of its own. Per output token: int32 id + float32 logprob + int32 version + bool
     mask = 13 bytes."""
     trajs = [*batch(), Trajectory("r0-s3", "g0", [5, 6, 7], [11], [-1.0], [4], 1.0)]
     t, meta = encode_step(0, 1, trajs, torch.get_rng_state())
@@ -86,7 +86,7 @@ def test_the_wire_layout_prompt_once_a_group_and_its_dtypes():
     assert t["prompt_ids"].tolist() == [5, 6, 7, 1, 5, 6, 7]
     assert {k: t[k].dtype for k in ("prompt_ids", "output_ids", "logprobs", "versions", "loss_mask")} == {
         "prompt_ids": torch.int32, "output_ids": torch.int32, "logprobs": torch.float32,
-        "versions": torch.int32, "loss_mask": torch.int8,
+        "versions": torch.int32, "loss_mask": torch.bool,
     }  # fmt: skip
     per_token = sum(t[k].numel() * t[k].element_size() for k in ("output_ids", "logprobs", "versions", "loss_mask"))
     assert per_token == 7 * 13
@@ -135,7 +135,7 @@ def test_other_format_and_inconsistent_lengths_are_refused(tmp_path):
             {},
             "logprobs is torch.float64 of shape (6,); expected a 1D torch.float32",
         ),
-        ({"scores": t["scores"][:2].clone()}, {}, "2 torch.float64 scores for 3 trajectories"),
+        ({"score": t["score"][:2].clone()}, {}, "score has 2 entries; expected 3 (one a sample)"),
         ({}, {"trajectory_meta": "[1, 2"}, "not a well-formed recorded step (JSONDecodeError"),
     ]
     for i, (tensors, metadata, fragment) in enumerate(cases):

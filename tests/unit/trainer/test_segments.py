@@ -16,7 +16,7 @@ import transformers
 
 from areal_async.trainer.dp import decode_batch, encode_batch
 from areal_async.trainer.packing import VARLEN_IMPL, Segmented, forward_packed, pack, unpack, use_varlen_attention
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from protocols.trajectories import TrajectoryBatch
 
 VOCAB = 41
@@ -92,7 +92,7 @@ def test_segment_starts_cross_the_trajectory_wire_and_the_rank_broadcast():
     assert meta["segment_starts"] == [[3], []]
     views = TrajectoryBatch.decode(key, meta, tensors).samples()
     assert [v.segment_starts for v in views] == [[3], None]
-    back = decode_batch(*encode_batch([Trajectory.of(v, 1.0) for v in views]))
+    back = decode_batch(encode_batch([v.scored(1.0) for v in views]))
     assert [x.segment_starts for x in back] == [[3], None]
     assert back[0].seq_parts.breaks == (len(P1) + 3,)
     bad = dict(meta, segment_starts=[[13], []])

@@ -23,7 +23,7 @@ from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 TOK = build_char_tokenizer()
 CFG = ModelConfig(
@@ -79,7 +79,7 @@ def sampled():
 
 def test_the_engine_reports_the_full_distribution_at_the_temperature_not_the_nucleus(sampled):
     _, trajs, full, log_s = sampled
-    behav = torch.cat([t.behav_logp for t in trajs]).double()
+    behav = torch.cat([t.logprobs for t in trajs]).double()
     assert (behav - full).abs().max() < 1e-5  # log pi_T(a)
     # the nucleus was real: most tokens' S < 1, and log mu = log pi_T - log S is far from what was reported
     assert (log_s < -1e-3).float().mean() > 0.9 and (behav - (full - log_s)).abs().mean() > 0.1
@@ -89,7 +89,7 @@ def test_the_trainer_recomputes_the_same_so_the_first_step_ratio_is_one(sampled)
     model, trajs, full, log_s = sampled
     actor = PPOActor(copy.deepcopy(model), ActorConfig(use_decoupled_loss=True, recompute_logprob=True), T, 1)
     prox = actor._output_logprobs(actor.model, actor._prepare(trajs)).double()
-    behav = torch.cat([t.behav_logp for t in trajs]).double()
+    behav = torch.cat([t.logprobs for t in trajs]).double()
     assert (prox - full).abs().max() < 1e-5
     ratio = torch.exp(prox - behav)
     assert (ratio - 1).abs().max() < 1e-5, f"max |w - 1| = {(ratio - 1).abs().max():.2e}"

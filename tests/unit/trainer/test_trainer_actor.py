@@ -12,7 +12,7 @@ from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, SFT
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.logprobs import packed_logprobs
 from areal_async.trainer.sft import SFTTrainer, sft_step
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 torch.set_num_threads(1)
 PROMPT = [1, 2, 3]
@@ -152,7 +152,7 @@ def reference_grads(model, trajs, cfg):
     for i, t in enumerate(trajs):
         lp, ent = out_logp_ent(t)
         for j in range(len(t.output_ids)):
-            w = float(torch.exp(prox[i][j] - t.behav_logp[j]))
+            w = float(torch.exp(prox[i][j] - t.logprobs[j]))
             if w > cfg.rejection_sampling.upper:
                 continue
             ratio = torch.exp(lp[j] - prox[i][j])
@@ -237,7 +237,7 @@ def test_rejection_counts_stale_tokens():
     model = tiny_model()
     trajs = make_trajs(model)
     for t in trajs[:2]:  # behaviour far less likely than proximal: weight e^3 > upper 5
-        t.behav_logp = t.behav_logp - 3.0
+        t.logprobs = t.logprobs - 3.0
     m = PPOActor(model, boba_cfg(), 1.0, 10).train_step(trajs)
     assert m["rejected_frac"] == pytest.approx(6 / 12, abs=1e-6)
     assert m["imp_weight_max"] == pytest.approx(float(torch.exp(torch.tensor(3.0))), rel=1e-4)
@@ -247,7 +247,7 @@ def test_all_rejected_minibatch_takes_no_step():
     model = tiny_model()
     trajs = make_trajs(model)
     for t in trajs:
-        t.behav_logp = t.behav_logp - 3.0
+        t.logprobs = t.logprobs - 3.0
     before = [p.detach().clone() for p in model.parameters()]
     actor = PPOActor(model, boba_cfg(optimizer=OptimizerConfig(lr=1e-2, weight_decay=0.1)), 1.0, 10)
     m = actor.train_step(trajs)
@@ -263,7 +263,7 @@ def test_skipped_indices_name_the_samples_of_each_skipped_minibatch():
     assert (m["optimizer_steps"], m["skipped_steps"], actor.skipped_indices) == (2.0, 0.0, [])
     trajs = make_trajs(model)
     for t in trajs:
-        t.behav_logp = t.behav_logp - 3.0  # every token rejected: both minibatches skip their step
+        t.logprobs = t.logprobs - 3.0  # every token rejected: both minibatches skip their step
     m = actor.train_step(trajs)
     assert (m["optimizer_steps"], m["skipped_steps"]) == (0.0, 2.0) and sorted(actor.skipped_indices) == [0, 1, 2, 3]
 

@@ -7,7 +7,7 @@ import torch
 
 from areal_async.config import ActorConfig, NormConfig
 from areal_async.trainer.advantages import compute_advantages, gae, normalize, token_rewards
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 
 SCORES = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5]
 GROUPS = ["a", "a", "a", "b", "b", "b", "c"]
@@ -148,7 +148,7 @@ def test_kl_needs_logprobs_and_levels_are_checked():
 
 
 def test_trajectory_validation():
-    with pytest.raises(ValueError, match="len\\(behav_logp\\)=1, expected len\\(output_ids\\)=2"):
+    with pytest.raises(ValueError, match="len\\(logprobs\\)=1, expected len\\(output_ids\\)=2"):
         Trajectory("x", "g", [1], [2, 3], [-1.0], [0, 0], 1.0)
     with pytest.raises(ValueError, match="empty output_ids"):
         Trajectory("x", "g", [1], [], [], [], 1.0)
@@ -157,18 +157,19 @@ def test_trajectory_validation():
     with pytest.raises(ValueError, match="empty prompt_ids"):
         Trajectory("x", "g", torch.tensor([], dtype=torch.int32), [2], [-1.0], [0], 1.0)
     t = Trajectory("x", "g", [1], torch.tensor([2.0, 3.0]), [-1, -2], torch.tensor([1, 2], dtype=torch.int16), 1.0)
-    assert (t.output_ids.dtype, t.versions.dtype, t.behav_logp.dtype) == (torch.int64, torch.int64, torch.float32)
-    assert t.output_ids.tolist() == [2, 3] and t.behav_logp.tolist() == [-1.0, -2.0]
+    assert (t.output_ids.dtype, t.versions.dtype, t.logprobs.dtype) == (torch.int32, torch.int32, torch.float32)
+    assert t.output_ids.tolist() == [2, 3] and t.logprobs.tolist() == [-1.0, -2.0]
 
 
 def test_trajectory_keeps_received_tensors():
-    """int32/int64 tensors (views of a received message) are kept, not copied; lists become int64."""
+    """Tensors of their column's dtype (views of a received message) are kept, not copied; lists and other
+    dtypes become the column's one dtype (int32 ids and versions), as on the wire."""
     buf = torch.tensor([4, 5, 6, 7, 3, 3, 3], dtype=torch.int32)
     t = Trajectory("x", "g", buf[:1], buf[1:4], torch.zeros(3), buf[4:], 1.0)
     assert t.output_ids.data_ptr() == buf[1:4].data_ptr() and t.output_ids.dtype == torch.int32
     assert t.versions.data_ptr() == buf[4:].data_ptr() and t.min_version == 3
     assert t.seq_parts[0].tolist() == [4] and t.seq_parts[1].tolist() == [5, 6, 7]
     listed = Trajectory("y", "g", [1], [2, 3], [-1.0, -1.0], [0, 0], 1.0)
-    assert listed.output_ids.dtype == torch.int64 and listed.versions.dtype == torch.int64
+    assert listed.output_ids.dtype == torch.int32 and listed.versions.dtype == torch.int32
     floats = Trajectory("z", "g", torch.tensor([1.0]), [2], [-1.0], [0], 1.0)
-    assert floats.prompt_ids.dtype == torch.int64
+    assert floats.prompt_ids.dtype == torch.int32

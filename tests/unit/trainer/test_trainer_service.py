@@ -20,7 +20,7 @@ import zmq.asyncio
 from protocols import messages as M
 from protocols.messages import decode
 from protocols.sockets import ipc_endpoint, make_socket, send_message
-from protocols.trajectories import SampleView, TrajectoryBatch
+from protocols.trajectories import Trajectory, TrajectoryBatch
 
 from areal_async.base.aio import RoleLoopError
 from areal_async.base.control import ControlClient
@@ -33,7 +33,6 @@ from areal_async.trainer.record import TrainerRecord
 from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.plan_book import PlanBook
 from areal_async.trainer.service import StalePlan, TrainerService, check_fresh
-from areal_async.trainer.types import Trajectory
 from areal_async.transport.factory import make_tensor_channel, make_weight_channel
 from test_trainer_actor import boba_cfg, output_logp, tiny_model
 
@@ -217,7 +216,7 @@ def test_several_groups_share_a_message_within_its_byte_bound_and_split_per_samp
 def test_take_ready_takes_all_or_nothing_without_waiting():
     buf = TrajectoryBuffer(channel=None)
     one = torch.ones(1, dtype=torch.int32)
-    views = {sid: SampleView(sid, gid, one, one, one.float(), one) for sid, gid in (("a", "g"), ("b", "g"), ("c", "h"))}
+    views = {sid: Trajectory(sid, gid, one, one, one.float(), one) for sid, gid in (("a", "g"), ("b", "g"), ("c", "h"))}
     buf.items = dict(views)
     assert buf.take_ready(["a", "x"]) is None and set(buf.items) == {"a", "b", "c"}  # nothing taken
     got = buf.take_ready(["b", "a"])
@@ -417,9 +416,14 @@ async def test_the_plan_book_keeps_the_latest_plan_and_waits_for_a_revision_with
     assert book.latest(p0) is p0 and set(book.plans) == {1}
 
 
+def _row(sid: str, out, logp, versions, mask=None) -> Trajectory:
+    """A received row (as the buffer holds it: not checked yet, so an empty output is possible)."""
+    return TrajectoryBatch.group("g", [sid], [1], [len(out)], out, logp, versions, mask).samples()[0]
+
+
 def _views(**versions: list[int]) -> dict:
     return {
-        sid: SampleView(sid, "g", torch.tensor([1]), torch.tensor(v[:1] * len(v)), torch.zeros(len(v)), torch.tensor(v))
+        sid: _row(sid, torch.tensor(v[:1] * len(v)), torch.zeros(len(v)), torch.tensor(v))
         for sid, v in versions.items()
     }
 
@@ -450,10 +454,10 @@ def test_the_trainer_checks_each_planned_sample_against_its_own_version(eta, ver
 def test_a_multi_turn_sample_is_judged_by_its_trained_tokens_alone():
     """A workflow's tool and environment tokens (loss mask 0) carry version -1 (workflows/base.py): at version
     3, eta 1, a sample whose model turns are of versions 2 and 3 is fresh; unmasked, the -1 would be stale."""
-    versions, mask = torch.tensor([2, 2, -1, -1, 3]), torch.tensor([1, 1, 0, 0, 1], dtype=torch.int8)
+    versions, mask = torch.tensor([2, 2, -1, -1, 3]), torch.tensor([1, 1, 0, 0, 1], dtype=torch.bool)
 
     def view(v, m=None):
-        return {"m": SampleView("m", "g", torch.tensor([1]), torch.zeros(5, dtype=torch.long), torch.zeros(5), v, m)}
+        return {"m": _row("m", torch.zeros(5, dtype=torch.int32), torch.zeros(5), v, m)}
 
     check_fresh(EtaMode(1), 3, 3, view(versions, mask))
     with pytest.raises(StalePlan, match=re.escape("'m' has tokens of versions -1..3" + BOUND.format(1, 2))):

@@ -17,8 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from areal_async.trainer.dp import encode_batch
 from areal_async.trainer.packing import pack
 from areal_async.trainer.buffer import TrajectoryBuffer
-from areal_async.trainer.types import Trajectory
-from areal_async.transport.frames import to_host
+from protocols.trajectories import Trajectory
+from areal_async.transport.frames import parse_header, to_host
 
 DEV = "meta"
 
@@ -45,13 +45,14 @@ class HostCopies(TorchDispatchMode):
 
 def _trajs(device: str, n: int = 6) -> list[Trajectory]:
     out = []
+    prompts = [torch.arange(2, dtype=torch.int32, device=device) for _ in range(n // 2 + 1)]
     for i in range(n):
         ids = torch.arange(3 + i, dtype=torch.int32, device=device)
         out.append(
             Trajectory(
                 f"s{i}",
                 f"g{i // 2}",
-                ids[:2],
+                prompts[i // 2],  # one a group, as the rows of a received message share it
                 ids,
                 torch.zeros(3 + i, device=device),
                 torch.zeros(3 + i, dtype=torch.int32, device=device),
@@ -70,24 +71,25 @@ def test_pack_copies_device_sequences_to_the_host_once():
     assert packed.position_ids_T[:5].tolist() == [0, 1, 2, 3, 4]
 
 
-def test_encode_batch_of_device_trajectories_copies_each_part_once():
+def test_encode_batch_of_device_trajectories_copies_to_the_host_once():
     trajs = _trajs(DEV)
     with HostCopies() as copies:
-        ints, logp, scores = encode_batch(trajs)
-    assert copies.n == 2  # the integer body and the logprobs; the head and scores are host values
-    assert ints.is_cpu and logp.is_cpu and ints.dtype == torch.int64
-    n_tok = sum(2 + 2 * (3 + i) + (3 + i) for i in range(6))  # prompt, output, versions, mask per trajectory
-    # then one segment-start count per trajectory (0 each: no agent segments) and no starts
-    assert ints.numel() == 1 + 3 * 6 + n_tok + 6 and logp.numel() == sum(3 + i for i in range(6))
-    assert ints[-6:].tolist() == [0] * 6
-    assert ints[:4].tolist() == [6, 2, 3, 0]  # n, then (n_prompt, n_out, group#) of the first
+        buf = encode_batch(trajs)
+    assert copies.n == 1  # the columns are laid out on the device, then one copy (before: one per part, 2)
+    assert buf.is_cpu and buf.dtype == torch.uint8
+    n_header = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    header = parse_header(bytes(buf[8 : 8 + n_header].tolist()))  # the host part: the real header
+    assert header.meta["sample_ids"] == [f"s{i}" for i in range(6)] and header.meta["group_sizes"] == [2, 2, 2]
+    # by hand, each column 64-byte aligned: prompts 3 x 2 x 4 B = 24 -> 64; outputs, logprobs, versions
+    # (3 + ... + 8) = 33 tokens x 4 B = 132 -> 192 each; scores 6 x 8 B = 48 -> 64
+    assert buf.numel() - (8 + n_header + 63) // 64 * 64 == 64 + 3 * 192 + 64
 
 
 def test_tensors_on_two_devices_are_refused_by_name():
     cpu, dev = _trajs("cpu", 2), _trajs(DEV, 2)
     with pytest.raises(ValueError, match=r"token ids are on \['cpu', 'meta'\]; expected all on one device"):
         pack([cpu[0].seq_parts, dev[1].seq_parts])
-    with pytest.raises(ValueError, match=r"trajectory tensors are on \['cpu', 'meta'\]"):
+    with pytest.raises(ValueError, match=r"trajectory tensors are on \['cpu', 'meta'\]; expected all on one"):
         encode_batch([cpu[0], dev[1]])
 
 

@@ -14,7 +14,7 @@ from areal_async.rollout.service import episode_batch
 from areal_async.trainer.advantages import compute_advantages
 from areal_async.trainer.dp import decode_batch, encode_batch
 from areal_async.trainer.loss import count_kept_tokens, policy_loss
-from areal_async.trainer.types import Trajectory
+from protocols.trajectories import Trajectory
 from protocols.trajectories import TrajectoryBatch
 from areal_async.workflows.base import EngineHandle, EpisodeBuilder, Generation, Prompt, Sampling
 from areal_async.workflows.multi_turn_math import MultiTurnMath
@@ -85,14 +85,15 @@ def test_the_mask_travels_as_a_tensor_and_between_trainer_ranks():
     b2.add_generation(Generation([11], [-0.5], [6], "stop"))
     key, t, meta = episode_batch("g", ["s0", "s1"], [one, b2.finish(0.0)]).encode()
     assert meta["lengths"] == [4, 1] and t["loss_mask"].tolist() == [1, 1, 0, 1, 1]
-    assert t["loss_mask"].dtype == torch.int8
+    assert t["loss_mask"].dtype == torch.bool
     s0, _ = TrajectoryBatch.decode(key, meta, t).samples()
-    traj = Trajectory.of(s0, 1.0)
+    traj = s0.scored(1.0)
     assert traj.loss_mask.tolist() == [True, True, False, True] and traj.versions.tolist() == [4, 5, -1, 5]
     assert traj.min_version == 4  # the environment token's -1 is no version
     plain = Trajectory("p", "g", [1], [3, 4], [-1.0, -1.0], [2, 2], 0.0)
-    back = decode_batch(*encode_batch([traj, plain]))
-    assert back[0].loss_mask.tolist() == [True, True, False, True] and back[1].loss_mask is None
+    back = decode_batch(encode_batch([traj, plain]))
+    assert back[0].loss_mask.tolist() == [True, True, False, True]
+    assert back[1].loss_mask.tolist() == [True, True]  # filled in for the broadcast: all trained
     with pytest.raises(ValueError, match="len\\(loss_mask\\)=1, expected len\\(output_ids\\)=2"):
         Trajectory("x", "g", [1], [3, 4], [-1.0, -1.0], [2, 2], 0.0, loss_mask=[1])
 
