@@ -6,7 +6,7 @@
 
 (1) One synthetic boba batch (512 prompts x 16 samples; output lengths lognormal, median 4K,
     capped at 27K; prompts 256 tokens; token ids int32, logprobs float32, versions int32) goes the
-    way the fleet moves it: per group, the rollout side's one tensor message (``PackedSamples.to_batch``,
+    way the fleet moves it: per group, the rollout side's one tensor message (``TrajectoryBatch.group``,
     ``protocols.trajectories``) plus its ``TrajectoryReady`` control message (encoded), sent from a
     thread over the real channel; on the trainer side each group is received, split into
     per-sample views (``TrajectoryBatch.decode(...).samples()``), the control message decoded, and the
@@ -65,7 +65,6 @@ import numpy as np
 import torch
 import zmq
 
-from areal_async.rollout.engine import PackedSamples, SampleOutput
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
 from areal_async.trainer.packing import pack
 from areal_async.trainer.micro_batches import allocate_micro_batches
@@ -119,13 +118,8 @@ def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> 
     for p in range(n_prompts):
         prompt = torch.randint(0, 151936, (PROMPT_LEN,), dtype=torch.int32, generator=g)
         samples = [
-            SampleOutput(
-                torch.randint(0, 151936, (int(n),), generator=g),
-                -torch.rand(int(n), generator=g),
-                torch.full((int(n),), 7),
-                "stop",
-            )
-            for n in lens[p]
+            (torch.randint(0, 151936, (n,), generator=g), -torch.rand(n, generator=g), torch.full((n,), 7))
+            for n in map(int, lens[p])
         ]
         gid, sids = f"g{p}", [f"g{p}.{i}" for i in range(n_samples)]
         ready = encode(
@@ -140,7 +134,8 @@ def boba_groups(n_prompts: int, n_samples: int, max_len: int, seed: int = 0) -> 
                 finish_reasons=["stop"] * n_samples,
             )
         )
-        out.append((PackedSamples.of_samples(samples).to_batch(gid, sids, prompt), ready))
+        cols = (torch.cat(c) for c in zip(*samples))
+        out.append((TrajectoryBatch.group(gid, sids, prompt, [int(n) for n in lens[p]], *cols), ready))
     return out
 
 

@@ -105,7 +105,7 @@ def _engine_batch(engine: TorchEngine, prompts, n, max_new_tokens, temperature, 
         done = []
         while engine.has_work():
             done += engine.step()
-        return sum(sum(out.packed.lengths) for out in done)
+        return sum(sum(out.lengths) for out in done)
 
     return run
 

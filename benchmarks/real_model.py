@@ -127,7 +127,7 @@ def engine_runner(model, new: int):
             eng.add_request(GenRequest(f"c{r}p{i}", p, 1, new, 1.0, 1.0))
         n = 0
         while eng.has_work():
-            n += sum(sum(o.packed.lengths) for o in eng.step())
+            n += sum(sum(o.lengths) for o in eng.step())
         return n
 
     run.settings = "TorchEngine defaults (lean decoder, KV layout by head dim), max_batch_groups = B"

@@ -67,7 +67,7 @@ def generate(engine, reqs: list[GenRequest]) -> tuple[int, float]:
     tokens = 0
     while engine.has_work():
         for g in engine.step():
-            tokens += sum(len(s.output_ids) for s in g.samples)
+            tokens += sum(len(s.output_ids) for s in g.samples())
     return tokens, time.perf_counter() - t
 
 

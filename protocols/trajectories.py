@@ -88,13 +88,14 @@ class Trajectory:
     # output offsets where a new sequence starts (an agent's turns after template drift): the trainer restarts
     # positions and attention there (``seq_parts``); None = one sequence
     segment_starts: Optional[list[int]] = None
+    finish_reason: Optional[str] = None  # the engine's: "stop" | "length" | "abort" (not on the wire)
 
     def __post_init__(self) -> None:
         self.score = math.nan if self.score is None else float(self.score)
         for name, dtype in TENSOR_COLUMNS.items():
             x = getattr(self, name)
             if x is not None and not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.dim() == 1):
-                setattr(self, name, _as_column(x, name))
+                setattr(self, name, as_column(x, name))
         self._check()
 
     def _check(self) -> None:
@@ -110,6 +111,17 @@ class Trajectory:
                 raise ValueError(f"{where}: len({name})={x.numel()}, expected len(output_ids)={n}")
         if self.loss_mask is not None and not bool(self.loss_mask.any()):
             raise ValueError(f"{where}: loss_mask trains no token; expected at least one True")
+
+    @classmethod
+    def row(cls, **values) -> "Trajectory":
+        """A row from values already in their column's dtype (a batch's views, an engine's tensors), not
+        checked (an engine's aborted sample may have no token); fields not given take their defaults."""
+        row = object.__new__(cls)
+        for name, default in _ROW_DEFAULTS.items():
+            setattr(row, name, values.pop(name, default))
+        if values:
+            raise TypeError(f"Trajectory.row: unknown fields {sorted(values)}")
+        return row
 
     def scored(self, score: float) -> "Trajectory":
         """This row (its tensors kept as they are) with ``score``, its fields checked."""
@@ -141,6 +153,7 @@ class Trajectory:
 
 
 _SPEC = {f.name: f.metadata for f in fields(Trajectory) if "dtype" in f.metadata}
+_ROW_DEFAULTS = {f.name: None if f.name != "score" else math.nan for f in fields(Trajectory)}
 COLUMNS: dict[str, torch.dtype] = {name: m["dtype"] for name, m in _SPEC.items()}  # name -> its one dtype
 OPTIONAL = frozenset(name for name, m in _SPEC.items() if m["optional"])
 TOKEN_COLUMNS = tuple(name for name, m in _SPEC.items() if m["per"] == TOKEN)
@@ -161,11 +174,20 @@ class TrajectoryBatch:
     lengths: list[int]
     columns: dict[str, torch.Tensor]
     segment_starts: Optional[list[list[int]]] = None  # one list a sample (an agent's segments); None: none
+    finish_reasons: Optional[list[str]] = None  # one a sample, the engine's; not on the wire (TrajectoryReady has them)
 
     def __getattr__(self, name: str):
         if name in COLUMNS:  # (called only for names that are not attributes)
             return self.__dict__.get("columns", {}).get(name)
         raise AttributeError(f"TrajectoryBatch has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in COLUMNS:
+            object.__setattr__(self, name, value)
+        elif value is None:
+            self.columns.pop(name, None)
+        else:  # a column is set in ``columns``, where encode reads it
+            self.columns[name] = value
 
     # ---- building --------------------------------------------------------------------------
     @classmethod
@@ -190,7 +212,7 @@ class TrajectoryBatch:
         unknown = sorted(set(given) - set(COLUMNS))
         if unknown:
             raise ValueError(f"TrajectoryBatch.group {group_id!r}: unknown columns {unknown}; expected {list(COLUMNS)}")
-        columns = {name: _as_column(x, name) for name, x in given.items() if x is not None}
+        columns = {name: as_column(x, name) for name, x in given.items() if x is not None}
         return cls(
             group_ids=[group_id],
             group_sizes=[len(sample_ids)],
@@ -218,7 +240,10 @@ class TrajectoryBatch:
         segs = None
         if any(b.segment_starts for b in batches):
             segs = [list(x) for b in batches for x in (b.segment_starts or [[]] * len(b.sample_ids))]
-        return cls(**lists, columns=columns, segment_starts=segs)
+        reasons = None
+        if all(b.finish_reasons is not None for b in batches):
+            reasons = [x for b in batches for x in b.finish_reasons]
+        return cls(**lists, columns=columns, segment_starts=segs, finish_reasons=reasons)
 
     @classmethod
     def of_samples(cls, rows: Sequence[Trajectory]) -> "TrajectoryBatch":
@@ -247,7 +272,16 @@ class TrajectoryBatch:
         )
         if not all(math.isnan(s) for s in scores):
             batch.columns["score"] = torch.tensor(scores, dtype=COLUMNS["score"])
+        if all(r.finish_reason is not None for r in rows):
+            batch.finish_reasons = [r.finish_reason for r in rows]
         return batch
+
+    @property
+    def group_id(self) -> str:
+        """The id of this batch's one group (an engine's output); ``ValueError`` for several groups."""
+        if len(self.group_ids) != 1:
+            raise ValueError(f"a batch of {len(self.group_ids)} groups has no one group_id; read group_ids")
+        return self.group_ids[0]
 
     # ---- the wire --------------------------------------------------------------------------
     @property
@@ -323,6 +357,7 @@ class TrajectoryBatch:
             "prompt_ids": [p for p, k in zip(prompts, sizes) for _ in range(k)],
             "score": self.score.tolist() if self.score is not None else [math.nan] * n,
             "segment_starts": [s or None for s in self.segment_starts] if self.segment_starts else [None] * n,
+            "finish_reason": self.finish_reasons or [None] * n,
         }
         for name in TOKEN_COLUMNS:
             t = self.columns.get(name)
@@ -335,6 +370,10 @@ class TrajectoryBatch:
                 setattr(row, name, values[i])
             rows.append(row)
         return rows
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.sample_ids)
 
 
 _REQUIRED = frozenset(COLUMNS) - OPTIONAL
@@ -376,7 +415,7 @@ def _meta(where: str, meta) -> TrajectoryMeta:
         raise ProtocolError(f"{where}: {e}") from None
 
 
-def _as_column(x, name: str) -> torch.Tensor:
+def as_column(x, name: str) -> torch.Tensor:
     """``x`` as a 1D tensor of the dtype of column ``name`` (kept as is when it already is one)."""
     dtype = COLUMNS[name]
     if isinstance(x, torch.Tensor):

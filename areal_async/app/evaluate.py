@@ -123,7 +123,7 @@ def sample_completions(
     while engine.has_work():
         cores.pace()  # cluster.share_cores: the periodic evaluator's threads, step by step
         done.update({g.group_id: g for g in engine.step()})
-    return [[decode(smp.output_ids) for smp in done[f"eval-{i}"].samples] for i in range(len(prompts))]
+    return [[decode(smp.output_ids) for smp in done[f"eval-{i}"].samples()] for i in range(len(prompts))]
 
 
 def score_completions(pool, problems: Sequence[Problem], completions: list[list[str]]) -> list[list]:

@@ -7,6 +7,10 @@ A rollout worker drives an engine from one thread::
         done = engine.step()           # every active sequence advances by one token
         ...                            # ship finished groups; maybe engine.update_weights(v, sd)
 
+A finished group is what the trainer receives, the one trajectory type (``protocols.trajectories``):
+a ``TrajectoryBatch`` of the group (``group_output``, or ``group_rows`` of its ``sample_row`` rows),
+with the engine's ``finish_reasons``; the rollout worker sends it as it is.
+
 Covered here: the contract (types, call order, what versions and logprobs mean). Not covered:
 any implementation (``torch_engine.TorchEngine`` is the CPU/GPU embedded one; an SGLang engine
 sits beside it), networking, scheduling policy.
@@ -14,12 +18,13 @@ sits beside it), networking, scheduling policy.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-from protocols.trajectories import TrajectoryBatch
+from protocols.trajectories import Trajectory, TrajectoryBatch, as_column
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -36,6 +41,17 @@ class GenRequest:
     top_p: float = 1.0
     greedy: bool = False
     stop_token_ids: tuple[int, ...] = ()  # eos always stops too
+    sample_ids: tuple[str, ...] = ()  # the n samples' ids (none given: "<group_id>/<i>")
+
+    @functools.cached_property
+    def ids(self) -> list[str]:
+        """The samples' ids, made once."""
+        return list(self.sample_ids) if self.sample_ids else [f"{self.group_id}/{i}" for i in range(self.n)]
+
+    @functools.cached_property
+    def prompt(self) -> torch.Tensor:
+        """``prompt_ids`` as the prompt column (int32), made once: a group's rows share it."""
+        return as_column(self.prompt_ids, "prompt_ids")
 
     def validate(self) -> "GenRequest":
         """Raise ``ValueError`` naming the first bad field; return self."""
@@ -45,6 +61,7 @@ class GenRequest:
             (self.max_new_tokens >= 1, "max_new_tokens", "an integer >= 1"),
             (self.greedy or self.temperature > 0, "temperature", "> 0 (or greedy=True)"),
             (0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+            (len(self.sample_ids) in (0, self.n), "sample_ids", f"none or n={self.n} ids"),
         ]
         for ok, name, expected in checks:
             if not ok:
@@ -52,113 +69,31 @@ class GenRequest:
         return self
 
 
-@dataclass
-class SampleOutput:
-    """One finished sample. ``logprobs``/``versions`` align with ``output_ids``.
-
-    1D tensors (int64 ids, float32 logprobs, int64 versions), so a sample goes from the engine to
-    the trainer's packed batch without a per-token Python list; lists given by an engine that
-    produces them (e.g. from an HTTP reply) are converted here, once.
-    """
-
-    output_ids: torch.Tensor
-    # behaviour logprob of each generated token: log_softmax(logits / temperature)[token], before
-    # top-p truncation; greedy uses temperature 1.
-    logprobs: torch.Tensor
-    versions: torch.Tensor  # policy version of the weights that produced each token
-    finish_reason: str  # "stop" | "length" | "abort"
-
-    def __post_init__(self) -> None:
-        self.output_ids = torch.as_tensor(self.output_ids, dtype=torch.long)
-        self.logprobs = torch.as_tensor(self.logprobs, dtype=torch.float32)
-        self.versions = torch.as_tensor(self.versions, dtype=torch.long)
-        n = self.output_ids.numel()
-        if self.output_ids.dim() != 1 or self.logprobs.shape != (n,) or self.versions.shape != (n,):
-            raise ValueError(
-                f"SampleOutput: output_ids {tuple(self.output_ids.shape)}, logprobs "
-                f"{tuple(self.logprobs.shape)}, versions {tuple(self.versions.shape)}; expected "
-                "three 1D tensors of one length"
-            )
-
-    @classmethod
-    def of_tensors(
-        cls, output_ids: torch.Tensor, logprobs: torch.Tensor, versions: torch.Tensor, finish_reason: str
-    ) -> "SampleOutput":
-        """Without ``__post_init__``'s conversions and checks (a measurable cost per sample in a
-        decode loop): for an engine whose three tensors are already 1D int64 / float32 / int64
-        of one length."""
-        sample = cls.__new__(cls)
-        sample.output_ids, sample.logprobs, sample.versions = output_ids, logprobs, versions
-        sample.finish_reason = finish_reason
-        return sample
+def group_output(req: GenRequest, lengths, output_ids, logprobs, versions, reasons, **more) -> TrajectoryBatch:
+    """A finished group as an engine gives it: ``req``'s first ``len(lengths)`` samples, their outputs end to
+    end (``lengths[i]`` tokens of sample i), with their finish reasons; ``more``: other per-token columns by
+    name. Tensors already of their column's dtype (int32 ids and versions, float32 logprobs) are kept as
+    they are; lists are converted once."""
+    ids = req.ids[: len(lengths)]
+    batch = TrajectoryBatch.group(req.group_id, ids, req.prompt, lengths, output_ids, logprobs, versions, **more)
+    batch.finish_reasons = list(reasons)
+    return batch
 
 
-@dataclass
-class PackedSamples:
-    """A group's samples laid end to end: sample i's ids, logprobs and versions are the i-th
-    ``lengths`` slices of ``output_ids`` (int64), ``logprobs`` (float32) and ``versions`` (int64).
-    The form an engine that decodes many rows at once produces without a tensor view per sample,
-    and the one a trajectory message (``to_batch``, ``protocols.trajectories``) carries."""
-
-    output_ids: torch.Tensor
-    logprobs: torch.Tensor
-    versions: torch.Tensor
-    lengths: list[int]
-    finish_reasons: list[str]
-
-    @classmethod
-    def of_samples(cls, samples: list[SampleOutput]) -> "PackedSamples":
-        cat = lambda name: torch.cat([getattr(s, name) for s in samples])  # noqa: E731
-        return cls(
-            cat("output_ids"),
-            cat("logprobs"),
-            cat("versions"),
-            [s.output_ids.numel() for s in samples],
-            [s.finish_reason for s in samples],
-        )
-
-    def to_batch(self, group_id: str, sample_ids: list[str], prompt_ids) -> TrajectoryBatch:
-        """This group as a trajectory batch (its wire dtypes: one conversion of each tensor)."""
-        return TrajectoryBatch.group(
-            group_id, sample_ids, prompt_ids, self.lengths, self.output_ids, self.logprobs, self.versions
-        )
-
-    def split(self) -> list[SampleOutput]:
-        """One ``SampleOutput`` per sample (views of the packed tensors)."""
-        parts = (x.split(self.lengths) for x in (self.output_ids, self.logprobs, self.versions))
-        return [SampleOutput.of_tensors(*p, why) for *p, why in zip(*parts, self.finish_reasons)]
+def sample_row(req: GenRequest, index: int, output_ids, logprobs, versions, reason: str, **more) -> Trajectory:
+    """Sample ``index`` of ``req``, finished (an engine that finishes samples one at a time: an HTTP reply, a
+    row set aside); ``more``: other per-token columns by name; ``group_rows`` joins a group's rows. Not
+    checked: an aborted sample may have no token."""
+    cols = {"output_ids": output_ids, "logprobs": logprobs, "versions": versions, **more}
+    cols = {name: as_column(x, name) for name, x in cols.items()}  # (kept as they are when of its dtype)
+    return Trajectory.row(
+        sample_id=req.ids[index], group_id=req.group_id, prompt_ids=req.prompt, finish_reason=reason, **cols
+    )
 
 
-class GroupOutput:
-    """A finished group's n samples, as ``samples`` (one ``SampleOutput`` each) or ``packed``
-    (``PackedSamples``): an engine gives either form and the other is built from it on first use
-    (split into views, or concatenated), so a consumer reads whichever it needs."""
-
-    def __init__(
-        self, group_id: str, samples: list[SampleOutput] | None = None, packed: PackedSamples | None = None
-    ) -> None:
-        if (samples is None) == (packed is None):
-            raise ValueError(f"GroupOutput {group_id!r}: expected exactly one of samples and packed")
-        self.group_id, self._samples, self._packed = group_id, samples, packed
-
-    @property
-    def samples(self) -> list[SampleOutput]:
-        if self._samples is None:
-            self._samples = self._packed.split()
-        return self._samples
-
-    @property
-    def packed(self) -> PackedSamples:
-        if self._packed is None:
-            self._packed = PackedSamples.of_samples(self._samples)
-        return self._packed
-
-    @property
-    def n_samples(self) -> int:
-        return len(self._samples if self._samples is not None else self._packed.lengths)
-
-    def __repr__(self) -> str:
-        return f"GroupOutput({self.group_id!r}, {self.n_samples} samples)"
+def group_rows(rows: list[Trajectory]) -> TrajectoryBatch:
+    """A group's finished rows (``sample_row``) as its batch (one copy of each column)."""
+    return TrajectoryBatch.of_samples(rows)
 
 
 ON_WEIGHTS = ("recompute", "keep", "finish")  # rollout.on_weights
@@ -187,7 +122,7 @@ class RolloutEngine(ABC):
         """Queue a group; it starts at the next ``step`` without waiting for running ones."""
 
     @abstractmethod
-    def step(self) -> list[GroupOutput]:
+    def step(self) -> list[TrajectoryBatch]:
         """Advance every active sequence by one token; return the groups whose n samples all finished."""
 
     @abstractmethod
@@ -199,7 +134,7 @@ class RolloutEngine(ABC):
         """Load weights of ``version``; running samples resume under them (their new tokens carry it)."""
 
     @abstractmethod
-    def abort_all(self) -> list[GroupOutput]:
+    def abort_all(self) -> list[TrajectoryBatch]:
         """Finish everything now: unfinished samples keep their tokens and get finish_reason "abort"."""
 
     def in_flight(self) -> bool:

@@ -3,8 +3,8 @@
 ``WorkerEngine.generate`` turns one call into a one-sample request on the worker's
 ``EngineThread`` (the same engine, batching and weight switches as plain sampling; so a
 generation interrupted by new weights continues under them and its tokens carry both
-versions) and awaits its ``SampleOutput``. ``Episodes`` owns the worker's episodes: it runs a
-``GenerateRequest``'s n episodes as tasks it counts, bounds and cancels, and returns them in
+versions) and awaits its row (``protocols.trajectories.Trajectory``). ``Episodes`` owns the worker's
+episodes: it runs a ``GenerateRequest``'s n episodes as tasks it counts, bounds and cancels, and returns them in
 sample order, each checked (``episode_problem``). ``ErrorWindow`` counts the failed ones.
 """
 

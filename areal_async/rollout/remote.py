@@ -41,9 +41,11 @@ from typing import Optional
 
 import torch
 
+from protocols.trajectories import TrajectoryBatch
+
 from areal_async.base.process import Unfixable
 from areal_async.rollout.http_json import HTTPStatusError
-from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, GroupOutput, RolloutEngine, SampleOutput
+from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_rows, sample_row
 
 log = logging.getLogger("areal_async.rollout.remote")
 
@@ -117,7 +119,7 @@ class ServerClient(ABC):
 @dataclass
 class _Group:
     req: GenRequest
-    samples: list  # SampleOutput | None per sample index
+    samples: list  # per sample index: its row (``engine.sample_row``) once finished, else None
     left: int
 
 
@@ -200,14 +202,14 @@ class RemoteEngine(RolloutEngine):
     def has_work(self) -> bool:
         return bool(self.groups)
 
-    def step(self) -> list[GroupOutput]:
+    def step(self) -> list[TrajectoryBatch]:
         self._revive()
         self._dispatch()
         if not self.inflight:
             time.sleep(self.poll_s)
             return []
         done, _ = wait(list(self.inflight), timeout=self.poll_s, return_when=FIRST_COMPLETED)
-        finished: list[GroupOutput] = []
+        finished: list[TrajectoryBatch] = []
         for f in done:
             finished += self._collect(f)
         return finished
@@ -252,7 +254,7 @@ class RemoteEngine(RolloutEngine):
             self.queue = deque(smp for smp in self.queue if smp.group.req.group_id in self.groups)
         return out
 
-    def abort_all(self) -> list[GroupOutput]:
+    def abort_all(self) -> list[TrajectoryBatch]:
         for s in self.servers:
             if s.up:
                 try:
@@ -262,8 +264,8 @@ class RemoteEngine(RolloutEngine):
         wait(list(self.inflight), timeout=5.0)
         out = []
         for g in self.groups.values():
-            g.samples = [s or SampleOutput([], [], [], "abort") for s in g.samples]
-            out.append(GroupOutput(g.req.group_id, list(g.samples)))
+            g.samples = [s or sample_row(g.req, i, [], [], [], "abort") for i, s in enumerate(g.samples)]
+            out.append(group_rows(g.samples))
         self.groups, self.queue, self.inflight = {}, deque(), {}
         return out
 
@@ -300,7 +302,7 @@ class RemoteEngine(RolloutEngine):
             self.queue.remove(smp)
         return smp
 
-    def _collect(self, f: Future) -> list[GroupOutput]:
+    def _collect(self, f: Future) -> list[TrajectoryBatch]:
         smp, srv = self.inflight.pop(f)
         srv.load -= 1
         if self.groups.get(smp.group.req.group_id) is not smp.group:  # its group was aborted meanwhile
@@ -318,20 +320,20 @@ class RemoteEngine(RolloutEngine):
         reason = "length" if c.finish_reason == "abort" and smp.remaining <= 0 else c.finish_reason
         return self._finish(smp, reason)
 
-    def _requeue(self, smp: _Sample) -> list[GroupOutput]:
+    def _requeue(self, smp: _Sample) -> list[TrajectoryBatch]:
         smp.attempts += 1
         self.resubmitted += 1
         self.queue.appendleft(smp)
         return []
 
-    def _finish(self, smp: _Sample, reason: str) -> list[GroupOutput]:
+    def _finish(self, smp: _Sample, reason: str) -> list[TrajectoryBatch]:
         g = smp.group
-        g.samples[smp.index] = SampleOutput(smp.out, smp.logp, smp.ver, reason)
+        g.samples[smp.index] = sample_row(g.req, smp.index, smp.out, smp.logp, smp.ver, reason)
         g.left -= 1
         if g.left:
             return []
         del self.groups[g.req.group_id]
-        return [GroupOutput(g.req.group_id, list(g.samples))]
+        return [group_rows(g.samples)]
 
     # ---- failures ------------------------------------------------------------------------
     def _down(self, srv: _Server, err: Exception) -> None:

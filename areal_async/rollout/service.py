@@ -62,7 +62,7 @@ from protocols.sockets import make_socket, send_message
 from protocols.trajectories import TrajectoryBatch
 
 from areal_async.base.process import Unfixable
-from areal_async.rollout.engine import GenRequest, GroupOutput, RolloutEngine
+from areal_async.rollout.engine import GenRequest, RolloutEngine
 from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRequest, WorkerEngine
 from areal_async.rollout.record import RolloutRecord
 from areal_async.base.records import RewardRecord
@@ -231,6 +231,7 @@ def _gen_request(r: GenerateRequest) -> GenRequest:
         top_p=r.top_p,
         greedy=r.greedy,
         stop_token_ids=tuple(r.stop_token_ids),
+        sample_ids=tuple(r.sample_ids),
     )
 
 
@@ -417,11 +418,11 @@ class RolloutService:
             else:
                 for group, req in payload:
                     if isinstance(req, SubRequest) and not req.future.done():
-                        req.future.set_result(group.samples[0])
+                        req.future.set_result(group.samples()[0])
                 await self._publish_groups([(g, r) for g, r in payload if not isinstance(r, SubRequest)])
             self._note_waiting()
 
-    async def _publish_groups(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
+    async def _publish_groups(self, items: list[tuple[TrajectoryBatch, GenerateRequest]]) -> None:
         """The groups one engine step finished: every group's tensors go out from the sender thread
         (one hop for all) while this loop decodes the texts and sends their reward requests, in one
         Batch of RewardRequest a reward worker (``reward_batches``); once both are out, one
@@ -433,15 +434,15 @@ class RolloutService:
             return
         groups = [self._trajectory(group, req) for group, req in items]
         if self.record is not None:  # before the tensors: whatever the trainer gets was recorded produced
-            self.record.groups(groups, outputs=[g.packed.output_ids.split(list(g.packed.lengths)) for g, _ in items])
+            self.record.groups(groups, outputs=[g.output_ids.split(g.lengths) for g, _ in items])
         # built and sent from the sender thread: a gloo/NCCL send blocks until the trainer takes it, and
         # the loop (heartbeats) must not
         sent = asyncio.get_running_loop().run_in_executor(self._sender, self._send_all, items)
-        texts = iter(self.decode([ids for g, _ in items for ids in _split_list(g.packed.output_ids, g.packed.lengths)]))
+        texts = iter(self.decode([ids for g, _ in items for ids in _split_list(g.output_ids, g.lengths)]))
         requests = [
             RewardRequest(
                 group_id=req.group_id,
-                sample_ids=list(req.sample_ids[: group.n_samples]),
+                sample_ids=list(group.sample_ids),
                 completions=[next(texts) for _ in range(group.n_samples)],
                 solutions=req.solutions,
                 prompt=self.question(req.prompt_ids) if self.question is not None else "",
@@ -453,10 +454,9 @@ class RolloutService:
         await sent  # before TrajectoryReady: the trainer may be asked for the group next
         await self._trajectories_ready(groups)
 
-    def _send_all(self, items: list[tuple[GroupOutput, GenerateRequest]]) -> None:
+    def _send_all(self, items: list[tuple[TrajectoryBatch, GenerateRequest]]) -> None:
         """The groups' tensors as few messages as ``message_bytes`` allows (``trajectory_messages``)."""
-        groups = [g.packed.to_batch(req.group_id, req.sample_ids[: g.n_samples], req.prompt_ids) for g, req in items]
-        for batch in trajectory_messages(groups, self.message_bytes):
+        for batch in trajectory_messages([g for g, _ in items], self.message_bytes):
             self.traj.send(*batch.encode())
 
     async def _trajectories_ready(self, groups: list[TrajectoryReady]) -> None:
@@ -465,18 +465,17 @@ class RolloutService:
         self.n_samples += sum(len(g.sample_ids) for g in groups)
         self.control.stats.update(samples=self.n_samples, busy_s=round(self.engine.busy_s, 3))
 
-    def _trajectory(self, group: GroupOutput, req: GenerateRequest) -> TrajectoryReady:
-        packed = group.packed
-        versions = _split_list(packed.versions, packed.lengths)  # one call a group, not reductions a sample
+    def _trajectory(self, group: TrajectoryBatch, req: GenerateRequest) -> TrajectoryReady:
+        versions = _split_list(group.versions, group.lengths)  # one call a group, not reductions a sample
         return TrajectoryReady(
             group_id=req.group_id,
             worker_id=self.worker_id,
             n_prompt_tokens=len(req.prompt_ids),
-            sample_ids=list(req.sample_ids[: group.n_samples]),
-            n_output_tokens=list(packed.lengths),
+            sample_ids=list(group.sample_ids),
+            n_output_tokens=list(group.lengths),
             version_min=[min(v) if v else -1 for v in versions],
             version_max=[max(v) if v else -1 for v in versions],
-            finish_reasons=list(packed.finish_reasons),
+            finish_reasons=list(group.finish_reasons),
         )
 
     # ---- workflow episodes ---------------------------------------------------------------

@@ -68,7 +68,7 @@ from areal_async.rollout.sglang_http import make_http_server
 from areal_async.rollout.sglang_lora import TwinLora
 from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
 from areal_async.rollout import weight_group as W
-from areal_async.rollout.engine import GenRequest, GroupOutput
+from areal_async.rollout.engine import GenRequest
 from areal_async.rollout.server_auth import server_key
 from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
 
@@ -141,11 +141,12 @@ class CpuSGLangServer(TwinLora):
                 with torch.inference_mode():
                     self._deliver(self.engine.step())
 
-    def _deliver(self, groups: list[GroupOutput]) -> None:
+    def _deliver(self, groups: list) -> None:
+        """Answer the waiters of the finished groups (``TrajectoryBatch``, one sample each)."""
         for g in groups:
             w = self.waiters.pop(g.group_id, None)
             if w is not None:  # None: cancelled by /abort_request, already answered
-                w.result = self._response(w, g.samples[0])
+                w.result = self._response(w, g.samples()[0])
                 w.done.set()
 
     def _response(self, w: _Waiter, s) -> dict:
@@ -437,7 +438,7 @@ class _Aborted:
 
 
 def _as_list(x) -> list:
-    """A SampleOutput field (a 1D tensor, or a list) as plain Python numbers for JSON."""
+    """A row's per-token field (a 1D tensor, or a list) as plain Python numbers for JSON."""
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 

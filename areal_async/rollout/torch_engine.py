@@ -48,8 +48,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from protocols.trajectories import COLUMNS, TrajectoryBatch
+
 from areal_async.models.lora import EngineAdapter
-from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, GroupOutput, PackedSamples, RolloutEngine, SampleOutput
+from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_output, group_rows, sample_row
 from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
 from areal_async.rollout.kv_cache import LAYOUTS, KVCache, default_layout
 from areal_async.rollout.kv_decoder import make_decoder
@@ -64,7 +66,7 @@ _ROW_PAD = {"out_BW": 0, "logp_BW": 0.0, "ver_BW": -1, "stop_BW": -1}
 @dataclass
 class _Group:
     req: GenRequest
-    # per sample index: its SampleOutput once its finished row left the batch before the group
+    # per sample index: its row (``engine.sample_row``) once its finished row left the batch before the group
     # ended (compaction, weight update), else None (the row is still in its cohort)
     samples: list
     reasons: list  # finish reason per sample index, None while it runs
@@ -196,8 +198,8 @@ class TorchEngine(RolloutEngine):
         return bool(self.pending or self.cohorts)
 
     @torch.inference_mode()
-    def step(self) -> list[GroupOutput]:
-        finished: list[GroupOutput] = []
+    def step(self) -> list[TrajectoryBatch]:
+        finished: list[TrajectoryBatch] = []
         for cohort in self.cohorts:
             finished += self._decode(cohort)
         self.cohorts = [c for c in self.cohorts if c.rows]
@@ -268,13 +270,13 @@ class TorchEngine(RolloutEngine):
                 c.rows = []
         return out
 
-    def abort_all(self) -> list[GroupOutput]:
-        out: list[GroupOutput] = []
+    def abort_all(self) -> list[TrajectoryBatch]:
+        out: list[TrajectoryBatch] = []
         for cohort in self.cohorts:
             self._compact(cohort)  # every row left is running now
             out += self._finish_rows(cohort, list(range(len(cohort.rows))), ["abort"] * len(cohort.rows))
         for g in self.pending:
-            out.append(GroupOutput(g.req.group_id, [SampleOutput([], [], [], "abort") for _ in range(g.req.n)]))
+            out.append(group_output(g.req, [0] * g.req.n, [], [], [], ["abort"] * g.req.n))
         self.pending, self.cohorts = [], []
         self.live_ids.clear()
         return out
@@ -301,12 +303,12 @@ class TorchEngine(RolloutEngine):
         """Bytes the running cohorts' KV caches hold."""
         return sum(c.cache.nbytes for c in self.cohorts)
 
-    def _admit_pending(self) -> list[GroupOutput]:
+    def _admit_pending(self) -> list[TrajectoryBatch]:
         """Prefill queued groups in chunks of max_batch_groups (each row's first token is sampled
         from the prefill), then merge what still runs into running cohorts. With a KV budget, a
         chunk is cut to what fits beside the live caches; the rest waits for rows to finish."""
         cap, pending, self.pending = self.max_batch_groups, self.pending, []
-        finished: list[GroupOutput] = []
+        finished: list[TrajectoryBatch] = []
         while pending:
             chunk = pending[: self._admissible(pending[:cap])]
             if not chunk:
@@ -333,7 +335,7 @@ class TorchEngine(RolloutEngine):
         else:
             self.cohorts.append(new)
 
-    def _new_cohort(self, groups: list[_Group]) -> tuple[_Cohort, list[GroupOutput]]:
+    def _new_cohort(self, groups: list[_Group]) -> tuple[_Cohort, list[TrajectoryBatch]]:
         """Prefill each group's prompt once, repeat that cache row for its n samples and sample
         every row's first token from the prompt's last logits."""
         room = max(g.req.max_new_tokens for g in groups)
@@ -400,7 +402,7 @@ class TorchEngine(RolloutEngine):
 
     # ---- decoding ------------------------------------------------------------------------------
 
-    def _decode(self, c: _Cohort) -> list[GroupOutput]:
+    def _decode(self, c: _Cohort) -> list[TrajectoryBatch]:
         """One single-token forward for every row of ``c``; sample; retire finished rows."""
         t = c.t
         assert t["mask_BT"].shape[1] == c.cache.T, "cohort mask and KV cache disagree"
@@ -409,7 +411,7 @@ class TorchEngine(RolloutEngine):
         t["pos_B"], t["mask_BT"] = t["pos_B"] + 1, mask_BT
         return self._emit(c, logits_BV)
 
-    def _emit(self, c: _Cohort, logits_BV: torch.Tensor) -> list[GroupOutput]:
+    def _emit(self, c: _Cohort, logits_BV: torch.Tensor) -> list[TrajectoryBatch]:
         """Sample every row's next token from ``logits_BV``, record it, retire finished rows."""
         t = c.t
         tok_B, logp_B = sample_tokens(logits_BV, t["temp_B"], t["top_p_B"], t["greedy_B"], self.gen, c.mode)
@@ -423,7 +425,7 @@ class TorchEngine(RolloutEngine):
         t["next_B"] = tok_B
         return self._retire(c, tok_B)
 
-    def _retire(self, c: _Cohort, tok_B: torch.Tensor) -> list[GroupOutput]:
+    def _retire(self, c: _Cohort, tok_B: torch.Tensor) -> list[TrajectoryBatch]:
         """Finish the live rows that hit a stop token or their length. Finished rows stay in the
         batch (decoded, ignored, their outputs kept) until a quarter of it has finished: re-indexing
         the KV cache costs about as much as a decode step, so it is not done every time a row ends."""
@@ -443,7 +445,7 @@ class TorchEngine(RolloutEngine):
             self._compact(c)
         return finished
 
-    def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[GroupOutput]:
+    def _finish_rows(self, c: _Cohort, idx: list[int], reasons: list[str]) -> list[TrajectoryBatch]:
         """Record rows ``idx`` of ``c`` as finished for ``reasons``; return the groups this ends."""
         ended, row_of, live_ids = [], c.rows, self.live_ids
         for i, why in zip(idx, reasons):
@@ -455,7 +457,7 @@ class TorchEngine(RolloutEngine):
                 live_ids.discard(g.req.group_id)
         return self._outputs(c, ended) if ended else []
 
-    def _outputs(self, c: _Cohort, ended: list[_Group]) -> list[GroupOutput]:
+    def _outputs(self, c: _Cohort, ended: list[_Group]) -> list[TrajectoryBatch]:
         """The outputs of groups ``ended`` (all samples finished; their rows still in ``c``, but
         those set aside): one copy of all their rows' tokens, each group a slice of it."""
         in_batch = {id(g): sum(s is None for s in g.samples) for g in ended}  # rows each has in c
@@ -475,15 +477,15 @@ class TorchEngine(RolloutEngine):
         out = []
         for (g, a, k), *parts in zip(spans, ids, logps, vers):
             if k == len(g.samples):  # none set aside
-                out.append(GroupOutput(g.req.group_id, packed=PackedSamples(*parts, lens[a : a + k], g.reasons)))
+                out.append(group_output(g.req, lens[a : a + k], *parts, g.reasons))
             else:
                 self._set_aside(c, idx[a : a + k], lens[a : a + k], parts)
-                out.append(GroupOutput(g.req.group_id, list(g.samples)))
+                out.append(group_rows(g.samples))
         return out
 
     def _rows_flat(self, c: _Cohort, idx: list[int]) -> tuple[list[int], list[torch.Tensor]]:
         """Output lengths of rows ``idx`` of ``c`` and their generated ids, logprobs and versions,
-        each field of all those rows end to end in one new CPU tensor."""
+        each field of all those rows end to end in one new CPU tensor of its column's dtype (``COLUMNS``)."""
         t = c.t
         whole = len(idx) == len(c.rows)  # idx is then every row in order
         rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
@@ -495,14 +497,15 @@ class TorchEngine(RolloutEngine):
         # the kept cells' flat positions once, then one gather per field (a boolean index per field
         # would find them three times)
         flat = kept_RW.view(-1).nonzero().view(-1)
-        return n_gen.tolist(), [x.reshape(-1).index_select(0, flat).cpu() for x in fields]
+        dtypes = (COLUMNS["output_ids"], COLUMNS["logprobs"], COLUMNS["versions"])
+        return n_gen.tolist(), [x.reshape(-1).index_select(0, flat).to("cpu", d) for x, d in zip(fields, dtypes)]
 
     def _set_aside(self, c: _Cohort, idx: list[int], lens: list[int], flats: list[torch.Tensor]) -> None:
-        """Rows ``idx`` of ``c`` (finished) as their groups' SampleOutputs: views of ``flats``."""
-        make = SampleOutput.of_tensors
+        """Rows ``idx`` of ``c`` (finished) as their groups' rows: views of ``flats``."""
+        make = sample_row
         for i, o, lp, v in zip(idx, *(f.split(lens) for f in flats)):
             g, s = c.rows[i]
-            g.samples[s] = make(o, lp, v, g.reasons[s])
+            g.samples[s] = make(g.req, s, o, lp, v, g.reasons[s])
 
     def _compact(self, c: _Cohort) -> None:
         """Drop ``c``'s finished rows; those of groups still running are set aside first."""

@@ -97,7 +97,7 @@ class InProcessLoop:
         }
 
     def _generate(self) -> list[tuple]:
-        """[(GroupOutput, problem, prompt ids)] of one batch, decoded as one engine batch."""
+        """[(TrajectoryBatch, problem, prompt ids)] of one batch, decoded as one engine batch."""
         g = self.cfg.gconfig
         reqs = {}
         for _ in range(self.cfg.train_dataset.batch_size):
@@ -114,16 +114,14 @@ class InProcessLoop:
 
     def _score(self, groups: list[tuple]) -> list:
         """The plain loop: the prompt encoded again per group, per sample one decode and the engine's
-        per-sample views (``GroupOutput.samples``), the prompt a list converted per trajectory."""
+        per-sample views (``TrajectoryBatch.samples``), the prompt a list converted per trajectory."""
         trajs = []
         for out, problem, _ in groups:
-            prompt = self.encode(problem.prompt)
-            for i, s in enumerate(out.samples):
+            prompt, gid = self.encode(problem.prompt), out.group_id
+            for i, s in enumerate(out.samples()):
                 text = self.tok.decode(s.output_ids, skip_special_tokens=True)
                 score = float(self.reward_fn(text, list(problem.solutions)))
-                trajs.append(
-                    Trajectory(f"{out.group_id}-{i}", out.group_id, prompt, s.output_ids, s.logprobs, s.versions, score)
-                )
+                trajs.append(Trajectory(f"{gid}-{i}", gid, prompt, s.output_ids, s.logprobs, s.versions, score))
         return trajs
 
     def _score_packed(self, groups: list[tuple]) -> list:
@@ -131,13 +129,11 @@ class InProcessLoop:
         batch decoded in one call (one ``tolist`` per group), and per group one prompt tensor and
         ``split_with_sizes`` views of its packed ids, logprobs and versions."""
         texts = iter(
-            self.decode_batch(
-                [ids for out, _, _ in groups for ids in _split_list(out.packed.output_ids, out.packed.lengths)]
-            )
+            self.decode_batch([ids for out, _, _ in groups for ids in _split_list(out.output_ids, out.lengths)])
         )
         trajs = []
         for out, problem, prompt_ids in groups:
-            p, gid, sols = out.packed, out.group_id, list(problem.solutions)
+            p, gid, sols = out, out.group_id, list(problem.solutions)
             prompt = torch.as_tensor(prompt_ids, dtype=torch.int32)
             cols = (x.split_with_sizes(p.lengths) for x in (p.output_ids, p.logprobs, p.versions))
             for i, (ids, logp, vers) in enumerate(zip(*cols)):

@@ -27,7 +27,7 @@ def _engine_outputs(model, dev: str) -> dict[str, list]:
     done = {}
     while engine.has_work():
         done.update({o.group_id: o for o in engine.step()})
-    return {g: [(s.output_ids.tolist(), s.logprobs.float().cpu()) for s in o.samples] for g, o in done.items()}
+    return {g: [(s.output_ids.tolist(), s.logprobs.float().cpu()) for s in o.samples()] for g, o in done.items()}
 
 
 @torch.no_grad()

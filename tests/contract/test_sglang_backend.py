@@ -48,7 +48,7 @@ def run_all(engine: RemoteEngine, deadline_s: float = 120.0) -> dict:
     while engine.has_work():
         assert time.monotonic() - t < deadline_s, "generation did not finish"
         for g in engine.step():
-            out[g.group_id] = SimpleNamespace(samples=[plain(s) for s in g.samples])
+            out[g.group_id] = SimpleNamespace(samples=[plain(s) for s in g.samples()])
     return out
 
 
@@ -186,14 +186,14 @@ def test_a_killed_server_loses_no_sample_and_comes_back_with_the_current_weights
             engine.add_request(GenRequest(f"g{g}", prompt, 8, 48))
         first = engine.step()  # dispatches every sample; the kill follows at once (~0.1 s of generation left here)
         os.kill(p0.pid, signal.SIGKILL)
-        groups = {g.group_id: SimpleNamespace(samples=[plain(s) for s in g.samples]) for g in first}  # done already
+        groups = {g.group_id: SimpleNamespace(samples=[plain(s) for s in g.samples()]) for g in first}  # done already
         t = time.monotonic()
         while engine.servers[0].up:  # the in-flight requests fail: the server is marked down
             assert time.monotonic() - t < 120, "the killed server was not marked down"
             if not engine.has_work():  # all done before the kill (a faster server): one more group meets it
                 engine.add_request(GenRequest(f"g{n_groups}", prompt, 8, 48))
                 n_groups += 1
-            groups.update((g.group_id, SimpleNamespace(samples=[plain(s) for s in g.samples])) for g in engine.step())
+            groups.update((g.group_id, SimpleNamespace(samples=[plain(s) for s in g.samples()])) for g in engine.step())
         groups.update(run_all(engine))
         assert sorted(groups) == sorted(f"g{g}" for g in range(n_groups))
         for grp in groups.values():
@@ -264,7 +264,7 @@ def test_finish_lets_the_running_requests_end_under_the_old_weights(server):
     done, t = {}, time.monotonic()
     while engine.in_flight():
         assert time.monotonic() - t < 120, "the running requests did not end"
-        done.update((g.group_id, [plain(s) for s in g.samples]) for g in engine.step())
+        done.update((g.group_id, [plain(s) for s in g.samples()]) for g in engine.step())
     assert list(done) == ["old"] and len(engine.queue) == 4 and not engine.inflight  # "new" never sent
     engine.update_weights(1, b.state_dict())
     engine.hold_new(False)

@@ -72,7 +72,7 @@ def client(server, **kw) -> VLLMClient:
 
 
 class S:
-    """A finished sample as lists (SampleOutput holds tensors)."""
+    """A finished sample as lists (an engine's row holds tensors)."""
 
     def __init__(self, s):
         self.output_ids, self.logprobs = s.output_ids.tolist(), s.logprobs.tolist()
@@ -81,7 +81,7 @@ class S:
 
 class G:
     def __init__(self, g):
-        self.samples = [S(s) for s in g.samples]
+        self.samples = [S(s) for s in g.samples()]
 
 
 def run_all(engine: RemoteEngine, deadline_s: float = 1200.0) -> dict:

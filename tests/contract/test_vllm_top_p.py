@@ -78,7 +78,7 @@ def test_vllm_processed_logprobs_are_the_nucleus_renormalised(tmp_path, monkeypa
         engine.add_request(GenRequest("g", prompt, 8, 10, temperature=T, top_p=TOP_P))
         samples = []
         while engine.has_work():
-            samples += [s for g in engine.step() for s in g.samples]
+            samples += [s for g in engine.step() for s in g.samples()]
     finally:
         stop(proc)
     model64 = build_model(cfg.model, len(tok), 11).double().eval()

@@ -101,7 +101,7 @@ def run_all(engine):
                         versions=torch.as_tensor(s.versions).tolist(),
                         finish_reason=s.finish_reason,
                     )
-                    for s in g.samples
+                    for s in g.samples()
                 ]
             )
     return done

@@ -135,7 +135,7 @@ def generate(engine: TorchEngine, reqs: list[GenRequest], update_after: int = 0,
     out, steps = {}, 0
     while engine.has_work():
         for g in engine.step():
-            out[g.group_id] = g.samples
+            out[g.group_id] = g.samples()
         steps += 1
         if steps == update_after:
             engine.update_weights(1, sd)

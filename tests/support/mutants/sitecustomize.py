@@ -118,7 +118,7 @@ def patch_rollout(mod) -> None:
     def _groups_from_thread(self, groups, requests):
         if groups and claim("mislabeled"):
             g = groups[0]
-            g.packed.versions = g.packed.versions + 1  # a new tensor: the engine's own buffers stay as they are
+            g.versions = g.versions + 1  # a new tensor: the engine's own buffers stay as they are
             applied("mislabeled", "rollout", list(requests[g.group_id].sample_ids[: g.n_samples]))
         return orig(self, groups, requests)
 

@@ -12,7 +12,7 @@ from areal_async.data.prompts import Problem, prompt_encoder
 from areal_async.models.tiny import build_model, save_policy
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.reward.pool import RewardPool
-from areal_async.rollout.engine import GroupOutput, RolloutEngine, SampleOutput
+from areal_async.rollout.engine import RolloutEngine, group_rows, sample_row
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -44,13 +44,12 @@ class ScriptedEngine(RolloutEngine):
 
     def step(self):
         done, self.open = self.open, []
-        return [
-            GroupOutput(r.group_id, [self._sample(t) for t in self.answers[tuple(r.prompt_ids)][: r.n]]) for r in done
-        ]
+        return [group_rows([self._sample(r, i, t) for i, t in enumerate(self.answers[tuple(r.prompt_ids)][: r.n])])
+                for r in done]  # fmt: skip
 
-    def _sample(self, text):
+    def _sample(self, req, i, text):
         ids = self.tok.encode(text, add_special_tokens=False)
-        return SampleOutput(ids, [0.0] * len(ids), [self.version] * len(ids), "stop")
+        return sample_row(req, i, ids, [0.0] * len(ids), [self.version] * len(ids), "stop")
 
     def has_work(self):
         return bool(self.open)

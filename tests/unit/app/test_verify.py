@@ -23,7 +23,7 @@ import torch
 from areal_async.app.verify import Problem, verify_run
 from areal_async.base.records import roll_back_steps, token_digest
 from areal_async.cli import main as cli_main
-from areal_async.rollout.engine import PackedSamples
+from protocols.trajectories import TrajectoryBatch
 from areal_async.trainer.record import TrainerRecord, sample_versions, step_line
 from areal_async.trainer.buffer import TrajectoryBuffer
 from protocols.trajectories import Trajectory
@@ -552,14 +552,10 @@ class ListChannel:
 def group(gid: str, sids: list[str], version: int) -> tuple[str, dict, dict]:
     """One group's message as the channel hands it out: (key, meta, tensors)."""
     n = len(sids)
-    packed = PackedSamples(
-        output_ids=torch.arange(2 * n),
-        logprobs=torch.zeros(2 * n),
-        versions=torch.full((2 * n,), version),
-        lengths=[2] * n,
-        finish_reasons=["stop"] * n,
+    batch = TrajectoryBatch.group(
+        gid, sids, [1, 2], [2] * n, torch.arange(2 * n), torch.zeros(2 * n), torch.full((2 * n,), version)
     )
-    key, tensors, meta = packed.to_batch(gid, sids, [1, 2]).encode()
+    key, tensors, meta = batch.encode()
     return key, meta, tensors
 
 

@@ -88,7 +88,7 @@ def _engine_logprobs(merged: bool, adapter: dict, spec: lora.LoraSpec, lean: boo
     out = {}
     while engine.has_work():
         out.update({o.group_id: o for o in engine.step()})
-    return {g: [(s.output_ids.tolist(), s.logprobs) for s in o.samples] for g, o in sorted(out.items())}
+    return {g: [(s.output_ids.tolist(), s.logprobs) for s in o.samples()] for g, o in sorted(out.items())}
 
 
 @pytest.mark.parametrize("lean", [True, False])

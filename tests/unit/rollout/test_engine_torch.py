@@ -6,10 +6,12 @@ import time
 import pytest
 import torch
 
+from protocols.trajectories import TrajectoryBatch
+
 from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest, GroupOutput, PackedSamples, SampleOutput
+from areal_async.rollout.engine import GenRequest, group_output, group_rows, sample_row
 from areal_async.rollout.kv_cache import KVCache
 from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
 from areal_async.rollout.sampling import BLOCK, BLOCKED_MIN_V, draw_tokens, sample_tokens
@@ -32,7 +34,7 @@ def _req(gid, prompt, **kw):
     return GenRequest(gid, TOK.encode(prompt), **kw)
 
 
-def _run(engine) -> dict[str, GroupOutput]:
+def _run(engine) -> dict[str, TrajectoryBatch]:
     done = {}
     while engine.has_work():
         done.update({o.group_id: o for o in engine.step()})
@@ -49,7 +51,7 @@ def _ref_logprobs(model, prompt_ids, out_ids, temperature=1.0) -> torch.Tensor:
 
 def _assert_logprobs_match(model, reqs, outs, temperature):
     for r in reqs:
-        for s in outs[r.group_id].samples:
+        for s in outs[r.group_id].samples():
             ref = _ref_logprobs(model, r.prompt_ids, s.output_ids, temperature)
             torch.testing.assert_close(s.logprobs, ref, atol=1e-4, rtol=0)
 
@@ -64,7 +66,7 @@ def test_logprobs_equal_full_forward_with_mixed_prompt_lengths(temperature, top_
     outs = _run(engine)
     assert sorted(outs) == sorted(r.group_id for r in reqs)
     assert all(
-        len(o.samples) == 3 and all(s.versions.tolist() == [0] * len(s.output_ids) for s in o.samples)
+        len(o.samples()) == 3 and all(s.versions.tolist() == [0] * len(s.output_ids) for s in o.samples())
         for o in outs.values()
     )
     _assert_logprobs_match(model, reqs, outs, temperature)
@@ -97,7 +99,7 @@ def test_decoder_logprobs_equal_a_plain_hf_forward_to_1e5(arch, lean, layout):
     outs = _run(engine)
     ends = []
     for r in reqs:
-        for s in outs[r.group_id].samples:
+        for s in outs[r.group_id].samples():
             ref = _ref_logprobs(model, r.prompt_ids, s.output_ids)
             torch.testing.assert_close(s.logprobs, ref, atol=1e-5, rtol=0)
             ids = s.output_ids.tolist()
@@ -120,7 +122,7 @@ def test_group_prompt_is_prefilled_once_and_samples_differ():
     assert prefills == [(3, longest)]  # one forward of the whole prompt, one row per group (not per sample)
     assert shapes[len(prefills)][0] == 12  # then decoding runs over all 3 x 4 samples
     for o in outs.values():
-        assert len({tuple(s.output_ids.tolist()) for s in o.samples}) > 1
+        assert len({tuple(s.output_ids.tolist()) for s in o.samples()}) > 1
 
 
 def test_greedy_and_tiny_top_p_give_identical_samples():
@@ -129,9 +131,9 @@ def test_greedy_and_tiny_top_p_give_identical_samples():
     engine.add_request(_req("greedy", PROMPTS[0], n=4, greedy=True, temperature=0.5))
     engine.add_request(_req("nucleus", PROMPTS[0], n=4, temperature=0.5, top_p=1e-6))
     outs = _run(engine)
-    greedy = [s.output_ids.tolist() for s in outs["greedy"].samples]
+    greedy = [s.output_ids.tolist() for s in outs["greedy"].samples()]
     assert all(g == greedy[0] for g in greedy)
-    assert all(s.output_ids.tolist() == greedy[0] for s in outs["nucleus"].samples)  # nucleus of one token == argmax
+    assert all(s.output_ids.tolist() == greedy[0] for s in outs["nucleus"].samples())  # nucleus of one token == argmax
     req = _req("x", PROMPTS[0])
     _assert_logprobs_match(model, [req], {"x": outs["greedy"]}, 1.0)  # greedy: temperature 1
     _assert_logprobs_match(model, [req], {"x": outs["nucleus"]}, 0.5)  # before top-p truncation
@@ -155,7 +157,7 @@ def test_same_seed_reproduces_samples():
     def sample(seed):
         engine = TorchEngine(model, TOK, seed=seed)
         engine.add_request(_req("g", PROMPTS[2], n=4))
-        return [s.output_ids.tolist() for s in _run(engine)["g"].samples]
+        return [s.output_ids.tolist() for s in _run(engine)["g"].samples()]
 
     assert sample(5) == sample(5)
     assert sample(5) != sample(6)
@@ -172,7 +174,7 @@ def test_request_added_mid_generation_finishes_correctly(max_batch_groups, layou
     engine.add_request(late)
     outs.update(_run(engine))
     assert sorted(outs) == ["first", "late"]
-    assert all(len(s.output_ids) <= 4 for s in outs["late"].samples)
+    assert all(len(s.output_ids) <= 4 for s in outs["late"].samples())
     _assert_logprobs_match(model, [first, late], outs, 1.0)
     assert len(engine.cohorts) == 0 and not engine.has_work()
 
@@ -204,7 +206,7 @@ def test_update_weights_mid_generation_recomputes_the_kv_cache(layout):
     outs.update(_run(engine))
     old.load_state_dict(old_sd)
     for r in reqs:
-        for s in outs[r.group_id].samples:
+        for s in outs[r.group_id].samples():
             k = min(4, len(s.output_ids))
             assert s.versions.tolist() == [4] * k + [5] * (len(s.output_ids) - k)
             ref_old = _ref_logprobs(old, r.prompt_ids, s.output_ids)[:k]
@@ -232,7 +234,7 @@ def test_mismatched_state_dict_is_refused_and_old_weights_keep_working(mutate, m
         engine.update_weights(1, bad)
     assert engine.version == 0
     outs = _run(engine)
-    assert all(s.versions.tolist() == [0] * len(s.output_ids) for s in outs["g"].samples)
+    assert all(s.versions.tolist() == [0] * len(s.output_ids) for s in outs["g"].samples())
     _assert_logprobs_match(model, [req], outs, 1.0)
 
 
@@ -249,15 +251,15 @@ def test_length_stop_tokens_and_eos():
     model = _model()
     engine = TorchEngine(model, TOK, seed=0)
     engine.add_request(_req("len", PROMPTS[0], n=2, max_new_tokens=5, greedy=True))
-    greedy = _run(engine)["len"].samples
+    greedy = _run(engine)["len"].samples()
     assert [(len(s.output_ids), s.finish_reason) for s in greedy] == [(5, "length")] * 2
     first, second = greedy[0].output_ids[:2].tolist()
     engine.add_request(_req("stop", PROMPTS[0], n=2, max_new_tokens=5, greedy=True, stop_token_ids=(second,)))
-    stopped = [(s.output_ids.tolist(), s.finish_reason) for s in _run(engine)["stop"].samples]
+    stopped = [(s.output_ids.tolist(), s.finish_reason) for s in _run(engine)["stop"].samples()]
     assert stopped == [([first, second], "stop")] * 2
     eos_engine = TorchEngine(model, first, seed=0)  # eos given as an id
     eos_engine.add_request(_req("eos", PROMPTS[0], n=1, max_new_tokens=5, greedy=True))
-    assert [(s.output_ids.tolist(), s.finish_reason) for s in _run(eos_engine)["eos"].samples] == [([first], "stop")]
+    assert [(s.output_ids.tolist(), s.finish_reason) for s in _run(eos_engine)["eos"].samples()] == [([first], "stop")]
 
 
 def test_abort_all_returns_unfinished_work_as_abort():
@@ -268,8 +270,8 @@ def test_abort_all_returns_unfinished_work_as_abort():
     engine.add_request(_req("queued", PROMPTS[2], n=3))
     aborted = {o.group_id: o for o in engine.abort_all()}
     assert [o.group_id for o in stepped] == ["short"] and sorted(aborted) == ["queued", "running"]
-    assert [(len(s.output_ids), s.finish_reason) for s in aborted["running"].samples] == [(2, "abort")] * 2
-    assert [(s.output_ids.tolist(), s.finish_reason) for s in aborted["queued"].samples] == [([], "abort")] * 3
+    assert [(len(s.output_ids), s.finish_reason) for s in aborted["running"].samples()] == [(2, "abort")] * 2
+    assert [(s.output_ids.tolist(), s.finish_reason) for s in aborted["queued"].samples()] == [([], "abort")] * 3
     assert not engine.has_work() and engine.step() == []
 
 
@@ -296,7 +298,7 @@ def test_microbenchmark_tokens_per_second():
     start = time.perf_counter()
     outs = _run(engine)
     elapsed = time.perf_counter() - start
-    n_tokens = sum(len(s.output_ids) for o in outs.values() for s in o.samples)
+    n_tokens = sum(len(s.output_ids) for o in outs.values() for s in o.samples())
     assert n_tokens == 16 * 8 * 16
     print(f"\nTorchEngine CPU: {n_tokens} tokens in {elapsed:.3f}s = {n_tokens / elapsed:,.0f} tokens/s")
 
@@ -367,7 +369,7 @@ def test_greedy_tokens_and_logprobs_equal_hf_generate():
             )
         tokens = ref.sequences[0, ids.shape[1] :]
         logp = torch.stack([torch.log_softmax(lg[0].float(), -1)[t] for lg, t in zip(ref.logits, tokens)])
-        for s in outs[f"g{i}"].samples:
+        for s in outs[f"g{i}"].samples():
             assert s.output_ids.tolist() == tokens.tolist()
             torch.testing.assert_close(s.logprobs, logp, atol=1e-5, rtol=0)
 
@@ -455,10 +457,11 @@ def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
     lengths = set()
     for r in reqs:
         o = outs[r.group_id]
-        assert len(o.samples) == 4 and o.packed.lengths == [len(s.output_ids) for s in o.samples]
-        assert o.packed.finish_reasons == [s.finish_reason for s in o.samples]
-        assert torch.equal(o.packed.output_ids, torch.cat([s.output_ids for s in o.samples]))
-        for s in o.samples:
+        assert len(o.samples()) == 4 and o.lengths == [len(s.output_ids) for s in o.samples()]
+        assert o.finish_reasons == [s.finish_reason for s in o.samples()]
+        assert torch.equal(o.output_ids, torch.cat([s.output_ids for s in o.samples()]))
+        assert {(s.output_ids.dtype, s.versions.dtype) for s in o.samples()} == {(torch.int32, torch.int32)}
+        for s in o.samples():
             ids = s.output_ids.tolist()
             stop_at = [i for i, t in enumerate(ids) if t in stops]
             if s.finish_reason == "stop":
@@ -482,38 +485,45 @@ def test_abort_all_keeps_the_samples_that_finished_before_it():
     done = [o for _ in range(2) for o in engine.step()]
     (out,) = engine.abort_all()
     assert done == [] and out.group_id == "g"
-    reasons = [s.finish_reason for s in out.samples]
+    reasons = [s.finish_reason for s in out.samples()]
     assert "stop" in reasons and "abort" in reasons
-    for s in out.samples:
+    for s in out.samples():
         ids = s.output_ids.tolist()
         stopped = [i for i, t in enumerate(ids) if t in stops]
         assert (stopped == [len(ids) - 1]) if s.finish_reason == "stop" else (stopped == [] and len(ids) == 2)
     _assert_logprobs_match(model, [req], {"g": out}, 1.0)
 
 
-def test_group_output_builds_either_form_from_the_other():
-    packed = PackedSamples(
-        torch.tensor([4, 5, 6, 7]),
-        torch.tensor([-0.5, -1.0, -2.0, -0.25]),
-        torch.tensor([3, 3, 4, 4]),
+def test_an_engine_gives_a_group_as_the_trajectory_type_packed_or_from_its_rows():
+    """``group_output`` (an engine with a group's outputs end to end) and ``group_rows`` of ``sample_row``
+    rows (an engine that finishes samples one by one) give the same batch: the request's sample ids and
+    prompt, one dtype a column, the finish reasons; the rows of a batch are views of its tensors."""
+    req = GenRequest("g", [1, 2], n=3, max_new_tokens=4, sample_ids=("a", "b", "c"))
+    packed = group_output(req, [1, 0, 3], torch.tensor([4, 5, 6, 7]), [-0.5, -1.0, -2.0, -0.25], [3, 3, 4, 4],
+                          ["stop", "abort", "length"])  # fmt: skip
+    rows = packed.samples()
+    assert [(s.sample_id, s.output_ids.tolist(), s.logprobs.tolist(), s.versions.tolist(), s.finish_reason)
+            for s in rows] == [
+        ("a", [4], [-0.5], [3], "stop"),
+        ("b", [], [], [], "abort"),
+        ("c", [5, 6, 7], [-1.0, -2.0, -0.25], [3, 4, 4], "length"),
+    ]  # fmt: skip
+    assert rows[2].output_ids.data_ptr() == packed.output_ids.data_ptr() + 4  # int32: one token in
+    one_by_one = [sample_row(req, i, s.output_ids.tolist(), s.logprobs, s.versions, s.finish_reason)
+                  for i, s in enumerate(rows)]  # fmt: skip
+    again = group_rows(one_by_one)
+    assert (again.sample_ids, again.output_ids.tolist(), again.lengths, again.finish_reasons) == (
+        ["a", "b", "c"],
+        [4, 5, 6, 7],
         [1, 0, 3],
         ["stop", "abort", "length"],
     )
-    samples = GroupOutput("g", packed=packed).samples
-    assert [(s.output_ids.tolist(), s.logprobs.tolist(), s.versions.tolist(), s.finish_reason) for s in samples] == [
-        ([4], [-0.5], [3], "stop"),
-        ([], [], [], "abort"),
-        ([5, 6, 7], [-1.0, -2.0, -0.25], [3, 4, 4], "length"),
-    ]
-    again = GroupOutput("g", samples).packed
-    assert (again.output_ids.tolist(), again.lengths, again.finish_reasons) == (
-        [4, 5, 6, 7],
-        [1, 0, 3],
-        packed.finish_reasons,
-    )
-    assert again.versions.tolist() == [3, 3, 4, 4] and GroupOutput("g", samples).n_samples == 3
-    with pytest.raises(ValueError, match="exactly one of samples and packed"):
-        GroupOutput("g", [SampleOutput([1], [0.0], [0], "stop")], packed)
+    assert {t.dtype for t in (again.prompt_ids, again.output_ids, again.versions)} == {torch.int32}
+    assert again.versions.tolist() == [3, 3, 4, 4] and again.group_id == "g" and again.n_samples == 3
+    assert group_output(GenRequest("h", [1], n=2, max_new_tokens=1), [1, 1], [2, 3], [0.0, 0.0], [0, 0],
+                        ["stop"] * 2).sample_ids == ["h/0", "h/1"]  # fmt: skip
+    with pytest.raises(ValueError, match="sample_ids=\\('a',\\), expected none or n=3 ids"):
+        GenRequest("g", [1, 2], n=3, max_new_tokens=4, sample_ids=("a",)).validate()
 
 
 # each layout's shape for capacity 5, 2 layers, 3 kv heads, head dim 4, 6 rows; where its columns and rows are
@@ -595,7 +605,7 @@ def test_a_group_that_cannot_fit_alone_is_refused_naming_its_need():
     assert not eng.has_work()  # nothing was queued
     eng = TorchEngine(_model(), TOK, kv_cache_bytes=need)
     eng.add_request(GenRequest("g", prompt, n=3, max_new_tokens=8))
-    assert len(_run(eng)["g"].samples) == 3
+    assert len(_run(eng)["g"].samples()) == 3
     with pytest.raises(ValueError, match="kv_cache_bytes=-1"):
         TorchEngine(_model(), TOK, kv_cache_bytes=-1)
 
@@ -622,6 +632,6 @@ def test_the_budget_bounds_the_live_caches_and_changes_no_token():
     assert peaks[budget][0] < 4 * 3 and peaks[budget][1] <= budget
 
     def tokens(out):
-        return [s.output_ids.tolist() for s in out.samples]
+        return [s.output_ids.tolist() for s in out.samples()]
 
     assert {g: tokens(o) for g, o in outs[budget].items()} == {g: tokens(o) for g, o in outs[0].items()}

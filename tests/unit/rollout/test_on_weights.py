@@ -44,7 +44,7 @@ def test_keep_decodes_on_the_old_cache_with_the_new_weights(layout):
     outs.update(_run(engine))
     differs = 0
     for r in reqs:
-        for s in outs[r.group_id].samples:
+        for s in outs[r.group_id].samples():
             n, k = len(s.output_ids), min(4, len(s.output_ids))
             assert s.versions.tolist() == [4] * k + [5] * (n - k)  # tokens after the update carry the new version
             torch.testing.assert_close(
@@ -71,8 +71,8 @@ def test_finish_holds_new_groups_until_the_running_ones_end_under_the_old_weight
     engine.update_weights(1, new.state_dict())
     engine.hold_new(False)
     outs.update(_run(engine))
-    assert all(s.versions.tolist() == [0] * len(s.output_ids) for s in outs["a"].samples)
-    for s in outs["b"].samples:  # all of b under the new weights, from its prefill on
+    assert all(s.versions.tolist() == [0] * len(s.output_ids) for s in outs["a"].samples())
+    for s in outs["b"].samples():  # all of b under the new weights, from its prefill on
         assert s.versions.tolist() == [1] * len(s.output_ids)
         torch.testing.assert_close(
             s.logprobs, _ref_logprobs(new, TOK.encode("12+30="), s.output_ids), atol=1e-4, rtol=0
@@ -93,7 +93,7 @@ def test_abort_groups_drops_a_running_and_a_queued_group_and_counts_their_tokens
     outs = _run(engine)
     assert sorted(outs) == ["a", "c"] and engine.live_ids == set()
     for gid, prompt in (("a", "7+5="), ("c", "1")):  # the rows left are undisturbed by the removal
-        for s in outs[gid].samples:
+        for s in outs[gid].samples():
             assert len(s.output_ids) == 12
             torch.testing.assert_close(
                 s.logprobs, _ref_logprobs(model, TOK.encode(prompt), s.output_ids), atol=1e-4, rtol=0
@@ -147,8 +147,8 @@ def test_the_engine_thread_drains_then_loads_under_finish():
         t.stopping.set()
         t.join(5)
     outs = {g.group_id: g for g in got}
-    assert [s.versions.tolist() for s in outs["a"].samples] == [[0] * 40] * 2  # finished under the old weights
-    assert [s.versions.tolist() for s in outs["b"].samples] == [[1] * 5] * 2
+    assert [s.versions.tolist() for s in outs["a"].samples()] == [[0] * 40] * 2  # finished under the old weights
+    assert [s.versions.tolist() for s in outs["b"].samples()] == [[1] * 5] * 2
     ((version, times),) = loaded
     assert version == 1 and times["drain_s"] > 0 and times["load_start"] >= times["received"] + times["drain_s"] - 1e-3
 

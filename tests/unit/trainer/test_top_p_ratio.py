@@ -65,7 +65,7 @@ def sampled():
     trajs = []
     while engine.has_work():
         for o in engine.step():
-            for j, s in enumerate(o.samples):
+            for j, s in enumerate(o.samples()):
                 ids = prompts[o.group_id]
                 trajs.append(
                     Trajectory(f"{o.group_id}.{j}", o.group_id, ids, s.output_ids, s.logprobs, s.versions, j % 2)
