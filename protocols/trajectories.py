@@ -20,6 +20,7 @@ same encode in a file (``trainer/recording.py``). A single group is the one-grou
         versions     int32   (sum of lengths)         policy version of each output token
         loss_mask    bool    (sum of lengths)         optional (a workflow's episodes): True trained
         score        float64 (N)                      optional (the trainer's step: each sample's score)
+        entropy      float32 (sum of lengths)         optional (rollout.token_entropy): the engine's, per token
 
 The columns are declared once, as the fields of ``Trajectory`` made with ``column`` (``COLUMNS``):
 a new per-token field is one ``column`` field there; the batch's building, joining, encoding,
@@ -89,6 +90,8 @@ class Trajectory:
     # positions and attention there (``seq_parts``); None = one sequence
     segment_starts: Optional[list[int]] = None
     finish_reason: Optional[str] = None  # the engine's: "stop" | "length" | "abort" (not on the wire)
+    # per output token: the entropy (nats) of the distribution it was sampled from (rollout.token_entropy)
+    entropy: Optional[torch.Tensor] = column(torch.float32, optional=True, fill=math.nan)
 
     def __post_init__(self) -> None:
         self.score = math.nan if self.score is None else float(self.score)

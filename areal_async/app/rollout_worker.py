@@ -146,6 +146,7 @@ def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path | N
         kv_cache_bytes=int(cfg.rollout.kv_cache_mb * (1 << 20)),
         adapter=adapter,
         on_weights=cfg.rollout.on_weights,
+        token_entropy=cfg.rollout.token_entropy,
     )
 
 

@@ -285,6 +285,12 @@ class RolloutConfig(Section):
         "oldest) or 'finish' (no new sequence starts until they end under the old weights, then the update). "
         "sglang: 'keep' is sglang.pause_mode=in_place; vllm: 'keep' is refused (docs/running.md#weight-updates).",
     )
+    token_entropy: bool = _f(
+        False,
+        "The embedded engine (rollout.backend=torch, plain sampling) also gives each generated token the entropy of "
+        "the distribution it was sampled from (one more pass over the logits a token, 4 more bytes a token on the "
+        "wire); the trainer reports their mean over trained tokens as rollout_entropy, beside its own entropy.",
+    )
     over_provision: float = _f(
         0.0,
         "Long tail (APRIL): start ceil(F x batch_size) groups beyond the staleness budget while a group can still "
@@ -303,6 +309,12 @@ class RolloutConfig(Section):
             "backend",
             self.backend,
             "'torch', 'vllm', 'vllm:dN', 'sglang' or 'sglang:dN' with N >= 1",
+        )
+        require(
+            not self.token_entropy or (self.backend == "torch" and not self.episodic),
+            "token_entropy",
+            self.token_entropy,
+            "false unless rollout.backend=torch samples plainly (no workflow or agent): only that engine gives it",
         )
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)

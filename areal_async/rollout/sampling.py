@@ -92,6 +92,15 @@ def sample_tokens(
     return tok_B, logits_BV.gather(1, tok_B[:, None]).squeeze(1) - lse_B
 
 
+def token_entropy(logits_BV: torch.Tensor, temp_B: torch.Tensor, greedy_B: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of each row's sampling distribution softmax(logits / T), T = 1 for greedy, before top-p
+    truncation: the distribution ``sample_tokens``' behaviour logprob is taken from. A pass over the logits
+    more, made only when asked (``rollout.token_entropy``)."""
+    z_BV = logits_BV.float() / torch.where(greedy_B, torch.ones_like(temp_B), temp_B)[:, None]
+    logp_BV = torch.log_softmax(z_BV, dim=-1)
+    return -(logp_BV.exp() * logp_BV).sum(-1)
+
+
 def _sample_top_p(logits_BV, top_p_B, greedy_B, gen, mode: SamplingMode) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample_tokens`` with some rows' top-p < 1: the nucleus drawn from the normalised probabilities."""
     logp_BV = torch.log_softmax(logits_BV, dim=-1)

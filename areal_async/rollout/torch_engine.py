@@ -55,12 +55,12 @@ from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, RolloutEngine, gr
 from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
 from areal_async.rollout.kv_cache import LAYOUTS, KVCache, default_layout
 from areal_async.rollout.kv_decoder import make_decoder
-from areal_async.rollout.sampling import SamplingMode, sample_tokens
+from areal_async.rollout.sampling import SamplingMode, sample_tokens, token_entropy
 
 # Per-row tensors of a cohort and how each is padded when two cohorts merge:
 # "_B" no padding; "_BW" right-padded along dim 1 (generated-token buffers, stop sets);
 # "mask_BT" left-padded along dim 1 like the KV cache it describes.
-_ROW_PAD = {"out_BW": 0, "logp_BW": 0.0, "ver_BW": -1, "stop_BW": -1}
+_ROW_PAD = {"out_BW": 0, "logp_BW": 0.0, "ver_BW": -1, "stop_BW": -1, "ent_BW": 0.0}
 
 
 @dataclass
@@ -119,6 +119,11 @@ class _Cohort:
         self.mode = self.mode.merge(other.mode)
 
 
+def _more(parts: list) -> dict:
+    """The optional per-token columns after ids, logprobs and versions (``_rows_flat``'s order)."""
+    return {"entropy": parts[3]} if len(parts) > 3 else {}
+
+
 def _pad_row(name: str, x: torch.Tensor, T: int, W: int, S: int) -> torch.Tensor:
     if name == "mask_BT":
         return _pad_dim(x, 1, T, 0, left=True)
@@ -141,6 +146,7 @@ class TorchEngine(RolloutEngine):
     model's head dim and device).
     ``adapter``: a LoRA run's ``models.lora.EngineAdapter`` on ``model`` (built on it before this engine):
     ``update_weights`` then takes the adapter's tensors alone and applies them through it.
+    ``token_entropy``: also give each token's sampling entropy (the ``entropy`` column; ``rollout.token_entropy``).
     """
 
     def __init__(
@@ -156,6 +162,7 @@ class TorchEngine(RolloutEngine):
         adapter: Optional[EngineAdapter] = None,
         kv_layout: Optional[str] = None,
         on_weights: str = "recompute",
+        token_entropy: bool = False,
     ):
         if on_weights not in ON_WEIGHTS:
             raise ValueError(f"on_weights={on_weights!r}: expected one of {ON_WEIGHTS}")
@@ -185,6 +192,7 @@ class TorchEngine(RolloutEngine):
         self.kv_peak_bytes = 0  # the most bytes the live KV caches held between two steps
         self.update_split: dict[str, float] = {}  # the last update_weights: load_s (copy), recompute_s (KV)
         self.on_weights, self._hold = on_weights, False
+        self.token_entropy = token_entropy
 
     # ---- the seam ------------------------------------------------------------------------------
 
@@ -380,6 +388,8 @@ class TorchEngine(RolloutEngine):
         t["out_BW"] = torch.zeros(B, W, dtype=torch.long, device=dev)
         t["logp_BW"] = torch.zeros(B, W, dtype=torch.float32, device=dev)
         t["ver_BW"] = torch.full((B, W), -1, dtype=torch.long, device=dev)
+        if self.token_entropy:
+            t["ent_BW"] = torch.zeros(B, W, dtype=torch.float32, device=dev)
         return t
 
     def _prefill(self, contexts: list[list[int]], room: int, with_logits: bool = False):
@@ -421,6 +431,8 @@ class TorchEngine(RolloutEngine):
         t["out_BW"].scatter_(1, col_B1, tok_B[:, None])
         t["logp_BW"].scatter_(1, col_B1, logp_B[:, None])
         t["ver_BW"].scatter_(1, col_B1, self.version)
+        if self.token_entropy:
+            t["ent_BW"].scatter_(1, col_B1, token_entropy(logits_BV, t["temp_B"], t["greedy_B"])[:, None])
         t["n_gen_B"] += t["live_B"]
         t["next_B"] = tok_B
         return self._retire(c, tok_B)
@@ -473,11 +485,11 @@ class TorchEngine(RolloutEngine):
             spans.append((g, start, k))
             start += k
         sizes = [sum(lens[a : a + k]) for _, a, k in spans]
-        ids, logps, vers = (f.split_with_sizes(sizes) for f in flats)  # no Tensor.split wrapper
+        cols = [f.split_with_sizes(sizes) for f in flats]  # no Tensor.split wrapper
         out = []
-        for (g, a, k), *parts in zip(spans, ids, logps, vers):
+        for (g, a, k), *parts in zip(spans, *cols):
             if k == len(g.samples):  # none set aside
-                out.append(group_output(g.req, lens[a : a + k], *parts, g.reasons))
+                out.append(group_output(g.req, lens[a : a + k], *parts[:3], g.reasons, **_more(parts)))
             else:
                 self._set_aside(c, idx[a : a + k], lens[a : a + k], parts)
                 out.append(group_rows(g.samples))
@@ -490,22 +502,22 @@ class TorchEngine(RolloutEngine):
         whole = len(idx) == len(c.rows)  # idx is then every row in order
         rows = None if whole else torch.tensor(idx, dtype=torch.long, device=self.device)
         n_gen = t["n_gen_B"] if whole else t["n_gen_B"].index_select(0, rows)
-        fields = [t[k] for k in ("out_BW", "logp_BW", "ver_BW")]
+        fields = [t[k] for k in ("out_BW", "logp_BW", "ver_BW", "ent_BW") if k in t]
         if not whole:
             fields = [x.index_select(0, rows) for x in fields]
         kept_RW = torch.arange(fields[0].shape[1], device=self.device)[None, :] < n_gen[:, None]
         # the kept cells' flat positions once, then one gather per field (a boolean index per field
         # would find them three times)
         flat = kept_RW.view(-1).nonzero().view(-1)
-        dtypes = (COLUMNS["output_ids"], COLUMNS["logprobs"], COLUMNS["versions"])
+        dtypes = (COLUMNS["output_ids"], COLUMNS["logprobs"], COLUMNS["versions"], COLUMNS["entropy"])
         return n_gen.tolist(), [x.reshape(-1).index_select(0, flat).to("cpu", d) for x, d in zip(fields, dtypes)]
 
     def _set_aside(self, c: _Cohort, idx: list[int], lens: list[int], flats: list[torch.Tensor]) -> None:
         """Rows ``idx`` of ``c`` (finished) as their groups' rows: views of ``flats``."""
         make = sample_row
-        for i, o, lp, v in zip(idx, *(f.split(lens) for f in flats)):
+        for i, (o, lp, v, *more) in zip(idx, zip(*(f.split(lens) for f in flats))):
             g, s = c.rows[i]
-            g.samples[s] = make(g.req, s, o, lp, v, g.reasons[s])
+            g.samples[s] = make(g.req, s, o, lp, v, g.reasons[s], **_more([o, lp, v, *more]))
 
     def _compact(self, c: _Cohort) -> None:
         """Drop ``c``'s finished rows; those of groups still running are set aside first."""

@@ -126,6 +126,15 @@ class _Batch:
         return values if where is None else values.index_select(0, where.to(values.device))
 
 
+def rollout_entropy(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The engine's mean token entropy over the trained tokens (``rollout.token_entropy``; none: no metric),
+    beside the trainer's own ``entropy``: a gap between them is the engine and the trainer disagreeing."""
+    parts = [t.entropy if t.loss_mask is None else t.entropy[t.loss_mask] for t in trajs if t.entropy is not None]
+    ent = torch.cat(parts) if parts else torch.empty(0)
+    ent = ent[~ent.isnan()]  # a row without the column beside rows with it (filled with NaN)
+    return {"rollout_entropy": float(ent.mean())} if ent.numel() else {}
+
+
 def enable_checkpointing(model: torch.nn.Module) -> None:
     """``actor.gradient_checkpointing``: HF's per-layer activation checkpointing (non-reentrant), which
     the lean forward honours too (``lean_forward.lean_hidden``); ``ValueError`` for a model without it."""
@@ -288,7 +297,7 @@ class PPOActor:
         m["optimizer_steps"] = float(len(grad_norms) - skipped)
         m["masked_tokens"] = float((~batch.mask).sum())  # workflow env tokens, not trained
         m |= masked_block(float(batch.mask.sum()), stats.n_rejected, float(batch.n_m2po))
-        return m | self._mismatch(batch)
+        return m | self._mismatch(batch) | rollout_entropy(trajs)
 
     def _mismatch(self, batch: _Batch) -> dict[str, float]:
         """trainer/mismatch.py's columns: over the whole batch when its proximal logprobs were computed

@@ -102,7 +102,7 @@ def _bad_messages():
         ({**meta, "sample_ids": ["a", "b", 3]}, t, "trajectory_meta.sample_ids: expected list\\[str\\]"),
         ("not a map", t, "body is str"),
         (meta, {k: v for k, v in t.items() if k != "versions"}, "tensors \\[.*\\]; expected \\[.*'versions'\\]"),
-        (meta, {**t, "extra": torch.zeros(1)}, "expected .* and optionally \\['loss_mask', 'score'\\]"),
+        (meta, {**t, "extra": torch.zeros(1)}, "expected .* and optionally \\['entropy', 'loss_mask', 'score'\\]"),
         (meta, {**t, "output_ids": t["output_ids"].long()}, "output_ids is torch.int64 of shape \\(6,\\)"),
         (meta, {**t, "logprobs": t["logprobs"].view(2, 3)}, "logprobs is torch.float32 of shape \\(2, 3\\)"),
         ({**meta, "prompt_lengths": [2, 1]}, t, "prompt_ids has 4 entries; expected 3 \\(the prompt lengths' sum\\)"),

@@ -28,9 +28,10 @@ def test_the_columns_are_the_row_fields_declared_with_column_one_dtype_each():
         "versions": torch.int32,
         "score": torch.float64,
         "loss_mask": torch.bool,
+        "entropy": torch.float32,
     }
-    assert TOKEN_COLUMNS == ("output_ids", "logprobs", "versions", "loss_mask")
-    assert OPTIONAL == {"score", "loss_mask"}
+    assert TOKEN_COLUMNS == ("output_ids", "logprobs", "versions", "loss_mask", "entropy")
+    assert OPTIONAL == {"score", "loss_mask", "entropy"}
 
 
 def test_rows_encode_to_bytes_written_by_hand_and_decode_to_the_same_rows():

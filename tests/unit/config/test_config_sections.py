@@ -67,6 +67,8 @@ BAD = [
     (GenerationConfig, {"stop_token_ids": 2}, "stop_token_ids=2", "a list"),
     (RolloutConfig, {"backend": "sglang:d0"}, "backend='sglang:d0'", "'sglang:dN' with N >= 1"),
     (RolloutConfig, {"backend": "tgi"}, "backend='tgi'", "'vllm:dN'"),
+    (RolloutConfig, {"backend": "sglang", "token_entropy": True}, "token_entropy=True", "only that engine gives"),
+    (RolloutConfig, {"workflow": "m:W", "token_entropy": True}, "token_entropy=True", "(no workflow or agent)"),
     (VLLMConfig, {"probe_atol": 0}, "probe_atol=0", "> 0"),
     (VLLMConfig, {"addresses": ["localhost:8000"]}, "addresses='localhost:8000'", "http://host:port"),
     (VLLMConfig, {"keep_versions": 0}, "keep_versions=0", ">= 1"),

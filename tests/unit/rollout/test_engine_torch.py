@@ -635,3 +635,32 @@ def test_the_budget_bounds_the_live_caches_and_changes_no_token():
         return [s.output_ids.tolist() for s in out.samples()]
 
     assert {g: tokens(o) for g, o in outs[budget].items()} == {g: tokens(o) for g, o in outs[0].items()}
+
+
+def test_token_entropy_is_each_tokens_sampling_entropy_from_a_full_forward():
+    """``token_entropy``: every generated token comes with the entropy of softmax(logits / T) it was drawn from
+    (before top-p), here against ``torch.distributions.Categorical`` over one full no-cache forward; rows set
+    aside (stop tokens end samples at different steps) and whole groups alike; off, no entropy column."""
+    model = _model()
+    stops = tuple(range(0, len(TOK), 3))
+    engine = TorchEngine(model, -1, seed=3, version=0, token_entropy=True)
+    set_aside, real_set_aside = [], engine._set_aside
+    engine._set_aside = lambda c, idx, *a: (set_aside.append(len(idx)), real_set_aside(c, idx, *a))
+    reqs = [_req(f"g{i}", p, n=4, temperature=0.7, top_p=0.9, stop_token_ids=stops) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        engine.add_request(r)
+    outs = _run(engine)
+    assert set_aside  # the set-aside path ran
+    for r in reqs:
+        assert outs[r.group_id].entropy.dtype == torch.float32
+        for s in outs[r.group_id].samples():
+            with torch.no_grad():
+                logits_TV = model(torch.tensor([r.prompt_ids + s.output_ids.tolist()])).logits[0].float()
+            at = logits_TV[len(r.prompt_ids) - 1 : -1] / 0.7
+            torch.testing.assert_close(
+                s.entropy, torch.distributions.Categorical(logits=at).entropy(), atol=1e-4, rtol=0
+            )
+    plain = TorchEngine(model, -1, seed=3, version=0)
+    plain.add_request(_req("p", PROMPTS[0]))
+    out = _run(plain)["p"]
+    assert out.entropy is None and list(out.encode()[1]) == ["prompt_ids", "output_ids", "logprobs", "versions"]

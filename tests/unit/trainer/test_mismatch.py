@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
-from areal_async.trainer.actor import PPOActor
+from protocols.trajectories import Trajectory
+
+from areal_async.trainer.actor import PPOActor, rollout_entropy
+from areal_async.trainer.dp import decode_batch, encode_batch
 from areal_async.trainer.mismatch import ess_fraction, mismatch_metrics, nearest_rank
 from tests.unit.trainer.test_trainer_actor import boba_cfg, make_trajs, tiny_model
 
@@ -73,3 +76,17 @@ def test_the_actor_reports_the_gap_by_lag(n_minibatches):
     assert m["logp_gap_p99"] == pytest.approx(3.0, abs=1e-4)
     e3 = math.exp(3.0)  # six weights e^3, six 1: (6 e^3 + 6)^2 / (12 (6 e^6 + 6))
     assert m["ess_frac"] == pytest.approx((e3 + 1) ** 2 / (2 * (e3 * e3 + 1)), rel=1e-3)
+
+
+def test_rollout_entropy_is_the_engines_mean_over_trained_tokens_by_hand():
+    """Rows with the engine's entropy (one masked), one without (no column: NaN when broadcast beside them)."""
+    a = Trajectory("a", "g", [1], [2, 3], [-1.0, -1.0], [0, 0], 1.0, entropy=[0.5, 1.5])
+    b = Trajectory("b", "g", [1], [4, 5, 6], [-1.0] * 3, [0] * 3, 0.0, loss_mask=[True, False, True],
+                   entropy=[2.0, 9.0, 4.0])  # fmt: skip
+    c = Trajectory("c", "h", [1], [7], [-1.0], [0], 0.0)
+    want = (0.5 + 1.5 + 2.0 + 4.0) / 4  # the masked 9.0 is not trained
+    assert rollout_entropy([a, b, c]) == {"rollout_entropy": pytest.approx(want)}
+    back = decode_batch(encode_batch([a, b, c]))  # the rank broadcast carries the column as it is
+    assert back[1].entropy.tolist() == [2.0, 9.0, 4.0] and math.isnan(back[2].entropy.item())
+    assert rollout_entropy(back) == {"rollout_entropy": pytest.approx(want)}
+    assert rollout_entropy([c]) == {}  # no engine gave it: no metric
