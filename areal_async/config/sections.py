@@ -310,12 +310,8 @@ class RolloutConfig(Section):
             self.backend,
             "'torch', 'vllm', 'vllm:dN', 'sglang' or 'sglang:dN' with N >= 1",
         )
-        require(
-            not self.token_entropy or (self.backend == "torch" and not self.episodic),
-            "token_entropy",
-            self.token_entropy,
-            "false unless rollout.backend=torch samples plainly (no workflow or agent): only that engine gives it",
-        )
+        plain_torch = self.backend == "torch" and not self.episodic  # the one engine that gives token entropy
+        require(not self.token_entropy or plain_torch, "token_entropy", True, "false unless backend=torch, no workflow")
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)
