@@ -255,8 +255,14 @@ class SchedulerCore:
 
         Each sample is checked on its own: a refused one (unknown, of another group, already
         final, reported twice) changes nothing, and the others of the message still count."""
-        led, gid, sids, n_tokens = self.ledger, m.group_id, m.sample_ids, m.n_output_tokens
-        whys, took = led.record_generated(gid, sids, n_tokens, m.version_min, m.version_max, m.finish_reasons, m.turns)
+        return self.on_generated(
+            m.group_id, m.sample_ids, m.n_output_tokens, m.version_min, m.version_max, m.finish_reasons, m.turns
+        )
+
+    def on_generated(self, gid: str, sids, n_tokens, vmins, vmaxs, finishes, turns) -> Optional[str]:
+        """``on_trajectory`` from a ``TrajectoryReady``'s fields (a ``Batch``'s columns: no message object)."""
+        led = self.ledger
+        whys, took = led.record_generated(gid, sids, n_tokens, vmins, vmaxs, finishes, turns)
         if whys:  # a group aborted while it ran (past a deadline, a straggler) finished anyway: wasted tokens
             self.tail.wasted += self._late_tokens(sids, n_tokens)
         if took:  # once per message: a per-sample check costs n^2 per group
@@ -291,8 +297,12 @@ class SchedulerCore:
 
     def on_reward(self, m: RewardResult) -> Optional[str]:
         """Record the scores of one group's samples; per-sample refusal as in ``on_trajectory``."""
-        led, gid = self.ledger, m.group_id
-        whys, took = led.record_rewarded(gid, m.sample_ids, m.scores, m.statuses)
+        return self.on_scored(m.group_id, m.sample_ids, m.scores, m.statuses)
+
+    def on_scored(self, gid: str, sids, scores, statuses) -> Optional[str]:
+        """``on_reward`` from a ``RewardResult``'s fields (a ``Batch``'s columns: no message object)."""
+        led = self.ledger
+        whys, took = led.record_rewarded(gid, sids, scores, statuses)
         if took and led.check_ready(gid):
             self._on_ready(gid)
         return "; ".join(whys) or None

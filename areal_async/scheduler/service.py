@@ -225,7 +225,12 @@ class SchedulerService:
 
     async def _batch(self, wid: str, m: Batch) -> None:
         """Several messages of one type (an engine step's groups, a reward worker's scores): each handled as
-        if it had come alone (the sender's role was checked for their type)."""
+        if it had come alone (the sender's role was checked for their type); generated groups and scores are
+        booked from the batch's columns, item by item in order, with no message object an item."""
+        if m.kind == "trajectory_ready":
+            return self._generated_columns(wid, m.columns)
+        if m.kind == "reward_result":
+            return self._scored_columns(wid, m.columns)
         handler = self._handler_map.get(m.item_type)
         if handler is None or handler == self._batch:
             raise ValueError(f"scheduler does not accept {m.kind!r} messages")
@@ -283,25 +288,40 @@ class SchedulerService:
                 await self.send(m.worker_id, self.latest_weights)
 
     async def _trajectory(self, wid: str, m: TrajectoryReady) -> None:
-        why = self.core.on_trajectory(m)
-        if why:
-            log.warning("ignored trajectory from %s: %s", wid, why)
-        else:
-            self._count(wid, "generated", len(m.sample_ids))
+        c = m.__dict__  # a message's fields under the names a batch's columns have
+        self._generated_columns(wid, {k: [v] for k, v in c.items()})
+
+    def _generated_columns(self, wid: str, c: dict) -> None:
+        """The groups of ``TrajectoryReady`` columns, in order; a sample count for each group taken whole."""
+        on_generated, n = self.core.on_generated, 0
+        per_group = zip(c["sample_ids"], c["n_output_tokens"], c["version_min"], c["version_max"], c["finish_reasons"])
+        for gid, (sids, *fields), turns in zip(c["group_id"], per_group, c["turns"]):
+            why = on_generated(gid, sids, *fields, turns)
+            if why:
+                log.warning("ignored trajectory from %s: %s", wid, why)
+            else:
+                n += len(sids)
+        self._count(wid, "generated", n)
 
     async def _reward(self, wid: str, m: RewardResult) -> None:
-        if self.workers[wid].role == "rollout":  # a workflow's own rewards: only for the groups it holds
-            g = self.core.ledger.groups.get(m.group_id)
-            if g is None or g.worker != wid:
-                raise ValueError(
-                    f"rollout worker {wid!r} sent rewards for group {m.group_id!r}, which it does not "
-                    f"hold ({'unknown group' if g is None else 'held by ' + repr(g.worker)})"
-                )
-        why = self.core.on_reward(m)
-        if why:
-            log.warning("ignored reward from %s: %s", wid, why)
-        else:
-            self._count(wid, "rewarded", len(m.sample_ids))
+        self._scored_columns(wid, {k: [v] for k, v in m.__dict__.items()})
+
+    def _scored_columns(self, wid: str, c: dict) -> None:
+        """The groups of ``RewardResult`` columns, in order (a rollout worker's only for groups it holds: the
+        first it does not hold is refused, those before it stay booked and counted)."""
+        on_scored, groups, n = self.core.on_scored, self.core.ledger.groups, 0
+        from_rollout = self.workers[wid].role == "rollout"  # a workflow's own rewards
+        try:
+            for gid, sids, scores, statuses in zip(c["group_id"], c["sample_ids"], c["scores"], c["statuses"]):
+                if from_rollout:
+                    _check_holds(wid, gid, groups.get(gid))
+                why = on_scored(gid, sids, scores, statuses)
+                if why:
+                    log.warning("ignored reward from %s: %s", wid, why)
+                else:
+                    n += len(sids)
+        finally:
+            self._count(wid, "rewarded", n)
 
     def _count(self, wid: str, what: str, n: int) -> None:
         """Samples a worker delivered (per worker: status throughput; in total: the metrics rows)."""
@@ -563,3 +583,12 @@ class SchedulerService:
     def waiting_for(self) -> str:
         """The scheduler's view of what the next trainer step waits for."""
         return waiting_for(self.core, bool(self.role("trainer")), self.rows, self.stopping)
+
+
+def _check_holds(wid: str, gid: str, g) -> None:
+    """ValueError unless rollout worker ``wid`` holds group ``gid`` (its record ``g``; None: unknown)."""
+    if g is None or g.worker != wid:
+        raise ValueError(
+            f"rollout worker {wid!r} sent rewards for group {gid!r}, which it does not "
+            f"hold ({'unknown group' if g is None else 'held by ' + repr(g.worker)})"
+        )

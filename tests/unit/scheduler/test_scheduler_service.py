@@ -194,6 +194,22 @@ async def test_trajectories_ready_books_each_group_once_and_plans_the_batch(tmp_
         assert [svc.core.ledger.samples[sid].n_output_tokens for sid in sids] == [3, 1, 3, 1]
 
 
+async def test_a_rollout_workers_own_scores_in_a_batch_stop_at_the_first_group_it_does_not_hold(tmp_path):
+    """A workflow's own rewards (a rollout worker's Batch of RewardResult): the groups before the first one it
+    does not hold are booked and counted, that one is refused by name, the ones after it are not booked."""
+    async with _fleet(
+        tmp_path, ["train_dataset.batch_size=2", "gconfig.n_samples=2", "rollout.max_head_offpolicyness=0"]
+    ) as (svc, rollout, reward, trainer):
+        a, b = (await _next(rollout, M.Batch)).items()
+        scored = [M.RewardResult(g, "rollout-0", s, [1.0, 0.5], ["ok", "ok"], ["", ""]) for g, s in (
+            (a.group_id, a.sample_ids), ("g77", ["g77.0", "g77.1"]), (b.group_id, b.sample_ids))]  # fmt: skip
+        await send_message(rollout, M.Batch.of(scored))
+        err = await _next(rollout, M.Error)
+        assert err.code == "refused" and "sent rewards for group 'g77', which it does not hold" in err.detail
+        assert [svc.core.ledger.samples[s].score for s in a.sample_ids + b.sample_ids] == [1.0, 0.5, None, None]
+        assert svc.counts["rewarded"] == 2 and svc.workers["rollout-0"].samples == 2
+
+
 async def _complete(rollout, reward, reqs, version: int) -> None:
     """Each group's two samples generated with tokens of `version` and scored."""
     for r in reqs:
