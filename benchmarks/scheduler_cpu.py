@@ -4,15 +4,16 @@
 
 The service (``scheduler/service.py``, built from ``configs/tiny_arith.yaml`` as ``benchmarks.data_path``
 builds it) is driven in this thread by the null fleet's own logic (``scheduler_load.NullFleet``: the same
-answers, the same mix, ``DEFAULT_MIX`` unless ``--heartbeats`` sets its heartbeats per step): each round
-hands the fleet's frames to the service's frame handler (``_take``, up to ``DRAIN_MAX`` frames, then one
-``_drive``, as its router's serve loop does per wakeup) and the service's replies to the fleet. Its books, lines
-and replies are the real ones; what it does not have is ZeroMQ (sends and receives, the I/O thread), the
-event loop's wakeups and a second process. The fleet's time is taken out (``thread_time`` around its
-calls), so ``service_cpu_ms_per_step`` is the service's CPU alone: a figure the machine's load moves much
-less than wall time, for comparing two versions of the service's code in one sitting. It is not the
-figure to extrapolate from (that is ``benchmarks.data_path``'s ``scheduler_service_messages_per_s``: the
-real socket and loop on one core). ``--profile``: a cProfile of the measured steps (the fleet's calls in it too).
+answers, the same mix, ``DEFAULT_MIX`` unless ``--heartbeats`` sets its heartbeats per step): each round hands
+the fleet's frames to the service's frame handler (``_take``, up to ``DRAIN_MAX`` frames, then one ``_drive``
+unless none of them moved anything, as its router's serve loop does per wakeup) and the service's replies to
+the fleet. Its books, lines and replies are the real ones; what it does not have is ZeroMQ (sends and
+receives, the I/O thread), the event loop's wakeups and a second process. The fleet's time is taken out
+(``thread_time`` around its calls), so ``service_cpu_ms_per_step`` is the service's CPU alone: a figure the
+machine's load moves much less than wall time, for comparing two versions of the service's code in one
+sitting. It is not the figure to extrapolate from (that is ``benchmarks.data_path``'s
+``scheduler_service_messages_per_s``: the real socket and loop on one core). ``--profile``: a cProfile of the
+measured steps (the fleet's calls in it too).
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ class Driver:
     async def round(self) -> None:
         frames, self.fleet.inbox = self.fleet.inbox, []
         for i in range(0, len(frames), DRAIN_MAX):
+            moved = False
             for f in frames[i : i + DRAIN_MAX]:
-                await self.svc._take(f)
-            await self.svc._drive()
+                moved = await self.svc._take(f) or moved
+            if moved:  # as the router's serve loop: no drive after frames that change nothing it acts on
+                await self.svc._drive()
         replies, self.outbox = self.outbox, []
         t = time.thread_time()
         for ident, data in replies:

@@ -1,8 +1,9 @@
 """The scheduler's end of the control plane: one ROUTER socket that every worker's DEALER connects to.
 
 It drains what arrived (the frame that woke the loop and those queued behind it, up to ``DRAIN_MAX``,
-then one pass of the caller's ``drive``), decodes each frame once (a bad one is logged, rate-limited per
-peer, and answered with an ``Error``), and sends without a Future a frame while nothing waits before it.
+then one pass of the caller's ``drive`` when one of them may have changed what it acts on), decodes each
+frame once (a bad one is logged, rate-limited per peer, and answered with an ``Error``), and sends without a
+Future a frame while nothing waits before it.
 Both fast paths go through the synchronous shadow of the same socket (``zmq.Socket.shadow``); the asyncio
 socket is used where a wait is needed: the next wake-up, and a send to a peer at its high-water mark (the
 sends after it queue behind it, so one worker's frames keep their order). What the messages mean is
@@ -33,16 +34,18 @@ class Router:
         self._waiting_sends = 0  # sends awaiting the socket (a peer at its high-water mark): later ones queue behind
         self.rejections = RejectionLog(log)  # bad frames and refusals: rate-limited lines, a count per peer a minute
 
-    async def serve(self, take: Callable[[list], Awaitable], drive: Callable[[], Awaitable]) -> None:
+    async def serve(self, take: Callable[[list], Awaitable[bool]], drive: Callable[[], Awaitable]) -> None:
         """Per wakeup: the frame that woke us and those already queued behind it (up to
-        ``DRAIN_MAX``, taken without waiting), each given to ``take`` in order; then one ``drive``."""
+        ``DRAIN_MAX``, taken without waiting), each given to ``take`` in order; then one ``drive``, unless
+        ``take`` said of every frame that it changed nothing ``drive`` acts on (a heartbeat, a ping)."""
         while True:
-            frames, n = await self.sock.recv_multipart(), 0
+            frames, n, moved = await self.sock.recv_multipart(), 0, False
             while frames is not None:
-                await take(frames)
+                moved = await take(frames) or moved
                 n += 1
                 frames = self._queued_frames() if n < DRAIN_MAX else None
-            await drive()
+            if moved:
+                await drive()
 
     def _queued_frames(self) -> Optional[list]:
         """A frame already queued, or None. Read through the synchronous shadow of the socket: the

@@ -99,6 +99,7 @@ from areal_async.scheduler.workers import ROLES, WorkerRecord, WorkerTable
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.scheduler")
+_PASSIVE = (Heartbeat, Ping, StatusRequest)  # messages that change nothing _drive acts on (admit, plan, stop)
 
 
 class SchedulerService:
@@ -173,11 +174,12 @@ class SchedulerService:
             log.error("run failed: %s", self.failure)  # the last line: what the supervisor shows first
         return self.exit_code
 
-    async def _take(self, frames: list) -> None:
-        """One frame: decoded (a bad one refused by the router), counted, handled; a refusal answered."""
+    async def _take(self, frames: list) -> bool:
+        """One frame: decoded (a bad one refused by the router), counted, handled; a refusal answered. False when
+        it changed nothing ``_drive`` acts on (a bad frame, a heartbeat, a ping, a status request): no drive."""
         ident, msg = await self.router.decode(frames)
         if msg is None:
-            return
+            return False
         self._frame = (msg, frames[1])  # the message and its bytes, as checked: a forward sends them unchanged
         key = msg.TYPE if type(msg) is not Batch else f"batch:{msg.kind}"
         self.received[key] = self.received.get(key, 0) + 1
@@ -189,6 +191,7 @@ class SchedulerService:
             why = f"refused {msg.TYPE}"
             self.rejections.reject("scheduler", ident, why, "message %s from %r refused: %s", msg.TYPE, ident, e)
             await self.router.reply_error(ident, "refused", str(e))
+        return type(msg) not in _PASSIVE
 
     # ---- events --------------------------------------------------------------------------
     async def handle(self, ident: bytes, msg: Message) -> None:

@@ -7,8 +7,9 @@ traffic, and a heartbeat costs the service far less than the measured mix's aver
 each). Here the service of ``scheduler_load`` (the same config, ipc control socket, roster, one CPU) has
 its config's workers registered by a paced fleet in a child process, which then sends only heartbeats,
 round-robin from its workers, evenly spaced at ``rate`` a second: each one wakes the service's loop and is
-decoded, checked, booked and followed by a ``_drive`` (with no trainer ready it plans and admits nothing),
-as a lone heartbeat at scale is; the watchdog writes ``status.json`` every ``cluster.heartbeat_s``.
+decoded, checked and booked (before 2026-12-06 17:00 also followed by a ``_drive``, which with no trainer
+ready plans and admits nothing; since then a wakeup of heartbeats alone drives nothing), as a lone heartbeat
+at scale is; the watchdog writes ``status.json`` every ``cluster.heartbeat_s``.
 Measured over ``seconds`` after a settle: the service process's CPU seconds (its thread and ZeroMQ's I/O
 thread) over wall seconds, the heartbeats it took, CPU microseconds per heartbeat. Not in it: the size of
 a 10,000-worker table (``status.json`` lists every worker; this fleet has the config's 4).
