@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from heapq import heapify, heapreplace
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
@@ -207,11 +208,15 @@ class SchedulerCore:
     def _admitted(self, only_short: bool) -> list[tuple[str, GroupRecord, list[int], list[str]]]:
         """(worker, group, prompt ids, solutions) of each group issued now, in issue order (see ``admit``)."""
         out, n = [], self._budget()  # counted once: issuing a group changes only `running`
+        # the worker with the fewest groups (ties: the lowest id) at the heap's top: O(log workers) a group
+        fewest = [(len(r.groups), r.worker_id, r) for r in self.rollouts.values()] if n > 0 else []
+        heapify(fewest)
         while n > 0 and (not only_short or self.running + len(self.ready) < self.short_need()):
             if not self.reissue and self._all_settled():
                 break  # no prompt to issue (a group still in flight may unsettle one)
-            worker = min(self.rollouts.values(), key=lambda r: (len(r.groups), r.worker_id))
-            out.append((worker.worker_id, *self._issue(worker)))
+            k, wid, worker = fewest[0]
+            out.append((wid, *self._issue(worker)))
+            heapreplace(fewest, (k + 1, wid, worker))  # ids are unique: the records are never compared
             n -= 1
         return out
 
