@@ -1,18 +1,21 @@
 """The real SchedulerService's own CPU per trainer step, with no sockets: what its Python costs.
 
-    python -m benchmarks.scheduler_cpu [--steps 1000] [--warmup 5] [--heartbeats H] [--json PATH] [--profile PATH]
+    python -m benchmarks.scheduler_cpu [--steps 1000] [--warmup 5] [--heartbeats H] [--rollouts N] [--json PATH]
+                                       [--profile PATH]
 
-The service (``scheduler/service.py``, built from ``configs/tiny_arith.yaml`` as ``benchmarks.data_path``
-builds it) is driven in this thread by the null fleet's own logic (``scheduler_load.NullFleet``: the same
-answers, the same mix, ``DEFAULT_MIX`` unless ``--heartbeats`` sets its heartbeats per step): each round hands
-the fleet's frames to the service's frame handler (``_take``, up to ``DRAIN_MAX`` frames, then one ``_drive``
-unless none of them moved anything, as its router's serve loop does per wakeup) and the service's replies to
-the fleet. Its books, lines and replies are the real ones; what it does not have is ZeroMQ (sends and
-receives, the I/O thread), the event loop's wakeups and a second process. The fleet's time is taken out
-(``thread_time`` around its calls), so ``service_cpu_ms_per_step`` is the service's CPU alone: a figure the
-machine's load moves much less than wall time, for comparing two versions of the service's code in one
-sitting. It is not the figure to extrapolate from (that is ``benchmarks.data_path``'s
-``scheduler_service_messages_per_s``: the real socket and loop on one core). ``--profile``: a cProfile of the
+The service (``scheduler/service.py``, built from ``configs/tiny_arith.yaml`` as ``benchmarks.data_path`` builds
+it) is driven in this thread by the null fleet's own logic (``scheduler_load.NullFleet``: the same answers, the
+same mix, ``DEFAULT_MIX`` unless ``--heartbeats`` sets its heartbeats per step): each round hands the fleet's
+frames to the service's frame handler (``_take``, up to ``DRAIN_MAX`` frames, then one ``_drive`` unless none of
+them moved anything, as its router's serve loop does per wakeup) and the service's replies to the fleet. Its
+books, lines and replies are the real ones; what it does not have is ZeroMQ (sends and receives, the I/O
+thread), the event loop's wakeups and a second process. The fleet's time is taken out (``thread_time`` around
+its calls), so ``service_cpu_ms_per_step`` is the service's CPU alone: a figure the machine's load moves much
+less than wall time, for comparing two versions of the service's code in one sitting. It is not the figure to
+extrapolate from (that is ``benchmarks.data_path``'s ``scheduler_service_messages_per_s``: the real socket and
+loop on one core). ``--rollouts N``: N rollout workers (``cluster.n_rollout_workers``; the config has 2), for
+what grows with the fleet: every rollout worker gets each ``WeightsPublished`` and answers ``WeightsLoaded``,
+and B groups a step spread over N workers come back in more, smaller messages. ``--profile``: a cProfile of the
 measured steps (the fleet's calls in it too).
 """
 
@@ -74,8 +77,8 @@ class Driver:
         frames, self.fleet.inbox = self.fleet.inbox, []
         for i in range(0, len(frames), DRAIN_MAX):
             moved = False
-            for f in frames[i : i + DRAIN_MAX]:
-                moved = await self.svc._take(f) or moved
+            for f in frames[i : i + DRAIN_MAX]:  # False: nothing a drive acts on (a service before ba62dfe: None)
+                moved = await self.svc._take(f) is not False or moved
             if moved:  # as the router's serve loop: no drive after frames that change nothing it acts on
                 await self.svc._drive()
         replies, self.outbox = self.outbox, []
@@ -97,9 +100,11 @@ class Driver:
         raise RuntimeError(f"step {step} not reached in {max_rounds} rounds")
 
 
-async def measure(mix: sl.Mix, steps: int, warmup: int = 5, profile: str | None = None) -> dict:
-    """``steps`` trainer steps after ``warmup``: the service's CPU per step and per message (see the docstring)."""
-    cfg = load_config(SERVICE_CONFIG, ["total_train_steps=1000000000"])
+async def measure(mix: sl.Mix, steps: int, warmup: int = 5, profile: str | None = None, rollouts: int = 0) -> dict:
+    """``steps`` trainer steps after ``warmup``: the service's CPU per step and per message (see the docstring);
+    ``rollouts`` > 0: that many rollout workers instead of the config's."""
+    over = [f"cluster.n_rollout_workers={rollouts}"] if rollouts > 0 else []
+    cfg = load_config(SERVICE_CONFIG, ["total_train_steps=1000000000", *over])
     with tempfile.TemporaryDirectory(prefix="sched-cpu-") as tmp:
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
@@ -117,7 +122,7 @@ async def measure(mix: sl.Mix, steps: int, warmup: int = 5, profile: str | None 
             fleet.send("trainer", M.WeightsPublished(version=0, manifest=fleet.manifest))
             fleet.send("trainer", M.TrainerReady(version=0, next_step=0))
             await drive.until(warmup)
-            return await _window(drive, warmup + steps, profile)
+            return await _window(drive, warmup + steps, profile) | {"rollouts": len(svc.role("rollout"))}
         finally:
             svc.runlog.close()
             svc.router.close()
@@ -154,17 +159,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--heartbeats", type=float, default=None, help="heartbeats per step (default: the mix's)")
+    ap.add_argument("--rollouts", type=int, default=0, help="rollout workers (default: the config's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="a cProfile of the measured steps, to PATH")
     args = ap.parse_args(argv)
     mix = DEFAULT_MIX if args.heartbeats is None else dataclasses.replace(DEFAULT_MIX, heartbeats=args.heartbeats)
     load0 = os.getloadavg()[0]
-    m = asyncio.run(measure(mix, args.steps, args.warmup, args.profile))
+    m = asyncio.run(measure(mix, args.steps, args.warmup, args.profile, args.rollouts))
     row = {"metric": "scheduler_service_cpu_ms_per_step", "unit": "ms", **m, "mix": dataclasses.asdict(mix)}
     row.update(loadavg_before=load0, loadavg_after=os.getloadavg()[0], cpu_count=os.cpu_count())
     print(
         f"{row['metric']} {row['value']:.3f} ms: {m['steps']} steps, {m['messages']} messages, "
-        f"{m['messages_per_service_cpu_s']:.0f} per service CPU-s{' (profiled)' if args.profile else ''}; "
+        f"{m['messages_per_service_cpu_s']:.0f} per service CPU-s, {m['rollouts']} rollout workers"
+        f"{' (profiled)' if args.profile else ''}; "
         f"load {load0:.2f} -> {row['loadavg_after']:.2f}"
     )
     if args.json:

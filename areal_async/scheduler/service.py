@@ -99,7 +99,8 @@ from areal_async.scheduler.workers import ROLES, WorkerRecord, WorkerTable
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.scheduler")
-_PASSIVE = (Heartbeat, Ping, StatusRequest)  # messages that change nothing _drive acts on (admit, plan, stop)
+# messages that change nothing _drive acts on (admission, plans, the stop): no drive after a wakeup of them alone
+_PASSIVE = (Heartbeat, Ping, StatusRequest, WeightsLoaded, WeightsPublished)
 
 
 class SchedulerService:
@@ -176,7 +177,7 @@ class SchedulerService:
 
     async def _take(self, frames: list) -> bool:
         """One frame: decoded (a bad one refused by the router), counted, handled; a refusal answered. False when
-        it changed nothing ``_drive`` acts on (a bad frame, a heartbeat, a ping, a status request): no drive."""
+        it changed nothing ``_drive`` acts on (a bad frame, ``_PASSIVE``: a heartbeat, weights loaded): no drive."""
         ident, msg = await self.router.decode(frames)
         if msg is None:
             return False
@@ -341,7 +342,7 @@ class SchedulerService:
 
     async def _weights_loaded(self, wid: str, m: WeightsLoaded) -> None:
         self.core.on_weights_loaded(wid, m.version)
-        done = self.weight_updates.loaded(wid, m.version, m.times, self.role("rollout"))
+        done = self.weight_updates.loaded(wid, m.version, m.times, self.workers.ids("rollout"))
         if done:
             log.info(
                 "weights v%d: every rollout generates with them %.3fs after the optimizer step",

@@ -22,7 +22,7 @@ skew adds to ``notify_s``. Updates without ``t_ready`` (the initial weights) are
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Collection, Optional
 
 PHASES = ("publish_s", "notify_s", "receive_s", "queue_s", "load_s", "recompute_s")
 _KEEP = 8  # versions whose loads are still being collected (older ones are forgotten)
@@ -39,13 +39,16 @@ class WeightUpdates:
             for v in sorted(self._pending)[:-_KEEP]:
                 del self._pending[v]
 
-    def loaded(self, wid: str, version: int, times: dict, rollouts: Iterable[str]) -> Optional[dict]:
-        """Book one worker's load; the update's row once every rollout in ``rollouts`` has it, else None."""
+    def loaded(self, wid: str, version: int, times: dict, rollouts: Collection[str]) -> Optional[dict]:
+        """Book one worker's load; the update's row once every rollout in ``rollouts`` (distinct ids) has it, else
+        None. Counted first: the ids are compared only once as many loads as rollouts are in (O(1) a load
+        before that, not O(rollouts): at 1000 workers a version's loads would cost O(workers^2))."""
         p = self._pending.get(version)
         if p is None or not _complete(times):
             return None
-        p["loads"][wid] = times
-        if not set(rollouts) <= set(p["loads"]):
+        loads = p["loads"]
+        loads[wid] = times
+        if len(loads) < len(rollouts) or not all(map(loads.__contains__, rollouts)):
             return None
         del self._pending[version]
         self.last = _row(version, p)

@@ -9,7 +9,7 @@ registrations count goes up by one (restarts = registrations - 1, kept after the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, KeysView, Optional
 
 from protocols import messages as M
 
@@ -85,6 +85,7 @@ class WorkerTable:
         self.records: dict[str, WorkerRecord] = {}
         self.by_ident: dict[bytes, WorkerRecord] = {}  # the routing identity that registered -> its record
         self.registrations: dict[str, int] = {}  # worker_id -> times registered (a lost worker's entry stays)
+        self.of_role: dict[str, dict[str, WorkerRecord]] = {r: {} for r in ROLES}  # in registration order
 
     def __contains__(self, wid: object) -> bool:
         return wid in self.records
@@ -109,6 +110,7 @@ class WorkerTable:
             raise RuntimeError(f"worker {worker_id!r} is registered already: remove its record first")
         rec = self.records[worker_id] = WorkerRecord(worker_id, role, ident, pid, host, since=now, last_seen=now)
         self.by_ident[ident] = rec
+        self.of_role[role][worker_id] = rec
         self.registrations[worker_id] = self.registrations.get(worker_id, 0) + 1
         return rec
 
@@ -134,14 +136,19 @@ class WorkerTable:
     def pop(self, wid: str) -> WorkerRecord:
         rec = self.records.pop(wid)
         self.by_ident.pop(rec.ident, None)
+        self.of_role[rec.role].pop(wid, None)
         return rec
 
     def restarts(self, wid: str) -> int:
         return self.registrations.get(wid, 1) - 1
 
     def role(self, role: str) -> list[str]:
-        """Ids of the workers of ``role``, in registration order."""
-        return [w for w, r in self.records.items() if r.role == role]
+        """Ids of the workers of ``role``, in registration order (a copy)."""
+        return list(self.of_role[role])
+
+    def ids(self, role: str) -> KeysView[str]:
+        """Ids of the workers of ``role``, in registration order: a live view, no copy (a check per message)."""
+        return self.of_role[role].keys()
 
     def silent(self, now: float, timeout_s: float) -> list[tuple[str, float]]:
         """(id, seconds since its last message) of every worker silent for more than ``timeout_s``."""

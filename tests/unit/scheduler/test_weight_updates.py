@@ -29,6 +29,16 @@ def test_the_update_ends_when_the_last_rollout_generates_with_it_and_its_phases_
     assert wu.loaded("r1", 3, slow, rollouts=["r0", "r1"]) is None  # already complete: counted once
 
 
+def test_a_lost_workers_load_does_not_stand_in_for_its_replacements():
+    """r0 loads and is lost, r2 registers: two loads (r0, r1) for two rollouts (r1, r2) are not all of them."""
+    wu = WeightUpdates()
+    wu.published(4, t_ready=10.0, t_sent=10.1)
+    assert wu.loaded("r0", 4, _times(10.2, 10.3, 10.3, 10.4), rollouts=["r0", "r1"]) is None
+    assert wu.loaded("r1", 4, _times(10.2, 10.3, 10.3, 10.5), rollouts=["r1", "r2"]) is None  # r2 still owes it
+    row = wu.loaded("r2", 4, _times(10.2, 10.3, 10.3, 10.9), rollouts=["r1", "r2"])
+    assert row["slowest_worker"] == "r2" and row["workers"] == 3 and row["weight_update_s"] == pytest.approx(0.9)
+
+
 def test_untimed_and_unknown_versions_and_an_engine_without_a_split():
     wu = WeightUpdates()
     wu.published(0, t_ready=0.0, t_sent=5.0)  # the initial weights: no optimizer step to time from

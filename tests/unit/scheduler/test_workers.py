@@ -94,3 +94,15 @@ def test_saves_are_due_every_freq_steps_and_a_confirmation_clears_the_pending_on
     s.confirmed(2)
     assert (s.saved, s.pending) == (2, None)
     assert not any(Saves(SaverConfig(), saved=-1).due(step) for step in range(9))  # off by default
+
+
+def test_the_ids_of_a_role_keep_registration_order_across_a_restart_and_the_view_stays_live():
+    t = table()
+    t.add("rollout-1", "rollout", b"rollout-1", 21, "h", 101.0)
+    view = t.ids("rollout")
+    assert list(view) == ["rollout-0", "rollout-1"] and t.role("trainer") == ["trainer"]
+    t.pop("rollout-0")  # restarted: its new record comes after rollout-1
+    t.add("rollout-0", "rollout", b"rollout-0", 22, "h", 102.0)
+    t.add("reward-0", "reward", b"reward-0", 23, "h", 102.0)
+    assert list(view) == t.role("rollout") == ["rollout-1", "rollout-0"] and len(view) == 2
+    assert t.role("reward") == ["reward-0"] and list(t) == ["trainer", "rollout-1", "rollout-0", "reward-0"]
