@@ -22,8 +22,8 @@ A child is what ``python -m MODULE ARGS`` started by ``subprocess.Popen(start_ne
 ``env`` in ``cwd`` would be, down to: its own session, stdin /dev/null, stdout and stderr appended to
 its log, exactly ``env`` in ``os.environ``, the signal dispositions of a fresh interpreter,
 ``sys.argv`` and ``/proc/PID/cmdline`` (``ps``, and whoever finds a worker by its ``--worker-id``) of
-that command, and a normal interpreter exit (threads joined, ``atexit`` run, exit status from
-``SystemExit``). What differs: the preloaded modules are already in ``sys.modules`` (their import-time
+that command, the garbage collector on, and a normal interpreter exit (threads joined, ``atexit`` run,
+exit status from ``SystemExit``). What differs: the preloaded modules are already in ``sys.modules`` (their import-time
 side effects happened once, here, with the environment this process started with, which the
 supervisor gives only the variables every worker shares: ``forkserver.FORKABLE_ENV_DIFF``), the
 interpreter's hash seed is this process's, and ``sys.orig_argv`` is this process's command line.
@@ -51,6 +51,10 @@ ROOM_FLAG = "--room"  # an argument whose only job is to make room for a child's
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     requests, replies = _private_pipe()
+    # the recipe of gc.freeze's documentation: no collection in the server (its imports ran ~0.3 s of the
+    # ~4.5 s faster with none, and a collection before the freeze took ~0.15 s more: ~9,600 objects of
+    # ~590,000 were garbage), the survivors frozen before any fork, the collector enabled in each child
+    gc.disable()
     try:
         for name in argv[0].split(",") if argv and argv[0] else []:
             importlib.import_module(name)
@@ -58,7 +62,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         replies.write(encode_frame(ForkServerReady(ready=False, pid=os.getpid(), error=_one_line(e))))
         replies.flush()
         return 1
-    gc.collect()
     gc.freeze()  # what the children share stays out of every collection: their pages stay shared
     replies.write(encode_frame(ForkServerReady(ready=True, pid=os.getpid())))
     replies.flush()
@@ -182,6 +185,7 @@ def _become(req: ForkRequest, log_fd: int, own: tuple) -> None:
         os.environ.clear()
         os.environ.update(req.env)
         set_cmdline(req.argv)
+        gc.enable()  # as a fresh interpreter has it (disabled in the server: see main)
     except BaseException:
         traceback.print_exc()
         os._exit(1)

@@ -1,14 +1,15 @@
 """A process that reports what it was started as: ``python -m tests.support.fork_probe OUT [EXIT] [--sleep S]``.
 
 Writes OUT (JSON): its argv, /proc cmdline, environment, directory, session and group, stdin's target,
-signal dispositions; prints one line to stdout and one to stderr (the log shows where they went); a
-non-daemon thread writes OUT + ".thread" just before the interpreter ends (joined at exit), and an
-``atexit`` handler writes OUT + ".atexit" after it. Exit status EXIT (default 0). With ``--sleep S`` it
-sleeps first (a process to signal). Used by tests/unit/supervisor/test_forkserver.py to compare a child
-forked by the fork server with the same command started by ``subprocess.Popen``.
+signal dispositions, whether the garbage collector is on; prints one line to stdout and one to stderr (the
+log shows where they went); a non-daemon thread writes OUT + ".thread" just before the interpreter ends
+(joined at exit), and an ``atexit`` handler writes OUT + ".atexit" after it. Exit status EXIT (default 0).
+With ``--sleep S`` it sleeps first (a process to signal). Used by tests/unit/supervisor/test_forkserver.py
+to compare a child forked by the fork server with the same command started by ``subprocess.Popen``.
 """
 
 import atexit
+import gc
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ def main() -> int:
         "stdin": os.readlink("/proc/self/fd/0"),
         "signals": {s.name: _disposition(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE)},
         "name": __name__,
+        "gc_enabled": gc.isenabled(),
     }
     report["cmdline"] = [a.decode() for a in report["cmdline"]]
     out.write_text(json.dumps(report))

@@ -74,9 +74,10 @@ def test_a_forked_child_is_what_popen_would_start(server, tmp_path, sigint):
     (code_p, rep_p, log_p), (code_f, rep_f, log_f) = runs["popen"], runs["forked"]
     assert code_p == code_f == 3
     assert log_p == log_f == "probe stdout\nprobe stderr\n"
-    for key in ("env", "cwd", "session_leader", "group_leader", "stdin", "signals", "name"):
+    for key in ("env", "cwd", "session_leader", "group_leader", "stdin", "signals", "name", "gc_enabled"):
         assert rep_f[key] == rep_p[key], key
     assert rep_p["session_leader"] and rep_p["stdin"] == "/dev/null" and rep_p["name"] == "__main__"
+    assert rep_p["gc_enabled"] is True  # the server runs with it off (zygote.py): each child turns it back on
     assert rep_f["signals"]["SIGINT"] == rep_p["signals"]["SIGINT"] == sigint
     # argv and cmdline name each one's own output file: the same but for the tag (the file's name alone: a
     # pytest-xdist worker's tmp_path holds "popen-gw0")
