@@ -5,7 +5,8 @@ processes (``launchers.py``: local children by default; ``slurm.py`` hands it sr
 ``ray_launcher.py`` Ray actors). ``Supervisor.prepare`` checks the plan (``plan.py``: pinned CPUs,
 servers, placement) and writes the run directory (``rundir.py``); ``start_all`` starts the inference
 servers, then the scheduler, reward workers, trainer ranks and rollout workers (each in its own
-process group, logging to ``RUN_DIR/logs/<worker>.log``); ``watch`` then decides:
+process group, logging to ``RUN_DIR/logs/<worker>.log``; those the fork server starts after the others,
+``Launcher.waits``); ``watch`` then decides:
 
 - all children exit 0 after the scheduler's Shutdown          -> the run succeeded (exit 0);
 - a rollout or reward worker exits non-zero (or dies by a signal) -> it is restarted with the
@@ -132,17 +133,21 @@ class Supervisor:
         self.rundir = write_run_dir(self.cfg, self.run_dir, self.nodes, self.recoveries)
 
     def start_all(self) -> None:
-        """The inference servers, then every worker in start order; then pids.json."""
+        """The inference servers, then every worker in start order, those whose start may wait for the
+        launcher (``Launcher.waits``: the fork server's imports) after the others; then pids.json."""
         self._env = worker_env(self.cfg) | {"AREAL_T0": repr(self.t0)}
         rd = self.rundir
         for name, cmd in server_commands(self.cfg, self.run_dir, rd.manifest.servers, rd.server_key):
             self._start(name, cmd, self._env | rd.server_env | device_env(self.cfg, self.placement.get(name)))
+        workers = []
         for spec in worker_specs(self.cfg):
             env = self._env | device_env(self.cfg, self.placement.get(spec.wid))
             env |= rd.token_env(spec.wid) | self.nodes.env(spec.wid)
             if spec.role == "rollout":
                 env |= rd.server_env
-            self._start(spec.wid, worker_command(self.cfg, self.run_dir, spec), env)
+            workers.append((spec.wid, worker_command(self.cfg, self.run_dir, spec), env))
+        for wid, cmd, env in sorted(workers, key=lambda w: self.launcher.waits(w[1], w[2])):  # a stable sort
+            self._start(wid, cmd, env)
         write_pids(self.run_dir, {c.name: c.proc.pid for c in self.children}, self.placement)
 
     def _start(self, name: str, cmd: list, env: dict) -> None:

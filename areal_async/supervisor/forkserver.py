@@ -3,10 +3,12 @@
 ``areal-async run`` on this machine (``cluster.launcher: local``, ``cluster.device: cpu``,
 ``cluster.fork_server: true``, the default) starts ``supervisor/zygote.py`` first thing, before the
 preflight: it imports ``areal_async.app.trainer_worker`` and ``rollout_worker`` (torch, transformers:
-~3.5 s of CPU) while the preflight runs on the other core. ``ForkServerLauncher`` then starts
-``workers.trainer`` and ``workers.rollout`` as children forked from it, which skip that import; every
-other process (scheduler, reward workers, inference servers) starts as before (``LocalLauncher``).
-Measured: ``benchmarks/startup.py``.
+~3.5 s of CPU) and ``scheduler_worker`` (transformers, for the prompts' tokenizer) while the preflight
+runs on the other core. ``ForkServerLauncher`` then starts ``workers.scheduler``, ``workers.trainer`` and
+``workers.rollout`` as children forked from it, which skip that import; every other process (reward
+workers, inference servers) starts as before (``LocalLauncher``), and before them: the supervisor starts
+first what it need not wait for (``Launcher.waits``), so a reward worker's checking processes import while
+the server still does. Measured: ``benchmarks/startup.py``.
 
 A request is forked only when the child would get what ``python -m`` would give it (``zygote.py`` says
 what that covers): the command is ``[sys.executable, "-m", workers.trainer|workers.rollout, ...]``, its
@@ -43,6 +45,7 @@ from protocols.side import ForkExited, Forked, ForkRequest, ForkServerReady
 
 # the worker module -> what its main() imports after pinning (workers/_main.py): the server imports these
 FORKED_MODULES = {
+    "workers.scheduler": "areal_async.app.scheduler_worker",
     "workers.trainer": "areal_async.app.trainer_worker",
     "workers.rollout": "areal_async.app.rollout_worker",
 }
@@ -253,6 +256,10 @@ class ForkServerLauncher(LocalLauncher):
 
     def interrupt(self) -> None:
         self.interrupted = True
+
+    def waits(self, cmd: list[str], env: dict) -> bool:
+        """True for a command the server would fork: its start waits for the server's imports."""
+        return self.server.forkable(cmd, env) is None
 
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
         why = self.server.forkable(cmd, env)

@@ -60,6 +60,11 @@ class Launcher(ABC):
         bundles itself; Slurm names the allocation's nodes); None: the config's (``cluster.node_hosts``)."""
         return None
 
+    def waits(self, cmd: list[str], env: dict) -> bool:
+        """Whether starting ``cmd`` may wait for the backend (the fork server's imports): the supervisor starts
+        such processes after those that start at once."""
+        return False
+
     def close(self) -> None:  # noqa: B027 (optional: a no-op by default)
         """Release the backend's resources (called once the run's processes are stopped)."""
 

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.config import from_dict
+from areal_async.supervisor.fleet import Supervisor
 from areal_async.supervisor.forkserver import (
     EXIT_UNKNOWN,
+    FORKED_MODULES,
     ForkedProcess,
     ForkServer,
     ForkServerLauncher,
 )
-from areal_async.supervisor.launchers import LocalProcess, popen_logged
+from areal_async.supervisor.launchers import LocalLauncher, LocalProcess, popen_logged
 from areal_async.supervisor.watchdog import capture_hang
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -146,7 +149,8 @@ def test_what_is_forked_and_what_starts_the_ordinary_way(server):
         "its environment differs from the fork server's in ['OMP_NUM_THREADS']"
     )
     assert "PYTHONPATH" in server.forkable(cmd, {k: v for k, v in server.env.items()} | {"PYTHONPATH": "/x"})
-    assert server.forkable([sys.executable, "-m", "workers.scheduler"], server.env) == ""  # not served: silent
+    assert server.forkable([sys.executable, "-m", "workers.reward"], server.env) == ""  # not served: silent
+    assert server.forkable([*cmd[:2], "workers.scheduler", *cmd[3:]], server.env) is None
     assert server.forkable(["/other/python", "-m", "workers.rollout"], server.env) == ""
     long = cmd + ["--cpus", "0," * 2000 + "1"]
     assert server.forkable(long, server.env) == "its command line is longer than the fork server's room for it"
@@ -219,3 +223,36 @@ def test_no_module_reads_the_environment_at_import():
     found = [hit for pkg in ("areal_async", "protocols", "workers") for p in sorted((ROOT / pkg).rglob("*.py"))
              for hit in _module_level_environ_reads(p)]  # fmt: skip
     assert found == []
+
+
+class _Recording(LocalLauncher):
+    """Starts each command as a sleeping stand-in and records the order; the fork server's rule for what waits."""
+
+    def __init__(self):
+        self.started: list[str] = []
+
+    def waits(self, cmd: list[str], env: dict) -> bool:
+        return len(cmd) > 2 and cmd[2] in FORKED_MODULES
+
+    def start(self, name, cmd, env, log_path, node=0):
+        self.started.append(name)
+        return super().start(name, [sys.executable, "-c", "import time; time.sleep(30)"], env, log_path, node)
+
+
+def test_the_supervisor_starts_what_waits_for_the_server_last(tmp_path, server):
+    """The reward worker (a fresh interpreter) starts before the scheduler, trainer and rollouts, whose starts
+    wait for the server's imports; each group keeps the start order of worker_specs."""
+    cmd = [sys.executable, "-m", "workers.scheduler", "--run-dir", "/r", "--worker-id", "scheduler", "--index", "0"]
+    assert ForkServerLauncher(server).waits(cmd, dict(server.env, AREAL_LAUNCH_TOKEN="t"))
+    assert not ForkServerLauncher(server).waits([*cmd[:2], "workers.reward", *cmd[3:]], server.env)
+    launcher = _Recording()
+    sup = Supervisor(from_dict({}, ["cluster.n_rollout_workers=2", "cluster.n_reward_workers=2"]), tmp_path / "run")
+    sup.launcher = launcher
+    sup.prepare()
+    try:
+        sup.start_all()
+    finally:
+        sup.stop_all()
+    assert launcher.started == ["reward-0", "reward-1", "scheduler", "trainer", "rollout-0", "rollout-1"]
+    pids = json.loads((tmp_path / "run" / "pids.json").read_text())
+    assert set(pids) - {"supervisor", "placement"} == set(launcher.started)
