@@ -91,7 +91,9 @@ class Router:
         if ident is not None:
             await self.send_to(ident, Error(code=code, detail=detail))
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket and end its context; frames already sent still leave for up to ``linger_s``
+        (``ZMQ_LINGER``: ``term`` returns once they are out or the time is up, a peer gone drops its own)."""
         self.rejections.flush()
-        self.sock.close(0)
+        self.sock.close(int(linger_s * 1000))
         self.ctx.term()

@@ -101,6 +101,7 @@ from areal_async.base.aio import TaskSet
 log = logging.getLogger("areal_async.scheduler")
 # messages that change nothing _drive acts on (admission, plans, the stop): no drive after a wakeup of them alone
 _PASSIVE = (Heartbeat, Ping, StatusRequest, WeightsLoaded, WeightsPublished)
+SHUTDOWN_LINGER_S = 0.2  # at a run's end, at most this for the Shutdown frames to leave (the close waits no more)
 
 
 class SchedulerService:
@@ -165,12 +166,11 @@ class SchedulerService:
         loop.add_signal_handler(signal.SIGUSR1, self.request_stop)
         try:
             await tasks.wait(self.done)  # raises, with the traceback, if a loop failed
-            await asyncio.sleep(0.2)  # let the Shutdown frames leave
         finally:
             loop.remove_signal_handler(signal.SIGUSR1)
             tasks.cancel()
             self.runlog.close()
-            self.router.close()
+            self.router.close(SHUTDOWN_LINGER_S if self.done.is_set() else 0.0)
         if self.failure:
             log.error("run failed: %s", self.failure)  # the last line: what the supervisor shows first
         return self.exit_code
