@@ -76,6 +76,7 @@ from areal_async.trainer.checkpoint_dirs import latest_complete_checkpoint
 GRACE_S = 5.0
 RUN_END_GRACE_S = 30.0  # how long workers may outlive a scheduler that finished the run
 LOST_KILL_GRACE_S = 3.0  # how long a worker declared lost may take to exit before it is killed
+ENDING_POLL_S = 0.02  # the watch's poll once a child has exited: the others of a finished run follow within ms
 
 
 @dataclass
@@ -161,7 +162,8 @@ class Supervisor:
 
     # ---- watch ---------------------------------------------------------------------------
     def watch(self, poll_s: float = 0.25) -> int:
-        """Until the run ends: 0 (it succeeded), 1 (it failed), 128 + signal (stopped by one)."""
+        """Until the run ends: 0 (it succeeded), 1 (it failed), 128 + signal (stopped by one). Every ``poll_s``
+        while every child runs, every ENDING_POLL_S once one has exited."""
         while True:
             if self._signal is not None:
                 return self._stop_on_signal()
@@ -186,7 +188,8 @@ class Supervisor:
                 return 0
             self.progress.draw()
             self.rss.sample(self.children)
-            time.sleep(poll_s)
+            ending = any(c.proc.poll() is not None for c in self.children)  # the run's end (or a failure) is near
+            time.sleep(min(poll_s, ENDING_POLL_S) if ending else poll_s)
 
     def _scheduler_done(self) -> bool:
         return any(c.name == "scheduler" and c.proc.poll() == 0 for c in self.children)

@@ -82,3 +82,17 @@ def test_no_restart_once_the_scheduler_has_finished(tmp_path, capsys):
         sup.stop_all()
     err = capsys.readouterr().err
     assert "restarting" not in err and "(no restart: the run had ended)" in err
+
+
+def test_the_end_of_a_run_is_seen_without_waiting_a_whole_poll(tmp_path):
+    """Once a child has exited (here the scheduler, as at a run's end) the watch looks again every
+    ENDING_POLL_S, not every poll_s: the last worker's exit ends the watch long before one 10 s poll."""
+    sup = supervisor(tmp_path)
+    child(sup, "rollout-0", [sys.executable, "-c", "import time; time.sleep(1.0)"])
+    child(sup, "scheduler", EXIT0).proc.wait(30)
+    t = time.monotonic()
+    try:
+        assert sup.watch(poll_s=10.0) == 0
+    finally:
+        sup.stop_all()
+    assert time.monotonic() - t < 5.0
