@@ -68,6 +68,18 @@ LAZY: dict[tuple[str, str], str] = {
     ("areal_async.cli", "areal_async.app.data_prepare"): "math-verify: `run`, `knobs` and `--help` never need it",
     ("areal_async.cli", "areal_async.app.check_plugin"): "its reward pool and workflow checks load only for "
     "check-plugin",
+    **{
+        ("areal_async.cli", m): "`run` starts its fork server once the config is read: what it imports before that "
+        "delays the run's first token (test_the_cli_imports_only_what_comes_before_the_fork_server)"
+        for m in (
+            "areal_async.app.doctor",
+            "areal_async.app.verify",
+            "areal_async.supervisor.fleet",
+            "areal_async.supervisor.plan",
+            "areal_async.supervisor.ray_launcher",
+            "areal_async.supervisor.slurm",
+        )
+    },
     ("areal_async", "areal_async.api"): "the package root re-exports Fleet on first use: a submodule import "
     "(a reward child) must not load the API",
     ("areal_async", "areal_async.config"): "the package root re-exports load_config on first use (as above)",
@@ -239,6 +251,15 @@ def test_cli_commands_that_start_nothing_never_load_torch(argv, tmp_path):
     argv = [str(tmp_path / "run") if a == "RUN" else a for a in argv]
     code = f"from areal_async.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
     assert loaded_by(code, ("torch",)) == []
+
+
+def test_the_cli_imports_only_what_comes_before_the_fork_server():
+    """``areal-async run`` starts its fork server (the long pole of a run's start) once the config is read: the
+    supervisor's fleet, the Slurm and Ray launchers, verify and doctor are imported by the commands using them."""
+    later = ("areal_async.supervisor.fleet", "areal_async.supervisor.slurm", "areal_async.supervisor.ray_launcher")
+    later += ("areal_async.app.verify", "areal_async.app.doctor")
+    assert loaded_by("import areal_async.cli", later) == []
+    assert loaded_by("import areal_async.cli\nimport areal_async.supervisor.fleet", later) == [later[0]]
 
 
 def test_the_load_probe_sees_what_is_loaded():
