@@ -18,6 +18,9 @@ from protocols.trajectories import Trajectory, TrajectoryBatch
 log = logging.getLogger("areal_async.trainer")
 
 MAX_DROPPED = 100_000  # aborted ids whose tensors have not come (yet): oldest forgotten past this
+# how often the receiving thread looks at ``stopping`` while nothing arrives: the trainer's close joins it, so
+# this bounds how long the end of a run waits for it (it was 0.2 s; a look is one poll of the note pipe)
+RECV_POLL_S = 0.05
 
 
 class TrajectoryBuffer:
@@ -54,7 +57,7 @@ class TrajectoryBuffer:
     def _run(self) -> None:
         while not self.stopping.is_set():
             try:
-                got = self.channel.recv(timeout_s=0.2)
+                got = self.channel.recv(timeout_s=RECV_POLL_S)
             except TimeoutError:
                 continue
             except (ValueError, RuntimeError) as e:  # a bad frame is refused; the channel stays usable
