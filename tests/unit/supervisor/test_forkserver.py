@@ -106,6 +106,21 @@ def test_signals_and_exit_codes_match_popen(server, tmp_path):
     child.signal(signal.SIGTERM)  # ended: nothing is sent, nothing raised
 
 
+@pytest.mark.parametrize("end", ["none", "text", "big", "negative", "raise"])
+def test_a_child_ends_with_the_status_and_words_popen_gives(server, tmp_path, end):
+    """The forked child ends without the interpreter's teardown (zygote.end_child): its status and what it
+    printed are still those of the same command started the ordinary way."""
+    cmd = [sys.executable, "-m", "tests.support.exit_probe", end]
+    ref = LocalProcess(popen_logged(cmd, server.env, tmp_path / "popen.log"))
+    child = ForkedProcess(server, server.fork("a", cmd, server.env, tmp_path / "forked.log"))
+    assert child.wait(60) == ref.wait(60) == {"none": 0, "text": 1, "big": 300 & 0xFF, "negative": 254, "raise": 1}[end]
+    said = [(tmp_path / f"{tag}.log").read_text().strip().splitlines() for tag in ("popen", "forked")]
+    if end == "raise":  # the traceback's frames differ (runpy's from `python -m`, the server's): its last line
+        assert said[0][-1] == said[1][-1] == "RuntimeError: boom"
+    else:
+        assert said[0] == said[1] == (["stopped: a message"] if end == "text" else [])
+
+
 def test_a_child_outlives_its_server_and_reports_exit_unknown_once_it_ends(server, tmp_path):
     cmd, log = _probe(tmp_path, "forked", "--sleep", "60")
     child = ForkedProcess(server, server.fork("a", cmd, server.env, log))
