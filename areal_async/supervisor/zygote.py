@@ -32,7 +32,6 @@ the interpreter's teardown (``end_child``: the objects still alive are not final
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import gc
 import importlib
@@ -41,10 +40,10 @@ import runpy
 import select
 import signal
 import sys
-import threading
 import traceback
 from typing import Optional
 
+from areal_async.base.process import exit_without_teardown
 from areal_async.reward._wire import encode_frame, read_frame
 from protocols.side import ForkExited, Forked, ForkRequest, ForkServerReady
 
@@ -217,20 +216,10 @@ def exit_status(code) -> int:
 
 
 def end_child(code: int) -> None:
-    """End a forked child as the interpreter ends, less its teardown: non-daemon threads joined, ``atexit``
-    handlers run, stdout and stderr flushed, then ``os._exit(code)``. What is skipped: the last collection and
-    the teardown of every module, which in a child of this server frees hundreds of thousands of objects whose
-    pages it shares with the server (each free writes a refcount: a copy of the page), ~0.5 s at a run's end
-    (measured: benchmarks/startup.py). An object still alive then is not finalized: pyzmq, for one, no
-    longer closes a socket at that point either; the project's records flush every line as written."""
-    threading._shutdown()  # what the interpreter calls first (private, in every CPython since 3.0)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code & 0xFF)  # the status the OS keeps of exit(code)
+    """End a forked child without the interpreter's teardown (``base.process.exit_without_teardown``): the last
+    collection and module teardown would free hundreds of thousands of objects whose pages the child shares
+    with this server (each free writes a refcount: a copy of the page), ~0.6 s at a run's end (a traced run)."""
+    exit_without_teardown(code)
 
 
 def set_cmdline(argv: list[str]) -> bool:
