@@ -139,8 +139,8 @@ class ClusterConfig(Section):
     )
     fork_server: bool = _f(
         True,
-        "Local CPU runs: the trainer and rollout processes are forked from one process that imported "
-        "their modules (torch, transformers) once, while the preflight runs (supervisor/forkserver.py); "
+        "Local CPU runs: the scheduler, trainer and rollout processes are forked from one process that "
+        "imported their modules (torch, transformers) once, while the preflight runs (supervisor/forkserver.py); "
         "false: each imports its own. Ignored on cuda and under Slurm or Ray.",
     )
     retained_heap_mb: int = _f(
