@@ -67,7 +67,9 @@ def with_sitecustomize(tmp_path: Path, code: str) -> dict:
 SCHEDULER_BUG = """
 import os
 import sys
-if "workers.scheduler" in getattr(sys, "orig_argv", []):
+# the scheduler started as `python -m workers.scheduler`, or the fork server it is forked from (cluster.fork_server:
+# only the scheduler runs these classes; a forked child starts no interpreter, so nothing would patch it there)
+if any(m in getattr(sys, "orig_argv", []) for m in ("workers.scheduler", "areal_async.supervisor.zygote")):
     sys.path.insert(0, os.getcwd())  # the checkout the fleet runs from (as `python -m` would put first)
     from areal_async.scheduler import core
 

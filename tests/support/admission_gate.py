@@ -2,9 +2,9 @@
 group past the first ``steps * batch_size`` until the test opens the gate (creates a file), so the
 fleet can train at most ``steps`` steps before the test acts, however fast the machine.
 
-It is a ``sitecustomize`` on PYTHONPATH that patches the scheduler process only (as the fault
-injections of tests/e2e/test_e2e_liveness.py do). The bound comes from the staleness books:
-``SchedulerCore.accepted`` counts every group that finished generating and was not aborted as
+It is a ``sitecustomize`` on PYTHONPATH that patches the scheduler's classes in the scheduler process, or in the
+fork server it is forked from (as the fault injections of tests/e2e/test_e2e_liveness.py do). The bound comes
+from the staleness books: ``SchedulerCore.accepted`` counts every group that finished generating and was not aborted as
 stale (trained ones included), ``running`` the groups still out, and a trainer step takes
 ``batch_size`` accepted groups; so with ``accepted + running <= steps * batch_size`` no more than
 ``steps`` steps can be trained. Aborted groups (deadline, lost worker) free their slot, so their
@@ -22,7 +22,9 @@ from pathlib import Path
 SITECUSTOMIZE = """
 import os
 import sys
-if "workers.scheduler" in getattr(sys, "orig_argv", []):
+# the scheduler started as `python -m workers.scheduler`, or the fork server it is forked from (cluster.fork_server:
+# only the scheduler runs these classes; a forked child starts no interpreter, so nothing would patch it there)
+if any(m in getattr(sys, "orig_argv", []) for m in ("workers.scheduler", "areal_async.supervisor.zygote")):
     sys.path.insert(0, os.getcwd())  # the checkout the fleet runs from (as `python -m` would put first)
     from areal_async.scheduler import core, service
 
