@@ -150,6 +150,7 @@ class Supervisor:
         for wid, cmd, env in sorted(workers, key=lambda w: self.launcher.waits(w[1], w[2])):  # a stable sort
             self._start(wid, cmd, env)
         write_pids(self.run_dir, {c.name: c.proc.pid for c in self.children}, self.placement)
+        self.watchdog.started()
 
     def _start(self, name: str, cmd: list, env: dict) -> None:
         log_path = self.run_dir / "logs" / f"{name}.log"

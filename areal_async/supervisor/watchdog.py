@@ -38,6 +38,11 @@ class StepWatchdog:
         self.metrics_size = -1
         (self.run_dir / "status.json").unlink(missing_ok=True)  # a previous fleet's scheduler wrote it
 
+    def started(self) -> None:
+        """Every process of the fleet has been started: the starting clock runs from now. A start that waited
+        (the fork server's imports: a minute on a loaded machine) is no silence of the scheduler's."""
+        self.fleet_t = time.monotonic()
+
     def check(self) -> Optional[str]:
         limit = self.cfg.cluster.step_timeout_s
         if limit <= 0 or self.scheduler_done():

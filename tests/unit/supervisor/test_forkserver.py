@@ -261,11 +261,23 @@ def test_the_supervisor_starts_what_waits_for_the_server_last(tmp_path, server):
     assert ForkServerLauncher(server).waits(cmd, dict(server.env, AREAL_LAUNCH_TOKEN="t"))
     assert not ForkServerLauncher(server).waits([*cmd[:2], "workers.reward", *cmd[3:]], server.env)
     launcher = _Recording()
-    sup = Supervisor(from_dict({}, ["cluster.n_rollout_workers=2", "cluster.n_reward_workers=2"]), tmp_path / "run")
+    cfg = from_dict(
+        {},
+        [
+            "cluster.n_rollout_workers=2",
+            "cluster.n_reward_workers=2",
+            "cluster.heartbeat_s=0.5",
+            "cluster.step_timeout_s=1",
+        ],
+    )
+    sup = Supervisor(cfg, tmp_path / "run")
     sup.launcher = launcher
     sup.prepare()
+    time.sleep(1.5)  # as a start waiting for the server's imports: longer than step_timeout_s
     try:
         sup.start_all()
+        # the scheduler has written no status yet: the starting clock runs from the end of start_all
+        assert sup.watchdog.check() is None
     finally:
         sup.stop_all()
     assert launcher.started == ["reward-0", "reward-1", "scheduler", "trainer", "rollout-0", "rollout-1"]
