@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field, fields, replace
+import operator
+from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 import torch
@@ -95,25 +96,31 @@ class Trajectory:
 
     def __post_init__(self) -> None:
         self.score = math.nan if self.score is None else float(self.score)
+        self._convert()
+        self._check()
+
+    def _convert(self) -> None:
+        """Lists and other dtypes to their column's (a tensor of it is kept as it is)."""
         for name, dtype in TENSOR_COLUMNS.items():
             x = getattr(self, name)
             if x is not None and not (isinstance(x, torch.Tensor) and x.dtype == dtype and x.dim() == 1):
                 setattr(self, name, as_column(x, name))
-        self._check()
 
     def _check(self) -> None:
-        where = f"trajectory {self.sample_id!r}"
-        n = self.output_ids.numel()
+        """``ValueError`` naming the first bad field (one call a row a step: no message is built unless)."""
+        n, why = self.output_ids.numel(), None
         if self.prompt_ids.numel() == 0:
-            raise ValueError(f"{where}: empty prompt_ids; expected >= 1 prompt token")
-        if n == 0:
-            raise ValueError(f"{where}: empty output_ids; expected >= 1 generated token")
+            why = "empty prompt_ids; expected >= 1 prompt token"
+        elif n == 0:
+            why = "empty output_ids; expected >= 1 generated token"
         for name in TOKEN_COLUMNS:
             x = getattr(self, name)
-            if x is not None and x.numel() != n:
-                raise ValueError(f"{where}: len({name})={x.numel()}, expected len(output_ids)={n}")
-        if self.loss_mask is not None and not bool(self.loss_mask.any()):
-            raise ValueError(f"{where}: loss_mask trains no token; expected at least one True")
+            if why is None and x is not None and x.numel() != n:
+                why = f"len({name})={x.numel()}, expected len(output_ids)={n}"
+        if why is None and self.loss_mask is not None and not bool(self.loss_mask.any()):
+            why = "loss_mask trains no token; expected at least one True"
+        if why is not None:
+            raise ValueError(f"trajectory {self.sample_id!r}: {why}")
 
     @classmethod
     def row(cls, **values) -> "Trajectory":
@@ -127,8 +134,14 @@ class Trajectory:
         return row
 
     def scored(self, score: float) -> "Trajectory":
-        """This row (its tensors kept as they are) with ``score``, its fields checked."""
-        return replace(self, score=score)
+        """This row (its tensors kept as they are) with ``score``, its fields checked: what a trainer step
+        takes of a received row (one call a row a step, so without ``dataclasses.replace``'s generic copy)."""
+        row = object.__new__(Trajectory)
+        for name, value in zip(_FIELD_NAMES, _ALL_FIELDS(self)):
+            setattr(row, name, value)
+        row.score = float(score)
+        row._check()  # (its tensors are of their column's dtype: a row is built checked, or from a batch's)
+        return row
 
     @property
     def seq_ids(self) -> torch.Tensor:
@@ -157,6 +170,8 @@ class Trajectory:
 
 _SPEC = {f.name: f.metadata for f in fields(Trajectory) if "dtype" in f.metadata}
 _ROW_DEFAULTS = {f.name: None if f.name != "score" else math.nan for f in fields(Trajectory)}
+_FIELD_NAMES = tuple(_ROW_DEFAULTS)
+_ALL_FIELDS = operator.attrgetter(*_FIELD_NAMES)
 COLUMNS: dict[str, torch.dtype] = {name: m["dtype"] for name, m in _SPEC.items()}  # name -> its one dtype
 OPTIONAL = frozenset(name for name, m in _SPEC.items() if m["optional"])
 TOKEN_COLUMNS = tuple(name for name, m in _SPEC.items() if m["per"] == TOKEN)
