@@ -30,19 +30,22 @@ holds), HSDP.
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
 import torch
 
-from protocols.messages import ProtocolError
+from protocols.messages import ProtocolError, build
+from protocols.side import TensorHeader
+from protocols.tensors import spec_of
 from protocols.trajectories import Trajectory, TrajectoryBatch
 
 from areal_async.trainer.loss import LossStats
 from areal_async.trainer.micro_batches import allocate_micro_batches, karmarkar_karp
 from areal_async.transport.buckets import plan
-from areal_async.transport.frames import align, flat_bytes, header_bytes, layout, parse_header, tensor_views
+from areal_async.transport.frames import align, flat_bytes, layout, tensor_views
 
 # commands rank 0 broadcasts to the other ranks before each collective phase
 CMD_TRAIN, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_EXPORT = 1, 2, 3, 4, 5
@@ -375,9 +378,14 @@ def encode_batch(trajs: Sequence[Trajectory]) -> torch.Tensor:
     tensor channels' (``TensorHeader``: key, the batch's meta, one spec a column), the payload each
     column of ``TrajectoryBatch.of_samples(trajs).encode()`` at a 64-byte aligned offset. Sample ids,
     group ids, scores and every optional column travel as on the rollouts' wire. Rows on a device are
-    laid out there and copied to the host once (gloo sends host tensors)."""
+    laid out there and copied to the host once (gloo sends host tensors).
+
+    The header's fields are serialised as JSON, not msgpack: trainer ranks exchange nothing else through
+    msgpack, and a bare GPU image has none (``scripts/gpu_check.sh``'s rank checks run without it).
+    ``decode_batch`` applies the same field and type checks as ``parse_header`` (``protocols.messages.build``)."""
     key, tensors, meta = TrajectoryBatch.of_samples(trajs).encode()
-    header = header_bytes(key, meta, tensors)
+    specs = [spec_of(n, t) for n, t in tensors.items()]
+    header = json.dumps(TensorHeader(key=key, meta=meta, specs=specs).to_body(), separators=(",", ":")).encode()
     sizes = [t.numel() * t.element_size() for t in tensors.values()]
     offsets, total = layout(sizes)
     start = align(_LEN + len(header))
@@ -395,9 +403,13 @@ def decode_batch(buf: torch.Tensor) -> list[Trajectory]:
     (``ProtocolError`` naming the first mismatch)."""
     raw = buf.numpy()
     n = int.from_bytes(raw[:_LEN].tobytes(), "little")
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or not 0 < n <= buf.numel() - _LEN:
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or not 0 < n <= min(buf.numel() - _LEN, TensorHeader.MAX_BYTES):
         raise ProtocolError(f"rank batch: {buf.dtype}[{buf.numel()}] with header length {n}; expected encode_batch's")
-    header = parse_header(raw[_LEN : _LEN + n].tobytes())
+    try:
+        body = json.loads(raw[_LEN : _LEN + n].tobytes())
+    except ValueError as e:
+        raise ProtocolError(f"rank batch: its header is not JSON ({e})") from None
+    header = build(TensorHeader, body)  # the fields, their types and validate(), as parse_header
     sizes = [s.get("nbytes", -1) if isinstance(s, dict) else -1 for s in header.specs]
     offsets, _ = layout(sizes)
     tensors = tensor_views(header, buf[align(_LEN + n) :], offsets, sizes)

@@ -2,6 +2,8 @@
 ranks as the trajectory type's own encode in one uint8 buffer (the ranks themselves, spawned on gloo:
 tests/contract/test_trainer_dp.py)."""
 
+import json
+
 import pytest
 import torch
 
@@ -54,3 +56,21 @@ def test_a_damaged_rank_batch_is_refused_naming_what_is_wrong():
     short = buf[:-200].clone()  # the last columns cut off
     with pytest.raises(ProtocolError, match="outside the"):
         decode_batch(short)
+
+
+def test_the_rank_batch_header_is_json_checked_as_the_channels_header():
+    """The header is JSON (trainer ranks on a bare GPU image have no msgpack) with the TensorHeader's checks."""
+    buf = encode_batch(make_trajs())
+    n = int.from_bytes(buf[:8].numpy().tobytes(), "little")
+    head = json.loads(buf[8 : 8 + n].numpy().tobytes())
+    assert set(head) == {"key", "meta", "specs"} and head["meta"]["sample_ids"] == [t.sample_id for t in make_trajs()]
+    bad = buf.clone()
+    bad[8] = ord("X")  # '{' -> 'X'
+    with pytest.raises(ProtocolError, match="rank batch: its header is not JSON"):
+        decode_batch(bad)
+    head["specs"] = "columns"  # a field of the wrong type
+    text = json.dumps(head).encode()
+    forged = torch.cat([torch.tensor(list(len(text).to_bytes(8, "little")), dtype=torch.uint8),
+                        torch.tensor(list(text), dtype=torch.uint8), buf[8 + n :]])  # fmt: skip
+    with pytest.raises(ProtocolError, match="tensors.specs"):
+        decode_batch(forged)

@@ -8,6 +8,7 @@ the GPU's bytes would arrive. The expected counts are what one copy per buffer m
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -18,7 +19,7 @@ from areal_async.trainer.dp import encode_batch
 from areal_async.trainer.packing import pack
 from areal_async.trainer.buffer import TrajectoryBuffer
 from protocols.trajectories import Trajectory
-from areal_async.transport.frames import parse_header, to_host
+from areal_async.transport.frames import to_host
 
 DEV = "meta"
 
@@ -78,8 +79,8 @@ def test_encode_batch_of_device_trajectories_copies_to_the_host_once():
     assert copies.n == 1  # the columns are laid out on the device, then one copy (before: one per part, 2)
     assert buf.is_cpu and buf.dtype == torch.uint8
     n_header = int.from_bytes(bytes(buf[:8].tolist()), "little")
-    header = parse_header(bytes(buf[8 : 8 + n_header].tolist()))  # the host part: the real header
-    assert header.meta["sample_ids"] == [f"s{i}" for i in range(6)] and header.meta["group_sizes"] == [2, 2, 2]
+    header = json.loads(bytes(buf[8 : 8 + n_header].tolist()))  # the host part: the real header (JSON)
+    assert header["meta"]["sample_ids"] == [f"s{i}" for i in range(6)] and header["meta"]["group_sizes"] == [2, 2, 2]
     # by hand, each column 64-byte aligned: prompts 3 x 2 x 4 B = 24 -> 64; outputs, logprobs, versions
     # (3 + ... + 8) = 33 tokens x 4 B = 132 -> 192 each; scores 6 x 8 B = 48 -> 64
     assert buf.numel() - (8 + n_header + 63) // 64 * 64 == 64 + 3 * 192 + 64
