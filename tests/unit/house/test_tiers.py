@@ -90,3 +90,50 @@ def test_the_checks_catch_a_stray_file(tmp_path):
         "tests/unit/trainer/deeper/test_y.py",
     ]
     assert ci_tiers("x=1\nTIERS=(tests/unit tests/e2e)\n") == ["tests/unit", "tests/e2e"]
+
+
+def test_every_tier_has_a_limit_and_together_they_fit_cis_hard_limit():
+    """A hang fails CI in minutes, not at CI's 5400 s: each tier runs under its own limit (``TIER_LIMIT_S``), a
+    test under pytest-timeout's (pyproject.toml), which is shorter than any tier's; the tiers' limits with 20
+    minutes of set-up (vLLM's and TRL's environments made uncached) fit in CI's hard limit."""
+    script = (ROOT / ".ci" / "run").read_text()
+    limits = dict(re.findall(r"\[(tests/\w+)\]=(\d+)", re.search(r"TIER_LIMIT_S=\(([^)]*)\)", script).group(1)))
+    assert sorted(limits) == sorted(ci_tiers(script))
+    per_test = int(re.search(r"^timeout = (\d+)$", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
+    assert 0 < per_test < min(int(v) for v in limits.values())
+    assert sum(int(v) for v in limits.values()) + 20 * 60 < 5400
+
+
+HANGS_ONCE = """
+import pathlib, time
+def test_hangs_the_first_time():
+    mark = pathlib.Path(__file__).with_name("ran")
+    if not mark.exists():
+        mark.write_text("")
+        time.sleep(60)
+def test_fails():
+    assert 1 == 2
+"""
+
+
+def test_cis_rerun_takes_a_timed_out_test_once_more_and_no_other_failure(tmp_path):
+    """The rerun flags of .ci/run against the installed pytest-timeout and pytest-rerunfailures, on a test that
+    hangs once and one that fails: the hang (1 s limit here) is rerun and passes, the failure is not rerun."""
+    import subprocess
+    import sys
+
+    script = (ROOT / ".ci" / "run").read_text()
+    (pattern,) = re.findall(r'--only-rerun "([^"]+)"', script)
+    assert re.search(r"--reruns 1\b", script)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_probe.py").write_text(HANGS_ONCE)
+    args = ["-p", "no:cacheprovider", "-q", "-rR", "--timeout", "1", "--reruns", "1", "--only-rerun", pattern]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "test_probe.py"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.stdout.strip().splitlines()[-1].startswith("1 failed, 1 passed, 1 rerun"), done.stdout[-2000:]
+    assert "RERUN test_probe.py::test_hangs_the_first_time" in done.stdout
+    ini = (ROOT / "pyproject.toml").read_text()
+    stacks_at = int(re.search(r"^faulthandler_timeout = (\d+)$", ini, re.M).group(1))
+    assert 0 < stacks_at < int(re.search(r"^timeout = (\d+)$", ini, re.M).group(1))
