@@ -23,6 +23,14 @@ except ImportError:  # a bare GPU box without pyzmq: tests/gpu's modules importo
     use_curve = use_source_host = None
 
 
+try:  # pyzmq's collector hazard (tests/support/zmq_gc.py): a context freed with its sockets hangs the worker
+    from tests.support.zmq_gc import collected_contexts_are_not_terminated
+
+    collected_contexts_are_not_terminated()
+except ImportError:  # a bare GPU box without pyzmq
+    pass
+
+
 @pytest.fixture(autouse=True)
 def _no_curve_keys_left_behind():
     """Loading a run directory (client, status, Fleet helpers) installs its CURVE keys process-wide
