@@ -113,6 +113,12 @@ def test_math_verify_power_tower_is_bounded_by_the_timeout():
         out = pool.score_sync(r"The answer is \boxed{9^{9^{9^{9^{9}}}}}", ["7"])
         assert time.monotonic() - t0 < 1.0 + SLACK_S
         assert out.status in ("ok", "timeout") and out.score == 0.0
+        # a killed child's replacement imports math-verify on its first request, inside the same 1 s bound: over
+        # 1 s at load ~5 (seen once); warm it, three tries at most, before the check that it scores right
+        warm = []
+        while len(warm) < 3 and "ok" not in warm:
+            warm.append(pool.score_sync(r"\boxed{2}", ["2"]).status)
+        assert warm[-1] == "ok", warm
         assert pool.score_sync(r"\boxed{\frac{1}{2}}", ["0.5"]).score == 1.0
 
 
