@@ -7,7 +7,7 @@
 Both generators get the same model (same dtype), the same prompts, the same number of samples
 per prompt, the same ``max_new_tokens``, multinomial sampling at temperature 1 (top-p 1, top-k
 off), and a KV cache (``use_cache=True``). ``TorchEngine`` prefills each prompt once and decodes
-its n samples on a preallocated cache (``rollout/kv_decoder.py``). HF ``generate`` runs two ways,
+its n samples on a preallocated cache (``rollout/engines/kv_decoder.py``). HF ``generate`` runs two ways,
 and the engine is compared with the faster of the two:
 
 - ``hf_shared``: the same shared prompt prefill: one forward of each prompt but its last token
@@ -50,8 +50,8 @@ from areal_async.base.process import retain_freed_heap, set_torch_threads
 from areal_async.config import ClusterConfig, ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from benchmarks import gemm_bound
 from benchmarks.common import write_rows
 

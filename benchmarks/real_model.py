@@ -73,8 +73,8 @@ import torch
 from areal_async.config import ExperimentConfig
 from areal_async.config.sections import ActorConfig
 from areal_async.models.gguf_import import resolve_model_path
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.supervisor.servers import vllm_python
 from areal_async.trainer.actor import enable_checkpointing
 from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention

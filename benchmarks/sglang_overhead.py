@@ -5,7 +5,7 @@
 Both sides run the same ``TorchEngine`` with the same weights on the tiny task's prompts
 (``configs/tiny_arith.yaml``: groups of ``gconfig.n_samples`` samples, ``gconfig.max_new_tokens``
 tokens each, all groups at once as a rollout worker holds them). Embedded: the engine in this
-process. Server: ``python -m areal_async.rollout.sglang_server`` in its own process, driven by
+process. Server: ``python -m areal_async.rollout.servers.sglang_server`` in its own process, driven by
 ``RemoteEngine`` + ``SGLangClient`` over HTTP (one request per sample), weights pushed over a
 gloo group. The ratio embedded / server is the cost of the HTTP hop (JSON, one request and one
 server thread per sample, the client's request threads). Also measured: one weight update
@@ -31,10 +31,10 @@ from areal_async.config import load_config
 from areal_async.data.prompts import load_problems, prompt_encoder
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.remote import RemoteEngine
-from areal_async.rollout.sglang_client import SGLangClient
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.remote import RemoteEngine
+from areal_async.rollout.clients.sglang_client import SGLangClient
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from protocols.sockets import free_tcp_port
 
 from benchmarks.common import Col, print_table, write_rows
@@ -89,7 +89,7 @@ def measure(rounds: int, groups: int) -> list[dict]:
         [
             sys.executable,
             "-m",
-            "areal_async.rollout.sglang_server",
+            "areal_async.rollout.servers.sglang_server",
             "--config",
             str(CONFIG),
             "--port",

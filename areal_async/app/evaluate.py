@@ -43,10 +43,10 @@ from areal_async.data.prompts import Problem, load_jsonl, load_problems, prompt_
 from areal_async.models.tiny import load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool
-from areal_async.rollout.engine import GenRequest, RolloutEngine
-from areal_async.rollout.remote import RemoteEngine
-from areal_async.rollout.sglang_client import SGLangClient
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest, RolloutEngine
+from areal_async.rollout.clients.remote import RemoteEngine
+from areal_async.rollout.clients.sglang_client import SGLangClient
+from areal_async.rollout.engines.torch_engine import TorchEngine
 
 Z95 = 1.959963984540054  # two-sided 95 % normal quantile
 

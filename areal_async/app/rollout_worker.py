@@ -30,15 +30,15 @@ from areal_async.data.prompts import load_problems, prompt_encoder
 from areal_async.rollout.agent import AgentWorkflow, PromptTexts, trace_record
 from areal_async.rollout.episodes import Episodes, ErrorWindow
 from areal_async.rollout.openai_server import OpenAIServer
-from areal_async.rollout.server_auth import server_key
-from areal_async.rollout.remote import RemoteEngine, servers_of
+from areal_async.rollout.clients.server_auth import server_key
+from areal_async.rollout.clients.remote import RemoteEngine, servers_of
 from areal_async.reward.pool import RewardPool
 from areal_async.rollout.record import RolloutRecord
 from areal_async.rollout.service import RolloutService, message_bytes
-from areal_async.rollout.sglang_client import SGLangClient
-from areal_async.rollout.torch_engine import TorchEngine
-from areal_async.rollout.vllm_client import ProbeRef, VLLMClient
-from areal_async.rollout.vllm_server import SERVED_NAME
+from areal_async.rollout.clients.sglang_client import SGLangClient
+from areal_async.rollout.engines.torch_engine import TorchEngine
+from areal_async.rollout.clients.vllm_client import ProbeRef, VLLMClient
+from areal_async.rollout.servers.vllm_server import SERVED_NAME
 from areal_async.supervisor.placement import place, server_group_backend, shape_of
 
 PROBE_TEXT = "7+8=\\boxed{15}"  # the fixed sequence whose logprobs check a vLLM server's weights

@@ -7,7 +7,8 @@ The supervisor calls ``write_run_keys(run_dir, roster)`` before starting anyone.
 - ``client.key``: the client key pair of the run's workers (the only key the ZAP handlers admit,
   besides those listed in ``clients.json``, e.g. an external worker's);
 - ``roster.json``: ``worker id -> {role, token_sha256}``: what the supervisor launched;
-- ``server_api.key``: the inference servers' key, when the supervisor starts servers (``rollout/server_auth.py``).
+- ``server_api.key``: the inference servers' key, when the supervisor starts servers
+  (``rollout/clients/server_auth.py``).
 
 Each launched process gets its token in its environment (``AREAL_LAUNCH_TOKEN``, the same for a
 restart of the same worker), never in a file; it sends the token in its ``Register``, and the

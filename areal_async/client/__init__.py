@@ -20,7 +20,7 @@ frame is logged and dropped, and the scheduler refuses what a worker of that rol
   with status ``error`` and the reason in ``details``. ``run()`` blocks until the run's
   ``Shutdown``; ``arun()`` is the coroutine.
 - ``areal_async.client.rollout.RolloutWorker(run_dir, engine, decode, worker_id)``: a rollout worker
-  around your own ``RolloutEngine`` (the seam of ``areal_async.rollout.engine``, e.g. a wrapper of an
+  around your own ``RolloutEngine`` (the seam of ``areal_async.rollout.engines.engine``, e.g. a wrapper of an
   existing generator) behind the built-in rollout service: it gets generate requests and weights
   like the built-in workers. Its tensor channels are the run's (``tensor_channel.*``: zmq or shm;
   a gloo/NCCL group has no seat for it).

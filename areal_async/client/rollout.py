@@ -10,7 +10,7 @@ import zmq.asyncio
 from protocols.sockets import run_async
 
 from areal_async.client import connect, join, load_run
-from areal_async.rollout.engine import RolloutEngine
+from areal_async.rollout.engines.engine import RolloutEngine
 from areal_async.rollout.record import RolloutRecord
 from areal_async.rollout.service import RolloutService, message_bytes
 from areal_async.transport import make_tensor_channel, make_weight_channel

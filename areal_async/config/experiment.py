@@ -176,7 +176,7 @@ class VLLMConfig(Section):
         2e-3,
         "Largest |logprob difference| the probe accepts from a float32 server; bfloat16/float16 servers are "
         "held to what their precision can promise (mean |difference| <= 32 machine epsilons and the top-1 "
-        "tokens: rollout/vllm_client.py).",
+        "tokens: rollout/clients/vllm_client.py).",
     )
     startup_timeout_s: float = _f(900.0, "A server not healthy this long after start counts as down.")
     request_timeout_s: float = _f(

@@ -210,7 +210,8 @@ class RolloutConfig(Section):
     kv_cache_mb: float = _f(
         0.0,
         "KV cache budget of each embedded (torch) engine, MiB: groups start only while the live caches fit, "
-        "and a group that could not fit alone is refused, naming its need; 0 = no bound (rollout/kv_budget.py).",
+        "and a group that could not fit alone is refused, naming its need; 0 = no bound "
+        "(rollout/engines/kv_budget.py).",
     )
     workflow: str = _f(
         "",

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable, Optional
 
 from protocols.messages import GenerateRequest
 
-from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.engines.engine import GenRequest
 from areal_async.workflows.agent_trace import share_prompt
 from areal_async.workflows.base import EngineHandle, Episode, Generation, Prompt, RolloutWorkflow, Sampling
 

@@ -30,7 +30,7 @@ from typing import Optional
 from urllib.parse import urlparse
 
 from areal_async.rollout import openai_chat as oc
-from areal_async.rollout.server_auth import UNAUTHORIZED, refusal
+from areal_async.rollout.clients.server_auth import UNAUTHORIZED, refusal
 from areal_async.workflows.agent_trace import EpisodeTrace, Turn
 from areal_async.workflows.base import EngineHandle
 

@@ -62,7 +62,7 @@ from protocols.sockets import make_socket, send_message
 from protocols.trajectories import TrajectoryBatch
 
 from areal_async.base.process import Unfixable
-from areal_async.rollout.engine import GenRequest, RolloutEngine
+from areal_async.rollout.engines.engine import GenRequest, RolloutEngine
 from areal_async.rollout.episodes import EpisodeFailed, Episodes, ScoreFn, SubRequest, WorkerEngine
 from areal_async.rollout.record import RolloutRecord
 from areal_async.base.records import RewardRecord

@@ -22,8 +22,8 @@ from areal_async.base.plugins import contract_problem
 from areal_async.data.problem import with_instruction
 from areal_async.data.prompts import read_jsonl_head, tiny_arith
 from areal_async.data.templates import render_prompt_ids
-from areal_async.rollout.kv_budget import MIB, KVBudget, bytes_per_position
-from areal_async.rollout.kv_budget import TODO as KV_TODO
+from areal_async.rollout.engines.kv_budget import MIB, KVBudget, bytes_per_position
+from areal_async.rollout.engines.kv_budget import TODO as KV_TODO
 from areal_async.supervisor.preflight_findings import Context, Finding, error, first_line, ok, warn
 from areal_async.supervisor.preflight_gym import check_gym_dataset, check_vocabulary
 

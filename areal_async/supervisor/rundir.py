@@ -27,7 +27,7 @@ from areal_async.base.manifest import RunManifest
 from areal_async.base.private import private_dir
 from areal_async.base.runkeys import TOKEN_ENV, write_run_keys, write_server_key
 from areal_async.config import ExperimentConfig, to_yaml
-from areal_async.rollout.server_auth import API_KEY_ENV
+from areal_async.rollout.clients.server_auth import API_KEY_ENV
 from areal_async.supervisor.placement import Slot
 from areal_async.supervisor.plan import LaunchError, worker_specs
 from areal_async.supervisor.servers import plan_server_addresses, server_key_env

@@ -5,14 +5,14 @@ else talks to them, so each worker alone pauses them, updates their weights and 
 requests. With ``sglang.addresses`` / ``vllm.addresses`` the servers are already running and none is started.
 
 - ``cluster.device=cpu``: the project's SGLang-compatible CPU server
-  (``python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml``): model.path's checkpoint
+  (``python -m areal_async.rollout.servers.sglang_server --config RUN_DIR/config.yaml``): model.path's checkpoint
   (as SGLang serves it), or the built tiny model at random init; the trainer's weights arrive over the
   weight group before any request;
 - ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path``, server
   ``j`` started with ``CUDA_VISIBLE_DEVICES`` = its placement slot's GPU (``sglang-j``, rollout GPU
   ``j`` mapped through the supervisor's own ``CUDA_VISIBLE_DEVICES``, see ``placement.py``) and
   ``--base-gpu-id 0`` inside it, so the server and the rollout worker name the same physical GPU;
-- ``vllm``: ``python -m areal_async.rollout.vllm_server`` (this environment) writes the model directory once
+- ``vllm``: ``python -m areal_async.rollout.servers.vllm_server`` (this environment) writes the model directory once
   and then becomes vLLM's OpenAI server from ``vllm.python``'s environment (exec, same pid).
 
 A server that dies is restarted by the supervisor with the same command and port (up to
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from areal_async.config import ExperimentConfig, LoraConfig, n_servers, server_addresses
 from areal_async.models.context_limit import capped
-from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
+from areal_async.rollout.clients.server_auth import API_KEY_ENV, new_server_key
 from areal_async.supervisor.placement import place, shape_of
 from protocols.sockets import free_tcp_port
 
@@ -118,7 +118,7 @@ def plan_server_addresses(cfg: ExperimentConfig) -> list[str]:
 
 
 def server_key_env(cfg: ExperimentConfig) -> dict:
-    """A fresh per-fleet key for the servers the supervisor starts (``rollout/server_auth.py``), as the
+    """A fresh per-fleet key for the servers the supervisor starts (``rollout/clients/server_auth.py``), as the
     environment of those servers and of the rollout workers; {} when attaching (the caller's own
     ``AREAL_SERVER_API_KEY``, if any, passes through)."""
     if server_addresses(cfg) or not (uses_servers(cfg) or cfg.rollout.agent):
@@ -144,7 +144,7 @@ def _vllm_command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) ->
     cmd = [
         sys.executable,
         "-m",
-        "areal_async.rollout.vllm_server",
+        "areal_async.rollout.servers.vllm_server",
         "--config",
         str(run_dir / "config.yaml"),
         "--model-dir",
@@ -175,7 +175,7 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
         cmd = [
             sys.executable,
             "-m",
-            "areal_async.rollout.sglang_server",
+            "areal_async.rollout.servers.sglang_server",
             "--config",
             str(run_dir / "config.yaml"),
             "--host",
@@ -230,7 +230,7 @@ def context_length(cfg: ExperimentConfig) -> int:
 
 
 def _lora_args(cfg: ExperimentConfig) -> list[str]:
-    """A LoRA run's SGLang flags (``rollout/sglang_lora.py``); none without LoRA."""
+    """A LoRA run's SGLang flags (``rollout/clients/sglang_lora.py``); none without LoRA."""
     return sglang_lora_args(cfg.actor.lora) if cfg.actor.lora.rank else []
 
 

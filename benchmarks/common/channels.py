@@ -25,8 +25,8 @@ from typing import Callable, Optional
 
 import torch
 
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.transport import make_tensor_channel, make_weight_channel
 from areal_async.transport.nccl import require_nccl
 from benchmarks.common.payloads import engine_model

@@ -17,9 +17,9 @@ from areal_async.base.process import setup_torch_process
 from areal_async.data.prompts import PromptCursor, load_problems, prompt_encoder
 from areal_async.models.tiny import load_policy
 from areal_async.models.tokenizer import batch_decoder
-from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.engines.engine import GenRequest
 from areal_async.rollout.service import _split_list
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.packing import select_attn_implementation
 from protocols.trajectories import Trajectory

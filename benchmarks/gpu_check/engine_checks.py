@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from benchmarks.gpu_check.models import tiny_model
 from benchmarks.gpu_check.registry import Result
 

@@ -38,7 +38,7 @@ def test_eval_through_an_sglang_server_serving_the_model(tmp_path):
         [
             sys.executable,
             "-m",
-            "areal_async.rollout.sglang_server",
+            "areal_async.rollout.servers.sglang_server",
             "--model-path",
             str(tmp_path / "model"),
             "--port",

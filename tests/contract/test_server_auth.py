@@ -14,10 +14,10 @@ import threading
 
 import pytest
 
-from areal_async.rollout import http_json
-from areal_async.rollout.server_auth import API_KEY_ENV, refusal
-from areal_async.rollout.sglang_http import make_http_server
-from areal_async.rollout.sglang_server import _beyond_model
+from areal_async.rollout.clients import http_json
+from areal_async.rollout.clients.server_auth import API_KEY_ENV, refusal
+from areal_async.rollout.servers.sglang_http import make_http_server
+from areal_async.rollout.servers.sglang_server import _beyond_model
 from tests.support.sglang_fixtures import VENDORED, pinned_sglang_file
 
 KEY = "k3y-of-this-run"
@@ -139,7 +139,7 @@ def test_the_supervisor_gives_each_fleet_a_fresh_key_for_the_servers_it_starts(t
     """Ours and vLLM read it from the environment (never argv, which ps shows); SGLang takes --api-key;
     attaching to running servers makes no key (the caller's own AREAL_SERVER_API_KEY passes through)."""
     from areal_async.config import from_dict, load_config
-    from areal_async.rollout.vllm_server import vllm_env
+    from areal_async.rollout.servers.vllm_server import vllm_env
     from areal_async.supervisor.servers import server_commands, server_key_env
 
     cpu = from_dict({}, ["rollout.backend=sglang", "cluster.n_rollout_workers=1"])

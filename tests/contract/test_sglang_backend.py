@@ -18,10 +18,10 @@ import torch
 from areal_async.base.process import Unfixable
 from areal_async.config import load_config, to_yaml
 from areal_async.models.tiny import build_model
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import call
-from areal_async.rollout.remote import REFUSALS_TO_FAIL, RemoteEngine, ServerDown
-from areal_async.rollout.sglang_client import SGLangClient
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import call
+from areal_async.rollout.clients.remote import REFUSALS_TO_FAIL, RemoteEngine, ServerDown
+from areal_async.rollout.clients.sglang_client import SGLangClient
 from areal_async.models.tokenizer import load_tokenizer
 from tests.support.sglang_fixtures import TINY, start_cpu_server, stop
 

@@ -25,13 +25,13 @@ import torch
 
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
-from areal_async.rollout import http_client as HC  # every client request goes through HC.call
-from areal_async.rollout import sglang_client as SC
-from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.clients import http_client as HC  # every client request goes through HC.call
+from areal_async.rollout.clients import sglang_client as SC
+from areal_async.rollout.engines.engine import GenRequest
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.models.lora import LoraSpec, adapter_shapes
 from areal_async.models.tiny import save_policy
-from areal_async.rollout.http_json import HTTPStatusError
+from areal_async.rollout.clients.http_json import HTTPStatusError
 from areal_async.config import LoraConfig
 from areal_async.supervisor.servers import sglang_lora_args
 from tests.support.sglang_fixtures import SGLANG_PIN, TINY, pinned_sglang_file, start_cpu_server, stop
@@ -195,7 +195,7 @@ def test_pause_modes_and_dtypes_are_values_sglang_takes(io_struct, traffic):
                 assert not d.startswith("torch.") and isinstance(getattr(torch, d), torch.dtype)
 
 
-# ---- LoRA: the base from disk once, then adapters by name (rollout/sglang_lora.py) -------------------------
+# ---- LoRA: the base from disk once, then adapters by name (rollout/clients/sglang_lora.py) -------------------------
 
 LORA = LoraSpec(8, 16.0, ("q_proj", "v_proj", "down_proj"))
 LORA_CONTROL = {

@@ -22,11 +22,11 @@ import pytest
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.rollout import http_client as HC
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError, call
-from areal_async.rollout.remote import ServerDown
-from areal_async.rollout.sglang_client import SGLangClient
+from areal_async.rollout.clients import http_client as HC
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import HTTPStatusError, call
+from areal_async.rollout.clients.remote import ServerDown
+from areal_async.rollout.clients.sglang_client import SGLangClient
 from tests.support.sglang_fixtures import TINY, pinned_sglang_file, start_cpu_server, stop
 
 pytestmark = pytest.mark.timeout(300)

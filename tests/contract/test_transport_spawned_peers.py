@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from areal_async.rollout.weight_group import destroy_group, init_custom_group
+from areal_async.rollout.clients.weight_group import destroy_group, init_custom_group
 from areal_async.transport import TransportError, make_tensor_channel, make_weight_channel
 from areal_async.transport import shm_weights as W
 from areal_async.transport.buckets import state_checksum
@@ -111,7 +111,7 @@ def test_across_processes_trajectories_and_weights():
 
 RANK1 = """
 import os, sys, torch, torch.distributed as dist
-from areal_async.rollout.weight_group import destroy_group, init_custom_group
+from areal_async.rollout.clients.weight_group import destroy_group, init_custom_group
 pg = init_custom_group("gloo", "127.0.0.1", int(sys.argv[1]), 1, 2, sys.argv[2], timeout_s=60)
 buf = torch.zeros(3)
 dist.broadcast(buf, src=0, group=pg)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from areal_async.rollout.vllm_path.areal_vllm_auth import BearerEverywhere
+from areal_async.rollout.servers.vllm_path.areal_vllm_auth import BearerEverywhere
 
 KEY = "k3y-of-this-run"
 
@@ -81,8 +81,8 @@ def test_a_keyed_server_loads_it_from_a_path_that_holds_only_it(tmp_path):
     """With the run's key the launcher passes --middleware and a PYTHONPATH from which the module imports in
     an interpreter that cannot see this package (-S: no site-packages); without a key neither."""
     from areal_async.config import from_dict
-    from areal_async.rollout.server_auth import API_KEY_ENV
-    from areal_async.rollout.vllm_server import AUTH_MIDDLEWARE, AUTH_PATH, vllm_argv, vllm_env
+    from areal_async.rollout.clients.server_auth import API_KEY_ENV
+    from areal_async.rollout.servers.vllm_server import AUTH_MIDDLEWARE, AUTH_PATH, vllm_argv, vllm_env
 
     cfg = from_dict({}, ["rollout.backend=vllm", "cluster.n_rollout_workers=1"])
     env = vllm_env(cfg, {API_KEY_ENV: KEY, "PYTHONPATH": "/elsewhere"})

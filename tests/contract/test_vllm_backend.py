@@ -24,10 +24,10 @@ from areal_async.app.rollout_worker import ProbeReference, logprobs_of
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.remote import RemoteEngine, ServerDown
-from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
-from areal_async.rollout.vllm_client import VLLMClient, write_version
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.remote import RemoteEngine, ServerDown
+from areal_async.rollout.clients.server_auth import API_KEY_ENV, new_server_key
+from areal_async.rollout.clients.vllm_client import VLLMClient, write_version
 from tests.support.vllm_fixtures import (
     STARTS,
     TINY,

@@ -16,8 +16,8 @@ from areal_async.app.rollout_worker import ProbeReference
 from areal_async.config import load_config
 from areal_async.models import lora
 from areal_async.models.tiny import save_policy
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.vllm_client import LORA_NAME, VLLMClient
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.vllm_client import LORA_NAME, VLLMClient
 from tests.contract.test_vllm_backend import TOK, greedy_under, policy, under
 from tests.support.vllm_fixtures import TINY, start_vllm, stop, vllm_python_or_skip
 

@@ -22,11 +22,11 @@ from areal_async.app.rollout_worker import ProbeReference
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.remote import RemoteEngine
-from areal_async.rollout.server_auth import API_KEY_ENV, new_server_key
-from areal_async.rollout.vllm_client import VLLMClient
-from areal_async.rollout.vllm_server import vllm_argv
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.remote import RemoteEngine
+from areal_async.rollout.clients.server_auth import API_KEY_ENV, new_server_key
+from areal_async.rollout.clients.vllm_client import VLLMClient
+from areal_async.rollout.servers.vllm_server import vllm_argv
 from tests.support.vllm_fixtures import TINY, start_vllm, stop, vllm_python_or_skip
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(3600)]

@@ -16,8 +16,8 @@ from areal_async.base.runkeys import load_server_key
 from areal_async.base.process import BUILD_FAILED_EXIT_CODE
 from areal_async.config import load_config, to_yaml
 from areal_async.supervisor.fleet import Supervisor
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from areal_async.rollout.server_auth import API_KEY_ENV
+from areal_async.rollout.clients.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.clients.server_auth import API_KEY_ENV
 from tests.support.fleet import ROOT, assert_verified, cli, finish_ok, read_jsonl, wait_for_metrics
 from tests.support.sglang_fixtures import start_cpu_server, stop
 

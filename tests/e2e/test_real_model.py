@@ -27,9 +27,9 @@ from areal_async.config import ActorConfig, load_config, to_yaml
 from areal_async.data.templates import render_prompt_ids, render_prompt_text
 from areal_async.models.gguf_header import read_header
 from areal_async.models.gguf_import import find_gguf
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
 from areal_async.supervisor.servers import server_commands
 from protocols.trajectories import Trajectory

@@ -24,10 +24,10 @@ pytest.importorskip("zmq", reason="the project's modules need pyzmq (see scripts
 from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model, save_policy
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import call
-from areal_async.rollout.remote import RemoteEngine
-from areal_async.rollout.sglang_client import SGLangClient
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import call
+from areal_async.rollout.clients.remote import RemoteEngine
+from areal_async.rollout.clients.sglang_client import SGLangClient
 from protocols.sockets import free_tcp_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]

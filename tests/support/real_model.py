@@ -35,8 +35,8 @@ import torch
 from areal_async.data.templates import render_prompt_ids
 from areal_async.models.tiny import load_model
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.trainer.logprobs import packed_logprobs
 from areal_async.trainer.packing import select_attn_implementation
 from tests.support.smollm2 import INSTALL, model_dir

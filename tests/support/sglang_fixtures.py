@@ -1,6 +1,6 @@
 """Test helpers for the SGLang backend: CPU servers in real processes, the pinned sglang wheel.
 
-``start_cpu_server(config)`` runs ``python -m areal_async.rollout.sglang_server`` on a free port
+``start_cpu_server(config)`` runs ``python -m areal_async.rollout.servers.sglang_server`` on a free port
 and returns (process, "http://127.0.0.1:PORT"); ``stop(proc)`` kills it by pid.
 ``pinned_sglang_file(path)`` returns the text of one file of the pinned sglang release: the copy
 vendored in ``tests/support/data/sglang-<pin>/`` (checked against its ``SHA256SUMS``; see ``SOURCE.md`` there),
@@ -34,7 +34,7 @@ def start_cpu_server(config: Path = TINY, port: int | None = None, extra: list[s
     cmd = [
         sys.executable,
         "-m",
-        "areal_async.rollout.sglang_server",
+        "areal_async.rollout.servers.sglang_server",
         "--config",
         str(config),
         "--port",

@@ -3,7 +3,7 @@
 ``vllm_python_or_skip()`` returns the server environment's interpreter, or skips the test saying how to
 make it (``scripts/setup_vllm.sh``); with ``AREAL_REQUIRE_VLLM=1`` (set by ``.ci/run``) it fails instead, so CI
 cannot pass by skipping. ``start_vllm(model_dir, port)`` starts the server through the same
-launcher the supervisor uses (``python -m areal_async.rollout.vllm_server``: model directory, then exec of
+launcher the supervisor uses (``python -m areal_async.rollout.servers.vllm_server``: model directory, then exec of
 vLLM's OpenAI server) and returns (process, url) once /health answers; ``stop(proc)`` kills its process
 group (vLLM runs its engine in a child process) by the process group id we started. ``STARTS`` records how
 long each start took (the cost of these tests is mostly starts: 34-48 s each on a quiet 2-core machine, minutes
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.config import load_config
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.clients.http_json import HTTPStatusError, ServerUnreachable, call
 from areal_async.supervisor.servers import vllm_python
 from protocols.sockets import free_tcp_port
 
@@ -50,7 +50,7 @@ def start_vllm(model_dir: Path, log_path: Path, port: int | None = None, config:
     cmd = [
         sys.executable,
         "-m",
-        "areal_async.rollout.vllm_server",
+        "areal_async.rollout.servers.vllm_server",
         "--config",
         str(config),
         "--model-dir",

@@ -12,7 +12,7 @@ from areal_async.data.prompts import Problem, prompt_encoder
 from areal_async.models.tiny import build_model, save_policy
 from areal_async.models.tokenizer import build_char_tokenizer
 from areal_async.reward.pool import RewardPool
-from areal_async.rollout.engine import RolloutEngine, group_rows, sample_row
+from areal_async.rollout.engines.engine import RolloutEngine, group_rows, sample_row
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -39,6 +39,17 @@ FLOORS: dict[int, tuple[str, ...]] = {
     7: ("benchmarks",),
 }
 
+# room -> its subrooms' floors, lowest first: the same rule inside the room (a subroom imports its own subroom and
+# lower ones). The room's own modules (its top level) stand above all its subrooms; a subroom never imports them.
+# Between rooms only FLOORS counts: rollout.engines is still a role's, and never imports trainer or scheduler.
+SUBFLOORS: dict[str, dict[int, tuple[str, ...]]] = {
+    "areal_async.rollout": {
+        0: ("areal_async.rollout.engines",),  # the RolloutEngine seam, the embedded TorchEngine
+        1: ("areal_async.rollout.clients",),  # RemoteEngine, the server clients, the SGLang contract as data
+        2: ("areal_async.rollout.servers",),  # the CPU SGLang twin (over TorchEngine), the vLLM launcher
+    },
+}
+
 # Package roots that re-export from upstairs (their __init__ imports lazily, on attribute access).
 FACADES: dict[str, int] = {"areal_async": 7}  # ``areal_async.Fleet`` / ``load_config``: the Python API
 
@@ -142,6 +153,16 @@ def room_of(module: str) -> tuple[int, str]:
     return best
 
 
+def subroom_of(module: str, room: str) -> tuple[int, str]:
+    """(floor, subroom) of a module inside ``room``: its subroom's floor, or above them all for the room's own."""
+    floors = SUBFLOORS.get(room, {})
+    for floor, subs in floors.items():
+        for sub in subs:
+            if module == sub or module.startswith(sub + "."):
+                return floor, sub
+    return len(floors), room
+
+
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -182,9 +203,18 @@ def floor_violations(imports) -> list[str]:
     bad = []
     for importer, imported, line, _ in imports:
         (f_from, r_from), (f_to, r_to) = room_of(importer), room_of(imported)
+        what = "floor"
+        if r_from == r_to:  # inside one room: its subrooms' floors
+            what, (f_from, r_from), (f_to, r_to) = (
+                f"{r_from} floor",
+                subroom_of(importer, r_from),
+                subroom_of(imported, r_to),
+            )
         if r_from != r_to and f_to >= f_from:
             side = "above it" if f_to > f_from else "beside it"
-            bad.append(f"{importer}:{line} imports {imported} (floor {f_to}, {side}: {importer} is on floor {f_from})")
+            bad.append(
+                f"{importer}:{line} imports {imported} ({what} {f_to}, {side}: {importer} is on {what} {f_from})"
+            )
     return bad
 
 
@@ -201,6 +231,14 @@ def test_every_module_is_on_a_floor():
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
             room_of(module_name(path))
+
+
+def test_every_subroom_is_on_a_floor_of_its_room():
+    """Each package directly under a room with SUBFLOORS is listed there, and each listed subroom exists."""
+    for room, floors in SUBFLOORS.items():
+        here = ROOT.joinpath(*room.split("."))
+        found = {f"{room}.{p.name}" for p in here.iterdir() if (p / "__init__.py").is_file()}
+        assert found == {s for subs in floors.values() for s in subs}, room
 
 
 def test_no_module_imports_its_own_floor_or_above():
@@ -235,8 +273,8 @@ GPU_CODE = (
     "areal_async.trainer.sharded_ckpt",
     "areal_async.transport.nccl",
     "areal_async.transport.cuda_ipc",
-    "areal_async.rollout.torch_engine",
-    "areal_async.rollout.weight_group",
+    "areal_async.rollout.engines.torch_engine",
+    "areal_async.rollout.clients.weight_group",
 )
 
 
@@ -298,3 +336,30 @@ def test_the_checker_catches_what_it_should(tmp_path):
         ),
     ]
     assert lazy_violations(imports)[0] == "areal_async.trainer.loss:2 imports areal_async.reward inside a function"
+
+
+def test_the_checker_keeps_the_floors_of_subrooms(tmp_path):
+    """Inside a room, its subrooms' floors; between rooms, the rooms' floors (a subroom gains nothing outside)."""
+    files = {
+        "areal_async/rollout/engines/torch_engine.py": "from areal_async.rollout.clients import remote\n"
+        "from areal_async.rollout.engines.engine import E\nfrom areal_async.trainer import loss\n",
+        "areal_async/rollout/clients/remote.py": "from areal_async.rollout.service import S\n"
+        "from areal_async.rollout.engines import engine\n",
+        "areal_async/rollout/servers/twin.py": "from areal_async.rollout.clients import remote\n",
+        "areal_async/rollout/service.py": "from areal_async.rollout.servers import twin\n",
+    }
+    for rel, src in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(src)
+    r = "areal_async.rollout"
+    assert floor_violations(all_imports(tmp_path)) == [
+        f"{r}.clients.remote:1 imports {r}.service ({r} floor 3, above it: {r}.clients.remote is on {r} floor 1)",
+        (
+            f"{r}.engines.torch_engine:1 imports {r}.clients ({r} floor 1, above it: "
+            f"{r}.engines.torch_engine is on {r} floor 0)"
+        ),
+        (
+            f"{r}.engines.torch_engine:3 imports areal_async.trainer (floor 4, beside it: "
+            f"{r}.engines.torch_engine is on floor 4)"
+        ),
+    ]

@@ -11,7 +11,7 @@ import pytest
 
 from areal_async.config import load_config
 from areal_async.models.context_limit import capped, sglang_context, vllm_context
-from areal_async.rollout.vllm_server import max_model_len, vllm_argv
+from areal_async.rollout.servers.vllm_server import max_model_len, vllm_argv
 from areal_async.supervisor.servers import context_length, server_commands
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -10,8 +10,8 @@ from areal_async.config import ActorConfig, ConfigError, LoraConfig, ModelConfig
 from areal_async.models import lora
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
 from protocols.trajectories import Trajectory
 from areal_async.transport.buckets import plan

@@ -11,11 +11,11 @@ from protocols.trajectories import TrajectoryBatch
 from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import build_char_tokenizer
-from areal_async.rollout.engine import GenRequest, group_output, group_rows, sample_row
-from areal_async.rollout.kv_cache import KVCache
-from areal_async.rollout.kv_decoder import HFDecoder, LeanLlama
-from areal_async.rollout.sampling import BLOCK, BLOCKED_MIN_V, draw_tokens, sample_tokens
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.engine import GenRequest, group_output, group_rows, sample_row
+from areal_async.rollout.engines.kv_cache import KVCache
+from areal_async.rollout.engines.kv_decoder import HFDecoder, LeanLlama
+from areal_async.rollout.engines.sampling import BLOCK, BLOCKED_MIN_V, draw_tokens, sample_tokens
+from areal_async.rollout.engines.torch_engine import TorchEngine
 
 TOK = build_char_tokenizer()
 SMALL = ModelConfig(
@@ -579,7 +579,7 @@ def test_default_layout_follows_the_head_dim_and_a_bad_layout_is_refused():
         TorchEngine(_model(), TOK, kv_layout="rows")
 
 
-# ---- the KV cache budget (rollout/kv_budget.py) ----------------------------------------------
+# ---- the KV cache budget (rollout/engines/kv_budget.py) ----------------------------------------------
 
 # SMALL by hand: 2 layers x 2 KV heads x head_dim 32/4 = 8 x (keys, values) x 4 bytes (float32) = 256 bytes
 SMALL_POSITION_BYTES = 2 * 2 * 8 * 2 * 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from areal_async.rollout.service import EngineThread
-from areal_async.rollout.torch_engine import TorchEngine
+from areal_async.rollout.engines.torch_engine import TorchEngine
 from protocols.messages import GenerateRequest
 from tests.unit.rollout.test_engine_torch import PROMPTS, TOK, _model, _ref_logprobs, _req, _run
 

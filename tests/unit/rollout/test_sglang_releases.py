@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.rollout.http_json import HTTPStatusError
-from areal_async.rollout.sglang_client import ServerTooOld, SGLangClient
+from areal_async.rollout.clients.http_json import HTTPStatusError
+from areal_async.rollout.clients.sglang_client import ServerTooOld, SGLangClient
 
 ROOT = Path(__file__).resolve().parents[3]
 FIRST_WITH_SESSIONS = (0, 5, 21)  # read from the wheels (module docstring)

@@ -12,10 +12,10 @@ import torch
 from areal_async.config import load_config
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tiny import build_model
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.sglang_server import CpuSGLangServer
-from areal_async.rollout.torch_engine import TorchEngine
-from areal_async.rollout.weights_file import save_state_file
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.servers.sglang_server import CpuSGLangServer
+from areal_async.rollout.engines.torch_engine import TorchEngine
+from areal_async.rollout.clients.weights_file import save_state_file
 from tests.support.sglang_fixtures import TINY
 
 

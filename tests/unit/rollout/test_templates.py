@@ -23,7 +23,7 @@ from areal_async.config import ConfigError, from_dict
 from areal_async.data.prompts import Problem, keep_short, prompt_encoder, sft_examples
 from areal_async.data.templates import render_prompt_text
 from areal_async.models.tokenizer import build_char_tokenizer, load_tokenizer
-from areal_async.rollout.engine import RolloutEngine
+from areal_async.rollout.engines.engine import RolloutEngine
 from areal_async.rollout.service import EngineThread
 from areal_async.scheduler.service import SchedulerService
 

@@ -7,7 +7,7 @@ the server's dtype, ``log_softmax`` in float32 of its logits (``v1/sample/sample
 is the worker's own (``ProbeReference``: one float32 forward of the trainer's weights). The model is the built
 tiny Llama with its output layer scaled by 30, so its logits reach ~20 as a real model's do (bfloat16 rounds a
 logit relative to its size): bfloat16 then moves the probe's logprobs by ~0.15 at most, 0.05 on average, what
-SmolLM2-135M measured (0.14 / 0.048; ``rollout/vllm_client.py``).
+SmolLM2-135M measured (0.14 / 0.048; ``rollout/clients/vllm_client.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from areal_async.app.rollout_worker import ProbeReference
 from areal_async.config import load_config
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tiny import build_model
-from areal_async.rollout.remote import ServerDown
-from areal_async.rollout.vllm_client import VLLMClient, probe_tolerance
+from areal_async.rollout.clients.remote import ServerDown
+from areal_async.rollout.clients.vllm_client import VLLMClient, probe_tolerance
 
 CFG = load_config("configs/tiny_arith.yaml")
 TOK = policy_tokenizer(CFG.model)

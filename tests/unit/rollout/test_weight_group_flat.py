@@ -8,8 +8,8 @@ import struct
 import pytest
 import torch
 
-from areal_async.rollout.sglang_client import SGLangClient
-from areal_async.rollout.weight_group import flattened_buckets
+from areal_async.rollout.clients.sglang_client import SGLangClient
+from areal_async.rollout.clients.weight_group import flattened_buckets
 
 # float32 [1, 2] then bfloat16 [3] (bf16 3.0 = the high half of float32 3.0, 0x40400000): little-endian bytes
 SD = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0], dtype=torch.bfloat16)}

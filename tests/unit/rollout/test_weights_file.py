@@ -3,7 +3,7 @@
 import torch
 from safetensors.torch import load_file
 
-from areal_async.rollout.weights_file import save_state_file
+from areal_async.rollout.clients.weights_file import save_state_file
 
 
 def test_tied_tensors_are_written_once_and_the_values_round_trip(tmp_path):

@@ -26,7 +26,7 @@ from areal_async.base.aio import RoleLoopError
 from areal_async.base.control import ControlClient
 from areal_async.base.eta import EtaMode
 from areal_async.base.records import read_jsonl
-from areal_async.rollout.engine import GenRequest, group_output
+from areal_async.rollout.engines.engine import GenRequest, group_output
 from areal_async.rollout.service import trajectory_messages
 from areal_async.trainer.actor import PPOActor
 from areal_async.trainer.record import TrainerRecord

@@ -44,10 +44,10 @@ import torch
 from protocols.trajectories import TrajectoryBatch
 
 from areal_async.base.process import Unfixable
-from areal_async.rollout.http_json import HTTPStatusError
-from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_rows, sample_row
+from areal_async.rollout.clients.http_json import HTTPStatusError
+from areal_async.rollout.engines.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_rows, sample_row
 
-log = logging.getLogger("areal_async.rollout.remote")
+log = logging.getLogger("areal_async.rollout.clients.remote")
 
 
 class ServerDown(ConnectionError):

@@ -1,4 +1,4 @@
-"""``SGLangClient``: one SGLang server (or the CPU twin, ``sglang_server.py``) behind ``ServerClient``.
+"""``SGLangClient``: one SGLang server (or the CPU twin, ``servers/sglang_server.py``) behind ``ServerClient``.
 
 The HTTP contract, as read from sglang 0.5.23 (``api/v1/api_types.py``, ``srt/managers/io_struct.py``,
 ``srt/entrypoints/http_server.py``); ``tests/contract/test_sglang_contract.py`` checks every body built
@@ -52,14 +52,14 @@ from protocols.ports import free_tcp_port
 
 from areal_async.config.experiment import LORA_KEEPS_ADAPTER
 from areal_async.models.lora import LoraSpec, save_adapter
-from areal_async.rollout import sglang_lora as L
-from areal_async.rollout import sglang_rules as R
-from areal_async.rollout import weight_group as W
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError
-from areal_async.rollout.http_client import HTTPServerClient
-from areal_async.rollout.remote import Completion, ServerDown, UpdateRefused
-from areal_async.rollout.weights_file import save_state_file
+from areal_async.rollout.clients import sglang_lora as L
+from areal_async.rollout.clients import sglang_rules as R
+from areal_async.rollout.clients import weight_group as W
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import HTTPStatusError
+from areal_async.rollout.clients.http_client import HTTPServerClient
+from areal_async.rollout.clients.remote import Completion, ServerDown, UpdateRefused
+from areal_async.rollout.clients.weights_file import save_state_file
 
 log = logging.getLogger("areal_async.rollout.sglang")
 

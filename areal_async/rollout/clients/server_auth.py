@@ -12,7 +12,7 @@ SGLang's own ``--api-key``), to the servers it starts and to the rollout workers
 case-insensitive, the key compared in constant time), else 401 ``{"error": "Unauthorized"}``.
 vLLM checks its key (``VLLM_API_KEY``) only on paths under ``/v1`` (``serve/middleware/authenticate.py``), so
 the vLLM servers the supervisor starts also load ``vllm_path/areal_vllm_auth.py``, which refuses every route
-without the key (``/health`` and the dev-mode weight routes included; see ``vllm_server.py``).
+without the key (``/health`` and the dev-mode weight routes included; see ``servers/vllm_server.py``).
 """
 
 from __future__ import annotations

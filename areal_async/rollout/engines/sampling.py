@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areal_async.rollout.engine import GenRequest
+from areal_async.rollout.engines.engine import GenRequest
 
 
 @dataclass(frozen=True)

@@ -65,11 +65,11 @@ from typing import Callable, Optional, Union
 import torch
 
 from areal_async.models.lora import LoraSpec, save_adapter
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.http_json import HTTPStatusError
-from areal_async.rollout.http_client import HTTPServerClient
-from areal_async.rollout.remote import Completion, ServerDown, UpdateRefused
-from areal_async.rollout.weights_file import save_state_file
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.http_json import HTTPStatusError
+from areal_async.rollout.clients.http_client import HTTPServerClient
+from areal_async.rollout.clients.remote import Completion, ServerDown, UpdateRefused
+from areal_async.rollout.clients.weights_file import save_state_file
 
 log = logging.getLogger("areal_async.rollout.vllm")
 

@@ -1,6 +1,6 @@
 """Start one vLLM OpenAI server for ``rollout.backend: vllm``: write the model directory, then become vLLM.
 
-The supervisor runs ``python -m areal_async.rollout.vllm_server --config RUN_DIR/config.yaml --model-dir DIR
+The supervisor runs ``python -m areal_async.rollout.servers.vllm_server --config RUN_DIR/config.yaml --model-dir DIR
 --host H --port P --index J --vllm-python PY`` from this package's environment. It
 
 1. writes ``DIR`` once (the first server to get there; atomically, a temporary directory renamed into place):
@@ -41,7 +41,7 @@ from areal_async.config import ExperimentConfig, load_config
 from areal_async.models.context_limit import capped
 from areal_async.models.tiny import build_model
 from areal_async.models.policy_tokenizer import policy_tokenizer
-from areal_async.rollout.server_auth import API_KEY_ENV
+from areal_async.rollout.clients.server_auth import API_KEY_ENV
 
 SERVED_NAME = "areal"  # --served-model-name; the client sends it as "model"
 AUTH_MIDDLEWARE = "areal_vllm_auth.BearerEverywhere"  # imported by vLLM from AUTH_PATH (stdlib only)
@@ -147,7 +147,7 @@ def vllm_env(cfg: ExperimentConfig, base: dict, index: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="areal_async.rollout.vllm_server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="areal_async.rollout.servers.vllm_server", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="the run's config.yaml")
     p.add_argument("--model-dir", required=True, help="where the built model is written (once) for vLLM")
     p.add_argument("--host", default="127.0.0.1")

@@ -16,10 +16,10 @@ exactly as SGLang takes them over NCCL::
                                             load_format ("flattened_bucket" or per tensor)
     POST /begin_weight_update, /end_weight_update, /destroy_weights_update_group
     POST /update_weights_from_disk          model_path (an HF directory with safetensors)
-    POST /load_lora_adapter, /unload_lora_adapter, /update_weight_version   LoRA (``sglang_lora.py``)
+    POST /load_lora_adapter, /unload_lora_adapter, /update_weight_version   LoRA (``clients/sglang_lora.py``)
     GET  /health, /model_info, /server_info;  GET|POST /flush_cache;  POST /abort_request {rid | abort_all}
 
-Refusals, with SGLang 0.5.23's own words and status (``sglang_rules.py`` cites the lines): a
+Refusals, with SGLang 0.5.23's own words and status (``clients/sglang_rules.py`` cites the lines): a
 distributed update outside a ``/begin_weight_update`` ... ``/end_weight_update`` session (400,
 before joining the broadcast, as the real one does), a second begin, an end without begin, a
 flush while requests are in the running batch (``/flush_cache`` 400, and an update with
@@ -40,8 +40,8 @@ Not covered: streaming, text prompts (``input_ids`` only), batched requests, ``n
 min-p / penalties / grammars (refused with 400 naming the key), a radix cache across requests
 (``/flush_cache`` has nothing to flush), tensor/data parallelism, CUDA.
 
-    python -m areal_async.rollout.sglang_server --config RUN_DIR/config.yaml --port 30000
-    python -m areal_async.rollout.sglang_server --model-path HF_DIR --port 30000
+    python -m areal_async.rollout.servers.sglang_server --config RUN_DIR/config.yaml --port 30000
+    python -m areal_async.rollout.servers.sglang_server --model-path HF_DIR --port 30000
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ from areal_async.models.context_limit import sglang_context, sglang_rule
 from areal_async.models.tiny import build_model, load_model
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tokenizer import load_tokenizer
-from areal_async.rollout import sglang_rules as R
-from areal_async.rollout.sglang_http import make_http_server
-from areal_async.rollout.sglang_lora import TwinLora
-from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
-from areal_async.rollout import weight_group as W
-from areal_async.rollout.engine import GenRequest
-from areal_async.rollout.server_auth import server_key
-from areal_async.rollout.torch_engine import TorchEngine, _check_state_dict
+from areal_async.rollout.clients import sglang_rules as R
+from areal_async.rollout.servers.sglang_http import make_http_server
+from areal_async.rollout.clients.sglang_lora import TwinLora
+from areal_async.rollout.clients.sglang_rules import TP_SIZE, BadRequest, Unavailable
+from areal_async.rollout.clients import weight_group as W
+from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.clients.server_auth import server_key
+from areal_async.rollout.engines.torch_engine import TorchEngine, _check_state_dict
 
 log = logging.getLogger("areal_async.sglang_server")
 
@@ -104,7 +104,7 @@ class _Waiter:
 
 class CpuSGLangServer(TwinLora):
     """The state behind the endpoints: one TorchEngine stepped by one thread, under one lock.
-    ``lora_rank``: --max-lora-rank of a server launched with --enable-lora (``sglang_lora.py``); 0 = off."""
+    ``lora_rank``: --max-lora-rank of a server launched with --enable-lora (``clients/sglang_lora.py``); 0 = off."""
 
     def __init__(
         self,
@@ -511,7 +511,7 @@ def check_context_length(derived: int, context_length: Optional[int]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="areal_async.rollout.sglang_server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="areal_async.rollout.servers.sglang_server", description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model-path", default="", help="HF model directory (as sglang.launch_server takes it)")
     src.add_argument(

@@ -11,7 +11,7 @@ until their timeouts.
 
 ``init_custom_group`` below repeats those steps (read from sglang 0.5.23,
 ``srt/utils/common.py``), so rank 0 here and a real SGLang server (NCCL) or the CPU server
-(gloo, ``sglang_server.py``, which calls this same function) meet in one group.
+(gloo, ``servers/sglang_server.py``, which calls this same function) meet in one group.
 ``flattened_buckets`` lays a state dict out as SGLang's ``FlattenedTensorBucket`` expects it:
 tensors back to back, each at a byte offset that is a multiple of its item size (the receiver
 recomputes offsets from names/dtypes/shapes and refuses an unaligned one).

@@ -7,7 +7,7 @@ routes ``VLLM_SERVER_DEV_MODE=1`` opens (``/collective_rpc``, ``/pause``, ``/res
 ``app.add_middleware(cls)`` with no arguments (``serve/middleware/register.py``, the loop over
 ``args.middleware``), so this class reads the key from ``VLLM_API_KEY`` itself, and refuses to start
 without one (fail closed). Every request (HTTP and websocket, any method, ``/health`` and ``/metrics``
-too: our clients send the key on every call, ``rollout/http_json.py``) needs ``Authorization: Bearer KEY``
+too: our clients send the key on every call, ``rollout/clients/http_json.py``) needs ``Authorization: Bearer KEY``
 (scheme case-insensitive, the key compared in constant time), else 401 ``{"error": "Unauthorized"}``,
 as vLLM's own middleware answers. Lifespan events pass.
 

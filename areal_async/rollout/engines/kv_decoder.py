@@ -34,7 +34,7 @@ from transformers import DynamicCache, PreTrainedModel
 from areal_async.models.lean_ops import STATIC_ROPE_TYPES
 from areal_async.models.lean_ops import linear as _linear
 from areal_async.models.lean_ops import rms_norm as _norm
-from areal_async.rollout.kv_cache import KVCache
+from areal_async.rollout.engines.kv_cache import KVCache
 
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 

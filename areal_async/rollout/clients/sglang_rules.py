@@ -1,4 +1,4 @@
-"""What SGLang 0.5.23 refuses around a weight update, as data: the CPU server (``sglang_server.py``)
+"""What SGLang 0.5.23 refuses around a weight update, as data: the CPU server (``servers/sglang_server.py``)
 refuses the same things with the same words and HTTP status, and the client (``sglang_client.py``)
 is built so that it never triggers them.
 

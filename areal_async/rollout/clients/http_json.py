@@ -16,7 +16,7 @@ import threading
 from typing import Any, Optional
 from urllib.parse import urlparse
 
-from areal_async.rollout.server_auth import auth_headers
+from areal_async.rollout.clients.server_auth import auth_headers
 
 
 class ServerUnreachable(ConnectionError):

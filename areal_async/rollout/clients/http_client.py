@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from areal_async.rollout.http_json import HTTPStatusError, ServerUnreachable, call
-from areal_async.rollout.remote import ServerClient, ServerDown
+from areal_async.rollout.clients.http_json import HTTPStatusError, ServerUnreachable, call
+from areal_async.rollout.clients.remote import ServerClient, ServerDown
 
 
 class HTTPServerClient(ServerClient):

@@ -51,11 +51,18 @@ from transformers import PreTrainedModel
 from protocols.trajectories import COLUMNS, TrajectoryBatch
 
 from areal_async.models.lora import EngineAdapter
-from areal_async.rollout.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_output, group_rows, sample_row
-from areal_async.rollout.kv_budget import KVBudget, bytes_per_position
-from areal_async.rollout.kv_cache import LAYOUTS, KVCache, default_layout
-from areal_async.rollout.kv_decoder import make_decoder
-from areal_async.rollout.sampling import SamplingMode, sample_tokens, token_entropy
+from areal_async.rollout.engines.engine import (
+    ON_WEIGHTS,
+    GenRequest,
+    RolloutEngine,
+    group_output,
+    group_rows,
+    sample_row,
+)
+from areal_async.rollout.engines.kv_budget import KVBudget, bytes_per_position
+from areal_async.rollout.engines.kv_cache import LAYOUTS, KVCache, default_layout
+from areal_async.rollout.engines.kv_decoder import make_decoder
+from areal_async.rollout.engines.sampling import SamplingMode, sample_tokens, token_entropy
 
 # Per-row tensors of a cohort and how each is padded when two cohorts merge:
 # "_B" no padding; "_BW" right-padded along dim 1 (generated-token buffers, stop sets);

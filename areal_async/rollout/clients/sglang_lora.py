@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 
 from areal_async.models import lora
-from areal_async.rollout.sglang_rules import BadRequest
+from areal_async.rollout.clients.sglang_rules import BadRequest
 
 LOAD_FIELDS = ("lora_name", "lora_path", "pinned", "lora_id")  # io_struct.py LoadLoRAAdapterReqInput (line 2516)
 UNLOAD_FIELDS = ("lora_name", "lora_id")  # UnloadLoRAAdapterReqInput (line 2535)

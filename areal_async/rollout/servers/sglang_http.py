@@ -1,5 +1,5 @@
 """The CPU SGLang server's HTTP side (``sglang_server.py`` holds the state): routes, status codes and
-bodies as sglang 0.5.23's ``srt/entrypoints/http_server.py`` answers them (``sglang_rules.py``)."""
+bodies as sglang 0.5.23's ``srt/entrypoints/http_server.py`` answers them (``clients/sglang_rules.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
 
-from areal_async.rollout import sglang_rules as R
-from areal_async.rollout.server_auth import UNAUTHORIZED, refusal
-from areal_async.rollout.sglang_rules import TP_SIZE, BadRequest, Unavailable
+from areal_async.rollout.clients import sglang_rules as R
+from areal_async.rollout.clients.server_auth import UNAUTHORIZED, refusal
+from areal_async.rollout.clients.sglang_rules import TP_SIZE, BadRequest, Unavailable
 
 log = logging.getLogger("areal_async.sglang_server")
 
