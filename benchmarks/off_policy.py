@@ -147,7 +147,7 @@ def print_table(rows: list[dict]) -> None:
 def run_one(mode: str, config: str, out: Path, seed: Optional[int], overrides: list[str]) -> None:
     extra = MODES[mode] + ([f"seed={seed}"] if seed is not None else []) + overrides
     res = run_fleet(config, extra, out, timeout_s=3600.0)
-    meta = {k: res[k] for k in ("loadavg_before", "foreign_cpu_frac", "run_wall_s")}
+    meta = {k: res[k] for k in ("loadavg_before", "foreign_cpu_frac", "run_wall_s", "cpu_s")}
     (out / "bench.json").write_text(json.dumps(meta | {"mode": mode, "seed": seed, "overrides": extra}))
     rows, load = len(res["rows"]), meta["loadavg_before"]
     print(f"{mode} seed {seed}: {rows} rows, {res['run_wall_s']:.0f} s, load average before {load:.2f}")

@@ -31,7 +31,8 @@ def read_metrics(path: Path) -> list[dict]:
 
 def run_fleet(config: str, overrides: list[str], run_dir: Path, timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """One `areal-async run`; returns its metrics ``rows``, ``cpu_samples`` (for ``cpu.cpu_per_step``),
-    ``loadavg_before``, ``foreign_cpu_frac`` and ``run_wall_s``. Raises naming the log on a failed run."""
+    ``loadavg_before``, ``foreign_cpu_frac``, ``run_wall_s`` and ``cpu_s`` (the fleet's CPU seconds). Raises
+    naming the log on a failed run."""
     cmd = run_command(config, run_dir, overrides)
     log_path = run_dir.with_suffix(".log")
     load = os.getloadavg()[0]
@@ -61,6 +62,7 @@ def run_fleet(config: str, overrides: list[str], run_dir: Path, timeout_s: float
         "loadavg_before": load,
         "foreign_cpu_frac": foreign,
         "run_wall_s": wall,
+        "cpu_s": own,
         "cpu_samples": sampler.samples,
     }
 
