@@ -230,7 +230,7 @@ def real_model(rows: list[dict]) -> list[str]:
                 str(r.get("threads", "")),
                 number(r["value"]),
                 r["unit"],
-                " / ".join(number(x) for x in r.get("samples", r.get("per_round", []))),
+                " / ".join(number(x) for x in _listed(r.get("samples", r.get("per_round", [])))),
                 number(r.get("cpu_tokens_per_s")) if "cpu_tokens_per_s" in r else "",
                 "" if "target" not in r else f"{number(r['target'])} ({'met' if r.get('meets_target') else 'not met'})",
             ]
@@ -261,6 +261,11 @@ def startup(rows: list[dict]) -> list[str]:
         cpu = ", ".join(f"{k[4:]} {x:.1f}" for k, x in sorted(v.items()) if k.startswith("cpu_") and x is not None)
         roles += [f"- {leg} run {run}, CPU s by role: {cpu}"] if cpu else []
     return md_table(["leg", "run", "load", *STARTUP_EVENTS], lines) + roles
+
+
+def _listed(x) -> list:
+    """A row's measured samples; a count of the same name (the engine memory case's samples per group) is none."""
+    return x if isinstance(x, list) else []
 
 
 RENDERERS: list[tuple[str, Callable[[str], bool], Callable[[list[dict]], list[str]]]] = [
