@@ -66,8 +66,8 @@ import torch
 import zmq
 
 from areal_async.scheduler.core import SchedulerCore, SchedulerParams
-from areal_async.trainer.packing import pack
-from areal_async.trainer.micro_batches import allocate_micro_batches
+from areal_async.trainer.compute.packing import pack
+from areal_async.trainer.compute.micro_batches import allocate_micro_batches
 from areal_async.transport import make_tensor_channel
 from benchmarks.common import scheduler_load, write_rows
 from benchmarks.common.heartbeat_load import measure_heartbeats

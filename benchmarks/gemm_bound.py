@@ -42,7 +42,7 @@ import torch
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ModelConfig
 from areal_async.models.tiny import build_model
-from areal_async.trainer.packing import forward_packed, pack, use_varlen_attention
+from areal_async.trainer.compute.packing import forward_packed, pack, use_varlen_attention
 from benchmarks.common import write_rows
 
 SHAPES = {

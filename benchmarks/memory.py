@@ -39,8 +39,8 @@ import torch
 import transformers
 
 from areal_async.trainer.actor import enable_checkpointing
-from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS
-from areal_async.trainer.packing import forward_packed, pack, use_varlen_attention
+from areal_async.trainer.compute.chunked_head import DEFAULT_CHUNK_TOKENS
+from areal_async.trainer.compute.packing import forward_packed, pack, use_varlen_attention
 from benchmarks.common import write_rows
 
 VOCABS = (32000, 151936)

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 import transformers
 
-from areal_async.trainer.packing import forward_packed, pack, select_attn_implementation
-from areal_async.trainer.micro_batches import allocate_micro_batches, lower_bound
+from areal_async.trainer.compute.packing import forward_packed, pack, select_attn_implementation
+from areal_async.trainer.compute.micro_batches import allocate_micro_batches, lower_bound
 from benchmarks.common import write_rows
 
 BUDGET, CAP, MEDIAN, SIGMA = 16384, 27000, 4000, 0.9

@@ -77,7 +77,7 @@ from areal_async.rollout.engines.engine import GenRequest
 from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.supervisor.servers import vllm_python
 from areal_async.trainer.actor import enable_checkpointing
-from areal_async.trainer.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
+from areal_async.trainer.compute.packing import forward_packed, pack, use_chunked_head, use_varlen_attention
 from benchmarks.common import write_rows
 from benchmarks.common.cpu import proc_cpu_s
 from benchmarks.gemm_bound import _mm_plan, interleaved

@@ -44,9 +44,10 @@ import torch
 import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
-from areal_async.trainer import actor as actor_mod, logprobs as logprobs_mod
+from areal_async.trainer import actor as actor_mod
+from areal_async.trainer.compute import logprobs as logprobs_mod
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.dp import DataParallel
+from areal_async.trainer.compute.dp import DataParallel
 from protocols.trajectories import Trajectory
 from benchmarks.common import write_rows
 from protocols.sockets import free_tcp_port

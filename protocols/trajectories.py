@@ -5,8 +5,8 @@ engine step finished: ``TrajectoryBatch.join``) and sends ``channel.send(*batch.
 trainer turns what it receives back into one (``TrajectoryBatch.decode(*channel.recv())``) and
 into its rows (``samples()``: ``Trajectory`` objects whose tensors are views of the message's, no
 copy, no per-token Python); the trainer's rank broadcast sends a step's rows as
-``TrajectoryBatch.of_samples(rows).encode()`` (``trainer/dp.py``), and the step's recording is the
-same encode in a file (``trainer/recording.py``). A single group is the one-group case::
+``TrajectoryBatch.of_samples(rows).encode()`` (``trainer/compute/dp.py``), and the step's recording is the
+same encode in a file (``trainer/persist/recording.py``). A single group is the one-group case::
 
     meta (protocols.side.TrajectoryMeta), msgpack lists:
         group_ids[G], group_sizes[G], prompt_lengths[G]   group j: the next group_sizes[j] samples

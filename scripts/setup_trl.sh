@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the TRL reference environment (tests/contract/test_trl_reference.py): a venv of its own, outside
 # the package's .venv, holding trl==1.16.0 beside the CPU torch 2.13.0. The test runs TRL's GRPO loss
-# (GRPOTrainer._compute_loss) in this interpreter on tiny tensors and compares it with trainer/loss.py;
+# (GRPOTrainer._compute_loss) in this interpreter on tiny tensors and compares it with trainer/algo/loss.py;
 # TRL is not a dependency of the package (its trainer module imports datasets, pandas and pyarrow).
 #   default place: ${AREAL_TRL_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/areal-async/trl-1.16.0}
 # Idempotent: a finished environment has a READY file (written only after the import check) and is

@@ -1,7 +1,7 @@
 """``areal-async doctor RUN_DIR [--json]``: is this run healthy, and if not, why.
 
 Reads a run directory, live or finished (``doctor_run.py``: metrics.jsonl with the health columns of
-``scheduler/health.py`` and ``trainer/mismatch.py``, the mismatch block and the long tail's columns,
+``scheduler/health.py`` and ``trainer/algo/mismatch.py``, the mismatch block and the long tail's columns,
 reward_samples/, logs/, lost.jsonl, hangs.jsonl
 and stacks/, status.json, summary.json) and runs every check of ``doctor_checks.py``. Each finding
 prints its evidence (figures from the run, sample completions, captured stacks) and advice (the
@@ -84,7 +84,7 @@ VERSION0_KEYS = ("tokens", "logp_gap_p50", "logp_gap_p99", "logp_gap_max", "kl_k
 
 def version0_gap(run: RunData) -> dict[str, float]:
     """The engine's version-0 log-probs against the trainer's recompute of the same weights: step 0's
-    lag-0 columns (``trainer/mismatch.py``); {} without a step 0 row or its proximal log-probs."""
+    lag-0 columns (``trainer/algo/mismatch.py``); {} without a step 0 row or its proximal log-probs."""
     row = next((r for r in run.rows if r.get("step") == 0), None)
     if row is None or "tokens_lag0" not in row:
         return {}

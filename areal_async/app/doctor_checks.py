@@ -306,7 +306,7 @@ def check_gap(run: RunData) -> list[Finding]:
 
 
 def check_masking(run: RunData) -> list[Finding]:
-    """The mismatch block (``trainer/mismatch.py``, ``trainer/corrections.py``): corrections masking a large
+    """The mismatch block (``trainer/algo/mismatch.py``, ``trainer/algo/corrections.py``): corrections masking a large
     share of the trained tokens."""
     late = halves(run.rows)
     masked = mean(run.series("masked_frac", late))

@@ -34,10 +34,10 @@ from areal_async.config import ExperimentConfig, load_config
 from areal_async.models.tiny import load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.checkpoint import load_checkpoint
-from areal_async.trainer.checkpoint_dirs import COMPLETE
-from areal_async.trainer.dp import DataParallel
-from areal_async.trainer.recording import (
+from areal_async.trainer.persist.checkpoint import load_checkpoint
+from areal_async.trainer.persist.checkpoint_dirs import COMPLETE
+from areal_async.trainer.compute.dp import DataParallel
+from areal_async.trainer.persist.recording import (
     RecordedStep,
     RecordingError,
     machine_header,

@@ -52,9 +52,9 @@ from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.data.prompts import Problem, prompt_encoder, sft_examples, training_problems
 from areal_async.models.tiny import load_model, load_policy, save_policy
 from areal_async.reward.pool import RewardPool
-from areal_async.trainer.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
-from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume, prune
-from areal_async.trainer.optim import build_lr_scheduler, build_optimizer
+from areal_async.trainer.persist.checkpoint import load_checkpoint, restore_rng_states, save_checkpoint
+from areal_async.trainer.persist.checkpoint_dirs import checkpoint_to_resume, prune
+from areal_async.trainer.compute.optim import build_lr_scheduler, build_optimizer
 from areal_async.trainer.sft import Example, sft_step
 
 __all__ = ["run_sft", "sft", "SFTInputError", "SFTResult", "prepare_data", "train", "evaluate", "sft_total_steps"]

@@ -25,8 +25,8 @@ from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.models.tiny import load_policy
 from areal_async.scheduler.runlog import RunLog
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.dp import DataParallel
-from areal_async.trainer.recording import (
+from areal_async.trainer.compute.dp import DataParallel
+from areal_async.trainer.persist.recording import (
     RecordedStep,
     RecordingError,
     read_header,

@@ -31,11 +31,11 @@ from areal_async.models.tiny import load_model, load_policy, save_policy, to_dty
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
-from areal_async.trainer.checkpoint_dirs import prune
-from areal_async.trainer.final_model import exporter, write_final
+from areal_async.trainer.persist.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.trainer.persist.checkpoint_dirs import prune
+from areal_async.trainer.persist.final_model import exporter, write_final
 from areal_async.trainer.frozen import FrozenActor, weight_schedule
-from areal_async.trainer.dp import (
+from areal_async.trainer.compute.dp import (
     CMD_EXPORT,
     CMD_SAVE,
     DataParallel,
@@ -43,11 +43,11 @@ from areal_async.trainer.dp import (
     init_data_parallel,
     trainer_backend,
 )
-from areal_async.trainer.packing import select_attn_implementation
-from areal_async.trainer.record import TrainerRecord
-from areal_async.trainer.recording import Recorder, machine_header
+from areal_async.trainer.compute.packing import select_attn_implementation
+from areal_async.trainer.persist.record import TrainerRecord
+from areal_async.trainer.persist.recording import Recorder, machine_header
 from areal_async.trainer.service import FollowerRank, TrainerService
-from areal_async.trainer.sharded_ckpt import export_adapter, export_full, has_shards, load_shards, save_shards
+from areal_async.trainer.persist.sharded_ckpt import export_adapter, export_full, has_shards, load_shards, save_shards
 
 
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
@@ -99,7 +99,7 @@ def _service(
     cfg, ep, run_dir, worker_id: str, actor, tok, checkpointer, start: tuple[int, int], final_model=None
 ) -> TrainerService:
     """Rank 0's service around ``actor``: its channels, evaluator and records; ``start``: (step, version);
-    ``final_model``: writes RUN_DIR/model after the last step (trainer/final_model.py)."""
+    ``final_model``: writes RUN_DIR/model after the last step (trainer/persist/final_model.py)."""
     ctx = zmq.asyncio.Context()
     return TrainerService(
         control_client(ctx, cfg, ep, "trainer", worker_id),
@@ -132,7 +132,8 @@ def _frozen_trainer(cfg: ExperimentConfig, ep, run_dir: str | Path, worker_id: s
 
 
 def _recorder(cfg: ExperimentConfig, run_dir: str | Path, start_step: int) -> Recorder | None:
-    """``rollout.dump_tensors``: every trained batch with its tensors into RUN_DIR/recording (trainer/recording.py)."""
+    """``rollout.dump_tensors``: every trained batch with its tensors into RUN_DIR/recording
+    (trainer/persist/recording.py)."""
     if not cfg.rollout.dump_tensors:
         return None
     return Recorder(

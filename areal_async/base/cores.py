@@ -152,7 +152,7 @@ class CoreShare:
         self._map.close()
 
 
-# ---- the process's share, for the code that computes (trainer/lean_forward.py, rollout/service.py) --------
+# ---- the process's share, for the code that computes (trainer/compute/lean_forward.py, rollout/service.py) --------
 
 _SHARE: Optional[CoreShare] = None
 

@@ -46,7 +46,7 @@ TRAINER_STEPS = "trainer_steps.jsonl"
 TRAINER_ROLLED_BACK = "trainer_steps.rolled_back.jsonl"
 ROLLOUT_DIR = "rollout_records"
 REWARD_DIR = "reward_records"
-# rollout.dump_tensors: the trainer's batches with their tensors, one file per step (trainer/recording.py)
+# rollout.dump_tensors: the trainer's batches with their tensors, one file per step (trainer/persist/recording.py)
 RECORDING_DIR = "recording"
 RECORDING_HEADER = "header.json"
 

@@ -6,7 +6,7 @@ Named as the anchors name them: AReaL ``areal/api/cli_args.py`` (``eps_clip_high
 ``kl_estimator``, ``importance_sampling_level``, ``overlong_*``, ``mask_no_eos_with_zero``,
 ``prox_logp_method``) and verl (``loss_agg_mode``, ``adv_estimator``). ``ObjectiveConfig`` is the
 base of ``ActorConfig``; ``check_objective_fleet`` holds the rules that need other sections.
-The formulas live in ``trainer/loss.py`` and ``trainer/advantages.py``.
+The formulas live in ``trainer/algo/loss.py`` and ``trainer/algo/advantages.py``.
 """
 
 from __future__ import annotations

@@ -499,7 +499,7 @@ class ActorConfig(ObjectiveConfig):
     logits_chunk_tokens: int = _f(
         1024,
         "The lm head and log-softmax run this many tokens at a time (no micro-batch-sized tokens x vocab "
-        "float32 tensor; trainer/chunked_head.py); 0 = the whole micro-batch's logits at once.",
+        "float32 tensor; trainer/compute/chunked_head.py); 0 = the whole micro-batch's logits at once.",
     )
     logits_whole_max_mb: int = _f(
         256,

@@ -1,5 +1,5 @@
 """Ops shared by the lean Llama/Qwen2 forwards (the rollout engine's ``rollout/engines/kv_decoder.py`` and
-the trainer's ``trainer/lean_forward.py``): the same arithmetic as HF's modules, without their
+the trainer's ``trainer/compute/lean_forward.py``): the same arithmetic as HF's modules, without their
 per-call overhead."""
 
 from __future__ import annotations

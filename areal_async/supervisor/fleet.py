@@ -71,7 +71,7 @@ from areal_async.supervisor.report import build_failure, finish, server_config_e
 from areal_async.supervisor.rundir import Nodes, RunDir, remove_run_files, write_pids, write_run_dir
 from areal_async.supervisor.servers import SERVER_ROLES, launch_blocker, server_commands
 from areal_async.supervisor.watchdog import StepWatchdog, capture_hang, lost_log
-from areal_async.trainer.checkpoint_dirs import latest_complete_checkpoint
+from areal_async.trainer.persist.checkpoint_dirs import latest_complete_checkpoint
 
 GRACE_S = 5.0
 RUN_END_GRACE_S = 30.0  # how long workers may outlive a scheduler that finished the run

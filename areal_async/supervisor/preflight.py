@@ -67,7 +67,7 @@ from areal_async.supervisor.weight_path import (
     server_gpu_overflow,
     version_bytes,
 )
-from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
+from areal_async.trainer.persist.checkpoint_dirs import checkpoint_to_resume
 
 __all__ = ["Context", "Finding", "preflight", "set_keys", "report", "context_for"]
 

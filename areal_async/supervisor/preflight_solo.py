@@ -18,7 +18,7 @@ from pathlib import Path
 from areal_async.base.records import RECORDING_DIR, RECORDING_HEADER, recorded_steps
 from areal_async.data.templates import render_prompt_ids
 from areal_async.supervisor.preflight_findings import Context, Finding, error, ok, size_text as _size, warn
-from areal_async.trainer.checkpoint_dirs import COMPLETE
+from areal_async.trainer.persist.checkpoint_dirs import COMPLETE
 
 RNG_STATE_BYTES = 5056  # torch.get_rng_state() of the CPU generator (Mersenne twister)
 PER_SEQ_BYTES = 8 + 60  # its score; its id and output length in the metadata (JSON)
@@ -26,7 +26,7 @@ PER_GROUP_BYTES = 60  # its id, size and prompt length in the metadata
 
 
 def step_bytes_bound(n_groups: int, n_samples: int, prompt_tokens: int, output_tokens: int, with_mask: bool) -> int:
-    """About one step's file (``trainer/recording.py``: the wire's layout, each group's prompt once) when every
+    """About one step's file (``trainer/persist/recording.py``: the wire's layout, each group's prompt once) when every
     prompt has ``prompt_tokens`` and every output ``output_tokens``."""
     per_token = 4 + 4 + 4 + (1 if with_mask else 0)  # id, logprob, version (+ loss mask)
     per_group = 4 * prompt_tokens + PER_GROUP_BYTES + n_samples * (per_token * output_tokens + PER_SEQ_BYTES)

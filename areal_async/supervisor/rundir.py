@@ -31,7 +31,7 @@ from areal_async.rollout.clients.server_auth import API_KEY_ENV
 from areal_async.supervisor.placement import Slot
 from areal_async.supervisor.plan import LaunchError, worker_specs
 from areal_async.supervisor.servers import plan_server_addresses, server_key_env
-from areal_async.trainer.checkpoint_dirs import checkpoint_to_resume
+from areal_async.trainer.persist.checkpoint_dirs import checkpoint_to_resume
 
 NodeAddress = Callable[[str], Optional[str]]  # the launcher's address for a worker's node, when it places it
 

@@ -18,10 +18,10 @@ PPO minibatch, no KL penalty, one rank, the proximal logprobs from the update's 
 used). The trainer worker runs it at eta = 0 while the rewards are scored; the step is then the
 same computation on the same weights, its first forward already done.
 
-Covered: the update on one process or on K data-parallel ranks (``dp.py``: FSDP2, the batch
+Covered: the update on one process or on K data-parallel ranks (``compute/dp.py``: FSDP2, the batch
 split over ranks by tokens, one global N, so K ranks take the same step as one), its metrics
 (merged over ranks), and its resumable state (optimizer + lr scheduler + step; the weights are
-saved by ``checkpoint.py``). Every rank calls ``train_step`` with the same trajectories.
+saved by ``persist/checkpoint.py``). Every rank calls ``train_step`` with the same trajectories.
 Not covered: weight publication (the trainer worker gathers shards for it).
 """
 
@@ -37,9 +37,9 @@ import torch
 
 from areal_async.config import ActorConfig
 from areal_async.models import lora
-from areal_async.trainer.advantages import advantages_flat, scaled_rewards
-from areal_async.trainer.corrections import m2po_keep, masked_block
-from areal_async.trainer.dp import (
+from areal_async.trainer.algo.advantages import advantages_flat, scaled_rewards
+from areal_async.trainer.algo.corrections import m2po_keep, masked_block
+from areal_async.trainer.compute.dp import (
     DataParallel,
     ShardedWeights,
     minibatches_by_tokens,
@@ -47,11 +47,11 @@ from areal_async.trainer.dp import (
     shard_model,
     split_over_ranks,
 )
-from areal_async.trainer.logprobs import MicroBatchOut, iter_micro_batches, ranges
-from areal_async.trainer.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
-from areal_async.trainer.mismatch import GapCollector, mismatch_metrics
-from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from areal_async.trainer.packing import PackedBatch, forward_packed, one_device_cat, pack
+from areal_async.trainer.compute.logprobs import MicroBatchOut, iter_micro_batches, ranges
+from areal_async.trainer.algo.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
+from areal_async.trainer.algo.mismatch import GapCollector, mismatch_metrics
+from areal_async.trainer.compute.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
+from areal_async.trainer.compute.packing import PackedBatch, forward_packed, one_device_cat, pack
 from protocols.trajectories import Trajectory
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -300,14 +300,14 @@ class PPOActor:
         return m | self._mismatch(batch) | rollout_entropy(trajs)
 
     def _mismatch(self, batch: _Batch) -> dict[str, float]:
-        """trainer/mismatch.py's columns: over the whole batch when its proximal logprobs were computed
+        """trainer/algo/mismatch.py's columns: over the whole batch when its proximal logprobs were computed
         apart (every rank has them all), else over the tokens of this rank's micro-batches."""
         if batch.prox is None:
             return self._gaps.metrics()
         return mismatch_metrics(batch.prox, batch.behav, (self.step - 1) - batch.versions.long(), batch.mask)
 
     def state_dict(self, with_optimizer: bool = True) -> dict:
-        """Optimizer (unless saved apart, as DCP shards: ``sharded_ckpt.py``), lr schedule, step."""
+        """Optimizer (unless saved apart, as DCP shards: ``persist/sharded_ckpt.py``), lr schedule, step."""
         out = {"lr_scheduler": self.lr_scheduler.state_dict(), "step": self.step}
         return out | {"optimizer": self.optimizer.state_dict()} if with_optimizer else out
 

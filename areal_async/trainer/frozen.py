@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 import torch
 
 from areal_async.models.tiny import load_model
-from areal_async.trainer.checkpoint_dirs import COMPLETE
-from areal_async.trainer.dp import DataParallel
+from areal_async.trainer.persist.checkpoint_dirs import COMPLETE
+from areal_async.trainer.compute.dp import DataParallel
 from protocols.trajectories import Trajectory
 
 log = logging.getLogger("areal_async.trainer")

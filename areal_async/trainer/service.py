@@ -27,7 +27,7 @@
                               on). The scheduler aborts their groups and sends a BatchPlan revision
                               for any step that named one: the step waits for it and trains it.
       Shutdown              ─> exit (non-zero when the scheduler declared this trainer lost)
-    after the run's last step: the policy to RUN_DIR/model (``final_model``, trainer/final_model.py), then
+    after the run's last step: the policy to RUN_DIR/model (``final_model``, trainer/persist/final_model.py), then
       its TrainStepDone (the scheduler ends the run on it)
     periodic evaluator (optional, evaluator.freq_steps): at version 0 and every due version, after the
       weights are published and before TrainStepDone: evaluate (executor) ─> EvalDone(version, metrics)
@@ -35,14 +35,14 @@
 What the trainer waits for is in its heartbeat stats (``waiting_for``) for the step watchdog. An
 exception in the loop or the heartbeat ends the process non-zero (``TaskSet``).
 
-With K data-parallel ranks (``dp.py``), rank 0 is this service; before each collective phase it
+With K data-parallel ranks (``compute/dp.py``), rank 0 is this service; before each collective phase it
 broadcasts a command to ranks 1..K-1 (``FollowerRank``), which have no control plane:
 
     rank 0                                   ranks 1..K-1 (FollowerRank.loop)
     train:   CMD_TRAIN, batch broadcast  ──> train_step on the same batch (their shares)
     publish: CMD_PUBLISH, gathers bucket by bucket while the channel packs ──> the same gathers
     save:    CMD_SAVE + checkpoint path  ──> DCP save of their shards, export gather
-    export:  CMD_EXPORT + directory      ──> the final policy's gather (trainer/final_model.py)
+    export:  CMD_EXPORT + directory      ──> the final policy's gather (trainer/persist/final_model.py)
     shutdown: CMD_STOP                   ──> exit 0
 """
 
@@ -79,9 +79,17 @@ from areal_async.base.eta import EtaMode
 from areal_async.trainer.actor import ForwardAhead, PPOActor
 from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.plan_book import PlanBook
-from areal_async.trainer.dp import CMD_EXPORT, CMD_NAMES, CMD_PUBLISH, CMD_SAVE, CMD_STOP, CMD_TRAIN, ShardedWeights
-from areal_async.trainer.record import TrainerRecord
-from areal_async.trainer.recording import Recorder
+from areal_async.trainer.compute.dp import (
+    CMD_EXPORT,
+    CMD_NAMES,
+    CMD_PUBLISH,
+    CMD_SAVE,
+    CMD_STOP,
+    CMD_TRAIN,
+    ShardedWeights,
+)
+from areal_async.trainer.persist.record import TrainerRecord
+from areal_async.trainer.persist.recording import Recorder
 from areal_async.base.aio import TaskSet
 
 log = logging.getLogger("areal_async.trainer")
@@ -159,7 +167,7 @@ class TrainerService:
         trainer waits for a BatchPlan, once that many trajectories are in, the update's first
         forward runs on them (``PPOActor.forward_ahead``) as their rewards are scored; the plan's
         step uses it when it names the same samples (0: never). ``record``: the trainer's own record
-        of each step (``trainer/record.py``), written before its TrainStepDone; None: none.
+        of each step (``trainer/persist/record.py``), written before its TrainStepDone; None: none.
         ``final_model``: writes the policy after the last step (``final_model.write_final``, its
         directory returned), before that step's TrainStepDone; None: nothing is kept."""
         if forward_ahead_samples and not actor.can_forward_ahead:

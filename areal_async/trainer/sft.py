@@ -16,9 +16,9 @@ from typing import Sequence
 import torch
 
 from areal_async.config import OptimizerConfig, SFTWarmupConfig
-from areal_async.trainer.logprobs import iter_micro_batches
-from areal_async.trainer.optim import build_optimizer, clip_grad_norm
-from areal_async.trainer.packing import select_attn_implementation
+from areal_async.trainer.compute.logprobs import iter_micro_batches
+from areal_async.trainer.compute.optim import build_optimizer, clip_grad_norm
+from areal_async.trainer.compute.packing import select_attn_implementation
 
 # (prompt_ids, answer_ids) or (prompt_ids, answer_ids, answer_mask): mask 0 marks answer tokens that are
 # context, not imitated (a tool's output inside a tool-use trace)

@@ -21,7 +21,7 @@ from areal_async.rollout.engines.engine import GenRequest
 from areal_async.rollout.service import _split_list
 from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.packing import select_attn_implementation
+from areal_async.trainer.compute.packing import select_attn_implementation
 from protocols.trajectories import Trajectory
 
 PHASES = ("gen", "reward", "train", "publish", "wait")

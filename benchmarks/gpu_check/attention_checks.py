@@ -7,7 +7,7 @@ import importlib.util
 import torch
 from transformers.utils import is_flash_attn_2_available
 
-from areal_async.trainer.packing import VARLEN_IMPL, forward_packed, pack, select_attn_implementation
+from areal_async.trainer.compute.packing import VARLEN_IMPL, forward_packed, pack, select_attn_implementation
 from benchmarks.gpu_check.models import tiny_model
 from benchmarks.gpu_check.registry import Result
 

@@ -31,11 +31,11 @@ import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
 from areal_async.models import lora
-from areal_async.trainer import packing
+from areal_async.trainer.compute import packing
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.dp import DataParallel, full_tensor, trainer_backend
-from areal_async.trainer.packing import select_attn_implementation
-from areal_async.trainer.sharded_ckpt import export_full, load_shards, save_shards
+from areal_async.trainer.compute.dp import DataParallel, full_tensor, trainer_backend
+from areal_async.trainer.compute.packing import select_attn_implementation
+from areal_async.trainer.persist.sharded_ckpt import export_full, load_shards, save_shards
 from protocols.trajectories import Trajectory
 from areal_async.transport import buckets as B
 from benchmarks.gpu_check.models import tiny_model

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from areal_async.trainer.dp import DataParallel, broadcast_module, trainer_backend
-from areal_async.trainer.loss import LossStats
+from areal_async.trainer.compute.dp import DataParallel, broadcast_module, trainer_backend
+from areal_async.trainer.algo.loss import LossStats
 from protocols.trajectories import Trajectory
 from benchmarks.gpu_check.registry import Result
 from protocols.ports import free_tcp_port

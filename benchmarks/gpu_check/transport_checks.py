@@ -30,8 +30,8 @@ import multiprocessing as mp
 
 import torch
 
-from areal_async.trainer.dp import encode_batch
-from areal_async.trainer.packing import pack
+from areal_async.trainer.compute.dp import encode_batch
+from areal_async.trainer.compute.packing import pack
 from protocols.trajectories import Trajectory
 from areal_async.transport import buckets as B
 from areal_async.transport import make_weight_channel

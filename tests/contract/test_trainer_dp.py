@@ -67,8 +67,8 @@ def _rank_step(rank, world, port, out_dir):
     """On each of 2 FSDP2 ranks (float32 compute): load the 1-rank checkpoint (shards written by
     one process) and compare; one train_step; publish through a real shm weight channel from the
     shards, a bucket at a time; save a 2-rank checkpoint. Rank 0 saves what the test checks."""
-    from areal_async.trainer.dp import DataParallel, ShardedWeights, full_tensor
-    from areal_async.trainer.sharded_ckpt import load_shards, save_shards
+    from areal_async.trainer.compute.dp import DataParallel, ShardedWeights, full_tensor
+    from areal_async.trainer.persist.sharded_ckpt import load_shards, save_shards
     from areal_async.transport import make_weight_channel
 
     _init(rank, world, port)
@@ -125,7 +125,7 @@ def _spawn(target, world, *args):
 
 def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
     """Equivalence, weights published from shards, and DCP checkpoints read back 1 -> 2 and 2 -> 1 ranks."""
-    from areal_async.trainer.sharded_ckpt import load_shards, save_shards
+    from areal_async.trainer.persist.sharded_ckpt import load_shards, save_shards
 
     base = tiny_model()
     w0 = {k: v.clone() for k, v in base.state_dict().items()}
@@ -161,7 +161,7 @@ def test_two_gloo_ranks_take_the_one_rank_step(tmp_path):
 
 
 def _mixed_precision_step(rank, world, port, out_path):
-    from areal_async.trainer.dp import full_tensor
+    from areal_async.trainer.compute.dp import full_tensor
 
     _init(rank, world, port)
     small = ActorConfig(optimizer=OptimizerConfig(lr=1e-6, gradient_clipping=0.0), mb_spec=MicroBatchSpec(64))
@@ -205,7 +205,7 @@ def lora_cfg():
 def _rank_lora_step(rank, world, port, out_path):
     """2 FSDP2 ranks, LoRA on the frozen base: one train_step, then the adapter alone published from the
     shards through a real shm weight channel (rank 0 receives it)."""
-    from areal_async.trainer.dp import DataParallel, full_tensor
+    from areal_async.trainer.compute.dp import DataParallel, full_tensor
     from areal_async.transport import make_weight_channel
 
     _init(rank, world, port)

@@ -13,7 +13,7 @@ import torch
 from protocols.messages import ProtocolError
 from protocols.trajectories import COLUMNS, OPTIONAL, TOKEN_COLUMNS, Trajectory, TrajectoryBatch
 
-from areal_async.trainer.dp import decode_batch, encode_batch
+from areal_async.trainer.compute.dp import decode_batch, encode_batch
 
 
 def _bytes(t: torch.Tensor) -> bytes:

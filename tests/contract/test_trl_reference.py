@@ -1,4 +1,5 @@
-"""trainer/loss.py against TRL's GRPO loss run as a test-only reference (trl 1.16.0, ``GRPOTrainer._compute_loss``).
+"""trainer/algo/loss.py against TRL's GRPO loss run as a test-only reference (trl 1.16.0,
+``GRPOTrainer._compute_loss``).
 
 TRL runs in an environment of its own (``scripts/setup_trl.sh``: its trainer module imports datasets, pandas
 and pyarrow, which the package does not take on); this test skips, saying how to make it, when that
@@ -27,7 +28,7 @@ import pytest
 import torch
 
 from areal_async.config import ActorConfig
-from areal_async.trainer.loss import agg_scale, policy_loss
+from areal_async.trainer.algo.loss import agg_scale, policy_loss
 
 REPO = Path(__file__).resolve().parents[2]
 LENS = [5, 3, 7, 2]

@@ -1,5 +1,5 @@
 """Every RL run keeps its trained policy: RUN_DIR/model, an HF directory with the tokenizer and its chat
-template, written after the last step (trainer/final_model.py). Checked against sources written apart from
+template, written after the last step (trainer/persist/final_model.py). Checked against sources written apart from
 it: the checkpoint of the same version (the checkpointer's export), the one of an earlier version, and the
 in-run evaluation of the last version (the trainer's evaluator on its in-memory weights), which
 ``areal-async eval --model RUN_DIR/model`` must reproduce from disk."""

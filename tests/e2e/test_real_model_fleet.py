@@ -121,7 +121,7 @@ def check_recorded_steps(run_dir, trained: list[dict]) -> None:
 
 
 def read_steps(run_dir):
-    from areal_async.trainer.recording import read_step, recorded_steps, step_path
+    from areal_async.trainer.persist.recording import read_step, recorded_steps, step_path
 
     assert recorded_steps(run_dir) == [0, 1]
     return [read_step(step_path(run_dir, k)) for k in (0, 1)]

@@ -16,7 +16,7 @@ import torch
 from areal_async.app.replay import build_actor, state_digest, state_tensors
 from areal_async.cli import main
 from areal_async.config import load_config
-from areal_async.trainer.sharded_ckpt import save_shards
+from areal_async.trainer.persist.sharded_ckpt import save_shards
 from tests.e2e.test_e2e import ROOT, read_jsonl, run_ok
 
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ def test_rollout_only_generates_with_fixed_weights_and_the_fleet_columns(tmp_pat
     behaviour logprobs are those of version 0 (the built, warmed-up policy) at every step."""
     from areal_async.app.policy import warmup
     from areal_async.models.tiny import load_policy
-    from areal_async.trainer.recording import read_step, step_path
+    from areal_async.trainer.persist.recording import read_step, step_path
 
     run = tmp_path / "ro"
     run_ok(run, "mode=rollout_only", "rollout.dump_tensors=true", "total_train_steps=4")

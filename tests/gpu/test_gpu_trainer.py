@@ -25,8 +25,8 @@ def _step(port: int, out_path: str) -> None:
 
     from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig
     from areal_async.trainer.actor import PPOActor
-    from areal_async.trainer.dp import DataParallel, full_tensor, trainer_backend
-    from areal_async.trainer.packing import select_attn_implementation
+    from areal_async.trainer.compute.dp import DataParallel, full_tensor, trainer_backend
+    from areal_async.trainer.compute.packing import select_attn_implementation
     from protocols.trajectories import Trajectory
     from benchmarks.gpu_check.models import tiny_model
 

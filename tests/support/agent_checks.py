@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from areal_async.trainer.recording import read_step, recording_dir
+from areal_async.trainer.persist.recording import read_step, recording_dir
 
 
 def trained_samples(run_dir: Path) -> dict[str, dict]:

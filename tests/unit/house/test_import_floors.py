@@ -48,6 +48,13 @@ SUBFLOORS: dict[str, dict[int, tuple[str, ...]]] = {
         1: ("areal_async.rollout.clients",),  # RemoteEngine, the server clients, the SGLang contract as data
         2: ("areal_async.rollout.servers",),  # the CPU SGLang twin (over TorchEngine), the vLLM launcher
     },
+    "areal_async.trainer": {
+        0: ("areal_async.trainer.algo",),  # advantages, losses, off-policy corrections, the mismatch block
+        1: (
+            "areal_async.trainer.compute",  # packing, the packed forward and logprobs, micro-batches, optimizer, ranks
+            "areal_async.trainer.persist",  # checkpoints, the final model, the trainer's record and recording
+        ),
+    },
 }
 
 # Package roots that re-export from upstairs (their __init__ imports lazily, on attribute access).
@@ -98,7 +105,7 @@ LAZY: dict[tuple[str, str], str] = {
         pair: "pyzmq: the GPU code imports without it (scripts/gpu_check.sh's bare box); only a group built "
         "through the run's store, or a tensor channel's note pipe, needs it"
         for pair in (
-            ("areal_async.trainer.dp", "areal_async.transport.store"),
+            ("areal_async.trainer.compute.dp", "areal_async.transport.store"),
             ("areal_async.transport.collective", "areal_async.transport.store"),
             ("areal_async.transport.collective", "protocols.sockets"),
             ("areal_async.transport.nccl", "areal_async.transport.store"),
@@ -270,7 +277,7 @@ def test_light_entry_points_never_load_heavy_packages(module):
 # a bare box without pyzmq and msgpack, which only the control plane, the stores and the note pipes need
 GPU_CODE = (
     "areal_async.trainer.actor",
-    "areal_async.trainer.sharded_ckpt",
+    "areal_async.trainer.persist.sharded_ckpt",
     "areal_async.transport.nccl",
     "areal_async.transport.cuda_ipc",
     "areal_async.rollout.engines.torch_engine",
@@ -310,7 +317,7 @@ def test_the_checker_catches_what_it_should(tmp_path):
     files = {
         "areal_async/trainer/actor.py": "from areal_async.app.sft import x\nfrom ..config import C\n"
         "from . import loss\nimport torch, protocols.messages\n",
-        "areal_async/trainer/loss.py": "def f():\n    from areal_async.reward import pool\n",
+        "areal_async/trainer/algo/loss.py": "def f():\n    from areal_async.reward import pool\n",
         "areal_async/app/sft.py": "from areal_async.trainer import actor\n",
     }
     for rel, src in files.items():
@@ -323,7 +330,7 @@ def test_the_checker_catches_what_it_should(tmp_path):
         ("areal_async.trainer.actor", "areal_async.config", False),
         ("areal_async.trainer.actor", "areal_async.trainer", False),
         ("areal_async.trainer.actor", "protocols.messages", False),
-        ("areal_async.trainer.loss", "areal_async.reward", True),
+        ("areal_async.trainer.algo.loss", "areal_async.reward", True),
     ]
     assert floor_violations(imports) == [
         (
@@ -331,11 +338,11 @@ def test_the_checker_catches_what_it_should(tmp_path):
             "(floor 5, above it: areal_async.trainer.actor is on floor 4)"
         ),
         (
-            "areal_async.trainer.loss:2 imports areal_async.reward "
-            "(floor 4, beside it: areal_async.trainer.loss is on floor 4)"
+            "areal_async.trainer.algo.loss:2 imports areal_async.reward "
+            "(floor 4, beside it: areal_async.trainer.algo.loss is on floor 4)"
         ),
     ]
-    assert lazy_violations(imports)[0] == "areal_async.trainer.loss:2 imports areal_async.reward inside a function"
+    assert lazy_violations(imports)[0] == "areal_async.trainer.algo.loss:2 imports areal_async.reward inside a function"
 
 
 def test_the_checker_keeps_the_floors_of_subrooms(tmp_path):

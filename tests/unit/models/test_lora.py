@@ -193,7 +193,7 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_resumes_it_and_exports_it_mer
     from areal_async import cli
     from areal_async.app.trainer_worker import _shard_writer
     from areal_async.models.tiny import load_model, save_policy
-    from areal_async.trainer.sharded_ckpt import load_shards
+    from areal_async.trainer.persist.sharded_ckpt import load_shards
 
     spec = lora.LoraSpec(4, 8.0, ("q_proj", "up_proj"))
     base = _model()

@@ -12,7 +12,7 @@ from areal_async import cli
 from areal_async.config import ConfigError, load_config
 from areal_async.supervisor.preflight import context_for
 from areal_async.supervisor.preflight_solo import check_recording, check_solo, step_bytes_bound
-from areal_async.trainer.recording import Recorder, machine_header
+from areal_async.trainer.persist.recording import Recorder, machine_header
 from protocols.trajectories import Trajectory
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from areal_async.config import ActorConfig, OptimizerConfig
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.checkpoint import load_checkpoint, save_checkpoint
-from areal_async.trainer.checkpoint_dirs import COMPLETE, latest_complete_checkpoint, prune
+from areal_async.trainer.persist.checkpoint import load_checkpoint, save_checkpoint
+from areal_async.trainer.persist.checkpoint_dirs import COMPLETE, latest_complete_checkpoint, prune
 from protocols.trajectories import Trajectory
 
 torch.set_num_threads(1)
@@ -135,7 +135,7 @@ def test_checkpoints_are_private_and_one_others_could_write_is_refused(tmp_path)
     import os
     import stat
 
-    from areal_async.trainer.sharded_ckpt import DCP_DIR, load_shards, save_shards
+    from areal_async.trainer.persist.sharded_ckpt import DCP_DIR, load_shards, save_shards
 
     actor = trained_actor()
     root = tmp_path / "checkpoints"

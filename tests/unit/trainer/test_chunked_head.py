@@ -1,4 +1,4 @@
-"""The chunked lm head (trainer/chunked_head.py) and activation checkpointing against the whole-logits
+"""The chunked lm head (trainer/compute/chunked_head.py) and activation checkpointing against the whole-logits
 computation written out here (plain log_softmax / softmax over the full (T, V) logits), in float64."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from areal_async.config.sections import ActorConfig
 from areal_async.trainer.actor import enable_checkpointing
-from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
-from areal_async.trainer.packing import VARLEN_IMPL, forward_packed, pack, use_varlen_attention
+from areal_async.trainer.compute.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs
+from areal_async.trainer.compute.packing import VARLEN_IMPL, forward_packed, pack, use_varlen_attention
 
 torch.set_num_threads(1)
 VOCAB = 53
@@ -212,7 +212,7 @@ def test_fsdp_sharded_model_takes_the_chunked_head_with_the_whole_logits_gradien
     tensor of T x V elements (the whole path, chunk 0, does: the check can fail)."""
     import copy
 
-    from areal_async.trainer.dp import full_tensor, shard_model
+    from areal_async.trainer.compute.dp import full_tensor, shard_model
 
     base = model64(VARLEN_IMPL, tie).float()
     ref, packed = copy.deepcopy(base).double(), packed_batch()
@@ -238,7 +238,7 @@ def test_the_head_is_chunked_only_when_the_whole_logits_would_exceed_the_limit(m
     whole, 5,299 chunks them (as the old rule did whenever a micro-batch was longer than a chunk); a
     micro-batch no longer than a chunk is whole whatever the limit. Which path ran: the chunked head's calls
     counted, and the numbers equal to that path's own."""
-    from areal_async.trainer import packing
+    from areal_async.trainer.compute import packing
 
     assert [packing.use_chunked_head(25, 53, 4, lim) for lim in (0, 5299, 5300)] == [True, True, False]
     assert not packing.use_chunked_head(25, 53, 25, 1) and not packing.use_chunked_head(25, 53, 0, 1)
@@ -261,8 +261,8 @@ def test_the_micro_batch_loop_hands_forward_packed_its_chunk_and_its_limit(monke
     passed them by position into forward_packed's ``(lean, chunk_tokens)``: the chunk became ``lean`` and the
     limit (256 MiB by default) the chunk, so no micro-batch's head was ever chunked (found by the gpu_check twin
     fsdp2_chunked_checkpointing, issue 36). Same sequences and limits as the test above, through the loop."""
-    from areal_async.trainer import packing
-    from areal_async.trainer.logprobs import iter_micro_batches
+    from areal_async.trainer.compute import packing
+    from areal_async.trainer.compute.logprobs import iter_micro_batches
 
     calls = []
     real = packing.head_logprobs

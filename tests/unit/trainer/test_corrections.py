@@ -23,9 +23,9 @@ import torch
 
 from areal_async.config import ActorConfig, ConfigError, RejectionSamplingConfig
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.corrections import m2po_keep, masked_block
-from areal_async.trainer.loss import behav_importance, policy_loss
-from areal_async.trainer.mismatch import mismatch_metrics
+from areal_async.trainer.algo.corrections import m2po_keep, masked_block
+from areal_async.trainer.algo.loss import behav_importance, policy_loss
+from areal_async.trainer.algo.mismatch import mismatch_metrics
 
 D = torch.float64
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers.utils.import_utils as tf_imports
 
-from areal_async.trainer import packing
+from areal_async.trainer.compute import packing
 from areal_async.transport.nccl import UID_BYTES, communicator, uid_from_bytes, uid_to_bytes
 
 

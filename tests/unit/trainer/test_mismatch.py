@@ -1,4 +1,4 @@
-"""trainer/mismatch.py and the actor's columns: hand-computed gaps, percentiles and ESS."""
+"""trainer/algo/mismatch.py and the actor's columns: hand-computed gaps, percentiles and ESS."""
 
 import math
 
@@ -8,8 +8,8 @@ import torch
 from protocols.trajectories import Trajectory
 
 from areal_async.trainer.actor import PPOActor, rollout_entropy
-from areal_async.trainer.dp import decode_batch, encode_batch
-from areal_async.trainer.mismatch import ess_fraction, mismatch_metrics, nearest_rank
+from areal_async.trainer.compute.dp import decode_batch, encode_batch
+from areal_async.trainer.algo.mismatch import ess_fraction, mismatch_metrics, nearest_rank
 from tests.unit.trainer.test_trainer_actor import boba_cfg, make_trajs, tiny_model
 
 

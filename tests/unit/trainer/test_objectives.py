@@ -13,14 +13,14 @@ import torch
 
 from areal_async.config import ActorConfig, NormConfig, RejectionSamplingConfig
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.advantages import (
+from areal_async.trainer.algo.advantages import (
     advantages_flat,
     estimator_baseline,
     overlong_penalty,
     sequence_rewards,
     token_rewards,
 )
-from areal_async.trainer.loss import (
+from areal_async.trainer.algo.loss import (
     agg_scale,
     behav_importance,
     kl_estimate,

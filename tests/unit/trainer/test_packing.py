@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from areal_async.trainer.logprobs import iter_micro_batches, packed_logprobs
-from areal_async.trainer.micro_batches import allocate_micro_batches, first_fit_decreasing, lower_bound
-from areal_async.trainer.packing import (
+from areal_async.trainer.compute.logprobs import iter_micro_batches, packed_logprobs
+from areal_async.trainer.compute.micro_batches import allocate_micro_batches, first_fit_decreasing, lower_bound
+from areal_async.trainer.compute.packing import (
     VARLEN_IMPL,
     block_causal_mask,
     forward_packed,
@@ -167,7 +167,7 @@ def test_lean_forward_equals_hf_forward_values_and_gradients(arch):
     """The lean packed forward (never calling HF's model forward) against HF's forward with the same
     attention: logprobs, entropies and every parameter's gradient of a weighted sum of both, over
     lengths spanning several buckets and past the rotary table's first size (64 positions)."""
-    from areal_async.trainer import lean_forward
+    from areal_async.trainer.compute import lean_forward
 
     seqs = random_seqs([1, 2, 5, 9, 17, 30, 31, 70, 3], seed=4)
     packed = pack(seqs)
@@ -190,7 +190,7 @@ def test_lean_forward_equals_hf_forward_values_and_gradients(arch):
 
 
 def test_lean_forward_refuses_what_it_does_not_compute():
-    from areal_async.trainer import lean_forward
+    from areal_async.trainer.compute import lean_forward
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     common.update(num_attention_heads=4, num_key_value_heads=2)
@@ -296,7 +296,7 @@ def test_packed_logprobs_oversize_error_names_length():
 
 def test_varlen_plan_buckets_by_hand():
     """Lengths 1, 4, 3 (packed at 0, 1, 5): 4 and 3 share a bucket padded to 4 (3 >= 0.75 * 4), 1 is alone."""
-    from areal_async.trainer.packing import varlen_plan
+    from areal_async.trainer.compute.packing import varlen_plan
 
     plan = varlen_plan(torch.tensor([0, 1, 5, 8], dtype=torch.int32))
     assert [b.gather_NL.tolist() for b in plan.buckets] == [[[1, 2, 3, 4], [5, 6, 7, 7]], [[0]]]

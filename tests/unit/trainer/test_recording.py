@@ -1,4 +1,4 @@
-"""The recording format (trainer/recording.py): round trip, and a bad file gives a clear error naming it."""
+"""The recording format (trainer/persist/recording.py): round trip, and a bad file gives a clear error naming it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from areal_async.trainer.recording import (
+from areal_async.trainer.persist.recording import (
     Recorder,
     RecordingError,
     encode_step,

@@ -14,8 +14,15 @@ import pytest
 import torch
 import transformers
 
-from areal_async.trainer.dp import decode_batch, encode_batch
-from areal_async.trainer.packing import VARLEN_IMPL, Segmented, forward_packed, pack, unpack, use_varlen_attention
+from areal_async.trainer.compute.dp import decode_batch, encode_batch
+from areal_async.trainer.compute.packing import (
+    VARLEN_IMPL,
+    Segmented,
+    forward_packed,
+    pack,
+    unpack,
+    use_varlen_attention,
+)
 from protocols.trajectories import Trajectory
 from protocols.trajectories import TrajectoryBatch
 

@@ -10,7 +10,7 @@ import transformers
 
 from areal_async.config import ActorConfig, MicroBatchSpec, OptimizerConfig, SFTWarmupConfig
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.logprobs import packed_logprobs
+from areal_async.trainer.compute.logprobs import packed_logprobs
 from areal_async.trainer.sft import SFTTrainer, sft_step
 from protocols.trajectories import Trajectory
 
@@ -169,7 +169,7 @@ def test_train_step_gradient_equals_the_loss_spelled_out(budget, prox_from_updat
     """The actor's packed, micro-batched step (lean forward, per-token gathers, flat advantages,
     proximal logprobs from the update's own forward or from a forward of their own) hands the
     optimizer the gradient of the decoupled loss computed sequence by sequence."""
-    from areal_async.trainer.packing import use_varlen_attention
+    from areal_async.trainer.compute.packing import use_varlen_attention
 
     model = use_varlen_attention(tiny_model(seed=2))
     g = torch.Generator().manual_seed(7)

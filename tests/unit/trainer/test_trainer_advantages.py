@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_async.config import ActorConfig, NormConfig
-from areal_async.trainer.advantages import compute_advantages, gae, normalize, token_rewards
+from areal_async.trainer.algo.advantages import compute_advantages, gae, normalize, token_rewards
 from protocols.trajectories import Trajectory
 
 SCORES = [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5]

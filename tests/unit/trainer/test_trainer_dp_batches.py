@@ -9,7 +9,7 @@ import torch
 
 from protocols.messages import ProtocolError
 
-from areal_async.trainer.dp import (
+from areal_async.trainer.compute.dp import (
     decode_batch,
     encode_batch,
     minibatches_by_tokens,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_async.config import ActorConfig, RejectionSamplingConfig
-from areal_async.trainer.loss import behav_importance, clipped_surrogate, count_kept_tokens, policy_loss
+from areal_async.trainer.algo.loss import behav_importance, clipped_surrogate, count_kept_tokens, policy_loss
 
 L15, L05 = math.log(1.5), math.log(0.5)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from areal_async.config import OptimizerConfig
-from areal_async.trainer.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, lr_multiplier
+from areal_async.trainer.compute.optim import build_lr_scheduler, build_optimizer, clip_grad_norm, lr_multiplier
 
 
 def lrs_over(cfg, total, n):

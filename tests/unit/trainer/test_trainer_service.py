@@ -29,7 +29,7 @@ from areal_async.base.records import read_jsonl
 from areal_async.rollout.engines.engine import GenRequest, group_output
 from areal_async.rollout.service import trajectory_messages
 from areal_async.trainer.actor import PPOActor
-from areal_async.trainer.record import TrainerRecord
+from areal_async.trainer.persist.record import TrainerRecord
 from areal_async.trainer.buffer import TrajectoryBuffer
 from areal_async.trainer.plan_book import PlanBook
 from areal_async.trainer.service import StalePlan, TrainerService, check_fresh

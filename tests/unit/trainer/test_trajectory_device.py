@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from areal_async.trainer.dp import encode_batch
-from areal_async.trainer.packing import pack
+from areal_async.trainer.compute.dp import encode_batch
+from areal_async.trainer.compute.packing import pack
 from areal_async.trainer.buffer import TrajectoryBuffer
 from protocols.trajectories import Trajectory
 from areal_async.transport.frames import to_host

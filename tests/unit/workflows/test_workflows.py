@@ -11,9 +11,9 @@ import torch
 
 from areal_async.config import ActorConfig, NormConfig, RejectionSamplingConfig
 from areal_async.rollout.service import episode_batch
-from areal_async.trainer.advantages import compute_advantages
-from areal_async.trainer.dp import decode_batch, encode_batch
-from areal_async.trainer.loss import count_kept_tokens, policy_loss
+from areal_async.trainer.algo.advantages import compute_advantages
+from areal_async.trainer.compute.dp import decode_batch, encode_batch
+from areal_async.trainer.algo.loss import count_kept_tokens, policy_loss
 from protocols.trajectories import Trajectory
 from protocols.trajectories import TrajectoryBatch
 from areal_async.workflows.base import EngineHandle, EpisodeBuilder, Generation, Prompt, Sampling

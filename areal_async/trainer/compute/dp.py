@@ -42,8 +42,8 @@ from protocols.side import TensorHeader
 from protocols.tensors import spec_of
 from protocols.trajectories import Trajectory, TrajectoryBatch
 
-from areal_async.trainer.loss import LossStats
-from areal_async.trainer.micro_batches import allocate_micro_batches, karmarkar_karp
+from areal_async.trainer.algo.loss import LossStats
+from areal_async.trainer.compute.micro_batches import allocate_micro_batches, karmarkar_karp
 from areal_async.transport.buckets import plan
 from areal_async.transport.frames import align, flat_bytes, layout, tensor_views
 

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from areal_async.config import NORM_LEVELS, ActorConfig, NormConfig
-from areal_async.trainer.loss import kl_estimate
+from areal_async.trainer.algo.loss import kl_estimate
 from protocols.trajectories import Trajectory
 
 

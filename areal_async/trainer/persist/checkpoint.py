@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from areal_async.base.private import private_dir
-from areal_async.trainer.checkpoint_dirs import COMPLETE
+from areal_async.trainer.persist.checkpoint_dirs import COMPLETE
 
 
 # --------------------------------------------------------------------------------------------

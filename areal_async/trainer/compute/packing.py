@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from areal_async.trainer import lean_forward
-from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs, whole_logprobs
+from areal_async.trainer.compute import lean_forward
+from areal_async.trainer.compute.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs, whole_logprobs
 from protocols.trajectories import Segmented
 
 _FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")

@@ -2,7 +2,7 @@
 
 Covered: ``packed_logprobs`` (proximal / reference logprob recomputation, or with grad for a
 loss) and ``iter_micro_batches`` (the packed micro-batches the actor and SFT loops run one at a
-time for gradient accumulation). Not covered: the loss itself (``loss.py``), distributed data
+time for gradient accumulation). Not covered: the loss itself (``algo/loss.py``), distributed data
 parallelism (the caller shards sequences across ranks first).
 """
 
@@ -14,9 +14,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-from areal_async.trainer.chunked_head import DEFAULT_CHUNK_TOKENS
-from areal_async.trainer.packing import PackedBatch, Seq, forward_packed, pack, seq_len, unpack
-from areal_async.trainer.micro_batches import allocate_micro_batches
+from areal_async.trainer.compute.chunked_head import DEFAULT_CHUNK_TOKENS
+from areal_async.trainer.compute.packing import PackedBatch, Seq, forward_packed, pack, seq_len, unpack
+from areal_async.trainer.compute.micro_batches import allocate_micro_batches
 
 
 @dataclass

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from areal_async.models import lora
-from areal_async.trainer.sharded_ckpt import ADAPTER_DIR, export_adapter, export_full
+from areal_async.trainer.persist.sharded_ckpt import ADAPTER_DIR, export_adapter, export_full
 
 FINAL_DIR = "model"
 
