@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args) -> int:
-    from areal_async.app.doctor import doctor_main
+    from areal_async.app.commands.doctor import doctor_main
 
     return doctor_main(args.run_dir, args.json)
 
@@ -102,7 +102,7 @@ def _replay(args) -> int:
     first tensor that differs, 2 when the replay cannot start."""
     import warnings
 
-    from areal_async.app.replay import RecordingError, ReplayError, parse_steps, replay
+    from areal_async.app.commands.replay import RecordingError, ReplayError, parse_steps, replay
 
     # torch's DCP says it loads "in a single process" at every checkpoint: replay is one process by design
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -140,7 +140,7 @@ def _replay(args) -> int:
 def _verify(args) -> int:
     """Exit 0 and one summary line when the sources agree; else 1 and one line per disagreement. A line per
     start that cut the books says what it rolled back (resumes.json) and how many samples it excused."""
-    from areal_async.app.verify import verify_run
+    from areal_async.app.commands.verify import verify_run
 
     try:
         rep = verify_run(args.run_dir, args.eta)
@@ -211,7 +211,7 @@ def _data_parser(sub) -> None:
 
 
 def _data_prepare(args) -> int:
-    from areal_async.app.data_prepare import prepare
+    from areal_async.app.commands.data_prepare import prepare
 
     try:
         report = prepare(args.input, args.output, args.format, args.skip_bad)
@@ -225,7 +225,7 @@ def _data_prepare(args) -> int:
 
 
 def _status(args) -> int:
-    from areal_async.app.status import StatusError, query_status, render
+    from areal_async.app.commands.status import StatusError, query_status, render
 
     try:
         print(render(query_status(args.run_dir, args.timeout)))
@@ -236,7 +236,7 @@ def _status(args) -> int:
 
 
 def _plot(args) -> int:
-    from areal_async.app.plot import PlotError, plot_run
+    from areal_async.app.commands.plot import PlotError, plot_run
 
     try:
         paths = plot_run(args.run_dir, args.out)
@@ -251,7 +251,7 @@ def _plot(args) -> int:
 def _data(args) -> int:
     if args.data_cmd == "prepare":
         return _data_prepare(args)
-    from areal_async.app.data_filter import run_filter
+    from areal_async.app.commands.data_filter import run_filter
 
     overrides = list(args.overrides) + ([f"evaluator.n_samples={args.k}", "evaluator.greedy=false"] if args.k else [])
     try:
@@ -349,7 +349,7 @@ def _add_check_plugin(sub) -> None:
 
 def _check_plugin(args) -> int:
     """Exit 0 and an 'ok' line for a plug-in that keeps its contract; else exit 1 and what is wrong."""
-    from areal_async.app.check_plugin import check_plugin
+    from areal_async.app.commands.check_plugin import check_plugin
 
     logging.disable(logging.WARNING)  # the pool's own log lines would repeat the verdict
     verdict = check_plugin(args.plugin, args.kind, args.timeout_s)
@@ -388,8 +388,8 @@ def _preflight(args, cfg, run_dir: Path) -> int | None:
 
 
 def _train_only(cfg, run_dir: Path) -> int:
-    """``mode=train_only``: the trainer alone on a recording, in this process (app/train_only.py)."""
-    from areal_async.app.train_only import RecordingError, run_train_only
+    """``mode=train_only``: the trainer alone on a recording, in this process (app/commands/train_only.py)."""
+    from areal_async.app.commands.train_only import RecordingError, run_train_only
 
     try:
         return run_train_only(cfg, run_dir)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     if refused is not None:
         return refused
     if args.cmd == "eval":
-        from areal_async.app.evaluate import run_eval
+        from areal_async.app.workers.evaluate import run_eval
 
         out = Path(args.out or f"runs/eval-{cfg.experiment_name}-{time.strftime('%Y%m%d-%H%M%S')}")
         return run_eval(cfg, args.model, args.data, out)
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         if refused is not None:
             return refused
         if args.cmd == "sft":
-            from areal_async.app.sft import run_sft
+            from areal_async.app.commands.sft import run_sft
 
             return run_sft(cfg, run_dir)
         return _run(args, cfg, run_dir, server)

@@ -22,7 +22,7 @@ Reported (JSON rows, ``metric``/``value``/``unit``): completed (1/0), kills by r
 restarts, fleet recoveries, samples re-issued, ``samples_lost``, ids trained twice (must be 0),
 steps whose trained sample count is not exactly batch x n (must be 0), the disagreements
 ``areal-async verify`` finds between the scheduler's books, the trainer's record and the
-rollouts' records (must be 0; ``areal_async.app.verify``), and the wall-time overhead of the
+rollouts' records (must be 0; ``areal_async.app.commands.verify``), and the wall-time overhead of the
 faulty run over the fault-free one (a ratio). Ids trained twice and bad steps are counted from the
 trainer's own record (the books' counts ride along as ``books_*``: a scheduler cannot vouch for
 itself). On a shared machine the ratio moves with other load; ``loadavg_before`` is in every row.
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_async.api import run_command
-from areal_async.app.verify import Report, verify_run
+from areal_async.app.commands.verify import Report, verify_run
 from areal_async.config import load_config
 from benchmarks.common.cpu import count_lines
 from benchmarks.common.fleet import stop

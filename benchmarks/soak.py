@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from areal_async.api import run_command
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from benchmarks.common.cpu import count_lines, own_cpu_s
 from benchmarks.common.fleet import stop
 from benchmarks.common.rows import Col, print_table, write_rows

@@ -91,7 +91,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from areal_async.app.evaluate import run_eval
+from areal_async.app.workers.evaluate import run_eval
 from areal_async.config import ConfigError, ExperimentConfig, load_config
 from areal_async.config.gym_tasks import parse_tasks
 from areal_async.data.gym import GymSource

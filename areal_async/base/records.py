@@ -3,7 +3,7 @@ what each reward worker scored.
 
 The scheduler keeps the run's books (``trajectories.jsonl``, ``metrics.jsonl``, ``summary.json``,
 ``resumes.json``); these records are written by the other side of each hand-over, in other processes,
-so that ``areal-async verify RUN_DIR`` (``areal_async.app.verify``) can check the books against them:
+so that ``areal-async verify RUN_DIR`` (``areal_async.app.commands.verify``) can check the books against them:
 
 - ``trainer_steps.jsonl`` (trainer rank 0, which holds the whole batch; the other ranks train
   their shares of the same broadcast batch and write nothing): one line per trainer step

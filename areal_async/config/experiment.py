@@ -37,7 +37,7 @@ class SFTWarmupConfig(Section):
         True,
         "Keep the warmed-up weights of a built model on CPU in ~/.cache/areal-async/warmup, keyed by everything "
         "that decides them (config, data, code, libraries, CPU): a later run with the same key loads them, "
-        "bit-identical, instead of training (app/warmup_cache.py).",
+        "bit-identical, instead of training (app/workers/warmup_cache.py).",
     )
 
     def check(self) -> None:

@@ -2,7 +2,7 @@
 
 ``areal-async run`` on this machine (``cluster.launcher: local``, ``cluster.device: cpu``,
 ``cluster.fork_server: true``, the default) starts ``supervisor/zygote.py`` first thing, before the
-preflight: it imports ``areal_async.app.trainer_worker`` and ``rollout_worker`` (torch, transformers:
+preflight: it imports ``areal_async.app.workers.trainer_worker`` and ``rollout_worker`` (torch, transformers:
 ~3.5 s of CPU) and ``scheduler_worker`` (transformers, for the prompts' tokenizer) while the preflight
 runs on the other core. ``ForkServerLauncher`` then starts ``workers.scheduler``, ``workers.trainer`` and
 ``workers.rollout`` as children forked from it, which skip that import; every other process (reward
@@ -45,9 +45,9 @@ from protocols.side import ForkExited, Forked, ForkRequest, ForkServerReady
 
 # the worker module -> what its main() imports after pinning (workers/_main.py): the server imports these
 FORKED_MODULES = {
-    "workers.scheduler": "areal_async.app.scheduler_worker",
-    "workers.trainer": "areal_async.app.trainer_worker",
-    "workers.rollout": "areal_async.app.rollout_worker",
+    "workers.scheduler": "areal_async.app.workers.scheduler_worker",
+    "workers.trainer": "areal_async.app.workers.trainer_worker",
+    "workers.rollout": "areal_async.app.workers.rollout_worker",
 }
 FORKABLE_ENV_DIFF = ("AREAL_",)  # read by the workers at run time, by no module at import (tests/unit/supervisor)
 ROOM = 2048  # bytes of command line a forked child can show (the server's own argument that holds the room)

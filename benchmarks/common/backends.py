@@ -51,7 +51,7 @@ from typing import Callable, Optional
 
 import torch
 
-from areal_async.app.rollout_worker import sglang_engine, vllm_engine
+from areal_async.app.workers.rollout_worker import sglang_engine, vllm_engine
 from areal_async.base.manifest import RunManifest
 from areal_async.config import ExperimentConfig, load_config, to_yaml
 from areal_async.models.policy_tokenizer import policy_tokenizer

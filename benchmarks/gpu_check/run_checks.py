@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from benchmarks.gpu_check.registry import Result
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from areal_async.app.evaluate import eval_problems
+from areal_async.app.workers.evaluate import eval_problems
 from areal_async.config import load_config
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from areal_async.app.evaluate import run_eval
+from areal_async.app.workers.evaluate import run_eval
 from areal_async.config import from_dict
 from areal_async.models.tiny import build_model, save_policy
 from areal_async.models.tokenizer import build_char_tokenizer

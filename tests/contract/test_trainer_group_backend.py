@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_async.app import trainer_worker
+from areal_async.app.workers import trainer_worker
 from areal_async.trainer.compute.dp import init_data_parallel, trainer_backend
 from benchmarks.gpu_check.trainer_checks import control_problems, run_two_ranks, served_devices
 

@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from areal_async.app.evaluate import eval_problems
+from areal_async.app.workers.evaluate import eval_problems
 from areal_async.config import load_config
 from benchmarks import trl_grpo as bench
 from tests.support.smollm2 import INSTALL, model_dir

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from areal_async.app.rollout_worker import ProbeReference, logprobs_of
+from areal_async.app.workers.rollout_worker import ProbeReference, logprobs_of
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer

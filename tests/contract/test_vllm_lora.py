@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from areal_async.app.rollout_worker import ProbeReference
+from areal_async.app.workers.rollout_worker import ProbeReference
 from areal_async.config import load_config
 from areal_async.models import lora
 from areal_async.models.tiny import save_policy

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from areal_async.app.rollout_worker import ProbeReference
+from areal_async.app.workers.rollout_worker import ProbeReference
 from areal_async.config import load_config
 from areal_async.models.tiny import build_model
 from areal_async.models.tokenizer import load_tokenizer

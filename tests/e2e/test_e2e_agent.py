@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.api import run_command
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from tests.support.agent_checks import match, trained_samples
 
 pytestmark = pytest.mark.slow

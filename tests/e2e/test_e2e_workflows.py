@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.api import run_command
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from areal_async.config import load_config
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.tokenizer import load_tokenizer

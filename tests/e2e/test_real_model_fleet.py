@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from areal_async.api import run_command
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from tests.support.fleet import ROOT, read_jsonl
 from tests.support.procs import descendants, survivors
 from tests.support.real_model import smollm2_dir

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from areal_async.app.replay import build_actor, state_digest, state_tensors
+from areal_async.app.commands.replay import build_actor, state_digest, state_tensors
 from areal_async.cli import main
 from areal_async.config import load_config
 from areal_async.trainer.persist.sharded_ckpt import save_shards
@@ -78,7 +78,7 @@ def test_record_replay_bit_identical_then_corrupted_and_train_only(tmp_path, cap
 def test_rollout_only_generates_with_fixed_weights_and_the_fleet_columns(tmp_path):
     """No trainer: versions still advance (the rollouts load each), nothing learns or is saved, and the recorded
     behaviour logprobs are those of version 0 (the built, warmed-up policy) at every step."""
-    from areal_async.app.policy import warmup
+    from areal_async.app.workers.policy import warmup
     from areal_async.models.tiny import load_policy
     from areal_async.trainer.persist.recording import read_step, step_path
 

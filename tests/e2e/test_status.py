@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.api import run_command
-from areal_async.app.status import StatusError, query_status, render
+from areal_async.app.commands.status import StatusError, query_status, render
 from protocols import messages as M
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from tests.support.fleet import ROOT, cli, finish_ok
 
 pytestmark = pytest.mark.slow

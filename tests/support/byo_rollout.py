@@ -5,7 +5,7 @@ import sys
 import time
 from pathlib import Path
 
-from areal_async.app.rollout_worker import torch_engine
+from areal_async.app.workers.rollout_worker import torch_engine
 from areal_async.base.process import setup_worker_logging
 from areal_async.client import load_run
 from areal_async.client.rollout import RolloutWorker

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from protocols.trajectories import TrajectoryBatch
 
-from areal_async.app.rollout_worker import torch_engine
+from areal_async.app.workers.rollout_worker import torch_engine
 from areal_async.base.process import setup_worker_logging
 from areal_async.client import load_run
 from areal_async.client.rollout import RolloutWorker

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from areal_async.api import run_command
-from areal_async.app.verify import verify_run
+from areal_async.app.commands.verify import verify_run
 from tests.support.procs import descendants, survivors
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""``areal-async sft`` (areal_async.app.sft): a short run on a tiny model learns, writes its
+"""``areal-async sft`` (areal_async.app.commands.sft): a short run on a tiny model learns, writes its
 books, saves a model that reloads with ``from_pretrained`` to the same logits; bad inputs are
 refused before training with exit code 2 and a message naming the problem."""
 
@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_async.config import load_config
-from areal_async.app import sft as sft_app
-from areal_async.app.sft import SFTInputError, batches, run_sft, sft, sft_total_steps
+from areal_async.app.commands import sft as sft_app
+from areal_async.app.commands.sft import SFTInputError, batches, run_sft, sft, sft_total_steps
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "configs/tiny_sft.yaml"

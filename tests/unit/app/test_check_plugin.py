@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.app.check_plugin import check_plugin
+from areal_async.app.commands.check_plugin import check_plugin
 
 ROOT = Path(__file__).resolve().parents[3]
 TESTS = ROOT / "tests" / "support"  # plugin_fixtures, workflow_fixtures

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from test_evaluate import ScriptedEngine
 
-from areal_async.app import data_filter
-from areal_async.app.data_filter import Band, verdict
+from areal_async.app.commands import data_filter
+from areal_async.app.commands.data_filter import Band, verdict
 from areal_async.config import from_dict
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.tiny import build_model

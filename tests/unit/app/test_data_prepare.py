@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.app.data_prepare import prepare
+from areal_async.app.commands.data_prepare import prepare
 from areal_async.data.prompts import load_jsonl
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from areal_async.app.doctor import as_json, diagnose, doctor_main
-from areal_async.app.doctor_run import read_run
+from areal_async.app.commands.doctor import as_json, diagnose, doctor_main
+from areal_async.app.commands.doctor_run import read_run
 from areal_async.base.manifest import RunManifest
 
 CFG = """\

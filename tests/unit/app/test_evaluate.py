@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.app.evaluate import PeriodicEvaluator, Sampling, evaluate, pass1_interval, run_eval
+from areal_async.app.workers.evaluate import PeriodicEvaluator, Sampling, evaluate, pass1_interval, run_eval
 from areal_async.config import from_dict
 from areal_async.data.prompts import Problem, prompt_encoder
 from areal_async.models.tiny import build_model, save_policy

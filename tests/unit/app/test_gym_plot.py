@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from areal_async.app.plot import plot_run, task_names
+from areal_async.app.commands.plot import plot_run, task_names
 
 pytest.importorskip("matplotlib")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.scheduler.weight_updates import PHASES
-from areal_async.app.plot import PlotError, moving_average, plot_run, rates
+from areal_async.app.commands.plot import PlotError, moving_average, plot_run, rates
 
 ROOT = Path(__file__).resolve().parents[3]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

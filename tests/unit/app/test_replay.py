@@ -1,5 +1,6 @@
-"""Replay (app/replay.py) on a real trainer's checkpoints and recording, in one process (no fleet): bit-identical
-weights from a checkpoint + the recorded batches; a corrupted checkpoint or recording named by its first tensor."""
+"""Replay (app/commands/replay.py) on a real trainer's checkpoints and recording, in one process (no fleet):
+bit-identical weights from a checkpoint + the recorded batches; a corrupted checkpoint or recording named by its
+first tensor."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_async.app import trainer_worker
-from areal_async.app.replay import (
+from areal_async.app.workers import trainer_worker
+from areal_async.app.commands.replay import (
     ReplayError,
     build_actor,
     first_difference,

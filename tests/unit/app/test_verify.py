@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_async.app.verify import Problem, verify_run
+from areal_async.app.commands.verify import Problem, verify_run
 from areal_async.base.records import roll_back_steps, token_digest
 from areal_async.cli import main as cli_main
 from protocols.trajectories import TrajectoryBatch

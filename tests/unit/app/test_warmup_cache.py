@@ -1,4 +1,4 @@
-"""The warm-up cache (app/warmup_cache.py): a hit gives the weights, training mode and metrics the warm-up
+"""The warm-up cache (app/workers/warmup_cache.py): a hit gives the weights, training mode and metrics the warm-up
 itself gives, to the bit; the reference is the warm-up run with the cache off (the code as it was), in
 this process and in a fresh interpreter. The key moves with what decides the weights and only with it."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_async.app import warmup_cache
-from areal_async.app.policy import warmup
-from areal_async.app.warmup_cache import KEEP, cache_root, cacheable, cached_warmup, warmup_key
+from areal_async.app.workers import warmup_cache
+from areal_async.app.workers.policy import warmup
+from areal_async.app.workers.warmup_cache import KEEP, cache_root, cacheable, cached_warmup, warmup_key
 from areal_async.config import load_config
 from areal_async.models.tiny import load_policy
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from areal_async.app.evaluate import eval_problems
+from areal_async.app.workers.evaluate import eval_problems
 from areal_async.config import DatasetConfig, from_dict
 from areal_async.config.base import ConfigError
 from areal_async.data.problem import Problem

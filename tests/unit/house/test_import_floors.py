@@ -55,6 +55,10 @@ SUBFLOORS: dict[str, dict[int, tuple[str, ...]]] = {
             "areal_async.trainer.persist",  # checkpoints, the final model, the trainer's record and recording
         ),
     },
+    "areal_async.app": {
+        0: ("areal_async.app.workers",),  # worker processes built from the run directory, and what they share
+        1: ("areal_async.app.commands",),  # the one-shot commands (doctor, verify, replay, sft, data ...)
+    },
 }
 
 # Package roots that re-export from upstairs (their __init__ imports lazily, on attribute access).
@@ -64,7 +68,7 @@ FACADES: dict[str, int] = {"areal_async": 7}  # ``areal_async.Fleet`` / ``load_c
 LAZY: dict[tuple[str, str], str] = {
     (
         "areal_async.cli",
-        "areal_async.app.sft",
+        "areal_async.app.commands.sft",
     ): "torch: `areal-async run/knobs/--help/--dry-run` and the supervisor process never import it",
     ("areal_async.cli", "areal_async.supervisor.preflight"): "tokenizers/transformers: `knobs`, `--help` and the "
     "other commands never need them",
@@ -72,26 +76,32 @@ LAZY: dict[tuple[str, str], str] = {
     "refused by an earlier, cheaper check never loads it",
     ("areal_async.supervisor.preflight_inputs", "areal_async.models.tokenizer"): "transformers (~2.5 s): a run "
     "refused by an earlier, cheaper check never loads it",
-    ("areal_async.cli", "areal_async.app.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
+    ("areal_async.cli", "areal_async.app.workers.evaluate"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.cli", "areal_async.models.lora"): "torch: `run`, `knobs` and `--help` never import it",
     ("areal_async.supervisor.preflight_inputs", "areal_async.models"): "torch (models.lora): only a LoRA run's "
     "preflight builds the policy's module tree",
     ("areal_async.supervisor.preflight_inputs", "areal_async.models.tiny"): "torch: only a LoRA run's preflight "
     "builds the policy's module tree",
-    ("areal_async.cli", "areal_async.app.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
-    ("areal_async.cli", "areal_async.app.data_filter"): "torch: `run`, `knobs` and `--help` never import it",
-    ("areal_async.cli", "areal_async.app.replay"): "torch: `run`, `knobs` and `--help` never import it",
-    ("areal_async.cli", "areal_async.app.train_only"): "torch: only mode=train_only trains in the CLI's process",
-    ("areal_async.cli", "areal_async.app.plot"): "matplotlib: `run`, `knobs` and `--help` never need it",
-    ("areal_async.cli", "areal_async.app.data_prepare"): "math-verify: `run`, `knobs` and `--help` never need it",
-    ("areal_async.cli", "areal_async.app.check_plugin"): "its reward pool and workflow checks load only for "
+    ("areal_async.cli", "areal_async.app.commands.status"): "the run's keys: `run`, `knobs`, `--help` never need them",
+    ("areal_async.cli", "areal_async.app.commands.data_filter"): "torch: `run`, `knobs` and `--help` never import it",
+    ("areal_async.cli", "areal_async.app.commands.replay"): "torch: `run`, `knobs` and `--help` never import it",
+    (
+        "areal_async.cli",
+        "areal_async.app.commands.train_only",
+    ): "torch: only mode=train_only trains in the CLI's process",
+    ("areal_async.cli", "areal_async.app.commands.plot"): "matplotlib: `run`, `knobs` and `--help` never need it",
+    (
+        "areal_async.cli",
+        "areal_async.app.commands.data_prepare",
+    ): "math-verify: `run`, `knobs` and `--help` never need it",
+    ("areal_async.cli", "areal_async.app.commands.check_plugin"): "its reward pool and workflow checks load only for "
     "check-plugin",
     **{
         ("areal_async.cli", m): "`run` starts its fork server once the config is read: what it imports before that "
         "delays the run's first token (test_the_cli_imports_only_what_comes_before_the_fork_server)"
         for m in (
-            "areal_async.app.doctor",
-            "areal_async.app.verify",
+            "areal_async.app.commands.doctor",
+            "areal_async.app.commands.verify",
             "areal_async.supervisor.fleet",
             "areal_async.supervisor.plan",
             "areal_async.supervisor.ray_launcher",
@@ -113,7 +123,10 @@ LAZY: dict[tuple[str, str], str] = {
         )
     },
     **{
-        (f"workers.{r}", f"areal_async.app.{r}_worker"): "the process pins itself to --cpus before torch/zmq load"
+        (
+            f"workers.{r}",
+            f"areal_async.app.workers.{r}_worker",
+        ): "the process pins itself to --cpus before torch/zmq load"
         for r in ("scheduler", "reward", "rollout", "trainer")
     },
 }
@@ -130,8 +143,8 @@ NEVER_LOADS: dict[str, tuple[str, ...]] = {
     "areal_async.supervisor.ray_launcher": _SUPERVISOR_NEVER,
     "areal_async.config": _SUPERVISOR_NEVER,
     "workers.scheduler": ("torch",),
-    "areal_async.app.scheduler_worker": ("torch",),
-    "areal_async.app.reward_worker": ("torch", "transformers"),
+    "areal_async.app.workers.scheduler_worker": ("torch",),
+    "areal_async.app.workers.reward_worker": ("torch", "transformers"),
     "areal_async.client.reward": ("torch", "transformers"),
 }
 
@@ -302,7 +315,7 @@ def test_the_cli_imports_only_what_comes_before_the_fork_server():
     """``areal-async run`` starts its fork server (the long pole of a run's start) once the config is read: the
     supervisor's fleet, the Slurm and Ray launchers, verify and doctor are imported by the commands using them."""
     later = ("areal_async.supervisor.fleet", "areal_async.supervisor.slurm", "areal_async.supervisor.ray_launcher")
-    later += ("areal_async.app.verify", "areal_async.app.doctor")
+    later += ("areal_async.app.commands.verify", "areal_async.app.commands.doctor")
     assert loaded_by("import areal_async.cli", later) == []
     assert loaded_by("import areal_async.cli\nimport areal_async.supervisor.fleet", later) == [later[0]]
 
@@ -315,18 +328,18 @@ def test_the_load_probe_sees_what_is_loaded():
 def test_the_checker_catches_what_it_should(tmp_path):
     """A small tree with known faults: each is reported, the allowed imports are not."""
     files = {
-        "areal_async/trainer/actor.py": "from areal_async.app.sft import x\nfrom ..config import C\n"
+        "areal_async/trainer/actor.py": "from areal_async.app.commands.sft import x\nfrom ..config import C\n"
         "from . import loss\nimport torch, protocols.messages\n",
         "areal_async/trainer/algo/loss.py": "def f():\n    from areal_async.reward import pool\n",
-        "areal_async/app/sft.py": "from areal_async.trainer import actor\n",
+        "areal_async/app/commands/sft.py": "from areal_async.trainer import actor\n",
     }
     for rel, src in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(src)
     imports = all_imports(tmp_path)
     assert [(i, m, inside) for i, m, _, inside in imports] == [
-        ("areal_async.app.sft", "areal_async.trainer", False),
-        ("areal_async.trainer.actor", "areal_async.app.sft", False),
+        ("areal_async.app.commands.sft", "areal_async.trainer", False),
+        ("areal_async.trainer.actor", "areal_async.app.commands.sft", False),
         ("areal_async.trainer.actor", "areal_async.config", False),
         ("areal_async.trainer.actor", "areal_async.trainer", False),
         ("areal_async.trainer.actor", "protocols.messages", False),
@@ -334,7 +347,7 @@ def test_the_checker_catches_what_it_should(tmp_path):
     ]
     assert floor_violations(imports) == [
         (
-            "areal_async.trainer.actor:1 imports areal_async.app.sft "
+            "areal_async.trainer.actor:1 imports areal_async.app.commands.sft "
             "(floor 5, above it: areal_async.trainer.actor is on floor 4)"
         ),
         (

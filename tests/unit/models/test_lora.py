@@ -191,7 +191,7 @@ def test_a_lora_checkpoint_holds_the_adapter_alone_resumes_it_and_exports_it_mer
     from torch.distributed.checkpoint import FileSystemReader
 
     from areal_async import cli
-    from areal_async.app.trainer_worker import _shard_writer
+    from areal_async.app.workers.trainer_worker import _shard_writer
     from areal_async.models.tiny import load_model, save_policy
     from areal_async.trainer.persist.sharded_ckpt import load_shards
 

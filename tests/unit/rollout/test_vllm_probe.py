@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_async.app.rollout_worker import ProbeReference
+from areal_async.app.workers.rollout_worker import ProbeReference
 from areal_async.config import load_config
 from areal_async.models.policy_tokenizer import policy_tokenizer
 from areal_async.models.tiny import build_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from areal_async.app.status import render
+from areal_async.app.commands.status import render
 from areal_async.scheduler.weight_updates import WeightUpdates, metrics_columns
 from protocols.messages import StatusReport, WeightsLoaded, WeightsPublished, decode, encode
 

@@ -17,7 +17,9 @@ from areal_async.supervisor.fleet import Supervisor
 from areal_async.supervisor.report import server_config_error
 
 ROOT = Path(__file__).resolve().parents[3]
-WORKER = "from areal_async.app.worker import run_worker\ndef build():\n    raise {exc}\nrun_worker('w', build)\n"
+WORKER = (
+    "from areal_async.app.workers.worker import run_worker\ndef build():\n    raise {exc}\nrun_worker('w', build)\n"
+)
 
 
 @pytest.mark.parametrize(

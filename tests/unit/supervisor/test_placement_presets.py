@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_async.app.rollout_worker import server_group_backend_of
+from areal_async.app.workers.rollout_worker import server_group_backend_of
 from areal_async.config import ConfigError, load_config
 from areal_async.supervisor.placement import PlacementError, place, shape_of
 

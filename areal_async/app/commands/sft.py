@@ -45,7 +45,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from areal_async.app.evaluate import Sampling, sample_completions, torch_eval_engine
+from areal_async.app.workers.evaluate import Sampling, sample_completions, torch_eval_engine
 from areal_async.base.private import private_dir
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, to_yaml

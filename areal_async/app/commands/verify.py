@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from areal_async.app import verify_checks as checks
-from areal_async.app.verify_sources import Problem, Sources, load
+from areal_async.app.commands import verify_checks as checks
+from areal_async.app.commands.verify_sources import Problem, Sources, load
 
 
 @dataclass

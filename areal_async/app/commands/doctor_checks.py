@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from areal_async.app.doctor_run import RunData
+from areal_async.app.commands.doctor_run import RunData
 
 MIN_ROWS = 3  # a level needs a few steps; fewer rows: only the restart / hang / silence checks run
 # every trained sample scored exactly 0 for at least this many steps: GRPO-style advantages are all

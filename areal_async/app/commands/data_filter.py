@@ -3,7 +3,7 @@
 The seed's difficulty filter: sample each problem k times with the model (the base model, or the
 policy an RL run of CONFIG starts from), score the samples in the reward pool, and drop what the
 model always solves (no learning signal) — ``--band '[0,1)'`` with k = 8 drops the 8/8 problems.
-It is ``areal-async eval``'s machinery (``evaluate.py``: template, rollout engine of
+It is ``areal-async eval``'s machinery (``workers/evaluate.py``: template, rollout engine of
 ``rollout.backend``, killable reward pool, ``evaluator.*`` sampling), so the rates are the ones
 eval reports per problem.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from areal_async.app.evaluate import Sampling, check_fits, eval_engine, eval_policy, evaluate
+from areal_async.app.workers.evaluate import Sampling, check_fits, eval_engine, eval_policy, evaluate
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import load_jsonl, prompt_encoder
 from areal_async.reward.pool import RewardPool

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from areal_async.app.policy import initial_policy
+from areal_async.app.workers.policy import initial_policy
 from areal_async.base import cores
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig

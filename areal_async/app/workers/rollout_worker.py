@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import zmq.asyncio
 
-from areal_async.app.channels import trajectory_channel, weight_channel
-from areal_async.app.wiring import control_client, load_run
+from areal_async.app.workers.channels import trajectory_channel, weight_channel
+from areal_async.app.workers.wiring import control_client, load_run
 from areal_async.base.endpoints import NODE_HOST_ENV
 from areal_async.base.records import RewardRecord
 from areal_async.base.manifest import RunManifest

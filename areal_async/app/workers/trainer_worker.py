@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 import zmq.asyncio
 
-from areal_async.app.channels import trajectory_channel, weight_channel
-from areal_async.app.evaluate import PeriodicEvaluator
-from areal_async.app.policy import warmup
-from areal_async.app.rollout_worker import torch_engine_model
-from areal_async.app.wiring import control_client, load_run
+from areal_async.app.workers.channels import trajectory_channel, weight_channel
+from areal_async.app.workers.evaluate import PeriodicEvaluator
+from areal_async.app.workers.policy import warmup
+from areal_async.app.workers.rollout_worker import torch_engine_model
+from areal_async.app.workers.wiring import control_client, load_run
 from areal_async.base import cores
 from areal_async.base.eta import EtaMode
 from areal_async.base.process import setup_torch_process

@@ -1,4 +1,4 @@
-"""What ``areal-async verify`` reads (``app/verify.py`` lists the sources): the run directory's books and
+"""What ``areal-async verify`` reads (``app/commands/verify.py`` lists the sources): the run directory's books and
 the other processes' records, parsed once into ``Sources``. A source that is missing, a line that is not
 JSON, or a record that lacks a field the checks compare is a ``source`` problem: nothing missing passes
 as agreement."""

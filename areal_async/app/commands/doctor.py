@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from areal_async.app.doctor_checks import CHECKS, Finding, halves, mean, quarters
-from areal_async.app.doctor_run import DoctorError, RunData, read_run
+from areal_async.app.commands.doctor_checks import CHECKS, Finding, halves, mean, quarters
+from areal_async.app.commands.doctor_run import DoctorError, RunData, read_run
 
 __all__ = ["DoctorError", "diagnose", "render", "doctor_main"]
 

@@ -44,7 +44,7 @@ from areal_async.config import ExperimentConfig
 KEY_VERSION = "warmup-1"  # bump when what a cache entry holds changes
 MAX_CACHED_BYTES = 256 << 20
 KEEP = 32
-PACKAGE = Path(__file__).resolve().parents[1]  # areal_async/
+PACKAGE = Path(__file__).resolve().parents[2]  # areal_async/
 
 
 def cache_root() -> Path:

@@ -8,7 +8,7 @@ score must be a finite number in [0, 1].
 
 A rollout workflow (``rollout.workflow``: a class with ``async arun_episode(engine, prompt)``)
 is loaded, built, and run on one sample prompt against a random-token engine handle in a
-killable child process (``areal_async.app.check_workflow_child``); its episode must be a
+killable child process (``areal_async.app.commands.check_workflow_child``); its episode must be a
 well-formed ``Episode`` (see ``areal_async.workflows.base``).
 
 Every failure is one line naming the plug-in, what was expected and what was found.
@@ -91,7 +91,7 @@ def _run_workflow_child(path: str, timeout_s: float, startup_s: float = 60.0) ->
     """One episode in a child process: it says ready once the plug-in is built, then has
     ``timeout_s`` for the episode before it is killed; its last JSON line is the verdict."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(dict.fromkeys(os.path.abspath(p) for p in sys.path if p)))
-    cmd = [sys.executable, "-m", "areal_async.app.check_workflow_child", path]
+    cmd = [sys.executable, "-m", "areal_async.app.commands.check_workflow_child", path]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     lines = _Lines(proc.stdout.fileno())
     try:

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from areal_async.app.trainer_worker import make_actor, restore_actor
+from areal_async.app.workers.trainer_worker import make_actor, restore_actor
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig, load_config
 from areal_async.models.tiny import load_model

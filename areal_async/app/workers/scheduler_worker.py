@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from areal_async.app.wiring import load_run, supervisor_t0
+from areal_async.app.workers.wiring import load_run, supervisor_t0
 from areal_async.base.runkeys import Roster
 from areal_async.data.prompts import prompt_encoder
 from areal_async.models.policy_tokenizer import policy_tokenizer

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from areal_async.app.policy import warmup
-from areal_async.app.replay import build_actor, checkpoint_of_version, train_recorded
-from areal_async.app.trainer_worker import make_actor
+from areal_async.app.workers.policy import warmup
+from areal_async.app.commands.replay import build_actor, checkpoint_of_version, train_recorded
+from areal_async.app.workers.trainer_worker import make_actor
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig, to_yaml
 from areal_async.models.tiny import load_policy

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from areal_async.app.wiring import control_client, load_run
+from areal_async.app.workers.wiring import control_client, load_run
 from areal_async.base.records import RewardRecord
 from areal_async.reward.pool import RewardPool
 from areal_async.reward.samples import RewardSampleLog

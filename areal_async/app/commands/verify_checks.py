@@ -1,4 +1,4 @@
-"""The checks of ``areal-async verify`` (``app/verify.py`` lists the problem kinds): each takes the parsed
+"""The checks of ``areal-async verify`` (``app/commands/verify.py`` lists the problem kinds): each takes the parsed
 ``Sources`` and appends a ``Problem`` per disagreement; the counts say how much was compared."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 from collections import Counter, defaultdict
 from typing import NamedTuple, Optional
 
-from areal_async.app.verify_sources import Made, Problem, Sources
+from areal_async.app.commands.verify_sources import Made, Problem, Sources
 from areal_async.base.records import TRAINER_STEPS
 
 

@@ -6,7 +6,7 @@ both evaluate identical weights (same seed, same warm-up batches).
 
 from __future__ import annotations
 
-from areal_async.app.warmup_cache import cached_warmup
+from areal_async.app.workers.warmup_cache import cached_warmup
 from areal_async.config import ExperimentConfig
 from areal_async.data.prompts import keep_short, prompt_encoder, sft_examples, training_problems
 from areal_async.models.tiny import load_policy
@@ -23,7 +23,8 @@ def initial_policy(cfg: ExperimentConfig):
 def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
     """The optional SFT warm-up that makes the initial weights (version 0), on the training prompts
     (not the held-out ones) within ``train_dataset.max_prompt_len`` rendered with ``train_dataset.template``;
-    its result is kept on disk for the next run with the same inputs (``sft_warmup.cache``, app/warmup_cache.py)."""
+    its result is kept on disk for the next run with the same inputs (``sft_warmup.cache``,
+    app/workers/warmup_cache.py)."""
     if cfg.sft_warmup.steps == 0:
         return []
     d = cfg.train_dataset
@@ -33,4 +34,4 @@ def warmup(cfg: ExperimentConfig, model, tok) -> list[dict]:
     if not examples:
         raise ValueError("sft_warmup.steps > 0 but the training dataset has no 'answer' fields to imitate")
     trainer = SFTTrainer(model, cfg.sft_warmup, cfg.actor.mb_spec.max_tokens_per_mb, seed=cfg.seed)
-    return cached_warmup(cfg, model, lambda: trainer.run(examples))  # stored once per key (app/warmup_cache.py)
+    return cached_warmup(cfg, model, lambda: trainer.run(examples))  # stored once per key (app/workers/warmup_cache.py)
