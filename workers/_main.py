@@ -5,7 +5,7 @@
 ``--cpus`` (Linux cpu-list syntax, e.g. ``0`` or ``2-5,8``; from ``cluster.cpu_affinity``)
 pins the process before anything heavy is imported, so every thread it starts later (torch's
 pools, ZeroMQ's I/O thread) and every process it spawns (reward-pool children) inherits the pin.
-Each ``workers/<role>.py`` therefore imports its builder (``areal_async.app.<role>_worker``)
+Each ``workers/<role>.py`` therefore imports its builder (``areal_async.app.workers.<role>_worker``)
 only after ``worker_args`` returns.
 
 Every worker registers its stack dump (``base/stacks.py``: SIGUSR2 -> ``RUN_DIR/stacks/<id>.txt``)
