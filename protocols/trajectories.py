@@ -265,34 +265,33 @@ class TrajectoryBatch:
 
     @classmethod
     def of_samples(cls, rows: Sequence[Trajectory]) -> "TrajectoryBatch":
-        """Rows back into one batch (one copy of each column): consecutive rows of one group id and one
-        prompt share a group. An optional column that some rows have is filled in for the others with
-        its ``fill`` (a loss mask: all trained; a score: NaN); one no row has is left out."""
+        """Rows back into one batch: consecutive rows of one group id and one prompt share a group. Each
+        column is a view when the rows' tensors lie end to end in one tensor (the rows of one message, or
+        of a rank broadcast, in order), else one copy. An optional column that some rows have is filled in
+        for the others with its ``fill`` (a loss mask: all trained; a score: NaN); one no row has is left out."""
         if not rows:
             raise ValueError("TrajectoryBatch.of_samples got no rows; expected at least one")
-        _one_device(rows)
         runs = [list(run) for _, run in itertools.groupby(rows, key=_RunKey)]
-        present = [n for n in OPTIONAL if n != "score" and any(getattr(r, n) is not None for r in rows)]
+        firsts, lengths = [run[0] for run in runs], [r.output_ids.numel() for r in rows]
+        prompt_lengths = [r.prompt_ids.numel() for r in firsts]
+        columns = {"prompt_ids": _column(firsts, "prompt_ids", prompt_lengths)}
+        columns |= {name: _column(rows, name, lengths) for name in TOKEN_COLUMNS}
+        columns = {name: x for name, x in columns.items() if x is not None}
+        _one_device(list(columns.values()))
         scores = [r.score for r in rows]
-        batch = cls.join(
-            [
-                cls.group(
-                    run[0].group_id,
-                    [r.sample_id for r in run],
-                    run[0].prompt_ids,
-                    [r.output_ids.numel() for r in run],
-                    *(_cat([getattr(r, n) for r in run]) for n in ("output_ids", "logprobs", "versions")),
-                    segment_starts=[list(r.segment_starts or []) for r in run],
-                    **{n: _cat([_filled(r, n) for r in run]) for n in present},
-                )
-                for run in runs
-            ]
-        )
         if not all(math.isnan(s) for s in scores):
-            batch.columns["score"] = torch.tensor(scores, dtype=COLUMNS["score"])
-        if all(r.finish_reason is not None for r in rows):
-            batch.finish_reasons = [r.finish_reason for r in rows]
-        return batch
+            columns["score"] = torch.tensor(scores, dtype=COLUMNS["score"])
+        reasons = [r.finish_reason for r in rows]
+        return cls(
+            group_ids=[r.group_id for r in firsts],
+            group_sizes=[len(run) for run in runs],
+            prompt_lengths=prompt_lengths,
+            sample_ids=[r.sample_id for r in rows],
+            lengths=lengths,
+            columns=columns,
+            segment_starts=_segments([r.segment_starts or [] for r in rows]),
+            finish_reasons=reasons if None not in reasons else None,
+        )
 
     @property
     def group_id(self) -> str:
@@ -413,8 +412,8 @@ class _RunKey:
         return p is q or (p.shape == q.shape and p.device == q.device and torch.equal(p, q))
 
 
-def _one_device(rows: Sequence[Trajectory]) -> None:
-    devices = {t.device for r in rows for t in (r.prompt_ids, r.output_ids, r.logprobs, r.versions)}
+def _one_device(tensors: Sequence[torch.Tensor]) -> None:
+    devices = {t.device for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"trajectory tensors are on {sorted(map(str, devices))}; expected all on one device")
 
@@ -447,5 +446,43 @@ def _segments(segs) -> Optional[list[list[int]]]:
     return [list(s) for s in segs] if segs and any(segs) else None
 
 
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _column(rows: Sequence[Trajectory], name: str, counts: list[int]) -> Optional[torch.Tensor]:
+    """Column ``name`` of ``rows`` (``counts[i]`` entries of row i) end to end; an optional one with the
+    rows without it filled in, or None when no row has it."""
+    parts = list(map(operator.attrgetter(name), rows))
+    if name in OPTIONAL:
+        if all(p is None for p in parts):
+            return None
+        parts = [_filled(r, name) if p is None else p for r, p in zip(rows, parts)]
+    return as_column(_cat(parts, counts), name)
+
+
+def _cat(parts: list[torch.Tensor], counts: Optional[list[int]] = None) -> torch.Tensor:
+    """``parts`` (of ``counts[i]`` entries) end to end: a view when they already lie so in one tensor,
+    else one copy."""
+    if len(parts) == 1:
+        return parts[0]
+    whole = _adjacent(parts, counts or [p.numel() for p in parts])
+    if whole is not None:
+        return whole
+    try:
+        return torch.cat(parts)
+    except RuntimeError:
+        _one_device(parts)  # the error naming the devices, if that is what it is
+        raise
+
+
+def _adjacent(parts: list[torch.Tensor], counts: list[int]) -> Optional[torch.Tensor]:
+    """The 1D view that ``parts`` are consecutive pieces of (views of one tensor, each starting where the
+    previous ends: ``split`` of a column, a row's views of a message), or None. First the span from the
+    first part to the last (parts of several tensors mostly fail there), then each part."""
+    first, last = parts[0], parts[-1]
+    base, dtype, size, total = first._base, first.dtype, first.element_size(), sum(counts)
+    start = end = first.data_ptr()
+    if base is None or last._base is not base or last.data_ptr() + counts[-1] * size - start != total * size:
+        return None
+    for p, n in zip(parts, counts):
+        if p._base is not base or p.data_ptr() != end or p.dtype is not dtype or (n > 1 and not p.is_contiguous()):
+            return None
+        end += n * size
+    return first.as_strided((total,), (1,))

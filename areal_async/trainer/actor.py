@@ -51,8 +51,8 @@ from areal_async.trainer.compute.logprobs import MicroBatchOut, iter_micro_batch
 from areal_async.trainer.algo.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
 from areal_async.trainer.algo.mismatch import GapCollector, mismatch_metrics
 from areal_async.trainer.compute.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from areal_async.trainer.compute.packing import PackedBatch, forward_packed, one_device_cat, pack
-from protocols.trajectories import Trajectory
+from areal_async.trainer.compute.packing import PackedBatch, forward_packed, pack
+from protocols.trajectories import Trajectory, TrajectoryBatch
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 
@@ -69,28 +69,23 @@ class ForwardAhead:
 class _Batch:
     """One trainer step's trajectories: their sequences, and per output token (laid end to end
     in trajectory order, all on the actor's device) behaviour logprobs, loss mask, proximal
-    logprobs and advantages."""
+    logprobs and advantages. The per-token inputs are the columns of the one trajectory type
+    (``TrajectoryBatch.of_samples``: views of a message's when the rows lie end to end in it, else
+    one copy), in their declared dtypes."""
 
     def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
+        cols = TrajectoryBatch.of_samples(trajs)
         self.seqs = [t.seq_parts for t in trajs]  # (prompt, output) tensors: pack copies each token once
         self.n_prompt = [t.prompt_ids.numel() for t in trajs]
-        self.n_out = [t.output_ids.numel() for t in trajs]
+        self.n_out = cols.lengths
         self.lengths = [p + o for p, o in zip(self.n_prompt, self.n_out)]
         self.out_start = np.cumsum([0] + self.n_out[:-1], dtype=np.int64)
-        # one concatenation on the trajectories' device (the host, as the trainer keeps them), one move
-        self.behav = one_device_cat([t.logprobs for t in trajs], "behaviour logprobs").to(device, torch.float32)
+        self.behav = cols.logprobs.to(device)  # float32 from the engine on
         # trained output tokens (a workflow's environment tokens are not): bool per output token
-        if all(t.loss_mask is None for t in trajs):
-            self.mask = torch.ones(self.behav.numel(), dtype=torch.bool, device=device)
-        else:
-            self.mask = one_device_cat(
-                [
-                    torch.ones(n, dtype=torch.bool, device=t.output_ids.device) if t.loss_mask is None else t.loss_mask
-                    for n, t in zip(self.n_out, trajs)
-                ],
-                "loss masks",
-            ).to(device)
-        self.versions = torch.cat([t.versions for t in trajs])  # per output token (prox_logp_method=loglinear)
+        mask = cols.loss_mask
+        self.mask = torch.ones(self.behav.numel(), dtype=torch.bool, device=device) if mask is None else mask.to(device)
+        self.versions = cols.versions  # int32 per output token, on the host (prox_logp_method=loglinear)
+        self.entropy = cols.entropy  # the engine's (rollout.token_entropy), NaN for a row without; or None
         self.prox: Optional[torch.Tensor] = None
         self.adv: Optional[torch.Tensor] = None
         self.ref: Optional[torch.Tensor] = None  # reference logprobs, kept for kl_in='loss'
@@ -126,12 +121,12 @@ class _Batch:
         return values if where is None else values.index_select(0, where.to(values.device))
 
 
-def rollout_entropy(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """The engine's mean token entropy over the trained tokens (``rollout.token_entropy``; none: no metric),
-    beside the trainer's own ``entropy``: a gap between them is the engine and the trainer disagreeing."""
-    parts = [t.entropy if t.loss_mask is None else t.entropy[t.loss_mask] for t in trajs if t.entropy is not None]
-    ent = torch.cat(parts) if parts else torch.empty(0)
-    ent = ent[~ent.isnan()]  # a row without the column beside rows with it (filled with NaN)
+def rollout_entropy(entropy: Optional[torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
+    """The engine's mean token entropy (its ``entropy`` column; None: no metric) over the trained tokens
+    (``mask``), beside the trainer's own ``entropy``: a gap between them is the engine and the trainer
+    disagreeing. A row without the column beside rows with it has NaN there: left out."""
+    ent = torch.empty(0) if entropy is None else entropy[mask.to(entropy.device)]
+    ent = ent[~ent.isnan()]
     return {"rollout_entropy": float(ent.mean())} if ent.numel() else {}
 
 
@@ -297,7 +292,7 @@ class PPOActor:
         m["optimizer_steps"] = float(len(grad_norms) - skipped)
         m["masked_tokens"] = float((~batch.mask).sum())  # workflow env tokens, not trained
         m |= masked_block(float(batch.mask.sum()), stats.n_rejected, float(batch.n_m2po))
-        return m | self._mismatch(batch) | rollout_entropy(trajs)
+        return m | self._mismatch(batch) | rollout_entropy(batch.entropy, batch.mask)
 
     def _mismatch(self, batch: _Batch) -> dict[str, float]:
         """trainer/algo/mismatch.py's columns: over the whole batch when its proximal logprobs were computed

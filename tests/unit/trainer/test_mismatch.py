@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from protocols.trajectories import Trajectory
+from protocols.trajectories import Trajectory, TrajectoryBatch
 
 from areal_async.trainer.actor import PPOActor, rollout_entropy
 from areal_async.trainer.compute.dp import decode_batch, encode_batch
@@ -85,8 +85,9 @@ def test_rollout_entropy_is_the_engines_mean_over_trained_tokens_by_hand():
                    entropy=[2.0, 9.0, 4.0])  # fmt: skip
     c = Trajectory("c", "h", [1], [7], [-1.0], [0], 0.0)
     want = (0.5 + 1.5 + 2.0 + 4.0) / 4  # the masked 9.0 is not trained
-    assert rollout_entropy([a, b, c]) == {"rollout_entropy": pytest.approx(want)}
-    back = decode_batch(encode_batch([a, b, c]))  # the rank broadcast carries the column as it is
-    assert back[1].entropy.tolist() == [2.0, 9.0, 4.0] and math.isnan(back[2].entropy.item())
-    assert rollout_entropy(back) == {"rollout_entropy": pytest.approx(want)}
-    assert rollout_entropy([c]) == {}  # no engine gave it: no metric
+    cols = TrajectoryBatch.of_samples([a, b, c])
+    assert rollout_entropy(cols.entropy, cols.loss_mask) == {"rollout_entropy": pytest.approx(want)}
+    back = TrajectoryBatch.of_samples(decode_batch(encode_batch([a, b, c])))  # the rank broadcast carries it
+    assert back.entropy.tolist()[2:5] == [2.0, 9.0, 4.0] and math.isnan(back.entropy[5].item())
+    assert rollout_entropy(back.entropy, back.loss_mask) == {"rollout_entropy": pytest.approx(want)}
+    assert rollout_entropy(None, torch.ones(1, dtype=torch.bool)) == {}  # no engine gave it: no metric
