@@ -25,12 +25,17 @@ Per-token versions come from the server's answer (``meta_info.weight_versions`` 
 loaded, so a resubmitted sample carries the old version on its first tokens and the new one on
 the rest. Versions are integers on our side and SGLang's strings on the wire (``str(v)``).
 
+A sample's answers stay the servers' JSON lists, appended to across resubmissions; a finished group
+becomes the one trajectory type once (``group_batch``: each column one tensor of its declared dtype,
+made from the group's lists end to end; no tensor a sample).
+
 Not covered: streaming, prefix-aware routing, several samples per request (``n`` > 1 would share
 the prompt's prefill on the server but not survive a partial resubmission).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -45,7 +50,7 @@ from protocols.trajectories import TrajectoryBatch
 
 from areal_async.base.process import Unfixable
 from areal_async.rollout.clients.http_json import HTTPStatusError
-from areal_async.rollout.engines.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_rows, sample_row
+from areal_async.rollout.engines.engine import ON_WEIGHTS, GenRequest, RolloutEngine, group_output
 
 log = logging.getLogger("areal_async.rollout.clients.remote")
 
@@ -119,7 +124,7 @@ class ServerClient(ABC):
 @dataclass
 class _Group:
     req: GenRequest
-    samples: list  # per sample index: its row (``engine.sample_row``) once finished, else None
+    samples: list  # per sample index: its ``_Sample`` once finished, else None
     left: int
 
 
@@ -131,6 +136,7 @@ class _Sample:
     logp: list = field(default_factory=list)
     ver: list = field(default_factory=list)
     attempts: int = 0
+    reason: str = "abort"  # the finish reason, once finished
 
     @property
     def remaining(self) -> int:
@@ -242,7 +248,7 @@ class RemoteEngine(RolloutEngine):
         out = {}
         for gid in [g for g in group_ids if g in self.groups]:
             g = self.groups.pop(gid)
-            out[gid] = sum(len(s.output_ids) for s in g.samples if s is not None)
+            out[gid] = sum(len(s.out) for s in g.samples if s is not None)
             out[gid] += sum(len(smp.out) for smp in self.queue if smp.group is g)
             for smp, srv in [(smp, srv) for smp, srv in self.inflight.values() if smp.group is g]:
                 out[gid] += len(smp.out)
@@ -262,10 +268,7 @@ class RemoteEngine(RolloutEngine):
                 except ServerDown:
                     pass
         wait(list(self.inflight), timeout=5.0)
-        out = []
-        for g in self.groups.values():
-            g.samples = [s or sample_row(g.req, i, [], [], [], "abort") for i, s in enumerate(g.samples)]
-            out.append(group_rows(g.samples))
+        out = [group_batch(g.req, g.samples) for g in self.groups.values()]  # unfinished: no token, "abort"
         self.groups, self.queue, self.inflight = {}, deque(), {}
         return out
 
@@ -328,12 +331,12 @@ class RemoteEngine(RolloutEngine):
 
     def _finish(self, smp: _Sample, reason: str) -> list[TrajectoryBatch]:
         g = smp.group
-        g.samples[smp.index] = sample_row(g.req, smp.index, smp.out, smp.logp, smp.ver, reason)
+        smp.reason, g.samples[smp.index] = reason, smp
         g.left -= 1
         if g.left:
             return []
         del self.groups[g.req.group_id]
-        return [group_rows(g.samples)]
+        return [group_batch(g.req, g.samples)]
 
     # ---- failures ------------------------------------------------------------------------
     def _down(self, srv: _Server, err: Exception) -> None:
@@ -389,6 +392,16 @@ class RemoteEngine(RolloutEngine):
             return  # newer weights arrived meanwhile: the next check pushes those
         srv.up, srv.refusals = True, 0
         log.info("server %s is back (weights v%s)", srv.client.address, pushed)
+
+
+def group_batch(req: GenRequest, samples: list[Optional[_Sample]]) -> TrajectoryBatch:
+    """A group as the one trajectory type, each column made once from its samples' lists (the servers' JSON
+    values) laid end to end: no tensor a sample, no copy to join them. A sample not finished (None) has no
+    token and finish reason "abort"."""
+    done = [(s.out, s.logp, s.ver, s.reason) if s is not None else ([], [], [], "abort") for s in samples]
+    out, logp, ver, reasons = zip(*done)
+    flat = itertools.chain.from_iterable
+    return group_output(req, list(map(len, out)), list(flat(out)), list(flat(logp)), list(flat(ver)), reasons)
 
 
 def servers_of(addresses: list[str], worker_index: int, n_workers: int) -> list[str]:

@@ -8,7 +8,8 @@ A rollout worker drives an engine from one thread::
         ...                            # ship finished groups; maybe engine.update_weights(v, sd)
 
 A finished group is what the trainer receives, the one trajectory type (``protocols.trajectories``):
-a ``TrajectoryBatch`` of the group (``group_output``, or ``group_rows`` of its ``sample_row`` rows),
+a ``TrajectoryBatch`` of the group (``group_output``: the torch engine's packed rows, the remote
+engine's JSON lists end to end; or ``group_rows`` of its ``sample_row`` rows),
 with the engine's ``finish_reasons``; the rollout worker sends it as it is.
 
 Covered here: the contract (types, call order, what versions and logprobs mean). Not covered:
@@ -81,8 +82,8 @@ def group_output(req: GenRequest, lengths, output_ids, logprobs, versions, reaso
 
 
 def sample_row(req: GenRequest, index: int, output_ids, logprobs, versions, reason: str, **more) -> Trajectory:
-    """Sample ``index`` of ``req``, finished (an engine that finishes samples one at a time: an HTTP reply, a
-    row set aside); ``more``: other per-token columns by name; ``group_rows`` joins a group's rows. Not
+    """Sample ``index`` of ``req``, finished (an engine that finishes samples one at a time: the torch
+    engine's row set aside); ``more``: other per-token columns by name; ``group_rows`` joins a group's rows. Not
     checked: an aborted sample may have no token."""
     cols = {"output_ids": output_ids, "logprobs": logprobs, "versions": versions, **more}
     cols = {name: as_column(x, name) for name, x in cols.items()}  # (kept as they are when of its dtype)
