@@ -134,7 +134,8 @@ def envelope(t="ping", b=None, v=PROTOCOL_VERSION):
 @pytest.mark.parametrize(
     "frame, needle",
     [
-        (os.urandom(64), "not valid msgpack|not a message envelope"),
+        # random bytes, new each run; the id names them (pytest-xdist's workers must collect the same ids)
+        pytest.param(os.urandom(64), "not valid msgpack|not a message envelope", id="64-random-bytes"),
         (b"", "not valid msgpack"),
         (msgpack.packb([1, 2, 3]), "not a message envelope"),
         (envelope(v=99), "protocol version 99"),
