@@ -395,5 +395,5 @@ def run_fleet(
         sup.launcher.close()
         for s, h in old.items():
             signal.signal(s, h)
-    finish(sup.run_dir, code, sup.restarts_total, sup.recoveries, sup.rss.mb())
+    finish(sup.run_dir, code, sup.restarts_total, sup.recoveries, sup.rss.mb(), sup.rss.parts_mb())
     return code

@@ -70,9 +70,11 @@ def tell_dead(name: str, pid: int, code: int, what: str, log_path: Path, n_lines
         print("  | " + line, file=sys.stderr)
 
 
-def annotate_summary(run_dir: Path, restarts: int, recoveries: int, peak_rss_mb: Optional[dict] = None) -> None:
-    """Add the supervisor's counts (and each worker's peak RSS, ``memory.PeakRss``) to summary.json
-    (nothing when the trainer wrote none)."""
+def annotate_summary(
+    run_dir: Path, restarts: int, recoveries: int, peak_rss_mb: Optional[dict] = None, rss_parts: Optional[dict] = None
+) -> None:
+    """Add the supervisor's counts (and each worker's peak RSS and its sampled parts, ``memory.PeakRss``)
+    to summary.json (nothing when the trainer wrote none)."""
     path = run_dir / "summary.json"
     try:
         summary = json.loads(path.read_text())
@@ -81,14 +83,18 @@ def annotate_summary(run_dir: Path, restarts: int, recoveries: int, peak_rss_mb:
     summary.update(restarts=restarts, recoveries=recoveries)
     if peak_rss_mb:
         summary["peak_rss_mb"] = peak_rss_mb
+    if rss_parts:
+        summary["peak_rss_parts_mb"] = rss_parts
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(summary, indent=2) + "\n")
     os.replace(tmp, path)
 
 
-def finish(run_dir: Path, code: int, restarts: int, recoveries: int, peak_rss_mb: Optional[dict] = None) -> None:
+def finish(
+    run_dir: Path, code: int, restarts: int, recoveries: int, peak_rss_mb: Optional[dict] = None, rss_parts=None
+) -> None:
     """A good run's last word: the annotated summary.json."""
     summary = run_dir / "summary.json"
     if code == 0 and summary.exists():
-        annotate_summary(run_dir, restarts, recoveries, peak_rss_mb)
+        annotate_summary(run_dir, restarts, recoveries, peak_rss_mb, rss_parts)
         print(f"[areal-async] done: {summary.read_text().strip()}")

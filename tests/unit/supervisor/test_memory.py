@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import subprocess
 import sys
@@ -39,3 +40,28 @@ def test_a_child_that_touched_300_mib_peaks_above_it_and_the_peak_outlives_the_f
         proc.wait(timeout=30)
     rss.sample([child], now=20.0)  # exited: the entry stays
     assert rss.mb()["rollout-0"] >= 300
+
+
+def test_the_parts_split_own_memory_from_mapped_shared_memory():
+    """A child that maps and touches a 96 MiB /dev/shm file and holds 64 MiB of its own: its sampled
+    RssShmem is at least 96 MiB and its RssAnon at least 64 MiB (and the shared pages are not counted as
+    its own: RssAnon stays under 64 + 96 MiB)."""
+    code = (
+        "import mmap, os, sys; fd = os.open('/dev/shm/' + sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600); "
+        "os.ftruncate(fd, 96 << 20); m = mmap.mmap(fd, 96 << 20); m.write(b'x' * (96 << 20)); "
+        "own = bytearray(b'y' * (64 << 20)); print('ready', flush=True); sys.stdin.read()"
+    )
+    name = f"areal_test_parts_{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        rss = PeakRss(every_s=0.0)
+        rss.sample([SimpleNamespace(name="trainer", proc=proc)], now=0.0)
+        parts = rss.parts_mb()["trainer"]
+        assert parts["shmem"] >= 96 and 64 <= parts["anon"] < 64 + 96
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+        os.unlink(f"/dev/shm/{name}")
