@@ -212,9 +212,13 @@ def torch_eval_engine(cfg: ExperimentConfig, model, tok) -> TorchEngine:
 
 
 class PeriodicEvaluator:
-    """The RL trainer's evaluator: the trained weights copied into a model of its own, sampled with
+    """The RL trainer's evaluator: the trained weights put into a model of its own, sampled with
     a fresh ``TorchEngine`` (exactly what ``areal-async eval`` does with a checkpoint of the same
-    version), scored in a reward pool of its own."""
+    version), scored in a reward pool of its own.
+
+    The weights are assigned, not copied (``load_state_dict(assign=True)``): the trainer evaluates
+    between steps, so nothing changes them while the engine reads them, and a copy cost the trainer a
+    second resident model for the rest of the run (SmolLM2-135M: 0.53 GB of its 5.9 GB peak)."""
 
     def __init__(self, cfg: ExperimentConfig, model, tok, pool):
         self.cfg, self.model, self.tok, self.pool = cfg, model, tok, pool
@@ -229,7 +233,7 @@ class PeriodicEvaluator:
         return freq > 0 and (version % freq == 0 or version == self.cfg.total_train_steps)
 
     def __call__(self, version: int, state_dict: dict) -> dict:
-        self.model.load_state_dict(state_dict)
+        self.model.load_state_dict(state_dict, assign=True)
         with cores.working():
             res = evaluate(
                 torch_eval_engine(self.cfg, self.model, self.tok),
