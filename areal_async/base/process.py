@@ -53,7 +53,7 @@ def set_torch_threads(n: int) -> None:
 
 
 # glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses a larger M_MMAP_THRESHOLD on 64-bit
 
 
@@ -79,12 +79,32 @@ def retain_freed_heap(mb: int) -> bool:
     return all(mallopt(param, value) == 1 for param, value in settings)
 
 
+def limit_malloc_arenas(n: int) -> bool:
+    """At most ``n`` glibc malloc arenas in this process (``mallopt(M_ARENA_MAX)``); call it before threads
+    allocate. glibc gives each thread that allocates while another holds the arena an arena of its own, up
+    to 8 per core, and memory freed in one arena serves only the threads of that arena. A trainer runs its
+    steps, evaluations and publications on whichever executor thread is idle, so each thread that ever ran
+    a step kept a step's freed activations for itself: measured here, a thread that allocated and freed
+    400 MiB of 10 MiB tensors left RSS +400 MiB per new thread (1,200 MiB after three), +224 MiB in all
+    with one arena. ``n`` = 0 keeps glibc's default. Returns whether it took (False off glibc)."""
+    if n <= 0:
+        return False
+    try:
+        return ctypes.CDLL(None).mallopt(_M_ARENA_MAX, n) == 1
+    except (OSError, AttributeError):
+        return False
+
+
 def setup_torch_process(cluster) -> None:
-    """What every torch worker (trainer, rollout, SFT, evaluator) sets first, from ``cfg.cluster``:
-    its torch threads (``torch_threads``) and the freed heap it keeps (``retained_heap_mb``)."""
+    """What every torch worker (trainer, rollout, SFT, evaluator) sets first, from ``cfg.cluster``: its
+    torch threads (``torch_threads``), its malloc arenas (``malloc_arenas``) and the freed heap it keeps
+    (``retained_heap_mb``)."""
     set_torch_threads(cluster.torch_threads)
+    log = logging.getLogger("areal_async.process")
+    if cluster.malloc_arenas > 0 and not limit_malloc_arenas(cluster.malloc_arenas):
+        log.info("cluster.malloc_arenas=%d not applied: this C library has no glibc mallopt", cluster.malloc_arenas)
     if cluster.retained_heap_mb > 0 and not retain_freed_heap(cluster.retained_heap_mb):
-        logging.getLogger("areal_async.process").info(
+        log.info(
             "cluster.retained_heap_mb=%d not applied: this C library has no glibc mallopt", cluster.retained_heap_mb
         )
 

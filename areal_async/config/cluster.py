@@ -149,6 +149,12 @@ class ClusterConfig(Section):
         "(glibc mallopt; base/process.retain_freed_heap): a step's activation-sized blocks are then "
         "reused without page faults; 0 = glibc's defaults.",
     )
+    malloc_arenas: int = _f(
+        1,
+        "glibc malloc arenas per torch worker (mallopt M_ARENA_MAX; base/process.limit_malloc_arenas): with "
+        "glibc's default (8 per core) each executor thread that ran a training step kept that step's freed "
+        "activations in an arena of its own; 0 = glibc's default.",
+    )
     cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
     device: str = _f("cpu", "cpu | cuda.")
     n_nodes: int = _f(1, "Machines in the fleet (the seed: one node); placement hands out their GPUs node by node.")
@@ -203,6 +209,7 @@ class ClusterConfig(Section):
             f"false with n_nodes={self.n_nodes} (the CPU table is one machine's)",
         )
         at_least(self, "retained_heap_mb", 0)
+        at_least(self, "malloc_arenas", 0)
         one_of(self, "device", ("cpu", "cuda"))
         at_least(self, "n_nodes", 1)
         at_least(self, "n_gpus_per_node", 1)
