@@ -151,9 +151,10 @@ class ClusterConfig(Section):
     )
     malloc_arenas: int = _f(
         1,
-        "glibc malloc arenas per torch worker (mallopt M_ARENA_MAX; base/process.limit_malloc_arenas): with "
-        "glibc's default (8 per core) each executor thread that ran a training step kept that step's freed "
-        "activations in an arena of its own; 0 = glibc's default.",
+        "glibc malloc arenas per worker process (MALLOC_ARENA_MAX in the workers' and the fork server's "
+        "environment, and mallopt M_ARENA_MAX at a torch worker's start: base/process.limit_malloc_arenas): "
+        "with glibc's default (8 per core) each executor thread that ran a training step kept that step's "
+        "freed activations in an arena of its own; 0 = glibc's default.",
     )
     cpu_affinity: CpuAffinityConfig = _f(CpuAffinityConfig(), "Pin each role's processes to CPUs (local launcher).")
     device: str = _f("cpu", "cpu | cuda.")

@@ -68,6 +68,8 @@ def worker_env(cfg: ExperimentConfig) -> dict[str, str]:
     )
     if cfg.cluster.share_cores:  # idle OpenMP threads must sleep, not spin (base/cores.py)
         env = WAIT_POLICY_ENV | env
+    if cfg.cluster.malloc_arenas > 0:  # read by glibc at its first malloc: the fork server's arenas count too
+        env = {"MALLOC_ARENA_MAX": str(cfg.cluster.malloc_arenas)} | env
     return env
 
 

@@ -53,6 +53,7 @@ def test_torch_workers_share_one_table_and_sleep_when_idle(tmp_path):
     finish_ok(proc)
     assert {"trainer", "rollout-0", "rollout-1", "scheduler", "reward-0"} <= set(workers), workers
     assert all(env["OMP_WAIT_POLICY"] == "PASSIVE" for env in workers.values())
+    assert all(env["MALLOC_ARENA_MAX"] == "1" for env in workers.values())  # cluster.malloc_arenas
     table = (run / CORES_FILE).read_bytes()
     assert len(table) == 3 and table == b"\0\0\0"  # trainer, rollout-0, rollout-1: all idle at the end
     assert seen_busy and seen_busy <= {0, 1, 2}  # someone was seen computing while the run went

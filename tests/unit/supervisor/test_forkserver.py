@@ -283,3 +283,17 @@ def test_the_supervisor_starts_what_waits_for_the_server_last(tmp_path, server):
     assert launcher.started == ["reward-0", "reward-1", "scheduler", "trainer", "rollout-0", "rollout-1"]
     pids = json.loads((tmp_path / "run" / "pids.json").read_text())
     assert set(pids) - {"supervisor", "placement"} == set(launcher.started)
+
+
+def test_the_workers_environment_limits_malloc_arenas_unless_the_user_set_it(monkeypatch):
+    """cluster.malloc_arenas reaches every worker (and the fork server, whose arenas its children inherit)
+    as MALLOC_ARENA_MAX, read by glibc at its first malloc; a value in the user's environment wins; 0 leaves
+    glibc's default (no variable)."""
+    from areal_async.supervisor.forkserver import worker_env
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert worker_env(from_dict({}))["MALLOC_ARENA_MAX"] == "1"
+    assert worker_env(from_dict({"cluster": {"malloc_arenas": 3}}))["MALLOC_ARENA_MAX"] == "3"
+    assert "MALLOC_ARENA_MAX" not in worker_env(from_dict({"cluster": {"malloc_arenas": 0}}))
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert worker_env(from_dict({}))["MALLOC_ARENA_MAX"] == "4"
