@@ -7,7 +7,11 @@ launcher the supervisor uses (``python -m areal_async.rollout.servers.vllm_serve
 vLLM's OpenAI server) and returns (process, url) once /health answers; ``stop(proc)`` kills its process
 group (vLLM runs its engine in a child process) by the process group id we started. ``STARTS`` records how
 long each start took (the cost of these tests is mostly starts: 34-48 s each on a quiet 2-core machine, minutes
-under load, hence the generous ``AREAL_VLLM_START_TIMEOUT_S``). ``generation_tokens(url)`` reads the server's
+under load, hence the generous ``AREAL_VLLM_START_TIMEOUT_S``). Under pytest-xdist (``.ci/run`` runs tests/contract on
+two workers, a file to each) two of these servers may start at once: each worker but the first keeps its vLLM and
+inductor caches under its own root (``worker_cache_env``), as the supervisor gives each server index its own (two
+servers compiling into one inductor cache raced: rollout/servers/vllm_server.py ``vllm_env``); the server index,
+and so the sampling seed, stays 9 on every worker. ``generation_tokens(url)`` reads the server's
 ``vllm:generation_tokens_total`` counter (its /metrics), so a test can wait until tokens are being generated.
 """
 
@@ -44,6 +48,16 @@ def vllm_python_or_skip() -> Path:
     return py
 
 
+def worker_cache_env() -> dict[str, str]:
+    """``AREAL_CACHE`` for this pytest-xdist worker's servers: the default root on the controller and worker gw0,
+    ``<root>/xdist-gwN`` on worker gwN (its own vllm-cache, made once per machine as the default one is)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    if worker == "gw0":
+        return {}
+    root = Path(os.environ.get("AREAL_CACHE", Path.home() / ".cache" / "areal-async"))
+    return {"AREAL_CACHE": str(root / f"xdist-{worker}")}
+
+
 def start_vllm(model_dir: Path, log_path: Path, port: int | None = None, config: Path = TINY):
     py = vllm_python_or_skip()
     port = port or free_tcp_port("127.0.0.1")
@@ -69,7 +83,7 @@ def start_vllm(model_dir: Path, log_path: Path, port: int | None = None, config:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            env=dict(os.environ, OMP_NUM_THREADS="1", **worker_cache_env()),
         )
     url = f"http://127.0.0.1:{port}"
     t = time.monotonic()
