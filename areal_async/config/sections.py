@@ -564,6 +564,16 @@ class RewardConfig(Section):
         "in the judge's chat template.",
     )
     judge_max_new_tokens: int = _f(4, "Tokens the judge generates (greedy) for its verdict.")
+    judge_chat: bool = _f(
+        True,
+        "Render the judge's prompt through its chat template (as one user message); false: the template's text "
+        "as it is (a plain few-shot prompt the judge continues).",
+    )
+    judge_verdict: str = _f(
+        "text",
+        "How the judge's verdict becomes the reward: 'text' (the first yes/no of its greedy generation: 1 or 0) or "
+        "'prob' (P(yes) / (P(yes) + P(no)) of its first new token, in [0, 1]; one forward, nothing generated).",
+    )
     judge_startup_s: float = _f(300.0, "Seconds a pool process may take to load the judge before it is refused.")
 
     def check(self) -> None:
@@ -572,6 +582,7 @@ class RewardConfig(Section):
             "{completion}" in self.judge_template, "judge_template", self.judge_template, "a text with {completion}"
         )
         at_least(self, "judge_max_new_tokens", 1)
+        one_of(self, "judge_verdict", ("text", "prob"))
         above(self, "judge_startup_s", 0)
         above(self, "timeout_s", 0)
         at_least(self, "n_procs", 1)

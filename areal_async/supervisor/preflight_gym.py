@@ -35,7 +35,7 @@ def check_gym_dataset(ctx: Context) -> list[Finding]:
     ctx.texts = _texts(rg, source)
     shares = ", ".join(f"{t.name} {n}" for t, n in zip(tasks, source.counts))
     out = [ok("train_dataset.tasks", [t.name for t in tasks], f"{d.size} problems: {shares}")]
-    if ctx.cfg.reward.fn not in GYM_REWARD_FNS:
+    if ctx.cfg.reward.fn not in GYM_REWARD_FNS and not ctx.cfg.reward.judge:  # a judge reads the entry's answer
         what = "is not the reasoning-gym scorer: the solutions it gets are reasoning-gym entries (JSON)"
         out.append(warn("reward.fn", ctx.cfg.reward.fn, what, f"set reward.fn={GYM_REWARD_FN} unless yours reads them"))
     return out

@@ -16,7 +16,16 @@ from protocols.sockets import ipc_endpoint, make_socket, send_message
 
 from areal_async.base.control import ControlClient
 from areal_async.config.sections import RewardConfig
-from areal_async.reward.judge import JUDGE_FN, NoQuestion, NoVerdict, judge_kwargs, parse_verdict, prompt_text
+from areal_async.config.base import ConfigError
+from areal_async.reward.judge import (
+    JUDGE_FN,
+    NoQuestion,
+    NoVerdict,
+    judge_kwargs,
+    parse_verdict,
+    prompt_text,
+    reference_text,
+)
 from areal_async.reward.pool import RewardPool
 from areal_async.reward.service import RewardService
 from tests.unit.reward.test_reward_service import next_of
@@ -78,6 +87,29 @@ def test_the_judges_prompt_holds_the_question_and_refuses_a_check_without_one():
     with pytest.raises(NoQuestion, match="reads {question} but this check carried no question"):
         prompt_text(object(), template, "7", ["7"], "")
     assert prompt_text(object(), "{completion} vs {solution}", "7", ["8"]) == "7 vs 8"  # a template without it
+
+
+def test_the_judge_reads_a_gym_entrys_answer_and_a_plain_prompt_when_asked():
+    entry = '{"task": "basic_arithmetic", "answer": "-6", "metadata": {"expression": "2 - 8"}}'
+    assert reference_text(entry) == "-6" and reference_text("7") == "7" and reference_text('{"a": 1}') == '{"a": 1}'
+
+    class Chat:  # a tokenizer with a chat template: used unless chat=False
+        chat_template = "x"
+
+        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+            return "<user>" + msgs[0]["content"] + "<assistant>"
+
+    tpl = "Q: {question}\nS: {completion}\nA: {solution}\nRight?"
+    assert prompt_text(Chat(), tpl, "2 - 8 = -6", [entry], "Calculate 2 - 8.") == (
+        "<user>Q: Calculate 2 - 8.\nS: 2 - 8 = -6\nA: -6\nRight?<assistant>"
+    )
+    assert prompt_text(Chat(), tpl, "2 - 8 = 6", [entry], "Calculate 2 - 8.", chat=False) == (
+        "Q: Calculate 2 - 8.\nS: 2 - 8 = 6\nA: -6\nRight?"
+    )
+    kw = judge_kwargs(RewardConfig(judge="/m", judge_verdict="prob", judge_chat=False))
+    assert (kw["verdict"], kw["chat"]) == ("prob", False)
+    with pytest.raises(ConfigError, match="judge_verdict"):
+        RewardConfig(judge="/m", judge_verdict="score")
 
 
 def test_the_pool_passes_questions_to_a_batch_fn_and_never_to_a_plain_one():
