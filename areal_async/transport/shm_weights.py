@@ -304,7 +304,7 @@ class ShmWeightChannel(WeightChannel):
             raise
         weakref.finalize(lease, _let_go, seg.mm, reader.fd)  # with the last tensor of this version
         t2 = time.perf_counter()
-        out = B.unflatten(layout_, bufs)
+        out = Received(B.unflatten(layout_, bufs), _Pages(seg.mm, lease))
         self.phases = {
             "wait_s": reader.waited,
             "verify_s": reader.summing,
@@ -320,13 +320,13 @@ class ShmWeightChannel(WeightChannel):
         if kept is not None:
             lease, bufs = _views(kept, reader.layout)
             try:
-                reader.verify(bufs)
+                reader.verify(bufs, _Pages(kept.mm, lease))
                 return kept, lease, bufs
             except _Mismatch:
                 del self._maps[reader.name]  # maybe a page this receiver wrote: read it again through a fresh map
         seg = Segment.open(reader.name, size, private=True)
         lease, bufs = _views(seg, reader.layout)
-        reader.verify(bufs)
+        reader.verify(bufs, _Pages(seg.mm, lease))
         self._keep(reader.name, seg)
         return seg, lease, bufs
 
@@ -358,6 +358,35 @@ def resident(mm: mmap.mmap, on: bool) -> None:
     except OSError:
         if not on:
             raise
+
+
+class _Pages:
+    """Drops the pages under tensors that view a segment's mapping (``lease`` starts ``data_start`` bytes
+    into it) from this process; the bytes stay in the file, and a later read maps them again."""
+
+    def __init__(self, mm: mmap.mmap, lease):
+        self.mm, self.lease = mm, lease
+        self.base = lease.ctypes.data - (len(mm) - lease.nbytes)  # the mapping's first byte
+
+    def release(self, tensors) -> None:
+        for t in tensors:
+            start = t.data_ptr() - self.base
+            lo, hi = start // PAGE * PAGE, -(-(start + t.numel() * t.element_size()) // PAGE) * PAGE
+            if 0 <= lo < hi <= len(self.mm):
+                self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+class Received(dict):
+    """A received version: name -> tensor viewing the segment. ``release(tensors)`` drops the pages under
+    tensors the caller has copied out (a loader that copies part by part then maps one part at a time: the
+    rollout's engine, ``TorchEngine.update_weights``); reading a released tensor again maps its pages again."""
+
+    def __init__(self, tensors: dict, pages: _Pages):
+        super().__init__(tensors)
+        self._pages = pages
+
+    def release(self, tensors) -> None:
+        self._pages.release(tensors)
 
 
 def _let_go(mm: mmap.mmap, fd: int) -> None:
@@ -450,8 +479,9 @@ class _Reader:
                 )
             self._tick(f"bucket {k} was not written")
 
-    def verify(self, bufs: list[torch.Tensor]) -> None:
-        """Each bucket's checksum, as soon as its stamp is there, against the one the publisher wrote."""
+    def verify(self, bufs: list[torch.Tensor], pages: Optional["_Pages"] = None) -> None:
+        """Each bucket's checksum, as soon as its stamp is there, against the one the publisher wrote; its
+        pages then leave this process (``pages``), so a receive maps one bucket at a time."""
         for k, buf in enumerate(bufs):
             want = self.stamped(k)
             if self.algo == "none":
@@ -463,6 +493,8 @@ class _Reader:
                 B.compare([got], [want], self.algo, self.version, [buf.numel()], first=k)
             except TransportError as e:
                 raise _Mismatch(str(e)) from None
+            if pages is not None:
+                pages.release([buf])
 
 
 def _handle(h: dict, layout_: B.Layout) -> tuple[str, int]:
@@ -485,4 +517,4 @@ def _buckets(flat: torch.Tensor, layout_: B.Layout) -> list[torch.Tensor]:
     return [flat[o : o + n] for o, n in zip(layout_.bucket_offsets(), layout_.bucket_sizes)]
 
 
-__all__ = ["HEAD", "POOL", "SHM_DIR", "ShmWeightChannel", "data_start"]
+__all__ = ["HEAD", "POOL", "SHM_DIR", "Received", "ShmWeightChannel", "data_start"]

@@ -236,9 +236,8 @@ class TorchEngine(RolloutEngine):
         else:
             params = _check_state_dict(self.model, state_dict)
             t0 = time.perf_counter()
-            with torch.no_grad():  # one call for every tensor: no Python work per parameter
-                names = [n for n in params if n in state_dict]
-                torch._foreach_copy_([params[n] for n in names], [state_dict[n] for n in names])
+            with torch.no_grad():
+                _load(params, state_dict)
         self.version = version
         t1 = time.perf_counter()
         with torch.inference_mode():
@@ -555,6 +554,28 @@ def _eos_id(tokenizer_or_eos_id) -> int:
             f"tokenizer_or_eos_id={tokenizer_or_eos_id!r}: expected an int or a tokenizer with an eos_token_id"
         )
     return eos
+
+
+LOAD_PART_BYTES = 64 << 20  # a received version that can release its pages is copied this much at a time
+
+
+def _load(params: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy ``state_dict`` into the model's tensors: one ``_foreach_copy_`` for all (no Python work per
+    parameter), or, when the state dict can give back the pages of what was copied (``release``: a version
+    received over shm, ``transport/shm_weights.Received``), one per ~64 MiB part, each part's pages released
+    after it, so a load maps one part of the new version at a time beside the weights it replaces."""
+    names = [n for n in params if n in state_dict]
+    release = getattr(state_dict, "release", None)
+    if release is None:
+        torch._foreach_copy_([params[n] for n in names], [state_dict[n] for n in names])
+        return
+    part, size = [], 0
+    for i, n in enumerate(names):
+        part, size = part + [n], size + state_dict[n].numel() * state_dict[n].element_size()
+        if size >= LOAD_PART_BYTES or i == len(names) - 1:
+            torch._foreach_copy_([params[m] for m in part], src := [state_dict[m] for m in part])
+            release(src)
+            part, size = [], 0
 
 
 def _check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

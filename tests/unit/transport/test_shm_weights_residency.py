@@ -63,9 +63,10 @@ def test_the_publisher_maps_no_segment_after_writing_and_the_bytes_stay():
 
 
 def test_a_receiver_maps_a_version_while_its_tensors_live_and_reads_the_next_exact():
-    """v0 received: its 32 MiB are mapped while the tensors live and leave with the last of them; v3 then
-    lands in v0's segment (pool reuse after v0 and v1 are released) and reads bit-exact through the
-    receiver's kept mapping, whose pages were dropped in between."""
+    """v0 received: its checksum pass leaves no bucket mapped (< 4 MiB + one 8 MiB bucket); reading the
+    tensors maps their 32 MiB, which leave with the last of them; v3 then lands in v0's segment (pool
+    reuse after v0 and v1 are released) and reads bit-exact through the receiver's kept mapping, whose
+    pages were dropped in between."""
     pub = make_weight_channel("shm", role="publisher", bucket_mb=8)
     rx = make_weight_channel("shm", role="receiver")
     try:
@@ -74,8 +75,9 @@ def test_a_receiver_maps_a_version_while_its_tensors_live_and_reads_the_next_exa
         m0 = pub.publish_begin(0, sd0)
         pub.publish_end()
         got = rx.receive(m0)
-        assert _rss_shmem() - base >= STATE
+        assert _rss_shmem() - base < 12 * MIB
         assert_bit_exact(got, sd0)
+        assert _rss_shmem() - base >= STATE
         del got
         gc.collect()
         assert _rss_shmem() - base < 4 * MIB
@@ -89,6 +91,31 @@ def test_a_receiver_maps_a_version_while_its_tensors_live_and_reads_the_next_exa
         pub.publish_end()
         assert m3["handle"]["segment"] == m0["handle"]["segment"]  # the same segment, rewritten
         assert_bit_exact(rx.receive(m3), sd3)
+    finally:
+        rx.close()
+        pub.close()
+
+
+def test_released_tensors_leave_the_process_and_read_the_same_again():
+    """What a loader that copies part by part does (TorchEngine.update_weights): after each part it
+    releases the part's tensors; their pages leave (RssShmem back under 4 MiB after all four), and a
+    released tensor read again holds the same bytes (mapped again from /dev/shm)."""
+    pub = make_weight_channel("shm", role="publisher", bucket_mb=8)
+    rx = make_weight_channel("shm", role="receiver")
+    try:
+        base = _rss_shmem()
+        sd = _weights(5)
+        m = pub.publish_begin(5, sd)
+        pub.publish_end()
+        got = rx.receive(m)
+        peak = 0
+        for name, t in got.items():
+            assert torch.equal(t, sd[name])  # maps this tensor's 8 MiB
+            peak = max(peak, _rss_shmem() - base)
+            got.release([t])
+        assert peak < 8 * MIB + 4 * MIB  # one part at a time
+        assert _rss_shmem() - base < 4 * MIB
+        assert_bit_exact(got, sd)
     finally:
         rx.close()
         pub.close()
