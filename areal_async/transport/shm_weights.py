@@ -40,7 +40,9 @@ the version is read again through a fresh one before it is refused.
 
 Residency: a version's pages leave each process's page tables once that process is done with them
 (``MADV_DONTNEED``; the bytes stay in ``/dev/shm``): the publisher's after the last bucket is
-stamped, a receiver's when the last tensor of the version dies. Otherwise every pooled segment a
+stamped; a receiver's after each bucket's checksum, after each part a loader copied out and released
+(``Received.release``: ``TorchEngine.update_weights`` copies ~64 MiB at a time), and when the last
+tensor of the version dies. Otherwise every pooled segment a
 process ever touched counts in its RSS for the rest of the run (SmolLM2-135M in float32: 3 x 0.54
 GB in the trainer and again in the rollout worker, beside the 1.6 GB the pool itself holds in
 ``/dev/shm``). The cost: the publisher maps the segment's pages back before it writes
