@@ -56,6 +56,9 @@ def test_sglang_fleet_keeps_books_weight_versions_and_survives_a_killed_server(t
     )
     wait_for_metrics(run_dir, proc, timeout=300)
     _wait_log(run_dir / "logs" / "rollout-0.log", "first tokens generated", proc)  # its worker uses sglang-0
+    # the server probed below starts beside sglang-0, not before rollout-0's tokens: under load it served 1.2 s
+    # after them (fresh-clone CI, 12-07, two test files at a time) and the probe met a closed port
+    _wait_log(run_dir / "logs" / "sglang-1.log", "serving on", proc)
     servers = json.loads((run_dir / "endpoints.json").read_text())["servers"]
     with pytest.raises(HTTPStatusError) as refused:  # the servers serve only the run's key (server_auth.py)
         call(servers[1], "GET", "/model_info", timeout_s=5.0)
