@@ -95,6 +95,7 @@ BAD = [
     (ClusterConfig, {"worker_timeout_s": 1.0}, "worker_timeout_s=1.0", "> heartbeat_s=2.0"),
     (ClusterConfig, {"launcher": "k8s"}, "launcher='k8s'", "local | ray | slurm"),
     (ClusterConfig, {"retained_heap_mb": -1}, "retained_heap_mb=-1", ">= 0"),
+    (ClusterConfig, {"malloc_arenas": -1}, "malloc_arenas=-1", ">= 0"),
     (ClusterConfig, {"node_hosts": ["a", "b"], "control": "tcp"}, "node_hosts=['a', 'b']", "(cluster.n_nodes=1)"),
     (ClusterConfig, {"n_nodes": 2, "node_hosts": ["a", "b:9"]}, "node_hosts=['a', 'b:9']", "no port"),
     (ClusterConfig, {"n_nodes": 2, "node_hosts": ["a", "b"]}, "node_hosts=['a', 'b']", "cluster.control=tcp"),
