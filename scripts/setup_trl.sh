@@ -17,8 +17,8 @@ fi
 start=$(date +%s)
 mkdir -p "$(dirname "$ENV")"
 [ -x "$ENV/bin/python" ] || "$PY" -m venv "$ENV"
-"$ENV/bin/python" -m pip install -q "torch==2.13.0"  # the CPU wheel first, so nothing pulls a CUDA build
-"$ENV/bin/python" -m pip install -q "trl==1.16.0"
+. "$(dirname "$0")/pip_uv.sh"  # uv_pip: installs with uv (why: that file)
+uv_pip "$ENV" --compile-bytecode "torch==2.13.0" "trl==1.16.0"  # the CPU torch pinned: nothing pulls a CUDA build
 "$ENV/bin/python" -c "from trl.trainer.grpo_trainer import GRPOTrainer" >/dev/null
 "$ENV/bin/python" -c "import importlib.metadata as m; print(m.version('trl'))" > "$ENV/READY"
 echo "trl environment made in $(( $(date +%s) - start )) s, $(du -sh "$ENV" | cut -f1): $ENV/bin/python" >&2

@@ -51,6 +51,16 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker with ``--no-loadscope-reorder`` (``.ci/run``), the slowest test files first
+    (``tests/support/file_order.py``): the workers take whole files in this order and finish together. Without
+    xdist, or with its own reorder (files by test count), the order is pytest's."""
+    if hasattr(config, "workerinput") and config.getoption("loadscopereorder", True) is False:
+        from tests.support.file_order import file_seconds, slowest_first
+
+        items[:] = slowest_first(items, file_seconds())
+
+
 # ---- CI: tests that must run, never skip; the skips each tier may have ----------------------------
 MUST_RUN_ENV = "AREAL_MUST_RUN"  # comma-separated test files (.ci/run sets it): a skip there is a failure
 SKIPS_ENV = "AREAL_EXPECT_SKIPS"  # the tier .ci/run is running (e.g. tests/unit): its skips must be EXPECTED_SKIPS'
@@ -110,26 +120,33 @@ class SkipCount:
             self.skips.append(f"{report.nodeid} (whole file): {_reason(report)}")
 
     def pytest_sessionfinish(self, session, exitstatus):
-        """Under CI, the session fails unless its skips number exactly ``EXPECTED_SKIPS[tier]``; the failure
-        lists every skip with its reason."""
-        tier = os.environ.get(SKIPS_ENV, "").strip()
-        expected = EXPECTED_SKIPS.get(tier)
+        """Under CI, the session fails unless each tier it runs has exactly ``EXPECTED_SKIPS[tier]`` skips (one
+        tier: every skip of the session; several, space-separated, as ``.ci/run`` runs the tiers after the unit
+        tests in one session: the skips under each tier's folder); the failure lists the skips with their
+        reasons."""
+        tiers = os.environ.get(SKIPS_ENV, "").split()
         tw = session.config.pluginmanager.get_plugin("terminalreporter")
-        if not tier or tier not in [a.rstrip("/") for a in session.config.args]:
-            return  # not the tier's own run (a pytest started inside a test inherits the environment)
+        args = [a.rstrip("/") for a in session.config.args]
+        if not tiers or any(t not in args for t in tiers):
+            return  # not the tiers' own run (a pytest started inside a test inherits the environment)
         if hasattr(session.config, "workerinput"):
             return  # a pytest-xdist worker sees only its share: its controller counts (every report reaches it)
-        if len(self.skips) == expected:
+        for tier in tiers:
+            skips = self.skips if len(tiers) == 1 else [s for s in self.skips if s.startswith(tier + "/")]
+            expected = EXPECTED_SKIPS.get(tier)
+            if len(skips) == expected:
+                if tw is not None:
+                    tw.write_line(
+                        f"\n{SKIPS_ENV}: {tier}: {expected} skip(s), as EXPECTED_SKIPS (tests/conftest.py) pins"
+                    )
+                continue
+            if expected is None:
+                why = f"{tier} is not a tier of EXPECTED_SKIPS {sorted(EXPECTED_SKIPS)}"
+            else:
+                why = f"{tier}: {len(skips)} skip(s), EXPECTED_SKIPS (tests/conftest.py) pins {expected}"
             if tw is not None:
-                tw.write_line(f"\n{SKIPS_ENV}: {tier}: {expected} skip(s), as EXPECTED_SKIPS (tests/conftest.py) pins")
-            return
-        if expected is None:
-            why = f"{tier} is not a tier of EXPECTED_SKIPS {sorted(EXPECTED_SKIPS)}"
-        else:
-            why = f"{tier}: {len(self.skips)} skip(s), EXPECTED_SKIPS (tests/conftest.py) pins {expected}"
-        if tw is not None:
-            tw.write_line("\n".join(["", f"{SKIPS_ENV}: {why}", *(f"  skipped: {s}" for s in self.skips)]), red=True)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+                tw.write_line("\n".join(["", f"{SKIPS_ENV}: {why}", *(f"  skipped: {s}" for s in skips)]), red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config):

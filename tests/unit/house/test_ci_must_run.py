@@ -92,6 +92,35 @@ def test_a_tier_fails_when_its_skips_differ_from_the_pinned_count_and_lists_them
         )
 
 
+def test_tiers_run_together_are_each_held_to_their_own_count(pytester, monkeypatch):
+    """``.ci/run`` runs bench, contract and e2e in one session: AREAL_EXPECT_SKIPS names the three, and each
+    tier's skips (those under its folder) are held to its own pin. Here tests/unit holds the one skip and
+    tests/bench a passing test: unit pinned 1 and bench 0 pass; bench pinned 1 fails, naming bench alone."""
+    (pytester.mkpydir("tests") / "bench").mkdir()
+    (pytester.path / "tests" / "bench" / "test_fine.py").write_text("def test_fine():\n    pass\n")
+    for unit, bench, ok in ((1, 0, True), (1, 1, False)):
+        monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/unit", unit)
+        monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/bench", bench)
+        path = pytester.path / "tests" / "unit" / "test_tool.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(SKIPPING)
+        monkeypatch.setenv(MUST_RUN_ENV, "")
+        monkeypatch.setenv(SKIPS_ENV, "tests/unit tests/bench")
+        plugins = ["-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:asyncio"]
+        run = pytester.runpytest_inprocess("-q", "-rs", *plugins, "tests/unit", "tests/bench")
+        run.assert_outcomes(passed=2, skipped=1)
+        assert (run.ret == 0) == ok
+        run.stdout.fnmatch_lines([f"{SKIPS_ENV}: tests/unit: 1 skip(s), as EXPECTED_SKIPS (tests/conftest.py) pins"])
+        if ok:
+            run.stdout.fnmatch_lines(
+                [f"{SKIPS_ENV}: tests/bench: 0 skip(s), as EXPECTED_SKIPS (tests/conftest.py) pins"]
+            )
+        else:
+            run.stdout.fnmatch_lines(
+                [f"{SKIPS_ENV}: tests/bench: 0 skip(s), EXPECTED_SKIPS (tests/conftest.py) pins 1"]
+            )
+
+
 def test_a_whole_files_skip_counts(pytester, monkeypatch):
     monkeypatch.setitem(conftest.EXPECTED_SKIPS, "tests/unit", 0)
     whole = _pytest(pytester, monkeypatch, "", WHOLE_FILE, tier="tests/unit", args=("tests/unit",))

@@ -45,9 +45,16 @@ def test_test_file_base_names_are_unique():
     assert [n for n, c in names.items() if c > 1] == []
 
 
+def ci_runs(script: str) -> list[list[str]]:
+    """``.ci/run``'s RUNS: its pytest sessions, each a quoted list of tiers."""
+    return [r.split() for r in re.findall(r'"([^"]*)"', re.search(r"^RUNS=\(([^)]*)\)", script, re.M).group(1))]
+
+
 def test_ci_runs_every_tier_but_gpu_and_its_must_run_files_exist():
     script = (ROOT / ".ci" / "run").read_text()
     assert sorted(ci_tiers(script)) == sorted(f"tests/{t}" for t in ({"unit"} | FLAT_TIERS) - {"gpu"})
+    runs = ci_runs(script)  # the sessions run every tier once, tests/unit first and alone (fail-fast)
+    assert sorted(t for r in runs for t in r) == sorted(ci_tiers(script)) and runs[0] == ["tests/unit"]
     must = re.search(r"^MUST_RUN=\(([^)]*)\)", script, re.M).group(1).split()
     assert len(must) >= 3 and [m for m in must if not (ROOT / m).is_file()] == []
     # every file that importorskips at module level is a must-run one (its extra is installed here)
@@ -92,13 +99,21 @@ def test_the_checks_catch_a_stray_file(tmp_path):
     assert ci_tiers("x=1\nTIERS=(tests/unit tests/e2e)\n") == ["tests/unit", "tests/e2e"]
 
 
-def test_every_tier_has_a_limit_and_together_they_fit_cis_hard_limit():
-    """A hang fails CI in minutes, not at CI's 5400 s: each tier runs under its own limit (``TIER_LIMIT_S``), a
-    test under pytest-timeout's (pyproject.toml), which is shorter than any tier's; the tiers' limits with 20
-    minutes of set-up (vLLM's and TRL's environments made uncached) fit in CI's hard limit."""
+def keyed(script: str, name: str) -> dict[str, str]:
+    """A bash associative array of ``.ci/run`` (``declare -A NAME=([key]=value ["a key"]="a value")``)."""
+    body = re.search(name + r"=\((.*?)\)$", script, re.M | re.S).group(1)
+    return dict(re.findall(r'\["?([^]"]+)"?\]=("[^"]*"|\d+)', body))
+
+
+def test_every_run_has_a_limit_and_together_they_fit_cis_hard_limit():
+    """A hang fails CI in minutes, not at CI's 5400 s: each run of tiers (``RUNS``) has its own limit
+    (``RUN_LIMIT_S``) and its xdist arguments, a test pytest-timeout's (pyproject.toml), which is shorter than any
+    run's; the runs' limits with 20 minutes of set-up (vLLM's and TRL's environments made uncached) fit in CI's
+    hard limit."""
     script = (ROOT / ".ci" / "run").read_text()
-    limits = dict(re.findall(r"\[(tests/\w+)\]=(\d+)", re.search(r"TIER_LIMIT_S=\(([^)]*)\)", script).group(1)))
-    assert sorted(limits) == sorted(ci_tiers(script))
+    limits = keyed(script, "RUN_LIMIT_S")
+    runs = [" ".join(r) for r in ci_runs(script)]
+    assert sorted(limits) == sorted(runs) and sorted(keyed(script, "XDIST_ARGS")) == sorted(runs)
     per_test = int(re.search(r"^timeout = (\d+)$", (ROOT / "pyproject.toml").read_text(), re.M).group(1))
     assert 0 < per_test < min(int(v) for v in limits.values())
     assert sum(int(v) for v in limits.values()) + 20 * 60 < 5400
