@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import io
@@ -129,6 +130,23 @@ def _cached(target: Path, gguf_sha: str) -> tuple[bool, str]:
     return bool(manifest.get("files")), ""
 
 
+@contextlib.contextmanager
+def _parsed_once():
+    """transformers parses the GGUF file once for the tokenizer, once for the config and once for the weights
+    (a ``gguf.GGUFReader`` each: its ~49k vocabulary strings read one by one, 1/3 of an import here), and builds
+    gguf's tensor-name map once per submodule of the model (another 1/5). Both are functions of their arguments
+    alone (the reader maps the file read-only), so for the import's duration each is made once."""
+    import gguf as gguf_py
+
+    reader, name_map = gguf_py.GGUFReader, gguf_py.get_tensor_name_map
+    gguf_py.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+    gguf_py.get_tensor_name_map = functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf_py.GGUFReader, gguf_py.get_tensor_name_map = reader, name_map
+
+
 def _convert(gguf: Path, out: Path) -> int:
     """Dequantize ``gguf`` into a plain HF directory at ``out``; returns the parameter count."""
     import torch
@@ -136,16 +154,17 @@ def _convert(gguf: Path, out: Path) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers' dequantizing loop draws a bare tqdm bar on stderr (modeling_gguf_pytorch_utils); kept
     # out of the command's one-line output, and printed with the error if the load fails
     bar = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(bar):
-            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except Exception:
-        sys.stderr.write(bar.getvalue())
-        raise
+    with _parsed_once():
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            with contextlib.redirect_stderr(bar):
+                loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except Exception:
+            sys.stderr.write(bar.getvalue())
+            raise
     config = loaded.config
     for key in ("quantization_config", "_name_or_path"):
         if hasattr(config, key):
