@@ -22,11 +22,21 @@ from benchmarks.real_model import model_dir
 COPIED = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def write_scaled(out: Path, hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, seed: int) -> int:
-    """The directory at ``out``; returns its parameter count."""
+def write_scaled(
+    out: Path,
+    hidden: int,
+    layers: int,
+    intermediate: int,
+    heads: int,
+    kv_heads: int,
+    seed: int,
+    src: Path | None = None,
+) -> int:
+    """The directory at ``out`` (the architecture, tokenizer and template of ``src``, by default the imported
+    SmolLM2-135M-Instruct); returns its parameter count."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    src = model_dir()
+    src = src or model_dir()
     raw = json.loads((src / "config.json").read_text())
     raw.update(
         hidden_size=hidden,
@@ -46,6 +56,8 @@ def write_scaled(out: Path, hidden: int, layers: int, intermediate: int, heads: 
     for name in COPIED:
         if (src / name).exists():
             shutil.copy2(src / name, out / name)
+    for f in out.iterdir():
+        f.chmod(0o644)  # save_pretrained writes the weights 0600; every role reads them
     return sum(p.numel() for p in model.parameters())
 
 
