@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -39,3 +40,14 @@ def test_a_scaled_model_has_the_sources_architecture_at_the_new_size(tmp_path):
     )
     twin = AutoModelForCausalLM.from_pretrained(str(tmp_path / "again"), dtype=torch.float32)
     assert again == n and all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))  # seeded
+
+
+def test_heads_that_do_not_divide_the_width_are_refused_naming_them(tmp_path):
+    src = tmp_path / "src"
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(str(src))
+    for hidden, heads, kv in ((64, 5, 5), (64, 4, 3)):
+        with pytest.raises(ValueError, match=f"hidden {hidden}, heads {heads}, kv heads {kv}"):
+            write_scaled(tmp_path / "out", hidden, 1, 128, heads, kv, seed=0, src=src)
+    assert not (tmp_path / "out").exists()  # nothing written
