@@ -42,13 +42,20 @@ def server():
     stop(proc)
 
 
-def run_all(engine: RemoteEngine, deadline_s: float = 120.0) -> dict:
-    """group id -> its samples as plain lists, once every queued group finished."""
-    out, t = {}, time.monotonic()
+def collect(batches, out: dict | None = None) -> dict:
+    """group id -> its samples as plain lists, for the groups an engine step finished (added to ``out``)."""
+    out = {} if out is None else out
+    out.update((g.group_id, SimpleNamespace(samples=[plain(s) for s in g.samples()])) for g in batches)
+    return out
+
+
+def run_all(engine: RemoteEngine, deadline_s: float = 120.0, out: dict | None = None) -> dict:
+    """group id -> its samples as plain lists, once every queued group finished; ``out``: groups finished before
+    (e.g. by the step that dispatched them: a fast server may answer a short request within it)."""
+    out, t = dict(out or {}), time.monotonic()
     while engine.has_work():
         assert time.monotonic() - t < deadline_s, "generation did not finish"
-        for g in engine.step():
-            out[g.group_id] = SimpleNamespace(samples=[plain(s) for s in g.samples()])
+        collect(engine.step(), out)
     return out
 
 
@@ -129,10 +136,10 @@ def test_interrupted_samples_carry_two_versions_and_new_tokens_match_the_new_wei
     for attempt in range(ATTEMPTS):  # timing: the update must land while tokens are being generated
         engine.update_weights(2 * attempt, a.state_dict())
         engine.add_request(GenRequest(f"g{attempt}", prompt, 16, 48))
-        engine.step()  # dispatches every sample
+        first = collect(engine.step())  # dispatches every sample
         time.sleep(interrupt_delay(attempt))
         engine.update_weights(2 * attempt + 1, b.state_dict())
-        groups = run_all(engine)
+        groups = run_all(engine, out=first)
         mixed = [s for s in groups[f"g{attempt}"].samples if len(set(s.versions)) == 2]
         if mixed:
             break
@@ -157,10 +164,10 @@ def test_in_place_pause_keeps_the_old_kv_cache_as_sglang_does(server):
     for attempt in range(ATTEMPTS):
         engine.update_weights(2 * attempt, a.state_dict())
         engine.add_request(GenRequest(f"p{attempt}", prompt, 16, 48))
-        engine.step()
+        first = collect(engine.step())
         time.sleep(interrupt_delay(attempt))
         engine.update_weights(2 * attempt + 1, b.state_dict())
-        mixed = [s for s in run_all(engine)[f"p{attempt}"].samples if len(set(s.versions)) == 2]
+        mixed = [s for s in run_all(engine, out=first)[f"p{attempt}"].samples if len(set(s.versions)) == 2]
         if mixed:
             break
     assert mixed, f"no sample was interrupted mid-generation in {ATTEMPTS} tries"
@@ -258,10 +265,10 @@ def test_finish_lets_the_running_requests_end_under_the_old_weights(server):
     engine.update_weights(0, a.state_dict())
     prompt, later = TOK.encode("7+8="), TOK.encode("2+2=")
     engine.add_request(GenRequest("old", prompt, 4, 24))
-    engine.step()  # dispatched
+    done = {g.group_id: [plain(s) for s in g.samples()] for g in engine.step()}  # dispatched (may end at once)
     engine.hold_new(True)
     engine.add_request(GenRequest("new", later, 4, 24))
-    done, t = {}, time.monotonic()
+    t = time.monotonic()
     while engine.in_flight():
         assert time.monotonic() - t < 120, "the running requests did not end"
         done.update((g.group_id, [plain(s) for s in g.samples()]) for g in engine.step())
@@ -282,15 +289,17 @@ def test_abort_groups_stops_the_requests_at_the_server(server):
     engine = RemoteEngine([SGLangClient(server, name="t-abort")])
     engine.update_weights(0, a.state_dict())
     prompt = TOK.encode("9+9=")
-    engine.add_request(GenRequest("cut", prompt, 2, 56))
+    engine.add_request(GenRequest("cut", prompt, 8, 56))  # 8 sampled rows: some still run after the first step
     engine.add_request(GenRequest("kept", prompt, 2, 8, greedy=True))
-    engine.step()  # dispatched; a sampled row may already have ended at an early eos (CI saw one of 1 token)
+    # dispatched; a fast server may answer within this step: "kept" may end here, and a sampled row of "cut" at an
+    # early eos (CI saw one of 1 token)
+    first = collect(engine.step())
     ended = [s for s in engine.groups["cut"].samples if s is not None]
-    assert all(s.reason == "stop" and len(s.out) < 56 for s in ended)
+    assert all(s.reason == "stop" and len(s.out) < 56 for s in ended) and len(ended) < 8
     # held here: the rows that ended, none of the running ones (their answers have not come back)
     assert engine.abort_groups(["cut", "unknown"]) == {"cut": sum(len(s.out) for s in ended)}
     t = time.monotonic()
-    out = run_all(engine)
+    out = run_all(engine, out=first)
     assert list(out) == ["kept"] and time.monotonic() - t < 60
     want = greedy_under(a, prompt, 8)
     assert all(s.output_ids == want for s in out["kept"].samples)

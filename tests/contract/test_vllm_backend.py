@@ -84,12 +84,19 @@ class G:
         self.samples = [S(s) for s in g.samples()]
 
 
-def run_all(engine: RemoteEngine, deadline_s: float = 1200.0) -> dict:
-    out, t = {}, time.monotonic()
+def collect(batches, out: dict | None = None) -> dict:
+    """group id -> G, for the groups an engine step finished (added to ``out``)."""
+    out = {} if out is None else out
+    out.update((g.group_id, G(g)) for g in batches)
+    return out
+
+
+def run_all(engine: RemoteEngine, deadline_s: float = 1200.0, out: dict | None = None) -> dict:
+    """``out`` (groups finished before, e.g. by the step that dispatched them) and every group still queued."""
+    out, t = dict(out or {}), time.monotonic()
     while engine.has_work():
         assert time.monotonic() - t < deadline_s, "generation did not finish"
-        for g in engine.step():
-            out[g.group_id] = G(g)
+        collect(engine.step(), out)
     return out
 
 
@@ -219,10 +226,10 @@ def test_interrupted_samples_resume_on_new_weights_with_two_versions(server):
         engine.update_weights(20 + 2 * attempt, a.state_dict())
         before = generation_tokens(server["url"])  # after the probe's token
         engine.add_request(GenRequest(f"g{attempt}", prompt, 32, 50))
-        engine.step()  # dispatches every sample
+        first = collect(engine.step())  # dispatches every sample (a fast server may already answer some)
         wait_until(lambda n=before: generation_tokens(server["url"]) > n, 600, "the server generating tokens")
         engine.update_weights(21 + 2 * attempt, b.state_dict())
-        groups = run_all(engine)
+        groups = run_all(engine, out=first)
         mixed = [s for s in groups[f"g{attempt}"].samples if len(set(s.versions)) == 2]
         if mixed:
             break
@@ -250,19 +257,21 @@ def test_a_killed_server_is_revived_with_the_current_weights_and_loses_no_sample
     n_groups = 4
     for g in range(n_groups):
         engine.add_request(GenRequest(f"g{g}", prompt, 8, 40))
-    engine.step()  # dispatches all 32 samples; the kill follows at once, long before 40 tokens each
+    # dispatches all 32 samples; the kill follows at once (a fast server may have ended some already: CI on a
+    # fast machine saw three groups end in this step, before the kill)
+    groups = collect(engine.step())
     stop(server["proc"])
     port = int(server["url"].rsplit(":", 1)[1])
-    groups, t = {}, time.monotonic()
+    t = time.monotonic()
     while engine.servers[0].up:  # the in-flight requests fail: the server is marked down
         assert time.monotonic() - t < 600, "the killed server was not marked down"
         if not engine.has_work():  # all done before the kill (not seen): one more group meets the dead server
             engine.add_request(GenRequest(f"g{n_groups}", prompt, 8, 40))
             n_groups += 1
-        groups.update((g.group_id, G(g)) for g in engine.step())
+        collect(engine.step(), groups)
     server["proc"], _, restart_s = start_vllm(server["dir"] / "model", server["dir"] / "server.log", port=port)
     print(f"\nvLLM server restarted, healthy after {restart_s:.1f} s")
-    groups.update(run_all(engine, deadline_s=1200))
+    groups = run_all(engine, deadline_s=1200, out=groups)
     assert sorted(groups) == sorted(f"g{g}" for g in range(n_groups)) and engine.servers[0].up
     for grp in groups.values():
         for s in grp.samples:
