@@ -30,9 +30,15 @@ all three run with ``--threads`` torch/OpenMP threads. Timing: one warm-up batch
 round; tokens/s = generated tokens / wall seconds of the batch (prefill included), CPU tokens/s the same
 per CPU second (the process's, or the server tree's).
 
+Beside them, timed in the same rounds, ``bound``: not a generator but the GEMMs every generator of the batch
+multiplies (``gemm_bound``'s plan: the prefill's linear layers over the prompt tokens, the head on each row's last
+token, then ``--new`` - 1 decode steps of one token a row), nothing else: the most tokens/s a float32 generator
+reaches on these threads without faster GEMMs.
+
 Rows: ``real_model_generation_tokens_per_s`` (one per generator and batch: the median over rounds, every
-round's value, CPU tokens/s, settings, load) and ``real_model_engine_vs_{vllm,hf}`` (the engine's median
-over the other's, per batch; targets 1.0 and 2.0).
+round's value, CPU tokens/s, settings, load), ``real_model_engine_vs_{vllm,hf}`` (the engine's median
+over the other's, per batch; targets 1.0 and 2.0) and ``real_model_generation_fraction_of_gemm_bound`` per
+generator and batch (the bound over HF's is the most ``engine_vs_hf`` can be here).
 
 **training**: ``--tokens`` packed tokens of ``--seq``-token random sequences, float32, grad on, threads as
 given: ``trainer_step`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
@@ -258,6 +264,33 @@ def vllm_runner(server: VLLMServer, new: int):
     return run
 
 
+def bound_runner(model, new: int, batches: list[int], prompt: int):
+    """Not a generator: the GEMMs any generator of this batch must multiply, and nothing else (``gemm_bound``'s
+    plan): the prefill's linear layers over every prompt token (the head over each row's last token only, as HF
+    and the engine compute it), then ``new - 1`` decode steps of one token a row (the first new token is the
+    prefill's). Its tokens/s is the most a float32 generator reaches on these threads without faster GEMMs.
+    Operands are allocated and touched here, once per batch, not in the timed call."""
+    shapes = _linear_shapes(model.config)
+    plans, flops = {}, {}
+    for B in batches:
+        body = [("fwd", B * prompt, i, o) for i, o in shapes[:-1]] + [("fwd", B, *shapes[-1])]
+        step = [("fwd", B, i, o) for i, o in shapes]
+        plans[B] = (_mm_plan(body, torch.float32), _mm_plan(step, torch.float32))
+        plans[B][0](), plans[B][1]()
+        flops[B] = sum(2 * t * i * o for _, t, i, o in body) + (new - 1) * sum(2 * t * i * o for _, t, i, o in step)
+
+    def run(prompts: list[list[int]]) -> int:
+        prefill, decode = plans[len(prompts)]
+        prefill()
+        for _ in range(new - 1):
+            decode()
+        return len(prompts) * new
+
+    run.settings = "torch.mm of every linear layer's shape, prefill (head on the last token) + decode steps, fp32"
+    run.flops = flops  # batch -> the floating-point operations of one call
+    return run
+
+
 def generation(args) -> list[dict]:
     cpus = cpus_for(args.threads)
     os.sched_setaffinity(0, cpus)
@@ -266,6 +299,7 @@ def generation(args) -> list[dict]:
     model = load_model(path)
     vocab = model.config.vocab_size
     runners = {"engine": engine_runner(model, args.new), "hf": hf_runner(model, args.new)}
+    runners["bound"] = bound_runner(model, args.new, [int(b) for b in args.batches.split(",")], args.prompt)
     server = None
     load0 = os.getloadavg()[0]
     if not args.no_vllm:
@@ -328,6 +362,18 @@ def _generation_rows(rates: dict, runners: dict, args, cpus: list[int], load0: f
             }
         )
     med = {(r["generator"], r["batch"]): r["value"] for r in rows}
+    for (name, B), v in sorted(med.items()):  # each generator's share of the GEMM bound; the bound over HF is the
+        if name != "bound" and ("bound", B) in med:  # most engine_vs_hf any float32 generator here can reach
+            rows.append(
+                {
+                    "metric": "real_model_generation_fraction_of_gemm_bound",
+                    "value": v / med[("bound", B)],
+                    "unit": "ratio",
+                    "generator": name,
+                    "batch": B,
+                    **common,
+                }
+            )
     for other, target in (("vllm", VLLM_TARGET), ("hf", HF_TARGET)):
         for B in sorted({b for _, b in med}):
             if (other, B) in med:

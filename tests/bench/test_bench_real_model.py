@@ -34,10 +34,13 @@ def test_generation_rows_without_vllm(model_dir):
     rows = real_model.generation(args)
     check_rows(rows)
     rates = {(r["generator"], r["batch"]): r for r in rows if r["metric"] == "real_model_generation_tokens_per_s"}
-    assert sorted(rates) == [("engine", 2), ("engine", 3), ("hf", 2), ("hf", 3)]
+    assert sorted(rates) == [(g, b) for g in ("bound", "engine", "hf") for b in (2, 3)]
     assert all(len(r["samples"]) == 2 and r["threads"] == 1 for r in rates.values())
     (r2,) = [r for r in rows if r["metric"] == "real_model_engine_vs_hf" and r["batch"] == 2]
     assert r2["value"] == rates[("engine", 2)]["value"] / rates[("hf", 2)]["value"] and r2["target"] == 2.0
+    shares = {(r["generator"], r["batch"]): r["value"] for r in rows if "fraction_of_gemm_bound" in r["metric"]}
+    assert sorted(shares) == [(g, b) for g in ("engine", "hf") for b in (2, 3)]
+    assert shares[("hf", 3)] == rates[("hf", 3)]["value"] / rates[("bound", 3)]["value"]
     assert not [r for r in rows if "vllm" in r["metric"]]
     assert render([dict(r, benchmark="benchmarks.real_model") for r in rows])[0].startswith("| metric")
 
@@ -48,6 +51,16 @@ def test_both_generators_make_every_token_asked_for(model_dir):
     prompts = real_model.prompts_for(3, 5, CFG["vocab_size"])
     assert real_model.engine_runner(model, 6)(prompts) == 18
     assert real_model.hf_runner(model, 6)(prompts) == 18
+
+
+def test_the_bound_multiplies_the_prefill_and_the_decode_steps(model_dir):
+    """FLOPs by hand for CFG: a layer's (in, out) products sum to 64*64*2 + 64*32*2 + 64*96*2 + 96*64 = 30,720,
+    two layers 61,440, the head 64*300 = 19,200. B = 3 prompts of 5 tokens, 4 new: the prefill multiplies 15 rows
+    by the layers and 3 by the head, then 3 decode steps multiply 3 rows by everything."""
+    run = real_model.bound_runner(real_model.load_model(model_dir), 4, [3], 5)
+    prefill, decode = 2 * (15 * 61_440 + 3 * 19_200), 3 * 2 * 3 * (61_440 + 19_200)
+    assert run.flops == {3: prefill + decode} == {3: 3_409_920}
+    assert run(real_model.prompts_for(3, 5, CFG["vocab_size"])) == 12
 
 
 def test_linear_shapes_are_the_models_linear_weights(model_dir):
