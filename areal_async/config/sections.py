@@ -2,8 +2,7 @@
 sections (cluster, CPU pinning, Slurm, tensor channels) are in ``cluster.py``.
 
 Each dataclass checks its own fields when built (``check()``, run by ``Section.__post_init__``);
-rules that join sections live on ``ExperimentConfig`` (``experiment.py``).
-"""
+rules that join sections live on ``ExperimentConfig`` (``experiment.py``)."""
 
 from __future__ import annotations
 
@@ -207,6 +206,11 @@ class RolloutConfig(Section):
         "`areal-async replay RUN_DIR --steps A:B` and mode=train_only read it. The preflight prints its size.",
     )
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
+    engine_linears: str = _f(
+        "onednn",
+        "The embedded engine's layer matmuls (CPU, float32): onednn, oneDNN's on the weights as they are; packed, "
+        "on a reordered copy (faster, the weights' bytes again); blas, F.linear's (rollout/engines/kv_decoder.py).",
+    )
     kv_cache_mb: float = _f(
         0.0,
         "KV cache budget of each embedded (torch) engine, MiB: groups start only while the live caches fit, "
@@ -316,6 +320,7 @@ class RolloutConfig(Section):
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)
+        one_of(self, "engine_linears", ("blas", "onednn", "packed"))
         at_least(self, "kv_cache_mb", 0)
         require(
             self.workflow == "" or ":" in self.workflow,

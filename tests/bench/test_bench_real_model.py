@@ -29,17 +29,20 @@ def model_dir(tmp_path_factory):
 def test_generation_rows_without_vllm(model_dir):
     args = real_model._parser().parse_args(
         ["generation", "--model", str(model_dir), "--batches", "2,3", "--prompt", "5", "--new", "4"]
-        + ["--rounds", "2", "--no-vllm"]
+        + ["--rounds", "2", "--no-vllm", "--engines", "onednn,packed"]
     )
     rows = real_model.generation(args)
     check_rows(rows)
     rates = {(r["generator"], r["batch"]): r for r in rows if r["metric"] == "real_model_generation_tokens_per_s"}
-    assert sorted(rates) == [(g, b) for g in ("bound", "engine", "hf") for b in (2, 3)]
+    assert sorted(rates) == [(g, b) for g in ("bound", "engine", "engine_packed", "hf") for b in (2, 3)]
     assert all(len(r["samples"]) == 2 and r["threads"] == 1 for r in rates.values())
-    (r2,) = [r for r in rows if r["metric"] == "real_model_engine_vs_hf" and r["batch"] == 2]
-    assert r2["value"] == rates[("engine", 2)]["value"] / rates[("hf", 2)]["value"] and r2["target"] == 2.0
+    assert rates[("engine_packed", 3)]["settings"].endswith("linears packed")
+    vs_hf = {(r["engine"], r["batch"]): r for r in rows if r["metric"] == "real_model_engine_vs_hf"}
+    assert sorted(vs_hf) == [(g, b) for g in ("engine", "engine_packed") for b in (2, 3)]
+    r2 = vs_hf[("engine_packed", 2)]
+    assert r2["value"] == rates[("engine_packed", 2)]["value"] / rates[("hf", 2)]["value"] and r2["target"] == 2.0
     shares = {(r["generator"], r["batch"]): r["value"] for r in rows if "fraction_of_gemm_bound" in r["metric"]}
-    assert sorted(shares) == [(g, b) for g in ("engine", "hf") for b in (2, 3)]
+    assert sorted(shares) == [(g, b) for g in ("engine", "engine_packed", "hf") for b in (2, 3)]
     assert shares[("hf", 3)] == rates[("hf", 3)]["value"] / rates[("bound", 3)]["value"]
     assert not [r for r in rows if "vllm" in r["metric"]]
     assert render([dict(r, benchmark="benchmarks.real_model") for r in rows])[0].startswith("| metric")

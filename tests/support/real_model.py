@@ -155,6 +155,7 @@ def engine_vs_trainer(
     seed: int = 0,
     start=0,
     hf_samples: int | None = None,
+    linears: str = "onednn",
 ) -> Gaps:
     """One engine run (all groups admitted together, the rollout worker's engine settings otherwise) and the
     trainer's recompute (``packed_logprobs``: the trainer's packed forward, micro-batches of 4096 tokens) of
@@ -165,7 +166,7 @@ def engine_vs_trainer(
     engine_model, trainer_model, tok = smollm2()
     prompts = [render_prompt_ids(tok, q, "chat") for q in questions(n_groups, start)]
     reqs = [GenRequest(f"g{i}", p, n, max_new, temperature=temperature) for i, p in enumerate(prompts)]
-    engine = TorchEngine(engine_model, tok, seed=seed, max_batch_groups=n_groups, version=0)
+    engine = TorchEngine(engine_model, tok, seed=seed, max_batch_groups=n_groups, version=0, linears=linears)
     t0 = time.perf_counter()
     outs = generate(engine, reqs, update_after, engine_model.state_dict() if update_after else None)
     t1 = time.perf_counter()

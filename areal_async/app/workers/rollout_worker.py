@@ -147,6 +147,7 @@ def torch_engine(cfg: ExperimentConfig, tok, index: int, run_dir: str | Path | N
         adapter=adapter,
         on_weights=cfg.rollout.on_weights,
         token_entropy=cfg.rollout.token_entropy,
+        linears=cfg.rollout.engine_linears,
     )
 
 

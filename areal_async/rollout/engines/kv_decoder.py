@@ -39,9 +39,16 @@ from areal_async.rollout.engines.kv_cache import KVCache
 LEAN_MODEL_TYPES = ("llama", "qwen2")
 
 
-def make_decoder(model: PreTrainedModel, lean: bool = True):
+# the layers' matmuls (``rollout.engine_linears``): the BLAS behind F.linear, oneDNN's on the weights as they are,
+# or oneDNN's on a reordered copy of each weight (the lm head always, where oneDNN can: ``_OneDNN``)
+LINEAR_KERNELS = ("blas", "onednn", "packed")
+
+
+def make_decoder(model: PreTrainedModel, lean: bool = True, linears: str = "onednn"):
     """``LeanLlama`` when ``lean`` and the model is one it computes exactly, else ``HFDecoder``."""
-    return LeanLlama(model) if lean and LeanLlama.supports(model) else HFDecoder(model)
+    if linears not in LINEAR_KERNELS:
+        raise ValueError(f"linears={linears!r}: expected one of {LINEAR_KERNELS}")
+    return LeanLlama(model, linears) if lean and LeanLlama.supports(model) else HFDecoder(model)
 
 
 class LeanLlama:
@@ -64,20 +71,20 @@ class LeanLlama:
 
     FUSE_MAX_PARAMS = 20_000_000
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, linears: str = "onednn"):
         self.model = model
         cfg = model.config
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.gqa = self.n_kv != self.n_heads
         self._rope = _RopeTable(model.model.rotary_emb)
         fuse = sum(p.numel() for p in model.parameters()) <= self.FUSE_MAX_PARAMS
-        self._layers = [_LayerPlan(layer, fuse, self.n_heads) for layer in model.model.layers]
+        self._layers = [_LayerPlan(layer, fuse, self.n_heads, linears) for layer in model.model.layers]
         norm, head = model.model.norm, model.lm_head
         self._head = _Cat((head,), norm) if fuse and _Cat.foldable((head,), norm) else None
         # the modules every forward uses, looked up once (nn.Module.__getattr__ costs ~1.4 us a lookup)
         self._embed_tokens, self._final_norm, self._lm_head = model.model.embed_tokens, norm, head
         plain = self._head is not None or type(head) is torch.nn.Linear
-        self._packed = _PackedHead(self._head_weights) if plain and _PackedHead.usable(head.weight) else None
+        self._packed = _OneDNN(self._head_weights, True) if plain and _OneDNN.usable(head.weight) else None
 
     def _head_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._head is not None:
@@ -148,7 +155,7 @@ class LeanLlama:
             scale=lp.attn_scale,
             enable_gqa=self.gqa,
         )
-        return _linear(lp.o_proj, o.transpose(1, 2).reshape(B, q.shape[1], -1))
+        return lp.linear(lp.o_proj, o.transpose(1, 2).reshape(B, q.shape[1], -1))
 
     def _decode_one(self, ids_B1, pos_B1, mask_BK, cache: KVCache) -> torch.Tensor:
         """One new token per row on CPU: activations (B, E), projections computed transposed as
@@ -201,7 +208,7 @@ class _LayerPlan:
     float32 with the norm weight before them and the attention scaling folded in (``folded``:
     ``attn_in``/``mlp_in`` then only normalise, and ``attn_scale`` is 1)."""
 
-    def __init__(self, layer: torch.nn.Module, fuse: bool, n_heads: int):
+    def __init__(self, layer: torch.nn.Module, fuse: bool, n_heads: int, linears: str = "blas"):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.o_proj, self.scaling, self.head_dim = attn.o_proj, attn.scaling, attn.head_dim
@@ -218,6 +225,17 @@ class _LayerPlan:
             self.gate_up_cat = _Cat(self.gate_up) if fuse and _Cat.fusable(self.gate_up) else None
         self.attn_scale = 1.0 if self.folded else self.scaling
         self.silu = type(self.act) in _SILU_TYPES  # called as F.silu (no module call)
+        # the projections not fused, on oneDNN's matmul where it runs them (module -> its _OneDNN)
+        mods = [m for m, cat in ((self.qkv, self.qkv_cat), (self.gate_up, self.gate_up_cat)) if cat is None]
+        plain = [m for m in (*sum(mods, ()), self.o_proj, self.down) if type(m) is torch.nn.Linear]
+        if linears == "blas":
+            plain = []
+        self.dnn = {m: _OneDNN(_weights_of(m), linears == "packed") for m in plain if _OneDNN.usable(m.weight)}
+
+    def linear(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``: on oneDNN where ``dnn`` holds it, else ``lean_ops.linear``."""
+        dnn = self.dnn.get(module)
+        return _linear(module, x) if dnn is None else dnn(x)
 
     def attn_in(self, x: torch.Tensor) -> torch.Tensor:
         """The attention's input: the pre-attention RMSNorm of ``x`` (its weight folded or not)."""
@@ -234,7 +252,7 @@ class _LayerPlan:
             qkv = self.qkv_cat(h)
             qkv = qkv.view(*qkv.shape[:-1], -1, D)
             return qkv[..., :n_qk, :], qkv[..., n_qk:, :]
-        q, k, v = (_linear(p, h) for p in self.qkv)
+        q, k, v = (self.linear(p, h) for p in self.qkv)
         return torch.cat([q, k], -1).view(*h.shape[:-1], n_qk, D), v.view(*h.shape[:-1], -1, D)
 
     def qkv_t(self, h_BE: torch.Tensor) -> torch.Tensor:
@@ -243,28 +261,27 @@ class _LayerPlan:
             w, b = self.qkv_cat.weights()
             out = torch.mm(w, h_BE.t()) if b is None else torch.addmm(b[:, None], w, h_BE.t())
         else:
-            out = torch.cat([_linear(p, h_BE) for p in self.qkv], -1).t()
+            out = torch.cat([self.linear(p, h_BE) for p in self.qkv], -1).t()
         return out.view(-1, self.head_dim, h_BE.shape[0])
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """HF's gated MLP: down(act(gate(h)) * up(h))."""
-        return _linear(self.down, self.gated(h))
+        return self.linear(self.down, self.gated(h))
 
     def gated(self, h: torch.Tensor) -> torch.Tensor:
         """The MLP before its down projection: act(gate(h)) * up(h)."""
         if self.gate_up_cat is not None:
             gate, up = self.gate_up_cat(h).chunk(2, -1)
         else:
-            gate, up = (_linear(p, h) for p in self.gate_up)
+            gate, up = (self.linear(p, h) for p in self.gate_up)
         return (F.silu(gate) if self.silu else self.act(gate)) * up
 
-    @staticmethod
-    def add_out(proj: torch.nn.Module, x_BE: torch.Tensor, h_BI: torch.Tensor) -> torch.Tensor:
+    def add_out(self, proj: torch.nn.Module, x_BE: torch.Tensor, h_BI: torch.Tensor) -> torch.Tensor:
         """``x_BE + proj(h_BI)`` (2D): one ``addmm`` for a plain bias-free ``nn.Linear`` of x's
-        dtype (the add done by the matmul), else the module and an add."""
-        w = proj.weight if type(proj) is torch.nn.Linear and proj.bias is None else None
+        dtype (the add done by the matmul) not on oneDNN, else the projection and an add."""
+        w = proj.weight if type(proj) is torch.nn.Linear and proj.bias is None and proj not in self.dnn else None
         if w is None or w.dtype != x_BE.dtype:
-            return x_BE + _linear(proj, h_BI)
+            return x_BE + self.linear(proj, h_BI)
         return torch.addmm(x_BE, h_BI, w.t())
 
 
@@ -341,19 +358,23 @@ class _Cat:
         return F.linear(x, *self.weights())
 
 
-class _PackedHead:
-    """The lm head as oneDNN's matmul on a copy of its weight reordered once (CPU, float32), rebuilt when
-    the weight changes: the same tensor object (kept referenced, so its identity cannot be reused) at the
-    same version counter, which every in-place update bumps (a ``_Cat`` copy, an inference tensor, is
-    replaced, never changed). A decode step multiplies a few rows by the
-    whole V x E head, where the BLAS behind ``F.linear`` repacks the weight every call: at SmolLM2's 49,152
-    x 576 head the reordered weight took 12 / 30 / 52 ms for 8 / 32 / 64 rows where ``F.linear`` took
-    22 / 39 / 63 (1 thread, a loaded machine, the 25th percentile of 25). Costs one more copy of the head
-    (113 MB at SmolLM2); float32 rounding of another summation order (logits within 1e-5 of float64 there,
-    F.linear's within 3e-6)."""
+class _OneDNN:
+    """A linear layer (CPU, float32) on oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``). ``packed``:
+    on a copy of the weight reordered once for it, rebuilt when the weight changes: the same tensor object
+    (kept referenced, so its identity cannot be reused) at the same version counter, which every in-place update
+    bumps (a ``_Cat`` copy, an inference tensor, is replaced, never changed); else on the weight as it is (no
+    copy; oneDNN reorders it each call). Where the BLAS behind ``F.linear`` (MKL) runs a slower path, as on this
+    AMD CPU, both are faster. Measured here (1 thread, SmolLM2's shapes): the 49,152 x 576 head packed took
+    12 / 30 / 52 ms for 8 / 32 / 64 rows where ``F.linear`` took 22 / 39 / 63 (a loaded machine, the 25th
+    percentile of 25); a decode step's 30 layers of linears 31.8 (as is) and 20.5 ms (packed) for 8 rows where
+    ``torch.mm`` took 44.7, 78 and 65 ms for 64 rows where it took 150 (benchmarks.real_model generation: the
+    engine's tokens/s in docs/performance-notes.md). A packed copy costs the weight's bytes again (113 MB for
+    SmolLM2's head). Float32 rounding of another summation order: logits within 1e-5 of float64 (F.linear's
+    within 3e-6), a 576-wide product within ~1e-4 of float64 where F.linear's is within ~5e-5."""
 
-    def __init__(self, weights):
+    def __init__(self, weights, packed: bool):
         self.weights = weights  # -> (weight, bias or None), current
+        self.pack = packed
         self.src = self.version = self.packed = None
 
     @staticmethod
@@ -367,14 +388,23 @@ class _PackedHead:
             and hasattr(mkldnn, "_reorder_linear_weight")
         )
 
-    def __call__(self, x_BE: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weights()
-        version = None if w.is_inference() else w._version  # an inference tensor (a _Cat copy) never changes
-        if w is not self.src or version != self.version:
-            with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, x_BE.shape[0]))
-            self.src, self.version = w, version
-        return torch.ops.mkldnn._linear_pointwise(x_BE.contiguous(), self.packed, b, "none", [], "")
+        if self.pack:
+            version = None if w.is_inference() else w._version  # an inference tensor (a _Cat copy) never changes
+            if w is not self.src or version != self.version:
+                with torch.no_grad():
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, x.numel() // x.shape[-1]))
+                self.src, self.version = w, version
+            w = self.packed
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "").view(*x.shape[:-1], -1)
+
+
+def _weights_of(module: torch.nn.Linear):
+    """-> a plain ``nn.Linear``'s current (weight, bias), read from its parameter dict (no module lookup)."""
+    params = module._parameters
+    return lambda: (params["weight"], params["bias"])
 
 
 _SILU_TYPES = (torch.nn.SiLU, getattr(transformers.activations, "SiLUActivation", torch.nn.SiLU))

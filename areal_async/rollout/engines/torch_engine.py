@@ -154,7 +154,7 @@ class TorchEngine(RolloutEngine):
     ``adapter``: a LoRA run's ``models.lora.EngineAdapter`` on ``model`` (built on it before this engine):
     ``update_weights`` then takes the adapter's tensors alone and applies them through it.
     ``token_entropy``: also give each token's sampling entropy (the ``entropy`` column; ``rollout.token_entropy``).
-    """
+    ``linears``: the layers' matmuls (``kv_decoder.LINEAR_KERNELS``; ``rollout.engine_linears``)."""
 
     def __init__(
         self,
@@ -170,6 +170,7 @@ class TorchEngine(RolloutEngine):
         kv_layout: Optional[str] = None,
         on_weights: str = "recompute",
         token_entropy: bool = False,
+        linears: str = "onednn",
     ):
         if on_weights not in ON_WEIGHTS:
             raise ValueError(f"on_weights={on_weights!r}: expected one of {ON_WEIGHTS}")
@@ -190,7 +191,7 @@ class TorchEngine(RolloutEngine):
         self.pending: list[_Group] = []
         self.live_ids: set[str] = set()  # group ids queued or generating
         self.cohorts: list[_Cohort] = []
-        self.decoder = make_decoder(self.model, lean)
+        self.decoder = make_decoder(self.model, lean, linears)
         self.kv_layout = kv_layout or default_layout(self.model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_positions = model.config.max_position_embeddings
@@ -228,8 +229,7 @@ class TorchEngine(RolloutEngine):
 
         The state dict is checked in full first (names and shapes); on a mismatch a ``ValueError``
         names the first bad key and nothing is loaded, so the engine keeps the old weights. With an
-        ``adapter`` the state dict is the LoRA adapter's tensors (checked the same way).
-        """
+        ``adapter`` the state dict is the LoRA adapter's tensors (checked the same way)."""
         t0 = time.perf_counter()
         if self.adapter is not None:
             self.adapter.load(state_dict)

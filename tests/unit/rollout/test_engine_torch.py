@@ -438,6 +438,36 @@ def test_the_reordered_head_follows_in_place_and_replaced_weights(fuse, monkeypa
         _assert_logprobs_match(model, [req], _run(engine), 1.0)
 
 
+@pytest.mark.parametrize("linears", ["blas", "onednn", "packed"])
+def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(linears, monkeypatch):
+    """Unfused (as the real models): the layers' projections run on oneDNN (``rollout.engine_linears``: on the
+    weights as they are, or on reordered copies) or on F.linear; on every decoder path (prefill, cached decode,
+    a KV recompute after update_weights), with weights changed in place and replaced by new parameters, the
+    logprobs equal HF's own forward, and the layers hold the kernel asked for."""
+    monkeypatch.setattr(LeanLlama, "FUSE_MAX_PARAMS", 0)
+    model = _model()
+    engine = TorchEngine(model, TOK, seed=0, version=0, linears=linears)
+    dnn = [d for lp in engine.decoder._layers for d in lp.dnn.values()]
+    assert len(dnn) == (0 if linears == "blas" else 2 * 7) and all(d.pack == (linears == "packed") for d in dnn)
+    gen = torch.Generator().manual_seed(5)
+    for change in ("none", "in place", "replaced"):
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for m in (layer.self_attn.q_proj, layer.mlp.down_proj):
+                    noise = 0.5 * m.weight.abs().mean() * torch.randn(m.weight.shape, generator=gen)
+                    if change == "in place":
+                        m.weight.add_(noise)
+                    elif change == "replaced":
+                        m.weight = torch.nn.Parameter(m.weight + noise)
+        req = _req(change, PROMPTS[2], max_new_tokens=10)
+        engine.add_request(req)
+        engine.step(), engine.step()  # the prefill and a decode step under the weights before the update below
+        engine.update_weights(1, {k: v.clone() for k, v in model.state_dict().items()})  # running rows: recomputed
+        _assert_logprobs_match(model, [req], _run(engine), 1.0)
+    with pytest.raises(ValueError, match="linears='mkl': expected one of"):
+        TorchEngine(model, TOK, linears="mkl")
+
+
 def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
     """A third of the vocabulary stops a sample, so the samples of a group end at different steps
     and finished rows are compacted away (set aside) while their group still runs: every group
