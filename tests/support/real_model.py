@@ -155,7 +155,7 @@ def engine_vs_trainer(
     seed: int = 0,
     start=0,
     hf_samples: int | None = None,
-    linears: str = "onednn",
+    linears: str = "auto",
 ) -> Gaps:
     """One engine run (all groups admitted together, the rollout worker's engine settings otherwise) and the
     trainer's recompute (``packed_logprobs``: the trainer's packed forward, micro-batches of 4096 tokens) of

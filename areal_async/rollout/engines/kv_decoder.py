@@ -25,7 +25,9 @@ Not covered: sliding-window or hybrid attention in the lean path, paged memory, 
 
 from __future__ import annotations
 
+import functools
 import inspect
+import time
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +42,40 @@ LEAN_MODEL_TYPES = ("llama", "qwen2")
 
 
 # the layers' matmuls (``rollout.engine_linears``): the BLAS behind F.linear, oneDNN's on the weights as they are,
-# or oneDNN's on a reordered copy of each weight (the lm head always, where oneDNN can: ``_OneDNN``)
-LINEAR_KERNELS = ("blas", "onednn", "packed")
+# or oneDNN's on a reordered copy of each weight (the lm head always, where oneDNN can: ``_OneDNN``); auto: onednn
+# where it is the faster here (``onednn_pays``), else blas
+LINEAR_KERNELS = ("auto", "blas", "onednn", "packed")
 
 
-def make_decoder(model: PreTrainedModel, lean: bool = True, linears: str = "onednn"):
+def make_decoder(model: PreTrainedModel, lean: bool = True, linears: str = "auto"):
     """``LeanLlama`` when ``lean`` and the model is one it computes exactly, else ``HFDecoder``."""
     if linears not in LINEAR_KERNELS:
         raise ValueError(f"linears={linears!r}: expected one of {LINEAR_KERNELS}")
     return LeanLlama(model, linears) if lean and LeanLlama.supports(model) else HFDecoder(model)
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_pays(n_in: int, n_out: int, rows: int = 8) -> bool:
+    """Whether oneDNN's matmul on an (n_out, n_in) float32 weight as it is beats ``F.linear``'s by 10 % or more for
+    ``rows`` rows on this CPU (the best of 5 interleaved calls each; a few ms, once per shape and process). The BLAS
+    behind F.linear differs by CPU: on this session's AVX-512 AMD CPU oneDNN's took 0.43-0.71 of its time at
+    SmolLM2's shapes, where on an earlier machine's reordered oneDNN weights were level at 32 rows and slower at 64."""
+    if not _OneDNN.usable(torch.empty(0)):
+        return False
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n_out, n_in, generator=g), torch.randn(rows, n_in, generator=g)
+    fns = {
+        "blas": lambda: F.linear(x, w),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+    }
+    best = {k: float("inf") for k in fns}
+    with torch.inference_mode():
+        for _ in range(5):
+            for k, fn in fns.items():
+                t = time.perf_counter()
+                fn()
+                best[k] = min(best[k], time.perf_counter() - t)
+    return best["onednn"] < 0.9 * best["blas"]
 
 
 class LeanLlama:
@@ -71,13 +98,16 @@ class LeanLlama:
 
     FUSE_MAX_PARAMS = 20_000_000
 
-    def __init__(self, model: PreTrainedModel, linears: str = "onednn"):
+    def __init__(self, model: PreTrainedModel, linears: str = "auto"):
         self.model = model
         cfg = model.config
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.gqa = self.n_kv != self.n_heads
         self._rope = _RopeTable(model.model.rotary_emb)
         fuse = sum(p.numel() for p in model.parameters()) <= self.FUSE_MAX_PARAMS
+        if linears == "auto":  # judged on the MLP's up projection, the most common shape
+            linears = "onednn" if onednn_pays(cfg.hidden_size, cfg.intermediate_size) else "blas"
+        self.linears = linears
         self._layers = [_LayerPlan(layer, fuse, self.n_heads, linears) for layer in model.model.layers]
         norm, head = model.model.norm, model.lm_head
         self._head = _Cat((head,), norm) if fuse and _Cat.foldable((head,), norm) else None

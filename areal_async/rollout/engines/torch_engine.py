@@ -170,7 +170,7 @@ class TorchEngine(RolloutEngine):
         kv_layout: Optional[str] = None,
         on_weights: str = "recompute",
         token_entropy: bool = False,
-        linears: str = "onednn",
+        linears: str = "auto",
     ):
         if on_weights not in ON_WEIGHTS:
             raise ValueError(f"on_weights={on_weights!r}: expected one of {ON_WEIGHTS}")

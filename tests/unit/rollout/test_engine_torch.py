@@ -438,7 +438,7 @@ def test_the_reordered_head_follows_in_place_and_replaced_weights(fuse, monkeypa
         _assert_logprobs_match(model, [req], _run(engine), 1.0)
 
 
-@pytest.mark.parametrize("linears", ["blas", "onednn", "packed"])
+@pytest.mark.parametrize("linears", ["blas", "onednn", "packed", "auto"])
 def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(linears, monkeypatch):
     """Unfused (as the real models): the layers' projections run on oneDNN (``rollout.engine_linears``: on the
     weights as they are, or on reordered copies) or on F.linear; on every decoder path (prefill, cached decode,
@@ -447,8 +447,10 @@ def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(l
     monkeypatch.setattr(LeanLlama, "FUSE_MAX_PARAMS", 0)
     model = _model()
     engine = TorchEngine(model, TOK, seed=0, version=0, linears=linears)
+    chosen = engine.decoder.linears  # auto: onednn where it timed faster on this CPU, else blas
+    assert chosen == linears or (linears, chosen) in (("auto", "onednn"), ("auto", "blas"))
     dnn = [d for lp in engine.decoder._layers for d in lp.dnn.values()]
-    assert len(dnn) == (0 if linears == "blas" else 2 * 7) and all(d.pack == (linears == "packed") for d in dnn)
+    assert len(dnn) == (0 if chosen == "blas" else 2 * 7) and all(d.pack == (chosen == "packed") for d in dnn)
     gen = torch.Generator().manual_seed(5)
     for change in ("none", "in place", "replaced"):
         with torch.no_grad():
@@ -466,6 +468,25 @@ def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(l
         _assert_logprobs_match(model, [req], _run(engine), 1.0)
     with pytest.raises(ValueError, match="linears='mkl': expected one of"):
         TorchEngine(model, TOK, linears="mkl")
+
+
+def test_auto_takes_onednn_only_where_it_timed_faster(monkeypatch):
+    """``onednn_pays`` against timings given by hand: oneDNN at 0.89 of F.linear's best time pays, at 0.91 not (the
+    10 % margin), the best of the calls counted (one slow call does not decide), and without oneDNN never."""
+    from areal_async.rollout.engines import kv_decoder
+
+    def timed(blas: list[float], onednn: list[float]) -> bool:
+        clock = iter(x for pair in zip(blas, onednn) for t in pair for x in (0.0, t))  # start, end per call
+        monkeypatch.setattr(kv_decoder.time, "perf_counter", lambda: next(clock))
+        kv_decoder.onednn_pays.cache_clear()
+        return kv_decoder.onednn_pays(16, 24)
+
+    assert timed([1.0] * 5, [0.89] * 5) and not timed([1.0] * 5, [0.91] * 5)
+    assert timed([1.0, 1.0, 1.0, 1.0, 1.0], [5.0, 5.0, 0.8, 5.0, 5.0])  # the best of 5
+    monkeypatch.setattr(kv_decoder._OneDNN, "usable", staticmethod(lambda w: False))
+    kv_decoder.onednn_pays.cache_clear()
+    assert not kv_decoder.onednn_pays(16, 24)
+    kv_decoder.onednn_pays.cache_clear()
 
 
 def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
