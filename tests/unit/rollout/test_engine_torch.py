@@ -419,7 +419,7 @@ def test_parameters_replaced_by_new_objects_are_used():
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_reordered_head_follows_in_place_and_replaced_weights(fuse, monkeypatch):
-    """The lm head runs on a reordered copy of its weight (``_PackedHead``, CPU float32); changed in place,
+    """The lm head runs on a reordered copy of its weight (``_OneDNN`` packed, CPU float32); changed in place,
     then replaced by a new parameter, the next generation's logprobs still equal HF's own forward. Unfused
     (models above ``FUSE_MAX_PARAMS``, as the real ones): the copy is of the head's own weight."""
     if not fuse:
