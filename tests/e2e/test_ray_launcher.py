@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +92,15 @@ def test_close_reaps_the_local_rays_orphans_and_spares_older_children():
     assert orphan_state in ("False", "Z") and keep == "None"  # killed and reaped; the older child still runs
 
 
+def registered(log: Path, proc: subprocess.Popen, line: str, times: int, timeout: float = 300) -> None:
+    """Until the scheduler's ``log`` holds ``line`` ``times`` times (the fleet ``proc`` still running)."""
+    deadline = time.monotonic() + timeout
+    while log.read_text().count(line) < times:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{line!r} not {times} time(s) in {log} within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     pytest.importorskip("ray")
@@ -108,6 +118,12 @@ def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
         env=gate.env,
     )
     wait_for_metrics(run_dir, proc, timeout=500)
+    sched_log = run_dir / "logs" / "scheduler.log"
+    # rollout-1 must have registered before it is killed: under load a Ray-held worker can start after the fleet's
+    # first step (made by rollout-0 alone), and a process killed before registering registers only once, restarted
+    # (this test's hang, reproduced at load ~4: the scheduler's log named rollout-1 once, 5 s after the restart that
+    # followed the kill, and the test waited for a second registration that could never come)
+    registered(sched_log, proc, "registered rollout rollout-1", 1)
     pids = json.loads((run_dir / "pids.json").read_text())
     # the worker runs under a Ray actor: its parent is a Ray worker process, not the supervisor
     with open(f"/proc/{pids['rollout-1']}/stat") as f:
@@ -116,12 +132,7 @@ def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     with open(f"/proc/{parent}/cmdline", "rb") as f:
         assert b"ray" in f.read().lower()
     os.kill(pids["rollout-1"], signal.SIGKILL)
-    sched_log = run_dir / "logs" / "scheduler.log"
-    deadline = time.monotonic() + 300
-    while sched_log.read_text().count("registered rollout rollout-1") < 2:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "the restarted rollout-1 did not register again within 300 s"
-        time.sleep(0.2)
+    registered(sched_log, proc, "registered rollout rollout-1", 2)  # the restarted rollout-1, admitted again
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) <= 5  # the gate held the fleet
     gate.open()
     err = finish_ok(proc, timeout=600)
