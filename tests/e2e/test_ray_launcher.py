@@ -18,7 +18,7 @@ from areal_async.config import load_config
 from areal_async.supervisor.placement import Slot, place, shape_of
 from areal_async.supervisor.ray_launcher import RayLauncher, bundle_addresses, ray_plan
 from tests.support.admission_gate import admission_gate
-from tests.support.fleet import ROOT, check_books, cli, finish_ok, wait_for_metrics
+from tests.support.fleet import ROOT, check_books, cli, finish_ok, stop, wait_for_metrics
 
 
 def test_processes_that_share_a_gpu_share_a_bundle_and_only_its_owner_asks_ray_for_it():
@@ -92,12 +92,15 @@ def test_close_reaps_the_local_rays_orphans_and_spares_older_children():
     assert orphan_state in ("False", "Z") and keep == "None"  # killed and reaped; the older child still runs
 
 
-def registered(log: Path, proc: subprocess.Popen, line: str, times: int, timeout: float = 300) -> None:
-    """Until the scheduler's ``log`` holds ``line`` ``times`` times (the fleet ``proc`` still running)."""
+def registered(log: Path, proc: subprocess.Popen, line: str, times: int, timeout: float = 150) -> None:
+    """Until the scheduler's ``log`` holds ``line`` ``times`` times (the fleet ``proc`` still running); past
+    ``timeout`` (within the file's pytest-timeout, so the fleet is stopped, not left running) it fails."""
     deadline = time.monotonic() + timeout
     while log.read_text().count(line) < times:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"{line!r} not {times} time(s) in {log} within {timeout:.0f} s"
+        if time.monotonic() >= deadline:
+            stop(proc)
+            raise AssertionError(f"{line!r} not {times} time(s) in {log} within {timeout:.0f} s")
         time.sleep(0.2)
 
 
