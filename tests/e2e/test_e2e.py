@@ -31,6 +31,7 @@ from tests.support.fleet import (
     stop,
     wait_for,
     wait_for_metrics,
+    wait_registered,
 )
 from tests.support.procs import descendants, survivors
 
@@ -287,6 +288,7 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
         env=gate.env,
     )
     wait_for_metrics(run_dir, proc)
+    wait_registered(run_dir, proc, ["rollout-1", "reward-0"])  # each registers twice below: killed only once it did
     pids = json.loads((run_dir / "pids.json").read_text())
     os.kill(pids["rollout-1"], signal.SIGKILL)
     os.kill(pids["reward-0"], signal.SIGKILL)

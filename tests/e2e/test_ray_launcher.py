@@ -9,8 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,7 @@ from areal_async.config import load_config
 from areal_async.supervisor.placement import Slot, place, shape_of
 from areal_async.supervisor.ray_launcher import RayLauncher, bundle_addresses, ray_plan
 from tests.support.admission_gate import admission_gate
-from tests.support.fleet import ROOT, check_books, cli, finish_ok, stop, wait_for_metrics
+from tests.support.fleet import ROOT, check_books, cli, finish_ok, wait_for_metrics, wait_registered
 
 
 def test_processes_that_share_a_gpu_share_a_bundle_and_only_its_owner_asks_ray_for_it():
@@ -92,18 +90,6 @@ def test_close_reaps_the_local_rays_orphans_and_spares_older_children():
     assert orphan_state in ("False", "Z") and keep == "None"  # killed and reaped; the older child still runs
 
 
-def registered(log: Path, proc: subprocess.Popen, line: str, times: int, timeout: float = 150) -> None:
-    """Until the scheduler's ``log`` holds ``line`` ``times`` times (the fleet ``proc`` still running); past
-    ``timeout`` (within the file's pytest-timeout, so the fleet is stopped, not left running) it fails."""
-    deadline = time.monotonic() + timeout
-    while log.read_text().count(line) < times:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if time.monotonic() >= deadline:
-            stop(proc)
-            raise AssertionError(f"{line!r} not {times} time(s) in {log} within {timeout:.0f} s")
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     pytest.importorskip("ray")
@@ -121,12 +107,11 @@ def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
         env=gate.env,
     )
     wait_for_metrics(run_dir, proc, timeout=500)
-    sched_log = run_dir / "logs" / "scheduler.log"
     # rollout-1 must have registered before it is killed: under load a Ray-held worker can start after the fleet's
     # first step (made by rollout-0 alone), and a process killed before registering registers only once, restarted
     # (this test's hang, reproduced at load ~4: the scheduler's log named rollout-1 once, 5 s after the restart that
     # followed the kill, and the test waited for a second registration that could never come)
-    registered(sched_log, proc, "registered rollout rollout-1", 1)
+    wait_registered(run_dir, proc, ["rollout-1"])
     pids = json.loads((run_dir / "pids.json").read_text())
     # the worker runs under a Ray actor: its parent is a Ray worker process, not the supervisor
     with open(f"/proc/{pids['rollout-1']}/stat") as f:
@@ -135,7 +120,7 @@ def test_tiny_fleet_on_a_local_ray_restarts_a_killed_worker(tmp_path):
     with open(f"/proc/{parent}/cmdline", "rb") as f:
         assert b"ray" in f.read().lower()
     os.kill(pids["rollout-1"], signal.SIGKILL)
-    registered(sched_log, proc, "registered rollout rollout-1", 2)  # the restarted rollout-1, admitted again
+    wait_registered(run_dir, proc, ["rollout-1"], times=2)  # the restarted rollout-1, admitted again
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) <= 5  # the gate held the fleet
     gate.open()
     err = finish_ok(proc, timeout=600)

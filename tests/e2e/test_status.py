@@ -16,6 +16,7 @@ import pytest
 from areal_async.api import run_command
 from areal_async.app.commands.status import StatusError, query_status, render
 from protocols import messages as M
+from tests.support.fleet import wait_registered
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +51,8 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_steps(proc, run_dir, 3)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        wait_registered(run_dir, proc, [k for k in pids if k.startswith(("trainer", "rollout", "reward"))])
         first = query_status(run_dir, timeout_s=20)
         cli = subprocess.run(
             [sys.executable, "-m", "areal_async.cli", "status", str(run_dir), "--timeout", "20"],

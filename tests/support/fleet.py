@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -64,6 +65,25 @@ def wait_for_metrics(run_dir: Path, proc: subprocess.Popen, timeout: float = 180
             stop(proc)
             raise AssertionError("no trainer step within the deadline")
         time.sleep(0.2)
+
+
+def wait_registered(run_dir: Path, proc: subprocess.Popen, names, times: int = 1, timeout: float = 150) -> None:
+    """Until the scheduler's log names each worker of ``names`` as registered ``times`` times (a restarted one
+    registers again), the run ``proc`` still running; past ``timeout`` the run is stopped and the test fails. A worker
+    can start after the fleet's first steps (the others make them): a test that acts on one, or expects it in a
+    status, waits for it here (CI saw rollout-1 register 0.5 s and four steps after rollout-0)."""
+    log, deadline = run_dir / "logs" / "scheduler.log", time.monotonic() + timeout
+
+    def count(name: str) -> int:
+        text = log.read_text() if log.exists() else ""
+        return len(re.findall(rf"registered \S+ {re.escape(name)} \(pid ", text))
+
+    while not all(count(n) >= times for n in names):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if time.monotonic() >= deadline:
+            stop(proc)
+            raise AssertionError(f"not every one of {list(names)} registered {times} time(s) within {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
