@@ -72,18 +72,19 @@ def wait_registered(run_dir: Path, proc: subprocess.Popen, names, times: int = 1
     registers again), the run ``proc`` still running; past ``timeout`` the run is stopped and the test fails. A worker
     can start after the fleet's first steps (the others make them): a test that acts on one, or expects it in a
     status, waits for it here (CI saw rollout-1 register 0.5 s and four steps after rollout-0)."""
-    log, deadline = run_dir / "logs" / "scheduler.log", time.monotonic() + timeout
+    log = run_dir / "logs" / "scheduler.log"
 
-    def count(name: str) -> int:
-        text = log.read_text() if log.exists() else ""
-        return len(re.findall(rf"registered \S+ {re.escape(name)} \(pid ", text))
-
-    while not all(count(n) >= times for n in names):
+    def all_registered() -> bool:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if time.monotonic() >= deadline:
+        text = log.read_text() if log.exists() else ""
+        return all(len(re.findall(rf"registered \S+ {re.escape(n)} \(pid ", text)) >= times for n in names)
+
+    try:
+        wait_for(all_registered, timeout, f"{list(names)} registered {times} time(s)")
+    except AssertionError:
+        if proc.poll() is None:
             stop(proc)
-            raise AssertionError(f"not every one of {list(names)} registered {times} time(s) within {timeout:.0f} s")
-        time.sleep(0.1)
+        raise
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 60) -> None:
