@@ -83,6 +83,7 @@ from areal_async.config import ExperimentConfig
 from areal_async.config.sections import ActorConfig
 from areal_async.models.gguf_import import resolve_model_path
 from areal_async.rollout.engines.engine import GenRequest
+from areal_async.rollout.engines.kv_decoder import LINEAR_KERNELS
 from areal_async.rollout.engines.torch_engine import TorchEngine
 from areal_async.supervisor.servers import vllm_python
 from areal_async.trainer.actor import enable_checkpointing
@@ -299,13 +300,15 @@ def bound_runner(model, new: int, batches: list[int], prompt: int):
 
 
 def generation(args) -> list[dict]:
+    kernels = args.engines.split(",")
+    if bad := [k for k in kernels if k not in LINEAR_KERNELS]:  # before the model loads and vLLM starts
+        raise ValueError(f"--engines {args.engines}: {bad} not among rollout.engine_linears' {LINEAR_KERNELS}")
     cpus = cpus_for(args.threads)
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(args.threads)
     path = model_dir(args.model)
     model = load_model(path)
     vocab = model.config.vocab_size
-    kernels = args.engines.split(",")
     runners = {ENGINE_NAMES.get(k, f"engine_{k}"): engine_runner(model, args.new, k) for k in kernels}
     runners["hf"] = hf_runner(model, args.new)
     runners["bound"] = bound_runner(model, args.new, [int(b) for b in args.batches.split(",")], args.prompt)

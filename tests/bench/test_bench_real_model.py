@@ -48,6 +48,14 @@ def test_generation_rows_without_vllm(model_dir):
     assert render([dict(r, benchmark="benchmarks.real_model") for r in rows])[0].startswith("| metric")
 
 
+def test_an_unknown_engine_kernel_is_refused_before_anything_runs():
+    args = real_model._parser().parse_args(
+        ["generation", "--model", "/nonexistent", "--engines", "auto,mkl", "--no-vllm"]
+    )
+    with pytest.raises(ValueError, match=r"--engines auto,mkl: \['mkl'\] not among"):
+        real_model.generation(args)  # refused before the (missing) model is read
+
+
 def test_both_generators_make_every_token_asked_for(model_dir):
     """No eos: B prompts x `new` tokens each, for the engine and for HF generate."""
     model = real_model.load_model(model_dir)
