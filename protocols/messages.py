@@ -354,6 +354,7 @@ STATUS_WORKER_KEYS = (
     "version",
     "samples",
     "samples_per_s",
+    "groups",
     "restarts",
     "silent_s",
 )
@@ -366,7 +367,8 @@ class StatusReport(Message):
     ``workers``: maps with exactly ``STATUS_WORKER_KEYS``: state is 'alive' or 'silent' (no message
     for more than two heartbeat periods); version is the weights a rollout worker loaded (the
     trainer: the version it published; reward workers: -1); samples / samples_per_s: samples it
-    delivered (generated, scored, trained) since it registered; restarts: registrations - 1."""
+    delivered (generated, scored, trained) since it registered; groups: the groups the scheduler has out on a
+    rollout worker now (issued to it, not yet generated and scored; other roles 0); restarts: registrations - 1."""
 
     TYPE: ClassVar[str] = "status_report"
     nonce: int

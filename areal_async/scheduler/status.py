@@ -68,13 +68,15 @@ def waiting_for(core: SchedulerCore, has_trainer: bool, rows: StepRows, stopping
 
 def worker_rows(core: SchedulerCore, workers: WorkerTable, heartbeat_s: float) -> list[dict]:
     """A ``StatusReport``'s workers, by id: the trainer's samples are the ledger's trained count, a
-    rollout's version the one it last loaded."""
+    rollout's version the one it last loaded, its groups those it holds now."""
     now, out = time.monotonic(), []
     for wid in sorted(workers):
         w = workers[wid]
         samples = core.ledger.n_trained if w.role == "trainer" else w.samples
-        versions = {"rollout": getattr(core.rollouts.get(wid), "loaded_version", -1), "trainer": core.version}
-        out.append(w.report(now, heartbeat_s, versions.get(w.role, -1), samples, workers.restarts(wid)))
+        r = core.rollouts.get(wid)
+        versions = {"rollout": getattr(r, "loaded_version", -1), "trainer": core.version}
+        held = len(r.groups) if r is not None else 0
+        out.append(w.report(now, heartbeat_s, versions.get(w.role, -1), samples, workers.restarts(wid), held))
     return out
 
 

@@ -61,8 +61,8 @@ class WorkerRecord:
             "stats": {k: v for k, v in self.stats.items() if k in STATUS_STATS},
         }
 
-    def report(self, now: float, heartbeat_s: float, version: int, samples: int, restarts: int) -> dict:
-        """Its row of a ``StatusReport`` (``version``, ``samples``: the scheduler's view of them)."""
+    def report(self, now: float, heartbeat_s: float, version: int, samples: int, restarts: int, groups: int) -> dict:
+        """Its row of a ``StatusReport`` (``version``, ``samples``, ``groups``: the scheduler's view of them)."""
         silent = now - self.last_seen
         return {
             "worker_id": self.worker_id,
@@ -73,6 +73,7 @@ class WorkerRecord:
             "version": version,
             "samples": samples,
             "samples_per_s": samples / max(1e-9, now - self.since),
+            "groups": groups,
             "restarts": restarts,
             "silent_s": silent,
         }

@@ -88,6 +88,7 @@ SAMPLES = {
                 "version": 3,
                 "samples": 60,
                 "samples_per_s": 2.5,
+                "groups": 3,
                 "restarts": 0,
                 "silent_s": 0.2,
             }

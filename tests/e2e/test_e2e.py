@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from areal_async.api import run_command
+from areal_async.app.commands.status import query_status
 from tests.support.admission_gate import admission_gate
 from tests.support.fleet import (
     ROOT,
@@ -269,16 +270,42 @@ def test_unavailable_cpus_are_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def stopped_holding(run_dir: Path, proc: subprocess.Popen, rollout: tuple[str, int], reward_pid: int) -> int:
+    """SIGSTOP the rollout worker ``rollout`` (id, pid) and, once the scheduler has a group out on it, the reward
+    worker too: then that group can be neither generated nor scored, so the worker holds it when it is killed
+    (CI once killed both idle: the fleet had filled the gate and nothing was held). The groups it holds, from
+    ``areal-async status``; if the held group was scored in between, the reward worker goes on and it tries again."""
+    wid, pid = rollout
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 120
+
+    def held() -> int:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        return next(w["groups"] for w in query_status(run_dir, timeout_s=20).workers if w["worker_id"] == wid)
+
+    while time.monotonic() < deadline:
+        if held():
+            os.kill(reward_pid, signal.SIGSTOP)
+            time.sleep(0.5)  # what either sent before it stopped reaches the scheduler
+            if n := held():
+                return n
+            os.kill(reward_pid, signal.SIGCONT)
+        time.sleep(0.2)
+    stop(proc)
+    raise AssertionError(f"the scheduler put no group on the stopped {wid} within 120 s")
+
+
 def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exact(tmp_path):
     """SIGKILL a rollout worker and the reward worker mid-run: the supervisor restarts each, the
     scheduler aborts and re-issues what they held, and the run finishes with every sample
     trained or aborted exactly once.
-    A shut admission gate (tests/support/admission_gate.py) holds the fleet at 6 of its 10 steps until the
+    A shut admission gate (tests/support/admission_gate.py) holds the fleet at 8 of its 12 steps until the
     scheduler has seen both new incarnations register, so the run cannot end before they do, however fast
-    the machine (before, 80 steps were to make that likely)."""
+    the machine (before, 80 steps were to make that likely). Both are stopped before they are killed, the
+    rollout worker holding a group it cannot finish (``stopped_holding``), so there is always work to re-issue."""
     run_dir = tmp_path / "run"
-    steps = 10
-    gate = admission_gate(tmp_path, steps=6)
+    steps = 12
+    gate = admission_gate(tmp_path, steps=8)
     proc = subprocess.Popen(
         cli(run_dir, f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1"),
         cwd=ROOT,
@@ -290,6 +317,7 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
     wait_for_metrics(run_dir, proc)
     wait_registered(run_dir, proc, ["rollout-1", "reward-0"])  # each registers twice below: killed only once it did
     pids = json.loads((run_dir / "pids.json").read_text())
+    assert stopped_holding(run_dir, proc, ("rollout-1", pids["rollout-1"]), pids["reward-0"]) >= 1
     os.kill(pids["rollout-1"], signal.SIGKILL)
     os.kill(pids["reward-0"], signal.SIGKILL)
     sched_log = run_dir / "logs" / "scheduler.log"
@@ -313,6 +341,7 @@ def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exac
     assert len(ids) == len(set(ids)) == summary["samples_issued"] and summary["samples_lost"] == 0
     assert sum(t["status"] == "trained" for t in trajs) == summary["samples_trained"] == steps * 4 * 4
     reasons = " ".join(t["reason"] for t in trajs if t["status"] == "aborted")
-    assert "restarted" in reasons  # the scheduler saw the new incarnations and re-issued their work
+    # the scheduler saw rollout-1's new incarnation and re-issued the group(s) its old one held
+    assert f"worker_lost: rollout-1 (restarted (pid {pids['rollout-1']} -> {new['rollout-1']}))" in reasons
     assert_verified(run_dir, steps)
     assert leaked_segments(run_dir) == []

@@ -79,6 +79,9 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
             w["host"] == socket.gethostname() and w["state"] == "alive" and w["restarts"] == 0 for w in r.workers
         )
         assert r.admitted >= r.running >= 0 and r.samples_trained == 16 * r.next_step and r.total_steps == TOTAL_STEPS
+        # the groups out on each rollout worker add up to the groups running; no other role holds one
+        assert sum(w["groups"] for w in r.workers if w["role"] == "rollout") == r.running
+        assert all(w["groups"] == 0 for w in r.workers if w["role"] != "rollout")
     assert second.version >= first.version + 5 and second.next_step >= first.next_step + 5
     t1, t2 = (next(w for w in r.workers if w["role"] == "trainer") for r in (first, second))
     assert t2["version"] == second.version > t1["version"] and t2["samples"] > t1["samples"] > 0

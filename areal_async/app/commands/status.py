@@ -72,11 +72,11 @@ def render(r: StatusReport) -> str:
     )
     cols = (
         f"{'worker':12s} {'role':8s} {'pid':>7s} {'host':14s} {'state':7s} {'version':>7s} {'samples':>8s} "
-        f"{'samples/s':>9s} {'restarts':>8s}"
+        f"{'samples/s':>9s} {'groups':>6s} {'restarts':>8s}"
     )
     lines = [
         f"{w['worker_id']:12s} {w['role']:8s} {w['pid']:7d} {w['host'][:14]:14s} {w['state']:7s} "
-        f"{w['version']:7d} {w['samples']:8d} {w['samples_per_s']:9.1f} {w['restarts']:8d}"
+        f"{w['version']:7d} {w['samples']:8d} {w['samples_per_s']:9.1f} {w['groups']:6d} {w['restarts']:8d}"
         for w in r.workers
     ]
     tail = [f"oldest unfinished work: {r.overdue}"] if r.overdue else []

@@ -70,7 +70,7 @@ def test_silence_busy_seconds_and_the_status_rows():
         "stats": {"engine_step_s": 0.4},  # only the stats the overdue check reads
     }
     rec = WorkerRecord("w", "rollout", b"w", 7, "h", since=100.0, last_seen=148.0, samples=30)
-    assert rec.report(now=160.0, heartbeat_s=5.0, version=3, samples=30, restarts=1) == {
+    assert rec.report(now=160.0, heartbeat_s=5.0, version=3, samples=30, restarts=1, groups=2) == {
         "worker_id": "w",
         "role": "rollout",
         "pid": 7,
@@ -79,6 +79,7 @@ def test_silence_busy_seconds_and_the_status_rows():
         "version": 3,
         "samples": 30,
         "samples_per_s": 0.5,  # 30 samples in the 60 s since it registered
+        "groups": 2,
         "restarts": 1,
         "silent_s": 12.0,
     }
