@@ -42,19 +42,17 @@ from areal_async.config.experiment import (
 )
 from areal_async.config.loading import describe, from_dict, load_config, parse_override, to_dict, to_yaml
 from areal_async.config.cluster import ClusterConfig, CpuAffinityConfig, SlurmConfig, TensorChannelConfig
+from areal_async.config.objective import NORM_LEVELS, NormConfig, RejectionSamplingConfig
 from areal_async.config.sections import (
     DTYPES,
     LR_SCHEDULES,
-    NORM_LEVELS,
     ActorConfig,
     DatasetConfig,
     GenerationConfig,
     LoraConfig,
     MicroBatchSpec,
     ModelConfig,
-    NormConfig,
     OptimizerConfig,
-    RejectionSamplingConfig,
     RewardConfig,
     RolloutConfig,
     rollout_dp_degree,

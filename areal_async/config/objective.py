@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from areal_async.config.base import Section, _f, one_of, require
+from areal_async.config.base import Section, _f, above, at_least, one_of, require
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_PLACES = ("reward", "loss")
@@ -22,6 +22,54 @@ IS_LEVELS = ("token", "sequence")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 PROX_LOGP_METHODS = ("recompute", "loglinear")
+NORM_LEVELS = ("group", "batch", "none")
+
+
+@dataclass
+class RejectionSamplingConfig(Section):
+    """Behaviour-importance rejection of the decoupled loss."""
+
+    metric: str = _f("ratio", "'ratio' (exp(prox_logp - behav_logp)) or 'none'.")
+    upper: float = _f(5.0, "Tokens whose importance weight exceeds this are rejected.")
+    mode: str = _f("mask", "'mask' drops rejected tokens from the loss; 'clamp' clips their weight to 'upper'.")
+    level: str = _f(
+        "token", "'token' or 'sequence' (a sequence judged by its weight of `agg`, its tokens share that weight)."
+    )
+    lower: Optional[float] = _f(
+        None,
+        "Lower bound: tokens (sequences) whose weight is below it are rejected too; None = none. With level "
+        "'token', mode 'mask', lower 0.5 and upper 5 this is IcePop (docs/objectives.md#off-policy-corrections).",
+    )
+    agg: str = _f(
+        "mean",
+        "level 'sequence' only: the sequence's weight is exp(mean log w), the geometric mean (geometric "
+        "sequence mask), or 'sum': exp(sum log w), the sequence's importance ratio (MIS, masked importance "
+        "sampling).",
+    )
+
+    def check(self) -> None:
+        one_of(self, "metric", ("ratio", "none"))
+        one_of(self, "level", ("token", "sequence"))
+        above(self, "upper", 1)
+        one_of(self, "mode", ("mask", "clamp"))
+        one_of(self, "agg", ("mean", "sum"))
+        lo = self.lower
+        require(lo is None or 0 < lo < 1, "lower", lo, "None or in (0, 1) (a weight of 1 is on-policy)")
+        require(self.agg == "mean" or self.level == "sequence", "agg", self.agg, "'mean' unless level='sequence'")
+
+
+@dataclass
+class NormConfig(Section):
+    """Mean/std normalization levels ('group', 'batch' or 'none')."""
+
+    mean_level: str = _f("group", "Subtract the mean over: group | batch | none.")
+    std_level: str = _f("group", "Divide by the std over: group | batch | none.")
+    eps: float = _f(1e-5, "Added to the std.")
+
+    def check(self) -> None:
+        one_of(self, "mean_level", NORM_LEVELS)
+        one_of(self, "std_level", NORM_LEVELS)
+        at_least(self, "eps", 0)
 
 
 @dataclass

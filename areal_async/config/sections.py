@@ -12,14 +12,13 @@ from typing import Optional
 
 from areal_async.config.base import Section, _f, _sub, above, at_least, one_of, require, within
 from areal_async.config.gym_tasks import CurriculumConfig, apportion, parse_tasks
-from areal_async.config.objective import ObjectiveConfig, check_objective_actor
+from areal_async.config.objective import NormConfig, ObjectiveConfig, RejectionSamplingConfig, check_objective_actor
 
 TEMPLATES = ("none", "chat", "r1")  # train_dataset.template; data/templates.py renders them
 DATASET_TYPES = ("tiny_arith", "jsonl", "reasoning_gym")
 
 DTYPES = ("float32", "bfloat16", "float16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
-NORM_LEVELS = ("group", "batch", "none")
 _BACKEND_RE = re.compile(r"^(torch|sglang|vllm)(:d([1-9][0-9]*))?$")
 
 
@@ -359,53 +358,6 @@ class RolloutConfig(Section):
 
 
 @dataclass
-class RejectionSamplingConfig(Section):
-    """Behaviour-importance rejection of the decoupled loss."""
-
-    metric: str = _f("ratio", "'ratio' (exp(prox_logp - behav_logp)) or 'none'.")
-    upper: float = _f(5.0, "Tokens whose importance weight exceeds this are rejected.")
-    mode: str = _f("mask", "'mask' drops rejected tokens from the loss; 'clamp' clips their weight to 'upper'.")
-    level: str = _f(
-        "token", "'token' or 'sequence' (a sequence judged by its weight of `agg`, its tokens share that weight)."
-    )
-    lower: Optional[float] = _f(
-        None,
-        "Lower bound: tokens (sequences) whose weight is below it are rejected too; None = none. With level "
-        "'token', mode 'mask', lower 0.5 and upper 5 this is IcePop (docs/objectives.md#off-policy-corrections).",
-    )
-    agg: str = _f(
-        "mean",
-        "level 'sequence' only: the sequence's weight is exp(mean log w), the geometric mean (geometric "
-        "sequence mask), or 'sum': exp(sum log w), the sequence's importance ratio (MIS, masked importance "
-        "sampling).",
-    )
-
-    def check(self) -> None:
-        one_of(self, "metric", ("ratio", "none"))
-        one_of(self, "level", ("token", "sequence"))
-        above(self, "upper", 1)
-        one_of(self, "mode", ("mask", "clamp"))
-        one_of(self, "agg", ("mean", "sum"))
-        lo = self.lower
-        require(lo is None or 0 < lo < 1, "lower", lo, "None or in (0, 1) (a weight of 1 is on-policy)")
-        require(self.agg == "mean" or self.level == "sequence", "agg", self.agg, "'mean' unless level='sequence'")
-
-
-@dataclass
-class NormConfig(Section):
-    """Mean/std normalization levels ('group', 'batch' or 'none')."""
-
-    mean_level: str = _f("group", "Subtract the mean over: group | batch | none.")
-    std_level: str = _f("group", "Divide by the std over: group | batch | none.")
-    eps: float = _f(1e-5, "Added to the std.")
-
-    def check(self) -> None:
-        one_of(self, "mean_level", NORM_LEVELS)
-        one_of(self, "std_level", NORM_LEVELS)
-        at_least(self, "eps", 0)
-
-
-@dataclass
 class OptimizerConfig(Section):
     """AdamW with a learning-rate schedule."""
 
@@ -515,6 +467,11 @@ class ActorConfig(ObjectiveConfig):
     gradient_checkpointing: bool = _f(
         False, "Recompute each decoder layer's activations in backward instead of keeping them (less memory)."
     )
+    linears: str = _f(
+        "auto",
+        "The trainer's float32 CPU linears (lean forward and chunked head, forward and backward): onednn, oneDNN's "
+        "matmul; blas, F.linear's and autograd's (MKL); auto, onednn where timed faster here (models/lean_ops.py).",
+    )
     lora: LoraConfig = _sub(LoraConfig, "LoRA adapter training (rank 0 = off).")
     forward_ahead: bool = _f(
         True,
@@ -531,6 +488,7 @@ class ActorConfig(ObjectiveConfig):
         at_least(self, "ppo_n_minibatches", 1)
         at_least(self, "logits_chunk_tokens", 0)
         at_least(self, "logits_whole_max_mb", 0)
+        one_of(self, "linears", ("auto", "blas", "onednn"))
         super().check()
         check_objective_actor(self)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from areal_async.models import lean_ops
 from benchmarks import real_model
 from benchmarks.common import check_rows
 from benchmarks.results import real_model as render
@@ -81,14 +82,18 @@ def test_linear_shapes_are_the_models_linear_weights(model_dir):
 
 
 def test_training_rows(model_dir):
-    args = argparse.Namespace(model=str(model_dir), threads=1, tokens=64, seq=16, rounds=2, chunk_tokens=16)
+    args = argparse.Namespace(
+        model=str(model_dir), threads=1, tokens=64, seq=16, rounds=2, chunk_tokens=16, linears="blas,onednn"
+    )
     rows = real_model.training(args)
     check_rows(rows)
     steps = {r["variant"]: r for r in rows if r["metric"] == "real_model_train_step_s"}
-    assert sorted(steps) == ["bound", "hf_step", "trainer_step"] and steps["trainer_step"]["tokens"] == 64
-    assert steps["trainer_step"]["chunk_tokens"] == 0  # 64 x 300 x 4 bytes of logits: far below the limit
-    (vs,) = [r for r in rows if r["metric"] == "real_model_trainer_vs_hf_step"]
-    assert len(vs["per_round"]) == 2
+    assert sorted(steps) == ["bound", "hf_step", "trainer_step_blas", "trainer_step_onednn"]
+    assert steps["trainer_step_blas"]["tokens"] == 64
+    assert steps["trainer_step_blas"]["chunk_tokens"] == 0  # 64 x 300 x 4 bytes of logits: far below the limit
+    vs = [r for r in rows if r["metric"] == "real_model_trainer_vs_hf_step"]
+    assert [v["linears"] for v in vs] == ["blas", "onednn"] and all(len(v["per_round"]) == 2 for v in vs)
+    assert not lean_ops.onednn_chosen()  # the timed steps leave the process on F.linear
 
 
 def test_the_memory_formula_by_hand():

@@ -10,6 +10,7 @@ compute in ``model.dtype``). Rank 0 is the ``TrainerService``; ranks 1..K-1 are 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -27,6 +28,7 @@ from areal_async.base.eta import EtaMode
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.models import lora
+from areal_async.models.lean_ops import use_onednn
 from areal_async.models.tiny import load_model, load_policy, save_policy, to_dtype
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool
@@ -48,6 +50,8 @@ from areal_async.trainer.persist.record import TrainerRecord
 from areal_async.trainer.persist.recording import Recorder, machine_header
 from areal_async.trainer.service import FollowerRank, TrainerService
 from areal_async.trainer.persist.sharded_ckpt import export_adapter, export_full, has_shards, load_shards, save_shards
+
+log = logging.getLogger(__name__)
 
 
 def build_trainer(run_dir: str | Path, worker_id: str, rank: int = 0) -> TrainerService | FollowerRank:
@@ -146,6 +150,10 @@ def make_actor(cfg: ExperimentConfig, model, tok, dp: DataParallel, sharded: boo
     dtype = to_dtype(cfg.model.dtype)
     # packed training: per-sequence attention (flash-attn varlen on CUDA) instead of a dense mask
     model.set_attn_implementation(select_attn_implementation(cfg.cluster.device, dtype))
+    if cfg.cluster.device == "cpu":  # actor.linears: this process's float32 linears on oneDNN or the BLAS
+        hidden = model.config.hidden_size
+        dnn = use_onednn(cfg.actor.linears, hidden, getattr(model.config, "intermediate_size", None) or 4 * hidden)
+        log.info("trainer linears (actor.linears=%s): %s", cfg.actor.linears, "onednn" if dnn else "blas")
     return PPOActor(
         model,
         cfg.actor,

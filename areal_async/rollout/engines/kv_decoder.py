@@ -25,9 +25,7 @@ Not covered: sliding-window or hybrid attention in the lean path, paged memory, 
 
 from __future__ import annotations
 
-import functools
 import inspect
-import time
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +33,7 @@ import transformers.activations
 from transformers import DynamicCache, PreTrainedModel
 from areal_async.models.lean_ops import STATIC_ROPE_TYPES
 from areal_async.models.lean_ops import linear as _linear
+from areal_async.models.lean_ops import onednn_mm, onednn_pays, onednn_usable
 from areal_async.models.lean_ops import rms_norm as _norm
 from areal_async.rollout.engines.kv_cache import KVCache
 
@@ -52,30 +51,6 @@ def make_decoder(model: PreTrainedModel, lean: bool = True, linears: str = "auto
     if linears not in LINEAR_KERNELS:
         raise ValueError(f"linears={linears!r}: expected one of {LINEAR_KERNELS}")
     return LeanLlama(model, linears) if lean and LeanLlama.supports(model) else HFDecoder(model)
-
-
-@functools.lru_cache(maxsize=None)
-def onednn_pays(n_in: int, n_out: int, rows: int = 8) -> bool:
-    """Whether oneDNN's matmul on an (n_out, n_in) float32 weight as it is beats ``F.linear``'s by 10 % or more for
-    ``rows`` rows on this CPU (the best of 5 interleaved calls each; a few ms, once per shape and process). The BLAS
-    behind F.linear differs by CPU: on this session's AVX-512 AMD CPU oneDNN's took 0.43-0.71 of its time at
-    SmolLM2's shapes, where on an earlier machine's reordered oneDNN weights were level at 32 rows and slower at 64."""
-    if not _OneDNN.usable(torch.empty(0)):
-        return False
-    g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(n_out, n_in, generator=g), torch.randn(rows, n_in, generator=g)
-    fns = {
-        "blas": lambda: F.linear(x, w),
-        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
-    }
-    best = {k: float("inf") for k in fns}
-    with torch.inference_mode():
-        for _ in range(5):
-            for k, fn in fns.items():
-                t = time.perf_counter()
-                fn()
-                best[k] = min(best[k], time.perf_counter() - t)
-    return best["onednn"] < 0.9 * best["blas"]
 
 
 class LeanLlama:
@@ -407,16 +382,7 @@ class _OneDNN:
         self.pack = packed
         self.src = self.version = self.packed = None
 
-    @staticmethod
-    def usable(w: torch.Tensor) -> bool:
-        mkldnn = getattr(torch.ops, "mkldnn", None)
-        return (
-            w.device.type == "cpu"
-            and w.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(mkldnn, "_linear_pointwise")
-            and hasattr(mkldnn, "_reorder_linear_weight")
-        )
+    usable = staticmethod(onednn_usable)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weights()
@@ -427,8 +393,7 @@ class _OneDNN:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, x.numel() // x.shape[-1]))
                 self.src, self.version = w, version
             w = self.packed
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "").view(*x.shape[:-1], -1)
+        return onednn_mm(x.reshape(-1, x.shape[-1]).contiguous(), w, b).view(*x.shape[:-1], -1)
 
 
 def _weights_of(module: torch.nn.Linear):

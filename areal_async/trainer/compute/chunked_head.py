@@ -16,7 +16,10 @@ compares them in float64).
 Memory, with C = chunk, V = vocabulary, T = micro-batch tokens: forward holds one chunk's logits
 (C x V float32, plus the head's output in the weight dtype when it is not float32) and its
 softmax (C x V float32), backward one chunk's logits, probabilities and gradient (3 C x V float32)
-plus ``dW`` in float32 (V x E); saved for backward: h (T x E), and 2 floats per token.
+plus ``dW`` in float32 (V x E), and, where this process runs its linears on oneDNN (``lean_ops.use_onednn``),
+one chunk's ``dz^T h`` (V x E float32) before it is added: oneDNN has no in-place accumulate, and its product and
+the add took 389 ms where ``addmm_`` took 509 (C 1,024, SmolLM2's 49,152 x 576 head, 1 thread); the two other
+products 320 / 271 ms where F.linear / ``@`` took 607 / 512. Saved for backward: h (T x E), and 2 floats per token.
 Whole logits (``packing.forward_packed`` with chunking off) keep T x V float32 logits and, with an
 entropy that has a gradient, T x V float32 probabilities alive from forward to backward.
 
@@ -31,9 +34,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from areal_async.base import cores
+from areal_async.models.lean_ops import mm_t, onednn_chosen
 
 DEFAULT_CHUNK_TOKENS = 1024  # actor.logits_chunk_tokens' default (benchmarks/memory.py: its peak)
 
@@ -63,7 +66,7 @@ def head_logprobs(
 def _chunk_logits(h_CE, weight_VE, bias_V, temperature: float) -> torch.Tensor:
     """(C, V) float32 logits / temperature, computed as ``packing._logits`` does (the head in the
     weight's dtype, then float32)."""
-    z_CV = F.linear(h_CE, weight_VE, bias_V)
+    z_CV = mm_t(h_CE, weight_VE, bias_V)
     z_CV = z_CV.float() if z_CV.dtype != torch.float32 else z_CV
     return z_CV.div_(temperature)
 
@@ -103,7 +106,7 @@ class _FusedHead(torch.autograd.Function):
             dz_CV = _chunk_grad(h_TE[a:b], weight_VE, bias_V, next_T[a:b], lse_T[a:b], ent_C, g_logp_C, g_ent_C, temp)
             dz_CV = dz_CV.to(h_TE.dtype)
             if need_h:
-                dh_TE[a:b] = dz_CV @ weight_VE
+                dh_TE[a:b] = mm_t(dz_CV, weight_VE.t())  # dz W
             if need_w:
                 _accumulate(dw_VE, dz_CV.t(), h_TE[a:b])
             if need_b:
@@ -116,7 +119,9 @@ class _FusedHead(torch.autograd.Function):
 def _accumulate(acc_VE: torch.Tensor, dzt_VC: torch.Tensor, h_CE: torch.Tensor) -> None:
     """acc += dz^T h: in place when the operands are float32, else through one V x E product in
     their dtype (as autograd's whole-logits backward computes dW, per chunk here)."""
-    if dzt_VC.dtype == torch.float32:
+    if onednn_chosen() and dzt_VC.dtype == h_CE.dtype == torch.float32 and h_CE.device.type == "cpu":
+        acc_VE.add_(mm_t(dzt_VC, h_CE.t()))  # oneDNN's product into a V x E temporary: still the faster (module doc)
+    elif dzt_VC.dtype == torch.float32:
         acc_VE.addmm_(dzt_VC, h_CE)
     else:
         acc_VE.add_(dzt_VC @ h_CE)

@@ -473,20 +473,20 @@ def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(l
 def test_auto_takes_onednn_only_where_it_timed_faster(monkeypatch):
     """``onednn_pays`` against timings given by hand: oneDNN at 0.89 of F.linear's best time pays, at 0.91 not (the
     10 % margin), the best of the calls counted (one slow call does not decide), and without oneDNN never."""
-    from areal_async.rollout.engines import kv_decoder
+    from areal_async.models import lean_ops
 
     def timed(blas: list[float], onednn: list[float]) -> bool:
         clock = iter(x for pair in zip(blas, onednn) for t in pair for x in (0.0, t))  # start, end per call
-        monkeypatch.setattr(kv_decoder.time, "perf_counter", lambda: next(clock))
-        kv_decoder.onednn_pays.cache_clear()
-        return kv_decoder.onednn_pays(16, 24)
+        monkeypatch.setattr(lean_ops.time, "perf_counter", lambda: next(clock))
+        lean_ops.onednn_pays.cache_clear()
+        return lean_ops.onednn_pays(16, 24)
 
     assert timed([1.0] * 5, [0.89] * 5) and not timed([1.0] * 5, [0.91] * 5)
     assert timed([1.0, 1.0, 1.0, 1.0, 1.0], [5.0, 5.0, 0.8, 5.0, 5.0])  # the best of 5
-    monkeypatch.setattr(kv_decoder._OneDNN, "usable", staticmethod(lambda w: False))
-    kv_decoder.onednn_pays.cache_clear()
-    assert not kv_decoder.onednn_pays(16, 24)
-    kv_decoder.onednn_pays.cache_clear()
+    monkeypatch.setattr(lean_ops, "onednn_usable", lambda w: False)
+    lean_ops.onednn_pays.cache_clear()
+    assert not lean_ops.onednn_pays(16, 24)
+    lean_ops.onednn_pays.cache_clear()
 
 
 def test_samples_ending_at_different_steps_come_back_whole_across_compactions():
