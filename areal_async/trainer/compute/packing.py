@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from areal_async.trainer.compute import lean_forward
+from areal_async.models.lean_ops import linear as module_linear
 from areal_async.trainer.compute.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs, whole_logprobs
 from protocols.trajectories import Segmented
 
@@ -57,6 +58,10 @@ class PackedBatch:
     # only within itself); None: the sequences' own
     attn_cu: Optional[torch.Tensor] = None
     attn_max: int = 0
+    # the positions whose logprobs (entropies) are read, int64 ascending (the trainer's: each sequence's output
+    # tokens' scorers, ``logprobs.tail_index``): ``forward_packed`` runs the lm head on these alone and returns 0
+    # elsewhere, as TRL's ``logits_to_keep`` does; None: every position
+    scored_T: Optional[torch.Tensor] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -72,6 +77,7 @@ class PackedBatch:
 
     def to(self, device: torch.device | str) -> "PackedBatch":
         attn = None if self.attn_cu is None else self.attn_cu.to(device)
+        scored = None if self.scored_T is None else self.scored_T.to(device)
         return PackedBatch(
             self.ids_T.to(device),
             self.position_ids_T.to(device),
@@ -79,6 +85,7 @@ class PackedBatch:
             self.max_seqlen,
             attn,
             self.attn_max,
+            scored,
         )
 
 
@@ -470,6 +477,9 @@ def forward_packed(
     device = next(model.parameters()).device
     packed = packed.to(device)
     next_T = torch.roll(packed.ids_T, -1)
+    if packed.scored_T is not None and _head(model) is not None and not lean_forward._is_fsdp(model):
+        return _scored_logprobs(model, packed, next_T, temperature, with_entropy, entropy_grad, lean, chunk_tokens,
+                                whole_max_bytes)  # fmt: skip
     T = packed.ids_T.numel()
     head = _head(model) if 0 < chunk_tokens < T else None
     if head is not None and not use_chunked_head(T, head.weight.shape[0], chunk_tokens, whole_max_bytes):
@@ -483,6 +493,30 @@ def forward_packed(
             return _through_root(model, head, packed, fused)
         return fused(_hidden(model, packed, lean), head.weight, head.bias)
     return _whole_logprobs(_logits(model, packed, lean), next_T, temperature, with_entropy, entropy_grad)
+
+
+def _scored_logprobs(model, packed: PackedBatch, next_T, temperature, with_entropy, entropy_grad, lean, chunk_tokens,
+                     whole_max_bytes) -> tuple[torch.Tensor, Optional[torch.Tensor]]:  # fmt: skip
+    """``forward_packed`` with the lm head on ``packed.scored_T`` only (a plain head, not FSDP-sharded): the
+    hidden states of every position, those rows selected, the head (chunked or whole, chosen by their count), then
+    scattered into (T,) zeros. The same values at the scored positions (the rows a head computes are independent);
+    a prompt of P tokens and an output of O costs the head O rows instead of P + O."""
+    head = _head(model)
+    h_TE = _hidden(model, packed, lean)
+    S, T = packed.scored_T, h_TE.shape[0]
+    h_SE, next_S = h_TE.index_select(0, S), next_T.index_select(0, S)
+    n = S.numel()
+    if 0 < chunk_tokens < n and use_chunked_head(n, head.weight.shape[0], chunk_tokens, whole_max_bytes):
+        logp_S, ent_S = head_logprobs(h_SE, head.weight, head.bias, next_S, temperature, chunk_tokens, with_entropy,
+                                      entropy_grad)  # fmt: skip
+    else:
+        logits_SV = module_linear(head, h_SE)  # the head module's F.linear (or oneDNN's: actor.linears)
+        logp_S, ent_S = _whole_logprobs(logits_SV, next_S, temperature, with_entropy, entropy_grad)
+
+    def spread(v_S: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if v_S is None else v_S.new_zeros(T).index_copy(0, S, v_S)
+
+    return spread(logp_S), spread(ent_S)
 
 
 def use_chunked_head(tokens: int, vocab: int, chunk_tokens: int, whole_max_bytes: int = 0) -> bool:

@@ -296,3 +296,32 @@ def test_whole_logits_with_the_entropy_as_statistic_equal_the_written_out_float6
     assert got.keys() == ref.keys()
     for name in ref:
         assert_rel_close(got[name], ref[name])
+
+
+@pytest.mark.parametrize("lean", [True, False])
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_the_head_runs_on_the_scored_positions_only(lean, chunk, monkeypatch):
+    """``PackedBatch.scored_T`` (the trainer's output-token scorers): the head sees those rows alone (counted
+    where it runs), their logprobs, entropies and every gradient of a loss on them equal the whole-logits
+    computation written out here (float64), and every other position is 0."""
+    from areal_async.trainer.compute import packing
+
+    model, packed = model64(VARLEN_IMPL), packed_batch()  # sequences of 9, 4, 12 tokens at 0, 9, 13
+    scored = torch.tensor([3, 4, 5, 6, 7, 11, 20, 21, 22, 23])  # outputs after prompts of 4, 3 and 8 tokens
+    packed.scored_T = scored
+    rows = []
+    real_head, real_linear = packing.head_logprobs, packing.module_linear
+    monkeypatch.setattr(packing, "head_logprobs", lambda h, *a: rows.append(h.shape[0]) or real_head(h, *a))
+    monkeypatch.setattr(packing, "module_linear", lambda m, h: rows.append(h.shape[0]) or real_linear(m, h))
+    ref_logp, ref_ent = whole(model, packed, 0.7)
+    ref = grads(model, loss_of(ref_logp[scored], ref_ent[scored]))
+    logp, ent = forward_packed(model, packed, 0.7, with_entropy=True, lean=lean, chunk_tokens=chunk)
+    assert rows == [10]  # one head call on the 10 scored rows (chunked or whole), not 25
+    rest = torch.ones(25, dtype=torch.bool).index_fill_(0, scored, False)
+    assert not logp[rest].any() and not ent[rest].any()
+    assert_rel_close(logp[scored], ref_logp[scored])
+    assert_rel_close(ent[scored], ref_ent[scored])
+    got = grads(model, loss_of(logp[scored], ent[scored]))
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert_rel_close(got[name], ref[name])

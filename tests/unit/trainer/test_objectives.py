@@ -324,7 +324,7 @@ def _counted_forwards(cfg):
     model = tiny_model()
     trajs = make_trajs(model, n_each=3)
     calls = []
-    model.register_forward_hook(lambda *a: calls.append(1))
+    model.model.embed_tokens.register_forward_hook(lambda *a: calls.append(1))  # once a forward, whichever path
     actor = PPOActor(model, cfg, 1.0, 10, max_new_tokens=4, eos_token_ids=[])
     m = actor.train_step(trajs)
     return len(calls), m
