@@ -5,6 +5,7 @@ per-call overhead."""
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import torch
@@ -30,6 +31,13 @@ def linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 # the three products of a linear's step (Y = X W^T, dX = dY W, dW = dY^T X; docs/performance-notes.md). The
 # trainer turns it on per process (actor.linears); it is off by default, so every other caller keeps F.linear.
 LINEAR_KERNELS = ("auto", "blas", "onednn")
+# oneDNN's primitive cache and ideep's (PyTorch's oneDNN layer) keep 1,024 entries each by default, every one of
+# them holding memory; a trainer's micro-batches differ in length, so each makes new shapes (~25: 7 weights x 3
+# products, the head). 6 steps of 4 SmolLM2 micro-batches of 400-520 tokens (1 thread, glibc's mmap threshold at
+# 1 MiB as the fleet sets it) grew the peak RSS 2.63 -> 3.14 GB, F.linear's 2.56 -> 2.67. At 32 entries, which
+# hold one micro-batch's shapes: 2.61 -> 2.74 GB, and no slower (9.6-10.7 s a step; F.linear's 16.5-18.0). Set for
+# the process (unless the environment sets them) before its first oneDNN primitive, which reads them.
+ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 32, "LRU_CACHE_CAPACITY": 32}
 _ONEDNN = [False]  # this process's choice (use_onednn)
 
 
@@ -73,6 +81,9 @@ def use_onednn(kernel: str, n_in: int, n_out: int) -> bool:
     the trainer sets it once, before its first forward."""
     if kernel not in LINEAR_KERNELS:
         raise ValueError(f"linears={kernel!r}: expected one of {LINEAR_KERNELS}")
+    if kernel != "blas":
+        for name, entries in ONEDNN_CACHES.items():
+            os.environ.setdefault(name, str(entries))  # read at the first oneDNN primitive: before any is made
     usable = onednn_usable(torch.empty(0))
     if kernel == "onednn" and not usable:
         raise ValueError("linears='onednn': this torch has no oneDNN matmul (torch.ops.mkldnn._linear_pointwise)")

@@ -124,3 +124,17 @@ def test_the_trainers_step_on_onednn_equals_float64(onednn, monkeypatch, chunk):
     grads = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         assert rel(p.grad, grads[name].grad) < 1e-5, name
+
+
+def test_onednn_bounds_its_caches_unless_the_environment_says(monkeypatch):
+    """Choosing oneDNN sets both shape caches to 32 entries (read at the process's first oneDNN primitive), keeps
+    a value the environment gives, and 'blas' sets nothing."""
+    for name in lean_ops.ONEDNN_CACHES:
+        monkeypatch.delenv(name, raising=False)
+    lean_ops.use_onednn("blas", 8, 8)
+    assert not any(name in lean_ops.os.environ for name in lean_ops.ONEDNN_CACHES)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    lean_ops.use_onednn("onednn", 8, 8)
+    lean_ops.use_onednn("blas", 8, 8)
+    assert lean_ops.os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "32"
+    assert lean_ops.os.environ["LRU_CACHE_CAPACITY"] == "7"
