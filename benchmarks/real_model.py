@@ -48,12 +48,13 @@ with its ratio rows.
 given: ``trainer_step_K`` = ``packing.forward_packed`` as the trainer calls it (lean forward; the chunked head
 when ``trainer.packing.use_chunked_head`` says the whole logits would be too large, else whole logits;
 the entropy as a statistic) + ``backward``, with ``actor.linears`` K (``lean_ops.use_onednn``, as the trainer
-worker sets it; back to F.linear after each call) for each K of ``--linears``; ``hf_step`` = HF's forward (varlen 'packed_sdpa' attention) +
-log_softmax + gather + backward; ``bound`` = ``gemm_bound``'s GEMMs of forward and backward (lm head
-included). Interleaved rounds (``gemm_bound.interleaved``). Rows: ``real_model_train_step_s`` per variant and
-``real_model_trainer_vs_hf_step`` (the trainer's step time over HF's, median of per-round ratios; target
-<= 1 / 0.9) and the trainer's fraction of the bound, per kernel (``linears``; the bound is ``torch.mm``'s, which
-oneDNN's products can beat).
+worker sets it; back to F.linear after each call) for each K of ``--linears``; ``hf_step`` = HF's forward
+(varlen 'packed_sdpa' attention) + log_softmax + gather + backward; ``bound`` = ``gemm_bound``'s GEMMs of
+forward and backward (lm head included). Interleaved rounds (``gemm_bound.interleaved``). Rows:
+``real_model_train_step_s`` per variant and ``real_model_trainer_vs_hf_step`` (the trainer's step time over
+HF's, median of per-round ratios; target <= 1 / 0.9) and the trainer's fraction of the bound, per kernel
+(``linears``; the bound is ``torch.mm``'s, which oneDNN's products can beat). Every position is scored here
+(random sequences, no prompt): the trainer's head-only-where-scored saving is not in these rows.
 
 **memory**: each case in a fresh child process, its peak RSS (VmHWM, reset by ``/proc/self/clear_refs`` before
 the measured work) beside a prediction by term (``predict_trainer``, ``predict_engine``; the runtime term is the

@@ -221,7 +221,8 @@ def real_model(rows: list[dict]) -> list[str]:
     figure and target; the settings of each generator below."""
     lines = []
     for r in rows:
-        what = " ".join(str(r[k]) for k in ("generator", "engine", "linears", "variant", "case") if k in r) or r["metric"]
+        named = ("generator", "engine", "linears", "variant", "case")
+        what = " ".join(str(r[k]) for k in named if k in r) or r["metric"]
         lines.append(
             [
                 r["metric"].removeprefix("real_model_"),
