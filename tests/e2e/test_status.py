@@ -85,8 +85,12 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
     assert second.version >= first.version + 5 and second.next_step >= first.next_step + 5
     t1, t2 = (next(w for w in r.workers if w["role"] == "trainer") for r in (first, second))
     assert t2["version"] == second.version > t1["version"] and t2["samples"] > t1["samples"] > 0
-    for r in (first, second):  # rollout workers load versions at most one behind the trainer's (eta = 1 + in flight)
-        assert all(r.version - 2 <= w["version"] <= r.version for w in r.workers if w["role"] == "rollout")
+    # a rollout worker's loaded version is one the trainer published (never ahead of it; -1: none loaded yet); how far
+    # behind it is at one instant is timing, not an invariant (CI saw more than 2 behind once the trainer ran on
+    # oneDNN; the staleness bound holds for the trained samples, which `verify` checks in the tests that end their
+    # runs): beyond that, only that the versions advance is asserted
+    for r in (first, second):
+        assert all(-1 <= w["version"] <= r.version for w in r.workers if w["role"] == "rollout")
     assert max(w["version"] for w in second.workers if w["role"] == "rollout") > max(
         w["version"] for w in first.workers if w["role"] == "rollout"
     )
