@@ -466,7 +466,8 @@ def forward_packed(
     (``use_chunked_head``): below it the chunked head's one more head matmul in backward buys nothing.
 
     entropy_grad=False computes the entropy as a statistic only (no (T, V) softmax kept for
-    backward).
+    backward). ``packed.scored_T`` (set by the trainer): the head runs on those positions only
+    (``_scored_logprobs``), every other position's values are 0.
     The last position of each sequence scores the next sequence's first token: meaningless,
     dropped by ``unpack``. Logits are taken in float32 whatever the model dtype.
     """
