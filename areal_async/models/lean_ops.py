@@ -102,17 +102,22 @@ def onednn_mm(x_NK: torch.Tensor, w_MK: torch.Tensor, b_M: torch.Tensor | None =
     return torch.ops.mkldnn._linear_pointwise(x_NK, w_MK, b_M, "none", [], "")
 
 
+def runs_on_onednn(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``x w^T`` runs on oneDNN: this process chose it, both float32 on the CPU, at least one row."""
+    return _ONEDNN[0] and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and x.numel() > 0
+
+
 def mm_t(x_NK: torch.Tensor, w_MK: torch.Tensor, b_M: torch.Tensor | None = None) -> torch.Tensor:
     """x w^T (+ b) of 2-D tensors, no autograd (inside an autograd function's forward or backward): on
     ``onednn_mm`` where this process chose oneDNN and both are float32 CPU tensors, else F.linear's."""
-    if _ONEDNN[0] and x_NK.dtype == w_MK.dtype == torch.float32 and x_NK.device.type == "cpu" and x_NK.numel():
+    if runs_on_onednn(x_NK, w_MK):
         return onednn_mm(x_NK, w_MK, b_M)
     return F.linear(x_NK, w_MK, b_M)
 
 
 def any_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)``, with autograd; on oneDNN's matmul where this process chose it and it can."""
-    if _ONEDNN[0] and x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and x.numel():
+    if runs_on_onednn(x, w):
         return _OneDNNLinear.apply(x, w, b)
     return F.linear(x, w, b)
 

@@ -283,16 +283,25 @@ def stopped_holding(run_dir: Path, proc: subprocess.Popen, rollout: tuple[str, i
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         return next(w["groups"] for w in query_status(run_dir, timeout_s=20).workers if w["worker_id"] == wid)
 
-    while time.monotonic() < deadline:
-        if held():
-            os.kill(reward_pid, signal.SIGSTOP)
-            time.sleep(0.5)  # what either sent before it stopped reaches the scheduler
-            if n := held():
-                return n
-            os.kill(reward_pid, signal.SIGCONT)
-        time.sleep(0.2)
-    stop(proc)
-    raise AssertionError(f"the scheduler put no group on the stopped {wid} within 120 s")
+    try:
+        while time.monotonic() < deadline:
+            if held():
+                os.kill(reward_pid, signal.SIGSTOP)
+                time.sleep(0.5)  # what either sent before it stopped reaches the scheduler
+                if n := held():
+                    return n
+                os.kill(reward_pid, signal.SIGCONT)
+            time.sleep(0.2)
+        raise AssertionError(f"the scheduler put no group on the stopped {wid} within 120 s")
+    except BaseException:  # resumed, so the supervisor's SIGTERM is acted on, then the fleet stopped
+        for p in (pid, reward_pid):
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:  # already gone
+                pass
+        if proc.poll() is None:
+            stop(proc)
+        raise
 
 
 def test_killed_rollout_and_reward_workers_are_restarted_and_the_books_stay_exact(tmp_path):

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from areal_async.base import cores
-from areal_async.models.lean_ops import mm_t, onednn_chosen
+from areal_async.models.lean_ops import mm_t, runs_on_onednn
 
 DEFAULT_CHUNK_TOKENS = 1024  # actor.logits_chunk_tokens' default (benchmarks/memory.py: its peak)
 
@@ -119,7 +119,7 @@ class _FusedHead(torch.autograd.Function):
 def _accumulate(acc_VE: torch.Tensor, dzt_VC: torch.Tensor, h_CE: torch.Tensor) -> None:
     """acc += dz^T h: in place when the operands are float32, else through one V x E product in
     their dtype (as autograd's whole-logits backward computes dW, per chunk here)."""
-    if onednn_chosen() and dzt_VC.dtype == h_CE.dtype == torch.float32 and h_CE.device.type == "cpu":
+    if runs_on_onednn(dzt_VC, h_CE):
         acc_VE.add_(mm_t(dzt_VC, h_CE.t()))  # oneDNN's product into a V x E temporary: still the faster (module doc)
     elif dzt_VC.dtype == torch.float32:
         acc_VE.addmm_(dzt_VC, h_CE)

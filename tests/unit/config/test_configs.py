@@ -96,6 +96,7 @@ BAD = [
     ("actor.optimizer.lr=[1]", "actor.optimizer.lr", "number"),
     ("sglang.mem_fraction_static=1.5", "sglang.mem_fraction_static", "(0, 1]"),  # out of range
     ("rollout.engine_linears=mkl", "rollout.engine_linears", "auto | blas | onednn | packed"),  # not one of the kernels
+    ("actor.linears=packed", "actor.linears", "auto | blas | onednn"),  # the trainer keeps no packed copies
     ("actor.eps_clip=0", "actor.eps_clip", "> 0"),
     ("sft.batch_size=0", "sft.batch_size", ">= 1"),
     ("rollout.backend=sglang:d0", "rollout.backend", "sglang:dN"),
