@@ -105,6 +105,7 @@ def _py_spy(run_dir: Path, wid: str, pid: int) -> Optional[str]:
         res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"py-spy failed: {e}"
+    out.parent.mkdir(parents=True, exist_ok=True)  # a worker that never wrote its own stacks file has no folder yet
     out.write_text(res.stdout + res.stderr)
     return out.name if res.returncode == 0 else f"py-spy exited {res.returncode}: {res.stderr.strip()[:200]}"
 

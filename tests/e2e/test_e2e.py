@@ -62,9 +62,10 @@ def test_eta_zero_is_on_policy(tmp_path):
     run_ok(tmp_path / "run", "rollout.max_head_offpolicyness=0")
     trained = check_books(tmp_path / "run", eta=0)
     assert all(t["version_min"] == t["version_max"] == t["train_step"] for t in trained)
-    # the step's first forward ran while its rewards were scored (actor.forward_ahead), in most steps
+    # the step's first forward ran while its rewards were scored (actor.forward_ahead) in some step: how many is a
+    # race between the tensors and the plan (each case by itself: test_trainer_service's forward-ahead tests)
     ahead = [m["ahead_s"] for m in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
-    assert sum(a > 0 for a in ahead) >= 3, ahead
+    assert all(a >= 0 for a in ahead) and sum(a > 0 for a in ahead) >= 1, ahead
 
 
 # SIGTERM stops every process the run started, leaving no shared memory: tests/e2e/test_e2e_liveness.py's
@@ -81,6 +82,7 @@ def test_a_dead_worker_fails_the_run_loudly(tmp_path):
         text=True,
     )
     wait_for_metrics(run_dir, proc)
+    wait_registered(run_dir, proc, ["rollout-1"])  # it has started and logged: its last lines are shown
     started = descendants(proc.pid)
     victim = json.loads((run_dir / "pids.json").read_text())["rollout-1"]
     os.kill(victim, signal.SIGKILL)

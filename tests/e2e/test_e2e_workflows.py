@@ -132,7 +132,10 @@ def test_a_hanging_workflow_fails_the_run_within_the_episode_bound_naming_it(tmp
     sched = (run_dir / "logs" / "scheduler.log").read_text()
     t_ready = _log_time(sched, "trainer ready at version 0")
     t_fail = _log_time(sched, "reported workflow_failed")
-    assert bound - 0.5 <= t_fail - t_ready <= bound + 5.0, (t_ready, t_fail)
+    # the episode bound failed it, not a watchdog; the upper slack covers admission, the weights' load and the
+    # report on a loaded runner (the lower bound is the invariant: no episode is given up before its bound)
+    assert "no trainer step for" not in err and "declared lost" not in err
+    assert bound - 0.5 <= t_fail - t_ready <= bound + 15.0, (t_ready, t_fail)
     assert "0 still live (leaked)" in (run_dir / "logs" / "rollout-0.log").read_text()
 
 

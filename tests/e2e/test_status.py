@@ -76,7 +76,9 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
         }
         assert {w["role"] for w in r.workers} == {"trainer", "rollout", "reward"}
         assert all(
-            w["host"] == socket.gethostname() and w["state"] == "alive" and w["restarts"] == 0 for w in r.workers
+            # "silent": no heartbeat for 2 heartbeat_s at that instant (a loaded runner), not lost: never restarted
+            w["host"] == socket.gethostname() and w["state"] in ("alive", "silent") and w["restarts"] == 0
+            for w in r.workers
         )
         assert r.admitted >= r.running >= 0 and r.samples_trained == 16 * r.next_step and r.total_steps == TOTAL_STEPS
         # the groups out on each rollout worker add up to the groups running; no other role holds one
@@ -95,7 +97,8 @@ def test_status_of_a_live_run_shows_every_worker_and_advancing_versions(tmp_path
         w["version"] for w in first.workers if w["role"] == "rollout"
     )
     assert cli.returncode == 0, cli.stderr
-    assert "groups: admitted" in cli.stdout and cli.stdout.count(" alive ") == 4 and "rollout-1" in cli.stdout
+    assert "groups: admitted" in cli.stdout and "rollout-1" in cli.stdout
+    assert cli.stdout.count(" alive ") + cli.stdout.count(" silent ") == 4
     for r in (first, second):  # a healthy run: the oldest open work is held by a worker, named with its role
         assert r.overdue.split(" (")[0] in ("rollout", "reward", "trainer"), r.overdue
     assert "oldest unfinished work: " in cli.stdout
