@@ -472,6 +472,13 @@ class ActorConfig(ObjectiveConfig):
         "The trainer's float32 CPU linears (lean forward and chunked head, forward and backward): onednn, oneDNN's "
         "matmul; blas, F.linear's and autograd's (MKL); auto, onednn where timed faster here (models/lean_ops.py).",
     )
+    share_prompts: bool = _f(
+        True,
+        "Run each group's prompt once through the layers, its samples' outputs as branches attending to it "
+        "(trainer/compute/shared_prefix.py): the same logprobs and gradients up to float rounding, on fewer "
+        "tokens. Applies on the lean forward (Llama/Qwen2, not FSDP) with one trainer rank; elsewhere each "
+        "sample is laid out whole.",
+    )
     lora: LoraConfig = _sub(LoraConfig, "LoRA adapter training (rank 0 = off).")
     forward_ahead: bool = _f(
         True,

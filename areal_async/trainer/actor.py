@@ -51,7 +51,8 @@ from areal_async.trainer.compute.logprobs import MicroBatchOut, iter_micro_batch
 from areal_async.trainer.algo.loss import LossStats, agg_scale, count_kept_tokens, loglinear_prox, policy_loss
 from areal_async.trainer.algo.mismatch import GapCollector, mismatch_metrics
 from areal_async.trainer.compute.optim import build_lr_scheduler, build_optimizer, clip_grad_norm
-from areal_async.trainer.compute.packing import PackedBatch, forward_packed, pack
+from areal_async.trainer.compute.packing import PackedBatch, forward_packed, pack, runs_lean
+from areal_async.trainer.compute.shared_prefix import allocate_runs, prompt_runs, share_prefixes
 from protocols.trajectories import Trajectory, TrajectoryBatch
 
 ModelOrLoader = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
@@ -73,9 +74,13 @@ class _Batch:
     (``TrajectoryBatch.of_samples``: views of a message's when the rows lie end to end in it, else
     one copy), in their declared dtypes."""
 
-    def __init__(self, trajs: Sequence[Trajectory], device: torch.device):
+    def __init__(self, trajs: Sequence[Trajectory], device: torch.device, share_prompts: bool = False):
         cols = TrajectoryBatch.of_samples(trajs)
         self.seqs = [t.seq_parts for t in trajs]  # (prompt, output) tensors: pack copies each token once
+        # a group's samples share their prompt in the forward (actor.share_prompts): group ids to find the runs
+        self.keys = (
+            [t.group_id if type(s) is tuple else None for t, s in zip(trajs, self.seqs)] if share_prompts else None
+        )
         self.n_prompt = [t.prompt_ids.numel() for t in trajs]
         self.n_out = cols.lengths
         self.lengths = [p + o for p, o in zip(self.n_prompt, self.n_out)]
@@ -103,8 +108,24 @@ class _Batch:
             p = pack([self.seqs[i] for i in indices])
             # the lm head runs only where an output token is scored (what MicroBatchOut.tails reads)
             p.scored_T = tail_index(p.cu_seqlens, [self.n_prompt[i] - 1 for i in indices])
+            runs = self.prompt_runs(indices)
+            if len(runs) < len(indices):
+                n_prompt, n_out = [self.n_prompt[i] for i in indices], [self.n_out[i] for i in indices]
+                p.shared = share_prefixes(p.ids_T, p.position_ids_T, n_prompt, n_out, runs)
             self._packed[key] = p
         return self._packed[key]
+
+    def prompt_runs(self, indices: Sequence[int]) -> list[int]:
+        """The runs of ``indices`` that share their prompt (``shared_prefix.prompt_runs``); ones without sharing."""
+        if self.keys is None:
+            return [1] * len(indices)
+        return prompt_runs([self.keys[i] for i in indices], [self.seqs[i][0] for i in indices])
+
+    def allocation(self, indices: Sequence[int], budget: int, oversize: str) -> list[list[int]]:
+        """Micro-batches of ``indices`` under the token budget, whole runs of a shared prompt each."""
+        n_prompt, n_out = [self.n_prompt[i] for i in indices], [self.n_out[i] for i in indices]
+        mbs = allocate_runs(self.prompt_runs(indices), n_prompt, n_out, budget, oversize)
+        return [[indices[j] for j in mb] for mb in mbs]
 
     def token_index(self, indices: Sequence[int]) -> Optional[torch.Tensor]:
         """Positions of the output tokens of trajectories ``indices`` (in that order) in the
@@ -229,6 +250,11 @@ class PPOActor:
     # ---------------------------------------------------------------------------------------
 
     @property
+    def shares_prompts(self) -> bool:
+        """``actor.share_prompts`` where it applies: the lean forward runs the model (``shared_prefix``), one rank."""
+        return self.cfg.share_prompts and not self.dp.active and runs_lean(self.model)
+
+    @property
     def can_forward_ahead(self) -> bool:
         """Whether the update's first forward can run before the scores are known: one PPO minibatch
         (its forward runs on the step's starting weights), no KL penalty (the advantages need no
@@ -256,7 +282,7 @@ class PPOActor:
             )
         if not trajs:
             raise ValueError("forward_ahead got no trajectories; expected a non-empty batch")
-        batch = _Batch(trajs, self.device)
+        batch = _Batch(trajs, self.device, self.shares_prompts)
         self.model.train()
         micro_batches = self._update_micro_batches(batch, list(range(len(trajs))))
         first = next(micro_batches)  # the forward: the rest of the micro-batches run in the update
@@ -355,7 +381,7 @@ class PPOActor:
 
     def _prepare(self, trajs: Sequence[Trajectory], batch: Optional[_Batch] = None) -> _Batch:
         """``batch``: these trajectories' (built ahead); its advantages are set here from their scores."""
-        batch = _Batch(trajs, self.device) if batch is None else batch
+        batch = _Batch(trajs, self.device, self.shares_prompts) if batch is None else batch
         if self._prox_forward:
             batch.prox = self._output_logprobs(self.model, batch)
         ref = self._output_logprobs(self.ref_model, batch) if self.cfg.kl_ctl > 0 else None
@@ -402,8 +428,11 @@ class PPOActor:
         zero-loss padding forwards (and backwards when ``grad``) as it takes to run the same
         count as the busiest rank: FSDP's gathers and reductions are collectives."""
         mb = self.cfg.mb_spec
-        per_rank, n_mb = rank_micro_batches(batch.lengths, shares, mb.max_tokens_per_mb, mb.oversize)
-        own = per_rank[self.dp.rank]
+        if batch.keys is not None:  # prompts shared (one rank): micro-batches of whole runs
+            own, n_mb = batch.allocation(shares[0], mb.max_tokens_per_mb, mb.oversize), 0
+        else:
+            per_rank, n_mb = rank_micro_batches(batch.lengths, shares, mb.max_tokens_per_mb, mb.oversize)
+            own = per_rank[self.dp.rank]
         share = shares[self.dp.rank]
         pos = {i: j for j, i in enumerate(share)}
         alloc = [[pos[i] for i in m] for m in own]

@@ -12,7 +12,9 @@ token-major, (T, heads, head dim), and rotary is two multiplies and a roll on it
 Same arithmetic as HF's Llama/Qwen2 layers, up to float rounding: RMSNorm in float32 then the
 weight, rotary ``x cos + rotate_half(x) sin`` (written ``x cos + roll(x) sin'`` with the first
 half of sin negated, the same products), the same causal attention per sequence (the varlen
-plan's length buckets, one ``scaled_dot_product_attention`` each), ``down(act(gate) * up)``.
+plan's length buckets, one ``scaled_dot_product_attention`` each), ``down(act(gate) * up)``. A batch whose
+samples share their prompt runs each prompt once (``shared_prefix``): the plan's buckets then carry the branch
+masks.
 
 Covered: Llama and Qwen2 with full attention (no sliding window), any GQA ratio, q/k/v biases,
 tied embeddings, float32 or lower-precision weights, no attention dropout. Everything else
@@ -111,7 +113,8 @@ def _attention(attn, h_TE: torch.Tensor, cos_T1D, sin_T1D, plan) -> torch.Tensor
         N, L = b.gather_NL.shape
         flat = b.gather_NL.reshape(-1)
         qb, kb, vb = (x.index_select(0, flat).view(N, L, H, D).transpose(1, 2) for x in (q, k, v))
-        o_NHLD = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=attn.scaling)
+        causal = b.mask is None  # else a shared prefix's branch mask (causal within the branches)
+        o_NHLD = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, is_causal=causal, scale=attn.scaling)
         outs.append(o_NHLD.transpose(1, 2).reshape(N * L, H * D).index_select(0, b.real))
     o_TX = (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, plan.inverse_T)
     return _linear(attn.o_proj, o_TX)

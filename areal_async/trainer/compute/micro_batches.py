@@ -169,6 +169,16 @@ def _balanced(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return _rebalance(ffd, lengths, max_rounds=4 * len(lengths))
 
 
+def refuse_oversize(lengths: Sequence[int], max_tokens_per_mb: int) -> None:
+    """``ValueError`` naming the first sequence over the budget (oversize='error'), if any."""
+    i = next((i for i, n in enumerate(lengths) if n > max_tokens_per_mb), None)
+    if i is not None:
+        raise ValueError(
+            f"sequence {i} has {lengths[i]} tokens, over the micro-batch budget "
+            f"max_tokens_per_mb={max_tokens_per_mb}; raise the budget or set oversize='own_mb'"
+        )
+
+
 def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int, oversize: str = "error") -> list[list[int]]:
     """Partition sequence indices into micro-batches whose token sums are <= max_tokens_per_mb.
 
@@ -180,11 +190,7 @@ def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int, overs
         raise ValueError(f"oversize={oversize!r}: expected 'error' or 'own_mb'")
     big = [i for i, n in enumerate(lengths) if n > max_tokens_per_mb]
     if big and oversize == "error":
-        i = big[0]
-        raise ValueError(
-            f"sequence {i} has {lengths[i]} tokens, over the micro-batch budget "
-            f"max_tokens_per_mb={max_tokens_per_mb}; raise the budget or set oversize='own_mb'"
-        )
+        refuse_oversize(lengths, max_tokens_per_mb)
     if not big and sum(lengths) <= max_tokens_per_mb:  # everything fits one micro-batch
         return [list(range(len(lengths)))]
     small = [i for i, n in enumerate(lengths) if n <= max_tokens_per_mb]

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from areal_async.trainer.compute import lean_forward
 from areal_async.models.lean_ops import linear as module_linear
 from areal_async.trainer.compute.chunked_head import DEFAULT_CHUNK_TOKENS, head_logprobs, whole_logprobs
+from areal_async.trainer.compute.shared_prefix import SharedPrefix, branch_mask
 from protocols.trajectories import Segmented
 
 _FLASH_IMPLS = ("flash_attention_2", "flash_attention_3")
@@ -62,6 +63,9 @@ class PackedBatch:
     # tokens' scorers, ``logprobs.tail_index``): ``forward_packed`` runs the lm head on these alone and returns 0
     # elsewhere, as TRL's ``logits_to_keep`` does; None: every position
     scored_T: Optional[torch.Tensor] = None
+    # the runs of sequences that share their prompt laid out once (``shared_prefix``): the lean forward runs
+    # these tokens and gathers each position's hidden state back; None (or another forward): the sequences
+    shared: Optional[SharedPrefix] = None
 
     @property
     def lengths(self) -> list[int]:
@@ -86,6 +90,7 @@ class PackedBatch:
             attn,
             self.attn_max,
             scored,
+            None if self.shared is None else self.shared.to(device),
         )
 
 
@@ -248,10 +253,12 @@ BUCKET_RATIO = 0.75  # a length bucket holds sequences of >= 0.75 x its longest:
 @dataclass
 class _Bucket:
     """Sequences padded to one length L: ``gather_NL`` indexes the packed tokens (padding repeats
-    a real token), ``real`` selects the real (sequence, position) cells of the flattened N x L."""
+    a real token), ``real`` selects the real (sequence, position) cells of the flattened N x L;
+    ``mask`` (N, 1, L, L), with a shared prefix's branches: who attends to whom (None: causal)."""
 
     gather_NL: torch.Tensor
     real: torch.Tensor
+    mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -263,12 +270,13 @@ class _VarlenPlan:
 _plan_cache: dict = {}
 
 
-def varlen_plan(cu: torch.Tensor, ratio: float = BUCKET_RATIO) -> _VarlenPlan:
+def varlen_plan(cu: torch.Tensor, ratio: float = BUCKET_RATIO, branch_T: Optional[torch.Tensor] = None) -> _VarlenPlan:
     """Group packed sequences into buckets of similar length (one sdpa call each).
 
     Sequences are sorted by length, longest first; a bucket takes sequences while they are at
     least ``ratio`` x its first (longest) one. Right padding needs no mask under causal
     attention: a real query only sees keys at or before it, all real; padded rows are dropped.
+    ``branch_T`` (a ``shared_prefix.SharedPrefix``'s): each bucket gets its branch mask.
     """
     lengths = cu.diff().long()
     order = torch.argsort(lengths, descending=True, stable=True)
@@ -283,7 +291,8 @@ def varlen_plan(cu: torch.Tensor, ratio: float = BUCKET_RATIO) -> _VarlenPlan:
         pos_L = torch.arange(L, device=device)
         valid_NL = pos_L[None, :] < lengths[seqs][:, None]
         gather_NL = starts[seqs][:, None] + torch.minimum(pos_L[None, :], lengths[seqs][:, None] - 1)
-        buckets.append(_Bucket(gather_NL, valid_NL.reshape(-1).nonzero().squeeze(1)))
+        mask = None if branch_T is None else branch_mask(branch_T[gather_NL])
+        buckets.append(_Bucket(gather_NL, valid_NL.reshape(-1).nonzero().squeeze(1), mask))
         firsts.append(gather_NL.reshape(-1)[buckets[-1].real])
         i = j
     order_T = torch.cat(firsts)
@@ -381,10 +390,16 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 def _logits(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
     """(T, V) logits of a packed batch (on the model's device)."""
     if _lean(model, lean):
-        return lean_forward.lean_logits(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.attention_cu))
+        return module_linear(model.lm_head, _hidden(model, packed, lean))
     kwargs = _attention_kwargs(model, packed, _model_dtype(model))
     out = model(input_ids=packed.ids_T[None], position_ids=packed.position_ids_T[None], use_cache=False, **kwargs)
     return out.logits[0]
+
+
+def runs_lean(model: torch.nn.Module) -> bool:
+    """Whether ``forward_packed`` (lean=True) runs this model on the lean forward (where ``PackedBatch.shared``
+    applies): the 'packed_sdpa' attention and a model ``lean_forward`` computes."""
+    return _lean(model, True)
 
 
 def _lean(model: torch.nn.Module, lean: bool) -> bool:
@@ -435,8 +450,20 @@ def _through_root(model: torch.nn.Module, head: torch.nn.Linear, packed: PackedB
     return both_T2[:, 0], both_T2[:, 1] if results["has_entropy"] else None
 
 
-def _hidden(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
-    """(T, E) hidden states entering the lm head (HF's base model, or the lean forward)."""
+def _hidden(
+    model: torch.nn.Module, packed: PackedBatch, lean: bool, rows: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """(T, E) hidden states entering the lm head (HF's base model, or the lean forward); ``rows``: those
+    positions' only. A ``packed.shared`` layout is what the lean forward runs (HF's forward runs the sequences)."""
+    sh = packed.shared if _lean(model, lean) else None
+    if sh is not None:
+        h_PE = lean_forward.lean_hidden(model, sh.ids_P, sh.pos_P, varlen_plan(sh.cu_P, branch_T=sh.branch_P))
+        return h_PE.index_select(0, sh.rows_T if rows is None else sh.rows_T.index_select(0, rows))
+    h_TE = _hidden_of_sequences(model, packed, lean)
+    return h_TE if rows is None else h_TE.index_select(0, rows)
+
+
+def _hidden_of_sequences(model: torch.nn.Module, packed: PackedBatch, lean: bool) -> torch.Tensor:
     if _lean(model, lean):
         return lean_forward.lean_hidden(model, packed.ids_T, packed.position_ids_T, varlen_plan(packed.attention_cu))
     kwargs = _attention_kwargs(model, packed, _model_dtype(model))
@@ -503,9 +530,8 @@ def _scored_logprobs(model, packed: PackedBatch, next_T, temperature, with_entro
     scattered into (T,) zeros. The same values at the scored positions (the rows a head computes are independent);
     a prompt of P tokens and an output of O costs the head O rows instead of P + O."""
     head = _head(model)
-    h_TE = _hidden(model, packed, lean)
-    S, T = packed.scored_T, h_TE.shape[0]
-    h_SE, next_S = h_TE.index_select(0, S), next_T.index_select(0, S)
+    S, T = packed.scored_T, packed.ids_T.numel()
+    h_SE, next_S = _hidden(model, packed, lean, rows=S), next_T.index_select(0, S)
     n = S.numel()
     if 0 < chunk_tokens < n and use_chunked_head(n, head.weight.shape[0], chunk_tokens, whole_max_bytes):
         logp_S, ent_S = head_logprobs(h_SE, head.weight, head.bias, next_S, temperature, chunk_tokens, with_entropy,
