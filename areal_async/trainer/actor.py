@@ -99,10 +99,14 @@ class _Batch:
         self.n_m2po = 0  # tokens M2PO took out of the loss, every minibatch
         self._all = list(range(len(trajs)))
         self._packed: dict[tuple[int, ...], PackedBatch] = {}
+        self.update_tokens = 0  # tokens the update's forwards ran through the layers (fewer with shared prompts)
 
-    def packed(self, indices: Sequence[int]) -> PackedBatch:
+    def packed(self, indices: Sequence[int], count: bool = False) -> PackedBatch:
         """The sequences ``indices`` packed, kept for the step: the proximal recompute and the
-        update run the same micro-batches (one rank, one PPO minibatch)."""
+        update run the same micro-batches (one rank, one PPO minibatch). ``count``: an update's
+        micro-batch, its tokens through the layers added to ``update_tokens``."""
+        if count:
+            self.update_tokens += self.packed(indices).layer_tokens
         key = tuple(indices)
         if key not in self._packed:
             p = pack([self.seqs[i] for i in indices])
@@ -445,7 +449,7 @@ class PPOActor:
             with_entropy=grad,
             entropy_grad=self.cfg.entropy_coef != 0,
             allocation=alloc,
-            packer=lambda mb: batch.packed([share[j] for j in mb]),
+            packer=lambda mb: batch.packed([share[j] for j in mb], count=grad),
             chunk_tokens=self.cfg.logits_chunk_tokens,
             whole_max_bytes=self.cfg.logits_whole_max_mb << 20,
         ):
@@ -579,6 +583,7 @@ class PPOActor:
             n_tokens=float(adv.numel()),
             n_seqs=float(len(trajs)),
             n_microbatches=float(n_mb),
+            n_layer_tokens=float(batch.update_tokens),
             step=float(self.step),
         )
         return m

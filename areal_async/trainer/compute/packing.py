@@ -72,6 +72,11 @@ class PackedBatch:
         return self.cu_seqlens.diff().tolist()
 
     @property
+    def layer_tokens(self) -> int:
+        """Tokens the lean forward runs through the layers: the shared layout's, else every packed token."""
+        return self.ids_T.numel() if self.shared is None else self.shared.tokens
+
+    @property
     def attention_cu(self) -> torch.Tensor:
         return self.cu_seqlens if self.attn_cu is None else self.attn_cu
 

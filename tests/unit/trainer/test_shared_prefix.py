@@ -168,7 +168,7 @@ def test_a_shared_prompt_train_step_hands_the_optimizer_the_loss_spelled_out(bud
     actor.optimizer.register_step_pre_hook(lambda *_: got.append([p.grad.clone() for p in model.parameters()]))
     with counted_tokens() as ran:
         m = actor.train_step(trajs)
-    assert sum(ran) == n_physical < n_virtual and (m["n_microbatches"] == 1) == (budget == 4096)
+    assert sum(ran) == m["n_layer_tokens"] == n_physical < n_virtual and (m["n_microbatches"] == 1) == (budget == 4096)
     for a, b in zip(got[0], want):
         assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()
 
