@@ -16,8 +16,9 @@ layers run on fewer tokens. In backward the gather adds each copy's gradient int
 prompt row: the same sum the copies' rows would have sent through the weights. Same arithmetic up
 to float summation order.
 
-At the smollm2 preset's shapes (8 prompts of ~37 tokens, 4 outputs of ~14 each) a step's ~1,640 tokens
-through the layers become ~750.
+At the smollm2 preset's shapes (8 prompts of 37 tokens, 4 outputs of ~12 each) a step's ~1,600 tokens
+through the layers became ~700 (``n_layer_tokens`` p50 686-733, 2.2-2.3x fewer), and the fleet's step at
+eta = 1 went 6.3 -> 3.8 s (docs/performance-notes.md).
 
 Covered: plain (prompt, output) sequences through the lean forward (``lean_forward.supports``
 and the 'packed_sdpa' attention). Not covered, and left to the virtual layout: segmented
