@@ -239,11 +239,11 @@ class TorchEngine(RolloutEngine):
             with torch.no_grad():
                 _load(params, state_dict)
         self.version = version
-        t1 = time.perf_counter()
+        t1, stale = time.perf_counter(), self.cohorts if self.on_weights != "keep" else []
         with torch.inference_mode():
-            for cohort in self.cohorts if self.on_weights != "keep" else ():
+            for cohort in stale:
                 self._recompute(cohort)
-        self.update_split = {"load_s": t1 - t0, "recompute_s": time.perf_counter() - t1}
+        self.update_split = {"load_s": t1 - t0, "recompute_s": time.perf_counter() - t1 if stale else 0.0}
 
     def in_flight(self) -> bool:
         return bool(self.cohorts)

@@ -135,7 +135,7 @@ def test_the_engine_thread_drains_then_loads_under_finish():
     got, loaded, stopped = [], [], []
     t = _thread(engine, got, loaded, stopped)
     try:
-        t.submit(_gen("a", "7+5=", max_new=40))
+        t.submit(_gen("a", "7+5=", max_new=240))  # long enough to be running when the weights are offered
         deadline = time.monotonic() + 30
         while not engine.in_flight() and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -147,7 +147,7 @@ def test_the_engine_thread_drains_then_loads_under_finish():
         t.stopping.set()
         t.join(5)
     outs = {g.group_id: g for g in got}
-    assert [s.versions.tolist() for s in outs["a"].samples()] == [[0] * 40] * 2  # finished under the old weights
+    assert [s.versions.tolist() for s in outs["a"].samples()] == [[0] * 240] * 2  # finished under the old weights
     assert [s.versions.tolist() for s in outs["b"].samples()] == [[1] * 5] * 2
     ((version, times),) = loaded
     assert version == 1 and times["drain_s"] > 0 and times["load_start"] >= times["received"] + times["drain_s"] - 1e-3
