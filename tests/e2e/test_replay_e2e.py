@@ -50,6 +50,17 @@ def test_record_replay_bit_identical_then_corrupted_and_train_only(tmp_path, cap
     start = state_digest(state_tensors(build_actor(cfg, run / "checkpoints" / "step_1")))
     assert start != shas[1]  # steps 2..5 moved the weights: the identity is not trivial
 
+    # the header keeps the trainer's linears as auto resolved them (a timing), and replay runs those: with the other
+    # kernels written there, the same steps sum in other orders and differ
+    header = json.loads((run / "recording" / "header.json").read_text())
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    flipped = {"onednn": "blas", "blas": "onednn"}[header["linears"]]
+    (other / "recording" / "header.json").write_text(json.dumps(header | {"linears": flipped}))
+    capsys.readouterr()
+    assert main(["replay", str(other), "--steps", "4:6"]) == 1, capsys.readouterr()
+    shutil.rmtree(other)
+
     bad = tmp_path / "bad"
     shutil.copytree(run, bad)
     end = bad / "checkpoints" / "step_5"

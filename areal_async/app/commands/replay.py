@@ -31,6 +31,7 @@ import torch
 from areal_async.app.workers.trainer_worker import make_actor, restore_actor
 from areal_async.base.process import set_torch_threads
 from areal_async.config import ExperimentConfig, load_config
+from areal_async.models.lean_ops import onednn_usable
 from areal_async.models.tiny import load_model
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.trainer.actor import PPOActor
@@ -185,6 +186,16 @@ def _check_reproducible(run_dir: Path, header: dict) -> None:
         )
 
 
+def _recorded_linears(run_dir: Path, header: dict) -> list[str]:
+    """The config override that runs the recorded linears (a recording from before the header kept them: none)."""
+    linears = header.get("linears")
+    if linears is None:
+        return []
+    if linears == "onednn" and not onednn_usable(torch.empty(0)):
+        raise ReplayError(f"{run_dir}: recorded with the trainer's linears on oneDNN; this torch has no oneDNN matmul")
+    return [f"actor.linears={linears}"]
+
+
 def _ends(run_dir: Path, a: int, b: int) -> tuple[Path, Path]:
     start, end = checkpoint_of_version(run_dir, a), checkpoint_of_version(run_dir, b)
     for v, p, after in ((a, start, a - 1), (b, end, b - 1)):
@@ -223,7 +234,7 @@ def replay(run_dir: str | Path, a: int, b: int, on_step=None) -> ReplayReport:
     header = read_header(run_dir)
     _check_reproducible(run_dir, header)
     start, end = _ends(run_dir, a, b)
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / "config.yaml", _recorded_linears(run_dir, header))
     set_torch_threads(int(header["torch_threads"]))
     rep = ReplayReport((a, b), start, end, warnings=_machine_warnings(header))
     actor, logged = build_actor(cfg, start), run_losses(run_dir)

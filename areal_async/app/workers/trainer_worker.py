@@ -28,7 +28,7 @@ from areal_async.base.eta import EtaMode
 from areal_async.base.process import setup_torch_process
 from areal_async.config import ExperimentConfig
 from areal_async.models import lora
-from areal_async.models.lean_ops import use_onednn
+from areal_async.models.lean_ops import onednn_chosen, use_onednn
 from areal_async.models.tiny import load_model, load_policy, save_policy, to_dtype
 from areal_async.models.tokenizer import load_tokenizer
 from areal_async.reward.pool import RewardPool
@@ -140,9 +140,9 @@ def _recorder(cfg: ExperimentConfig, run_dir: str | Path, start_step: int) -> Re
     (trainer/persist/recording.py)."""
     if not cfg.rollout.dump_tensors:
         return None
-    return Recorder(
-        run_dir, start_step, machine_header(cfg.cluster.device, cfg.cluster.n_trainer_ranks, cfg.model.dtype)
-    )
+    linears = ("onednn" if onednn_chosen() else "blas") if cfg.cluster.device == "cpu" else None  # make_actor's choice
+    header = machine_header(cfg.cluster.device, cfg.cluster.n_trainer_ranks, cfg.model.dtype, linears)
+    return Recorder(run_dir, start_step, header)
 
 
 def make_actor(cfg: ExperimentConfig, model, tok, dp: DataParallel, sharded: bool) -> PPOActor:

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 from typing import Sequence
 
@@ -67,9 +68,11 @@ def step_path(run_dir: str | Path, step: int) -> Path:
     return recording_dir(run_dir) / f"step_{step:06d}.safetensors"
 
 
-def machine_header(device: str, n_ranks: int, dtype: str) -> dict:
-    """What must match for a replay to be bit-identical: written once per recording."""
-    return {
+def machine_header(device: str, n_ranks: int, dtype: str, linears: Optional[str] = None) -> dict:
+    """What must match for a replay to be bit-identical: written once per recording. ``linears``: the trainer's
+    float32 CPU linears as it resolved ``actor.linears`` ("onednn" | "blas"; ``auto`` is a timing, so a replay
+    takes the recorded choice instead of timing again)."""
+    return ({"linears": linears} if linears else {}) | {
         "format": FORMAT,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
