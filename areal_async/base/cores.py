@@ -39,6 +39,7 @@ the scheduler (short bursts, not torch) are not counted; CPUs pinned apart per r
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import mmap
 import os
@@ -167,6 +168,8 @@ def install_for(run_dir: str | Path, cluster, role: str, index: int) -> Optional
     """A torch worker's share when ``cluster.share_cores`` is on (installed for this process), else None."""
     share = CoreShare.for_worker(run_dir, cluster, role, index) if getattr(cluster, "share_cores", False) else None
     install(share)
+    if share is not None:  # a worker that exits while marked busy (at a shutdown) leaves its slot idle
+        atexit.register(share.set_busy, False)
     return share
 
 

@@ -157,6 +157,8 @@ class EngineThread(threading.Thread):
             log.exception("engine thread failed")
             self.failure = e
             self.on_groups(None, {})
+        finally:
+            cores.mark(False)  # stopped mid-step (shutdown): its CPUs are not held past it
 
     def _apply_aborts(self) -> None:
         """The groups the scheduler aborted leave the waiting list and the engine; their tokens are reported."""

@@ -127,8 +127,10 @@ def test_a_hanging_workflow_fails_the_run_within_the_episode_bound_naming_it(tmp
     # every failed episode is a sample booked aborted: both groups' when both timed out before the verdict (4), the
     # first group's alone when the second started late on a loaded machine (2: seen at load ~6, the run failed
     # before the second group's episodes reached their bound; they were still in flight at its end)
-    assert len(books) >= int(failed[1]) and all(t["status"] == "aborted" for t in books)
-    assert all(t["reason"].startswith(f"workflow_error: workflow {wf}, sample ") for t in books[: int(failed[1])])
+    # (CI also saw 4 episodes failed with the second group's aborts not yet booked when the run failed: the first
+    # group's 2 are the invariant)
+    assert len(books) >= 2 and all(t["status"] == "aborted" for t in books)
+    assert all(t["reason"].startswith(f"workflow_error: workflow {wf}, sample ") for t in books[:2])
     sched = (run_dir / "logs" / "scheduler.log").read_text()
     t_ready = _log_time(sched, "trainer ready at version 0")
     t_fail = _log_time(sched, "reported workflow_failed")
