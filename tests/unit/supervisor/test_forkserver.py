@@ -128,7 +128,7 @@ def test_a_child_outlives_its_server_and_reports_exit_unknown_once_it_ends(serve
     server.proc.wait()
     time.sleep(0.2)
     assert child.poll() is None  # still running, now a child of init
-    os.killpg(child.pid, signal.SIGKILL)
+    _killpg(child.pid)
     assert child.wait(30) == EXIT_UNKNOWN
 
 
@@ -138,6 +138,16 @@ def test_close_ends_the_server_and_not_its_children(server, tmp_path):
     server.close()
     assert server.proc.returncode == 0
     os.kill(pid, 0)  # alive (raises if not)
+    _killpg(pid)
+
+
+def _killpg(pid: int) -> None:
+    """SIGKILL the child's session once it leads it: the fork server returns the pid before the child's setsid
+    (CI once met killpg's "No such process" between the two)."""
+    deadline = time.monotonic() + 10
+    while os.getpgid(pid) != pid:
+        assert time.monotonic() < deadline, f"pid {pid} never led its own process group"
+        time.sleep(0.01)
     os.killpg(pid, signal.SIGKILL)
 
 
