@@ -181,3 +181,34 @@ def test_share_prompts_applies_on_the_lean_forward_only():
     hf = tiny_model()
     hf.set_attn_implementation("sdpa")  # HF's forward (a dense mask): no branch masks there
     assert not PPOActor(hf, boba_cfg(), 1.0, 10).shares_prompts
+
+
+def test_a_segmented_sample_is_never_shared_and_the_step_equals_the_unshared_one():
+    """A group whose middle sample is segmented (an agent's turns: ``segment_starts``) beside plain ones: the plain
+    ones before and after it share their prompt, nothing is shared across it, and the step's gradient equals the
+    one without sharing."""
+    from tests.unit.trainer.test_trainer_actor import boba_cfg, output_logp, tiny_model
+
+    prompt = torch.randint(0, 16, (4,), generator=torch.Generator().manual_seed(5))
+    outs = [torch.randint(0, 16, (5,), generator=torch.Generator().manual_seed(100 + j)) for j in range(5)]
+    grads, ran = {}, {}
+    for share in (True, False):
+        model = use_varlen_attention(tiny_model(seed=6))
+        trajs = []
+        for j, out in enumerate(outs):
+            lp = output_logp(model, prompt.tolist(), out.tolist())
+            mask = [True, True, False, True, True]  # the segment's first token is its prompt: not trained
+            trajs.append(Trajectory(f"g.{j}", "g", prompt, out, lp, [0] * 5, float(j % 2), loss_mask=mask))
+        trajs[2].segment_starts = [2]
+        cfg = boba_cfg(share_prompts=share, optimizer=OptimizerConfig(lr=1e-2, gradient_clipping=0.0))
+        actor = PPOActor(model, cfg, 1.0, 10)
+        got = grads[share] = []
+        actor.optimizer.register_step_pre_hook(
+            lambda *_, m=model, g=got: g.append([p.grad.clone() for p in m.parameters()])
+        )
+        with counted_tokens() as ran[share]:
+            actor.train_step(trajs)
+    # runs [2, 1, 2]: two prompts of 4 run once each, the segmented sample whole
+    assert sum(ran[True]) == 2 * (4 + 5 + 5) + (4 + 5) < sum(ran[False]) == 5 * (4 + 5)
+    for a, b in zip(grads[True][0], grads[False][0]):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()
