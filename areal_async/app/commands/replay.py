@@ -191,6 +191,8 @@ def _recorded_linears(run_dir: Path, header: dict) -> list[str]:
     linears = header.get("linears")
     if linears is None:
         return []
+    if linears not in ("onednn", "blas"):
+        raise ReplayError(f"{run_dir}/recording/header.json: linears {linears!r} is not 'onednn' or 'blas'")
     if linears == "onednn" and not onednn_usable(torch.empty(0)):
         raise ReplayError(f"{run_dir}: recorded with the trainer's linears on oneDNN; this torch has no oneDNN matmul")
     return [f"actor.linears={linears}"]

@@ -150,6 +150,27 @@ def test_missing_checkpoint_or_step_is_exit_2(run_dir, tmp_path, capsys):
     assert "steps [3] are not recorded" in capsys.readouterr().err
 
 
+def test_a_header_whose_linears_cannot_run_here_is_exit_2(run_dir, tmp_path, capsys, monkeypatch):
+    """The header's linears (what the trainer resolved) are run by replay: an unknown one, or oneDNN where this
+    torch has none, is refused before anything is built."""
+    import shutil
+
+    from areal_async.app.commands import replay as replay_mod
+
+    bad = tmp_path / "run"
+    shutil.copytree(run_dir, bad)
+    path = bad / "recording" / "header.json"
+    header = json.loads(path.read_text())
+    assert "linears" not in header  # machine_header without it: a recording from before, replayed as it was
+    path.write_text(json.dumps(header | {"linears": "fast"}))
+    assert main(["replay", str(bad), "--steps", "1:5"]) == 2
+    assert "linears 'fast' is not 'onednn' or 'blas'" in capsys.readouterr().err
+    path.write_text(json.dumps(header | {"linears": "onednn"}))
+    monkeypatch.setattr(replay_mod, "onednn_usable", lambda w: False)
+    assert main(["replay", str(bad), "--steps", "1:5"]) == 2
+    assert "recorded with the trainer's linears on oneDNN; this torch has no oneDNN matmul" in capsys.readouterr().err
+
+
 def test_parse_steps():
     assert parse_steps("10:20") == (10, 20)
     for bad in ("10", "20:10", "a:b", "5:5", "-1:3"):
