@@ -123,8 +123,8 @@ class _Batch:
         """The runs of ``indices`` that share their prompt (``shared_prefix.prompt_runs``); ones without sharing."""
         if self.keys is None:
             return [1] * len(indices)
-        prompts = [s[0] if type(s) is tuple else None for s in map(self.seqs.__getitem__, indices)]  # None: segmented
-        return prompt_runs([self.keys[i] for i in indices], prompts)
+        keys = [self.keys[i] for i in indices]  # None: a segmented sequence (never shared, no prompt part to read)
+        return prompt_runs(keys, [self.seqs[i][0] if k is not None else None for i, k in zip(indices, keys)])
 
     def allocation(self, indices: Sequence[int], budget: int, oversize: str) -> list[list[int]]:
         """Micro-batches of ``indices`` under the token budget, whole runs of a shared prompt each."""
