@@ -286,8 +286,8 @@ class SaverConfig(Section):
     keep_last: int = _f(2, "Complete checkpoints kept.")
     final_grace_s: float = _f(
         60.0,
-        "On SIGTERM/SIGINT the fleet first saves a final checkpoint after the step in "
-        "progress, waiting at most this many seconds, then stops (exit 143/130); 0 = stop "
+        "On SIGTERM/SIGINT/SIGHUP the fleet first saves a final checkpoint after the step in "
+        "progress, waiting at most this many seconds, then stops (exit 143/130/129); 0 = stop "
         "at once.",
     )
 

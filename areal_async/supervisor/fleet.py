@@ -29,10 +29,13 @@ process group, logging to ``RUN_DIR/logs/<worker>.log``; those the fork server s
   ``recover.mode=auto`` would be: the same exactly-once books); summary.json counts recoveries.
   The budget counts recoveries in a row without progress (``plan.recovery_verdict``): a fleet that
   saved a newer complete checkpoint before it failed starts the count again;
-- SIGINT / SIGTERM to the supervisor                          -> the scheduler is asked (SIGUSR1)
+- SIGINT / SIGTERM / SIGHUP to the supervisor                 -> the scheduler is asked (SIGUSR1)
   for a final checkpoint after the step in progress, for at most ``saver.final_grace_s``; then
   every child it started is stopped (SIGTERM to its process group, SIGKILL after a grace
-  period), exit 130 / 143. A second signal stops everything at once.
+  period), exit 130 / 143 / 129. A second signal stops everything at once. SIGHUP is the terminal
+  closing: the workers run in sessions of their own, so they never see it, and a supervisor that died of
+  it would leave them running with nobody to watch or stop them. Under ``nohup`` (SIGHUP ignored when
+  the supervisor started) it stays ignored.
 
 It only ever signals the pids it started (and their process groups), never by name. A live
 progress line is drawn from ``metrics.jsonl`` (``progress.py``).
@@ -41,6 +44,7 @@ progress line is drawn from ``metrics.jsonl`` (``progress.py``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -122,6 +126,7 @@ class Supervisor:
         self.rss = PeakRss()
         show = cfg.stats_logger.progress if progress is None else progress
         self.progress = ProgressLine(self.run_dir / "metrics.jsonl", cfg.total_train_steps, self.t0, show)
+        self.tty_fds = tuple(fd for fd in (1, 2) if os.isatty(fd))  # the terminal it runs in, if any (SIGHUP)
 
     # ---- start ---------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -335,12 +340,14 @@ class Supervisor:
                 c.proc.wait(timeout=GRACE_S)
 
     def on_signal(self, signum: int, frame) -> None:
+        if signum == signal.SIGHUP:
+            _detach_terminal(self.tty_fds)  # its writes would fail (EIO) before the fleet is stopped
         self._signal = signum
         self._n_signals += 1
         self.launcher.interrupt()  # a start waiting on its launcher (the fork server's imports) ends now
 
     def _stop_on_signal(self) -> int:
-        """SIGINT/SIGTERM: a final checkpoint (at most saver.final_grace_s), then stop everyone."""
+        """SIGINT/SIGTERM/SIGHUP: a final checkpoint (at most saver.final_grace_s), then stop everyone."""
         sig, grace = self._signal, self.cfg.saver.final_grace_s
         sched = next((c for c in self.children if c.name == "scheduler" and c.proc.poll() is None), None)
         if grace > 0 and sched is not None:
@@ -372,13 +379,30 @@ class Supervisor:
             remove_run_files(self.rundir.manifest)
 
 
+def _detach_terminal(fds: tuple[int, ...]) -> None:
+    """``fds`` (standard output and error that were a terminal when the run started: a hung-up one no longer
+    says it is one) go to /dev/null from now on: the stop that follows prints its lines, and a write to a
+    closed terminal fails (EIO). A file or a pipe stays as it is."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in fds:
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def stop_signals() -> tuple[int, ...]:
+    """The signals that stop a run: SIGINT, SIGTERM, and SIGHUP unless it was ignored when this process
+    started (``nohup``: the user asked the run to outlive the terminal)."""
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+    return (signal.SIGINT, signal.SIGTERM, *hup)
+
+
 def run_fleet(
     cfg: ExperimentConfig, run_dir: str | Path, progress: Optional[bool] = None, launcher: Optional[Launcher] = None
 ) -> int:
     """Run the fleet under this supervisor; ``launcher`` starts its processes (default: local children).
     Exit code: 0 the run succeeded, 1 it failed, 2 it could not start, 128 + N stopped by signal N."""
     sup = Supervisor(cfg, run_dir, progress, launcher)
-    old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, sup.on_signal) for s in stop_signals()}
     try:
         try:
             sup.prepare()

@@ -1,6 +1,7 @@
 """The supervisor's live progress line (step, reward, staleness, samples/s), drawn from ``metrics.jsonl``.
 
-A terminal gets one line redrawn in place; a log file (stdout not a tty) gets one line per new step.
+A terminal gets one line redrawn in place; a log file (stdout not a tty) gets one line per new step. A write
+that fails (the terminal hung up: EIO) ends the line, never the run: the supervisor goes on stopping or watching.
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ class ProgressLine:
         row = last_metrics(self.metrics_path)
         line = self.line(row)
         if line != self.last and (row is not None or sys.stdout.isatty()):
-            sys.stdout.write("\r" + line.ljust(100) if sys.stdout.isatty() else line + "\n")
-            sys.stdout.flush()
+            self._write("\r" + line.ljust(100) if sys.stdout.isatty() else line + "\n")
         self.last = line
+
+    def _write(self, text: str) -> None:
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except OSError:  # the terminal is gone: no more lines
+            self.enabled = False
 
     def done(self) -> None:
         """The final state of the line, and a newline after a terminal's live line."""
         if self.enabled and self.last:
             self.draw()
-            if sys.stdout.isatty():
-                sys.stdout.write("\n")
+            if self.enabled and sys.stdout.isatty():
+                self._write("\n")
 
 
 def last_metrics(path: Path) -> Optional[dict]:

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.api import run_command
+
 from tests.support.admission_gate import admission_gate
-from tests.support.fleet import ROOT, cli, finish_ok, leaked_segments, read_jsonl, stop, wait_for
+from tests.support.fleet import FAST, ROOT, TINY, cli, finish_ok, leaked_segments, read_jsonl, stop, wait_for
 from tests.support.procs import alive, descendants, survivors
 
 pytestmark = pytest.mark.slow
@@ -202,3 +204,83 @@ def test_sigterm_saves_a_final_checkpoint_stops_everything_and_resume_continues_
     check_exact_books(run_dir, steps)
     rolled = run_dir / "trajectories.rolled_back.jsonl"
     assert not rolled.exists() or all(t["status"] != "trained" for t in read_jsonl(rolled))  # nothing trained lost
+
+
+def _kill_left(pids: set[int]) -> None:
+    """A failing test leaves no fleet behind: SIGKILL to the pids it saw under its supervisor, still alive."""
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _wait_alive_steps(run_dir: Path, proc: subprocess.Popen, n: int, tty: int, seen: list[bytes]) -> None:
+    """``wait_steps`` for a supervisor whose output is a pty, until its progress line has shown them there: what it
+    writes is read meanwhile (``tty``, the master end, non-blocking), so it never waits on a full terminal."""
+    path, deadline = run_dir / "metrics.jsonl", time.monotonic() + 180
+    while not path.exists() or len(path.read_text().splitlines()) < n or b"step" not in b"".join(seen):
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            stop(proc)
+            raise AssertionError(f"fewer than {n} steps shown within 180 s (supervisor exit {proc.returncode})")
+        try:
+            seen.append(os.read(tty, 65536))
+        except BlockingIOError:
+            time.sleep(0.1)
+
+
+def test_the_terminal_hanging_up_stops_the_fleet_and_nohup_keeps_it_running(tmp_path):
+    """The terminal the run was started from closes: the supervisor's output is a terminal whose writes now
+    fail (the pty's other end closed) and it gets SIGHUP. Its workers run in sessions of their own and never
+    see the hangup, so a supervisor that died of it would leave them running unwatched (and, held at the gate,
+    never ending). It stops them as it does on SIGTERM (a final checkpoint first) and exits 128 + 1.
+    Started under nohup (SIGHUP ignored), the same signal changes nothing: the run trains on."""
+    args = ["total_train_steps=16"]
+    gate = admission_gate(tmp_path, steps=12)  # never opened: without a stop the fleet waits forever
+    master, slave = os.openpty()
+    run_dir = tmp_path / "hangup"
+    cmd = run_command(TINY, run_dir, [*FAST, *args], progress=True)  # the live line a user's terminal shows
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=gate.env)
+    os.close(slave)
+    os.set_blocking(master, False)
+    seen: list[bytes] = []
+    started: set[int] = set()
+    try:
+        _wait_alive_steps(run_dir, proc, 2, master, seen)
+        started = descendants(proc.pid)
+        assert len(started) >= 5  # scheduler, reward (+ its pool), trainer, 2 rollouts
+        os.close(master)  # the terminal is gone: every write to it fails from now on
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=90) == 128 + signal.SIGHUP
+        assert survivors(started, within_s=5) == []
+    finally:
+        _kill_left(started | ({proc.pid} if proc.poll() is None else set()))
+    assert leaked_segments(run_dir) == []
+    final = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").exists()]
+    assert final, "the stop on SIGHUP saved no final checkpoint"
+
+    run_dir = tmp_path / "nohup"
+    proc = subprocess.Popen(
+        cli(run_dir, *args),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=gate.env,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    )
+    started = set()
+    try:
+        wait_steps(run_dir, proc, 2)
+        started = descendants(proc.pid)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(2)  # SIGHUP's default action would have ended it at once
+        assert proc.poll() is None
+        wait_steps(run_dir, proc, 4)  # and it trains on
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+        assert survivors(started, within_s=5) == []
+    finally:
+        _kill_left(started | ({proc.pid} if proc.poll() is None else set()))
