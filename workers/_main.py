@@ -9,7 +9,8 @@ Each ``workers/<role>.py`` therefore imports its builder (``areal_async.app.work
 only after ``worker_args`` returns.
 
 Every worker registers its stack dump (``base/stacks.py``: SIGUSR2 -> ``RUN_DIR/stacks/<id>.txt``)
-here, first of all, so the supervisor's hang capture reaches it from its first import on.
+here, first of all, so the supervisor's hang capture reaches it from its first import on, and asks to end
+with the process that started it (``base/parent.py``: a supervisor killed outright leaves no fleet behind).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from areal_async.base.affinity import pin_self
+from areal_async.base.parent import die_with_parent
 from areal_async.base.stacks import register_stack_dump
 
 
@@ -29,6 +31,7 @@ def worker_args(role: str, argv=None) -> argparse.Namespace:
     p.add_argument("--cpus", default="", help="pin this process to these CPUs (cpu-list syntax)")
     args = p.parse_args(argv)
     register_stack_dump(args.run_dir, args.worker_id)
+    die_with_parent()
     if args.cpus:
         pin_self(args.cpus)
     return args

@@ -25,6 +25,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Optional
 
+from areal_async.base.parent import parent_env
+
 
 class Launched(ABC):
     """One started process: watched and stopped by the supervisor."""
@@ -115,4 +117,5 @@ class LocalLauncher(Launcher):
     name = "local"
 
     def start(self, name: str, cmd: list[str], env: dict, log_path: Path, node: int = 0) -> Launched:
-        return LocalProcess(popen_logged(cmd, env, log_path))
+        named = (os.environ if env is None else env) | parent_env()  # it ends with us (base/parent.py)
+        return LocalProcess(popen_logged(cmd, named, log_path))

@@ -43,6 +43,7 @@ import sys
 import traceback
 from typing import Optional
 
+from areal_async.base.parent import parent_env
 from areal_async.base.process import exit_without_teardown
 from areal_async.reward._wire import encode_frame, read_frame
 from protocols.side import ForkExited, Forked, ForkRequest, ForkServerReady
@@ -152,6 +153,7 @@ def _fork(req: ForkRequest, own: tuple) -> tuple[int, str]:
         log_fd = os.open(req.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError as e:
         return -1, f"cannot open the log {req.log_path}: {e}"
+    server = os.getpid()
     try:
         pid = os.fork()
     except OSError as e:
@@ -160,11 +162,11 @@ def _fork(req: ForkRequest, own: tuple) -> tuple[int, str]:
     if pid:
         os.close(log_fd)
         return pid, ""
-    _become(req, log_fd, own)
+    _become(req, log_fd, own, server)
     return 0, ""
 
 
-def _become(req: ForkRequest, log_fd: int, own: tuple) -> None:
+def _become(req: ForkRequest, log_fd: int, own: tuple, server: int) -> None:
     """In the child: the session, descriptors, signals, directory, environment and command line of
     ``req.argv`` started by Popen(start_new_session=True). Any failure here ends the child at once with
     status 1, its reason in its log."""
@@ -185,7 +187,7 @@ def _become(req: ForkRequest, log_fd: int, own: tuple) -> None:
         os.close(wake_w)
         os.chdir(req.cwd)
         os.environ.clear()
-        os.environ.update(req.env)
+        os.environ.update(req.env | parent_env(server))  # its parent is this server, not the supervisor
         set_cmdline(req.argv)
         gc.enable()  # as a fresh interpreter has it (disabled in the server: see main)
     except BaseException:

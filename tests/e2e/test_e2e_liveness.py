@@ -284,3 +284,24 @@ def test_the_terminal_hanging_up_stops_the_fleet_and_nohup_keeps_it_running(tmp_
         assert survivors(started, within_s=5) == []
     finally:
         _kill_left(started | ({proc.pid} if proc.poll() is None else set()))
+
+
+@pytest.mark.parametrize("fork_server", [True, False])
+def test_a_supervisor_killed_outright_leaves_no_worker_running(tmp_path, fork_server):
+    """SIGKILL to the supervisor (the OOM killer, ``kill -9``): it stops nobody, and its workers run in sessions
+    of their own, held at the gate. Each asked Linux to end it with its parent (``base/parent.py``): the
+    supervisor for a process it started, the fork server (which ends when the supervisor's pipe closes) for one
+    it forked; so every process under the supervisor ends within seconds, nothing is left to reap by hand."""
+    gate = admission_gate(tmp_path, steps=12)  # never opened: the fleet never ends on its own
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, "total_train_steps=16", f"cluster.fork_server={str(fork_server).lower()}", env=gate.env)
+    started: set[int] = set()
+    try:
+        wait_steps(run_dir, proc, 2)
+        started = descendants(proc.pid)
+        assert len(started) >= 5  # scheduler, reward (+ its pool), trainer, 2 rollouts (+ the fork server)
+        proc.kill()
+        proc.communicate(timeout=30)
+        assert survivors(started, within_s=30) == []
+    finally:
+        _kill_left(started | ({proc.pid} if proc.poll() is None else set()))

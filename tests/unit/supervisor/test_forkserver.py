@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from areal_async.base.parent import PARENT_ENV, parent_env
 from areal_async.config import from_dict
 from areal_async.supervisor.fleet import Supervisor
 from areal_async.supervisor.forkserver import (
@@ -70,13 +71,15 @@ def test_a_forked_child_is_what_popen_would_start(server, tmp_path, sigint):
     for tag in ("popen", "forked"):
         cmd, log = _probe(tmp_path, tag, "3")
         if tag == "popen":
-            proc = LocalProcess(popen_logged(cmd, env, log))
+            proc = LocalProcess(popen_logged(cmd, env | parent_env(), log))  # as LocalLauncher.start does
         else:
             proc = ForkedProcess(server, server.fork(tag, cmd, env, log))
         runs[tag] = (proc.wait(60), json.loads((tmp_path / f"{tag}.json").read_text()), log.read_text())
     (code_p, rep_p, log_p), (code_f, rep_f, log_f) = runs["popen"], runs["forked"]
     assert code_p == code_f == 3
     assert log_p == log_f == "probe stdout\nprobe stderr\n"
+    # each is named the child of its own parent (base/parent.py): this process, and the fork server
+    assert rep_p["env"].pop(PARENT_ENV) == str(os.getpid()) and rep_f["env"].pop(PARENT_ENV) == str(server.proc.pid)
     for key in ("env", "cwd", "session_leader", "group_leader", "stdin", "signals", "name", "gc_enabled"):
         assert rep_f[key] == rep_p[key], key
     assert rep_p["session_leader"] and rep_p["stdin"] == "/dev/null" and rep_p["name"] == "__main__"
