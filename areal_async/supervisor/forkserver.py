@@ -240,12 +240,20 @@ class ForkedProcess(Launched):
         return self.server.wait(self.pid, timeout)
 
     def signal(self, sig: int) -> None:
+        """``sig`` to the child's process group. The server answers as soon as it has forked, so the child may
+        not lead its group yet (``setsid`` is its first step, ``zygote._become``): then the group does not exist
+        and the signal goes to the child itself, which has started nothing of its own by then. (Popen has no such
+        window: it returns after the exec, long after the setsid.)"""
         if self.poll() is not None and sig == signals.SIGTERM:  # as LocalProcess: SIGKILL still reaches its group
             return
         try:
             os.killpg(self.pid, sig)
         except ProcessLookupError:
-            pass
+            if self.poll() is None:  # alive, not yet a group leader (not reaped: its pid is still its own)
+                try:
+                    os.kill(self.pid, sig)
+                except ProcessLookupError:
+                    pass
 
 
 class ForkServerLauncher(LocalLauncher):

@@ -310,3 +310,29 @@ def test_the_workers_environment_limits_malloc_arenas_unless_the_user_set_it(mon
     assert "MALLOC_ARENA_MAX" not in worker_env(from_dict({"cluster": {"malloc_arenas": 0}}))
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert worker_env(from_dict({}))["MALLOC_ARENA_MAX"] == "4"
+
+
+class _OneChild:
+    """The part of a fork server that ``ForkedProcess`` asks: a real child's exit status (None while it runs)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+
+    def returncode(self, pid: int):
+        assert pid == self.proc.pid
+        return self.proc.poll()
+
+
+def test_a_signal_before_the_child_leads_its_group_still_reaches_it():
+    """Just forked, the child has not yet called setsid: no process group has its pid, so ``killpg`` finds
+    nothing (ci33 met this window). The signal goes to the child itself, which has started nothing yet. Here a
+    real child that never leads a group (started in this process's own group) stands for that moment."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(child.pid, 0)  # the window: no group of that id
+        ForkedProcess(_OneChild(child), child.pid).signal(signal.SIGTERM)
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
