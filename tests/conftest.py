@@ -2,6 +2,7 @@
 
 import gc
 import os
+import signal
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -15,6 +16,8 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 
 
 import pytest
+
+from tests.support.procs import descendants
 
 try:
     from protocols.curve import use_curve
@@ -88,6 +91,22 @@ def pytest_runtest_makereport(item, call):
     if report.skipped and not hasattr(report, "wasxfail") and must_run(item.nodeid):
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} skipped, but {MUST_RUN_ENV} says it must run here: {_reason(report)}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """A test body that fails (pytest-timeout's "Timeout" among others) before it stops what it started leaves it
+    running: a fleet's supervisor and workers would then take the CPUs of the tests after it, and of its own
+    rerun (.ci/run reruns a timeout). So the processes under this one that the body started (not there before it:
+    a fixture's server, started at setup, stays) and that are still alive when it failed are SIGKILLed, by pid."""
+    before = descendants(os.getpid())
+    outcome = yield
+    if outcome.excinfo is not None:
+        for pid in descendants(os.getpid()) - before:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.hookimpl(hookwrapper=True)
