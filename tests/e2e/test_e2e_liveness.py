@@ -286,15 +286,20 @@ def test_the_terminal_hanging_up_stops_the_fleet_and_nohup_keeps_it_running(tmp_
         _kill_left(started | ({proc.pid} if proc.poll() is None else set()))
 
 
-@pytest.mark.parametrize("fork_server", [True, False])
-def test_a_supervisor_killed_outright_leaves_no_worker_running(tmp_path, fork_server):
+@pytest.mark.parametrize(
+    "launch",
+    [["cluster.fork_server=true"], ["cluster.fork_server=false"], ["rollout.backend=sglang"]],
+    ids=["forked", "popen", "sglang_servers"],
+)
+def test_a_supervisor_killed_outright_leaves_no_worker_running(tmp_path, launch):
     """SIGKILL to the supervisor (the OOM killer, ``kill -9``): it stops nobody, and its workers run in sessions
     of their own, held at the gate. Each asked Linux to end it with its parent (``base/parent.py``): the
     supervisor for a process it started, the fork server (which ends when the supervisor's pipe closes) for one
-    it forked; so every process under the supervisor ends within seconds, nothing is left to reap by hand."""
+    it forked; so every process under the supervisor ends within seconds, nothing is left to reap by hand. The
+    CPU SGLang servers of ``rollout.backend=sglang`` are the supervisor's children too, and end with it."""
     gate = admission_gate(tmp_path, steps=12)  # never opened: the fleet never ends on its own
     run_dir = tmp_path / "run"
-    proc = start(run_dir, "total_train_steps=16", f"cluster.fork_server={str(fork_server).lower()}", env=gate.env)
+    proc = start(run_dir, "total_train_steps=16", *launch, env=gate.env)
     started: set[int] = set()
     try:
         wait_steps(run_dir, proc, 2)

@@ -56,6 +56,7 @@ from typing import Any, Optional
 
 import torch
 
+from areal_async.base.parent import die_with_parent
 from areal_async.base.affinity import pin_self
 from areal_async.base.process import BUILD_ERRORS, BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.config import load_config
@@ -533,6 +534,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-loras-per-batch", type=int, default=1, choices=[1], help="the twin serves one adapter")
     p.add_argument("--lora-target-modules", nargs="*", default=[], help="accepted as SGLang takes it")
     args = p.parse_args(argv)
+    die_with_parent()  # started by the supervisor: it ends with it (base/parent.py)
     if args.cpus:
         pin_self(args.cpus)
     logging.basicConfig(level="INFO", format="%(asctime)s sglang-cpu %(levelname)s %(message)s")

@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from areal_async.base.affinity import pin_self
+from areal_async.base.parent import die_with_parent
 from areal_async.config import ExperimentConfig, load_config
 from areal_async.models.context_limit import capped
 from areal_async.models.tiny import build_model
@@ -157,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", default="", help="pin this process (and vLLM after exec) to these CPUs")
     p.add_argument("--gpu", default="", help="CUDA_VISIBLE_DEVICES of the server (cuda runs)")
     args = p.parse_args(argv)
+    die_with_parent()  # started by the supervisor: it (and vLLM after the exec: the request survives it) ends with it
     if args.cpus:
         pin_self(args.cpus)
     cfg = load_config(args.config)
