@@ -73,8 +73,9 @@ def test_workers_outliving_a_finished_run_are_stopped(tmp_path, capsys, monkeypa
 
 def test_no_restart_once_the_scheduler_has_finished(tmp_path, capsys):
     sup = supervisor(tmp_path)
-    child(sup, "scheduler", EXIT0)
-    time.sleep(0.5)
+    # the scheduler has exited 0 before the worker fails: waited for, not slept on (a loaded runner can take
+    # longer than any fixed sleep to start and end an interpreter)
+    assert child(sup, "scheduler", EXIT0).proc.wait(30) == 0
     child(sup, "reward-0", [sys.executable, "-c", "import sys; sys.exit(2)"])
     try:
         assert sup.watch(poll_s=0.05) == 1
