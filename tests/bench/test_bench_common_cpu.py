@@ -32,18 +32,18 @@ sys.stdin.read()
 burner.stdin.close(); idler.stdin.close(); burner.wait(); idler.wait()
 """
 
-# Runs two burners of one role one after the other (as a reward pool replaces a child), each left idle
-# for a moment after burning so a sampler reads its total before it exits; prints both totals.
+# Runs two burners of one role one after the other (as a reward pool replaces a child): prints each one's
+# total once it has burned, and keeps it idle until told (a line on stdin) that a sampler has read that
+# total, then ends it and starts the next; after the second, idles until its stdin closes.
 SUCCESSION = f"""
-import subprocess, sys, time
-totals = []
+import subprocess, sys
 for _ in range(2):
     p = subprocess.Popen([sys.executable, "-c", {BURNER!r}, "0.3", "--worker-id", "pool"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    totals.append(p.stdout.readline().strip())
-    time.sleep(0.3)
+    print(p.stdout.readline().strip(), flush=True)
+    sys.stdin.readline()
     p.stdin.close(); p.wait()
-print(*totals, flush=True)
+    print("ended", flush=True)
 sys.stdin.read()
 """
 
@@ -70,6 +70,13 @@ def _finish(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def _wait_samples(sampler: cpu.TreeCPU, n: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(sampler.samples) < n:
+        assert time.monotonic() < deadline, f"{len(sampler.samples)} of {n} samples in {timeout_s} s"
+        time.sleep(0.02)
+
+
 def test_proc_cpu_s_reads_what_a_busy_child_burned_and_nothing_while_it_idles():
     proc = _start(BURNER, "0.5")
     try:
@@ -90,7 +97,7 @@ def test_tree_sampler_sums_a_process_tree_by_role():
         burned = float(root.stdout.readline())  # the burner grandchild is done burning
         sampler = cpu.TreeCPU(root.pid, progress=lambda: 7, period_s=0.05)
         sampler.start()
-        time.sleep(0.3)
+        _wait_samples(sampler, 2)  # not a fixed sleep: a loaded runner may not run the sampler for a while
         sampler.stop()
         steps, per_role = sampler.samples[-1]
         assert steps == 7 and set(per_role) == {"burner", "idler", "other"}  # the root's argv is "-c ...": other
@@ -101,13 +108,32 @@ def test_tree_sampler_sums_a_process_tree_by_role():
         _finish(root)
 
 
+def _sampled(sampler: cpu.TreeCPU, role: str, at_least: float, timeout_s: float = 30.0) -> None:
+    """Wait until one of ``sampler``'s samples holds ``at_least`` CPU s for ``role`` (not a fixed sleep: a
+    loaded runner may not run the sampler's thread for a while)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(per_role.get(role, 0.0) >= at_least for _, per_role in list(sampler.samples)):
+        assert time.monotonic() < deadline, f"no sample saw {at_least:.3f} CPU s of {role!r}: {sampler.samples[-3:]}"
+        time.sleep(0.02)
+
+
 def test_a_role_keeps_the_cpu_of_its_exited_processes():
     root = _start(SUCCESSION)
     sampler = cpu.TreeCPU(root.pid, progress=lambda: 0, period_s=0.05)
     sampler.start()
     try:
-        first, second = map(float, root.stdout.readline().split())
-        time.sleep(0.2)
+        first = float(root.stdout.readline())
+        _sampled(sampler, "pool", first - 3 * TICK - 0.02)  # the first burner's total read while it still ran
+        root.stdin.write("next\n")
+        root.stdin.flush()
+        assert root.stdout.readline().strip() == "ended"  # the first burner has exited
+        second = float(root.stdout.readline())
+        _sampled(sampler, "pool", first + second - 6 * TICK - 0.04)
+        root.stdin.write("next\n")
+        root.stdin.flush()
+        assert root.stdout.readline().strip() == "ended"
+        n = len(sampler.samples)
+        _wait_samples(sampler, n + 2)  # samples taken after both burners exited
     finally:
         sampler.stop()
         _finish(root)
