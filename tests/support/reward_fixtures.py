@@ -29,6 +29,18 @@ def sleep_echo(completion, solutions):
     return float(solutions[0])
 
 
+def sleep_echo_logged(completion, solutions, log: str):
+    """``sleep_echo`` that appends "pid start end" (this child's CLOCK_MONOTONIC, shared by every process of
+    the machine) to ``log``: which child ran a check, and when, by the children's own clocks."""
+    import os
+
+    t0 = time.monotonic()
+    time.sleep(float(completion))
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()} {t0!r} {time.monotonic()!r} {solutions[0]}\n")
+    return float(solutions[0])
+
+
 def hang_forever(completion, solutions):
     """Blocked in a syscall (sleep): the GIL is free but the check never ends."""
     time.sleep(3600)
