@@ -96,12 +96,14 @@ def test_scheduler_exception_mid_run_ends_the_run_loudly_in_time(tmp_path):
         env=with_sitecustomize(tmp_path, SCHEDULER_BUG),
     )
     wait_steps(run_dir, proc, 2)
-    t_fault = time.monotonic()  # step 2 is next: the scheduler raises when it ends
+    # step 2 is next: the scheduler raises when it ends
     started = descendants(proc.pid)
+    # in time: the run ends (no hang: communicate's timeout), and by the scheduler's own exit, not by the step
+    # watchdog (step_timeout) or a loss; not a wall-time bound, which a loaded runner stretches past any margin
     _, err = proc.communicate(timeout=step_timeout + 10 + 60)
-    assert time.monotonic() - t_fault < step_timeout + 10
     assert proc.returncode == 1
     assert "worker scheduler" in err and "exited with code 70" in err and "the run failed" in err
+    assert "no trainer step for" not in err and "declared lost" not in err, err[-3000:]
     log = (run_dir / "logs" / "scheduler.log").read_text()
     assert "Traceback" in log and "RuntimeError: injected: not a refusal" in log
     assert survivors(started, within_s=2) == []
@@ -120,7 +122,9 @@ def test_sigstopped_trainer_is_lost_killed_and_the_run_recovers_with_exact_books
         run_dir,
         f"total_train_steps={steps}",
         "saver.freq_steps=2",
-        "cluster.worker_timeout_s=3",
+        # 10 s (20 heartbeats of FAST's 0.5 s), not 3: a loaded runner can stall a live worker for 3 s, which
+        # would be declared lost too; the trainer is stopped for good, so any timeout finds it
+        "cluster.worker_timeout_s=10",
         "cluster.step_timeout_s=30",
         "recover.retries=1",
         "rollout.max_head_offpolicyness=1",
