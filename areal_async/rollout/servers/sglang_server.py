@@ -56,8 +56,8 @@ from typing import Any, Optional
 
 import torch
 
-from areal_async.base.parent import die_with_parent
 from areal_async.base.affinity import pin_self
+from areal_async.base.parent import die_with_parent
 from areal_async.base.process import BUILD_ERRORS, BUILD_FAILED_EXIT_CODE, BUILD_FAILED_MARK
 from areal_async.config import load_config
 from areal_async.models.context_limit import sglang_context, sglang_rule
