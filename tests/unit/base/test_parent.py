@@ -47,9 +47,11 @@ def test_a_parent_that_ended_before_the_request_ends_it_at_once():
     assert done.returncode == -signal.SIGTERM
 
 
-def test_without_the_variable_nothing_is_asked():
-    done = _run(None)
-    assert done.returncode == 0 and done.stdout.split() == ["False", "False"]
+@pytest.mark.parametrize("value", [None, "", "abc", "-1", "12.5"])
+def test_without_a_pid_in_the_variable_nothing_is_asked(value):
+    """No variable (Ray, Slurm, by hand), or one that names no pid: no request, and the process runs on."""
+    done = _run(value)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "False"], done.stderr
 
 
 def test_its_parent_ending_ends_it():
