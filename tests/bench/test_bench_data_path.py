@@ -137,8 +137,15 @@ def test_the_real_service_takes_the_null_fleets_mix_with_no_refusal():
     from the scheduler): once the fleet stopped and the service drained, the service took exactly the
     WeightsLoaded and heartbeats the fleet sent; every version the fleet's trainer published reached both
     rollout workers, but for those whose forward was still on its way when the fleet stopped."""
-    m = sl.measure(bench.SERVICE_CONFIG, [], bench.DEFAULT_MIX, seconds=1.0, warmup_steps=2)
-    assert m["n_fleet_errors"] == 0, m["fleet_errors"]
+    # The window is wall time: ~700 steps in its 1 s on an idle machine, but a loaded runner that stalls
+    # the service's process for most of it leaves fewer than the 3 steps the per-step mix below needs. Such a
+    # window is measured again, longer (1, 2 then 4 s); a service that trains fewer than 3 steps in every
+    # window still fails, and a refusal fails at once (never measured away).
+    for seconds in (1.0, 2.0, 4.0):
+        m = sl.measure(bench.SERVICE_CONFIG, [], bench.DEFAULT_MIX, seconds=seconds, warmup_steps=2)
+        assert m["n_fleet_errors"] == 0, m["fleet_errors"]
+        if m["steps"] >= 3:
+            break
     assert m["steps"] >= 3 and m["messages"] > 0
     assert m["samples_trained_per_s"] == pytest.approx(128 * m["steps_per_s"])
     assert m["mix_per_step"]["train_step_done"] == pytest.approx(1.0, abs=1.5 / m["steps"])
