@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from areal_async.base.cores import CORES_FILE
-from tests.support.fleet import ROOT, assert_verified, cli, finish_ok, wait_for_metrics
+from tests.support.admission_gate import admission_gate
+from tests.support.fleet import ROOT, assert_verified, cli, finish_ok, stop, wait_for_metrics
 from tests.support.procs import descendants
 
 pytestmark = pytest.mark.slow
@@ -28,28 +29,58 @@ def _worker_id(pid: int) -> str | None:
     return argv[argv.index("--worker-id") + 1] if "--worker-id" in argv else None
 
 
+def _steps(run: Path) -> int:
+    path = run / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
 def test_torch_workers_share_one_table_and_sleep_when_idle(tmp_path):
+    """The run is watched while it is sure to be running: a shut admission gate (tests/support/admission_gate.py)
+    holds it at its first step until every worker was seen, then lets it go one step at a time, each watched
+    from its admission to its metrics row, until someone was seen computing; then the gate opens. (Watched
+    free, a run done in ~1 s after its first step could end during a stall of the test, nothing seen.)"""
     run = tmp_path / "run"
+    gate = admission_gate(tmp_path, steps=1)
     proc = subprocess.Popen(
         cli(run, "total_train_steps=8", "cluster.share_cores=true"),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=gate.env,
     )
-    wait_for_metrics(run, proc)
     workers, seen_busy = {}, set()
-    deadline = time.monotonic() + 20
-    while proc.poll() is None and time.monotonic() < deadline and len(seen_busy) < 2:
+
+    def look() -> None:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]  # it cannot end while the gate is shut
         for pid in descendants(proc.pid):
             try:
                 if (wid := _worker_id(pid)) is not None:
                     workers[wid] = _environ(pid)
             except (OSError, ValueError):
                 continue
-        table = (run / CORES_FILE).read_bytes()
-        seen_busy |= {i for i, b in enumerate(table) if b}
+        if (run / CORES_FILE).exists():
+            seen_busy.update(i for i, b in enumerate((run / CORES_FILE).read_bytes()) if b)
         time.sleep(0.01)
+
+    try:
+        wait_for_metrics(run, proc)
+        deadline = time.monotonic() + 120
+        while not {"trainer", "rollout-0", "rollout-1", "scheduler", "reward-0"} <= set(workers):
+            assert time.monotonic() < deadline, workers
+            look()
+        allowed = 1
+        while not seen_busy and allowed < 8:
+            allowed += 1
+            gate.allow(allowed)  # this step's generation and training happen after this, before its metrics row
+            deadline = time.monotonic() + 120
+            while _steps(run) < allowed:
+                assert time.monotonic() < deadline, f"step {allowed} not trained"
+                look()
+    except BaseException:
+        stop(proc)
+        raise
+    gate.open()
     finish_ok(proc)
     assert {"trainer", "rollout-0", "rollout-1", "scheduler", "reward-0"} <= set(workers), workers
     assert all(env["OMP_WAIT_POLICY"] == "PASSIVE" for env in workers.values())
