@@ -25,7 +25,9 @@ from tests.support.fleet import assert_verified, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 FAST = [  # the fleet's short run, with its one reward worker outside it
     *fleet.FAST,
-    "cluster.worker_timeout_s=3",
+    # 10 s (20 heartbeats of fleet.FAST's 0.5 s), not 3: a loaded runner can stall a live worker for 3 s, which
+    # the fleet would declare lost; still far below the step timeout, so a killed worker is lost well before it
+    "cluster.worker_timeout_s=10",
     "cluster.n_reward_workers=0",
     "cluster.n_external_reward_workers=1",
 ]
@@ -156,12 +158,12 @@ def test_external_rollout_worker_generates_for_a_fleet(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_tensors_lost_with_their_rollout_worker_are_aborted_and_the_plan_revised(tmp_path, monkeypatch):
     """The external rollout worker's first groups report ready and get scored, but their tensors never
-    leave it, and it dies 2 s later (tests/support/byo_rollout_lossy.py). Lost after 3 s without a
-    heartbeat, it is asked about: the trainer names exactly the dropped samples, the scheduler aborts
-    them as trajectories_lost and revises the plan; the run trains all 6 steps of full batches on the
-    built-in worker, and the books agree with the trainer's and the rollouts' own records."""
+    leave it, and it dies 2 s later (tests/support/byo_rollout_lossy.py). Lost after 10 s without a
+    heartbeat (FAST's worker_timeout_s), it is asked about: the trainer names exactly the dropped samples,
+    the scheduler aborts them as trajectories_lost and revises the plan; the run trains all 6 steps of full
+    batches on the built-in worker, and the books agree with the trainer's and the rollouts' own records."""
     run_dir = tmp_path / "run"
-    fleet, code = run_with_byo_rollout(tmp_path, monkeypatch, "byo_rollout_lossy.py", ["cluster.worker_timeout_s=3"])
+    fleet, code = run_with_byo_rollout(tmp_path, monkeypatch, "byo_rollout_lossy.py")  # FAST's worker_timeout_s=10
     assert code == 9  # it died as planned (os._exit), not at the run's end
     dropped = json.loads((tmp_path / "dropped.json").read_text())
     summary = fleet.summary()
