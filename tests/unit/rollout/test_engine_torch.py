@@ -419,14 +419,19 @@ def test_parameters_replaced_by_new_objects_are_used():
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_reordered_head_follows_in_place_and_replaced_weights(fuse, monkeypatch):
-    """The lm head runs on a reordered copy of its weight (``_OneDNN`` packed, CPU float32); changed in place,
-    then replaced by a new parameter, the next generation's logprobs still equal HF's own forward. Unfused
-    (models above ``FUSE_MAX_PARAMS``, as the real ones): the copy is of the head's own weight."""
+    """The lm head runs on a reordered copy of its weight (CPU float32); changed in place, then replaced by a new
+    parameter, the next generation's logprobs still equal HF's own forward. Fused: the copy carries the final
+    norm's weight (a packed ``_Cat``, which keeps no plain copy); unfused (models above ``FUSE_MAX_PARAMS``, as
+    the real ones, unless ``linears`` is packed): the copy is of the head's own weight (``_OneDNN``)."""
     if not fuse:
         monkeypatch.setattr(LeanLlama, "FUSE_MAX_PARAMS", 0)
     model = _model()
     engine = TorchEngine(model, TOK, seed=0, version=0)
-    assert engine.decoder._packed is not None and (engine.decoder._head is not None) == fuse
+    dec = engine.decoder
+    if fuse:
+        assert dec._packed is None and dec._head.kernel == "packed"
+    else:
+        assert dec._packed is not None and dec._head is None
     for change in ("none", "in place", "replaced"):
         with torch.no_grad():
             if change == "in place":
@@ -436,21 +441,30 @@ def test_the_reordered_head_follows_in_place_and_replaced_weights(fuse, monkeypa
         req = _req(change, PROMPTS[2])
         engine.add_request(req)
         _assert_logprobs_match(model, [req], _run(engine), 1.0)
+        if fuse:  # the reordered copy is all the head's fused form holds: no plain copy beside it
+            assert dec._head.w.is_mkldnn and dec._head.w.shape == model.lm_head.weight.shape
 
 
 @pytest.mark.parametrize("linears", ["blas", "onednn", "packed", "auto"])
 def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(linears, monkeypatch):
-    """Unfused (as the real models): the layers' projections run on oneDNN (``rollout.engine_linears``: on the
-    weights as they are, or on reordered copies) or on F.linear; on every decoder path (prefill, cached decode,
-    a KV recompute after update_weights), with weights changed in place and replaced by new parameters, the
-    logprobs equal HF's own forward, and the layers hold the kernel asked for."""
+    """Above ``FUSE_MAX_PARAMS`` (as the real models): the layers' projections run on oneDNN
+    (``rollout.engine_linears``: on the weights as they are) or on F.linear, one call per projection, or, packed,
+    q/k/v and gate/up fused (norm weights folded in) and every matmul on a reordered copy, the fused ones keeping
+    no plain copy; on every decoder path (prefill, cached decode, a KV recompute after update_weights), with
+    weights changed in place and replaced by new parameters, the logprobs equal HF's own forward, and the layers
+    hold the kernel asked for."""
     monkeypatch.setattr(LeanLlama, "FUSE_MAX_PARAMS", 0)
     model = _model()
     engine = TorchEngine(model, TOK, seed=0, version=0, linears=linears)
     chosen = engine.decoder.linears  # auto: onednn where it timed faster on this CPU, else blas
     assert chosen == linears or (linears, chosen) in (("auto", "onednn"), ("auto", "blas"))
-    dnn = [d for lp in engine.decoder._layers for d in lp.dnn.values()]
-    assert len(dnn) == (0 if chosen == "blas" else 2 * 7) and all(d.pack == (chosen == "packed") for d in dnn)
+    layers = engine.decoder._layers
+    dnn = [d for lp in layers for d in lp.dnn.values()]
+    per_layer = {"blas": 0, "onednn": 7, "packed": 2}[chosen]  # packed: o and down; q/k/v and gate/up fused
+    assert len(dnn) == 2 * per_layer and all(d.pack == (chosen == "packed") for d in dnn)
+    cats = [c for lp in layers for c in (lp.qkv_cat, lp.gate_up_cat)]
+    assert all(c is None for c in cats) if chosen != "packed" else all(c.kernel == "packed" for c in cats)
+    assert all(lp.folded for lp in layers) == (chosen == "packed")
     gen = torch.Generator().manual_seed(5)
     for change in ("none", "in place", "replaced"):
         with torch.no_grad():
@@ -466,6 +480,8 @@ def test_each_layer_kernel_follows_in_place_and_replaced_weights_on_every_path(l
         engine.step(), engine.step()  # the prefill and a decode step under the weights before the update below
         engine.update_weights(1, {k: v.clone() for k, v in model.state_dict().items()})  # running rows: recomputed
         _assert_logprobs_match(model, [req], _run(engine), 1.0)
+    if chosen == "packed":
+        assert all(c.w.is_mkldnn for c in cats)  # only the reordered form is held
     with pytest.raises(ValueError, match="linears='mkl': expected one of"):
         TorchEngine(model, TOK, linears="mkl")
 
