@@ -11,6 +11,11 @@ Slurm, a worker started by hand) or off Linux it does nothing.
 
 Linux ties the request to the parent's *thread* that forked: the supervisor starts its processes from its main
 thread, the fork server forks from its only one.
+
+A program that does not call ``die_with_parent`` itself (``sglang.launch_server`` on a GPU machine) is started
+through ``python -m areal_async.base.parent PROGRAM ARGS...``: the request is made, then PROGRAM is exec'd in
+the same process (same pid; the request survives exec, Linux clears it only for set-user-ID programs), before
+any of its own imports.
 """
 
 from __future__ import annotations
@@ -43,3 +48,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     if made and os.getppid() != int(want):  # it ended before the request (this process was re-parented)
         os.kill(os.getpid(), sig)
     return made
+
+
+USAGE = "usage: python -m areal_async.base.parent PROGRAM [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Ask to end with ``AREAL_PARENT_PID``'s process (``die_with_parent``), then exec ``argv`` (looked up on
+    PATH) in this process; 2 with the usage on stderr when there is no program, 127 when it cannot be exec'd."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(USAGE, file=sys.stderr)
+        return 2
+    die_with_parent()
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        print(f"areal_async.base.parent: cannot run {argv[0]!r}: {e}", file=sys.stderr)
+        return 127
+    return 127  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

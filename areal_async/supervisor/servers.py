@@ -8,7 +8,8 @@ requests. With ``sglang.addresses`` / ``vllm.addresses`` the servers are already
   (``python -m areal_async.rollout.servers.sglang_server --config RUN_DIR/config.yaml``): model.path's checkpoint
   (as SGLang serves it), or the built tiny model at random init; the trainer's weights arrive over the
   weight group before any request;
-- ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path``, server
+- ``cluster.device=cuda``: ``python -m sglang.launch_server --model-path model.path`` (through
+  ``python -m areal_async.base.parent``, which asks Linux to end it with the supervisor first), server
   ``j`` started with ``CUDA_VISIBLE_DEVICES`` = its placement slot's GPU (``sglang-j``, rollout GPU
   ``j`` mapped through the supervisor's own ``CUDA_VISIBLE_DEVICES``, see ``placement.py``) and
   ``--base-gpu-id 0`` inside it, so the server and the rollout worker name the same physical GPU;
@@ -196,6 +197,9 @@ def _command(cfg: ExperimentConfig, run_dir: Path, j: int, address: str) -> list
     if not cfg.model.path:
         raise ValueError("rollout.backend=sglang on cuda needs model.path (an HF directory the servers load)")
     cmd = [
+        sys.executable,  # through the wrapper: the server ends with the supervisor (base/parent.py); never run here
+        "-m",
+        "areal_async.base.parent",
         sys.executable,
         "-m",
         "sglang.launch_server",

@@ -70,3 +70,32 @@ def test_its_parent_ending_ends_it():
     assert done.returncode == -signal.SIGKILL
     pid = int(done.stdout.split()[0])  # now some other process's child (init's): dead is gone or a zombie
     assert survivors({pid}, within_s=10) == []
+
+
+def test_the_wrapper_asks_then_becomes_the_program_which_ends_with_the_parent():
+    """``python -m areal_async.base.parent PROGRAM``: PROGRAM runs in the wrapper's process (the pid its starter
+    holds), without the variable, and ends when the process that named itself its parent is SIGKILLed."""
+    program = "import os, time; print(os.getpid(), os.environ.get('AREAL_PARENT_PID'), flush=True); time.sleep(60)"
+    middle = textwrap.dedent(
+        f"""
+        import os, subprocess, sys
+        env = dict(os.environ, {PARENT_ENV}=str(os.getpid()))
+        argv = [sys.executable, "-m", "areal_async.base.parent", sys.executable, "-c", {program!r}]
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        print(child.pid, child.stdout.readline().strip(), flush=True)  # the program has started
+        os.kill(os.getpid(), 9)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", middle], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    started, pid, variable = done.stdout.split()
+    assert pid == started and variable == "None"  # exec'd in place; its own children are not named as ours
+    assert survivors({int(pid)}, within_s=10) == []
+
+
+def test_the_wrapper_refuses_no_program_and_names_one_it_cannot_run():
+    wrapper = [sys.executable, "-m", "areal_async.base.parent"]
+    done = subprocess.run(wrapper, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "usage: python -m areal_async.base.parent PROGRAM" in done.stderr
+    done = subprocess.run([*wrapper, "/nonexistent/program", "x"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 127 and "cannot run '/nonexistent/program'" in done.stderr

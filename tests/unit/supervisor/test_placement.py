@@ -1,5 +1,7 @@
 """Device placement: which GPUs each process of a run gets, for the boba presets' cluster shapes."""
 
+import sys
+
 import pytest
 
 from areal_async.supervisor.placement import (
@@ -144,6 +146,9 @@ def test_a_parent_cuda_visible_devices_list_is_where_workers_and_servers_go(tmp_
     }
     cmds = dict(server_commands(cfg, tmp_path, ["http://127.0.0.1:1", "http://127.0.0.1:2"]))
     assert all(c[c.index("--base-gpu-id") + 1] == "0" for c in cmds.values())  # inside its own one-GPU list
+    # SGLang does not ask to end with the supervisor itself: each server starts through the wrapper that asks first
+    wrapped = ["-m", "areal_async.base.parent", sys.executable, "-m", "sglang.launch_server"]
+    assert all(c[1:6] == wrapped for c in cmds.values())
     with pytest.raises(PlacementError, match="n_gpus_per_node=8 but the supervisor's CUDA_VISIBLE_DEVICES=4,5,6,7"):
         place(shape_of(gpu_cfg(), env))
     with pytest.raises(PlacementError, match="UUID"):
