@@ -208,7 +208,8 @@ class RolloutConfig(Section):
     engine_linears: str = _f(
         "auto",
         "The embedded engine's layer matmuls (CPU, float32): onednn, oneDNN's on the weights as they are; packed, "
-        "on a reordered copy (faster, the weights' bytes again); blas, F.linear's; auto, onednn where timed faster.",
+        "on a reordered copy with q/k/v and gate/up fused (fastest, the weights' bytes again); blas, F.linear's; "
+        "auto, onednn where timed faster.",
     )
     kv_cache_mb: float = _f(
         0.0,
