@@ -380,7 +380,7 @@ class _OneDNN:
     """A linear layer (CPU, float32) on oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``). ``packed``:
     on a copy of the weight reordered once for it, rebuilt when the weight changes: the same tensor object
     (kept referenced, so its identity cannot be reused) at the same version counter, which every in-place update
-    bumps (a ``_Cat`` copy, an inference tensor, is replaced, never changed); else on the weight as it is (no
+    bumps (an inference tensor, which has none, is replaced, never changed); else on the weight as it is (no
     copy; oneDNN reorders it each call). Where the BLAS behind ``F.linear`` (MKL) runs a slower path, as on this
     AMD CPU, both are faster. Measured here (1 thread, SmolLM2's shapes): the 49,152 x 576 head packed took
     12 / 30 / 52 ms for 8 / 32 / 64 rows where ``F.linear`` took 22 / 39 / 63 (a loaded machine, the 25th
@@ -400,7 +400,7 @@ class _OneDNN:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weights()
         if self.pack:
-            version = None if w.is_inference() else w._version  # an inference tensor (a _Cat copy) never changes
+            version = None if w.is_inference() else w._version  # inference tensors have no version counter
             if w is not self.src or version != self.version:
                 with torch.no_grad():
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, x.numel() // x.shape[-1]))
