@@ -90,9 +90,11 @@ class LeanLlama:
         cats = "packed" if packed else "blas"
         self._layers = [_LayerPlan(layer, fuse, self.n_heads, linears, cats) for layer in model.model.layers]
         norm, head = model.model.norm, model.lm_head
-        # the lm head on a reordered copy wherever oneDNN runs it: a _Cat with the final norm's weight folded in,
-        # else (unfused, or not foldable) an _OneDNN of its own weight
-        self._head = _Cat((head,), norm, kernel="packed") if fuse and _Cat.foldable((head,), norm) else None
+        # the lm head on a reordered copy wherever oneDNN runs it: small models' a _Cat with the final norm's weight
+        # folded in; else an _OneDNN of its own weight (packed, so no plain copy of the largest weight exists even
+        # while the reordered one is made: the fold would save one (rows, hidden) multiply a step)
+        fold_head = fuse and not packed and _Cat.foldable((head,), norm)
+        self._head = _Cat((head,), norm, kernel="packed") if fold_head else None
         # the modules every forward uses, looked up once (nn.Module.__getattr__ costs ~1.4 us a lookup)
         self._embed_tokens, self._final_norm, self._lm_head = model.model.embed_tokens, norm, head
         plain = self._head is None and type(head) is torch.nn.Linear
