@@ -93,6 +93,36 @@ SUPPORTED_SAMPLING = {
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+class _RequestsFirst(threading.Condition):
+    """The server's lock (a ``threading.Condition``) with request threads ahead of the engine thread's next step.
+
+    SGLang's scheduler takes every request that arrived (``/pause_generation``, ``/generate``, aborts, updates)
+    before each batch it runs (``sglang/srt/managers/scheduler.py``, ``Scheduler.event_loop_normal``:
+    ``recv_requests`` and ``process_input_requests``, then ``get_next_batch_to_run``). Python's lock is not fair:
+    the engine thread let go of it after a decode step and took it back at once, so a request waited until the
+    engine had nothing left to run: a pause never landed mid-generation (``abort`` and ``retract`` then never
+    interrupted a sample) and new requests joined between waves only. ``waiting``: threads blocked entering;
+    the engine thread waits while there are any, and each exit wakes it."""
+
+    def __init__(self):
+        super().__init__()
+        self._count = threading.Lock()
+        self.waiting = 0
+
+    def __enter__(self):
+        with self._count:
+            self.waiting += 1
+        try:
+            return super().__enter__()
+        finally:
+            with self._count:
+                self.waiting -= 1
+
+    def __exit__(self, *exc):
+        self.notify_all()
+        return super().__exit__(*exc)
+
+
 @dataclass
 class _Waiter:
     rid: str
@@ -120,7 +150,7 @@ class CpuSGLangServer(TwinLora):
         self.model_path, self.served_model_name = model_path, served_model_name
         self.labels = [DEFAULT_VERSION]  # engine.version indexes this list
         self.engine.version = 0
-        self.mu = threading.Condition()
+        self.mu = _RequestsFirst()
         self.waiters: dict[str, _Waiter] = {}
         self.paused: Optional[str] = None  # the pause mode while paused
         self.broken: Optional[str] = None  # why the weights are unusable (a failed update)
@@ -135,8 +165,8 @@ class CpuSGLangServer(TwinLora):
     def _loop(self) -> None:
         while not self.stopping.is_set():
             with self.mu:
-                while not self.stopping.is_set() and (self.paused or not self.engine.has_work()):
-                    self.mu.wait(0.5)
+                while not self.stopping.is_set() and (self.paused or self.mu.waiting or not self.engine.has_work()):
+                    self.mu.wait(0.5)  # a request's exit wakes it
                 if self.stopping.is_set():
                     return
                 with torch.inference_mode():
