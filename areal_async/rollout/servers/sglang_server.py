@@ -37,7 +37,7 @@ Weight versions are SGLang's strings ("default" until an update names one); ever
 the version that produced it and a response reports them as ``weight_versions`` spans.
 
 Not covered: streaming, text prompts (``input_ids`` only), batched requests, ``n > 1``, top-k /
-min-p / penalties / grammars (refused with 400 naming the key), a radix cache across requests
+min-p / penalties / grammars, ``ignore_eos`` true (refused with 400 naming the key), a radix cache across requests
 (``/flush_cache`` has nothing to flush), tensor/data parallelism, CUDA.
 
     python -m areal_async.rollout.servers.sglang_server --config RUN_DIR/config.yaml --port 30000
@@ -254,6 +254,8 @@ class CpuSGLangServer(TwinLora):
                     f"sampling_params key {key!r} is not supported by the CPU server "
                     f"(supported: {sorted(SUPPORTED_SAMPLING)})"
                 )
+        if sp.get("ignore_eos"):  # SGLang runs past eos; the engine always stops there: refused, not ignored
+            raise BadRequest("sampling_params.ignore_eos=true is not supported by the CPU server (it stops at eos)")
         if sp.get("n", 1) != 1:
             raise BadRequest(f"sampling_params.n={sp['n']!r}: the CPU server generates one sample per request")
         rid = body.get("rid") or f"req-{time.monotonic_ns()}"
