@@ -375,7 +375,7 @@ class _Cat:
         if self.kernel == "blas":
             return F.linear(x, *self.weights())
         w, b = self.weights(x.numel() // x.shape[-1])
-        return onednn_mm(x.reshape(-1, x.shape[-1]).contiguous(), w, b).view(*x.shape[:-1], -1)
+        return _onednn_linear(x, w, b)
 
 
 class _OneDNN:
@@ -408,7 +408,12 @@ class _OneDNN:
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, x.numel() // x.shape[-1]))
                 self.src, self.version = w, version
             w = self.packed
-        return onednn_mm(x.reshape(-1, x.shape[-1]).contiguous(), w, b).view(*x.shape[:-1], -1)
+        return _onednn_linear(x, w, b)
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x w^T (+ b) over x's last dimension on oneDNN's matmul (``w`` as it is or reordered), x of any rank."""
+    return onednn_mm(x.reshape(-1, x.shape[-1]).contiguous(), w, b).view(*x.shape[:-1], -1)
 
 
 def _weights_of(module: torch.nn.Linear):
